@@ -1,0 +1,117 @@
+"""Headless CLI.
+
+    python -m backend list
+    python -m backend run NAME [--set key=value ...] [--out DIR] [--json] [--timeout S]
+    python -m backend show RUN_ID [--json]
+
+Exit status: 0 ran and every check passed; 1 the run failed or a check did not pass;
+2 bad input (one line on stderr naming the field and the allowed range).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from backend.config import ConfigError
+
+
+def parse_sets(pairs: list[str]) -> dict[str, str]:
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", f"{pair!r} is not key=value")
+        values[key.strip()] = value
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m backend", description="LLM Systems Explorer, headless.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="every experiment with its summary")
+    run = sub.add_parser("run", help="run an experiment")
+    run.add_argument("name")
+    run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--out", type=Path, help="folder for result.json and trace.json (default: the run store)")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--timeout", type=float, default=float(os.environ.get("EXPLORER_JOB_TIMEOUT_S", 120)))
+    run.add_argument("--run-id", help=argparse.SUPPRESS)  # set by the job runner for a queued run
+    run.add_argument("--config-json", help=argparse.SUPPRESS)
+    show = sub.add_parser("show", help="a stored run")
+    show.add_argument("run_id")
+    show.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from backend import experiments
+    from backend.store import RunStore
+
+    if args.command == "list":
+        for exp in experiments.all_experiments():
+            print(f"{exp.name:24s} {exp.summary}")
+        return 0
+
+    store = RunStore()
+    if args.command == "show":
+        rec = store.get(args.run_id)
+        if rec is None:
+            print(f"error: run_id: no run {args.run_id!r} in {store.path}", file=sys.stderr)
+            return 2
+        body = {"run_id": rec.id, "experiment": rec.experiment, "status": rec.status, "config": rec.config,
+                "error": rec.error, "duration_s": rec.duration_s, "artifacts": {"result": rec.result_path, "trace": rec.trace_path}}
+        result = rec.result()
+        if result:
+            body.update(metrics=result["metrics"], checks=result["checks"])
+        print(json.dumps(body, indent=None if args.json else 1, default=str))
+        return 0
+
+    try:
+        if not 1 <= args.timeout <= 3600:
+            raise ConfigError("timeout", f"{args.timeout:g} is out of range (allowed: 1..3600 seconds)")
+        exp = experiments.get(args.name)
+        values = json.loads(args.config_json) if args.config_json else parse_sets(args.sets)
+        config = exp.make_config(values)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        if args.run_id:
+            store.finish(args.run_id, "failed", error=str(err))
+        return 2
+
+    from backend.dist.launch import free_port
+
+    port = int(os.environ["EXPLORER_PORT"]) if os.environ.get("EXPLORER_PORT") else free_port()
+    run_id = args.run_id or store.create(
+        exp.name, config.to_dict(), config.digest(exp.name, experiments.code_version()), status="running",
+        timeout_s=args.timeout, code_version=experiments.code_version(), origin="cli",
+    )
+    store.update(run_id, pid=os.getpid(), port=port)
+    ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, port=port,
+                                 echo_progress=not args.json)
+    report = experiments.run_recorded(exp, config, ctx, store, run_id, args.out)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        _print_human(report)
+    return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+def _print_human(report: dict) -> None:
+    print(f"{report['experiment']}  run {report['run_id']}  {report['status']}")
+    if report.get("error"):
+        print(f"  error: {report['error']}")
+    for k, v in report.get("metrics", {}).items():
+        print(f"  {k:32s} {v}")
+    for c in report.get("checks", []):
+        mark = "PASS" if c["passed"] else "FAIL"
+        print(f"  [{mark}] {c['name']}: error {c['error']:.3g} (tolerance {c['tolerance']:.3g})")
+    for k, v in report.get("artifacts", {}).items():
+        print(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

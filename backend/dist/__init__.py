@@ -1,0 +1,1 @@
+"""torch.distributed plumbing: spawning ranks, ports, and (later) collectives built on send/recv."""

@@ -1,0 +1,173 @@
+"""The experiment registry, and running one experiment in this process with its run recorded.
+
+An experiment is a Config class, a one-line summary, and either
+  run(config, ctx) -> Result                         (single process), or
+  rank_fn(rank, world_size, config, ctx) -> payload  (one call per rank, on torch.distributed)
+  combine(config, payloads) -> Result                (rank payloads, in rank order)
+The distributed form is what lets the same code run from the job runner (ranks spawned here) and
+from torchrun on a cluster (`python -m backend.launch`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from backend.config import Config, ConfigError
+from backend.result import Result
+from backend.trace import DEFAULT_LANES, to_chrome_trace
+
+# Modules that register experiments when imported; add a topic's module here.
+EXPERIMENT_MODULES = (
+    "backend.dist.bandwidth",
+    "backend.dist.selftest",
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a running experiment may use besides its config. Picklable, so ranks get a copy."""
+
+    run_id: str | None = None
+    store_root: str | None = None
+    timeout_s: float = 120.0
+    port: int | None = None
+    device: str = "cpu"
+    dist_backend: str = "gloo"
+    echo_progress: bool = False
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        fraction = max(0.0, min(1.0, float(fraction)))
+        if self.run_id and self.store_root:
+            from backend.store import RunStore
+
+            RunStore(self.store_root).update(self.run_id, progress=fraction, progress_msg=message)
+        if self.echo_progress:
+            print(f"[{fraction:6.1%}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    name: str
+    config_cls: type[Config]
+    summary: str
+    run_fn: Callable[[Config, RunContext], Result] | None = None
+    rank_fn: Callable[[int, int, Config, RunContext], Any] | None = None
+    combine: Callable[[Config, list[Any]], Result] | None = None
+    lanes: tuple[str, ...] = DEFAULT_LANES
+
+    @property
+    def distributed(self) -> bool:
+        return self.rank_fn is not None
+
+    def make_config(self, values: Mapping[str, Any] | None = None) -> Config:
+        return self.config_cls.from_dict(values or {})
+
+    def run(self, config: Config, ctx: RunContext | None = None) -> Result:
+        ctx = ctx or RunContext()
+        config.validate()
+        if self.distributed:
+            from backend.dist.launch import spawn_ranks
+
+            payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx)
+            return self.combine(config, payloads)
+        return self.run_fn(config, ctx)
+
+
+_REGISTRY: dict[str, Experiment] = {}
+
+
+def register(name: str, config_cls: type[Config], summary: str, **kind) -> Experiment:
+    if name in _REGISTRY:
+        raise ValueError(f"experiment {name!r} registered twice")
+    exp = Experiment(name=name, config_cls=config_cls, summary=summary, **kind)
+    if not (exp.run_fn or (exp.rank_fn and exp.combine)):
+        raise ValueError(f"experiment {name!r} needs run_fn, or rank_fn and combine")
+    _REGISTRY[name] = exp
+    return exp
+
+
+@functools.cache
+def _load_all() -> None:
+    for module in EXPERIMENT_MODULES:
+        importlib.import_module(module)
+
+
+def all_experiments() -> list[Experiment]:
+    _load_all()
+    return sorted(_REGISTRY.values(), key=lambda e: e.name)
+
+
+def get(name: str) -> Experiment:
+    _load_all()
+    if name not in _REGISTRY:
+        raise ConfigError("experiment", f"unknown experiment {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def run(name: str, **settings) -> Result:
+    """Python API: run an experiment in this process, unrecorded. Raises ConfigError on bad input."""
+    exp = get(name)
+    return exp.run(exp.make_config(settings), RunContext())
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of the backend and kernel sources: runs of different code are never deduplicated."""
+    h = hashlib.sha256()
+    for folder in ("backend", "kernels"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            h.update(str(path.relative_to(REPO_ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def write_artifacts(exp: Experiment, result: Result, out_dir: Path, header: dict) -> dict[str, str]:
+    """result.json (header + result) and trace.json (Chrome trace) in out_dir; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result_path, trace_path = out_dir / "result.json", out_dir / "trace.json"
+    _atomic_write(result_path, json.dumps({**header, **result.to_dict()}, indent=1, default=_json_default))
+    _atomic_write(trace_path, json.dumps(to_chrome_trace(result.trace_events, exp.lanes)))
+    return {"result": str(result_path), "trace": str(trace_path)}
+
+
+def run_recorded(exp: Experiment, config: Config, ctx: RunContext, store, run_id: str, out_dir: Path | None = None) -> dict:
+    """Run in this process, write artifacts, move the store row to its final state. Returns the report."""
+    out_dir = out_dir or store.run_dir(run_id)
+    started = time.time()
+    header = {"experiment": exp.name, "run_id": run_id, "config": config.to_dict(), "code_version": code_version()}
+    try:
+        result = exp.run(config, ctx)
+    except Exception as err:  # the run failed; say why, store it, never as succeeded
+        message = f"{type(err).__name__}: {err}"
+        store.finish(run_id, "failed", error=message)
+        return {**header, "status": "failed", "error": message, "metrics": {}, "checks": [], "artifacts": {}}
+    header["wall_s"] = round(time.time() - started, 3)
+    artifacts = write_artifacts(exp, result, out_dir, header)
+    store.finish(run_id, "succeeded", result_path=artifacts["result"], trace_path=artifacts["trace"], progress=1.0)
+    report = {**header, "status": "succeeded", **result.to_dict(), "passed": result.passed, "artifacts": artifacts}
+    report.pop("tables")
+    return report
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    Path(f.name).replace(path)
+
+
+def _json_default(obj):
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -1,0 +1,86 @@
+"""Run a distributed experiment from torchrun's environment (one process per rank, any number of nodes):
+
+    torchrun --nproc-per-node 4 -m backend.launch comm.bandwidth --set max_bytes=1048576
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT -m backend.launch comm.bandwidth --backend nccl
+
+torchrun supplies RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; world_size is taken
+from it. Every rank runs the experiment's rank function; rank 0 gathers the payloads, combines
+them, writes result.json and trace.json (--out, else the run store) and records the run in the
+store, so the explorer shows it like any other (origin "torchrun").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from backend.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m backend.launch")
+    p.add_argument("name")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from backend import experiments
+    from backend.__main__ import parse_sets
+    from backend.store import RunStore
+
+    if "RANK" not in os.environ:
+        print("error: RANK: not set; start this module with torchrun", file=sys.stderr)
+        return 2
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        exp = experiments.get(args.name)
+        if not exp.distributed:
+            raise ConfigError("experiment", f"{exp.name} is single-process; run it with python -m backend run")
+        config = exp.make_config({**parse_sets(args.sets), "world_size": str(world)})
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    device = "cpu"
+    if args.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    store = RunStore() if rank == 0 else None
+    run_id = None
+    if rank == 0:
+        version = experiments.code_version()
+        run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
+                              timeout_s=args.timeout, code_version=version, origin="torchrun")
+    ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root) if store else None,
+                                 timeout_s=args.timeout, device=device, dist_backend=args.backend)
+    try:
+        payload = exp.rank_fn(rank, world, config, ctx)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(payload, gathered, dst=0)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    report_exp = experiments.Experiment(exp.name, exp.config_cls, exp.summary,
+                                        run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes)
+    report = experiments.run_recorded(report_exp, config, ctx, store, run_id, args.out)
+    print(json.dumps(report, default=str) if args.json else f"{exp.name} run {run_id} {report['status']}: {report.get('artifacts')}")
+    return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
