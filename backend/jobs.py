@@ -64,10 +64,11 @@ class JobRunner:
         self.store.update(run_id, cancel_requested=1)
 
     def wait(self, run_id: str, timeout_s: float = 300) -> RunRecord:
+        """Block until the run is final and, if this runner started it, its process group is gone."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             rec = self.store.get(run_id)
-            if rec and rec.status in FINAL:
+            if rec and rec.status in FINAL and run_id not in self._procs:  # final, and its processes reaped
                 return rec
             time.sleep(self.poll_s)
         raise TimeoutError(f"run {run_id} not finished after {timeout_s} s")
@@ -138,11 +139,13 @@ class JobRunner:
             self.store.finish(run_id, "cancelled", error="cancelled by user")
 
     def _reap_orphans(self) -> None:
-        """Runs left 'running' by a server that died: fail them (and kill their group if alive)."""
+        """Runs left 'running' by a process that died (a server restart, a killed CLI): mark them failed.
+        A row with no pid yet is only reaped once it is older than its timeout, as its starter may be alive."""
         for rec in self.store.list(statuses=("running",)):
-            if rec.pid and _alive(rec.pid):
-                continue  # another server's job, still going
-            self.store.finish(rec.id, "failed", error="the server running this job stopped")
+            if rec.pid is not None and not _alive(rec.pid):
+                self.store.finish(rec.id, "failed", error="the process running this job stopped")
+            elif rec.pid is None and time.time() - rec.created > (rec.timeout_s or self.timeout_s) + 60:
+                self.store.finish(rec.id, "failed", error="the process running this job never started it")
 
 
 def _alive(pid: int) -> bool:

@@ -95,15 +95,14 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
             try:
                 kind, rank, data = results.get(timeout=0.1)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in payloads and p.exitcode not in (None, 0)]
-                if dead:
-                    _raise_first_error(results, dead[0], procs[dead[0]].exitcode)
+                if any(r not in payloads and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
+                    raise _root_cause(results, procs, {})
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in payloads]
                     raise RunTimeout(f"ranks {missing} did not finish within the {ctx.timeout_s:g} s timeout")
                 continue
             if kind == "err":
-                raise RankFailed(rank, data)
+                raise _root_cause(results, procs, {rank: data})
             payloads[rank] = data
         for p in procs:
             p.join(timeout=10)
@@ -117,15 +116,26 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
     return [payloads[r] for r in range(world_size)]
 
 
-def _raise_first_error(results, rank: int, exitcode: int):
-    """A rank died: prefer a traceback it (or a peer) managed to send, else report its exit code."""
-    end = time.monotonic() + 1.0
+# A rank whose peer vanished fails inside gloo's transport; that error is a consequence, not a cause.
+_PEER_LOST = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_cause(results, procs, errors: dict[int, str], grace_s: float = 1.0) -> RankFailed:
+    """Collect what every rank says for a moment, then blame the rank most likely to have started it:
+    one that died without a word, else one whose error is not a lost peer, else the first to report."""
+    end = time.monotonic() + grace_s
     while time.monotonic() < end:
         try:
-            kind, r, data = results.get(timeout=0.1)
+            kind, r, data = results.get(timeout=0.05)
         except queue.Empty:
             continue
         if kind == "err":
-            raise RankFailed(r, data)
-    signame = signal.Signals(-exitcode).name if exitcode < 0 else f"exit code {exitcode}"
-    raise RankFailed(rank, f"process ended with {signame}")
+            errors.setdefault(r, data)
+    silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+    if silent:
+        code = procs[silent[0]].exitcode
+        how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+        return RankFailed(silent[0], f"process ended with {how} without reporting an error")
+    causes = [r for r, tb in errors.items() if not any(m in tb for m in _PEER_LOST)]
+    rank = causes[0] if causes else next(iter(errors))
+    return RankFailed(rank, errors[rank])

@@ -1,0 +1,30 @@
+# Two commands for a fresh machine:
+#   make app    install, then start the explorer on http://localhost:8501
+#   make test   install (with test tools), then run the whole suite, browser test included
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 8501
+
+.PHONY: app test install install-dev bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -r requirements.txt
+
+install-dev: $(BIN)/python
+	$(BIN)/pip install -q -r requirements-dev.txt
+
+app: install
+	$(BIN)/streamlit run app.py --server.port $(PORT) --server.address localhost --browser.gatherUsageStats false
+
+test: install-dev
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python bench/comm_bandwidth.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

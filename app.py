@@ -1,0 +1,18 @@
+"""LLM Systems Explorer: `streamlit run app.py`. Routes to pages/ and shows the device and job queue."""
+import streamlit as st
+
+st.set_page_config(page_title="LLM Systems Explorer", page_icon="🧭", layout="wide")
+
+from pages import ui  # noqa: E402  (after set_page_config)
+
+navigation = st.navigation({
+    "Explorer": [
+        st.Page("pages/home.py", title="Overview", icon="🧭", default=True),
+        st.Page("pages/runs.py", title="Runs", icon="🗂️", url_path="runs"),
+    ],
+    "Distributed": [
+        st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
+    ],
+})
+ui.sidebar()
+navigation.run()

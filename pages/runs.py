@@ -1,0 +1,49 @@
+"""Every run on this server, filterable, each openable by URL (?run=ID)."""
+import json
+import time
+
+import pandas as pd
+import streamlit as st
+
+from backend import experiments
+from pages import ui
+
+st.title("Runs")
+
+run_id = st.query_params.get("run")
+if run_id:
+    if st.button("← All runs"):
+        del st.query_params["run"]
+        st.rerun()
+    rec = ui.store().get(run_id)
+    ui.show_run(run_id)
+    if rec and rec.status == "succeeded":
+        with st.expander("Settings and metrics", expanded=True):
+            left, right = st.columns(2)
+            left.json(rec.config)
+            right.json(rec.result()["metrics"])
+        trace = rec.trace_bytes()
+        if trace:
+            ui.timeline_chart(json.loads(trace), title="Trace timeline")
+    st.stop()
+
+names = [e.name for e in experiments.all_experiments()]
+left, right = st.columns(2)
+chosen = left.selectbox("Experiment", ["(all)"] + names, index=0)
+statuses = right.multiselect("Status", ["queued", "running", "succeeded", "failed", "cancelled"])
+records = ui.store().list(experiment=None if chosen == "(all)" else chosen, statuses=tuple(statuses) or None)
+if not records:
+    st.info("No runs match. Launch one from a topic page, or `python -m backend run NAME` in a terminal.")
+    st.stop()
+df = pd.DataFrame([{
+    "run": r.id, "experiment": r.experiment, "status": f"{ui.STATUS_ICON[r.status]} {r.status}",
+    "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created)),
+    "duration (s)": round(r.duration_s, 2) if r.duration_s is not None else None,
+    "origin": r.origin, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",
+} for r in records])
+st.caption(f"{len(df)} runs. Click a row to open it.")
+event = st.dataframe(df, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
+                     column_config={"link": st.column_config.LinkColumn("link", display_text="open")})
+if event.selection.rows:
+    st.query_params["run"] = df.iloc[event.selection.rows[0]]["run"]
+    st.rerun()

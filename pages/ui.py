@@ -1,0 +1,220 @@
+"""Shared page pieces: the settings form, launching a run, live progress, results, downloads, timelines.
+
+Pages draw; everything they show comes from the run store. Nothing here computes a result.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from backend import experiments
+from backend.config import Config, ConfigError
+from backend.device import describe
+from backend.jobs import JobRunner
+from backend.store import ACTIVE, FINAL, RunRecord, RunStore
+
+def _route_through_app() -> None:
+    """Streamlit treats a folder named pages/ as a v1 multipage app until st.navigation has run once in
+    the server process, so a deep link that is a fresh server's first request would run its page
+    without app.py (no sidebar, no router). Turn v1 off and rerun, which goes through app.py."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
+_route_through_app()
+
+STATUS_ICON = {"queued": "⏳", "running": "⚙️", "succeeded": "✅", "failed": "❌", "cancelled": "🚫"}
+
+
+@st.cache_resource
+def runner() -> JobRunner:
+    """One job runner per server process, shared by every browser session (the team's queue)."""
+    return JobRunner()
+
+
+def store() -> RunStore:
+    return runner().store
+
+
+def sidebar() -> None:
+    info = describe()
+    with st.sidebar:
+        st.caption("Device")
+        st.markdown(f"**{info['name']}** · torch {info['torch']}  \nTriton {info['triton']} · {info['triton_mode']}")
+        active = runner().queue()
+        st.caption(f"Job queue · {len(active)} active · cap {runner().max_jobs} at once")
+        if not active:
+            st.markdown("<small>No runs queued or running.</small>", unsafe_allow_html=True)
+        for rec in reversed(active):
+            pct = f" {rec.progress:.0%}" if rec.status == "running" else ""
+            st.markdown(f"<small>{STATUS_ICON[rec.status]} `{rec.id}` {rec.experiment}{pct}</small>", unsafe_allow_html=True)
+
+
+# --- settings -------------------------------------------------------------------------------------
+def _url_settings(exp: experiments.Experiment) -> tuple[dict, ConfigError | None]:
+    """Settings carried by the URL, validated on the server like any other input."""
+    names = {f.name for f in exp.config_cls.fields()}
+    raw = {k: st.query_params[k] for k in st.query_params if k in names}
+    try:
+        return exp.make_config(raw).to_dict(), None
+    except ConfigError as err:
+        return {}, err
+
+
+def settings_form(exp: experiments.Experiment) -> dict | None:
+    """A form built from the Config's fields; returns raw values when submitted, else None."""
+    from_url, url_error = _url_settings(exp)
+    if url_error:
+        st.error(f"The link's settings were not used. {url_error}")
+    defaults = exp.config_cls().to_dict()
+    with st.form(f"settings-{exp.name}"):
+        cols = st.columns(3)
+        values = {}
+        for i, f in enumerate(exp.config_cls.fields()):
+            meta, t = f.metadata, exp.config_cls.field_type(f)
+            initial = from_url.get(f.name, defaults[f.name])
+            label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
+            key = f"{exp.name}.{f.name}"
+            with cols[i % 3]:
+                if meta.get("choices"):
+                    choices = list(meta["choices"])
+                    values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
+                elif t is bool:
+                    values[f.name] = st.checkbox(label, value=initial, help=helptext, key=key)
+                elif t in (int, float):
+                    values[f.name] = st.number_input(label, value=initial, step=1 if t is int else None, help=helptext, key=key)
+                else:
+                    values[f.name] = st.text_input(label, value=initial, help=helptext, key=key)
+        submitted = st.form_submit_button("Run", type="primary")
+    return values if submitted else None
+
+
+# --- one experiment's page ---------------------------------------------------------------------------
+def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro: str = "") -> None:
+    """Settings form -> job -> live progress -> checks, the page's own charts, downloads."""
+    exp = experiments.get(name)
+    if intro:
+        st.markdown(intro)
+    values = settings_form(exp)
+    run_id = st.query_params.get("run")
+    if values is not None:
+        try:
+            run_id = runner().submit(name, values)
+        except ConfigError as err:
+            st.error(str(err))
+            return
+        st.query_params.from_dict({**{k: str(v) for k, v in values.items()}, "run": run_id})
+    if run_id:
+        show_run(run_id, render)
+    else:
+        st.info("Choose settings and press **Run**; the charts below are drawn from that run.")
+        latest = store().list(experiment=name, statuses=("succeeded",), limit=1)
+        if latest:
+            st.caption(f"Or open the latest run of {name}: [{latest[0].id}](?run={latest[0].id})")
+
+
+def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = None) -> None:
+    rec = store().get(run_id)
+    if rec is None:
+        st.warning(f"No run `{run_id}` in this server's store.")
+        return
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {rec.experiment} · {rec.status}")
+    if rec.status in ACTIVE:
+        _live_status(run_id)
+        return
+    if rec.status != "succeeded":
+        st.error(rec.error or rec.status)
+        return
+    result = rec.result()
+    if result is None:
+        st.error(f"Run {rec.id} succeeded but its result file is missing ({rec.result_path}).")
+        return
+    _checks(result)
+    if render:
+        render(result, rec)
+    _downloads(rec)
+
+
+@st.fragment(run_every=1.0)
+def _live_status(run_id: str) -> None:
+    rec = store().get(run_id)
+    if rec.status in FINAL:
+        st.rerun()
+    if rec.status == "queued":
+        ahead = [r for r in store().list(statuses=("queued",)) if r.created < rec.created]
+        st.info(f"Queued: {len(ahead)} run(s) ahead, at most {runner().max_jobs} at a time.")
+    else:
+        elapsed = time.time() - (rec.started or time.time())
+        st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")
+    if st.button("Cancel run", key=f"cancel-{run_id}"):
+        runner().cancel(run_id)
+
+
+def _checks(result: dict) -> None:
+    checks = result.get("checks", [])
+    if not checks:
+        st.warning("This run made no check against a reference.")
+        return
+    failed = [c for c in checks if not c["passed"]]
+    if failed:
+        st.error(f"{len(failed)} of {len(checks)} checks against independent references failed.")
+    else:
+        st.success(f"All {len(checks)} checks against independent references passed.")
+    with st.expander("Checks: error against each reference", expanded=bool(failed)):
+        st.dataframe(pd.DataFrame(checks)[["passed", "name", "error", "tolerance", "reference", "detail"]],
+                     hide_index=True, width="stretch")
+
+
+def _downloads(rec: RunRecord) -> None:
+    cols = st.columns([1, 1, 3])
+    with cols[0]:
+        st.download_button("Result JSON", json.dumps(rec.result(), indent=1), file_name=f"{rec.id}-result.json",
+                           mime="application/json", key=f"dl-result-{rec.id}")
+    trace = rec.trace_bytes()
+    with cols[1]:
+        if trace:
+            st.download_button("Trace (Chrome JSON)", trace, file_name=f"{rec.id}-trace.json",
+                               mime="application/json", key=f"dl-trace-{rec.id}",
+                               help="Opens in ui.perfetto.dev or chrome://tracing")
+    with cols[2]:
+        st.caption(f"Link to this run: add `?run={rec.id}` to this page's address. "
+                   f"Code version {rec.code_version} · {rec.duration_s or 0:.1f} s.")
+
+
+# --- charts ---------------------------------------------------------------------------------------
+def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None:
+    """A per-rank, per-lane Gantt of a Chrome trace's complete events."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    if not events:
+        st.info("This run recorded no trace events.")
+        return
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    shown = events[:max_events]
+    if len(events) > max_events:
+        st.caption(f"Showing the first {max_events} of {len(events)} events; download the trace for all of them.")
+    df = pd.DataFrame({
+        "lane": [f"rank {e['pid']} · {names.get((e['pid'], e['tid']), e['tid'])}" for e in shown],
+        "row": [e["pid"] * 1000 + e["tid"] for e in shown],
+        "start_ms": [e["ts"] / 1e3 for e in shown],
+        "end_ms": [(e["ts"] + e["dur"]) / 1e3 for e in shown],
+        "dur_us": [e["dur"] for e in shown],
+        "name": [e["name"] for e in shown],
+        "args": [json.dumps(e.get("args", {})) for e in shown],
+    })
+    chart = alt.Chart(df, **({"title": title} if title else {})).mark_bar().encode(
+        x=alt.X("start_ms:Q", title="time since ranks aligned (ms)"),
+        x2="end_ms:Q",
+        y=alt.Y("lane:N", title=None, sort=alt.EncodingSortField("row", op="min")),
+        color=alt.Color("name:N", title="event"),
+        tooltip=["lane", "name", alt.Tooltip("start_ms:Q", format=".3f", title="start (ms)"),
+                 alt.Tooltip("dur_us:Q", format=".1f", title="duration (µs)"), "args"],
+    ).properties(height=alt.Step(22)).interactive(bind_y=False)
+    st.altair_chart(chart, width="stretch")

@@ -1,0 +1,92 @@
+"""Real Chromium (Debian's package, driven by Playwright) against a real `streamlit run app.py`."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from backend.dist.launch import free_port
+from tests.conftest import REPO, processes_in_group
+
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _require_browser():
+    missing = not os.path.exists(CHROMIUM)
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing = True
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but no browser: chromium at {CHROMIUM} and playwright are required")
+        pytest.skip("chromium or playwright not installed")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    _require_browser()
+    port = free_port()
+    data = tmp_path_factory.mktemp("browser-data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
+         "--browser.gatherUsageStats", "false"],
+        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data)}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        pytest.fail("streamlit did not start within 60 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert processes_in_group(proc.pid) == []
+
+
+def test_launch_bandwidth_run_see_chart_download_trace(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        # A deep link carries the settings; the server validates them like any other input.
+        page.goto(f"{server}/comm_bandwidth?world_size=2&max_bytes=4096&iters=2&ops=all_reduce,all_gather")
+        expect(page.get_by_role("heading", name="Collective bandwidth")).to_be_visible(timeout=30_000)
+        expect(page.get_by_role("spinbutton", name="world_size")).to_have_value("2")
+        expect(page.get_by_text("Job queue")).to_be_visible()  # routed through app.py, not a bare page
+        page.get_by_role("button", name="Run").click()
+        expect(page.get_by_text("checks against independent references passed")).to_be_visible(timeout=120_000)
+        expect(page.locator("[data-testid='stVegaLiteChart']").first).to_be_visible(timeout=30_000)
+        assert "run=" in page.url
+        with page.expect_download(timeout=30_000) as info:
+            page.get_by_role("button", name="Trace (Chrome JSON)").click()
+        path = tmp_path / "trace.json"
+        info.value.save_as(path)
+        trace = json.loads(path.read_text())
+        ranks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert ranks == {0, 1}
+        if os.environ.get("EXPLORER_SCREENSHOT"):
+            page.screenshot(path=os.environ["EXPLORER_SCREENSHOT"], full_page=True)
+        # The run is shared: the Runs page lists it and opens it by URL.
+        run_id = page.url.split("run=")[1].split("&")[0]
+        page.goto(f"{server}/runs?run={run_id}")
+        expect(page.get_by_text(f"Run {run_id}").first).to_be_visible(timeout=30_000)
+        browser.close()

@@ -1,0 +1,44 @@
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# Every test session gets its own run store unless one is given.
+os.environ.setdefault("EXPLORER_DATA_DIR", tempfile.mkdtemp(prefix="explorer-test-"))
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is pgid."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture
+def store(tmp_path):
+    from backend.store import RunStore
+
+    return RunStore(tmp_path / "data")
+
+
+@pytest.fixture
+def runner(store):
+    from backend.jobs import JobRunner
+
+    r = JobRunner(store, max_jobs=2, timeout_s=60)
+    yield r
+    r.close()

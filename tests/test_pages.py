@@ -1,0 +1,60 @@
+"""AppTest: every page renders without an exception, and runs open by ?run=ID."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.conftest import REPO
+
+PAGES = ["pages/home.py", "pages/runs.py", "pages/comm_bandwidth.py"]
+
+
+def _app(page=None, **params):
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
+    if page:
+        at.switch_page(page)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at.run()
+
+
+@pytest.fixture(scope="module")
+def finished_run():
+    from backend import experiments
+    from backend.store import RunStore
+
+    exp = experiments.get("comm.bandwidth")
+    config = exp.make_config({"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce,broadcast"})
+    store = RunStore()
+    rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
+    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    return rid
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders(page):
+    at = _app(page)
+    assert not at.exception, at.exception
+
+
+def test_runs_page_opens_a_run_by_url(finished_run):
+    at = _app("pages/runs.py", run=finished_run)
+    assert not at.exception
+    assert any(finished_run in s.value and "succeeded" in s.value for s in at.subheader)
+    assert any("checks against independent references passed" in s.value for s in at.success)
+
+
+def test_topic_page_draws_a_run_from_url(finished_run):
+    at = _app("pages/comm_bandwidth.py", run=finished_run)
+    assert not at.exception
+    assert any("2 ranks on gloo" in m.value for m in at.markdown)
+
+
+def test_unknown_run_is_a_clear_message():
+    at = _app("pages/runs.py", run="doesnotexist")
+    assert not at.exception
+    assert any("No run `doesnotexist`" in w.value for w in at.warning)
+
+
+def test_bad_url_settings_are_named_and_not_run():
+    at = _app("pages/comm_bandwidth.py", world_size="1000")
+    assert not at.exception
+    assert any("world_size: 1000 is out of range" in e.value for e in at.error)
