@@ -27,6 +27,7 @@ from backend.trace import DEFAULT_LANES, to_chrome_trace
 # Modules that register experiments when imported; add a topic's module here.
 EXPERIMENT_MODULES = (
     "backend.dist.bandwidth",
+    "backend.dist.collectives_experiment",
     "backend.dist.selftest",
 )
 
