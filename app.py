@@ -11,6 +11,7 @@ navigation = st.navigation({
         st.Page("pages/runs.py", title="Runs", icon="🗂️", url_path="runs"),
     ],
     "Distributed": [
+        st.Page("pages/collectives.py", title="Collectives, step by step", icon="🔁", url_path="collectives"),
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
     ],
 })

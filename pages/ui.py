@@ -189,6 +189,11 @@ def _downloads(rec: RunRecord) -> None:
                    f"Code version {rec.code_version} · {rec.duration_s or 0:.1f} s.")
 
 
+def rate(gbps: float) -> str:
+    """A bandwidth with a unit that keeps three significant digits visible."""
+    return f"{gbps:.3g} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.3g} MB/s"
+
+
 # --- charts ---------------------------------------------------------------------------------------
 def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None:
     """A per-rank, per-lane Gantt of a Chrome trace's complete events."""

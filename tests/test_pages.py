@@ -4,7 +4,7 @@ from streamlit.testing.v1 import AppTest
 
 from tests.conftest import REPO
 
-PAGES = ["pages/home.py", "pages/runs.py", "pages/comm_bandwidth.py"]
+PAGES = ["pages/home.py", "pages/runs.py", "pages/comm_bandwidth.py", "pages/collectives.py"]
 
 
 def _app(page=None, **params):
@@ -58,3 +58,20 @@ def test_bad_url_settings_are_named_and_not_run():
     at = _app("pages/comm_bandwidth.py", world_size="1000")
     assert not at.exception
     assert any("world_size: 1000 is out of range" in e.value for e in at.error)
+
+
+def test_collectives_page_replays_a_ring_run():
+    from backend import experiments
+    from backend.store import RunStore
+
+    exp = experiments.get("collectives.run")
+    config = exp.make_config({"world_size": "3", "numel": "31", "iters": "1"})
+    store = RunStore()
+    rid = store.create(exp.name, config.to_dict(), "pages-coll", status="running")
+    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    at = _app("pages/collectives.py", run=rid)
+    assert not at.exception
+    assert at.slider[0].max == 3  # 2(n-1) steps: 0..3
+    assert any("Seed 000 writes the all-gather step" in w.value for w in at.warning)
+    at.slider[0].set_value(-1).run()
+    assert not at.exception

@@ -14,6 +14,7 @@ elementwise (u the unit roundoff of the dtype): the bound on recursive summation
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 from backend.config import Config, ConfigError, setting
@@ -211,17 +212,19 @@ def rank_main(rank: int, world: int, config: CollectivesConfig, ctx) -> dict:
         ctx.progress(0.3, "checked call done; timing")
     expected, magnitude = reference(config, rank)
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(config.iters + 1):  # the first call warms up
+    # Time the algorithm and gloo's built-in alternately (order flipped each round), so drift in the
+    # machine's load falls on both alike. The first round warms up and is not counted.
+    fns = {"algo": algorithm} if config.algo == "builtin" else {"algo": algorithm, "builtin": builtin}
+    times = {k: [] for k in fns}
+    for it in range(config.iters + 1):
+        for name in (list(fns) if it % 2 == 0 else list(fns)[::-1]):
             dist.barrier()
             start = time.perf_counter()
-            fn(P2P(rank, world, Tracer(rank)), x, spec)
-            times.append(time.perf_counter() - start)
-        return sum(times[1:]) / config.iters
-
-    t_algo = timed(algorithm)
-    t_builtin = t_algo if config.algo == "builtin" else timed(builtin)
+            fns[name](P2P(rank, world, Tracer(rank)), x, spec)
+            times[name].append(time.perf_counter() - start)
+    # Median, not mean: on a shared machine one descheduled call should not decide the comparison.
+    t_algo = statistics.median(times["algo"][1:])
+    t_builtin = statistics.median(times["builtin"][1:]) if "builtin" in times else t_algo
     if rank == 0:
         ctx.progress(0.9, "timing done")
     u = {"float32": 2.0 ** -24, "float16": 2.0 ** -11}[config.dtype]

@@ -39,6 +39,27 @@ class P2P:
                               sends=[(t.peer, t.blocks) for t in sends], recvs=[(t.peer, t.blocks) for t in recvs]):
             for req in reqs:
                 req.wait()
+        self._record(step, phase, sends, recvs)
+
+    def exchange_pipelined(self, step: int, phase: str, send: Transfer, recv: Transfer, segment_numel: int,
+                           on_segment=None) -> None:
+        """One send and one receive, cut into segments all posted at once; `on_segment(k, piece)` runs on
+        each received segment while later ones are still in flight (so a ring's additions overlap its
+        transfers). Logged as one transfer each way, like exchange()."""
+        send_parts, recv_parts = send.tensor.split(segment_numel), recv.tensor.split(segment_numel)
+        with self.tracer.span("comm", f"{phase} step {step}", step=step, sends=[(send.peer, send.blocks)],
+                              recvs=[(recv.peer, recv.blocks)], segments=len(recv_parts)):
+            send_reqs = [dist.isend(part, send.peer) for part in send_parts]
+            recv_reqs = [dist.irecv(part, recv.peer) for part in recv_parts]
+            for k, req in enumerate(recv_reqs):
+                req.wait()
+                if on_segment:
+                    on_segment(k, recv_parts[k])
+            for req in send_reqs:
+                req.wait()
+        self._record(step, phase, [send], [recv])
+
+    def _record(self, step, phase, sends, recvs) -> None:
         for direction, transfers in (("send", sends), ("recv", recvs)):
             for t in transfers:
                 nbytes = t.tensor.numel() * t.tensor.element_size()
