@@ -14,6 +14,10 @@ navigation = st.navigation({
         st.Page("pages/collectives.py", title="Collectives, step by step", icon="🔁", url_path="collectives"),
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
     ],
+    "Attention": [
+        st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),
+        st.Page("pages/variants_train.py", title="Variants in training", icon="📉", url_path="variants_train"),
+    ],
 })
 ui.sidebar()
 navigation.run()

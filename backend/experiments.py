@@ -29,6 +29,8 @@ EXPERIMENT_MODULES = (
     "backend.dist.bandwidth",
     "backend.dist.collectives_experiment",
     "backend.dist.selftest",
+    "backend.attention.kv_cache_experiment",
+    "backend.models.variants_train",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,1 @@
+"""Attention: RoPE, MHA/MQA/GQA/MLA variants with their KV caches."""

@@ -1,0 +1,1 @@
+"""Graphs: networkx DAGs of computations, and their DOT text for drawing."""

@@ -1,0 +1,1 @@
+"""Models: a tiny LLaMA-style decoder with pluggable attention."""

@@ -1,0 +1,91 @@
+"""A tiny LLaMA-style decoder: token embedding, pre-norm blocks (RMSNorm -> attention -> residual,
+RMSNorm -> SwiGLU -> residual), final RMSNorm, output head. Attention is pluggable (variants.py).
+Sequences are unbatched (t, d) in generation and batched (b, t, d) in training, via vmap-free loops
+kept simple: training calls forward once per sequence of the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backend.attention.variants import GroupedQueryAttention, KVCache, MultiHeadLatentAttention
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_head: int = 16
+    d_c: int = 32
+    d_rope: int = 8
+    d_cq: int = 32
+    d_ff: int = 128
+    variant: str = "mha"  # mha | mqa | gqa | mla
+    mla_mode: str = "absorbed"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.gate, self.up, self.down = (nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_model, d_ff, bias=False),
+                                         nn.Linear(d_ff, d_model, bias=False))
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def make_attention(s: ModelShape) -> nn.Module:
+    if s.variant == "mla":
+        return MultiHeadLatentAttention(s.d_model, s.n_heads, s.d_head, s.d_c, s.d_rope, s.d_cq, s.mla_mode == "absorbed")
+    kv = {"mha": s.n_heads, "mqa": 1, "gqa": s.n_kv_heads}[s.variant]
+    return GroupedQueryAttention(s.d_model, s.n_heads, kv, s.d_head)
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(s.d_model), make_attention(s)
+        self.ffn_norm, self.ffn = RMSNorm(s.d_model), SwiGLU(s.d_model, s.d_ff)
+
+    def forward(self, x, start, cache):
+        x = x + self.attn(self.attn_norm(x), start, cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TinyDecoder(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.shape = s
+        self.embed = nn.Embedding(s.vocab, s.d_model)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layers))
+        self.norm, self.head = RMSNorm(s.d_model), nn.Linear(s.d_model, s.vocab, bias=False)
+
+    def new_caches(self, max_len: int) -> list[KVCache]:
+        dtype = self.embed.weight.dtype
+        return [b.attn.new_cache(max_len, dtype) for b in self.blocks]
+
+    def forward(self, tokens: torch.Tensor, start: int = 0, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens: (t,) -> logits (t, vocab). With caches, tokens are positions start..start+t-1."""
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x, start, caches[i] if caches else None)
+        return self.head(self.norm(x))
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over a (b, t) batch."""
+        logits = torch.stack([self(seq[:-1]) for seq in batch])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

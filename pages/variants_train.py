@@ -1,0 +1,27 @@
+"""Attention variants in training: the same corpus and budget for MHA, MQA, GQA and MLA."""
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from pages import ui
+
+st.title("Attention variants: training")
+
+
+def render(result: dict, rec) -> None:
+    m = result["metrics"]
+    rows = pd.DataFrame(result["tables"]["variants"])
+    st.markdown(f"Corpus entropy rate (the floor): **{m['entropy_rate_nats']:.3f} nats**; a uniform guess: "
+                f"{m['uniform_loss_nats']:.3f} nats.")
+    curves = pd.DataFrame(result["tables"]["curves"])
+    floor = alt.Chart(pd.DataFrame({"y": [m["entropy_rate_nats"]]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
+    st.altair_chart((alt.Chart(curves).mark_line().encode(
+        x=alt.X("step:Q", title="optimizer step"), y=alt.Y("loss:Q", title="training loss (nats/token)", scale=alt.Scale(zero=False)),
+        color="variant:N", tooltip=["variant", "step", alt.Tooltip("loss:Q", format=".3f")]) + floor).properties(height=320), width="stretch")
+    st.dataframe(rows, hide_index=True, width="stretch")
+    for note in result.get("notes", []):
+        st.caption(note)
+
+
+ui.experiment_page("attention.variants_train", render,
+                   intro="Each variant starts from the same seed and sees the same batches of a Markov-chain corpus.")

@@ -1,0 +1,70 @@
+"""MHA/MQA/GQA/MLA: cache bytes equal the formulas, absorbed MLA equals naive, cached decode equals
+recomputation, RoPE's relative-position property, and bad inputs."""
+import pytest
+import torch
+
+from backend import experiments
+from backend.attention.kv_cache_experiment import KVCacheConfig, measure_variant
+from backend.attention.rope import apply_rope, relative_position_error, rope_angles
+from backend.config import ConfigError
+from backend.models.llama import ModelShape, TinyDecoder
+
+SMALL = KVCacheConfig(n_heads=4, n_kv_heads=2, d_head=8, d_c=12, d_rope=4, n_layers=2, context=12)
+
+
+@pytest.mark.parametrize("variant, elements", [
+    ("mha", 2 * 4 * 8), ("gqa", 2 * 2 * 8), ("mqa", 2 * 8), ("mla", 12 + 4),
+])
+def test_cache_bytes_equal_the_formula(variant, elements):
+    m = measure_variant(SMALL, variant)
+    assert m["bytes_per_token_per_layer"] == elements * 4  # fp32
+    assert m["decode_error"] < 1e-4
+
+
+def test_mla_absorbed_equals_naive_and_caches_less():
+    m = measure_variant(SMALL, "mla")
+    assert m["absorbed_vs_naive_error"] < 1e-4
+    assert m["naive_bytes_per_token_per_layer"] == 4 * (2 * 8 + 4) * 4
+
+
+def test_absorbed_differs_when_weights_differ():
+    """The agreement check can fail: a naive twin with other weights disagrees."""
+    torch.manual_seed(0)
+    a = TinyDecoder(ModelShape(variant="mla", mla_mode="absorbed")).eval()
+    torch.manual_seed(1)
+    b = TinyDecoder(ModelShape(variant="mla", mla_mode="naive")).eval()
+    toks = torch.randint(0, 64, (10,))
+    with torch.no_grad():
+        assert (a(toks) - b(toks)).abs().max() > 1e-2
+
+
+def test_rope_relative_position_property():
+    assert relative_position_error(16) < 1e-10
+    # Without the rotation's composition (a position-dependent scale instead), the property fails.
+    cos, sin = rope_angles(torch.tensor([3, 7]), 8, dtype=torch.float64)
+    q = torch.randn(8, dtype=torch.float64)
+    assert not torch.allclose(apply_rope(q[None], cos[:1], sin[:1]), apply_rope(q[None], cos[1:], sin[1:]))
+
+
+def test_experiment_passes_all_checks_and_reports_deepseek_ratio():
+    result = experiments.run("attention.kv_cache", context=16, n_layers=1)
+    assert result.passed, [c for c in result.checks if not c.passed]
+    assert result.metrics["deepseek_v3_scaled_measured_elements"] == {"mla": 36.0, "mha": 2048.0}
+    savings = {r["variant"]: r["saving_vs_mha_pct"] for r in result.tables["cache"]}
+    assert savings["mqa"] == pytest.approx(100 * (1 - 2 / 16))
+
+
+def test_training_stays_above_the_entropy_floor():
+    result = experiments.run("attention.variants_train", steps=3, batch=2, seq_len=12)
+    assert result.passed
+    assert all(result.metrics[f"held_out_loss.{v}"] > result.metrics["entropy_rate_nats"] - 0.5 for v in ("mha", "mla"))
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"n_heads": "6", "n_kv_heads": "4"}, "n_kv_heads"), ({"d_rope": "7"}, "d_rope"), ({"d_c": "0"}, "d_c"),
+    ({"d_head": "9"}, "d_head"), ({"variant": "mqa2"}, "variant"), ({"context": "100000"}, "context"),
+])
+def test_bad_inputs_name_the_field(values, field):
+    with pytest.raises(ConfigError) as info:
+        KVCacheConfig.from_dict(values)
+    assert info.value.field == field and "allowed" in str(info.value)
