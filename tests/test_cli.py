@@ -49,4 +49,4 @@ def test_bad_config_exits_2_with_one_line_and_stores_nothing_succeeded():
         assert out.stdout == ""
     assert len(RunStore().list()) == before
     unknown = cli("run", "no.such.experiment")
-    assert unknown.returncode == 2 and "allowed: comm.bandwidth" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown experiment" in unknown.stderr and "comm.bandwidth" in unknown.stderr
