@@ -1,0 +1,219 @@
+"""Continuous batching over a request trace, once on the paged manager and once on a contiguous allocator.
+
+Time is counted in scheduler steps: each step admits what fits (swapped-out sequences first, then
+waiting ones, FCFS) and decodes one token for every running sequence. When a paged sequence needs a
+block and none is free, the most recently admitted sequence is preempted: its KV is swapped to CPU
+memory (`swap`) or dropped and recomputed later from its tokens (`recompute`).
+
+The contiguous allocator reserves `reserve` slots per request (the maximum length) in one piece of a
+linear buffer of the same size, first fit. Its waste splits three ways (seed 000): slots reserved
+beyond what the request ever uses, slots held for tokens not generated yet, and free slots in holes
+too small for another reservation (fragmentation). The paged manager wastes only the unfilled tail
+of each sequence's last block.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from backend.kvcache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: int
+    arrival: int
+    prompt_len: int
+    output_len: int
+    prefix_id: int = -1   # requests with the same prefix_id start with the same prefix_len tokens
+    prefix_len: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt_len + self.output_len
+
+    def token(self, i: int) -> int:
+        """Token id at position i: shared prefix tokens are equal across requests, the rest unique."""
+        if i < self.prefix_len:
+            return -(self.prefix_id + 1) * 1_000_000 - i
+        return (self.rid + 1) * 1_000_000 + i
+
+
+def synthetic_trace(n: int, seed: int = 0, rate: float = 1.0, max_len: int = 2048, shared_fraction: float = 0.3,
+                    prefix_len: int = 64) -> list[Request]:
+    """ShareGPT-like: log-normal prompt (median ~150) and output (median ~150) lengths, Poisson arrivals
+    (`rate` per step), and a share of requests opening with one of four system prompts."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for rid in range(n):
+        t += rng.expovariate(rate)
+        prompt = min(max(4, int(rng.lognormvariate(5.0, 0.8))), max_len // 2)
+        output = min(max(1, int(rng.lognormvariate(5.0, 0.9))), max_len - prompt)
+        shared = rng.random() < shared_fraction and prompt > prefix_len
+        out.append(Request(rid, int(t), prompt, output, rng.randrange(4) if shared else -1, prefix_len if shared else 0))
+    return out
+
+
+def read_csv_trace(text: str) -> list[Request]:
+    """Columns arrival, prompt_len, output_len (integers >= 0; lengths >= 1), optional prefix_id, prefix_len."""
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows:
+        raise ValueError("trace: the CSV has no rows (columns: arrival, prompt_len, output_len[, prefix_id, prefix_len])")
+    out = []
+    for i, row in enumerate(rows, start=2):
+        try:
+            vals = {k: int(row[k]) for k in ("arrival", "prompt_len", "output_len")}
+            prefix_id, prefix_len = int(row.get("prefix_id") or -1), int(row.get("prefix_len") or 0)
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(f"trace: line {i} needs integer arrival, prompt_len, output_len") from None
+        if vals["arrival"] < 0 or vals["prompt_len"] < 1 or vals["output_len"] < 1 or not 0 <= prefix_len <= vals["prompt_len"]:
+            raise ValueError(f"trace: line {i} has a negative time or a length below 1 (allowed: arrival >= 0, lengths >= 1, "
+                             f"0 <= prefix_len <= prompt_len)")
+        out.append(Request(len(out), vals["arrival"], vals["prompt_len"], vals["output_len"], prefix_id, prefix_len))
+    return out
+
+
+def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, policy: str = "swap",
+                   prefix_caching: bool = True, sample_every: int = 5, max_snapshots: int = 60) -> dict:
+    m = KVCacheManager(num_blocks, block_size, prefix_caching)
+    watermark = max(1, num_blocks // 100)  # blocks kept free at admission, as vLLM's watermark
+    pending = deque(sorted(trace, key=lambda r: r.arrival))
+    waiting, swapped, running = deque(), deque(), []  # running: [request, tokens so far]
+    step = preemptions = max_running = 0
+    samples, snapshots, events = [], [], []
+    while pending or waiting or running or swapped:
+        while pending and pending[0].arrival <= step:
+            waiting.append([pending.popleft(), 0])
+        while swapped and len(m.swapped[swapped[0][0].rid][0].table) <= m.pool.num_free:
+            entry = swapped.popleft()
+            m.swap_in(entry[0].rid)
+            running.append(entry)
+        while waiting and not swapped:
+            req, done = waiting[0]
+            length = req.prompt_len + done
+            if m.blocks_for(length + 1) + watermark > m.pool.num_free:  # leave room to decode, or we thrash
+                break
+            try:
+                m.add(req.rid, [req.token(i) for i in range(length)])
+            except MemoryError:
+                break
+            waiting.popleft()
+            running.append([req, length])
+        i = 0
+        while i < len(running):
+            req, length = running[i]
+            try:
+                m.append(req.rid, req.token(length))
+            except MemoryError:
+                victim = running.pop()
+                preemptions += 1
+                events.append({"step": step, "op": f"preempt ({policy})", "seq": victim[0].rid})
+                if policy == "swap":
+                    m.swap_out(victim[0].rid)
+                    swapped.appendleft(victim)
+                else:
+                    m.free(victim[0].rid)
+                    waiting.appendleft([victim[0], victim[1] - victim[0].prompt_len])
+                continue  # retry this sequence (or stop, if it was the victim)
+            running[i][1] = length + 1
+            i += 1
+        for entry in [e for e in running if e[1] >= e[0].total]:
+            running.remove(entry)
+            m.free(entry[0].rid)
+        max_running = max(max_running, len(running))
+        if step % sample_every == 0:
+            used = m.used_blocks()
+            filled = m.filled_slots()
+            samples.append({"step": step, "running": len(running), "waiting": len(waiting), "swapped": len(swapped),
+                            "allocated_slots": used * block_size, "filled_slots": filled})
+            if len(snapshots) < max_snapshots and step % (sample_every * 4) == 0:
+                snapshots.append(_snapshot(m, step, running))
+        step += 1
+        if step > 10_000_000:
+            raise RuntimeError("the simulation did not finish")
+    allocated = sum(s["allocated_slots"] for s in samples)
+    filled = sum(s["filled_slots"] for s in samples)
+    return {
+        "steps": step, "samples": samples, "snapshots": snapshots,
+        "events": (events + [dict(e, step=None) for e in m.events])[:2000],
+        "utilization": filled / allocated if allocated else 1.0,
+        "waste": {"internal (last block)": 1 - filled / allocated if allocated else 0.0, "reservation": 0.0, "fragmentation": 0.0},
+        "max_running": max_running, "preemptions": preemptions, "swaps": m.stats.swaps_out,
+        "cow_copies": m.stats.cow_copies, "evictions": m.pool.evictions,
+        "prefix_hit_rate": m.stats.prefix_hit_tokens / max(1, m.stats.prefix_queried_tokens),
+        "prefix_hit_tokens": m.stats.prefix_hit_tokens,
+    }
+
+
+def _snapshot(m: KVCacheManager, step: int, running) -> dict:
+    owner = {}
+    for seq in m.seqs.values():
+        for b in seq.table:
+            owner.setdefault(b, seq.seq_id)
+    pool = [{"block": b, "ref": m.pool.ref_count[b], "fill": m.fill[b],
+             "state": "used" if m.pool.ref_count[b] else ("cached, free" if m.pool.block_hash[b] is not None else "free"),
+             "owner": owner.get(b, -1)} for b in range(m.pool.num_blocks)]
+    tables = [{"seq": e[0].rid, "logical": i, "physical": b} for e in running[:12] for i, b in enumerate(m.seqs[e[0].rid].table)]
+    return {"step": step, "pool": pool, "tables": tables}
+
+
+def simulate_contiguous(trace: list[Request], capacity: int, reserve: int, sample_every: int = 5) -> dict:
+    pending = deque(sorted(trace, key=lambda r: r.arrival))
+    waiting, running, holes = deque(), [], [[0, capacity]]  # running: [request, start, length]; holes sorted by start
+    step = max_running = 0
+    totals = {"used": 0, "not_yet": 0, "reserved_never": 0, "fragmentation": 0, "allocated": 0}
+    samples = []
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= step:
+            waiting.append(pending.popleft())
+        while waiting:
+            hole = next((h for h in holes if h[1] >= reserve), None)
+            if hole is None:
+                break
+            req = waiting.popleft()
+            running.append([req, hole[0], req.prompt_len])
+            hole[0] += reserve
+            hole[1] -= reserve
+            holes = [h for h in holes if h[1] > 0]
+        for entry in running:
+            entry[2] += 1
+        for entry in [e for e in running if e[2] >= e[0].total]:
+            running.remove(entry)
+            holes = _free_region(holes, entry[1], reserve)
+        max_running = max(max_running, len(running))
+        if step % sample_every == 0:
+            used = sum(e[2] for e in running)
+            s = {"step": step, "running": len(running), "waiting": len(waiting), "allocated_slots": reserve * len(running),
+                 "filled_slots": used, "not_yet": sum(e[0].total - e[2] for e in running),
+                 "reserved_never": sum(reserve - e[0].total for e in running),
+                 "fragmentation": sum(h[1] for h in holes if h[1] < reserve) if waiting else 0}
+            samples.append(s)
+            for k, key in (("used", "filled_slots"), ("not_yet", "not_yet"), ("reserved_never", "reserved_never"),
+                           ("fragmentation", "fragmentation"), ("allocated", "allocated_slots")):
+                totals[k] += s[key]
+        step += 1
+    held = totals["allocated"] + totals["fragmentation"]
+    return {
+        "steps": step, "samples": samples, "max_running": max_running,
+        "utilization": totals["used"] / totals["allocated"] if totals["allocated"] else 1.0,
+        "waste": {"reservation": totals["reserved_never"] / max(1, held), "not yet generated": totals["not_yet"] / max(1, held),
+                  "fragmentation": totals["fragmentation"] / max(1, held)},
+    }
+
+
+def _free_region(holes, start, length):
+    holes = sorted(holes + [[start, length]])
+    merged = [holes[0]]
+    for h in holes[1:]:
+        if merged[-1][0] + merged[-1][1] == h[0]:
+            merged[-1][1] += h[1]
+        else:
+            merged.append(h)
+    return merged
+
+
+def mean_sequence_len(trace: list[Request]) -> float:
+    return sum(r.total for r in trace) / max(1, len(trace))
+
