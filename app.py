@@ -18,6 +18,9 @@ navigation = st.navigation({
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),
         st.Page("pages/variants_train.py", title="Variants in training", icon="📉", url_path="variants_train"),
     ],
+    "Serving": [
+        st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),
+    ],
 })
 ui.sidebar()
 navigation.run()

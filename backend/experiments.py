@@ -31,6 +31,8 @@ EXPERIMENT_MODULES = (
     "backend.dist.selftest",
     "backend.attention.kv_cache_experiment",
     "backend.models.variants_train",
+    "backend.kvcache.paged_decode",
+    "backend.kvcache.serve_experiment",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -71,6 +71,8 @@ class GroupedQueryAttention(nn.Module):
         q = apply_rope(self.wq(x).view(t, self.n_heads, self.d_head).transpose(0, 1), cos, sin)
         k = apply_rope(self.wk(x).view(t, self.n_kv_heads, self.d_head).transpose(0, 1), cos, sin).transpose(0, 1)
         v = self.wv(x).view(t, self.n_kv_heads, self.d_head)
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache attends through its block table
+            return self.wo(cache.attend(q, k, v, start).transpose(0, 1).reshape(t, -1))
         if cache is not None:
             kv = cache.append(start, k=k, v=v)
             k, v = kv["k"], kv["v"]

@@ -81,8 +81,9 @@ def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, polic
     watermark = max(1, num_blocks // 100)  # blocks kept free at admission, as vLLM's watermark
     pending = deque(sorted(trace, key=lambda r: r.arrival))
     waiting, swapped, running = deque(), deque(), []  # running: [request, tokens so far]
-    step = preemptions = max_running = 0
+    step = preemptions = max_running = invariant_failures = 0
     samples, snapshots, events = [], [], []
+    snapshot_every = sample_every * 4
     while pending or waiting or running or swapped:
         while pending and pending[0].arrival <= step:
             waiting.append([pending.popleft(), 0])
@@ -128,8 +129,15 @@ def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, polic
             filled = m.filled_slots()
             samples.append({"step": step, "running": len(running), "waiting": len(waiting), "swapped": len(swapped),
                             "allocated_slots": used * block_size, "filled_slots": filled})
-            if len(snapshots) < max_snapshots and step % (sample_every * 4) == 0:
+            if step % snapshot_every == 0:
+                try:
+                    m.check()
+                except AssertionError as err:
+                    invariant_failures += 1
+                    events.append({"step": step, "op": f"invariant broken: {err}"})
                 snapshots.append(_snapshot(m, step, running))
+                if len(snapshots) > max_snapshots:  # keep them spread over the whole run
+                    snapshots, snapshot_every = snapshots[::2], snapshot_every * 2
         step += 1
         if step > 10_000_000:
             raise RuntimeError("the simulation did not finish")
@@ -141,6 +149,7 @@ def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, polic
         "utilization": filled / allocated if allocated else 1.0,
         "waste": {"internal (last block)": 1 - filled / allocated if allocated else 0.0, "reservation": 0.0, "fragmentation": 0.0},
         "max_running": max_running, "preemptions": preemptions, "swaps": m.stats.swaps_out,
+        "invariant_failures": invariant_failures,
         "cow_copies": m.stats.cow_copies, "evictions": m.pool.evictions,
         "prefix_hit_rate": m.stats.prefix_hit_tokens / max(1, m.stats.prefix_queried_tokens),
         "prefix_hit_tokens": m.stats.prefix_hit_tokens,

@@ -1,0 +1,182 @@
+"""Block pool and manager invariants (a hypothesis state machine), copy-on-write, prefix hits, swapping,
+the serving simulation's targets, the paged-attention kernel, and bad inputs."""
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from backend import experiments
+from backend.config import ConfigError
+from backend.kvcache.manager import KVCacheManager
+from backend.kvcache.serving import read_csv_trace, simulate_contiguous, simulate_paged, synthetic_trace
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(num_blocks=12, block_size=4, prefix_caching=True)
+        self.next_id = 0
+
+    @rule(length=st.integers(1, 20), shared=st.booleans())
+    def add(self, length, shared):
+        tokens = list(range(length)) if shared else [1000 * (self.next_id + 1) + i for i in range(length)]
+        free_before = self.m.pool.num_free
+        try:
+            self.m.add(self.next_id, tokens)
+            self.next_id += 1
+        except MemoryError:
+            assert self.m.pool.num_free == free_before  # a refused add changes nothing
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(data=st.data())
+    def append(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.m.seqs)))
+        try:
+            self.m.append(sid, 7)
+        except MemoryError:
+            pass
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        self.m.fork(data.draw(st.sampled_from(sorted(self.m.seqs))), self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        self.m.free(data.draw(st.sampled_from(sorted(self.m.seqs))))
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(data=st.data())
+    def swap_out_and_in(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.m.seqs)))
+        self.m.swap_out(sid)
+        try:
+            self.m.swap_in(sid)
+        except MemoryError:
+            del self.m.swapped[sid]  # it stays on the CPU; forget it
+
+    @invariant()
+    def consistent(self):
+        self.m.check()
+
+
+TestManagerStateMachine = ManagerMachine.TestCase
+TestManagerStateMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_check_catches_a_broken_ref_count():
+    m = KVCacheManager(4, 2)
+    m.add(0, [1, 2, 3])
+    m.pool.ref_count[m.seqs[0].table[0]] += 1
+    with pytest.raises(AssertionError, match="ref count"):
+        m.check()
+
+
+def test_copy_on_write_copies_exactly_the_written_block():
+    m = KVCacheManager(8, 4, kv_shape=(1, 2))
+    m.add(0, list(range(6)), kv=torch.arange(6 * 4, dtype=torch.float32).view(6, 2, 1, 2))
+    m.fork(0, 1)
+    before = m.kv.clone()
+    m.append(1, 99, kv=torch.full((2, 1, 2), -1.0))
+    parent, child = m.seqs[0].table, m.seqs[1].table
+    assert parent[0] == child[0] and parent[1] != child[1]  # full block still shared; partial one copied
+    assert m.stats.cow_copies == 1
+    assert torch.equal(m.kv[parent[1]], before[parent[1]])  # the parent's block is untouched
+    assert torch.equal(m.kv[child[1], :, :2], before[parent[1], :, :2]) and (m.kv[child[1], :, 2] == -1).all()
+    m.check()
+
+
+def test_prefix_hits_for_shared_prompts_and_none_below_a_block():
+    m = KVCacheManager(16, 4)
+    m.add(0, list(range(10)))
+    assert m.add(1, list(range(10)) + [50, 51]) == 8   # two full blocks shared
+    assert m.add(2, list(range(3)) + [77] * 5) == 0     # 3 shared tokens do not fill a block: no hit
+    assert m.add(3, list(range(9))) == 8
+    m.free(0), m.free(1), m.free(3)
+    assert m.add(4, list(range(10))) == 8               # cached-but-free blocks are revived
+    m.check()
+
+
+def test_swap_out_then_in_restores_identical_kv():
+    m = KVCacheManager(8, 4, kv_shape=(2, 3))
+    kv = torch.randn(7, 2, 2, 3)
+    m.add(0, list(range(7)), kv=kv)
+    k0, v0 = m.gather(0)
+    m.swap_out(0)
+    m.add(1, list(range(100, 120)))  # someone else takes the blocks meanwhile
+    m.free(1)
+    m.swap_in(0)
+    k1, v1 = m.gather(0)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(k1, kv[:, 0])
+    m.check()
+
+
+def test_serving_targets_on_the_synthetic_trace():
+    trace = synthetic_trace(1000, seed=0)
+    paged = simulate_paged(trace, 16, 2048)
+    contiguous = simulate_contiguous(trace, 2048 * 16, 2048)
+    assert paged["utilization"] >= 0.96
+    assert paged["max_running"] >= 2 * contiguous["max_running"]
+    assert paged["invariant_failures"] == 0
+    assert paged["prefix_hit_rate"] > 0
+
+
+def test_paged_kernel_matches_reference_at_mixed_lengths_and_page_sizes():
+    from kernels.paged_attention import paged_decode, paged_decode_reference
+
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 7, 16, 23]
+    H, HKV, D = 4, 2, 16
+    keys = [torch.randn(n, 2, HKV, D, generator=g) for n in lens]
+    q = torch.randn(len(lens), H, D, generator=g)
+    outs = {}
+    for bs in (1, 16):
+        m = KVCacheManager(64, bs, prefix_caching=False, kv_shape=(HKV, D))
+        for sid, kv in enumerate(keys):
+            m.add(sid, list(range(len(kv))), kv=kv)
+        width = max(len(s.table) for s in m.seqs.values())
+        tables = torch.tensor([m.seqs[s].table + [0] * (width - len(m.seqs[s].table)) for s in range(len(lens))], dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        outs[bs] = paged_decode(q, m.kv, tables, seq_lens)
+        assert (outs[bs] - paged_decode_reference(q, m.kv, tables, seq_lens)).abs().max() < 1e-5
+    assert (outs[1] - outs[16]).abs().max() < 1e-5
+
+
+def test_paged_decode_experiment_passes():
+    result = experiments.run("kvcache.paged_decode", sequences=2, prompt_len=18, new_tokens=3)
+    assert result.passed, [c for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"block_size": "0"}, "block_size"),
+    ({"num_blocks": "4", "block_size": "16"}, "num_blocks"),   # 64 slots < max_model_len: never fits
+    ({"trace": "/no/such.csv"}, "trace"),
+    ({"policy": "drop"}, "policy"),
+])
+def test_bad_serve_inputs(values, field):
+    with pytest.raises(ConfigError) as info:
+        experiments.get("kvcache.serve").make_config(values)
+    assert info.value.field == field
+
+
+def test_csv_trace_with_negative_lengths_is_rejected(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("arrival,prompt_len,output_len\n0,10,5\n3,-2,5\n")
+    with pytest.raises(ConfigError, match="trace: line 3"):
+        experiments.get("kvcache.serve").make_config({"trace": str(path)})
+    with pytest.raises(ValueError):
+        read_csv_trace("arrival,prompt_len,output_len\n")
+
+
+def test_a_sequence_larger_than_the_pool_is_refused_and_leaves_it_consistent():
+    m = KVCacheManager(4, 4)
+    m.add(0, [1, 2, 3])
+    with pytest.raises(ValueError, match="can never fit"):
+        m.add(1, list(range(17)))
+    with pytest.raises(MemoryError):
+        m.add(2, list(range(16)))
+    m.check()
+    assert sorted(m.seqs) == [0]
