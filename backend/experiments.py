@@ -33,6 +33,8 @@ EXPERIMENT_MODULES = (
     "backend.models.variants_train",
     "backend.kvcache.paged_decode",
     "backend.kvcache.serve_experiment",
+    "backend.attention.flash_experiment",
+    "backend.memory.roofline_experiment",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,99 @@
+"""Attention three ways, one maths: naive (S and P in memory), tiled in PyTorch (FlashAttention's
+algorithm, for long sequences on a CPU), and the Triton kernel (kernels/flash_attention.py).
+
+`online_softmax_update` is the step the tiled path and the seed's worked example share: given the
+running max m, running sum l and unnormalised output acc, fold in one block of scores.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def online_softmax_update(m, l, acc, scores, values):
+    """m, l: (rows,); acc: (rows, d); scores: (rows, cols) of the new block; values: (cols, d)."""
+    m_new = torch.maximum(m, scores.max(dim=-1).values)
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ values, p, alpha
+
+
+def online_softmax_example(blocks=((1.0, 2.0), (3.0, 4.0))) -> list[dict]:
+    """Seed 000's example: softmax of [1, 2, 3, 4] in blocks [1, 2] and [3, 4], step by step.
+    Values are the identity, so acc is the unnormalised softmax f(x) itself."""
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float64)
+    n = len(x)
+    m = torch.tensor([-math.inf], dtype=torch.float64)
+    l = torch.zeros(1, dtype=torch.float64)
+    acc = torch.zeros(1, n, dtype=torch.float64)
+    steps, start = [], 0
+    for b in blocks:
+        cols = torch.arange(start, start + len(b))
+        values = torch.eye(n, dtype=torch.float64)[cols]
+        m_old = m.clone()
+        m, l, acc, p, alpha = online_softmax_update(m, l, acc, x[cols][None], values)
+        steps.append({"block": list(b), "m_before": float(m_old), "m": float(m), "rescale_exp(m_old-m)": float(alpha),
+                      "f_block": p[0].tolist(), "l": float(l), "f_so_far": acc[0].tolist()})
+        start += len(b)
+    softmax = (acc[0] / l).tolist()
+    steps.append({"block": "final", "m": float(m), "l": float(l), "softmax": softmax,
+                  "reference_softmax": torch.softmax(x, 0).tolist(),
+                  "l_closed_form": sum(math.exp(v - 4.0) for v in x.tolist())})
+    return steps
+
+
+def naive_attention(q, k, v, causal=False):
+    """The seed's steps, each a separate pass over memory: S = QKᵀ/√d, P = softmax(S), O = PV.
+    Returns O and the bytes each step read and wrote (measured from the tensors it touched)."""
+    d = q.shape[-1]
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = p @ v
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    traffic = {"Q": nb(q), "K": nb(k), "V": nb(v), "S": 2 * nb(s), "P": 2 * nb(p), "O": nb(o)}  # S, P: written then read
+    return o, traffic
+
+
+def tiled_attention(q, k, v, causal=False, block_m=64, block_n=64, on_step=None):
+    """FlashAttention's algorithm in PyTorch: O(N·d) memory beyond the inputs. q, k, v: (N, d) or (..., N, d)
+    handled per leading index. on_step(i, j, m, l) is called after each (Q tile, K/V tile) step."""
+    if q.dim() > 2:
+        outs = [tiled_attention(a, b, c, causal, block_m, block_n, on_step) for a, b, c in
+                zip(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))]
+        return torch.stack(outs).reshape(q.shape)
+    n, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    out = torch.empty_like(q)
+    for i in range(0, n, block_m):
+        qi = q[i:i + block_m].float() * scale
+        rows = qi.shape[0]
+        m = torch.full((rows,), -math.inf)
+        l = torch.zeros(rows)
+        acc = torch.zeros(rows, d)
+        hi = min(n, i + block_m) if causal else n
+        for j in range(0, hi, block_n):
+            s = qi @ k[j:j + block_n].float().T
+            if causal:
+                r = torch.arange(i, i + rows)[:, None]
+                c = torch.arange(j, j + s.shape[1])[None, :]
+                s = s.masked_fill(c > r, -math.inf)
+            m, l, acc, _, _ = online_softmax_update(m, l, acc, s, v[j:j + block_n].float())
+            if on_step:
+                on_step(i // block_m, j // block_n, m, l)
+        out[i:i + block_m] = (acc / l[:, None]).to(q.dtype)
+    return out
+
+
+def io_model(n: int, d: int, elem: int, block_m: int, block_n: int, batch_heads: int = 1, causal: bool = False) -> dict:
+    """HBM traffic models (bytes): standard attention Θ(Nd + N²) and FlashAttention Θ(N²d²/M), where M is
+    the on-chip bytes one tile step holds (Q tile, K and V tiles, the S/P tile, the accumulator, m and l)."""
+    sram = (block_m * d + 2 * block_n * d) * elem + block_m * block_n * 4 + block_m * d * 4 + 2 * block_m * 4
+    standard = batch_heads * (4 * n * d * elem + 4 * n * n * elem)  # Q, K, V, O once; S and P written and read
+    kv_passes = math.ceil(n / block_m) * (0.5 if causal else 1.0)
+    flash = batch_heads * (2 * n * d * elem + 2 * kv_passes * n * d * elem)
+    return {"sram_bytes_per_step": sram, "standard_bytes": standard, "flash_bytes": int(flash),
+            "flash_theta_N2d2_over_M": batch_heads * n * n * d * d * elem / sram}

@@ -1,0 +1,142 @@
+"""attention.flash: attention by one of three paths, checked against torch SDPA, with its memory traffic.
+
+- triton: the FlashAttention-2 kernels; global-memory bytes per tensor counted inside the kernels
+  and compared exactly with the closed form for the tiling.
+- naive: S and P materialised; bytes per step measured from the tensors.
+- tiled: FlashAttention's algorithm in PyTorch, for long sequences on a CPU; peak resident memory
+  measured, beside the N² floats naive attention would need.
+Error criterion (FlashAttention's own): the implementation's max error against an fp32 SDPA
+reference is within 2× that of SDPA computed in the same precision (+1e-6 for round-off in fp32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention.flash import io_model, naive_attention, online_softmax_example, tiled_attention
+from backend.config import Config, ConfigError, setting
+from backend.experiments import register
+from backend.result import Check, Result
+
+POW2 = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass
+class FlashConfig(Config):
+    seq_len: int = setting(128, min=1, max=32_768, help="sequence length N")
+    head_dim: int = setting(32, choices=POW2, help="head dimension d")
+    heads: int = setting(2, min=1, max=32, help="heads")
+    batch: int = setting(1, min=1, max=8, help="batch")
+    causal: bool = setting(False, help="causal mask")
+    block_m: int = setting(32, choices=(16, 32, 64, 128, 256, 512, 1024), help="query rows per tile (Triton: <= 128)")
+    block_n: int = setting(32, choices=(16, 32, 64, 128, 256, 512, 1024), help="key/value rows per tile (Triton: <= 128)")
+    dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
+    impl: str = setting("triton", choices=("naive", "tiled", "triton"), help="which path")
+    backward: bool = setting(True, help="also run and check the backward pass")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
+
+    def check(self) -> None:
+        gpu = torch.cuda.is_available()
+        work = self.batch * self.heads * self.seq_len ** 2
+        if self.dtype == "bfloat16" and not gpu:
+            raise ConfigError("dtype", "bfloat16 gives wrong numbers in Triton's interpreter (allowed here: float16, float32)")
+        if self.impl == "triton" and not gpu and work > 2 ** 19:
+            raise ConfigError("seq_len", f"batch·heads·N² = {work:,} is too slow for Triton's interpreter (allowed: <= {2 ** 19:,}, "
+                                         f"e.g. N <= {int(math.sqrt(2 ** 19 / (self.batch * self.heads)))} here)")
+        if self.impl == "naive" and work > 2 ** 28:
+            raise ConfigError("seq_len", f"naive attention would hold batch·heads·N² = {work:,} scores (allowed: <= {2 ** 28:,})")
+        if self.impl == "tiled" and work > 2 ** 31:
+            raise ConfigError("seq_len", f"batch·heads·N² = {work:,} is too much work for the CPU (allowed: <= {2 ** 31:,})")
+        if self.impl == "triton" and max(self.block_m, self.block_n) > 128:
+            field = "block_m" if self.block_m > 128 else "block_n"
+            raise ConfigError(field, f"{getattr(self, field)} rows per tile do not fit on chip for the Triton kernel (allowed: 16..128)")
+        if self.backward and self.impl == "tiled":
+            raise ConfigError("backward", "the tiled PyTorch path is forward only (allowed: false with impl=tiled)")
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(config: FlashConfig, ctx) -> Result:
+    torch.set_num_threads(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, config.dtype)
+    B, H, N, D = config.batch, config.heads, config.seq_len, config.head_dim
+    g = torch.Generator().manual_seed(config.seed)
+    q32, k32, v32 = (torch.randn(B, H, N, D, generator=g).to(device) for _ in range(3))
+    do32 = torch.randn(B, H, N, D, generator=g).to(device)
+    q, k, v, do = (t.to(dtype) for t in (q32, k32, v32, do32))
+    metrics, tables, checks, notes = {"device": device, "impl": config.impl}, {}, [], []
+    ctx.progress(0.05, f"{config.impl} forward")
+    rss_before = _max_rss_bytes()
+    start = time.perf_counter()
+    grads = None
+    if config.impl == "triton":
+        from kernels.flash_attention import TENSORS, closed_form_traffic, flash_backward, flash_forward
+
+        counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=device)
+        out, lse = flash_forward(q, k, v, config.causal, config.block_m, config.block_n, counters)
+        fwd_counts = counters.clone()
+        if config.backward:
+            ctx.progress(0.4, "triton backward")
+            grads = flash_backward(q, k, v, out, lse, do, config.causal, config.block_m, config.block_n, counters)
+        counted = dict(zip(TENSORS, counters.tolist()))
+        closed = closed_form_traffic(B, H, N, D, q.element_size(), config.causal, config.block_m, config.block_n, config.backward)
+        tables["traffic"] = [{"tensor": t, "pass": "forward", "bytes": int(c)} for t, c in zip(TENSORS, fwd_counts.tolist()) if c] + \
+                            [{"tensor": t, "pass": "backward", "bytes": int(counted[t] - f)} for t, f in zip(TENSORS, fwd_counts.tolist()) if counted[t] - f] + \
+                            [{"tensor": "S", "pass": "forward", "bytes": 0}, {"tensor": "P", "pass": "forward", "bytes": 0}]
+        checks.append(Check("bytes counted in the kernels equal the closed form for the tiling",
+                            sum(abs(counted[t] - closed[t]) for t in TENSORS), 0, reference="tile geometry",
+                            detail=f"{sum(counted.values()):,} bytes counted"))
+        metrics["hbm_bytes_counted"] = sum(counted.values())
+    elif config.impl == "naive":
+        out, traffic = naive_attention(q, k, v, config.causal)
+        tables["traffic"] = [{"tensor": t, "pass": "forward", "bytes": b} for t, b in traffic.items()]
+        metrics["hbm_bytes_counted"] = sum(traffic.values())
+    else:
+        steps = []
+        record = N <= 256 and B * H == 1
+        out = tiled_attention(q, k, v, config.causal, config.block_m, config.block_n,
+                              on_step=(lambda i, j, m, l: steps.append({"q_tile": i, "kv_tile": j, "m": m.tolist(), "l": l.tolist()})) if record else None)
+        tables["tile_steps"] = steps
+    metrics["seconds"] = round(time.perf_counter() - start, 4)
+    peak = max(0, _max_rss_bytes() - rss_before)
+    metrics["peak_resident_growth_bytes"] = peak
+    metrics["naive_scores_bytes_would_be"] = B * H * N * N * 4
+    ctx.progress(0.7, "reference")
+    ref32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=config.causal)
+    ref_same = F.scaled_dot_product_attention(q, k, v, is_causal=config.causal).float()
+    err, err_ref = (out.float() - ref32).abs().max().item(), (ref_same - ref32).abs().max().item()
+    slack = 1e-6 if dtype == torch.float32 else 0.0
+    checks.append(Check(f"forward: error vs fp32 SDPA within 2× SDPA's own in {config.dtype}", err, 2 * err_ref + slack,
+                        reference="torch scaled_dot_product_attention (fp32, and in the same dtype)",
+                        detail=f"SDPA in {config.dtype}: {err_ref:.3g}"))
+    if grads is not None:
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q32, k32, v32))
+        F.scaled_dot_product_attention(qr, kr, vr, is_causal=config.causal).backward(do32)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=config.causal).backward(do)
+        for name, mine, ref, same in zip(("dQ", "dK", "dV"), grads, (qr.grad, kr.grad, vr.grad), (qs.grad, ks.grad, vs.grad)):
+            e, e_ref = (mine.float() - ref).abs().max().item(), (same.float() - ref).abs().max().item()
+            checks.append(Check(f"backward {name}: error vs fp32 SDPA within 2× SDPA's own", e, 2 * e_ref + (1e-5 if dtype == torch.float32 else 0.0),
+                                reference="autograd through torch SDPA", detail=f"SDPA in {config.dtype}: {e_ref:.3g}"))
+    model = io_model(N, D, q.element_size(), config.block_m, config.block_n, B * H, config.causal)
+    metrics.update({f"io_model.{k}": v for k, v in model.items()})
+    flops = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
+    metrics["forward_flops"] = flops
+    tables["online_softmax_example"] = online_softmax_example()
+    if config.impl == "tiled" and N >= 8192:
+        notes.append(f"Resident memory grew by {peak / 2**20:.1f} MiB while the tiled path ran; naive attention would hold "
+                     f"{B * H * N * N * 4 / 2**30:.2f} GiB of scores.")
+    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
+
+
+register("attention.flash", FlashConfig,
+         "attention naive, tiled (PyTorch) or FlashAttention-2 in Triton: error vs SDPA, traffic counted in the kernel",
+         run_fn=run)

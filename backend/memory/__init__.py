@@ -1,0 +1,1 @@
+"""GPU memory hierarchy presets, roofline arithmetic, and probes of this machine."""

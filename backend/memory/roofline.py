@@ -1,0 +1,43 @@
+"""Roofline: attainable FLOP/s = min(peak, bandwidth × arithmetic intensity); intensities of attention and
+GEMMs; and two probes that measure this machine (a streaming copy and a matmul)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def attainable(peak_flops: float, bandwidth: float, intensity: float) -> float:
+    return min(peak_flops, bandwidth * intensity)
+
+
+def gemm_intensity(m: int, n: int, k: int, elem: int) -> float:
+    return 2 * m * n * k / ((m * k + k * n + m * n) * elem)
+
+
+def attention_intensity(n: int, d: int, elem: int, hbm_bytes: float, causal: bool = False) -> float:
+    flops = 4 * n * n * d * (0.5 if causal else 1.0)
+    return flops / hbm_bytes
+
+
+def probe_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large copy (read + write counted), best of `repeats`."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def probe_matmul(n: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """(FLOP/s, arithmetic intensity) of an n×n fp32 matmul, best of `repeats`."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best, gemm_intensity(n, n, n, 4)

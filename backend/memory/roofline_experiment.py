@@ -1,0 +1,102 @@
+"""memory.roofline: presets' rooflines beside this machine's, measured, with attention and GEMM points.
+
+Measured here: this CPU's copy bandwidth and matmul FLOP/s (the CPU's roofline), and the achieved
+FLOP/s of attention forward (naive and tiled) and GEMMs at their arithmetic intensities. Model: every
+preset's roofline and where naive and flash attention of the chosen shape sit on it (intensity from
+the IO model's bytes). Check: the seed's A100 ops-per-datum figures (L1 ≈ 8, PCIe ≈ 6,240) follow
+from the preset by the seed's formula.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from backend.attention.flash import io_model, naive_attention, tiled_attention
+from backend.config import Config, setting
+from backend.experiments import register
+from backend.memory.devices import DEVICES, ops_per_datum
+from backend.memory.roofline import attainable, gemm_intensity, probe_bandwidth, probe_matmul
+from backend.result import Check, Result
+
+
+@dataclasses.dataclass
+class RooflineConfig(Config):
+    seq_len: int = setting(1024, min=64, max=8192, help="attention N for the intensity points")
+    head_dim: int = setting(64, choices=(16, 32, 64, 128), help="attention d")
+    block: int = setting(64, choices=(16, 32, 64, 128), help="flash tile rows (block_m = block_n)")
+    gemm_sizes: str = setting("64,256,1024", help="square GEMM sizes to measure, comma-separated (16..2048)")
+
+    def sizes(self) -> list[int]:
+        return [int(s) for s in self.gemm_sizes.split(",") if s.strip()]
+
+    def check(self) -> None:
+        from backend.config import ConfigError
+
+        try:
+            sizes = self.sizes()
+        except ValueError:
+            raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r} is not a comma-separated list of integers") from None
+        if not sizes or any(not 16 <= s <= 2048 for s in sizes):
+            raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r}: each size must be in 16..2048")
+
+
+def _time(fn, repeats=3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run(config: RooflineConfig, ctx) -> Result:
+    torch.set_num_threads(1)
+    ctx.progress(0.1, "probing memory bandwidth")
+    bw = probe_bandwidth()
+    ctx.progress(0.3, "probing matmul")
+    peak, _ = probe_matmul()
+    n, d, elem = config.seq_len, config.head_dim, 4
+    io = io_model(n, d, elem, config.block, config.block)
+    flops_attn = 4 * n * n * d
+    points = []
+    for size in config.sizes():
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        t = _time(lambda: a @ b)
+        points.append({"kernel": f"GEMM {size}³ fp32", "intensity": gemm_intensity(size, size, size, 4), "flops_per_s": 2 * size ** 3 / t, "source": "measured (this CPU)"})
+    q, k, v = (torch.randn(1, n, d) for _ in range(3))
+    ctx.progress(0.6, "attention points")
+    t_naive = _time(lambda: naive_attention(q, k, v), repeats=2)
+    t_tiled = _time(lambda: tiled_attention(q[0], k[0], v[0], block_m=max(config.block, 256), block_n=max(config.block, 256)), repeats=2)
+    points.append({"kernel": "attention naive", "intensity": flops_attn / io["standard_bytes"], "flops_per_s": flops_attn / t_naive, "source": "measured (this CPU)"})
+    points.append({"kernel": "attention tiled", "intensity": flops_attn / io["flash_bytes"], "flops_per_s": flops_attn / t_tiled, "source": "measured (this CPU)"})
+    roofs = [{"device": "this CPU (measured)", "peak_flops": peak, "bandwidth": bw}]
+    for name, spec in DEVICES.items():
+        roofs.append({"device": name, "peak_flops": spec["peak_flops"].get("fp16/bf16 tensor"), "bandwidth": spec["levels"]["HBM"][1]})
+    model_points = []
+    for roof in roofs[1:]:
+        for kernel, bytes_ in (("attention naive", io["standard_bytes"] / 2), ("attention flash", io["flash_bytes"] / 2)):  # fp16
+            ai = flops_attn / bytes_
+            model_points.append({"device": roof["device"], "kernel": kernel, "intensity": ai,
+                                 "attainable_flops_per_s": attainable(roof["peak_flops"], roof["bandwidth"], ai)})
+    seed = ops_per_datum("A100 (80 GB SXM)")
+    checks = [Check("seed 002: A100 L1 needs about 8 operations per datum", abs(seed["L1 / shared"] - 8) / 8, 0.05,
+                    reference="seed 002's figure", detail=f"{seed['L1 / shared']:.2f} = 19.5 TFLOP/s ÷ (19,400 GB/s ÷ 8 B)"),
+              Check("seed 002: A100 PCIe needs about 6,240 operations per datum", abs(seed["PCIe 4"] - 6240) / 6240, 0.05,
+                    reference="seed 002's figure", detail=f"{seed['PCIe 4']:.0f}"),
+              Check("measured points lie under this CPU's measured roofline (×1.5 for probe noise)",
+                    max(0.0, max(p["flops_per_s"] / attainable(peak, bw, p["intensity"]) for p in points) - 1.5), 0.0,
+                    reference="min(peak, bandwidth × intensity) from the probes")]
+    return Result(
+        metrics={"cpu_bandwidth_GBps": round(bw / 1e9, 2), "cpu_matmul_GFLOPs": round(peak / 1e9, 2),
+                 "ridge_point_flops_per_byte": round(peak / bw, 2),
+                 **{f"io_model.{k}": v for k, v in io.items()}},
+        tables={"roofs": roofs, "points": points, "model_points": model_points,
+                "ops_per_datum_a100": [{"level": k, "ops_per_datum": v} for k, v in seed.items()]},
+        checks=checks)
+
+
+register("memory.roofline", RooflineConfig,
+         "this CPU's roofline measured (bandwidth and matmul probes) beside GPU presets; attention and GEMM points",
+         run_fn=run)
