@@ -17,6 +17,10 @@ navigation = st.navigation({
     "Attention": [
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),
         st.Page("pages/variants_train.py", title="Variants in training", icon="📉", url_path="variants_train"),
+        st.Page("pages/flash_attention.py", title="FlashAttention", icon="⚡", url_path="flash_attention"),
+    ],
+    "Hardware": [
+        st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),
     ],
     "Serving": [
         st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),

@@ -42,3 +42,23 @@ def ops_per_datum(device: str, precision: str = "fp64 tensor", bytes_per_datum: 
     spec = DEVICES[device]
     flops = spec["peak_flops"][precision]
     return {level: flops / (bw / bytes_per_datum) for level, (_, bw) in spec["levels"].items() if bw}
+
+
+def hierarchy_traffic(device: str, standard_bytes: float, flash_bytes: float, flash_onchip_bytes: float) -> list[dict]:
+    """Bytes naive and flash attention move at each level and the time that would take at the level's bandwidth.
+    HBM: the IO model's bytes. L1/shared: everything loaded from HBM passes it once; flash also re-reads its
+    tiles on chip (flash_onchip_bytes). Single-GPU attention moves nothing over NVLink or PCIe."""
+    rows = []
+    for level, (capacity, bw) in DEVICES[device]["levels"].items():
+        if level == "HBM":
+            naive, flash = standard_bytes, flash_bytes
+        elif level.startswith("L1"):
+            naive, flash = standard_bytes, flash_bytes + flash_onchip_bytes
+        elif level == "L2":
+            naive, flash = standard_bytes, flash_bytes
+        else:
+            naive = flash = 0.0
+        rows.append({"level": level, "capacity_bytes": capacity, "bandwidth_Bps": bw,
+                     "naive_bytes": naive, "flash_bytes": flash,
+                     "naive_seconds": naive / bw if bw else None, "flash_seconds": flash / bw if bw else None})
+    return rows

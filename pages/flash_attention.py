@@ -1,0 +1,68 @@
+"""FlashAttention: tiles on chip, the running max and sum, traffic counted from the kernel, error vs SDPA."""
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from pages import ui
+
+st.title("FlashAttention")
+
+
+def render(result: dict, rec) -> None:
+    m, tables, cfg = result["metrics"], result["tables"], rec.config
+    cols = st.columns(4)
+    cols[0].metric("implementation", f"{cfg['impl']} ({m['device']})")
+    cols[1].metric("forward time", f"{m['seconds'] * 1e3:,.1f} ms", help="wall time of this run's pass(es); interpreter on a CPU")
+    cols[2].metric("IO model, standard", f"{m['io_model.standard_bytes'] / 2**20:,.2f} MiB", help="Θ(Nd + N²): Q, K, V, O once; S and P written and read")
+    cols[3].metric("IO model, flash", f"{m['io_model.flash_bytes'] / 2**20:,.2f} MiB",
+                   help=f"Θ(N²d²/M); on-chip bytes per tile step M = {m['io_model.sram_bytes_per_step']:,}")
+
+    traffic = pd.DataFrame(tables.get("traffic", []))
+    if not traffic.empty:
+        st.subheader("Global-memory bytes per tensor, counted as the kernel ran")
+        st.altair_chart(alt.Chart(traffic).mark_bar().encode(
+            x=alt.X("bytes:Q", title="bytes loaded + stored"), y=alt.Y("tensor:N", title=None, sort=None),
+            color=alt.Color("pass:N"), tooltip=["tensor", "pass", alt.Tooltip("bytes:Q", format=",")],
+        ).properties(height=24 * traffic["tensor"].nunique() + 40), width="stretch")
+        if cfg["impl"] == "triton":
+            st.caption("S and P never reach global memory: they live in registers/shared memory for one tile step.")
+
+    steps = tables.get("tile_steps", [])
+    if steps:
+        st.subheader("Which tiles are on chip, step by step (batch 0, head 0)")
+        i = st.slider("tile step", 0, len(steps) - 1, 0, key=f"tile-{rec.id}")
+        step = steps[i]
+        n_q = max(s["q_tile"] for s in steps) + 1
+        n_k = max(s["kv_tile"] for s in steps) + 1
+        grid = pd.DataFrame([{"q_tile": a, "kv_tile": b,
+                              "state": "on chip now" if (a, b) == (step["q_tile"], step["kv_tile"]) else
+                              ("done" if any(s["q_tile"] == a and s["kv_tile"] == b for s in steps[:i]) else
+                               ("skipped (causal)" if not any(s["q_tile"] == a and s["kv_tile"] == b for s in steps) else "to do"))}
+                             for a in range(n_q) for b in range(n_k)])
+        left, right = st.columns([1, 1])
+        left.altair_chart(alt.Chart(grid).mark_rect(stroke="white").encode(
+            x=alt.X("kv_tile:O", title=f"K/V tile ({cfg['block_n']} rows)"), y=alt.Y("q_tile:O", title=f"Q tile ({cfg['block_m']} rows)"),
+            color=alt.Color("state:N", scale=alt.Scale(domain=["on chip now", "done", "to do", "skipped (causal)"],
+                                                       range=["#e4572e", "#1f6fd1", "#e6e9ef", "#ffffff"])),
+            tooltip=["q_tile", "kv_tile", "state"]).properties(height=260), width="stretch")
+        rows = pd.DataFrame({"row": range(len(step["m"])), "running max m": step["m"], "running sum l": step["l"]}).melt("row")
+        right.altair_chart(alt.Chart(rows).mark_line(point=True).encode(
+            x=alt.X("row:Q", title="row within the Q tile"), y=alt.Y("value:Q", title=None), color=alt.Color("variable:N", title=None),
+            tooltip=["row", "variable", alt.Tooltip("value:Q", format=".4f")]).properties(height=260), width="stretch")
+
+    st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
+    example = tables["online_softmax_example"]
+    st.dataframe(pd.DataFrame(example[:-1]), hide_index=True, width="stretch")
+    final = example[-1]
+    st.markdown(f"After both blocks: m = {final['m']:.0f}, l = {final['l']:.6f} (closed form e⁻³ + e⁻² + e⁻¹ + e⁰ = "
+                f"{final['l_closed_form']:.6f}); softmax = {', '.join(f'{v:.5f}' for v in final['softmax'])} "
+                f"(torch.softmax: {', '.join(f'{v:.5f}' for v in final['reference_softmax'])}).")
+    for note in result.get("notes", []):
+        st.info(note)
+
+
+ui.experiment_page(
+    "attention.flash", render,
+    intro="Attention computed by the FlashAttention-2 Triton kernels (interpreted on a CPU), the naive path that "
+          "stores S and P, or the tiled PyTorch path; checked against torch's SDPA, forward and backward.",
+)

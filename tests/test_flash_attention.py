@@ -1,0 +1,109 @@
+"""FlashAttention: Triton forward/backward in the interpreter vs SDPA (tails, causal), traffic counters vs the
+closed form, the tiled PyTorch path, the seed's online-softmax example, the roofline arithmetic, bad inputs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend import experiments
+from backend.attention.flash import online_softmax_example, tiled_attention
+from backend.config import ConfigError
+from backend.memory.devices import ops_per_datum
+from backend.memory.roofline import attainable, gemm_intensity
+from kernels.flash_attention import TENSORS, closed_form_traffic, flash_attention, flash_backward, flash_forward
+
+
+@pytest.mark.parametrize("n, d, causal, bm, bn", [(40, 16, False, 16, 16), (40, 16, True, 16, 32), (33, 32, True, 32, 16)])
+def test_triton_forward_backward_and_traffic(n, d, causal, bm, bn):
+    g = torch.Generator().manual_seed(n)
+    q, k, v, do = (torch.randn(1, 2, n, d, generator=g) for _ in range(4))
+    counters = torch.zeros(len(TENSORS), dtype=torch.int64)
+    o, lse = flash_forward(q, k, v, causal, bm, bn, counters)
+    dq, dk, dv = flash_backward(q, k, v, o, lse, do, causal, bm, bn, counters)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+    ref.backward(do)
+    assert (o - ref).abs().max() < 1e-5
+    for mine, theirs in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (mine - theirs).abs().max() < 1e-4
+    assert dict(zip(TENSORS, counters.tolist())) == closed_form_traffic(1, 2, n, d, 4, causal, bm, bn, backward=True)
+
+
+def test_autograd_function_in_fp16():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 24, 16, generator=g).half().requires_grad_() for _ in range(3))
+    out = flash_attention(q, k, v, True)
+    out.float().sum().backward()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - ref).abs().max() < 5e-3
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_traffic_closed_form_matches_the_io_picture():
+    """Non-causal forward: Q and O once, K and V once per query tile."""
+    t = closed_form_traffic(1, 1, 64, 16, 2, False, 16, 16)
+    assert t["Q"] == t["O"] == 64 * 16 * 2 and t["K"] == t["V"] == 4 * 64 * 16 * 2 and t["dQ"] == 0
+
+
+def test_tiled_path_equals_sdpa():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 50, 16, generator=g) for _ in range(3))
+    for causal in (False, True):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert (tiled_attention(q, k, v, causal, 16, 32) - ref).abs().max() < 1e-5
+
+
+def test_online_softmax_example_reproduces_the_seed():
+    steps = online_softmax_example()
+    assert steps[0]["m"] == 2 and steps[0]["l"] == pytest.approx(math.exp(-1) + 1)
+    assert steps[1]["m"] == 4 and steps[1]["rescale_exp(m_old-m)"] == pytest.approx(math.exp(-2))
+    final = steps[-1]
+    assert final["l"] == pytest.approx(math.exp(-3) + math.exp(-2) + math.exp(-1) + 1)
+    assert final["softmax"] == pytest.approx(final["reference_softmax"])
+
+
+def test_roofline_arithmetic_and_seed_ops_per_datum():
+    assert attainable(100e12, 1e12, 10) == 10e12 and attainable(100e12, 1e12, 1000) == 100e12
+    assert gemm_intensity(1024, 1024, 1024, 2) == pytest.approx(2 * 1024 ** 3 / (3 * 1024 ** 2 * 2))
+    opd = ops_per_datum("A100 (80 GB SXM)")
+    assert opd["L1 / shared"] == pytest.approx(8, rel=0.01) and opd["PCIe 4"] == pytest.approx(6240)
+
+
+def test_experiments_pass_their_checks():
+    flash = experiments.run("attention.flash", seq_len=48, heads=1, block_m=16, block_n=16, causal=True)
+    assert flash.passed, [c for c in flash.checks if not c.passed]
+    assert flash.tables["tile_steps"]
+    tiled = experiments.run("attention.flash", impl="tiled", backward=False, seq_len=300, heads=1)
+    assert tiled.passed
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"head_dim": "7"}, "head_dim"), ({"block_m": "24"}, "block_m"), ({"seq_len": "0"}, "seq_len"),
+    ({"dtype": "bfloat16"}, "dtype"), ({"block_n": "256"}, "block_n"), ({"seq_len": "4096"}, "seq_len"),
+])
+def test_bad_inputs(values, field):
+    if field == "dtype" and torch.cuda.is_available():
+        pytest.skip("bfloat16 is allowed on a GPU")
+    with pytest.raises(ConfigError) as info:
+        experiments.get("attention.flash").make_config(values)
+    assert info.value.field == field
+
+
+def test_kernel_rejects_bad_shapes_directly():
+    q = torch.randn(1, 1, 8, 24)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        flash_forward(q, q, q)
+    with pytest.raises(ValueError, match="bfloat16"):
+        x = torch.randn(1, 1, 8, 16, dtype=torch.bfloat16)
+        flash_forward(x, x, x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_fp16_and_bf16_against_sdpa():
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (torch.randn(2, 4, 1024, 64, device="cuda", dtype=dtype) for _ in range(3))
+        out = flash_attention(q, k, v, True, 64, 64)
+        ref32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        same = F.scaled_dot_product_attention(q, k, v, is_causal=True).float()
+        assert (out.float() - ref32).abs().max() <= 2 * (same - ref32).abs().max() + 1e-3
