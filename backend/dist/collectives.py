@@ -50,8 +50,9 @@ def _ring_reduce_scatter(c: P2P, chunks: list[torch.Tensor], shift: int, step: i
         incoming = incoming_buffer[:chunks[r].numel()]
         target = chunks[r].split(SEGMENT_NUMEL)
 
-        def add(k, piece, target=target):
-            target[k].add_(piece)
+        def add(k, piece, target=target, r=r):
+            with c.compute("add", chunk=r, segment=k):
+                target[k].add_(piece)
         c.exchange_pipelined(step, "scatter-reduce", Transfer(chunks[s], (j + 1) % n, [s], "reduce"),
                              Transfer(incoming, (j - 1) % n, [r], "reduce"), SEGMENT_NUMEL, add)
         step += 1
