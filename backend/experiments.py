@@ -35,6 +35,7 @@ EXPERIMENT_MODULES = (
     "backend.kvcache.serve_experiment",
     "backend.attention.flash_experiment",
     "backend.memory.roofline_experiment",
+    "backend.parallel.pp.experiment",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,1 @@
+"""Parallel training strategies, one per module; pp/ holds pipeline parallelism."""
