@@ -13,6 +13,7 @@ navigation = st.navigation({
     "Distributed": [
         st.Page("pages/collectives.py", title="Collectives, step by step", icon="🔁", url_path="collectives"),
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
+        st.Page("pages/pipeline.py", title="Pipeline parallel", icon="🛤️", url_path="pipeline"),
     ],
     "Attention": [
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),

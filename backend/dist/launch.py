@@ -78,7 +78,8 @@ def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results) -> None:
 
 
 def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
-    """Run rank_fn on world_size fresh processes; return their payloads in rank order."""
+    """Run rank_fn on world_size fresh processes; return their payloads in rank order. Payloads must be plain
+    data (numbers, lists, numpy arrays): a torch tensor would travel as a shared-memory handle that dies with its rank."""
     port = ctx.port or free_port()
     mp_ctx = mp.get_context("spawn")
     results = mp_ctx.Queue()

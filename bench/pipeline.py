@@ -1,0 +1,47 @@
+"""Benchmark: measured bubble against the model for every schedule at p = 4 and m = 4, 8, 16.
+Writes bench/results/pipeline.json. Target: within 5 percentage points for GPipe and 1F1B at p=4, m=8.
+
+    python bench/pipeline.py [--hidden 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend import experiments  # noqa: E402
+from backend.device import describe  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=2048)
+    args = parser.parse_args()
+    rows = []
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "pipedream", "naive"):
+        for m in (4, 8, 16):
+            if schedule == "naive" and m != 4:
+                continue
+            settings = dict(schedule=schedule, stages=4, microbatches=m, hidden=args.hidden, batch=16 * m, layers=8)
+            if schedule == "interleaved_1f1b":
+                settings["virtual_stages"] = 2
+            result = experiments.run("pipeline.run", **settings)
+            assert result.passed, [c for c in result.checks if not c.passed]
+            mt = result.metrics
+            rows.append({"schedule": schedule, "p": 4, "m": m, "bubble_measured": mt["bubble_measured"],
+                         "bubble_model": mt["bubble_model"], "gap_pp": mt["bubble_gap_pp"], "mean_action_ms": mt["mean_action_ms"]})
+            print(rows[-1])
+    target = [r for r in rows if r["schedule"] in ("gpipe", "1f1b") and r["m"] == 8]
+    out = {"benchmark": "pipeline", "device": describe(), "code_version": experiments.code_version(), "hidden": args.hidden,
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+           "target_within_5pp": all(abs(r["gap_pp"]) <= 5 for r in target)}
+    (Path(__file__).parent / "results" / "pipeline.json").write_text(json.dumps(out, indent=1))
+    print("target met:", out["target_within_5pp"])
+
+
+if __name__ == "__main__":
+    main()

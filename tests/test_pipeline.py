@@ -1,0 +1,94 @@
+"""Pipeline schedules: gradients vs one process at p = 2 and 4, op order vs torch.distributed.pipelining,
+peak live activations vs the bound, PipeDream's weight versions, bad inputs, no process left behind."""
+import multiprocessing
+
+import pytest
+
+from backend.config import ConfigError
+from backend.dist.launch import spawn_ranks
+from backend.experiments import RunContext
+from backend.parallel.pp.executor import run_rank
+from backend.parallel.pp.experiment import PipelineConfig, combine
+from backend.parallel.pp.schedules import build, live_activations, peak_live_bound
+
+
+def _matrix_rank(rank, world, configs, ctx):
+    return [run_rank(rank, world, c, ctx) for c in configs]
+
+
+def _configs(p):
+    small = dict(stages=p, hidden=16, batch=8, layers=2 * p)
+    out = [PipelineConfig(schedule=s, microbatches=4, **small) for s in ("naive", "gpipe", "1f1b", "zb_h1")]
+    out += [PipelineConfig(schedule="gpipe", microbatches=4, recompute=True, **small),
+            PipelineConfig(schedule="1f1b", microbatches=4, recompute=True, **small),
+            PipelineConfig(schedule="interleaved_1f1b", microbatches=4, virtual_stages=2, **small),
+            PipelineConfig(schedule="pipedream", microbatches=4, **small),
+            PipelineConfig(schedule="pipedream", microbatches=4, weight_stashing=False, **small)]
+    return [c.validate() for c in out]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def matrix(request):
+    p = request.param
+    configs = _configs(p)
+    per_rank = spawn_ranks(_matrix_rank, p, configs, RunContext(timeout_s=240))
+    assert multiprocessing.active_children() == []  # every rank process ended
+    return [(c, [per_rank[r][i] for r in range(p)]) for i, c in enumerate(configs)]
+
+
+def test_every_schedule_passes_its_checks(matrix):
+    for config, payloads in matrix:
+        result = combine(config, payloads)
+        failed = [(c.name, c.error) for c in result.checks if not c.passed]
+        assert not failed, (config.schedule, failed)
+        names = " ".join(c.name for c in result.checks)
+        if config.schedule != "pipedream":
+            assert "gradients equal" in names
+        if config.schedule in ("interleaved_1f1b", "zb_h1"):
+            assert "torch.distributed.pipelining" in names
+
+
+def test_peak_live_activations(matrix):
+    for config, payloads in matrix:
+        m = 1 if config.schedule == "naive" else config.microbatches
+        for pl in payloads:
+            expected = {"gpipe": m, "1f1b": min(m, config.stages - pl["rank"])}.get(config.schedule)
+            if expected is not None:
+                assert pl["peak_live"] == expected
+
+
+def test_pipedream_stashing_consistency(matrix):
+    stash, no_stash = [(c, p) for c, p in matrix if c.schedule == "pipedream"]
+    versions = [v for pl in stash[1] for v in pl["versions"]]
+    assert versions and all(v["forward_version"] == v["backward_version"] for v in versions)
+    versions = [v for pl in no_stash[1] for v in pl["versions"]]
+    if no_stash[0].stages > 1:
+        assert any(v["forward_version"] != v["backward_version"] for v in versions)
+        assert max(e["relative_error"] for pl in no_stash[1] for e in pl["grad_errors"]) > 0
+
+
+def test_a_wrong_gradient_fails_the_check(matrix):
+    config, payloads = next((c, p) for c, p in matrix if c.schedule == "1f1b" and not c.recompute)
+    payloads[0]["grads"][0][0] = payloads[0]["grads"][0][0] + 1e-6
+    assert not combine(config, payloads).passed
+
+
+def test_schedule_bounds_from_the_order():
+    for p, m in ((4, 8), (3, 5)):
+        for r in range(p):
+            assert live_activations(build("gpipe", p, m)[r]) == m
+            assert live_activations(build("1f1b", p, m)[r]) == peak_live_bound("1f1b", p, m, r) == min(m, p - r)
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"stages": "1"}, "stages"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": "2", "microbatches": "2", "stages": "4", "layers": "8"}, "microbatches"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": "3", "layers": "8"}, "layers"),
+    ({"virtual_stages": "2"}, "virtual_stages"),
+    ({"batch": "30", "microbatches": "8"}, "batch"),
+    ({"schedule": "zb_h1", "recompute": "true"}, "recompute"),
+])
+def test_bad_inputs(values, field):
+    with pytest.raises(ConfigError) as info:
+        PipelineConfig.from_dict(values)
+    assert info.value.field == field
