@@ -8,12 +8,12 @@ from backend.config import ConfigError
 from backend.dist.launch import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel.pp.executor import run_rank
-from backend.parallel.pp.experiment import PipelineConfig, combine
+from backend.parallel.pp.experiment import PipelineConfig, combine, run_rank_with_peer
 from backend.parallel.pp.schedules import build, live_activations, peak_live_bound
 
 
 def _matrix_rank(rank, world, configs, ctx):
-    return [run_rank(rank, world, c, ctx) for c in configs]
+    return [run_rank_with_peer(rank, world, c, ctx) for c in configs]
 
 
 def _configs(p):
@@ -23,7 +23,8 @@ def _configs(p):
             PipelineConfig(schedule="1f1b", microbatches=4, recompute=True, **small),
             PipelineConfig(schedule="interleaved_1f1b", microbatches=4, virtual_stages=2, **small),
             PipelineConfig(schedule="pipedream", microbatches=4, **small),
-            PipelineConfig(schedule="pipedream", microbatches=4, weight_stashing=False, **small)]
+            PipelineConfig(schedule="pipedream", microbatches=4, weight_stashing=False, **small),
+            PipelineConfig(schedule="pipedream", microbatches=4, vertical_sync=True, **small)]
     return [c.validate() for c in out]
 
 
@@ -44,7 +45,7 @@ def test_every_schedule_passes_its_checks(matrix):
         names = " ".join(c.name for c in result.checks)
         if config.schedule != "pipedream":
             assert "gradients equal" in names
-        if config.schedule in ("interleaved_1f1b", "zb_h1"):
+        if config.schedule in ("interleaved_1f1b", "zb_h1", "gpipe", "1f1b"):
             assert "torch.distributed.pipelining" in names
 
 
@@ -58,7 +59,7 @@ def test_peak_live_activations(matrix):
 
 
 def test_pipedream_stashing_consistency(matrix):
-    stash, no_stash = [(c, p) for c, p in matrix if c.schedule == "pipedream"]
+    stash, no_stash, vsync = [(c, p) for c, p in matrix if c.schedule == "pipedream"]
     versions = [v for pl in stash[1] for v in pl["versions"]]
     assert versions and all(v["forward_version"] == v["backward_version"] for v in versions)
     versions = [v for pl in no_stash[1] for v in pl["versions"]]
@@ -92,3 +93,19 @@ def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         PipelineConfig.from_dict(values)
     assert info.value.field == field
+
+
+def test_pipedream_vertical_sync(matrix):
+    config, payloads = [(c, p) for c, p in matrix if c.schedule == "pipedream"][2]
+    by_mb = {}
+    for pl in payloads:
+        for v in pl["versions"]:
+            by_mb.setdefault(v["mb"], set()).add(v["forward_version"])
+    assert all(len(vs) == 1 for vs in by_mb.values())
+    plain = [(c, p) for c, p in matrix if c.schedule == "pipedream"][0][1]
+    spread = {}
+    for pl in plain:
+        for v in pl["versions"]:
+            spread.setdefault(v["mb"], set()).add(v["forward_version"])
+    if config.stages > 2:
+        assert any(len(vs) > 1 for vs in spread.values())  # without it, stages disagree

@@ -61,7 +61,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
     saved: dict[tuple[int, int], dict] = {}
     pending_sends, live, peak, timeline, versions = [], 0, 0, [], []
     version = {s: 0 for s in stages}
-    stash: dict[tuple[int, int], dict] = {}
+    history = {s: {0: {k: v.detach().clone() for k, v in mod.named_parameters()}} for s, mod in stages.items()}  # version -> weights
     grad_errors = []
     order = build(config.schedule, p, m, config.virtual_stages)[rank]
     for action in order:
@@ -75,7 +75,10 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                 with tracer.span("recv", f"recv act {mb}", stage=s, mb=mb):
                     dist.recv(x, (s - 1) % p, tag=_tag(s - 1, mb, False, m))
                 x.requires_grad_(True)
-            params = {k: v.detach().clone() for k, v in module.named_parameters()} if config.schedule == "pipedream" else None
+            params = None
+            if config.schedule == "pipedream":
+                use = vertical_version(config, p, mb) if config.vertical_sync else version[s]
+                params = {k: v.clone() for k, v in history[s][use].items()}
             with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb):
                 if config.recompute:  # keep only the stage input; the backward recomputes the rest
                     with torch.no_grad():
@@ -85,8 +88,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                 loss = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else None
             saved[(s, mb)] = {"x": x, "out": out, "loss": loss, "params": params}
             if config.schedule == "pipedream":
-                versions.append({"stage": s, "mb": mb, "forward_version": version[s]})
-                stash[(s, mb)] = params
+                versions.append({"stage": s, "mb": mb, "forward_version": use})
             if s < S - 1:
                 pending_sends.append(dist.isend(out.detach().contiguous(), (s + 1) % p, tag=_tag(s, mb, False, m)))
             live += 1
@@ -106,6 +108,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                 root, seed_grad = (st["loss"], None) if s == S - 1 else (st["out"], grad_out)
                 if config.schedule == "pipedream":
                     _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S)
+                    history[s][version[s]] = {k: v.detach().clone() for k, v in module.named_parameters()}
                 elif kind == "B":
                     torch.autograd.backward(root, seed_grad)
                 else:  # I: input gradient only; W later
@@ -138,6 +141,17 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             "order": [str(a) for a in order], "versions": versions, "grad_errors": grad_errors}
 
 
+def vertical_version(config, p: int, mb: int) -> int:
+    """PipeDream's vertical sync: every stage runs micro-batch mb on the weight version stage 0 had when it
+    ran mb's forward (the number of backwards stage 0 had finished by then), known from stage 0's order."""
+    done = 0
+    for action in build(config.schedule, p, config.microbatches)[0]:
+        if action.kind == "F" and action.mb == mb:
+            return done
+        done += action.kind == "B"
+    raise ValueError(f"micro-batch {mb} has no forward on stage 0")
+
+
 def _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S):
     """Backward with the stashed weights (consistent) and, without stashing, with the current ones; SGD update."""
     names = [k for k, _ in module.named_parameters()]
@@ -157,8 +171,8 @@ def _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, ver
         grad_errors.append({"stage": s, "mb": mb, "relative_error": float(num / den)})
     if s > 0:
         st["x"].grad = gx
-    b_version = (next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
-                 if config.weight_stashing else version[s])
+    forward_version = next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
+    b_version = forward_version if config.weight_stashing else version[s]
     for v in versions:
         if v["stage"] == s and v["mb"] == mb:
             v["backward_version"] = b_version

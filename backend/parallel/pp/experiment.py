@@ -33,6 +33,7 @@ class PipelineConfig(Config):
     unequal_stages: bool = setting(False, help="make the last stage twice as deep")
     recompute: bool = setting(False, help="keep only stage inputs; recompute the forward in backward (naive, gpipe, 1f1b)")
     weight_stashing: bool = setting(True, help="pipedream: backward on the weights its forward used")
+    vertical_sync: bool = setting(False, help="pipedream: every stage runs a micro-batch on the weight version stage 0 used")
     lr: float = setting(0.05, min=0.0, max=1.0, help="pipedream: SGD learning rate per micro-batch")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
 
@@ -60,6 +61,8 @@ class PipelineConfig(Config):
                                                   "allowed: a multiple of p, or m with m % (m // p) == 0")
         if self.batch % m:
             raise ConfigError("batch", f"{self.batch} does not split into {m} equal micro-batches (allowed: a multiple of microbatches)")
+        if self.vertical_sync and self.schedule != "pipedream":
+            raise ConfigError("vertical_sync", f"vertical sync is PipeDream's (allowed with schedule=pipedream, not {self.schedule})")
         if self.recompute and self.schedule not in ("naive", "gpipe", "1f1b"):
             raise ConfigError("recompute", f"recomputation is built for naive, gpipe and 1f1b, not {self.schedule}")
 
@@ -87,6 +90,45 @@ def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] |
     fake = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
                            microbatches_per_round=m // rounds)
     return [str(a) for a in cls._calculate_single_rank_operations(fake, rank) if a is not None]
+
+
+def torch_pipelining_peer(rank: int, p: int, config) -> dict:
+    """Run PyTorch's own ScheduleGPipe / Schedule1F1B on the same stage (same seed, same data) on these ranks;
+    record the order of its forwards and backwards with module hooks, and its gradients."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    module = make_stage(rank, config.hidden, stage_layers(config, rank), config.seed)
+    x, y = make_batch(config)
+    scale = 1.0 / (config.batch * config.hidden)
+    stage = PipelineStage(module, rank, p, torch.device("cpu"))
+    cls = ScheduleGPipe if config.schedule == "gpipe" else Schedule1F1B
+    schedule = cls(stage, n_microbatches=config.microbatches, scale_grads=False,
+                   loss_fn=lambda out, target: ((out - target) ** 2).sum() * scale)
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+
+    step()  # the first step also infers shapes; record the second
+    module.zero_grad(set_to_none=True)
+    order = []
+    module.register_forward_pre_hook(lambda *_: order.append("F"))
+    module.register_full_backward_pre_hook(lambda *_: order.append("B"))
+    dist.barrier()
+    step()
+    return {"order": "".join(order), "grads": [prm.grad.numpy().copy() for prm in module.parameters()]}
+
+
+def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
+    payload = run_rank(rank, p, config, ctx)
+    if config.schedule in ("gpipe", "1f1b"):
+        payload["torch_peer"] = torch_pipelining_peer(rank, p, config)
+    return payload
 
 
 def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
@@ -122,6 +164,17 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
             mine = payloads[r]["order"]
             checks.append(Check(f"rank {r}: op order equals torch.distributed.pipelining's", 0 if mine == theirs else 1, 0,
                                 reference=f"PyTorch {config.schedule} schedule code", detail=" ".join(mine[:12]) + " …"))
+    if all("torch_peer" in pl for pl in payloads):
+        ours = ["".join(a[len(str(pl["rank"]))] for a in pl["order"]) for pl in payloads]
+        theirs = [pl["torch_peer"]["order"] for pl in payloads]
+        checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {'ScheduleGPipe' if config.schedule == 'gpipe' else 'Schedule1F1B'} run as a peer",
+                            sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
+                            detail=" | ".join(theirs)))
+        ref = reference_grads(config)
+        worst = max((torch.from_numpy(g) - rg).abs().max().item()
+                    for pl in payloads for g, rg in zip(pl["torch_peer"]["grads"], ref[pl["rank"]]))
+        checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
+                            reference="single-process PyTorch autograd, float64"))
     versions = [dict(v_, rank=pl["rank"]) for pl in payloads for v_ in pl["versions"]]
     errors = [e for pl in payloads for e in pl["grad_errors"]]
     if config.schedule == "pipedream":
@@ -134,6 +187,16 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                          f"their forward; mean relative gradient error {sum(e['relative_error'] for e in errors) / max(1, len(errors)):.3g}.")
             checks.append(Check("without stashing, some backward sees other weights than its forward", 0 if mismatched else 1, 0,
                                 reference="seed 000: the inconsistency PipeDream's stashing removes"))
+        by_mb = {}
+        for v_ in versions:
+            by_mb.setdefault(v_["mb"], set()).add(v_["forward_version"])
+        spread = sum(len(vs) > 1 for vs in by_mb.values())
+        if config.vertical_sync:
+            checks.append(Check("vertical sync: every stage ran each micro-batch on the same weight version", spread, 0,
+                                reference="stage 0's version at the micro-batch's forward"))
+        else:
+            notes.append(f"Without vertical sync, {spread} of {len(by_mb)} micro-batches ran on different weight versions "
+                         "on different stages.")
     gantt = [{"rank": e["rank"], "lane": e["lane"], "name": e["name"], "kind": e["args"].get("kind", e["lane"]),
               "mb": e["args"].get("mb"), "stage": e["args"].get("stage"),
               "start_ms": (e["ts"] - start) / 1e3, "end_ms": (e["ts"] + e["dur"] - start) / 1e3} for e in events]
@@ -154,4 +217,4 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
 
 register("pipeline.run", PipelineConfig,
          "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, PipeDream) on gloo ranks: Gantt, bubble, activations",
-         rank_fn=run_rank, combine=combine, lanes=("compute", "recv", "send"))
+         rank_fn=run_rank_with_peer, combine=combine, lanes=("compute", "recv", "send"))
