@@ -13,6 +13,7 @@ navigation = st.navigation({
     "Distributed": [
         st.Page("pages/collectives.py", title="Collectives, step by step", icon="🔁", url_path="collectives"),
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
+        st.Page("pages/data_parallel.py", title="Data parallel & ZeRO", icon="🧮", url_path="data_parallel"),
         st.Page("pages/pipeline.py", title="Pipeline parallel", icon="🛤️", url_path="pipeline"),
     ],
     "Attention": [

@@ -36,6 +36,7 @@ EXPERIMENT_MODULES = (
     "backend.attention.flash_experiment",
     "backend.memory.roofline_experiment",
     "backend.parallel.pp.experiment",
+    "backend.parallel.dp_experiment",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,96 @@
+"""The workload every data-parallel strategy trains: an MLP stack (Linear+tanh, float64) on deterministic data,
+with the same hand-written Adam everywhere, and the single-process reference run they must match.
+
+Loss = squared error summed over the global batch ÷ (global batch · width); each rank takes a contiguous
+slice of every step's batch and scales its partial loss the same way, so summing gradients over ranks
+gives the single-process gradient. Adam is PyTorch's formula, written out so a shard updates exactly
+the elements the full vector would.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+def make_model(hidden: int, layers: int, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(hidden, hidden, dtype=torch.float64), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def batch(config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(config.seed * 7919 + step)
+    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
+    return x, torch.tanh(x.flip(1))  # a learnable target
+
+
+def local_slice(config, rank: int, world: int, t: torch.Tensor) -> torch.Tensor:
+    return t.tensor_split(world)[rank]
+
+
+def loss_fn(config, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum() / (config.batch * config.hidden)
+
+
+@dataclass
+class Adam:
+    """PyTorch's Adam on a flat vector (or a shard of one): identical arithmetic element by element."""
+    lr: float
+    step: int = 0
+
+    def update(self, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        self.step += 1
+        b1, b2 = BETAS
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step_size = self.lr / (1 - b1 ** self.step)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** self.step)).add_(EPS)
+        param.addcdiv_(m, denom, value=-step_size)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def reference_run(config) -> dict:
+    """One process, the whole batch, the same Adam: losses per step and the final flat parameters."""
+    model = make_model(config.hidden, config.layers, config.seed)
+    flat = flat_params(model)
+    m, v, adam, losses = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr), []
+    for step in range(config.steps):
+        load_flat(model, flat)
+        x, y = batch(config, step)
+        loss = loss_fn(config, model(x), y)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        adam.update(flat, grad, m, v)
+        losses.append(loss.item())
+    return {"losses": losses, "params": flat}
+
+
+def activation_bytes(fn):
+    """Run fn() and return (its result, bytes of the tensors autograd saved for backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved)

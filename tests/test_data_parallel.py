@@ -1,0 +1,59 @@
+"""DDP, ZeRO-1/2/3 and FSDP2 against one process, at world sizes 2, 3 (uneven shards) and 4."""
+import multiprocessing
+
+import pytest
+
+from backend.config import ConfigError
+from backend.dist.launch import spawn_ranks
+from backend.experiments import RunContext
+from backend.parallel import ddp, fsdp, zero
+from backend.parallel.dp_experiment import DDPConfig, FSDPConfig, ZeroConfig, make_combine
+
+
+def _cases(world):
+    base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3)  # layers of 42 parameters: uneven shards at n = 4
+    return [(ddp.run_rank, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp.run_rank, DDPConfig(overlap=False, **base), "ddp"),
+            (zero.run_rank, ZeroConfig(stage=1, **base), "zero1"), (zero.run_rank, ZeroConfig(stage=2, **base), "zero2"),
+            (zero.run_rank, ZeroConfig(stage=3, **base), "zero3"), (fsdp.run_rank, FSDPConfig(**base), "fsdp")]
+
+
+def _all(rank, world, cases, ctx):
+    return [fn(rank, world, cfg, ctx) for fn, cfg, _ in cases]
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def runs(request):
+    cases = _cases(request.param)
+    per_rank = spawn_ranks(_all, request.param, cases, RunContext(timeout_s=240))
+    assert multiprocessing.active_children() == []
+    return [(cfg, name, [per_rank[r][i] for r in range(request.param)]) for i, (_, cfg, name) in enumerate(cases)]
+
+
+def test_every_strategy_equals_the_reference_and_its_formulas(runs):
+    for cfg, name, payloads in runs:
+        result = make_combine(lambda c, name=name: name)(cfg, payloads)
+        failed = [(c.name, c.error) for c in result.checks if not c.passed]
+        assert not failed, (name, failed)
+
+
+def test_zero_memory_shrinks_stage_by_stage(runs):
+    held = {name: payloads[0]["memory"] for cfg, name, payloads in runs}
+    assert held["zero1"]["optimizer states"] < held["ddp"]["optimizer states"]
+    assert held["zero2"]["gradients"] < held["zero1"]["gradients"]
+    assert held["zero3"]["parameters"] < held["zero2"]["parameters"]
+
+
+def test_a_wrong_parameter_fails_the_check(runs):
+    cfg, name, payloads = next(r for r in runs if r[1] == "zero2")
+    payloads[0]["params"] = payloads[0]["params"] + 1e-9
+    assert not make_combine(lambda c: name)(cfg, payloads).passed
+
+
+@pytest.mark.parametrize("cls, values, field", [
+    (ZeroConfig, {"stage": "4"}, "stage"), (ZeroConfig, {"world_size": "1"}, "world_size"),
+    (DDPConfig, {"bucket_kb": "0"}, "bucket_kb"), (FSDPConfig, {"batch": "2", "world_size": "4"}, "batch"),
+])
+def test_bad_inputs(cls, values, field):
+    with pytest.raises(ConfigError) as info:
+        cls.from_dict(values)
+    assert info.value.field == field
