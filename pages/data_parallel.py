@@ -9,7 +9,7 @@ from pages import ui
 
 st.title("Data parallel & ZeRO")
 
-STRATEGIES = {"DDP (ours, beside torch DDP)": "parallel.ddp", "ZeRO-1/2/3 (ours)": "parallel.zero", "FSDP2 (PyTorch)": "parallel.fsdp"}
+STRATEGIES = {"Parameter server": "parallel.dp_ps", "DDP (ours, beside torch DDP)": "parallel.ddp", "ZeRO-1/2/3 (ours)": "parallel.zero", "FSDP2 (PyTorch)": "parallel.fsdp"}
 BASE = ("world_size", "hidden", "layers", "batch", "steps", "lr", "seed")
 
 
@@ -21,7 +21,28 @@ def memory_chart(rows: pd.DataFrame, x: str, title: str) -> alt.Chart:
     return bars.properties(height=260, title=title)
 
 
+def render_ps(result: dict, rec) -> None:
+    for note in result.get("notes", []):
+        st.info(note)
+    left, right = st.columns(2)
+    left.altair_chart(alt.Chart(pd.DataFrame(result["tables"]["eval"])).mark_line(point=True).encode(
+        x=alt.X("update:Q", title="server update"), y=alt.Y("loss:Q", title="held-out loss", scale=alt.Scale(zero=False))
+    ).properties(height=260, title="Loss as the server applies updates"), width="stretch")
+    stale = pd.DataFrame(result["tables"]["staleness"])
+    if not stale.empty:
+        right.altair_chart(alt.Chart(stale).mark_bar().encode(
+            x=alt.X("update:O", title="update"), y=alt.Y("staleness:Q", title="staleness (updates)"), color="worker:N",
+            tooltip=["update", "worker", "staleness"]).properties(height=260, title="Staleness of each applied gradient"), width="stretch")
+    st.dataframe(pd.DataFrame(result["tables"]["volume"]), hide_index=True, width="stretch")
+    trace = rec.trace_bytes()
+    if trace:
+        ui.timeline_chart(json.loads(trace), title="Per-rank timeline: the server's receive, update, send")
+
+
 def render(result: dict, rec) -> None:
+    if "staleness" in result["tables"]:
+        render_ps(result, rec)
+        return
     memory = pd.DataFrame(result["tables"]["memory"])
     memory["rank"] = memory["rank"].map(lambda r: f"rank {r}")
     left, right = st.columns(2)

@@ -6,8 +6,8 @@ import pytest
 from backend.config import ConfigError
 from backend.dist.launch import spawn_ranks
 from backend.experiments import RunContext
-from backend.parallel import ddp, fsdp, zero
-from backend.parallel.dp_experiment import DDPConfig, FSDPConfig, ZeroConfig, make_combine
+from backend.parallel import ddp, dp_ps, fsdp, zero
+from backend.parallel.dp_experiment import DDPConfig, FSDPConfig, PSConfig, ZeroConfig, combine_ps, make_combine
 
 
 def _cases(world):
@@ -57,3 +57,20 @@ def test_bad_inputs(cls, values, field):
     with pytest.raises(ConfigError) as info:
         cls.from_dict(values)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("server, mode", [("rank0", "sync"), ("dedicated", "sync"), ("dedicated", "async"), ("dedicated", "stale")])
+def test_parameter_servers(server, mode):
+    cfg = PSConfig(world_size=3, hidden=8, layers=2, batch=12, steps=8, lr=0.02, server=server, mode=mode, staleness=0,
+                   straggler_ms=20 if mode != "sync" else 0).validate()
+    payloads = spawn_ranks(dp_ps.run_rank, 3, cfg, RunContext(timeout_s=120))
+    result = combine_ps(cfg, payloads)
+    assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
+    if mode == "async":
+        assert max(u["staleness"] for u in result.tables["staleness"]) >= 1
+
+
+def test_parameter_server_bad_inputs():
+    with pytest.raises(ConfigError) as info:
+        PSConfig.from_dict({"server": "rank0", "mode": "async"})
+    assert info.value.field == "mode"

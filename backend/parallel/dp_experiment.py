@@ -14,7 +14,7 @@ import torch
 
 from backend.config import Config, setting
 from backend.experiments import register
-from backend.parallel import ddp, fsdp, zero
+from backend.parallel import ddp, dp_ps, fsdp, zero
 from backend.parallel.workload import reference_run
 from backend.result import Check, Result
 
@@ -50,6 +50,21 @@ class ZeroConfig(DPConfig):
 @dataclasses.dataclass
 class FSDPConfig(DPConfig):
     pass
+
+
+@dataclasses.dataclass
+class PSConfig(DPConfig):
+    mode: str = setting("sync", choices=("sync", "async", "stale"), help="synchronous, asynchronous, or bounded staleness")
+    staleness: int = setting(1, min=0, max=16, help="stale mode: how many pushes a worker may run ahead of the slowest")
+    server: str = setting("dedicated", choices=("rank0", "dedicated"), help="rank 0 also works (seed's GPU0 DP), or only serves")
+    straggler_ms: int = setting(0, min=0, max=1000, help="extra time per step on the last worker")
+
+    def check(self) -> None:
+        from backend.config import ConfigError
+
+        super().check()
+        if self.server == "rank0" and self.mode != "sync":
+            raise ConfigError("mode", f"{self.mode!r} needs server=dedicated (allowed with server=rank0: sync, seed 000's DP)")
 
 
 def expected_memory(strategy: str, config, psi_elements: int, param_elements: int, largest_layer: int, item: int) -> dict:
@@ -111,6 +126,41 @@ def make_combine(strategy_of):
     return combine
 
 
+def combine_ps(config, payloads: list[dict]) -> Result:
+    n, server = config.world_size, payloads[0]
+    P = server["params"].size
+    workers = n - 1 if config.server == "dedicated" else n
+    checks, notes = [], []
+    if config.mode == "sync":
+        ref = reference_run(config)
+        err = (torch.from_numpy(server["params"]) - ref["params"]).abs().max().item()
+        checks.append(Check("synchronous server's parameters equal one process on the whole batch", err, 1e-12,
+                            reference="single-process PyTorch, same Adam, float64"))
+    else:
+        first, last = server["eval"][0]["loss"], server["eval"][-1]["loss"]
+        checks.append(Check("the server converges: held-out loss at the end below 0.8× the first update's", max(0.0, last - 0.8 * first), 0.0,
+                            reference="the loss after the first update", detail=f"{first:.4f} → {last:.4f}"))
+        stale = [u["staleness"] for u in server["updates"]]
+        if config.mode == "stale":
+            bound = (workers - 1) * (config.staleness + 1)
+            checks.append(Check("bounded staleness holds: no gradient older than (W-1)(s+1) updates", max(0, max(stale) - bound), 0,
+                                reference="the stale-synchronous bound", detail=f"max staleness {max(stale)}, bound {bound}"))
+        notes.append(f"Staleness over {len(stale)} updates: mean {sum(stale) / len(stale):.2f}, max {max(stale)}.")
+    if config.server == "rank0":
+        formula = (n - 1) * P * 8 * config.steps
+        checks.append(Check("rank 0 receives (n-1)ψ and sends (n-1)ψ per step (seed 000's DP)",
+                            abs(server["recv"] - formula) + abs(server["sent"] - formula), 0, reference="seed 000",
+                            detail="logical bytes of gloo's gather and broadcast"))
+    volume = [{"rank": pl["rank"], "sent_bytes": pl["sent"], "recv_bytes": pl["recv"]} for pl in payloads]
+    return Result(metrics={"strategy": f"parameter server ({config.mode}, {config.server})", "world_size": n, "workers": workers,
+                           "final_eval_loss": server["eval"][-1]["loss"], "updates": len(server["eval"])},
+                  checks=checks, notes=notes,
+                  tables={"staleness": server["updates"], "eval": server["eval"], "volume": volume},
+                  trace_events=[e for pl in payloads for e in pl["trace"]["events"]])
+
+
+register("parallel.dp_ps", PSConfig, "parameter servers: rank 0 or dedicated; synchronous, asynchronous, bounded staleness",
+         rank_fn=dp_ps.run_rank, combine=combine_ps, lanes=("compute", "collective", "send", "recv"))
 register("parallel.ddp", DDPConfig, "our DDP (hooks, reverse-order buckets, overlapped async all-reduce) beside torch DDP",
          rank_fn=ddp.run_rank, combine=make_combine(lambda c: "ddp"), lanes=("compute", "collective"))
 register("parallel.zero", ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",

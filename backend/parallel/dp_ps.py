@@ -1,0 +1,143 @@
+"""Parameter servers (seeds 000 and 002): workers push gradients, a server updates the weights and returns them.
+
+server "rank0": rank 0 is a worker too and the server (seed 000's DP on GPU0): it gathers every gradient,
+                updates, broadcasts the parameters; it receives (n-1)ψ and sends (n-1)ψ per step.
+server "dedicated": rank 0 only serves (the CPU parameter server); ranks 1..n-1 work.
+mode sync:  the server waits for every worker's gradient of the step, sums them, updates once.
+mode async: the server applies each gradient as it arrives and replies with the newest weights; a
+            gradient computed on version v and applied at version V has staleness V - v.
+mode stale: bounded staleness (semi-synchronous): as async, but a worker more than `staleness` pushes
+            ahead of the slowest is not answered until the slowest catches up.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from backend.parallel.workload import Adam, batch, flat_params, load_flat, loss_fn, make_model
+from backend.trace import Tracer
+
+
+def _grad(model, flat, config, step, worker, workers):
+    load_flat(model, flat)
+    x, y = batch(config, step)
+    xs, ys = x.tensor_split(workers)[worker], y.tensor_split(workers)[worker]
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(config, model(xs), ys)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _eval_loss(model, flat, config) -> float:
+    load_flat(model, flat)
+    x, y = batch(config, 10_000)  # a held-out batch
+    with torch.no_grad():
+        return loss_fn(config, model(x), y).item()
+
+
+def run_rank(rank: int, world: int, config, ctx) -> dict:
+    tracer = Tracer(rank)
+    tracer.align(dist.barrier)
+    model = make_model(config.hidden, config.layers, config.seed)
+    flat = flat_params(model)
+    P, item = flat.numel(), flat.element_size()
+    out = {"rank": rank, "trace": tracer.payload(), "sent": 0, "recv": 0, "updates": [], "eval": []}
+    if config.server == "rank0" and config.mode == "sync":
+        m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
+        for step in range(config.steps):
+            with tracer.span("compute", f"grad {step}"):
+                g = _grad(model, flat, config, step, rank, world)
+            with tracer.span("collective", f"gather grads {step}"):
+                bucket = [torch.empty_like(g) for _ in range(world)] if rank == 0 else None
+                dist.gather(g, bucket, dst=0)
+            if rank == 0:
+                with tracer.span("compute", f"update {step}"):
+                    adam.update(flat, torch.stack(bucket).sum(0), m, v)
+                out["recv"] += (world - 1) * P * item
+                out["sent"] += (world - 1) * P * item
+                out["eval"].append({"update": step, "loss": _eval_loss(model, flat, config)})
+            else:
+                out["sent"] += P * item
+                out["recv"] += P * item
+            with tracer.span("collective", f"broadcast params {step}"):
+                dist.broadcast(flat, src=0)
+        out["params"] = flat.numpy().copy()
+        out["trace"] = tracer.payload()
+        return out
+    workers = list(range(1, world)) if config.server == "dedicated" else list(range(world))
+    if rank == 0:
+        return _serve(config, model, flat, workers, tracer, out, ctx)
+    return _work(config, model, flat, workers, rank, tracer, out)
+
+
+def _serve(config, model, flat, workers, tracer, out, ctx):
+    P, item = flat.numel(), flat.element_size()
+    m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
+    version, clocks, held, pending_sum = 0, {w: 0 for w in workers}, [], []
+    msg = torch.empty(P + 1, dtype=flat.dtype)
+
+    def reply(w):
+        with tracer.span("send", f"params v{version} to {w}"):
+            dist.send(torch.cat([torch.tensor([float(version)], dtype=flat.dtype), flat]), w)
+        out["sent"] += (P + 1) * item
+
+    for w in workers:
+        reply(w)
+    total = len(workers) * config.steps
+    for received in range(total):
+        with tracer.span("recv", "gradient"):
+            sender = dist.recv(msg, src=None)
+        out["recv"] += (P + 1) * item
+        based_on, grad = int(msg[0].item()), msg[1:].clone()
+        clocks[sender] += 1
+        if config.mode == "sync":
+            pending_sum.append(grad)
+            if len(pending_sum) == len(workers):
+                with tracer.span("compute", f"update {version}"):
+                    adam.update(flat, torch.stack(pending_sum).sum(0), m, v)
+                version += 1
+                pending_sum.clear()
+                out["eval"].append({"update": version, "loss": _eval_loss(model, flat, config)})
+                for w in workers:
+                    if clocks[w] < config.steps:
+                        reply(w)
+            continue
+        with tracer.span("compute", f"update {version}"):
+            adam.update(flat, grad, m, v)
+        out["updates"].append({"update": version, "worker": sender, "staleness": version - based_on})
+        version += 1
+        out["eval"].append({"update": version, "loss": _eval_loss(model, flat, config)})
+        held.append(sender)
+        slowest = min(clocks.values())
+        for w in list(held):  # answer every worker that may go on: all of them (async), or within the bound (stale)
+            if clocks[w] >= config.steps:
+                held.remove(w)
+            elif config.mode == "async" or clocks[w] - slowest <= config.staleness:
+                held.remove(w)
+                reply(w)
+        if received % 10 == 0:
+            ctx.progress(received / total, f"{received} gradients applied")
+    out["params"] = flat.numpy().copy()
+    out["trace"] = tracer.payload()
+    return out
+
+
+def _work(config, model, flat, workers, rank, tracer, out):
+    P, item = flat.numel(), flat.element_size()
+    msg = torch.empty(P + 1, dtype=flat.dtype)
+    for step in range(config.steps):
+        with tracer.span("recv", f"params {step}"):
+            dist.recv(msg, 0)
+        out["recv"] += (P + 1) * item
+        version, params = msg[0].item(), msg[1:].clone()
+        with tracer.span("compute", f"grad {step}"):
+            g = _grad(model, params, config, step, workers.index(rank), len(workers))
+            if rank == workers[-1] and config.straggler_ms:  # a slow worker, to see staleness grow
+                time.sleep(config.straggler_ms / 1000)
+        with tracer.span("send", f"grad {step}"):
+            dist.send(torch.cat([torch.tensor([version], dtype=flat.dtype), g]), 0)
+        out["sent"] += (P + 1) * item
+    out["trace"] = tracer.payload()
+    return out
