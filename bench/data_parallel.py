@@ -1,0 +1,51 @@
+"""Benchmark: step time and bytes sent per rank for every data-parallel strategy at 2 and 4 ranks, and DDP with
+its all-reduces overlapped with backward against launched after it. Writes bench/results/data_parallel.json.
+
+    python bench/data_parallel.py [--hidden 256] [--layers 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend import experiments  # noqa: E402
+from backend.device import describe  # noqa: E402
+
+
+def step_ms(result) -> float:
+    events = [e for e in result.trace_events if e["rank"] == 0]
+    return (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    base = dict(hidden=args.hidden, layers=args.layers, batch=64, steps=args.steps)
+    cases = [("parallel.ddp", {"overlap": True}), ("parallel.ddp", {"overlap": False}), ("parallel.zero", {"stage": 1}),
+             ("parallel.zero", {"stage": 2}), ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {}),
+             ("parallel.dp_ps", {"mode": "sync", "server": "rank0"})]
+    rows = []
+    for world in (2, 4):
+        for name, extra in cases:
+            result = experiments.run(name, world_size=world, **base, **extra)
+            assert result.passed, [c for c in result.checks if not c.passed]
+            volume = result.tables.get("volume", [])
+            sent = volume[0].get("sent_bytes_per_step", volume[0].get("sent_bytes", 0) / args.steps) if volume else None
+            rows.append({"strategy": result.metrics["strategy"], "extra": extra, "world_size": world,
+                         "ms_per_step_rank0": step_ms(result) / args.steps, "bytes_sent_per_step_rank0": sent})
+            print(rows[-1])
+    out = {"benchmark": "data_parallel", "device": describe(), "code_version": experiments.code_version(),
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": base, "rows": rows}
+    (Path(__file__).parent / "results" / "data_parallel.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
