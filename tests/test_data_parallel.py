@@ -13,6 +13,7 @@ from backend.parallel.dp_experiment import DDPConfig, FSDPConfig, PSConfig, Zero
 def _cases(world):
     base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3)  # layers of 42 parameters: uneven shards at n = 4
     return [(ddp.run_rank, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp.run_rank, DDPConfig(overlap=False, **base), "ddp"),
+            (ddp.run_rank, DDPConfig(bucket_kb=1, comm_delay_ms=5, **base), "ddp"),
             (zero.run_rank, ZeroConfig(stage=1, **base), "zero1"), (zero.run_rank, ZeroConfig(stage=2, **base), "zero2"),
             (zero.run_rank, ZeroConfig(stage=3, **base), "zero3"), (fsdp.run_rank, FSDPConfig(**base), "fsdp")]
 
@@ -74,3 +75,18 @@ def test_parameter_server_bad_inputs():
     with pytest.raises(ConfigError) as info:
         PSConfig.from_dict({"server": "rank0", "mode": "async"})
     assert info.value.field == "mode"
+
+
+@pytest.mark.parametrize("stage, world", [(1, 2), (2, 3), (2, 4)])
+def test_zero_bf16_mixed_precision(stage, world):
+    cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed").validate()
+    payloads = spawn_ranks(zero.run_rank, world, cfg, RunContext(timeout_s=120))
+    result = make_combine(lambda c: f"zero{stage}")(cfg, payloads)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert result.metrics["relative_error_vs_float64"] > 0  # bf16 does cost accuracy, and the run says how much
+
+
+def test_mixed_precision_needs_stage_1_or_2():
+    with pytest.raises(ConfigError) as info:
+        ZeroConfig.from_dict({"stage": "3", "precision": "bf16_mixed"})
+    assert info.value.field == "precision"

@@ -40,10 +40,12 @@ def run_rank(rank: int, world: int, config, ctx) -> dict:
     flat = flat_params(model)
     m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
     pending, ready, logical_sent = [], [0] * len(buckets), 0
+    slow_link = SlowLink(config.comm_delay_ms) if config.comm_delay_ms else None
 
     def launch(i):
         grads = torch.cat([p.grad.reshape(-1) for p in buckets[i]])
-        pending.append((i, grads, dist.all_reduce(grads, async_op=True), tracer.now_us()))
+        work = slow_link.all_reduce(grads) if slow_link else dist.all_reduce(grads, async_op=True)
+        pending.append((i, grads, work, tracer.now_us()))
 
     def on_grad(p):
         i = bucket_of[id(p)]
@@ -90,10 +92,47 @@ def run_rank(rank: int, world: int, config, ctx) -> dict:
                       "optimizer states": 2 * flat.numel() * item, "activations": act}
         if rank == 0:
             ctx.progress((step + 1) / config.steps, f"step {step + 1}")
+    if slow_link:
+        slow_link.close()
     peer = torch_ddp_peer(rank, world, config)
     return {"rank": rank, "losses": losses, "params": flat.numpy().copy(), "memory": memory, "sent": logical_sent,
             "psi_bytes": flat.numel() * flat.element_size(), "buckets": [sum(p.numel() for p in b) for b in buckets],
             "trace": tracer.payload(), "peer_params": peer}
+
+
+class SlowLink:
+    """Simulated slow network: one background thread per rank runs the bucket all-reduces in launch order (so every
+    rank issues them in the same order), each after `delay_ms` of pretend wire time."""
+
+    def __init__(self, delay_ms: int):
+        import queue
+        import threading
+
+        self.delay_s, self.jobs = delay_ms / 1000, queue.Queue()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while (job := self.jobs.get()) is not None:
+            tensor, done = job
+            time.sleep(self.delay_s)
+            dist.all_reduce(tensor)
+            done.set()
+
+    def all_reduce(self, tensor):
+        import threading
+
+        done = threading.Event()
+        self.jobs.put((tensor, done))
+
+        class Work:
+            def wait(self_inner):
+                done.wait()
+        return Work()
+
+    def close(self):
+        self.jobs.put(None)
+        self.thread.join()
 
 
 def torch_ddp_peer(rank: int, world: int, config):

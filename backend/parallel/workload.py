@@ -94,3 +94,25 @@ def activation_bytes(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(saved)
+
+
+def reference_run_mixed(config, slices: int = 1) -> dict:
+    """One process in bf16 mixed precision: a bf16 copy of the fp32 master weights computes forward and backward;
+    with `slices` > 1 the batch is cut as n ranks cut it and the slices' bf16 gradients are summed in fp32,
+    the arithmetic a data-parallel run with an fp32 gradient reduction performs. Same Adam on the fp32 master."""
+    model = make_model(config.hidden, config.layers, config.seed).to(torch.bfloat16)
+    master = flat_params(make_model(config.hidden, config.layers, config.seed)).float()
+    m, v, adam, losses = torch.zeros_like(master), torch.zeros_like(master), Adam(config.lr), []
+    for step in range(config.steps):
+        load_flat(model, master.bfloat16())
+        x, y = batch(config, step)
+        grad, total = torch.zeros_like(master), 0.0
+        for xs, ys in zip(x.tensor_split(slices), y.tensor_split(slices)):
+            loss = loss_fn(config, model(xs.bfloat16()).float(), ys.float())
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            grad += torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float()
+            total += loss.item()
+        adam.update(master, grad, m, v)
+        losses.append(total)
+    return {"losses": losses, "params": master.double()}

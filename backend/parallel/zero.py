@@ -63,6 +63,8 @@ class Sharded:
 
 
 def run_rank(rank: int, world: int, config, ctx) -> dict:
+    if getattr(config, "precision", "fp64") == "bf16_mixed":
+        return run_rank_mixed(rank, world, config, ctx)
     tracer = Tracer(rank)
     tracer.align(dist.barrier)
     comm = P2P(rank, world, tracer)
@@ -147,3 +149,54 @@ def _stage3_step(config, sh: Sharded, tracer, xs, ys, step):
             with tracer.span("collective", f"reduce-scatter layer {i}"):
                 grad_shards[i] = sh.reduce_scatter(i, torch.cat([gw.reshape(-1), gb]))
     return loss, saved, grad_shards
+
+
+def run_rank_mixed(rank: int, world: int, config, ctx) -> dict:
+    """bf16 mixed precision (seed 000's (2 + 2 + K)ψ, K = 12): bf16 parameters and gradients for compute, an fp32
+    master copy and Adam's m and v for the owned shard only; gradients are reduce-scattered in fp32 (as FSDP's
+    MixedPrecision(reduce_dtype=float32) does) and parameters all-gathered in bf16. Stages 1 and 2."""
+    tracer = Tracer(rank)
+    tracer.align(dist.barrier)
+    comm = P2P(rank, world, tracer)
+    model = make_model(config.hidden, config.layers, config.seed).to(torch.bfloat16)
+    master_full = flat_params(make_model(config.hidden, config.layers, config.seed)).float()
+    numel = master_full.numel()
+    sh = Sharded(config, master_full, rank, world, comm)  # fp32 master shard
+    master = sh.shards[0]
+    m, v, adam = torch.zeros_like(master), torch.zeros_like(master), Adam(config.lr)
+    flat16 = master_full.bfloat16()
+    losses, memory = [], {}
+    for step in range(config.steps):
+        x, y = batch(config, step)
+        xs, ys = local_slice(config, rank, world, x), local_slice(config, rank, world, y)
+        load_flat(model, flat16)
+        with tracer.span("compute", f"forward {step}"):
+            out, act = activation_bytes(lambda: model(xs.bfloat16()))
+            loss = loss_fn(config, out.float(), ys.float())
+        model.zero_grad(set_to_none=True)
+        with tracer.span("compute", f"backward {step}"):
+            loss.backward()
+        grad16 = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        with tracer.span("collective", f"reduce-scatter fp32 grads {step}"):  # bf16 grads, reduced in fp32
+            padded = torch.zeros(sh.pads[0], dtype=torch.float32)
+            padded[:numel] = grad16
+            grad_shard = reduce_scatter_ring(comm, padded, Spec("reduce_scatter", sh.pads[0]))
+        if config.stage == 2:
+            model.zero_grad(set_to_none=True)
+        with tracer.span("compute", f"adam on the fp32 master {step}"):
+            adam.update(master, grad_shard.float(), m, v)
+        with tracer.span("collective", f"all-gather bf16 params {step}"):
+            flat16 = all_gather_ring(comm, master.bfloat16(), Spec("all_gather", master.numel()))[:numel]
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item())
+        if step == 0:
+            memory = {"parameters": numel * 2, "gradients": numel * 2 if config.stage == 1 else grad_shard.numel() * grad_shard.element_size(),
+                      "optimizer states": 3 * master.numel() * 4, "activations": act}
+        if rank == 0:
+            ctx.progress((step + 1) / config.steps, f"step {step + 1}")
+    final = all_gather_ring(comm, master, Spec("all_gather", master.numel()))[:numel]
+    sent_allgather_fp32 = master.numel() * 4 * (world - 1)  # the final fp32 gather is reporting, not training
+    return {"rank": rank, "losses": losses, "params": final.double().numpy().copy(), "memory": memory,
+            "sent": comm.bytes_sent - sent_allgather_fp32, "recv": comm.bytes_recv - sent_allgather_fp32,
+            "psi_bytes": sh.psi_elements * 2, "param_bytes": numel * 2, "trace": tracer.payload(), "precision": "bf16_mixed"}
