@@ -13,13 +13,16 @@ navigation = st.navigation({
     "Distributed": [
         st.Page("pages/collectives.py", title="Collectives, step by step", icon="🔁", url_path="collectives"),
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
-        st.Page("pages/data_parallel.py", title="Data parallel & ZeRO", icon="🧮", url_path="data_parallel"),
+        st.Page("pages/data_parallel.py", title="Data parallel & ZeRO", icon="🗂", url_path="data_parallel"),
         st.Page("pages/pipeline.py", title="Pipeline parallel", icon="🛤️", url_path="pipeline"),
     ],
     "Attention": [
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),
         st.Page("pages/variants_train.py", title="Variants in training", icon="📉", url_path="variants_train"),
         st.Page("pages/flash_attention.py", title="FlashAttention", icon="⚡", url_path="flash_attention"),
+    ],
+    "Compilers": [
+        st.Page("pages/autograd.py", title="Autograd", icon="🧮", url_path="autograd"),
     ],
     "Hardware": [
         st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),

@@ -37,6 +37,7 @@ EXPERIMENT_MODULES = (
     "backend.memory.roofline_experiment",
     "backend.parallel.pp.experiment",
     "backend.parallel.dp_experiment",
+    "backend.graph.autodiff_experiment",
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -69,12 +69,13 @@ def _url_settings(exp: experiments.Experiment) -> tuple[dict, ConfigError | None
         return {}, err
 
 
-def settings_form(exp: experiments.Experiment) -> dict | None:
-    """A form built from the Config's fields; returns raw values when submitted, else None."""
+def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dict | None:
+    """A form built from the Config's fields, filled from the URL's settings, else the shown run's, else defaults;
+    returns raw values when submitted, else None."""
     from_url, url_error = _url_settings(exp)
     if url_error:
         st.error(f"The link's settings were not used. {url_error}")
-    defaults = exp.config_cls().to_dict()
+    defaults = {**exp.config_cls().to_dict(), **(shown or {})}
     with st.form(f"settings-{exp.name}"):
         cols = st.columns(3)
         values = {}
@@ -103,8 +104,9 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     exp = experiments.get(name)
     if intro:
         st.markdown(intro)
-    values = settings_form(exp)
     run_id = st.query_params.get("run")
+    shown = store().get(run_id) if run_id else None
+    values = settings_form(exp, shown.config if shown and shown.experiment == name else None)
     if values is not None:
         try:
             run_id = runner().submit(name, values)
