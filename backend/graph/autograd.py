@@ -76,16 +76,7 @@ class Node:
 
     # --- backward ---------------------------------------------------------------------------------------
     def backward(self):
-        order, seen = [], set()
-
-        def visit(n):
-            if n.id in seen:
-                return
-            seen.add(n.id)
-            for i in n.inputs:
-                visit(i)
-            order.append(n)
-        visit(self)
+        order = topological_order(self)
         self.grad = torch.ones_like(self.value)
         for n in reversed(order):
             if n._backward is None or n.grad is None:
@@ -93,6 +84,21 @@ class Node:
             for inp, g in zip(n.inputs, n._backward(n.grad)):
                 inp.grad = g if inp.grad is None else inp.grad + g
         return order
+
+
+def topological_order(output: Node) -> list[Node]:
+    """Every node `output` depends on, inputs before the nodes that use them."""
+    order, seen = [], set()
+
+    def visit(n):
+        if n.id in seen:
+            return
+        seen.add(n.id)
+        for i in n.inputs:
+            visit(i)
+        order.append(n)
+    visit(output)
+    return order
 
 
 def _lift(x) -> Node:
@@ -111,17 +117,8 @@ def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def graphs(output: Node, names: dict[int, str]) -> tuple[nx.DiGraph, nx.DiGraph]:
     """Forward DAG (inputs -> output) and the backward DAG autograd derives from it (grad of output -> grads of inputs)."""
-    fwd, bwd, order, seen = nx.DiGraph(), nx.DiGraph(), [], set()
-
-    def visit(n):
-        if n.id in seen:
-            return
-        seen.add(n.id)
-        for i in n.inputs:
-            visit(i)
-        order.append(n)
-    visit(output)
-    for n in order:
+    fwd, bwd = nx.DiGraph(), nx.DiGraph()
+    for n in topological_order(output):
         label = names.get(n.id, n.op)
         shape = "×".join(map(str, n.value.shape)) or "scalar"
         fwd.add_node(n.id, label=f"{label}\n[{shape}]", shape="ellipse" if n.inputs else "box",
