@@ -62,7 +62,7 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Published models, by formula (bf16 cache)")
     gpu = st.selectbox("GPU memory for the cache", list(GPUS), index=1)
-    presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_in_80GiB": "tokens that fit"})
+    presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_that_fit": "tokens that fit"})
     st.dataframe(presets, hide_index=True, width="stretch")
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
 

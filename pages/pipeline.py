@@ -18,7 +18,7 @@ def gantt(result: dict, title: str) -> alt.Chart:
     df["label"] = df.apply(lambda e: f"{e['mb']}" if e["lane"] == "compute" else "", axis=1)
     df["kind"] = df.apply(lambda e: e["kind"] if e["lane"] == "compute" else "recv", axis=1)
     base = alt.Chart(df).encode(y=alt.Y("row:N", title=None, sort="ascending"))
-    bars = base.mark_bar(height=alt.RelativeBandSize(0.8) if hasattr(alt, "RelativeBandSize") else 18).encode(
+    bars = base.mark_bar(height=alt.RelativeBandSize(0.8)).encode(
         x=alt.X("start_ms:Q", title="time since the ranks aligned (ms)"), x2="end_ms:Q",
         color=alt.Color("kind:N", scale=KIND_COLORS, title="action"),
         opacity=alt.condition(alt.datum.kind == "recv", alt.value(0.5), alt.value(1.0)),

@@ -122,7 +122,7 @@ def preset_table(gpu_gib: float = 80.0) -> list[dict]:
     for name, p in PRESETS.items():
         per_token = cache_formula_elements(p["variant"], p["n_heads"], p["n_kv_heads"], p["d_head"], p["d_c"], p["d_rope"], p["n_layers"])
         rows.append({"model": name, "elements_per_token_per_layer": per_token // p["n_layers"],
-                     "bytes_per_token_bf16": per_token * 2, "tokens_in_80GiB": int(gpu_gib * 2**30 // (per_token * 2))})
+                     "bytes_per_token_bf16": per_token * 2, "tokens_that_fit": int(gpu_gib * 2**30 // (per_token * 2))})
     return rows
 
 

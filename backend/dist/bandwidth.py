@@ -16,18 +16,12 @@ import dataclasses
 import time
 
 from backend.config import Config, ConfigError, setting
+from backend.dist.collectives import BUS_FACTOR
 from backend.experiments import register
 from backend.result import Check, Result
 from backend.trace import Tracer
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
 MiB = 1 << 20
 
 

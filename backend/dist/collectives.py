@@ -370,4 +370,11 @@ ALGORITHMS = {
 for _algos in ALGORITHMS.values():
     _algos["builtin"] = builtin
 OPS = tuple(ALGORITHMS)
+
+# nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md): busbw = algbw × factor(n), the per-link bandwidth an
+# optimal ring would need, so figures compare across rank counts.
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0, "barrier": lambda n: 0.0}
 ALGOS = ("ring", "tree", "halving_doubling", "direct", "builtin")

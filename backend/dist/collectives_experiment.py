@@ -18,16 +18,12 @@ import statistics
 import time
 
 from backend.config import Config, ConfigError, setting
-from backend.dist.collectives import ALGORITHMS, ALGOS, OPS, Spec, chunk_sizes
+from backend.dist.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
 from backend.experiments import register
 from backend.result import Check, Result
 from backend.trace import Tracer
 
 MAX_NUMEL = 16 << 20  # 64 MiB of fp32 per rank
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
-              "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0, "barrier": lambda n: 0.0}
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 
 

@@ -77,12 +77,22 @@ class PSConfig(DPConfig):
             raise ConfigError("mode", f"{self.mode!r} needs server=dedicated (allowed with server=rank0: sync, seed 000's DP)")
 
 
-def expected_memory(strategy: str, config, psi_elements: int, param_elements: int, largest_layer: int, item: int) -> dict:
+def fsdp_local_elements(config, rank: int) -> int:
+    """FSDP2 shards every parameter along dim 0 as torch.chunk does: ceil(rows / n) rows per rank, fewer or none last."""
+    n, h = config.world_size, config.hidden
+    rows_per = -(-h // n)
+    rows = max(0, min(rows_per, h - rank * rows_per))
+    return config.layers * (rows * h + rows)  # each Linear: weight (h, h) and bias (h,)
+
+
+def expected_memory(strategy: str, config, psi_elements: int, param_elements: int, largest_layer: int, item: int,
+                    rank: int = 0) -> dict:
     n = config.world_size
     shard = psi_elements // n
     full = param_elements
+    local = fsdp_local_elements(config, rank)
     table = {
-        "ddp": (full, full, 2 * full), "fsdp": (None, None, None),
+        "ddp": (full, full, 2 * full), "fsdp": (local, local, 2 * local),
         "zero1": (full, full, 2 * shard), "zero2": (full, shard, 2 * shard), "zero3": (shard + largest_layer, shard, 2 * shard),
     }[strategy]
     return {k: (None if e is None else e * item) for k, e in zip(("parameters", "gradients", "optimizer states"), table)}
@@ -110,7 +120,7 @@ def make_combine(strategy_of):
         psi = payloads[0]["psi_bytes"] // item
         memory, volume = [], []
         for pl in payloads:
-            want = expected_memory(strategy, config, psi, param_elements, largest, item)
+            want = expected_memory(strategy, config, psi, param_elements, largest, item, pl["rank"])
             for cat, got in pl["memory"].items():
                 memory.append({"rank": pl["rank"], "category": cat, "measured_bytes": got, "formula_bytes": want.get(cat)})
             if pl["sent"] is not None:
@@ -121,7 +131,8 @@ def make_combine(strategy_of):
         gaps = [abs(r["measured_bytes"] - r["formula_bytes"]) for r in memory if r["formula_bytes"] is not None]
         if gaps:
             checks.append(Check("parameters, gradients and optimizer states held equal the formula", max(gaps), 0,
-                                reference="ψ, ψ, 2ψ, divided by n where sharded (padded to a multiple of n)"))
+                                reference="ψ, ψ, 2ψ, divided by n where sharded (ZeRO pads to a multiple of n; "
+                                          "FSDP2 chunks each parameter's rows)"))
         if volume and strategy.startswith("zero"):
             checks.append(Check("bytes sent per step equal the formula", max(abs(r["sent_bytes_per_step"] - r["formula_bytes_per_step"]) for r in volume), 0,
                                 reference="seed 000: 2ψ (ZeRO-1, 2), 3ψ (ZeRO-3), times (n-1)/n"))
