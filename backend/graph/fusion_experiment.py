@@ -1,10 +1,12 @@
-"""graph.fusion: capture a model's forward (and backward) as an aten DAG, run the passes, plan the kernels.
+"""graph.fusion: capture a model's forward and backward as an aten DAG, run the passes, generate one Triton
+kernel per fused group, run the fused program, and measure it against the unfused one and eager PyTorch.
 
-Measured from the captured graph: kernels and global-memory bytes if every op were its own kernel, and after
-the fusion plan (each group reads its external inputs once and writes what leaves it), beside the ideal
-unique bytes (graph inputs and outputs once). Checked: the captured graph, run on real tensors, equals eager
-PyTorch (outputs and gradients); the fusion plan's groups form an acyclic graph of kernels.
-This is the plan; generating Triton kernels for the groups is the next step (see the issue).
+Pipeline: capture (make_fx joint graph, tangent as an input) -> dce -> cse -> constant folding ->
+save-or-recompute (min cut) -> vertical and horizontal fusion -> Triton codegen -> memory plan -> run.
+Measured: kernels launched and bytes each generated kernel requested and touched (COUNT shadow arrays), for
+the fused program and for one kernel per op (no passes), both checked against eager PyTorch (outputs and
+gradients); the memory plan's arena against its lower bound; TorchInductor's kernel counts on the same
+function, when asked.
 """
 from __future__ import annotations
 
@@ -12,107 +14,208 @@ import dataclasses
 
 import networkx as nx
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.config import Config, setting
+from backend.config import Config, ConfigError, setting
 from backend.experiments import register
-from backend.graph.capture import DECOMPOSE, capture, to_networkx
+from backend.graph import expr
+from backend.graph.capture import capture, to_networkx
 from backend.graph.dot import to_dot
-from backend.graph.passes import cse, dce, fuse, kernel_stats
+from backend.graph.models import MODELS, model
+from backend.graph.passes import constant_fold, cse, dce, fuse, modelled_bytes, unfused_plan
+from backend.graph.recompute import min_cut
+from backend.graph.runtime import FusedProgram
 from backend.result import Check, Result
 
-KIND_COLOR = {"pointwise": "#dbe8fb", "reduction": "#fde3d9", "view": "#eeeeee", "opaque": "#e2f0d9", "input": "#ffffff", "output": "#ffffff"}
-
-
-def model(name: str, rows: int, width: int):
-    g = torch.Generator().manual_seed(0)
-    if name == "ln_gelu":
-        def fn(x, w, b):
-            return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (width,), w, b))
-        return fn, [torch.randn(rows, width, generator=g), torch.randn(width, generator=g), torch.randn(width, generator=g)]
-    if name == "mlp":
-        def fn(x, w1, w2):
-            return torch.nn.functional.gelu(x @ w1) @ w2
-        return fn, [torch.randn(rows, width, generator=g), torch.randn(width, 2 * width, generator=g), torch.randn(2 * width, width, generator=g)]
-    def fn(q, k, v):  # attention
-        return torch.softmax(q @ k.T / width ** 0.5, dim=-1) @ v
-    return fn, [torch.randn(rows, width, generator=g) for _ in range(3)]
+KIND_COLOR = {"pointwise": "#dbe8fb", "reduction": "#fde3d9", "view": "#eeeeee", "opaque": "#e2f0d9", "input": "#ffffff"}
 
 
 @dataclasses.dataclass
 class FusionConfig(Config):
-    model: str = setting("ln_gelu", choices=("ln_gelu", "mlp", "attention"), help="what to capture")
+    model: str = setting("ln_gelu", choices=MODELS + ("expression",), help="what to capture")
+    expression: str = setting("gelu(layer_norm(x) * w + b)", help="used when model = expression: numbers, x y (rows×width), "
+                              "w b (width), W V (width×width), + - * / ** @, exp log sqrt rsqrt tanh sigmoid relu gelu "
+                              "erf abs silu maximum minimum softmax layer_norm sum mean max")
     backward: bool = setting(True, help="capture the joint forward + backward graph")
-    rows: int = setting(4, min=1, max=256, help="rows of the input")
-    width: int = setting(8, min=1, max=256, help="feature width")
+    rows: int = setting(4, min=1, max=64, help="rows of the input (Triton's interpreter runs the kernels on a CPU)")
+    width: int = setting(8, min=2, max=64, help="feature width")
     dce: bool = setting(True, help="dead-code elimination")
     cse: bool = setting(True, help="common-subexpression elimination")
+    fold: bool = setting(True, help="constant folding and algebraic simplification")
+    recompute: bool = setting(True, help="min-cut choice of what the backward recomputes instead of saving")
     vertical: bool = setting(True, help="fuse producers into consumers")
     horizontal: bool = setting(True, help="fuse siblings that read the same input")
+    block_limit: int = setting(1024, min=2, max=4096, help="longest reduced axis one block holds (a persistent reduction)")
+    inductor: bool = setting(False, help="also compile with torch.compile and count TorchInductor's kernels (about 20 s)")
+
+    def check(self) -> None:
+        if self.model == "expression":
+            try:
+                expr.compile_expression(self.expression, self.rows, self.width)
+            except expr.ExprError as e:
+                raise ConfigError("expression", str(e)) from None
+
+
+def build(config: FusionConfig):
+    if config.model == "expression":
+        return expr.compile_expression(config.expression, config.rows, config.width)
+    return model(config.model, config.rows, config.width)
+
+
+def eager(fn, inputs, tangent):
+    args = [t.clone().requires_grad_(tangent is not None) for t in inputs]
+    with torch.enable_grad():
+        out = fn(*args)
+        if tangent is None:
+            return [out.detach()]
+        grads = torch.autograd.grad(out, args, tangent)
+    return [out.detach()] + [gr.detach() for gr in grads]
+
+
+def max_error(got, want) -> float:
+    return max(((a - b).abs().max() / (1 + b.abs().max())).item() for a, b in zip(got, want))
 
 
 def run(config: FusionConfig, ctx) -> Result:
-    fn, inputs = model(config.model, config.rows, config.width)
+    fn, inputs = build(config)
+    ctx.progress(0.05, "capturing the graph")
     gm = capture(fn, inputs, config.backward)
-    # The captured graph on real tensors against eager PyTorch (traced again in real mode to execute it).
-    real_inputs = [t.clone().requires_grad_() for t in inputs]
-    eager_out = fn(*real_inputs)
-    eager = [eager_out] + (list(torch.autograd.grad(eager_out, real_inputs, torch.ones_like(eager_out))) if config.backward else [])
-    def joint(*args):
-        out = fn(*args)
-        return (out, *torch.autograd.grad(out, args, torch.ones_like(out))) if config.backward else (out,)
-    real_gm = make_fx(joint, decomposition_table=DECOMPOSE)(*[t.clone().requires_grad_() for t in inputs])
-    replay = real_gm(*[t.clone().requires_grad_() for t in inputs])
-    err = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(replay, eager))
-    g = to_networkx(gm)
-    log = []
-    before = kernel_stats(g, None)
-    if config.dce:
-        g, entries = dce(g)
+    captured = to_networkx(gm, config.backward)
+    tangent = torch.randn(captured.nodes[captured.graph["inputs"][-1]]["shape"], generator=torch.Generator().manual_seed(1)) \
+        if config.backward else None
+    feeds = inputs + ([tangent] if config.backward else [])
+    reference = eager(fn, inputs, tangent)
+
+    g, log, saved = captured, [], None
+    for enabled, name, pass_fn in ((config.dce, "dce", dce), (config.cse, "cse", cse), (config.fold, "fold", constant_fold)):
+        if enabled:
+            g, entries = pass_fn(g)
+            log += entries or [f"{name}: nothing to do"]
+    if config.backward and config.recompute:
+        g, entries, saved = min_cut(g)
         log += entries
-    if config.cse:
-        g, entries = cse(g)
-        log += entries
-    group, rejected, entries = fuse(g, config.vertical, config.horizontal)
-    log += entries
-    after = kernel_stats(g, group)
-    quotient = nx.DiGraph()
-    quotient.add_nodes_from(set(group.values()))
-    for a, b in g.edges:
-        if a in group and b in group and group[a] != group[b]:
-            quotient.add_edge(group[a], group[b])
-    for n, d in g.nodes(data=True):
+    plan = fuse(g, config.vertical, config.horizontal, config.block_limit)
+    log += plan.log
+
+    ctx.progress(0.2, "generating and running one kernel per op")
+    before = FusedProgram(captured, unfused_plan(captured))
+    before_out, before_run = before.run(feeds, count=True)
+    ctx.progress(0.55, "generating and running the fused kernels")
+    after = FusedProgram(g, plan)
+    after_out, after_run = after.run(feeds, count=True)
+    ideal = modelled_bytes(g, plan)
+
+    kernels = []
+    by_name = {k["kernel"]: k for k in after_run["per_kernel"]}
+    for step in after.steps:
+        if step.kind == "kernel":
+            k = after.kernels[step.key]
+            grp = plan.groups[step.key]
+            measured = by_name[k.name]
+            group_ideal = ideal["per_group"][step.key]
+            kernels.append({"kernel": k.name, "phase": grp.phase, "template": k.template, "ops": len(grp.members),
+                            "grid": k.grid, "block": k.block, "requested_bytes": measured["requested_bytes"],
+                            "unique_bytes": measured["unique_bytes"], "ideal_bytes": group_ideal,
+                            "unique_over_ideal": round(measured["unique_bytes"] / max(group_ideal, 1), 3)})
+        elif step.kind == "extern":
+            d = g.nodes[step.key]
+            kernels.append({"kernel": f"{d['op']} ({step.key})", "phase": d["phase"], "template": "library call", "ops": 1,
+                            "grid": None, "block": None, "requested_bytes": None, "unique_bytes": None,
+                            "ideal_bytes": sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + d["bytes"],
+                            "unique_over_ideal": None})
+    worst = max((k["unique_over_ideal"] for k in kernels if k["unique_over_ideal"] is not None), default=0.0)
+
+    inductor = None
+    if config.inductor:
+        ctx.progress(0.7, "compiling with TorchInductor")
+        from backend.graph.inductor import kernel_counts
+        inductor = kernel_counts(fn, inputs, tangent, "cuda" if torch.cuda.is_available() else "cpu")
+
+    def phase_count(phase):
+        return sum(1 for s in after.steps if s.kind == "kernel" and plan.groups[s.key].phase == phase)
+
+    mem = after.memory
+    metrics = {
+        "model": config.model if config.model != "expression" else f"expression: {config.expression}",
+        "backward": config.backward,
+        "kernels_unfused": before_run["launches"], "kernels_fused": after_run["launches"],
+        "generated_kernels_unfused": before_run["generated_kernels"], "generated_kernels_fused": after_run["generated_kernels"],
+        "generated_forward": phase_count("forward"), "generated_backward": phase_count("backward"),
+        "extern_kernels": after_run["extern_kernels"],
+        "bytes_unfused": sum(k["unique_bytes"] for k in before_run["per_kernel"]),
+        "bytes_fused": sum(k["unique_bytes"] for k in after_run["per_kernel"]),
+        "requested_bytes_fused": sum(k["requested_bytes"] for k in after_run["per_kernel"]),
+        "ideal_unique_bytes": ideal["ideal_unique_bytes"],
+        "extern_modelled_bytes": after_run["extern_modelled_bytes"],
+        "worst_group_unique_over_ideal": worst,
+        "arena_bytes": mem.arena_bytes, "lower_bound_bytes": mem.lower_bound_bytes, "no_reuse_bytes": mem.no_reuse_bytes,
+        "ops_captured": sum(1 for _, d in captured.nodes(data=True) if d["kind"] in ("pointwise", "reduction", "opaque")),
+        "ops_after_passes": sum(1 for _, d in g.nodes(data=True) if d["kind"] in ("pointwise", "reduction", "opaque")),
+    }
+    if saved:
+        metrics.update(saved_bytes_naive=saved["saved_bytes_before"], saved_bytes_min_cut=saved["saved_bytes_after"])
+    if inductor:
+        metrics.update(inductor_backend=inductor["backend"], inductor_forward_kernels=inductor["forward_kernels"],
+                       inductor_backward_kernels=inductor["backward_kernels"], inductor_extern_calls=inductor["extern_calls"])
+
+    labels = {i: s.label for i, s in enumerate(after.steps)}
+    tables = {
+        "log": [{"pass": e.split(":")[0], "what and why": e.split(":", 1)[1].strip()} for e in log],
+        "why_not": plan.rejected,
+        "kernels": kernels,
+        "sources": [{"kernel": k.name, "template": k.template, "source": k.source} for k in after.kernels.values()],
+        "memory_plan": [{"buffer": b.name, "bytes": b.nbytes, "offset": mem.offsets[b.name], "first_step": b.start,
+                         "last_step": b.end, "written_by": labels[b.start]} for b in mem.buffers],
+        "memory_over_time": [{"step": i, "kernel": labels[i], "live_bytes": live} for i, live in enumerate(mem.live_bytes)],
+        "graph_dot": [{"phase": phase, "dot": phase_dot(g, plan, phase)} for phase in (("forward", "backward") if config.backward else ("forward",))],
+        "saved": [{"value": v, "bytes": g.nodes[v]["bytes"], "shape": "×".join(map(str, g.nodes[v]["shape"]))}
+                  for v in (saved["saved_after"] if saved else [])],
+    }
+    checks = [
+        Check("fused program = eager PyTorch (outputs and gradients)", max_error(after_out, reference), 1e-5,
+              reference="eager PyTorch, fp32", detail="max |difference| / (1 + max |eager|), generated Triton kernels "
+              "(interpreter on a CPU) and library calls, buffers at their planned offsets"),
+        Check("one kernel per op = eager PyTorch", max_error(before_out, reference), 1e-5, reference="eager PyTorch, fp32"),
+        Check("each fused kernel touches at most 1.1× its group's unique bytes", worst, 1.1,
+              reference="the group's inputs and outputs, each once", detail="unique bytes counted by the kernel / ideal"),
+        Check("no two buffers live at the same time share bytes", len(mem.conflicts()), 0, reference="the plan's lifetimes"),
+    ]
+    if inductor:
+        checks.append(Check("TorchInductor's compiled function = eager PyTorch", 0.0, 0.0, reference="torch.compile ran",
+                            detail="counts only; numerics are checked above"))
+    notes = ["Kernels run in Triton's interpreter on a CPU: bytes are counted exactly, times mean nothing."
+             if not torch.cuda.is_available() else "Kernels ran on the GPU."]
+    if inductor and "cpp" in inductor["backend"]:
+        notes.append("TorchInductor here is its C++ CPU backend (no GPU): its loop nests may compute a row and a column "
+                     "reduction in one kernel, which a Triton kernel cannot. bench/fusion.py counts its Triton kernels on a GPU.")
+    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
+
+
+def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
+    """The nodes of one phase, with the other phase's values they read drawn dashed; fused groups as clusters."""
+    nodes = {n for n, d in g.nodes(data=True) if d["phase"] == phase and not (d["kind"] == "input" and phase == "backward"
+                                                                             and d.get("role") == "primal")}
+    reads = {p for n in nodes for p in g.predecessors(n) if p not in nodes}
+    sub = g.subgraph(nodes | reads).copy()
+    for n, d in sub.nodes(data=True):
         shape = "×".join(map(str, d["shape"])) or "scalar"
         d["label"] = f"{n}\n{d['op']} [{shape}]"
-        d["fillcolor"] = KIND_COLOR[d["kind"]]
-        d["tooltip"] = f"{d['kind']}, {d['bytes']} B"
-    clusters = {}
-    for n, gid in group.items():
-        clusters.setdefault(gid, []).append(n)
-    checks = [Check("the captured graph equals eager PyTorch (outputs and gradients)", err, 1e-5,
-                    reference="eager PyTorch, fp32", detail="max |difference|"),
-              Check("the kernels of the fusion plan form an acyclic graph", 0 if nx.is_directed_acyclic_graph(quotient) else 1, 0,
-                    reference="networkx on the quotient graph")]
-    return Result(
-        metrics={"model": config.model, "backward": config.backward, "kernels_unfused": before["kernels"], "kernels_fused": after["kernels"],
-                 "bytes_unfused": before["bytes_moved"], "bytes_fused": after["bytes_moved"], "ideal_unique_bytes": after["ideal_unique_bytes"],
-                 "ops": sum(1 for _, d in g.nodes(data=True) if d["kind"] in ("pointwise", "reduction", "opaque"))},
-        tables={"log": [{"pass": e.split(":")[0], "what and why": e} for e in log], "why_not": rejected,
-                "graph_dot": [{"dot": to_dot_clusters(g, clusters)}]},
-        checks=checks,
-        notes=["A fusion plan over the captured graph: kernel counts and bytes assume each group becomes one kernel. "
-               "Generating and running the Triton kernels is not built yet."])
-
-
-def to_dot_clusters(g: nx.DiGraph, clusters: dict[int, list[str]]) -> str:
-    """DOT with one dashed cluster per fused group of two or more ops."""
-    text = to_dot(g, rankdir="TB").rstrip().rstrip("}")
-    for gid, nodes in clusters.items():
-        if len(nodes) > 1:
-            text += f'  subgraph cluster_{gid} {{ label="kernel {gid}"; style=dashed; ' + " ".join(f'"{n}";' for n in nodes) + " }\n"
+        d["fillcolor"] = KIND_COLOR.get(d["kind"], "#ffffff")
+        d["tooltip"] = f"{d['kind']}, {d['bytes']} B" + (f": {d['why_opaque']}" if d.get("why_opaque") else "")
+        if n in reads:
+            d["style"] = "dashed"
+            d["tooltip"] = f"read from the {'forward' if phase == 'backward' else 'backward'}: {d['bytes']} B"
+    text = to_dot(sub, rankdir="TB").rstrip().rstrip("}")
+    clusters: dict[int, list[str]] = {}
+    for n in nodes:
+        if n in plan.group:
+            clusters.setdefault(plan.group[n], []).append(n)
+    for gid, members in sorted(clusters.items()):
+        text += (f'  subgraph cluster_{gid} {{ label="kernel {gid} ({plan.template(gid)})"; style=dashed; '
+                 + " ".join(f'"{n}";' for n in sorted(members)) + " }\n")
     return text + "}"
 
 
 register("graph.fusion", FusionConfig,
-         "capture forward+backward as an aten DAG; DCE, CSE, vertical and horizontal fusion with why-not reasons; kernels and bytes",
+         "capture forward+backward; DCE, CSE, folding, min-cut recompute, fusion with why-not reasons; generated Triton "
+         "kernels run and counted against one kernel per op, eager PyTorch and TorchInductor",
          run_fn=run)

@@ -1,127 +1,337 @@
-"""Graph passes, each a function from a DAG to a DAG (or a grouping) with a log of what it did and why.
+"""Graph passes, each a function from a DAG to a DAG (or to a grouping) with a log of what it did and why.
 
-dce: drop nodes nothing uses. cse: merge nodes computing the same op on the same inputs. fuse: group
-nodes into kernels, vertically (a producer into its consumer) and horizontally (siblings reading the same
-input), by op kind, and record for every producer→consumer pair left apart the reason it was not fused.
+dce: drop nodes nothing uses. cse: merge nodes computing the same op on the same inputs. constant_fold:
+drop identity views, fold fills and all-constant ops into their consumers as literals, simplify x*1, x+0,
+t(t(x)). fuse: group pointwise ops and reductions into kernels, vertically (a producer into its consumer)
+and horizontally (siblings reading the same input), and give, for every candidate pair left apart, the
+reason. A group is one kernel over a 2D iteration space (rows × columns): the pointwise template walks its
+elements; the reduction template gives each program one row (or one column) to reduce, and, when the
+reduced axis fits one block (a "persistent" reduction), lets the rest of the kernel reuse the result.
 """
 from __future__ import annotations
 
-import networkx as nx
+import dataclasses
 
-COMPUTE = ("pointwise", "reduction", "opaque")
+import networkx as nx
+import torch
+
+from backend.graph.capture import Ref, refs
+
+GROUPABLE = ("pointwise", "reduction")
+KERNEL_KINDS = ("pointwise", "reduction", "opaque")
+
+
+def _live_outputs(g: nx.DiGraph) -> set[str]:
+    return set(g.graph["outputs"])
 
 
 def dce(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     g, log = g.copy(), []
+    outputs = _live_outputs(g)
     changed = True
     while changed:
         changed = False
         for n in list(g.nodes):
-            if g.nodes[n]["kind"] not in ("input", "output") and g.out_degree(n) == 0:
+            if g.nodes[n]["kind"] != "input" and n not in outputs and g.out_degree(n) == 0:
                 g.remove_node(n)
                 log.append(f"dce: removed {n}: nothing uses it")
                 changed = True
     return g, log
 
 
+def _substitute(args, old: str, new):
+    if isinstance(args, Ref):
+        return (Ref(new) if isinstance(new, str) else new) if args.name == old else args
+    if isinstance(args, tuple):
+        return tuple(_substitute(a, old, new) for a in args)
+    return args
+
+
+def replace_uses(g: nx.DiGraph, old: str, new, only=None) -> None:
+    """Make users of `old` read `new` (a node name, or a Python scalar literal) instead."""
+    for user in list(g.successors(old)):
+        if only is not None and user not in only:
+            continue
+        d = g.nodes[user]
+        d["args"] = _substitute(d["args"], old, new)
+        d["kwargs"] = tuple((k, _substitute(v, old, new)) for k, v in d["kwargs"])
+        g.remove_edge(old, user)
+        if isinstance(new, str):
+            g.add_edge(new, user)
+    if isinstance(new, str) and only is None:
+        g.graph["outputs"] = [new if o == old else o for o in g.graph["outputs"]]
+
+
 def cse(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     g, log, seen = g.copy(), [], {}
     for n in list(nx.topological_sort(g)):
-        if n not in g or g.nodes[n]["kind"] in ("input", "output"):
+        d = g.nodes[n]
+        if d["kind"] == "input":
             continue
-        key = (g.nodes[n]["target"], g.nodes[n]["args"])
+        key = (d["target"], d["args"], d["kwargs"])
         if key in seen:
             keep = seen[key]
-            for user in list(g.successors(n)):
-                g.add_edge(keep, user)
-                for attr in ("args",):  # the user now reads `keep` in place of `n`
-                    g.nodes[user][attr] = g.nodes[user][attr].replace(f"'{n}'", f"'{keep}'")
+            replace_uses(g, n, keep)
             g.remove_node(n)
-            log.append(f"cse: {n} computes what {keep} does ({g.nodes[keep]['op']} of the same inputs); reuse {keep}")
+            log.append(f"cse: {n} computes what {keep} does ({d['op']} of the same inputs); reuse {keep}")
         else:
             seen[key] = n
     return g, log
 
 
-def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True) -> tuple[dict[str, int], list[dict], list[str]]:
-    """Returns the group of every compute node, the pairs left apart with the reason, and the log."""
-    group = {n: i for i, n in enumerate(g.nodes) if g.nodes[n]["kind"] in COMPUTE}
+FILL_VALUE = {"ones_like": lambda a: 1.0, "zeros_like": lambda a: 0.0, "full_like": lambda a: a[1], "scalar_tensor": lambda a: a[0]}
+IDENTITY_VIEWS = ("detach", "alias", "clone")
+
+
+def _is_transpose(d) -> bool:
+    return d["op"] == "t" or (d["op"] == "permute" and tuple(d["args"][1]) == (1, 0)) or \
+        (d["op"] == "transpose" and len(d["shape"]) == 2)
+
+
+def constant_fold(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
+    g, log = g.copy(), []
+    for n in list(nx.topological_sort(g)):
+        if n not in g:
+            continue
+        d = g.nodes[n]
+        op, args = d["op"], d["args"]
+        if d["kind"] == "input":
+            continue
+        if d["kind"] == "view" and op in IDENTITY_VIEWS or op == "clone":
+            src = args[0].name
+            replace_uses(g, n, src)
+            g.remove_node(n)
+            log.append(f"fold: {n} ({op}) is an identity: users read {src}")
+            continue
+        if d["kind"] == "view" and _is_transpose(d) and _is_transpose(g.nodes[args[0].name]):
+            src = g.nodes[args[0].name]["args"][0].name
+            replace_uses(g, n, src)
+            log.append(f"fold: {n} transposes a transpose of {src}: users read {src}")
+            continue
+        if d["kind"] != "pointwise":
+            continue
+        value = None
+        if op in FILL_VALUE:
+            value = float(FILL_VALUE[op](args))
+        elif not refs(args) and not refs(tuple(v for _, v in d["kwargs"])):
+            # every input is a literal: compute it now
+            value = float(d["fn"](*[torch.tensor(a) if isinstance(a, (int, float)) else a for a in args]).item())
+        if value is not None:
+            users = [u for u in g.successors(n) if g.nodes[u]["kind"] == "pointwise" and _same_broadcast(g, n, u)]
+            if users:
+                replace_uses(g, n, value, only=set(users))
+                log.append(f"fold: {n} ({op}) is the constant {value:g}: {', '.join(users)} read it as a literal")
+            continue
+        # x*1, 1*x, x/1, x+0, 0+x, x-0 -> x, when no broadcast changes the shape
+        literal = [a for a in args if not isinstance(a, Ref)]
+        tensors = [a for a in args if isinstance(a, Ref)]
+        if len(args) == 2 and len(tensors) == 1 and len(literal) == 1 and not d["kwargs"]:
+            x, c = tensors[0].name, literal[0]
+            neutral = {"mul": 1, "div": 1, "add": 0, "sub": 0}.get(op)
+            if neutral is not None and c == neutral and (op in ("mul", "add") or args[0] == tensors[0]) \
+                    and g.nodes[x]["shape"] == d["shape"] and g.nodes[x]["dtype"] == d["dtype"]:
+                replace_uses(g, n, x)
+                g.remove_node(n)
+                log.append(f"fold: {n} = {x} {op} {c:g} is {x}")
+    g, dead = dce(g)
+    return g, log + [e.replace("dce:", "fold:") for e in dead]
+
+
+def _same_broadcast(g, const: str, user: str) -> bool:
+    """A literal can replace a tensor argument only if that argument does not set the user's shape."""
+    d = g.nodes[user]
+    others = [g.nodes[r]["shape"] for r in refs(d["args"]) if r != const]
+    try:
+        return tuple(torch.broadcast_shapes(*others)) == tuple(d["shape"]) if others else False
+    except RuntimeError:
+        return False
+
+
+def to2d(shape) -> tuple[int, int]:
+    shape = tuple(shape)
+    return ((1, 1) + shape)[-2:] if len(shape) < 2 else shape[-2:]
+
+
+@dataclasses.dataclass
+class Group:
+    members: set
+    domain: tuple
+    axis: int | None           # reduction axis (0 rows, 1 columns) or None for a pointwise kernel
+    phase: str
+
+
+@dataclasses.dataclass
+class FusionPlan:
+    group: dict                # node -> group id, for pointwise, reduction and their getitems
+    groups: dict               # group id -> Group
+    rejected: list             # {"producer","consumer","kind","why not"}
+    log: list
+    block_limit: int
+
+    def template(self, gid: int) -> str:
+        grp = self.groups[gid]
+        if grp.axis is None:
+            return "pointwise"
+        return "persistent reduction" if grp.domain[grp.axis] <= self.block_limit else "looped reduction"
+
+
+def _node_space(g, n):
+    d = g.nodes[n]
+    if d["kind"] == "reduction":
+        return to2d(g.nodes[d["args"][0].name]["shape"]), d["axis"]
+    return to2d(d["shape"]), None
+
+
+def varies(g, n, axis_of_group) -> set[int]:
+    """The 2D axes along which node n's value changes inside a kernel."""
+    d = g.nodes[n]
+    if d["kind"] == "reduction":
+        src = to2d(g.nodes[d["args"][0].name]["shape"])
+        other = 1 - d["axis"]
+        return {other} if src[other] > 1 else set()
+    if d["kind"] == "view" and d["op"] == "getitem":
+        return varies(g, d["args"][0].name, axis_of_group)
+    return {ax for ax, size in enumerate(to2d(d["shape"])) if size > 1}
+
+
+def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_limit: int = 1024) -> FusionPlan:
+    groups: dict[int, Group] = {}
+    group: dict[str, int] = {}
+    for i, n in enumerate(nx.topological_sort(g)):
+        d = g.nodes[n]
+        if d["kind"] in GROUPABLE:
+            domain, axis = _node_space(g, n)
+            groups[i] = Group({n}, domain, axis, d["phase"])
+            group[n] = i
+    for n in g.nodes:  # a getitem of a tuple (var_mean) lives with its producer
+        d = g.nodes[n]
+        if d["op"] == "getitem" and d["args"][0].name in group:
+            group[n] = group[d["args"][0].name]
+            groups[group[n]].members.add(n)
     log, rejected = [], []
 
-    def members(gid):
-        return [n for n, x in group.items() if x == gid]
+    def merged_space(a: Group, b: Group):
+        dom = []
+        for x, y in zip(a.domain, b.domain):
+            if x != y and 1 not in (x, y):
+                return None, f"different iteration spaces ({a.domain[0]}×{a.domain[1]} vs {b.domain[0]}×{b.domain[1]})"
+            dom.append(max(x, y))
+        axes = {x.axis for x in (a, b) if x.axis is not None}
+        if len(axes) > 1:
+            return None, "reductions along different axes (rows vs columns) need different loop orders"
+        axis = axes.pop() if axes else None
+        for grp in (a, b):
+            for m in grp.members:
+                if g.nodes[m]["kind"] == "reduction" and _node_space(g, m)[0][m_axis(m)] != dom[m_axis(m)]:
+                    return None, f"{m} reduces fewer elements than the kernel's {dom[m_axis(m)]} along its axis"
+        return (tuple(dom), axis), None
 
-    def iteration(n):  # elements the kernel of n loops over: its output, or a reduction's input
-        preds = list(g.predecessors(n)) if g.nodes[n]["kind"] == "reduction" else []
-        return max([g.nodes[n]["numel"]] + [g.nodes[p]["numel"] for p in preds])
+    def m_axis(m):
+        return g.nodes[m]["axis"]
 
-    def creates_cycle(a, b):
-        """Merging groups a and b is unsafe if a path leaves the pair and comes back."""
-        merged = set(members(a)) | set(members(b))
+    def why_not(a: int, b: int, edges: list[tuple[str, str]]) -> str | None:
+        A, B = groups[a], groups[b]
+        if A.phase != B.phase:
+            return "forward and backward run at different times (the backward waits for the loss gradient)"
+        space, reason = merged_space(A, B)
+        if reason:
+            return reason
+        (dom, axis) = space
+        members = A.members | B.members
+        if axis is not None:
+            inner = dom[axis]
+            for p, c in edges + [(p, c) for p in members for c in g.successors(p) if c in members]:
+                if g.nodes[p]["kind"] != "reduction" and not (g.nodes[p]["op"] == "getitem"):
+                    continue
+                if axis in varies(g, c, axis) and inner > block_limit:
+                    return (f"{c} reads the result of reducing {inner} elements, more than one block ({block_limit}): "
+                            "the looped reduction cannot broadcast it back without a second pass")
+        for p, c in edges:
+            pd = g.nodes[p]
+            if pd["kind"] == "reduction" or pd["op"] == "getitem":
+                src_axis = pd["axis"] if pd["kind"] == "reduction" else g.nodes[pd["args"][0].name]["axis"]
+                seen = {ax for ax, size in enumerate(to2d(pd["shape"])) if size > 1}
+                if seen != varies(g, p, axis):
+                    return f"{p} drops its reduced axis ({src_axis}); {c} would broadcast it along the other axis"
+        via = creates_cycle(members)
+        if via is not None:
+            return (f"{via[0]} uses {via[1]}'s result and feeds the kernel: fusing would put {via[0]}, "
+                    "an intermediate user outside the kernel, both before and after it (a cycle)")
+        return None
+
+    def creates_cycle(merged: set):
         for src in merged:
             for succ in g.successors(src):
                 if succ in merged:
                     continue
                 if any(nx.has_path(g, succ, m) for m in merged):
-                    return succ
+                    return succ, src
         return None
 
-    def reduction_feeds(a, b):
-        """A reduction in group a whose result a node of group b reads: one pass cannot both finish and reuse it."""
-        into = set(members(b))
-        return any(g.nodes[r]["kind"] == "reduction" and any(u in into for u in g.successors(r)) for r in members(a))
-
-    def merge(a, b):
-        for n, x in group.items():
-            if x == b:
-                group[n] = a
+    def merge(a: int, b: int) -> None:
+        A, B = groups[a], groups.pop(b)
+        (dom, axis), _ = merged_space(A, B)
+        A.members |= B.members
+        A.domain, A.axis = dom, axis
+        for m in B.members:
+            group[m] = a
 
     if vertical:
         for n in nx.topological_sort(g):
-            if n not in group:
+            if n not in group or g.nodes[n]["op"] == "getitem":
                 continue
             for p in list(g.predecessors(n)):
-                pk, nk = g.nodes[p]["kind"], g.nodes[n]["kind"]
-                if p not in group or group[p] == group[n]:
+                pk = g.nodes[p]["kind"]
+                if p in group and group[p] == group[n]:
                     continue
-                reason = None
-                if "opaque" in (pk, nk):
-                    reason = f"{g.nodes[p if pk == 'opaque' else n]['op']} is an extern (library) kernel"
-                elif pk == "reduction" or reduction_feeds(group[p], group[n]):
-                    reason = "consumer reads a reduction's result broadcast over the row: needs the two-pass row template"
-                elif iteration(p) != iteration(n):
-                    reason = (f"different iteration spaces ({iteration(p)} vs {iteration(n)} elements): a broadcast "
-                              "needs the row template")
-                elif (via := creates_cycle(group[p], group[n])) is not None:
-                    reason = f"fusing would create a cycle through {via}"
+                if p not in group:
+                    if pk == "opaque":
+                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
+                                         "why not": f"{p}: {g.nodes[p]['why_opaque']}"})
+                    elif pk == "view" and g.nodes[p]["op"] != "getitem":
+                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
+                                         "why not": f"{p} ({g.nodes[p]['op']}) re-indexes its input: kernels read views from memory"})
+                    continue
+                reason = why_not(group[p], group[n], [(p, n)])
                 if reason:
-                    rejected.append({"producer": p, "consumer": n, "why not": reason})
+                    rejected.append({"producer": p, "consumer": n, "kind": "vertical", "why not": reason})
                 else:
-                    log.append(f"vertical: {p} ({pk}) into {n} ({nk})")
+                    log.append(f"vertical: {p} ({pk}) into {n} ({g.nodes[n]['kind']})")
                     merge(group[n], group[p])
     if horizontal:
-        for x in g.nodes:
-            users = [u for u in g.successors(x) if u in group and g.nodes[u]["kind"] == "pointwise"]
+        for x in nx.topological_sort(g):
+            users = [u for u in g.successors(x) if u in group and g.nodes[u]["op"] != "getitem"]
             for a, b in zip(users, users[1:]):
-                if (group[a] != group[b] and iteration(a) == iteration(b) and creates_cycle(group[a], group[b]) is None
-                        and not reduction_feeds(group[a], group[b]) and not reduction_feeds(group[b], group[a])):
+                if group[a] == group[b]:
+                    continue
+                reason = why_not(group[a], group[b], [])
+                if reason:
+                    rejected.append({"producer": x, "consumer": f"{a} + {b}", "kind": "horizontal", "why not": reason})
+                else:
                     log.append(f"horizontal: {a} and {b} both read {x}: one kernel, one read of {x}")
                     merge(group[a], group[b])
-    return group, rejected, log
+    # consumers of extern kernels are recorded once above; drop duplicate reasons
+    seen, unique = set(), []
+    for r in rejected:
+        key = (r["producer"], r["consumer"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    return FusionPlan(group, groups, unique, log, block_limit)
 
 
-def kernel_stats(g: nx.DiGraph, group: dict[str, int] | None) -> dict:
-    """Kernels launched and global-memory bytes moved if every group is one kernel that reads its external
-    inputs once and writes the values used outside it (views move nothing)."""
-    if group is None:
-        group = {n: i for i, n in enumerate(g.nodes) if g.nodes[n]["kind"] in ("pointwise", "reduction", "opaque")}
-    gids = sorted(set(group.values()))
-    moved = 0
-    for gid in gids:
-        mem = {n for n, x in group.items() if x == gid}
-        inputs = {p for n in mem for p in g.predecessors(n) if p not in mem}
-        outputs = {n for n in mem if any(u not in mem for u in g.successors(n))}
-        moved += sum(g.nodes[p]["bytes"] for p in inputs) + sum(g.nodes[n]["bytes"] for n in outputs)
-    ideal = sum(d["bytes"] for n, d in g.nodes(data=True) if d["kind"] == "input") + \
-        sum(g.nodes[p]["bytes"] for n, d in g.nodes(data=True) if d["kind"] == "output" for p in g.predecessors(n))
-    return {"kernels": len(gids), "bytes_moved": moved, "ideal_unique_bytes": ideal}
+def unfused_plan(g: nx.DiGraph) -> FusionPlan:
+    """Every op its own kernel: the baseline the fused plan is measured against."""
+    return fuse(g, vertical=False, horizontal=False)
+
+
+def modelled_bytes(g: nx.DiGraph, plan: FusionPlan) -> dict:
+    """Bytes if every group reads each external input once and writes each value used outside it once."""
+    per_group = {}
+    for gid, grp in plan.groups.items():
+        ins = {p for n in grp.members for p in g.predecessors(n) if p not in grp.members}
+        outs = {n for n in grp.members if n in g.graph["outputs"] or any(u not in grp.members for u in g.successors(n))}
+        outs = {n for n in outs if g.nodes[n]["op"] != "var_mean"}
+        per_group[gid] = sum(g.nodes[p]["bytes"] for p in ins) + sum(g.nodes[n]["bytes"] for n in outs)
+    ideal = sum(g.nodes[n]["bytes"] for n in g.graph["inputs"]) + sum(g.nodes[n]["bytes"] for n in set(g.graph["outputs"]))
+    return {"per_group": per_group, "ideal_unique_bytes": ideal}

@@ -1,0 +1,164 @@
+"""Run a fusion plan for real: generated Triton kernels for the groups, library calls for the extern ops,
+views as strided aliases, every intermediate buffer at its planned offset in one arena.
+
+Measured per run: kernels launched, and for each generated kernel the bytes it requested and the distinct
+bytes it touched (from the COUNT shadow arrays). Library calls cannot be instrumented; their bytes are
+modelled as inputs plus output. If the memory plan let two live buffers share bytes, the outputs would be
+wrong, so comparing with eager PyTorch also checks the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import networkx as nx
+import torch
+
+from backend.graph import memory_plan
+from backend.graph.capture import run_node
+from backend.graph.codegen import GeneratedKernel, generate
+from backend.graph.passes import FusionPlan
+
+
+@dataclasses.dataclass
+class Step:
+    kind: str                  # "kernel" | "extern" | "view"
+    key: object                # group id, or node name
+    label: str
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 1
+
+
+class FusedProgram:
+    def __init__(self, g: nx.DiGraph, plan: FusionPlan):
+        self.g, self.plan = g, plan
+        self.kernels: dict[int, GeneratedKernel] = {gid: generate(g, plan, gid) for gid in plan.groups}
+        self.steps = self._schedule()
+        self.memory = self._plan_memory()
+
+    def _unit(self, n):
+        d = self.g.nodes[n]
+        if n in self.plan.group:
+            return ("kernel", self.plan.group[n])
+        if d["kind"] in ("opaque", "pointwise", "reduction"):
+            return ("extern", n)
+        if d["kind"] == "view":
+            return ("view", n)
+        return None
+
+    def _schedule(self) -> list[Step]:
+        g = self.g
+        position = {n: i for i, n in enumerate(nx.topological_sort(g))}
+        units = nx.DiGraph()
+        first = {}
+        for n in g.nodes:
+            u = self._unit(n)
+            if u is not None:
+                units.add_node(u)
+                first[u] = min(first.get(u, position[n]), position[n])
+        for a, b in g.edges:
+            ua, ub = self._unit(a), self._unit(b)
+            if ua is not None and ub is not None and ua != ub:
+                units.add_edge(ua, ub)
+        order = nx.lexicographical_topological_sort(units, key=lambda u: first[u])
+        steps = []
+        for kind, key in order:
+            label = self.kernels[key].name if kind == "kernel" else f"{g.nodes[key]['op']} ({key})"
+            steps.append(Step(kind, key, label))
+        return steps
+
+    def _writes(self, step: Step) -> list[str]:
+        if step.kind == "kernel":
+            return self.kernels[step.key].outputs
+        return [step.key] if step.kind == "extern" else []
+
+    def _reads(self, step: Step) -> list[str]:
+        if step.kind == "kernel":
+            return self.kernels[step.key].inputs
+        return list(self.g.predecessors(step.key))
+
+    def base(self, n: str) -> str:
+        """The buffer a view aliases."""
+        while self.g.nodes[n]["kind"] == "view" and n not in self.plan.group:
+            n = next(iter(self.g.predecessors(n)))
+        return n
+
+    def _plan_memory(self) -> memory_plan.MemoryPlan:
+        outputs = set(self.g.graph["outputs"])
+        start, end = {}, {}
+        for i, step in enumerate(self.steps):
+            for n in self._writes(step):
+                if n not in outputs and self.g.nodes[n]["bytes"] > 0:
+                    start[n], end[n] = i, i
+            for n in self._reads(step):
+                b = self.base(n)
+                if b in start:
+                    end[b] = max(end[b], i)
+        # a graph output that is a view of an intermediate keeps it alive to the end
+        for o in outputs:
+            b = self.base(o)
+            if b in start:
+                end[b] = len(self.steps) - 1
+        buffers = [memory_plan.Buffer(n, self.g.nodes[n]["bytes"], start[n], end[n]) for n in start]
+        return memory_plan.plan(buffers, len(self.steps))
+
+    def run(self, inputs: list[torch.Tensor], count: bool = False) -> tuple[list[torch.Tensor], dict]:
+        g = self.g
+        env = dict(zip(g.graph["inputs"], inputs))
+        arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8)
+        outputs = set(g.graph["outputs"])
+
+        def buffer(n):
+            d = g.nodes[n]
+            dtype = getattr(torch, d["dtype"])
+            if n in outputs or n not in self.memory.offsets:
+                return torch.empty(d["shape"], dtype=dtype)
+            off = self.memory.offsets[n]
+            return arena[off:off + d["bytes"]].view(dtype).view(d["shape"])
+
+        dummy = torch.zeros(1, dtype=torch.int32)
+        launches, per_kernel, extern_bytes = 0, [], 0
+        started = time.perf_counter()
+        for step in self.steps:
+            if step.kind == "view":
+                env[step.key] = run_node(g.nodes[step.key], env)
+                continue
+            if step.kind == "extern":
+                d = g.nodes[step.key]
+                result = run_node(d, env)
+                if isinstance(result, torch.Tensor):
+                    out = buffer(step.key)
+                    out.copy_(result)
+                    result = out
+                env[step.key] = result
+                launches += 1
+                extern_bytes += sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + d["bytes"]
+                continue
+            k = self.kernels[step.key]
+            ins = [env[x] for x in k.inputs]
+            for x, t in zip(k.inputs, ins):
+                meta = g.nodes[x]
+                if tuple(t.shape) != meta["shape"] or (t.numel() > 1 and tuple(t.stride()) != meta["stride"]):
+                    raise RuntimeError(f"{k.name}: {x} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
+                                       f"the kernel was generated for {meta['shape']} {meta['stride']}")
+            outs = [buffer(n) for n in k.outputs]
+            shadows = [torch.zeros(_span(t), dtype=torch.int32) if count else dummy for t in ins + outs]
+            k.fn[(k.grid,)](*ins, *outs, *shadows, COUNT=count, BLOCK=k.block)
+            launches += 1
+            for n, t in zip(k.outputs, outs):
+                env[n] = t
+            if count:
+                tensors = ins + outs
+                requested = sum(int(s.sum()) * t.element_size() for s, t in zip(shadows, tensors))
+                unique = sum(int((s > 0).sum()) * t.element_size() for s, t in zip(shadows, tensors))
+                per_kernel.append({"kernel": k.name, "template": k.template, "requested_bytes": requested, "unique_bytes": unique})
+        seconds = time.perf_counter() - started
+        result = []
+        for o in g.graph["outputs"]:
+            t = env[o]
+            result.append(t.clone() if self.base(o) in self.memory.offsets else t)  # never hand out the arena
+        return result, {"launches": launches, "generated_kernels": sum(s.kind == "kernel" for s in self.steps),
+                        "extern_kernels": sum(s.kind == "extern" for s in self.steps), "per_kernel": per_kernel,
+                        "extern_modelled_bytes": extern_bytes, "seconds": seconds}
