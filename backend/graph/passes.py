@@ -278,6 +278,11 @@ def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_li
 
     if vertical:
         for n in nx.topological_sort(g):
+            if g.nodes[n]["kind"] == "opaque":
+                for p in g.predecessors(n):
+                    if p in group:
+                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
+                                         "why not": f"{n}: {g.nodes[n]['why_opaque']}"})
             if n not in group or g.nodes[n]["op"] == "getitem":
                 continue
             for p in list(g.predecessors(n)):
