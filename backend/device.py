@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 
 
@@ -10,11 +11,9 @@ def describe() -> dict:
     import torch
 
     info = {"torch": torch.__version__, "cpu_cores": os.cpu_count()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
+    try:  # the version without importing triton: importing it before `kernels` would fix interpreter mode off
+        info["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         info["triton"] = None
     if torch.cuda.is_available():
         info.update(device="cuda", name=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())

@@ -1,36 +1,107 @@
-"""Operator fusion: the captured forward+backward graph, the passes' log, why pairs did not fuse, kernels and bytes."""
+"""Autograd & fusion: forward and backward graphs with their fused kernels, the passes' log and why-not reasons,
+the generated Triton source, kernels and bytes measured before and after, and the memory plan over time."""
+import altair as alt
 import pandas as pd
 import streamlit as st
 
 from pages import ui
 
-st.title("Operator fusion")
+st.title("Autograd & fusion")
+
+
+def _bytes(n) -> str:
+    return f"{n:,} B"
 
 
 def render(result: dict, rec) -> None:
-    m = result["metrics"]
+    m, t = result["metrics"], result["tables"]
     cols = st.columns(4)
-    cols[0].metric("kernels, one per op", m["kernels_unfused"])
-    cols[1].metric("kernels, fused plan", m["kernels_fused"])
-    cols[2].metric("bytes moved, unfused → fused", f"{m['bytes_unfused']:,} → {m['bytes_fused']:,} B")
-    cols[3].metric("ideal unique bytes", f"{m['ideal_unique_bytes']:,} B", help="graph inputs and outputs, once each")
+    cols[0].metric("kernels launched", f"{m['kernels_unfused']} → {m['kernels_fused']}",
+                   help="one kernel per op (no passes) → the fused program; both ran. Library calls (matmuls) included.")
+    cols[1].metric("generated Triton kernels", f"{m['generated_forward']} fwd + {m['generated_backward']} bwd",
+                   help=f"plus {m['extern_kernels']} library calls")
+    if "inductor_forward_kernels" in m:
+        cols[2].metric("TorchInductor kernels", f"{m['inductor_forward_kernels']} fwd + {m['inductor_backward_kernels']} bwd",
+                       help=f"measured: {m['inductor_backend']}, plus {m['inductor_extern_calls']} library calls")
+    else:
+        cols[2].metric("TorchInductor kernels", "not run", help="tick 'inductor' in the settings to compile and count them")
+    cols[3].metric("bytes touched by generated kernels", f"{m['bytes_unfused']:,} → {m['bytes_fused']:,} B",
+                   help=f"distinct bytes each kernel read or wrote, counted by the kernels. Graph inputs and outputs once: "
+                        f"{m['ideal_unique_bytes']:,} B; library calls (modelled): {m['extern_modelled_bytes']:,} B")
+    cols = st.columns(4)
+    if "saved_bytes_naive" in m:
+        cols[0].metric("kept for the backward", f"{m['saved_bytes_naive']:,} → {m['saved_bytes_min_cut']:,} B",
+                       help="forward values the backward reads: every one it uses → the min cut (recompute the rest)")
+    cols[1].metric("memory arena", _bytes(m["arena_bytes"]), help="intermediate buffers at their planned offsets")
+    cols[2].metric("lower bound", _bytes(m["lower_bound_bytes"]), help="most bytes live at any one step")
+    cols[3].metric("without reuse", _bytes(m["no_reuse_bytes"]), help="every intermediate buffer in its own memory")
     for note in result.get("notes", []):
         st.caption(note)
-    st.caption("Blue pointwise, red reduction, green extern (library) kernels, grey views; dashed boxes are fused kernels.")
-    st.graphviz_chart(result["tables"]["graph_dot"][0]["dot"])
-    left, right = st.columns(2)
-    with left:
-        st.subheader("What the passes did")
-        st.dataframe(pd.DataFrame(result["tables"]["log"]), hide_index=True, width="stretch")
-    with right:
-        st.subheader("Why these did not fuse")
-        why = pd.DataFrame(result["tables"]["why_not"])
-        if why.empty:
-            st.info("Every producer-consumer pair fused.")
-        else:
-            st.dataframe(why, hide_index=True, width="stretch")
+
+    graphs, kernels, passes, memory = st.tabs(["Graphs", "Kernels and source", "Passes and why-not", "Memory plan"])
+    with graphs:
+        st.caption("Blue pointwise, red reduction, green library call, grey view; dashed boxes are fused kernels; "
+                   "dashed nodes are values read from the other phase (what the forward saved).")
+        dots = t["graph_dot"]
+        panes = st.columns(len(dots))
+        for pane, d in zip(panes, dots):
+            with pane:
+                st.markdown(f"**{d['phase'].capitalize()}**")
+                st.graphviz_chart(d["dot"])
+        if t.get("saved"):
+            st.caption("Saved between forward and backward after the min cut")
+            st.dataframe(pd.DataFrame(t["saved"]), hide_index=True)
+    with kernels:
+        table = pd.DataFrame(t["kernels"])
+        st.dataframe(table, hide_index=True, width="stretch", column_config={
+            "requested_bytes": st.column_config.NumberColumn("requested (B)", help="every load and store, counted"),
+            "unique_bytes": st.column_config.NumberColumn("touched (B)", help="distinct bytes: what DRAM sees if caches hold reuse"),
+            "ideal_bytes": st.column_config.NumberColumn("ideal (B)", help="the group's inputs and outputs, each once"),
+            "unique_over_ideal": st.column_config.NumberColumn("touched / ideal", format="%.2f")})
+        sources = {s["kernel"]: s for s in t["sources"]}
+        if sources:
+            pick = st.selectbox("Generated Triton source", list(sources), key="fusion-source")
+            st.caption(f"Template: {sources[pick]['template']}")
+            st.code(sources[pick]["source"], language="python")
+            st.download_button("Download all generated kernels (.py)", "\n\n".join(s["source"] for s in t["sources"]),
+                               file_name=f"{rec.id}-kernels.py")
+    with passes:
+        left, right = st.columns(2)
+        with left:
+            st.subheader("What the passes did")
+            st.dataframe(pd.DataFrame(t["log"]), hide_index=True, width="stretch")
+        with right:
+            st.subheader("Why these did not fuse")
+            why = pd.DataFrame(t["why_not"])
+            if why.empty:
+                st.info("Every candidate pair fused.")
+            else:
+                st.dataframe(why, hide_index=True, width="stretch")
+    with memory:
+        live = pd.DataFrame(t["memory_over_time"])
+        plan = pd.DataFrame(t["memory_plan"])
+        if plan.empty:
+            st.info("No intermediate buffers: every value stays inside a kernel or is a graph output.")
+            return
+        chart = alt.Chart(live).mark_area(interpolate="step-after", opacity=0.6).encode(
+            x=alt.X("step:Q", title="schedule step (kernel launches in order)"),
+            y=alt.Y("live_bytes:Q", title="live intermediate bytes (B)"),
+            tooltip=["step", "kernel", alt.Tooltip("live_bytes:Q", format=",")])
+        st.altair_chart(chart.properties(height=200), width="stretch")
+        plan["end"] = plan["last_step"] + 1
+        plan["top"] = plan["offset"] + plan["bytes"]
+        boxes = alt.Chart(plan).mark_rect(stroke="white", opacity=0.85).encode(
+            x=alt.X("first_step:Q", title="schedule step"), x2="end:Q",
+            y=alt.Y("offset:Q", title="arena offset (B)"), y2="top:Q",
+            color=alt.Color("buffer:N", legend=None),
+            tooltip=["buffer", alt.Tooltip("bytes:Q", format=","), "offset", "first_step", "last_step", "written_by"])
+        st.caption(f"Each buffer is a box: its lifetime across, its bytes up. Boxes never overlap: the arena is "
+                   f"{m['arena_bytes']:,} B against a lower bound of {m['lower_bound_bytes']:,} B.")
+        st.altair_chart(boxes.properties(height=260), width="stretch")
 
 
 ui.experiment_page("graph.fusion", render,
-                   intro="The function is traced to aten ops (make_fx, with LayerNorm and GELU decomposed), forward and backward "
-                         "together; dead-code and common-subexpression elimination run, then ops are grouped into kernels.")
+                   intro="The function and its backward are traced to aten ops (make_fx, LayerNorm/GELU/softmax decomposed, the "
+                         "incoming gradient an input); dead code, common subexpressions and constants go; a min cut picks what "
+                         "the backward recomputes; ops are fused into kernels and each kernel is generated as Triton source, "
+                         "run, and checked against eager PyTorch.")

@@ -77,3 +77,18 @@ def test_collectives_page_replays_a_ring_run():
     assert any("Seed 000 writes the all-gather step" in w.value for w in at.warning)
     at.slider[0].set_value(-1).run()
     assert not at.exception
+
+
+def test_fusion_page_draws_graphs_source_and_memory_plan():
+    from backend import experiments
+    from backend.store import RunStore
+
+    exp = experiments.get("graph.fusion")
+    config = exp.make_config({"model": "ln_gelu"})
+    store = RunStore()
+    rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
+    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    at = _app("pages/fusion.py", run=rid)
+    assert not at.exception, at.exception
+    assert any("@triton.jit" in c.value for c in at.code), ([c.value[:80] for c in at.code], [e.value for e in at.error], [s.value for s in at.subheader])
+    assert any(m.label == "kernels launched" and m.value == "38 → 3" for m in at.metric)
