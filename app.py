@@ -24,6 +24,7 @@ navigation = st.navigation({
     "Compilers": [
         st.Page("pages/autograd.py", title="Autograd", icon="🧮", url_path="autograd"),
         st.Page("pages/fusion.py", title="Autograd & fusion", icon="🔗", url_path="fusion"),
+        st.Page("pages/placement.py", title="Graph placement", icon="🗺️", url_path="placement"),
     ],
     "Hardware": [
         st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),

@@ -38,6 +38,7 @@ EXPERIMENT_MODULES = (
     "backend.parallel.pp.experiment",
     "backend.parallel.dp_experiment",
     "backend.graph.autodiff_experiment",
+    "backend.graph.placement_experiment",
     "backend.graph.fusion_experiment",
 )
 

@@ -6,7 +6,7 @@ from tests.conftest import REPO
 
 PAGES = ["pages/home.py", "pages/runs.py", "pages/comm_bandwidth.py", "pages/collectives.py", "pages/kv_cache.py", "pages/variants_train.py", "pages/paged_attention.py",
          "pages/flash_attention.py", "pages/memory_hierarchy.py", "pages/pipeline.py",
-         "pages/data_parallel.py", "pages/autograd.py", "pages/fusion.py"]
+         "pages/data_parallel.py", "pages/autograd.py", "pages/fusion.py", "pages/placement.py"]
 
 
 def _app(page=None, **params):

@@ -75,6 +75,20 @@ def max_error(got, want) -> float:
     return max(((a - b).abs().max() / (1 + b.abs().max())).item() for a, b in zip(got, want))
 
 
+def lower(captured: nx.DiGraph, config: FusionConfig):
+    """The passes the config turns on, in order; returns the graph, its fusion plan, the log, what is saved."""
+    g, log, saved = captured, [], None
+    for enabled, name, pass_fn in ((config.dce, "dce", dce), (config.cse, "cse", cse), (config.fold, "fold", constant_fold)):
+        if enabled:
+            g, entries = pass_fn(g)
+            log += entries or [f"{name}: nothing to do"]
+    if config.backward and config.recompute:
+        g, entries, saved = min_cut(g)
+        log += entries
+    plan = fuse(g, config.vertical, config.horizontal, config.block_limit)
+    return g, plan, log + plan.log, saved
+
+
 def run(config: FusionConfig, ctx) -> Result:
     fn, inputs = build(config)
     ctx.progress(0.05, "capturing the graph")
@@ -85,16 +99,7 @@ def run(config: FusionConfig, ctx) -> Result:
     feeds = inputs + ([tangent] if config.backward else [])
     reference = eager(fn, inputs, tangent)
 
-    g, log, saved = captured, [], None
-    for enabled, name, pass_fn in ((config.dce, "dce", dce), (config.cse, "cse", cse), (config.fold, "fold", constant_fold)):
-        if enabled:
-            g, entries = pass_fn(g)
-            log += entries or [f"{name}: nothing to do"]
-    if config.backward and config.recompute:
-        g, entries, saved = min_cut(g)
-        log += entries
-    plan = fuse(g, config.vertical, config.horizontal, config.block_limit)
-    log += plan.log
+    g, plan, log, saved = lower(captured, config)
 
     ctx.progress(0.2, "generating and running one kernel per op")
     before = FusedProgram(captured, unfused_plan(captured))

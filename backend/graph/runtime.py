@@ -107,18 +107,19 @@ class FusedProgram:
     def run(self, inputs: list[torch.Tensor], count: bool = False) -> tuple[list[torch.Tensor], dict]:
         g = self.g
         env = dict(zip(g.graph["inputs"], inputs))
-        arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8)
+        device = inputs[0].device
+        arena = torch.empty(max(self.memory.arena_bytes, 1), dtype=torch.uint8, device=device)
         outputs = set(g.graph["outputs"])
 
         def buffer(n):
             d = g.nodes[n]
             dtype = getattr(torch, d["dtype"])
             if n in outputs or n not in self.memory.offsets:
-                return torch.empty(d["shape"], dtype=dtype)
+                return torch.empty(d["shape"], dtype=dtype, device=device)
             off = self.memory.offsets[n]
             return arena[off:off + d["bytes"]].view(dtype).view(d["shape"])
 
-        dummy = torch.zeros(1, dtype=torch.int32)
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
         launches, per_kernel, extern_bytes = 0, [], 0
         started = time.perf_counter()
         for step in self.steps:
@@ -144,7 +145,7 @@ class FusedProgram:
                     raise RuntimeError(f"{k.name}: {x} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
                                        f"the kernel was generated for {meta['shape']} {meta['stride']}")
             outs = [buffer(n) for n in k.outputs]
-            shadows = [torch.zeros(_span(t), dtype=torch.int32) if count else dummy for t in ins + outs]
+            shadows = [torch.zeros(_span(t), dtype=torch.int32, device=device) if count else dummy for t in ins + outs]
             k.fn[(k.grid,)](*ins, *outs, *shadows, COUNT=count, BLOCK=k.block)
             launches += 1
             for n, t in zip(k.outputs, outs):
