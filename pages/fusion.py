@@ -1,5 +1,7 @@
 """Autograd & fusion: forward and backward graphs with their fused kernels, the passes' log and why-not reasons,
 the generated Triton source, kernels and bytes measured before and after, and the memory plan over time."""
+import json
+
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -65,6 +67,9 @@ def render(result: dict, rec) -> None:
             st.code(sources[pick]["source"], language="python")
             st.download_button("Download all generated kernels (.py)", "\n\n".join(s["source"] for s in t["sources"]),
                                file_name=f"{rec.id}-kernels.py")
+        trace = rec.trace_bytes()
+        if trace:
+            ui.timeline_chart(json.loads(trace), title="The fused program's launches, in order (wall time on this machine)")
     with passes:
         left, right = st.columns(2)
         with left:
@@ -83,18 +88,22 @@ def render(result: dict, rec) -> None:
         if plan.empty:
             st.info("No intermediate buffers: every value stays inside a kernel or is a graph output.")
             return
-        chart = alt.Chart(live).mark_area(interpolate="step-after", opacity=0.6).encode(
-            x=alt.X("step:Q", title="schedule step (kernel launches in order)"),
+        steps = len(live)
+        integer_axis = alt.Axis(tickMinStep=1, format="d")
+        chart = alt.Chart(live).mark_bar(opacity=0.7).encode(
+            x=alt.X("step:O", title="schedule step (kernels in launch order; hover for the kernel)"),
             y=alt.Y("live_bytes:Q", title="live intermediate bytes (B)"),
-            tooltip=["step", "kernel", alt.Tooltip("live_bytes:Q", format=",")])
+            tooltip=["step", "kernel", alt.Tooltip("live_bytes:Q", title="live bytes (B)", format=",")])
         st.altair_chart(chart.properties(height=200), width="stretch")
         plan["end"] = plan["last_step"] + 1
         plan["top"] = plan["offset"] + plan["bytes"]
         boxes = alt.Chart(plan).mark_rect(stroke="white", opacity=0.85).encode(
-            x=alt.X("first_step:Q", title="schedule step"), x2="end:Q",
+            x=alt.X("first_step:Q", title="schedule step (a box spans the steps its buffer is live)", axis=integer_axis,
+                    scale=alt.Scale(domain=[0, steps])), x2="end:Q",
             y=alt.Y("offset:Q", title="arena offset (B)"), y2="top:Q",
             color=alt.Color("buffer:N", legend=None),
-            tooltip=["buffer", alt.Tooltip("bytes:Q", format=","), "offset", "first_step", "last_step", "written_by"])
+            tooltip=["buffer", alt.Tooltip("bytes:Q", title="bytes (B)", format=","), alt.Tooltip("offset:Q", title="offset (B)"),
+                     "first_step", "last_step", "written_by"])
         st.caption(f"Each buffer is a box: its lifetime across, its bytes up. Boxes never overlap: the arena is "
                    f"{m['arena_bytes']:,} B against a lower bound of {m['lower_bound_bytes']:,} B.")
         st.altair_chart(boxes.properties(height=260), width="stretch")

@@ -192,7 +192,11 @@ def run(config: FusionConfig, ctx) -> Result:
     if inductor and "cpp" in inductor["backend"]:
         notes.append("TorchInductor here is its C++ CPU backend (no GPU): its loop nests may compute a row and a column "
                      "reduction in one kernel, which a Triton kernel cannot. bench/fusion.py counts its Triton kernels on a GPU.")
-    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
+    # the fused program's launches as a timeline (run without counting, so the times are the kernels' own)
+    _, timed = after.run(feeds, count=False)
+    events = [{"name": e["step"], "lane": "generated kernel" if e["kind"] == "kernel" else "library call", "rank": 0,
+               "ts": e["start_us"], "dur": e["dur_us"], "args": {}} for e in timed["timeline"]]
+    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes, trace_events=events)
 
 
 def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
@@ -206,8 +210,10 @@ def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
         d["label"] = f"{n}\n{d['op']} [{shape}]"
         d["fillcolor"] = KIND_COLOR.get(d["kind"], "#ffffff")
         d["tooltip"] = f"{d['kind']}, {d['bytes']} B" + (f": {d['why_opaque']}" if d.get("why_opaque") else "")
+        if d["op"] == "var_mean":
+            d["label"] = f"{n}\nvar_mean → (var, mean)"
         if n in reads:
-            d["style"] = "dashed"
+            d["style"] = "rounded,filled,dashed"
             d["tooltip"] = f"read from the {'forward' if phase == 'backward' else 'backward'}: {d['bytes']} B"
     text = to_dot(sub, rankdir="TB").rstrip().rstrip("}")
     clusters: dict[int, list[str]] = {}
@@ -223,4 +229,4 @@ def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
 register("graph.fusion", FusionConfig,
          "capture forward+backward; DCE, CSE, folding, min-cut recompute, fusion with why-not reasons; generated Triton "
          "kernels run and counted against one kernel per op, eager PyTorch and TorchInductor",
-         run_fn=run)
+         run_fn=run, lanes=("generated kernel", "library call"))

@@ -120,41 +120,17 @@ class FusedProgram:
             return arena[off:off + d["bytes"]].view(dtype).view(d["shape"])
 
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        launches, per_kernel, extern_bytes = 0, [], 0
+        launches, per_kernel, extern_bytes, timeline = 0, [], 0, []
         started = time.perf_counter()
         for step in self.steps:
-            if step.kind == "view":
-                env[step.key] = run_node(g.nodes[step.key], env)
-                continue
-            if step.kind == "extern":
-                d = g.nodes[step.key]
-                result = run_node(d, env)
-                if isinstance(result, torch.Tensor):
-                    out = buffer(step.key)
-                    out.copy_(result)
-                    result = out
-                env[step.key] = result
+            t0 = time.perf_counter()
+            self._run_step(step, env, buffer, dummy, count, per_kernel)
+            if step.kind != "view":
                 launches += 1
-                extern_bytes += sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + d["bytes"]
-                continue
-            k = self.kernels[step.key]
-            ins = [env[x] for x in k.inputs]
-            for x, t in zip(k.inputs, ins):
-                meta = g.nodes[x]
-                if tuple(t.shape) != meta["shape"] or (t.numel() > 1 and tuple(t.stride()) != meta["stride"]):
-                    raise RuntimeError(f"{k.name}: {x} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
-                                       f"the kernel was generated for {meta['shape']} {meta['stride']}")
-            outs = [buffer(n) for n in k.outputs]
-            shadows = [torch.zeros(_span(t), dtype=torch.int32, device=device) if count else dummy for t in ins + outs]
-            k.fn[(k.grid,)](*ins, *outs, *shadows, COUNT=count, BLOCK=k.block)
-            launches += 1
-            for n, t in zip(k.outputs, outs):
-                env[n] = t
-            if count:
-                tensors = ins + outs
-                requested = sum(int(s.sum()) * t.element_size() for s, t in zip(shadows, tensors))
-                unique = sum(int((s > 0).sum()) * t.element_size() for s, t in zip(shadows, tensors))
-                per_kernel.append({"kernel": k.name, "template": k.template, "requested_bytes": requested, "unique_bytes": unique})
+                timeline.append({"step": step.label, "kind": step.kind, "start_us": (t0 - started) * 1e6,
+                                 "dur_us": (time.perf_counter() - t0) * 1e6})
+            if step.kind == "extern":
+                extern_bytes += sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + g.nodes[step.key]["bytes"]
         seconds = time.perf_counter() - started
         result = []
         for o in g.graph["outputs"]:
@@ -162,4 +138,35 @@ class FusedProgram:
             result.append(t.clone() if self.base(o) in self.memory.offsets else t)  # never hand out the arena
         return result, {"launches": launches, "generated_kernels": sum(s.kind == "kernel" for s in self.steps),
                         "extern_kernels": sum(s.kind == "extern" for s in self.steps), "per_kernel": per_kernel,
-                        "extern_modelled_bytes": extern_bytes, "seconds": seconds}
+                        "extern_modelled_bytes": extern_bytes, "seconds": seconds, "timeline": timeline}
+
+    def _run_step(self, step: Step, env: dict, buffer, dummy, count: bool, per_kernel: list) -> None:
+        g = self.g
+        if step.kind == "view":
+            env[step.key] = run_node(g.nodes[step.key], env)
+            return
+        if step.kind == "extern":
+            result = run_node(g.nodes[step.key], env)
+            if isinstance(result, torch.Tensor):
+                out = buffer(step.key)
+                out.copy_(result)
+                result = out
+            env[step.key] = result
+            return
+        k = self.kernels[step.key]
+        ins = [env[x] for x in k.inputs]
+        for x, t in zip(k.inputs, ins):
+            meta = g.nodes[x]
+            if tuple(t.shape) != meta["shape"] or (t.numel() > 1 and tuple(t.stride()) != meta["stride"]):
+                raise RuntimeError(f"{k.name}: {x} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
+                                   f"the kernel was generated for {meta['shape']} {meta['stride']}")
+        outs = [buffer(n) for n in k.outputs]
+        shadows = [torch.zeros(_span(t), dtype=torch.int32, device=dummy.device) if count else dummy for t in ins + outs]
+        k.fn[(k.grid,)](*ins, *outs, *shadows, COUNT=count, BLOCK=k.block)
+        for n, t in zip(k.outputs, outs):
+            env[n] = t
+        if count:
+            tensors = ins + outs
+            requested = sum(int(s.sum()) * t.element_size() for s, t in zip(shadows, tensors))
+            unique = sum(int((s > 0).sum()) * t.element_size() for s, t in zip(shadows, tensors))
+            per_kernel.append({"kernel": k.name, "template": k.template, "requested_bytes": requested, "unique_bytes": unique})
