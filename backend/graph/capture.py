@@ -33,6 +33,13 @@ POINTWISE = {"add", "sub", "mul", "div", "neg", "exp", "log", "rsqrt", "sqrt", "
 REDUCTIONS = {"sum", "amax", "amin", "var_mean"}
 
 
+def category(kind: str, op: str) -> str:
+    """The fusion literature's op kinds: elementwise, broadcast, injective (re-indexing), reduction, opaque."""
+    if kind == "view":
+        return "broadcast" if op == "expand" else "injective"
+    return {"pointwise": "elementwise"}.get(kind, kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ref:
     """An argument that is another node's value."""
@@ -110,6 +117,7 @@ def to_networkx(gm: torch.fx.GraphModule, backward: bool) -> nx.DiGraph:
     g.graph["inputs"] = [n.name for n in placeholders]
     for n, d in g.nodes(data=True):
         _check_template_fit(g, n, d)
+        d["category"] = category(d["kind"], d["op"])
     mark_phases(g)
     return g
 

@@ -209,7 +209,7 @@ def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
         shape = "×".join(map(str, d["shape"])) or "scalar"
         d["label"] = f"{n}\n{d['op']} [{shape}]"
         d["fillcolor"] = KIND_COLOR.get(d["kind"], "#ffffff")
-        d["tooltip"] = f"{d['kind']}, {d['bytes']} B" + (f": {d['why_opaque']}" if d.get("why_opaque") else "")
+        d["tooltip"] = f"{d.get('category', d['kind'])}, {d['bytes']} B" + (f": {d['why_opaque']}" if d.get("why_opaque") else "")
         if d["op"] == "var_mean":
             d["label"] = f"{n}\nvar_mean → (var, mean)"
         if n in reads:

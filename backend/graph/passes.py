@@ -295,7 +295,8 @@ def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_li
                                          "why not": f"{p}: {g.nodes[p]['why_opaque']}"})
                     elif pk == "view" and g.nodes[p]["op"] != "getitem":
                         rejected.append({"producer": p, "consumer": n, "kind": "vertical",
-                                         "why not": f"{p} ({g.nodes[p]['op']}) re-indexes its input: kernels read views from memory"})
+                                         "why not": f"{p} ({g.nodes[p].get('category', 'injective')}: {g.nodes[p]['op']}) "
+                                                    "re-indexes its input: kernels read views from memory"})
                     continue
                 reason = why_not(group[p], group[n], [(p, n)])
                 if reason:
