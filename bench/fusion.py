@@ -6,7 +6,8 @@ Writes bench/results/fusion.json.
 On a CPU the generated kernels run in Triton's interpreter: their times measure the interpreter, not a GPU,
 and are recorded only so the file has the same shape everywhere. Targets (from the issue): generated kernel
 counts no higher than TorchInductor's Triton counts (LayerNorm+GELU forward 1, forward+backward 3; MLP
-forward+backward 4), and every group's touched bytes within 1.1x of its inputs and outputs once.
+forward+backward 4), every group's touched bytes within 1.1x of its inputs and outputs once, and the error
+against float64 PyTorch within 2x eager fp32's own.
 
     python bench/fusion.py [--rows 16 --width 32] [--repeats 5]
 """
@@ -67,7 +68,8 @@ def main() -> None:
         g, plan, _, saved = lower(captured, FusionConfig(backward=backward))
         fused, unfused = FusedProgram(g, plan), FusedProgram(captured, unfused_plan(captured))
         feeds = [t.to(device) for t in inputs + ([tangent] if backward else [])]
-        reference = eager(fn, [t.to(device) for t in inputs], tangent.to(device) if backward else None)
+        reference = eager(fn, [t.to(device).double() for t in inputs], tangent.to(device).double() if backward else None)
+        eager_error = max_error(eager(fn, [t.to(device) for t in inputs], tangent.to(device) if backward else None), reference)
         out_f, run_f = fused.run(feeds, count=True)
         out_u, run_u = unfused.run(feeds, count=True)
         ideal = modelled_bytes(g, plan)["per_group"]
@@ -79,7 +81,8 @@ def main() -> None:
                "bytes_touched_unfused": sum(k["unique_bytes"] for k in run_u["per_kernel"]),
                "bytes_touched_fused": sum(k["unique_bytes"] for k in run_f["per_kernel"]),
                "worst_group_touched_over_ideal": round(worst, 3),
-               "error_fused_vs_eager": max_error(out_f, reference), "error_unfused_vs_eager": max_error(out_u, reference),
+               "error_eager_fp32_vs_fp64": eager_error, "error_fused_vs_fp64": max_error(out_f, reference),
+               "error_unfused_vs_fp64": max_error(out_u, reference),
                "seconds_eager": timed(lambda: eager(fn, [t.to(device) for t in inputs], tangent.to(device) if backward else None), args.repeats),
                "seconds_fused": timed(lambda: fused.run(feeds), args.repeats),
                "seconds_unfused": timed(lambda: unfused.run(feeds), args.repeats)}
@@ -99,7 +102,7 @@ def main() -> None:
            "timing_note": "Triton interpreter on a CPU: fused/unfused seconds measure the interpreter" if device == "cpu" else "GPU",
            "rows": rows,
            "targets_met": all(r.get("meets_kernel_target", True) and r["worst_group_touched_over_ideal"] <= 1.1
-                              and r["error_fused_vs_eager"] <= 1e-5 for r in rows)}
+                              and r["error_fused_vs_fp64"] <= 2 * r["error_eager_fp32_vs_fp64"] + 1e-6 for r in rows)}
     path = Path(__file__).parent / "results" / "fusion.json"
     path.write_text(json.dumps(out, indent=1))
     print("targets met:", out["targets_met"], "->", path)

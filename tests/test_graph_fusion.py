@@ -231,3 +231,11 @@ def test_bad_model_name():
     with pytest.raises(ConfigError) as info:
         experiments.get("graph.fusion").make_config({"model": "resnet"})
     assert info.value.field == "model"
+
+
+def test_looped_variance_is_stable_far_from_zero():
+    """var_mean in the looped template uses Welford: a sum of squares would lose the variance of x + 1000 in fp32."""
+    result = experiments.run("graph.fusion", model="expression", expression="layer_norm(x + 1000)", block_limit=4,
+                             backward=False)
+    assert any(k["template"] == "looped reduction" for k in result.tables["kernels"])
+    assert result.passed, [c for c in result.checks if not c.passed]

@@ -188,15 +188,20 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
             kw = dict(d["kwargs"])
             if looped:
                 acc = f"acc_{n}"
-                if op in ("sum", "var_mean"):
+                if op == "sum":
                     pre.append(f"{acc} = tl.zeros([BLOCK], tl.float32)")
                     body.append(f"{acc} += tl.where(mask, {e}, 0.0)")
-                if op == "var_mean":
-                    pre.append(f"{acc}_sq = tl.zeros([BLOCK], tl.float32)")
-                    body.append(f"{acc}_sq += tl.where(mask, {e} * {e}, 0.0)")
+                if op == "var_mean":  # Welford per lane, then Chan's formula across lanes (as Inductor's welford)
                     corr = kw.get("correction", 1)
-                    post.append(f"{v}_1 = tl.sum({acc}, axis=0) / {n_el}.0")
-                    post.append(f"{v}_0 = (tl.sum({acc}_sq, axis=0) - {n_el}.0 * {v}_1 * {v}_1) / {float(n_el - corr)}")
+                    pre += [f"{acc}_n = tl.zeros([BLOCK], tl.float32)", f"{acc}_mean = tl.zeros([BLOCK], tl.float32)",
+                            f"{acc}_m2 = tl.zeros([BLOCK], tl.float32)"]
+                    body += [f"{acc}_n += tl.where(mask, 1.0, 0.0)",
+                             f"{acc}_d = tl.where(mask, {e} - {acc}_mean, 0.0)",
+                             f"{acc}_mean += {acc}_d / tl.maximum({acc}_n, 1.0)",
+                             f"{acc}_m2 += {acc}_d * tl.where(mask, {e} - {acc}_mean, 0.0)"]
+                    post += [f"{v}_1 = tl.sum({acc}_mean * {acc}_n, axis=0) / {n_el}.0",
+                             f"{v}_0 = (tl.sum({acc}_m2, axis=0) + tl.sum({acc}_n * ({acc}_mean - {v}_1) * ({acc}_mean - {v}_1), "
+                             f"axis=0)) / {float(n_el - corr)}"]
                 elif op == "sum":
                     post.append(f"{v} = tl.sum({acc}, axis=0)")
                 else:

@@ -72,7 +72,7 @@ def eager(fn, inputs, tangent):
 
 
 def max_error(got, want) -> float:
-    return max(((a - b).abs().max() / (1 + b.abs().max())).item() for a, b in zip(got, want))
+    return max(((a.double() - b.double()).abs().max() / (1 + b.double().abs().max())).item() for a, b in zip(got, want))
 
 
 def lower(captured: nx.DiGraph, config: FusionConfig):
@@ -97,7 +97,9 @@ def run(config: FusionConfig, ctx) -> Result:
     tangent = torch.randn(captured.nodes[captured.graph["inputs"][-1]]["shape"], generator=torch.Generator().manual_seed(1)) \
         if config.backward else None
     feeds = inputs + ([tangent] if config.backward else [])
-    reference = eager(fn, inputs, tangent)
+    reference = eager(fn, [t.double() for t in inputs], tangent.double() if tangent is not None else None)
+    eager_error = max_error(eager(fn, inputs, tangent), reference)  # what fp32 itself costs
+    tolerance = 2 * eager_error + 1e-6
 
     g, plan, log, saved = lower(captured, config)
 
@@ -176,10 +178,12 @@ def run(config: FusionConfig, ctx) -> Result:
                   for v in (saved["saved_after"] if saved else [])],
     }
     checks = [
-        Check("fused program = eager PyTorch (outputs and gradients)", max_error(after_out, reference), 1e-5,
-              reference="eager PyTorch, fp32", detail="max |difference| / (1 + max |eager|), generated Triton kernels "
-              "(interpreter on a CPU) and library calls, buffers at their planned offsets"),
-        Check("one kernel per op = eager PyTorch", max_error(before_out, reference), 1e-5, reference="eager PyTorch, fp32"),
+        Check("fused program = PyTorch (outputs and gradients), within 2× eager fp32's own error", max_error(after_out, reference),
+              tolerance, reference=f"eager PyTorch in float64 (eager fp32 is off by {eager_error:.2e})",
+              detail="max |difference| / (1 + max |reference|); generated Triton kernels (interpreter on a CPU) and library "
+                     "calls, buffers at their planned offsets"),
+        Check("one kernel per op = PyTorch, within 2× eager fp32's own error", max_error(before_out, reference), tolerance,
+              reference="eager PyTorch in float64"),
         Check("each fused kernel touches at most 1.1× its group's unique bytes", worst, 1.1,
               reference="the group's inputs and outputs, each once", detail="unique bytes counted by the kernel / ideal"),
         Check("no two buffers live at the same time share bytes", len(mem.conflicts()), 0, reference="the plan's lifetimes"),
