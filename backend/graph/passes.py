@@ -39,11 +39,11 @@ def dce(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     return g, log
 
 
-def _substitute(args, old: str, new):
+def substitute(args, old: str, new):
     if isinstance(args, Ref):
         return (Ref(new) if isinstance(new, str) else new) if args.name == old else args
     if isinstance(args, tuple):
-        return tuple(_substitute(a, old, new) for a in args)
+        return tuple(substitute(a, old, new) for a in args)
     return args
 
 
@@ -53,8 +53,8 @@ def replace_uses(g: nx.DiGraph, old: str, new, only=None) -> None:
         if only is not None and user not in only:
             continue
         d = g.nodes[user]
-        d["args"] = _substitute(d["args"], old, new)
-        d["kwargs"] = tuple((k, _substitute(v, old, new)) for k, v in d["kwargs"])
+        d["args"] = substitute(d["args"], old, new)
+        d["kwargs"] = tuple((k, substitute(v, old, new)) for k, v in d["kwargs"])
         g.remove_edge(old, user)
         if isinstance(new, str):
             g.add_edge(new, user)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from backend.graph.capture import Ref
-from backend.graph.passes import dce, replace_uses
+from backend.graph.passes import dce, replace_uses, substitute
 
 
 def _save_cost(g: nx.DiGraph, v: str) -> int:
@@ -70,7 +69,7 @@ def min_cut(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str], dict]:
         args = d["args"]
         for u in list(g2.predecessors(v)):
             if u in clone:
-                args = _rename(args, u, clone[u])
+                args = substitute(args, u, clone[u])
         d.update(args=args, phase="backward")
         g2.add_node(name, **d)
         for u in g2.predecessors(v):
@@ -90,10 +89,3 @@ def min_cut(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str], dict]:
     return g2, log, {**info, "saved_after": after, "saved_bytes_after": sum(_save_cost(g2, v) for v in after),
                      "recomputed": recompute}
 
-
-def _rename(args, old, new):
-    if isinstance(args, Ref):
-        return Ref(new) if args.name == old else args
-    if isinstance(args, tuple):
-        return tuple(_rename(a, old, new) for a in args)
-    return args
