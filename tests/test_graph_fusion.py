@@ -224,6 +224,7 @@ def test_bad_expressions_name_the_field(text, words):
 
 def test_inductor_kernel_counts_are_measured():
     result = experiments.run("graph.fusion", model="ln_gelu", backward=False, inductor=True)
+    assert result.passed, [c for c in result.checks if not c.passed]  # includes Inductor's numbers against float64
     assert result.metrics["inductor_forward_kernels"] >= 1 and "TorchInductor" in result.metrics["inductor_backend"]
 
 
@@ -239,3 +240,18 @@ def test_looped_variance_is_stable_far_from_zero():
                              backward=False)
     assert any(k["template"] == "looped reduction" for k in result.tables["kernels"])
     assert result.passed, [c for c in result.checks if not c.passed]
+
+
+def test_a_kernel_that_skips_rows_fails_the_coverage_check():
+    """The touched-bytes check can fail: launch one program fewer and a row goes unread and unwritten."""
+    from backend.graph.fusion_experiment import FusionConfig, coverage_error, lower
+    from backend.graph.passes import modelled_bytes
+    fn, inputs = model("ln_gelu", 4, 8)
+    g, plan, _, _ = lower(to_networkx(capture(fn, inputs, backward=False), backward=False), FusionConfig(backward=False))
+    prog = FusedProgram(g, plan)
+    ideal = modelled_bytes(g, plan)["per_group"]
+    _, run = prog.run([t.clone() for t in inputs], count=True)
+    assert coverage_error(prog, run, ideal) == 0.0
+    next(iter(prog.kernels.values())).grid -= 1
+    _, run = prog.run([t.clone() for t in inputs], count=True)
+    assert coverage_error(prog, run, ideal) > 0.1

@@ -20,16 +20,15 @@ import torch
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from backend.graph.triton_ops import POINTWISE as TRITON_POINTWISE
+
 aten = torch.ops.aten
 DECOMPOSE = get_decompositions([aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
                                 aten._softmax, aten._softmax_backward_data, aten.sigmoid_backward, aten.tanh_backward,
                                 aten.threshold_backward, aten.mean.dim, aten.silu, aten.silu_backward])
 VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "unsqueeze", "squeeze", "alias", "detach",
          "split", "split_with_sizes", "chunk", "unbind", "narrow", "slice", "select"}  # results alias their input
-# Pointwise ops the Triton templates can generate (backend.graph.codegen.POINTWISE); others run as library calls.
-POINTWISE = {"add", "sub", "mul", "div", "neg", "exp", "log", "rsqrt", "sqrt", "erf", "tanh", "sigmoid", "relu", "abs",
-             "reciprocal", "maximum", "minimum", "pow", "where", "gt", "lt", "ge", "le", "clone",
-             "ones_like", "zeros_like", "full_like", "scalar_tensor"}
+FILLS = ("ones_like", "zeros_like", "full_like", "scalar_tensor", "clone")  # not tagged pointwise, yet elementwise
 REDUCTIONS = {"sum", "amax", "amin", "var_mean"}
 
 
@@ -49,7 +48,7 @@ class Ref:
         return self.name
 
 
-def kind_of(fn, args) -> tuple[str, str]:
+def kind_of(fn) -> tuple[str, str]:
     """(kind, why it is opaque, if it is)."""
     if fn is operator.getitem:
         return "view", ""
@@ -60,7 +59,7 @@ def kind_of(fn, args) -> tuple[str, str]:
         return "view", ""
     if name in REDUCTIONS:
         return "reduction", ""
-    if name in POINTWISE and (torch.Tag.pointwise in fn.tags or name in ("ones_like", "zeros_like", "full_like", "scalar_tensor", "clone")):
+    if name in TRITON_POINTWISE and (torch.Tag.pointwise in fn.tags or name in FILLS):
         return "pointwise", ""
     return "opaque", f"{name} has no Triton template here: a library call"
 
@@ -108,7 +107,7 @@ def to_networkx(gm: torch.fx.GraphModule, backward: bool) -> nx.DiGraph:
             g.add_node(node.name, op="input", kind="input", role=role, fn=None, args=(), kwargs=(), target="input", why_opaque="",
                        **attrs)
             continue
-        kind, why = kind_of(node.target, node.args)
+        kind, why = kind_of(node.target)
         op = node.target.overloadpacket.__name__ if kind != "view" or node.target is not operator.getitem else "getitem"
         g.add_node(node.name, op=op, kind=kind, fn=node.target, args=_freeze(node.args), target=str(node.target),
                    kwargs=tuple(sorted((k, _freeze(v)) for k, v in node.kwargs.items())), why_opaque=why, **attrs)

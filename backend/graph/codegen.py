@@ -23,50 +23,10 @@ import networkx as nx
 
 import kernels  # noqa: F401  (selects Triton's interpreter on a CPU before triton is imported)
 from backend.graph.capture import Ref
-from backend.graph.passes import FusionPlan, to2d, varies
+from backend.graph.passes import FusionPlan, group_io, to2d, varies
+from backend.graph.triton_ops import POINTWISE, lit
 
 CACHE = Path(tempfile.gettempdir()) / "explorer_generated_kernels"
-
-
-def _lit(v) -> str:
-    if isinstance(v, bool):
-        return "1.0" if v else "0.0"
-    v = float(v)
-    if v == float("inf"):
-        return 'float("inf")'
-    if v == float("-inf"):
-        return 'float("-inf")'
-    return repr(v)
-
-
-def _pow(a, b):
-    if isinstance(b, str):
-        return f"tl.exp({b} * tl.log({a}))"
-    b = float(b)
-    if b == 2.0:
-        return f"({a} * {a})"
-    if b == 3.0:
-        return f"({a} * {a} * {a})"
-    if b == 0.5:
-        return f"tl.sqrt({a})"
-    if b == -1.0:
-        return f"(1.0 / {a})"
-    return f"tl.exp({_lit(b)} * tl.log({a}))"
-
-
-POINTWISE = {
-    "add": lambda a, b: f"({a} + {b})", "sub": lambda a, b: f"({a} - {b})", "mul": lambda a, b: f"({a} * {b})",
-    "div": lambda a, b: f"({a} / {b})", "neg": lambda a: f"(-{a})", "exp": lambda a: f"tl.exp({a})",
-    "log": lambda a: f"tl.log({a})", "rsqrt": lambda a: f"tl.rsqrt({a})", "sqrt": lambda a: f"tl.sqrt({a})",
-    "erf": lambda a: f"tl.erf({a})", "tanh": lambda a: f"(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",
-    "sigmoid": lambda a: f"tl.sigmoid({a})", "relu": lambda a: f"tl.maximum({a}, 0.0)", "abs": lambda a: f"tl.abs({a})",
-    "reciprocal": lambda a: f"(1.0 / {a})", "maximum": lambda a, b: f"tl.maximum({a}, {b})",
-    "minimum": lambda a, b: f"tl.minimum({a}, {b})", "pow": _pow, "where": lambda c, a, b: f"tl.where({c}, {a}, {b})",
-    "gt": lambda a, b: f"({a} > {b})", "lt": lambda a, b: f"({a} < {b})", "ge": lambda a, b: f"({a} >= {b})",
-    "le": lambda a, b: f"({a} <= {b})",
-    "ones_like": lambda *a: "1.0", "zeros_like": lambda *a: "0.0", "full_like": lambda x, v, *a: _lit(v),
-    "scalar_tensor": lambda v, *a: _lit(v),
-}
 
 
 @dataclasses.dataclass
@@ -98,7 +58,7 @@ def _strides_2d(shape, stride) -> tuple[int, int]:
 
 def _output_strides(g, n) -> tuple[int, int]:
     """Outputs are contiguous; a reduction's result is indexed by the axis it kept, even without keepdim."""
-    axes = varies(g, n, None)
+    axes = varies(g, n)
     cols = to2d(g.nodes[n]["shape"])[1]
     if axes == {0, 1}:
         return (cols, 1)
@@ -109,13 +69,7 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
     grp = plan.groups[gid]
     members = grp.members
     order = [n for n in nx.topological_sort(g) if n in members]
-    inputs = []
-    for n in order:
-        for p in g.predecessors(n):
-            if p not in members and p not in inputs:
-                inputs.append(p)
-    outputs = [n for n in order if g.nodes[n]["op"] != "var_mean"
-               and (n in g.graph["outputs"] or any(u not in members for u in g.successors(n)))]
+    inputs, outputs = group_io(g, order)
     R, C = grp.domain
     template = plan.template(gid)
     axis = grp.axis
@@ -127,10 +81,8 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
     ops = "_".join(dict.fromkeys(g.nodes[n]["op"] for n in order if g.nodes[n]["op"] != "getitem"))[:48]
     name = f"k{gid}_{ops}"
 
-    def is_vector(n_or_axes) -> bool:
-        if axis is None:
-            return True
-        return axis in n_or_axes
+    def is_vector(axes) -> bool:
+        return axis is None or axis in axes
 
     var = {}          # node -> expression name
     form = {}         # node -> "vector" | "scalar"
@@ -154,7 +106,7 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
     for k, x in enumerate(inputs):
         d = g.nodes[x]
         sr, sc = _strides_2d(d["shape"], d["stride"])
-        vec = is_vector({ax for ax, s in enumerate((sr, sc)) if s}) if axis is not None else True
+        vec = is_vector({ax for ax, s in enumerate((sr, sc)) if s})
         idx = index(sr, sc, vec)
         lines = body if (vec and looped) else pre
         m = ", mask=mask, other=0.0" if vec else ""
@@ -165,9 +117,7 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
     def arg(a):
         if isinstance(a, Ref):
             return var[a.name]
-        return _lit(a)
-
-    reductions_done = set()
+        return lit(a)
 
     def depends_on_reduction(n):
         return any(g.nodes[a]["kind"] == "reduction" for a in nx.ancestors(g, n) | {n} if a in members)
@@ -223,13 +173,12 @@ def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
                     lines.append(f"{v}_d = tl.where(mask, {e} - {v}_1, 0.0)")
                     lines.append(f"{v}_0 = tl.sum({v}_d * {v}_d, axis=0) / {float(n_el - corr)}")
             var[n], form[n] = v, "scalar"
-            reductions_done.add(n)
         else:
             if op not in POINTWISE:
                 raise ValueError(f"no template for {op}")
             expr = POINTWISE[op](*[arg(a) for a in d["args"]])
             vec = axis is None or any(form.get(a.name) == "vector" for a in d["args"] if isinstance(a, Ref))
-            if axis is not None and not vec and axis in varies(g, n, axis):
+            if axis is not None and not vec and axis in varies(g, n):
                 vec = True  # a fill shaped like the row
                 expr = f"({expr} + tl.zeros([BLOCK], tl.float32))"
             if looped:

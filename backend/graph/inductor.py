@@ -1,7 +1,7 @@
 """How many kernels TorchInductor generates for the same function, counted from the code it wrote.
 
 torch.compile runs the function (and its backward, given the same incoming gradient); Inductor's output code
-is captured with run_and_get_code and its kernel definitions are counted. On a GPU these are Triton kernels;
+is captured with run_and_get_code and its kernel definitions are counted; the compiled function's output and gradients come back for checking. On a GPU these are Triton kernels;
 on a CPU Inductor writes C++ loops instead (`cpp_fused_*`), which fuse differently: a C++ loop nest can
 produce a row reduction and a column reduction in one pass, which a Triton kernel cannot.
 """
@@ -27,7 +27,8 @@ def kernel_counts(fn, inputs: list[torch.Tensor], tangent: torch.Tensor | None, 
             out.backward(tangent.to(device))
         return out
 
-    _, codes = run_and_get_code(step)
+    out, codes = run_and_get_code(step)
+    values = [out.detach().cpu()] + ([a.grad.detach().cpu() for a in args] if tangent is not None else [])
     backend = "triton" if device == "cuda" else "cpp"
     per_graph = []
     for code in codes:
@@ -38,4 +39,4 @@ def kernel_counts(fn, inputs: list[torch.Tensor], tangent: torch.Tensor | None, 
     backward = per_graph[1] if len(per_graph) > 1 else {"kernels": 0, "names": [], "extern_calls": 0}
     return {"backend": f"TorchInductor {backend} ({torch.__version__})", "forward_kernels": forward["kernels"],
             "backward_kernels": backward["kernels"], "extern_calls": forward["extern_calls"] + backward["extern_calls"],
-            "kernel_names": forward["names"] + backward["names"]}
+            "kernel_names": forward["names"] + backward["names"], "values": values}

@@ -18,16 +18,11 @@ import torch
 from backend.graph.capture import Ref, refs
 
 GROUPABLE = ("pointwise", "reduction")
-KERNEL_KINDS = ("pointwise", "reduction", "opaque")
-
-
-def _live_outputs(g: nx.DiGraph) -> set[str]:
-    return set(g.graph["outputs"])
 
 
 def dce(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     g, log = g.copy(), []
-    outputs = _live_outputs(g)
+    outputs = set(g.graph["outputs"])
     changed = True
     while changed:
         changed = False
@@ -97,7 +92,7 @@ def constant_fold(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
         op, args = d["op"], d["args"]
         if d["kind"] == "input":
             continue
-        if d["kind"] == "view" and op in IDENTITY_VIEWS or op == "clone":
+        if op in IDENTITY_VIEWS:
             src = args[0].name
             replace_uses(g, n, src)
             g.remove_node(n)
@@ -182,7 +177,7 @@ def _node_space(g, n):
     return to2d(d["shape"]), None
 
 
-def varies(g, n, axis_of_group) -> set[int]:
+def varies(g, n) -> set[int]:
     """The 2D axes along which node n's value changes inside a kernel."""
     d = g.nodes[n]
     if d["kind"] == "reduction":
@@ -190,7 +185,7 @@ def varies(g, n, axis_of_group) -> set[int]:
         other = 1 - d["axis"]
         return {other} if src[other] > 1 else set()
     if d["kind"] == "view" and d["op"] == "getitem":
-        return varies(g, d["args"][0].name, axis_of_group)
+        return varies(g, d["args"][0].name)
     return {ax for ax, size in enumerate(to2d(d["shape"])) if size > 1}
 
 
@@ -243,7 +238,7 @@ def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_li
             for p, c in edges + [(p, c) for p in members for c in g.successors(p) if c in members]:
                 if g.nodes[p]["kind"] != "reduction" and not (g.nodes[p]["op"] == "getitem"):
                     continue
-                if axis in varies(g, c, axis) and inner > block_limit:
+                if axis in varies(g, c) and inner > block_limit:
                     return (f"{c} reads the result of reducing {inner} elements, more than one block ({block_limit}): "
                             "the looped reduction cannot broadcast it back without a second pass")
         for p, c in edges:
@@ -251,7 +246,7 @@ def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_li
             if pd["kind"] == "reduction" or pd["op"] == "getitem":
                 src_axis = pd["axis"] if pd["kind"] == "reduction" else g.nodes[pd["args"][0].name]["axis"]
                 seen = {ax for ax, size in enumerate(to2d(pd["shape"])) if size > 1}
-                if seen != varies(g, p, axis):
+                if seen != varies(g, p):
                     return f"{p} drops its reduced axis ({src_axis}); {c} would broadcast it along the other axis"
         via = creates_cycle(members)
         if via is not None:
@@ -316,7 +311,7 @@ def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_li
                 else:
                     log.append(f"horizontal: {a} and {b} both read {x}: one kernel, one read of {x}")
                     merge(group[a], group[b])
-    # consumers of extern kernels are recorded once above; drop duplicate reasons
+    # a pair can be met twice (an extern consumer seen from both ends): keep its first reason
     seen, unique = set(), []
     for r in rejected:
         key = (r["producer"], r["consumer"])
@@ -331,13 +326,22 @@ def unfused_plan(g: nx.DiGraph) -> FusionPlan:
     return fuse(g, vertical=False, horizontal=False)
 
 
+def group_io(g: nx.DiGraph, members) -> tuple[list[str], list[str]]:
+    """What a group's kernel reads from memory (its external inputs) and writes (values used outside it),
+    in topological order; a tuple (var_mean) is never written, its getitems are."""
+    inside = set(members)
+    order = [n for n in nx.topological_sort(g) if n in inside]
+    inputs = list(dict.fromkeys(p for n in order for p in g.predecessors(n) if p not in inside))
+    outputs = [n for n in order if g.nodes[n]["op"] != "var_mean"
+               and (n in g.graph["outputs"] or any(u not in inside for u in g.successors(n)))]
+    return inputs, outputs
+
+
 def modelled_bytes(g: nx.DiGraph, plan: FusionPlan) -> dict:
     """Bytes if every group reads each external input once and writes each value used outside it once."""
     per_group = {}
     for gid, grp in plan.groups.items():
-        ins = {p for n in grp.members for p in g.predecessors(n) if p not in grp.members}
-        outs = {n for n in grp.members if n in g.graph["outputs"] or any(u not in grp.members for u in g.successors(n))}
-        outs = {n for n in outs if g.nodes[n]["op"] != "var_mean"}
-        per_group[gid] = sum(g.nodes[p]["bytes"] for p in ins) + sum(g.nodes[n]["bytes"] for n in outs)
+        inputs, outputs = group_io(g, grp.members)
+        per_group[gid] = sum(g.nodes[n]["bytes"] for n in inputs + outputs)
     ideal = sum(g.nodes[n]["bytes"] for n in g.graph["inputs"]) + sum(g.nodes[n]["bytes"] for n in set(g.graph["outputs"]))
     return {"per_group": per_group, "ideal_unique_bytes": ideal}

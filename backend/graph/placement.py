@@ -27,11 +27,6 @@ def flops(g: nx.DiGraph, n: str) -> int:
     return max(d["numel"], sum(g.nodes[p]["numel"] for p in g.predecessors(n)))
 
 
-def _stays_with_input(g, n) -> bool:
-    d = g.nodes[n]
-    return d["kind"] == "view"
-
-
 def place(g: nx.DiGraph, ranks: int, flops_per_s: float, link_bytes_per_s: float, latency_s: float):
     """Returns (rank of every node, a log with the reason for each op, the modelled finish time in s)."""
     rank, finish, free = {}, {}, [0.0] * ranks
@@ -42,7 +37,7 @@ def place(g: nx.DiGraph, ranks: int, flops_per_s: float, link_bytes_per_s: float
         if d["kind"] == "input":
             rank[n], finish[n] = 0, 0.0
             continue
-        if _stays_with_input(g, n) and preds:
+        if d["kind"] == "view" and preds:  # a view (or a tuple's getitem) stays with its input
             rank[n], finish[n] = rank[preds[0]], finish[preds[0]]
             continue
         cost = flops(g, n) / flops_per_s
@@ -52,8 +47,8 @@ def place(g: nx.DiGraph, ranks: int, flops_per_s: float, link_bytes_per_s: float
                          for p in preds] + [0.0])
             start = max(ready, free[r])
             gather = latency_s + d["bytes"] / link_bytes_per_s if n in g.graph["outputs"] and r != 0 else 0.0
-            options.append((start + cost + gather, r, start, ready))  # an output must reach rank 0
-        end, r, start, ready = min(options)
+            options.append((start + cost + gather, r, start))  # an output must reach rank 0
+        end, r, start = min(options)
         rank[n], finish[n], free[r] = r, end, start + cost
         others = ", ".join(f"rank {o[1]} {o[0] * 1e6:.1f}" for o in options if o[1] != r)
         moved = [p for p in preds if rank[p] != r and g.nodes[p]["bytes"]]

@@ -42,7 +42,7 @@ class FusedProgram:
         d = self.g.nodes[n]
         if n in self.plan.group:
             return ("kernel", self.plan.group[n])
-        if d["kind"] in ("opaque", "pointwise", "reduction"):
+        if d["kind"] == "opaque":
             return ("extern", n)
         if d["kind"] == "view":
             return ("view", n)
