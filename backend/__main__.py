@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             store.finish(args.run_id, "failed", error=str(err))
         return 2
 
-    from backend.dist.launch import free_port
+    from backend.comm.spawn import free_port
 
     port = int(os.environ["EXPLORER_PORT"]) if os.environ.get("EXPLORER_PORT") else free_port()
     run_id = args.run_id or store.create(

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from backend import experiments
 from backend.config import Config
-from backend.dist.launch import free_port
+from backend.comm.spawn import free_port
 from backend.store import FINAL, RunRecord, RunStore
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("EXPLORER_JOB_TIMEOUT_S", 120))

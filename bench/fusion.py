@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.graph.capture import capture, to_networkx  # noqa: E402
-from backend.graph.fusion_experiment import FusionConfig, eager, lower  # noqa: E402
+from backend.experiments.graph.fusion import FusionConfig, eager, lower  # noqa: E402
 from backend.graph.models import model  # noqa: E402
 from backend.graph.passes import unfused_plan  # noqa: E402
 from backend.graph.runtime import FusedProgram  # noqa: E402

@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from backend.attention.kv_cache_experiment import preset_table
+from backend.experiments.attention.kv_cache import preset_table
 from backend.attention.variants import mla_dataflow
 from backend.graph.dot import to_dot
 from pages import ui

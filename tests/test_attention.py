@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend import experiments
-from backend.attention.kv_cache_experiment import KVCacheConfig, measure_variant
+from backend.experiments.attention.kv_cache import KVCacheConfig, measure_variant
 from backend.attention.rope import apply_rope, relative_position_error, rope_angles
 from backend.config import ConfigError
 from backend.models.llama import ModelShape, TinyDecoder

@@ -4,9 +4,9 @@ import copy
 import pytest
 
 from backend.config import ConfigError
-from backend.dist.collectives import ALGORITHMS
-from backend.dist.collectives_experiment import CollectivesConfig, combine, rank_main
-from backend.dist.launch import spawn_ranks
+from backend.comm.collectives import ALGORITHMS
+from backend.experiments.collectives.run import CollectivesConfig, combine, rank_main
+from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 
 

@@ -4,10 +4,14 @@ import multiprocessing
 import pytest
 
 from backend.config import ConfigError
-from backend.dist.launch import spawn_ranks
+from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel import ddp, dp_ps, fsdp, zero
-from backend.parallel.dp_experiment import DDPConfig, FSDPConfig, PSConfig, ZeroConfig, combine_ps, make_combine
+from backend.experiments.parallel.ddp import DDPConfig
+from backend.experiments.parallel.dp_ps import PSConfig
+from backend.experiments.parallel.fsdp import FSDPConfig
+from backend.experiments.parallel.zero import ZeroConfig
+from backend.parallel.reconcile import combine_ps, make_combine
 
 
 def _cases(world):

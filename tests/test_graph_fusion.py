@@ -244,7 +244,7 @@ def test_looped_variance_is_stable_far_from_zero():
 
 def test_a_kernel_that_skips_rows_fails_the_coverage_check():
     """The touched-bytes check can fail: launch one program fewer and a row goes unread and unwritten."""
-    from backend.graph.fusion_experiment import FusionConfig, coverage_error, lower
+    from backend.experiments.graph.fusion import FusionConfig, coverage_error, lower
     from backend.graph.passes import modelled_bytes
     fn, inputs = model("ln_gelu", 4, 8)
     g, plan, _, _ = lower(to_networkx(capture(fn, inputs, backward=False), backward=False), FusionConfig(backward=False))

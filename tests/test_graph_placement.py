@@ -1,7 +1,7 @@
 """Placement across ranks: the pass's decisions on known cases, and runs on gloo equal to one process."""
 from backend import experiments
 from backend.graph.placement import place, transfers
-from backend.graph.placement_experiment import PlacementConfig, graph_and_plan
+from backend.experiments.graph.placement import PlacementConfig, graph_and_plan
 
 
 def test_two_branches_go_to_two_ranks_and_meet_on_rank_0():

@@ -37,21 +37,21 @@ def test_job_succeeds_and_identical_config_is_deduplicated(runner):
 
 
 def test_crashing_rank_fails_the_run_with_its_error(runner):
-    rec = runner.wait(runner.submit("dist.selftest", {"world_size": "3", "fault": "crash", "fault_rank": "2"}), 120)
+    rec = runner.wait(runner.submit("comm.selftest", {"world_size": "3", "fault": "crash", "fault_rank": "2"}), 120)
     assert rec.status == "failed"
     assert "rank 2" in rec.error and "injected crash on rank 2" in rec.error
     _assert_cleaned_up(rec)
 
 
 def test_silently_exiting_rank_is_named(runner):
-    rec = runner.wait(runner.submit("dist.selftest", {"world_size": "2", "fault": "exit", "fault_rank": "1"}), 120)
+    rec = runner.wait(runner.submit("comm.selftest", {"world_size": "2", "fault": "exit", "fault_rank": "1"}), 120)
     assert rec.status == "failed" and "rank 1" in rec.error and "exit code 3" in rec.error
     _assert_cleaned_up(rec)
 
 
 def test_hanging_rank_is_killed_at_the_timeout(runner):
     start = time.time()
-    rid = runner.submit("dist.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=6)
+    rid = runner.submit("comm.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=6)
     rec = runner.wait(rid, 60)
     assert rec.status == "failed" and "timeout" in rec.error
     assert time.time() - start < 6 + 25
@@ -59,8 +59,8 @@ def test_hanging_rank_is_killed_at_the_timeout(runner):
 
 
 def test_two_runs_at_once_get_different_ports(runner):
-    a = runner.submit("dist.selftest", {"world_size": "2"})
-    b = runner.submit("dist.selftest", {"world_size": "1"})
+    a = runner.submit("comm.selftest", {"world_size": "2"})
+    b = runner.submit("comm.selftest", {"world_size": "1"})
     deadline = time.time() + 60
     while time.time() < deadline:
         ra, rb = runner.store.get(a), runner.store.get(b)
@@ -72,7 +72,7 @@ def test_two_runs_at_once_get_different_ports(runner):
 
 
 def test_cancel_kills_a_running_job(runner):
-    rid = runner.submit("dist.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=60)
+    rid = runner.submit("comm.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=60)
     while runner.store.get(rid).status != "running":
         time.sleep(0.05)
     time.sleep(1)
@@ -87,8 +87,8 @@ def test_queue_respects_the_cap_and_cancels_queued(store):
 
     r = JobRunner(store, max_jobs=1)
     try:
-        a = r.submit("dist.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=30)
-        b = r.submit("dist.selftest", {"world_size": "1"})
+        a = r.submit("comm.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=30)
+        b = r.submit("comm.selftest", {"world_size": "1"})
         while store.get(a).status != "running":
             time.sleep(0.05)
         time.sleep(0.5)
@@ -105,5 +105,5 @@ def test_bad_input_is_rejected_before_anything_is_stored(runner):
     with pytest.raises(ConfigError, match="world_size"):
         runner.submit("comm.bandwidth", {"world_size": "1"})
     with pytest.raises(ConfigError, match="fault_rank: 5 is not a rank"):
-        runner.submit("dist.selftest", {"world_size": "2", "fault": "crash", "fault_rank": "5"})
+        runner.submit("comm.selftest", {"world_size": "2", "fault": "crash", "fault_rank": "5"})
     assert runner.store.list() == []

@@ -5,10 +5,10 @@ import multiprocessing
 import pytest
 
 from backend.config import ConfigError
-from backend.dist.launch import spawn_ranks
+from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel.pp.executor import run_rank
-from backend.parallel.pp.experiment import PipelineConfig, combine, run_rank_with_peer
+from backend.experiments.pipeline.run import PipelineConfig, combine, run_rank_with_peer
 from backend.parallel.pp.schedules import build, live_activations, peak_live_bound
 
 

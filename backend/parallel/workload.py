@@ -9,12 +9,32 @@ the elements the full vector would.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from backend.config import Config, ConfigError, setting
+
 BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+@dataclasses.dataclass
+class WorkloadConfig(Config):
+    """The settings every data-parallel experiment shares: the workload's shape and the rank count."""
+
+    world_size: int = setting(4, min=2, max=8, help="data-parallel ranks n")
+    hidden: int = setting(64, min=4, max=1024, help="layer width")
+    layers: int = setting(4, min=1, max=16, help="Linear+tanh layers")
+    batch: int = setting(32, min=1, max=4096, help="global batch per step (split over ranks)")
+    steps: int = setting(5, min=1, max=100, help="training steps")
+    lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
+
+    def check(self) -> None:
+        if self.batch < self.world_size:
+            raise ConfigError("batch", f"{self.batch} is smaller than world_size={self.world_size} (allowed: >= world_size)")
 
 
 def make_model(hidden: int, layers: int, seed: int) -> nn.Sequential:

@@ -1,5 +1,5 @@
 """ZeRO stages 1, 2 and 3 on gloo ranks, with Adam, communicating through our own ring collectives
-(backend/dist/collectives.py) so every byte moved is counted.
+(backend/comm/collectives.py) so every byte moved is counted.
 
 Parameters are laid out flat and cut into segments (stages 1 and 2: one segment, the whole model; stage 3:
 one per layer, as FSDP wraps each layer). Each segment is padded to a multiple of n and split into n equal
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from backend.dist.collectives import Spec, all_gather_ring, reduce_scatter_ring
-from backend.dist.p2p import P2P
+from backend.comm.collectives import Spec, all_gather_ring, reduce_scatter_ring
+from backend.comm.p2p import P2P
 from backend.parallel.workload import Adam, activation_bytes, batch, flat_params, load_flat, local_slice, loss_fn, make_model
 from backend.trace import Tracer
 

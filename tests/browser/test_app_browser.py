@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from backend.dist.launch import free_port
+from backend.comm.spawn import free_port
 from tests.conftest import REPO, processes_in_group
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

@@ -18,7 +18,7 @@ import torch
 from backend.attention.rope import relative_position_error
 from backend.attention.variants import cache_formula_elements
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
@@ -166,6 +166,6 @@ def run(config: KVCacheConfig, ctx) -> Result:
                          "dominated by per-layer overheads, not by reading the cache."])
 
 
-register("attention.kv_cache", KVCacheConfig,
+EXPERIMENT = define(__name__, KVCacheConfig,
          "MHA/MQA/GQA/MLA generation with a real KV cache: bytes per token measured vs formula, MLA absorbed vs naive",
          run_fn=run)

@@ -1,4 +1,4 @@
-"""dist.selftest: the smallest distributed run, and a way to see how the launcher handles faults.
+"""comm.selftest: the smallest distributed run, and a way to see how the launcher handles faults.
 
 Each rank all-reduces its rank id; the sum is checked against n(n-1)/2. With `fault`, one rank
 raises (crash), exits without a word (exit), or sleeps past the timeout (hang), so a user can
@@ -11,7 +11,7 @@ import os
 import time
 
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.result import Check, Result
 from backend.trace import Tracer
 
@@ -57,8 +57,7 @@ def combine(config: SelftestConfig, payloads: list[dict]) -> Result:
     )
 
 
-register(
-    "dist.selftest", SelftestConfig,
+EXPERIMENT = define(__name__, SelftestConfig,
     "all-reduce of rank ids on gloo; optional injected crash, silent exit or hang on one rank",
     rank_fn=rank_main, combine=combine, lanes=("collective",),
 )

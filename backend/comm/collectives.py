@@ -1,4 +1,4 @@
-"""Every collective built from point-to-point transfers (backend/dist/p2p.py), in several algorithms.
+"""Every collective built from point-to-point transfers (backend/comm/p2p.py), in several algorithms.
 
 A buffer of `numel` elements is split into n chunks the way torch.tensor_split does (the first
 numel % n chunks get one extra element), so sizes need not divide by the world size.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from backend.dist.p2p import P2P, Transfer
+from backend.comm.p2p import P2P, Transfer
 
 
 @dataclass(frozen=True)

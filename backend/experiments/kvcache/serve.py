@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.kvcache.serving import read_csv_trace, simulate_contiguous, simulate_paged, synthetic_trace
 from backend.result import Check, Result
 
@@ -87,6 +87,6 @@ def run(config: ServeConfig, ctx) -> Result:
                   tables={"waste": waste, "series": series, "snapshots": snapshots, "events": paged["events"][:500]})
 
 
-register("kvcache.serve", ServeConfig,
+EXPERIMENT = define(__name__, ServeConfig,
          "continuous batching over a request trace: paged KV blocks against contiguous max-length reservations",
          run_fn=run)

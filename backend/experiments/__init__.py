@@ -1,6 +1,9 @@
-"""The experiment registry, and running one experiment in this process with its run recorded.
+"""Experiments: one module per experiment under this folder, and the registry that finds them.
 
-An experiment is a Config class, a one-line summary, and either
+The module `backend/experiments/<group>/<name>.py` is the experiment `<group>.<name>`: it ends with
+    EXPERIMENT = define(__name__, SettingsClass, "one-line summary", run_fn=...)  (or rank_fn=, combine=)
+and nothing else needs editing; the registry imports every module in this package. An experiment is a
+Config class, a one-line summary, and either
   run(config, ctx) -> Result                         (single process), or
   rank_fn(rank, world_size, config, ctx) -> payload  (one call per rank, on torch.distributed)
   combine(config, payloads) -> Result                (rank payloads, in rank order)
@@ -13,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import pkgutil
 import json
 import sys
 import tempfile
@@ -24,25 +28,7 @@ from backend.config import Config, ConfigError
 from backend.result import Result
 from backend.trace import DEFAULT_LANES, to_chrome_trace
 
-# Modules that register experiments when imported; add a topic's module here.
-EXPERIMENT_MODULES = (
-    "backend.dist.bandwidth",
-    "backend.dist.collectives_experiment",
-    "backend.dist.selftest",
-    "backend.attention.kv_cache_experiment",
-    "backend.models.variants_train",
-    "backend.kvcache.paged_decode",
-    "backend.kvcache.serve_experiment",
-    "backend.attention.flash_experiment",
-    "backend.memory.roofline_experiment",
-    "backend.parallel.pp.experiment",
-    "backend.parallel.dp_experiment",
-    "backend.graph.autodiff_experiment",
-    "backend.graph.placement_experiment",
-    "backend.graph.fusion_experiment",
-)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass
@@ -88,7 +74,7 @@ class Experiment:
         ctx = ctx or RunContext()
         config.validate()
         if self.distributed:
-            from backend.dist.launch import spawn_ranks
+            from backend.comm.spawn import spawn_ranks
 
             payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx)
             return self.combine(config, payloads)
@@ -98,20 +84,26 @@ class Experiment:
 _REGISTRY: dict[str, Experiment] = {}
 
 
-def register(name: str, config_cls: type[Config], summary: str, **kind) -> Experiment:
-    if name in _REGISTRY:
-        raise ValueError(f"experiment {name!r} registered twice")
-    exp = Experiment(name=name, config_cls=config_cls, summary=summary, **kind)
+def define(module_name: str, config_cls: type[Config], summary: str, **kind) -> Experiment:
+    """The experiment a module defines; its name is the module's path below this package."""
+    prefix = __name__ + "."
+    if not module_name.startswith(prefix):
+        raise ValueError(f"experiments live under {__name__}/ (got {module_name})")
+    exp = Experiment(name=module_name[len(prefix):], config_cls=config_cls, summary=summary, **kind)
     if not (exp.run_fn or (exp.rank_fn and exp.combine)):
-        raise ValueError(f"experiment {name!r} needs run_fn, or rank_fn and combine")
-    _REGISTRY[name] = exp
+        raise ValueError(f"experiment {exp.name!r} needs run_fn, or rank_fn and combine")
     return exp
 
 
 @functools.cache
 def _load_all() -> None:
-    for module in EXPERIMENT_MODULES:
-        importlib.import_module(module)
+    for info in pkgutil.walk_packages(__path__, prefix=__name__ + "."):
+        module = importlib.import_module(info.name)
+        exp = getattr(module, "EXPERIMENT", None)
+        if isinstance(exp, Experiment):
+            _REGISTRY[exp.name] = exp
+        elif not info.ispkg:
+            raise ValueError(f"{info.name} defines no EXPERIMENT = define(__name__, ...)")
 
 
 def all_experiments() -> list[Experiment]:

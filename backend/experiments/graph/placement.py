@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.config import Config, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.graph.capture import capture, evaluate, to_networkx
 from backend.graph.dot import to_dot
 from backend.graph.models import model
@@ -106,6 +106,6 @@ def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
         notes=["Placement uses the modelled rates in the settings; the run measures real time on gloo (CPU processes)."])
 
 
-register("graph.placement", PlacementConfig,
+EXPERIMENT = define(__name__, PlacementConfig,
          "split a graph across ranks by earliest finish time, insert send/recv, run on gloo, compare with one process",
          rank_fn=run_rank, combine=combine, lanes=("compute", "send", "recv"))

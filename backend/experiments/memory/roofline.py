@@ -15,7 +15,7 @@ import torch
 
 from backend.attention.flash import io_model, naive_attention, tiled_attention
 from backend.config import Config, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.memory.devices import DEVICES, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, probe_bandwidth, probe_matmul
 from backend.result import Check, Result
@@ -97,6 +97,6 @@ def run(config: RooflineConfig, ctx) -> Result:
         checks=checks)
 
 
-register("memory.roofline", RooflineConfig,
+EXPERIMENT = define(__name__, RooflineConfig,
          "this CPU's roofline measured (bandwidth and matmul probes) beside GPU presets; attention and GEMM points",
          run_fn=run)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.kvcache.manager import KVCacheManager
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
@@ -164,6 +164,6 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
         tables={"block_tables": table_rows}, checks=checks, notes=log)
 
 
-register("kvcache.paged_decode", PagedDecodeConfig,
+EXPERIMENT = define(__name__, PagedDecodeConfig,
          "tiny GQA decoder generating with its KV in a paged pool via a Triton kernel; equals a contiguous cache",
          run_fn=run)

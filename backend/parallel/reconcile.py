@@ -1,80 +1,12 @@
-"""parallel.ddp, parallel.zero, parallel.fsdp: the data-parallel family on gloo ranks, all on one workload.
-
-Each run is checked against one process training the whole batch with the same Adam (float64): the loss
-of every step and the final parameters. Per rank it reports the memory it actually holds by category,
-beside the formula for the strategy (ψ = parameter bytes; our training is float64 with no master copy, so
-parameters ψ, gradients ψ, Adam's m and v 2ψ, each divided by n where the strategy shards it), and the
-bytes it sent, beside 2ψ(n-1)/n (DDP, ZeRO-1, ZeRO-2) or 3ψ(n-1)/n (ZeRO-3).
+"""Data-parallel results reconciled with their references: every rank's payload against one process
+training the whole batch, memory held against the 2ψ/2ψ/3ψ formulas, bytes sent against the volume model.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from backend.config import Config, setting
-from backend.experiments import register
-from backend.parallel import ddp, dp_ps, fsdp, zero
 from backend.parallel.workload import reference_run, reference_run_mixed
 from backend.result import Check, Result
-
-
-@dataclasses.dataclass
-class DPConfig(Config):
-    world_size: int = setting(4, min=2, max=8, help="data-parallel ranks n")
-    hidden: int = setting(64, min=4, max=1024, help="layer width")
-    layers: int = setting(4, min=1, max=16, help="Linear+tanh layers")
-    batch: int = setting(32, min=1, max=4096, help="global batch per step (split over ranks)")
-    steps: int = setting(5, min=1, max=100, help="training steps")
-    lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
-    seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
-
-    def check(self) -> None:
-        from backend.config import ConfigError
-
-        if self.batch < self.world_size:
-            raise ConfigError("batch", f"{self.batch} is smaller than world_size={self.world_size} (allowed: >= world_size)")
-
-
-@dataclasses.dataclass
-class DDPConfig(DPConfig):
-    bucket_kb: int = setting(25, min=1, max=1 << 20, help="bucket size in KiB")
-    overlap: bool = setting(True, help="launch each bucket's all-reduce during backward")
-    comm_delay_ms: int = setting(0, min=0, max=1000, help="simulated slow network: extra time per bucket all-reduce")
-
-
-@dataclasses.dataclass
-class ZeroConfig(DPConfig):
-    stage: int = setting(1, min=1, max=3, help="ZeRO stage: 1 optimizer states, 2 and gradients, 3 and parameters")
-    precision: str = setting("fp64", choices=("fp64", "bf16_mixed"),
-                             help="fp64 throughout, or bf16 compute with fp32 master weights and Adam states (stages 1, 2)")
-
-    def check(self) -> None:
-        from backend.config import ConfigError
-
-        super().check()
-        if self.precision == "bf16_mixed" and self.stage == 3:
-            raise ConfigError("precision", "bf16_mixed is built for stages 1 and 2 (allowed with stage=3: fp64)")
-
-
-@dataclasses.dataclass
-class FSDPConfig(DPConfig):
-    pass
-
-
-@dataclasses.dataclass
-class PSConfig(DPConfig):
-    mode: str = setting("sync", choices=("sync", "async", "stale"), help="synchronous, asynchronous, or bounded staleness")
-    staleness: int = setting(1, min=0, max=16, help="stale mode: how many pushes a worker may run ahead of the slowest")
-    server: str = setting("dedicated", choices=("rank0", "dedicated"), help="rank 0 also works (seed's GPU0 DP), or only serves")
-    straggler_ms: int = setting(0, min=0, max=1000, help="extra time per step on the last worker")
-
-    def check(self) -> None:
-        from backend.config import ConfigError
-
-        super().check()
-        if self.server == "rank0" and self.mode != "sync":
-            raise ConfigError("mode", f"{self.mode!r} needs server=dedicated (allowed with server=rank0: sync, seed 000's DP)")
 
 
 def fsdp_local_elements(config, rank: int) -> int:
@@ -215,13 +147,3 @@ def combine_ps(config, payloads: list[dict]) -> Result:
                   checks=checks, notes=notes,
                   tables={"staleness": server["updates"], "eval": server["eval"], "volume": volume},
                   trace_events=[e for pl in payloads for e in pl["trace"]["events"]])
-
-
-register("parallel.dp_ps", PSConfig, "parameter servers: rank 0 or dedicated; synchronous, asynchronous, bounded staleness",
-         rank_fn=dp_ps.run_rank, combine=combine_ps, lanes=("compute", "collective", "send", "recv"))
-register("parallel.ddp", DDPConfig, "our DDP (hooks, reverse-order buckets, overlapped async all-reduce) beside torch DDP",
-         rank_fn=ddp.run_rank, combine=make_combine(lambda c: "ddp"), lanes=("compute", "collective"))
-register("parallel.zero", ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",
-         rank_fn=zero.run_rank, combine=make_combine(lambda c: f"zero{c.stage}"), lanes=("compute", "collective", "comm"))
-register("parallel.fsdp", FSDPConfig, "PyTorch FSDP2 (fully_shard per layer) on the same workload: the peer of our ZeRO-3",
-         rank_fn=fsdp.run_rank, combine=make_combine(lambda c: "fsdp"), lanes=("compute",))

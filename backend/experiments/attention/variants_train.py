@@ -14,7 +14,7 @@ import math
 import torch
 
 from backend.config import Config, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
@@ -92,6 +92,6 @@ def run(config: TrainConfig, ctx) -> Result:
         notes=["A small-scale illustration on a synthetic corpus with one budget; not a claim about large models."])
 
 
-register("attention.variants_train", TrainConfig,
+EXPERIMENT = define(__name__, TrainConfig,
          "train MHA/MQA/GQA/MLA decoders on the same Markov corpus; held-out loss against the entropy-rate floor",
          run_fn=run)

@@ -14,7 +14,7 @@ import networkx as nx
 import torch
 
 from backend.config import Config, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.graph.autograd import build, graphs, numeric_grad, symbolic_example
 from backend.graph.dot import to_dot
 from backend.result import Check, Result
@@ -69,6 +69,6 @@ def run(config: AutodiffConfig, ctx) -> Result:
         checks=checks)
 
 
-register("graph.autodiff", AutodiffConfig,
+EXPERIMENT = define(__name__, AutodiffConfig,
          "symbolic, numeric and automatic differentiation side by side; the forward and backward DAGs",
          run_fn=run)

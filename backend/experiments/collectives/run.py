@@ -18,8 +18,8 @@ import statistics
 import time
 
 from backend.config import Config, ConfigError, setting
-from backend.dist.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
-from backend.experiments import register
+from backend.comm.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
+from backend.experiments import define
 from backend.result import Check, Result
 from backend.trace import Tracer
 
@@ -191,8 +191,8 @@ def rank_main(rank: int, world: int, config: CollectivesConfig, ctx) -> dict:
     import torch
     import torch.distributed as dist
 
-    from backend.dist.collectives import builtin
-    from backend.dist.p2p import P2P
+    from backend.comm.collectives import builtin
+    from backend.comm.p2p import P2P
 
     tracer = Tracer(rank)
     tracer.align(dist.barrier)
@@ -363,8 +363,7 @@ def combine(config: CollectivesConfig, payloads: list[dict]) -> Result:
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
-register(
-    "collectives.run", CollectivesConfig,
+EXPERIMENT = define(__name__, CollectivesConfig,
     "any collective, built from send/recv (ring, tree, halving-doubling, direct) or gloo's own: step trace, bytes vs model, busbw",
     rank_fn=rank_main, combine=combine, lanes=("collective", "comm", "compute"),
 )

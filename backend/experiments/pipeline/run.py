@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.schedules import SCHEDULES, bubble_model, build, peak_live_bound
 from backend.result import Check, Result
@@ -215,6 +215,6 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                   trace_events=events)
 
 
-register("pipeline.run", PipelineConfig,
+EXPERIMENT = define(__name__, PipelineConfig,
          "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, PipeDream) on gloo ranks: Gantt, bubble, activations",
          rank_fn=run_rank_with_peer, combine=combine, lanes=("compute", "recv", "send"))

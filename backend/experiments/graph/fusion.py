@@ -16,7 +16,7 @@ import networkx as nx
 import torch
 
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.graph import expr
 from backend.graph.capture import capture, to_networkx
 from backend.graph.dot import to_dot
@@ -244,7 +244,7 @@ def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
     return text + "}"
 
 
-register("graph.fusion", FusionConfig,
+EXPERIMENT = define(__name__, FusionConfig,
          "capture forward+backward; DCE, CSE, folding, min-cut recompute, fusion with why-not reasons; generated Triton "
          "kernels run and counted against one kernel per op, eager PyTorch and TorchInductor",
          run_fn=run, lanes=("generated kernel", "library call"))

@@ -16,8 +16,8 @@ import dataclasses
 import time
 
 from backend.config import Config, ConfigError, setting
-from backend.dist.collectives import BUS_FACTOR
-from backend.experiments import register
+from backend.comm.collectives import BUS_FACTOR
+from backend.experiments import define
 from backend.result import Check, Result
 from backend.trace import Tracer
 
@@ -175,8 +175,7 @@ def combine(config: BandwidthConfig, payloads: list[dict]) -> Result:
     return Result(metrics=metrics, tables={"bandwidth": table, "per_rank": per_rank}, checks=checks, trace_events=events)
 
 
-register(
-    "comm.bandwidth", BandwidthConfig,
+EXPERIMENT = define(__name__, BandwidthConfig,
     "gloo built-in collectives over a size sweep: algbw and busbw (nccl-tests definitions), results checked exactly",
     rank_fn=rank_main, combine=combine, lanes=("collective",),
 )

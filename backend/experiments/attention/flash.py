@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from backend.attention.flash import io_model, naive_attention, online_softmax_example, tiled_attention
 from backend.config import Config, ConfigError, setting
-from backend.experiments import register
+from backend.experiments import define
 from backend.result import Check, Result
 
 POW2 = (16, 32, 64, 128)
@@ -139,6 +139,6 @@ def run(config: FlashConfig, ctx) -> Result:
     return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
 
 
-register("attention.flash", FlashConfig,
+EXPERIMENT = define(__name__, FlashConfig,
          "attention naive, tiled (PyTorch) or FlashAttention-2 in Triton: error vs SDPA, traffic counted in the kernel",
          run_fn=run)

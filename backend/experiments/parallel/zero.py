@@ -1,0 +1,26 @@
+"""parallel.zero: ZeRO-1/2/3 over our ring collectives; memory and bytes against 2ψ/2ψ/3ψ."""
+from __future__ import annotations
+
+import dataclasses
+
+from backend.config import ConfigError, setting
+from backend.experiments import define
+from backend.parallel import zero
+from backend.parallel.reconcile import make_combine
+from backend.parallel.workload import WorkloadConfig
+
+
+@dataclasses.dataclass
+class ZeroConfig(WorkloadConfig):
+    stage: int = setting(1, min=1, max=3, help="ZeRO stage: 1 optimizer states, 2 and gradients, 3 and parameters")
+    precision: str = setting("fp64", choices=("fp64", "bf16_mixed"),
+                             help="fp64 throughout, or bf16 compute with fp32 master weights and Adam states (stages 1, 2)")
+
+    def check(self) -> None:
+        super().check()
+        if self.precision == "bf16_mixed" and self.stage == 3:
+            raise ConfigError("precision", "bf16_mixed is built for stages 1 and 2 (allowed with stage=3: fp64)")
+
+
+EXPERIMENT = define(__name__, ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",
+                    rank_fn=zero.run_rank, combine=make_combine(lambda c: f"zero{c.stage}"), lanes=("compute", "collective", "comm"))
