@@ -6,52 +6,60 @@ import pytest
 from backend.config import ConfigError
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
-from backend.parallel import ddp, dp_ps, fsdp, zero
+from backend.experiments.parallel import ddp, fsdp, zero
 from backend.experiments.parallel.ddp import DDPConfig
 from backend.experiments.parallel.dp_ps import PSConfig
 from backend.experiments.parallel.fsdp import FSDPConfig
 from backend.experiments.parallel.zero import ZeroConfig
-from backend.parallel.reconcile import combine_ps, make_combine
+from backend.parallel import dp_ps
+from backend.parallel.dp_ps import combine_ps
 
 
 def _cases(world):
     base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3)  # layers of 42 parameters: uneven shards at n = 4
-    return [(ddp.run_rank, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp.run_rank, DDPConfig(overlap=False, **base), "ddp"),
-            (ddp.run_rank, DDPConfig(bucket_kb=1, comm_delay_ms=5, **base), "ddp"),
-            (zero.run_rank, ZeroConfig(stage=1, **base), "zero1"), (zero.run_rank, ZeroConfig(stage=2, **base), "zero2"),
-            (zero.run_rank, ZeroConfig(stage=3, **base), "zero3"), (fsdp.run_rank, FSDPConfig(**base), "fsdp")]
+    return [(ddp, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp, DDPConfig(overlap=False, **base), "ddp"),
+            (ddp, DDPConfig(bucket_kb=1, comm_delay_ms=5, **base), "ddp"),
+            (zero, ZeroConfig(stage=1, **base), "zero1"), (zero, ZeroConfig(stage=2, **base), "zero2"),
+            (zero, ZeroConfig(stage=3, **base), "zero3"), (fsdp, FSDPConfig(**base), "fsdp")]
+
+
+def _combine(module, cfg, reports):
+    return module.EXPERIMENT.combine(cfg, reports)
 
 
 def _all(rank, world, cases, ctx):
-    return [fn(rank, world, cfg, ctx) for fn, cfg, _ in cases]
+    import importlib
+
+    cases = [(importlib.import_module(name), cfg) for name, cfg in cases]
+    return [module.run_rank(rank, world, cfg, ctx) for module, cfg in cases]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def runs(request):
     cases = _cases(request.param)
-    per_rank = spawn_ranks(_all, request.param, cases, RunContext(timeout_s=240))
+    per_rank = spawn_ranks(_all, request.param, [(module.__name__, cfg) for module, cfg, _ in cases], RunContext(timeout_s=240))
     assert multiprocessing.active_children() == []
-    return [(cfg, name, [per_rank[r][i] for r in range(request.param)]) for i, (_, cfg, name) in enumerate(cases)]
+    return [(module, cfg, name, [per_rank[r][i] for r in range(request.param)]) for i, (module, cfg, name) in enumerate(cases)]
 
 
 def test_every_strategy_equals_the_reference_and_its_formulas(runs):
-    for cfg, name, payloads in runs:
-        result = make_combine(lambda c, name=name: name)(cfg, payloads)
+    for module, cfg, name, reports in runs:
+        result = _combine(module, cfg, reports)
         failed = [(c.name, c.error) for c in result.checks if not c.passed]
         assert not failed, (name, failed)
 
 
 def test_zero_memory_shrinks_stage_by_stage(runs):
-    held = {name: payloads[0]["memory"] for cfg, name, payloads in runs}
+    held = {name: reports[0].memory for module, cfg, name, reports in runs}
     assert held["zero1"]["optimizer states"] < held["ddp"]["optimizer states"]
     assert held["zero2"]["gradients"] < held["zero1"]["gradients"]
     assert held["zero3"]["parameters"] < held["zero2"]["parameters"]
 
 
 def test_a_wrong_parameter_fails_the_check(runs):
-    cfg, name, payloads = next(r for r in runs if r[1] == "zero2")
-    payloads[0]["params"] = payloads[0]["params"] + 1e-9
-    assert not make_combine(lambda c: name)(cfg, payloads).passed
+    module, cfg, name, reports = next(r for r in runs if r[2] == "zero2")
+    reports[0].params = reports[0].params + 1e-9
+    assert not _combine(module, cfg, reports).passed
 
 
 @pytest.mark.parametrize("cls, values, field", [
@@ -84,8 +92,8 @@ def test_parameter_server_bad_inputs():
 @pytest.mark.parametrize("stage, world", [(1, 2), (2, 3), (2, 4)])
 def test_zero_bf16_mixed_precision(stage, world):
     cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed").validate()
-    payloads = spawn_ranks(zero.run_rank, world, cfg, RunContext(timeout_s=120))
-    result = make_combine(lambda c: f"zero{stage}")(cfg, payloads)
+    reports = spawn_ranks(zero.run_rank, world, cfg, RunContext(timeout_s=120))
+    result = _combine(zero, cfg, reports)
     assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
     assert result.metrics["relative_error_vs_float64"] > 0  # bf16 does cost accuracy, and the run says how much
 

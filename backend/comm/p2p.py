@@ -32,9 +32,13 @@ class P2P:
     world: int
     tracer: Tracer
     log: list[dict] = field(default_factory=list)
+    ranks: list[int] | None = None  # global rank of each group rank (a process group of a mesh); None: the world
+
+    def _global(self, peer: int) -> int:
+        return peer if self.ranks is None else self.ranks[peer]
 
     def exchange(self, step: int, phase: str, sends: list[Transfer] = (), recvs: list[Transfer] = ()) -> None:
-        reqs = [dist.isend(t.tensor, t.peer) for t in sends] + [dist.irecv(t.tensor, t.peer) for t in recvs]
+        reqs = [dist.isend(t.tensor, self._global(t.peer)) for t in sends] + [dist.irecv(t.tensor, self._global(t.peer)) for t in recvs]
         with self.tracer.span("comm", f"{phase} step {step}", step=step,
                               sends=[(t.peer, t.blocks) for t in sends], recvs=[(t.peer, t.blocks) for t in recvs]):
             for req in reqs:
@@ -49,8 +53,8 @@ class P2P:
         send_parts, recv_parts = send.tensor.split(segment_numel), recv.tensor.split(segment_numel)
         with self.tracer.span("comm", f"{phase} step {step}", step=step, sends=[(send.peer, send.blocks)],
                               recvs=[(recv.peer, recv.blocks)], segments=len(recv_parts)):
-            send_reqs = [dist.isend(part, send.peer) for part in send_parts]
-            recv_reqs = [dist.irecv(part, recv.peer) for part in recv_parts]
+            send_reqs = [dist.isend(part, self._global(send.peer)) for part in send_parts]
+            recv_reqs = [dist.irecv(part, self._global(recv.peer)) for part in recv_parts]
             for k, req in enumerate(recv_reqs):
                 req.wait()
                 if on_segment:

@@ -1,19 +1,21 @@
 """Our DDP: per-parameter gradient hooks, buckets in reverse parameter order, and an asynchronous all-reduce
 launched as soon as a bucket's gradients are all ready, overlapping the rest of the backward (seed 000).
-Torch's DistributedDataParallel trains the same workload as the peer.
+Torch's DistributedDataParallel trains the same workload as the peer (`TorchDDP`).
 
 Per-rank volume: a ring all-reduce sends 2ψ(n-1)/n. gloo chooses its own algorithm inside all_reduce, so
 the bytes reported are the logical volume of the ring algorithm, labelled as such.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from backend.parallel.workload import Adam, activation_bytes, batch, flat_params, load_flat, local_slice, loss_fn, make_model
-from backend.trace import Tracer
+from backend.parallel.loop import Strategy
+from backend.parallel.workload import Adam, flat_params, load_flat
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
@@ -30,85 +32,118 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[li
     return buckets
 
 
-def run_rank(rank: int, world: int, config, ctx) -> dict:
-    tracer = Tracer(rank)
-    tracer.align(dist.barrier)
-    model = make_model(config.hidden, config.layers, config.seed)
-    params = list(model.parameters())
-    buckets = make_buckets(params, config.bucket_kb * 1024)
-    bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
-    flat = flat_params(model)
-    m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
-    pending, ready, logical_sent = [], [0] * len(buckets), 0
-    slow_link = SlowLink(config.comm_delay_ms) if config.comm_delay_ms else None
+class FullReplica(Strategy):
+    """Every rank holds the whole model and the whole Adam state; gradients are summed before the update."""
 
-    def launch(i):
-        grads = torch.cat([p.grad.reshape(-1) for p in buckets[i]])
-        work = slow_link.all_reduce(grads) if slow_link else dist.all_reduce(grads, async_op=True)
-        pending.append((i, grads, work, tracer.now_us()))
+    def setup(self, model):
+        super().setup(model)
+        self.params = list(self.model.parameters())
+        self.flat = flat_params(self.model)
+        self.m, self.v, self.adam = torch.zeros_like(self.flat), torch.zeros_like(self.flat), Adam(self.workload.lr)
 
-    def on_grad(p):
-        i = bucket_of[id(p)]
-        ready[i] += 1
-        if config.overlap and ready[i] == len(buckets[i]):
-            launch(i)
+    def before_forward(self, step):
+        load_flat(self.model, self.flat)
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(on_grad)
-    losses, memory = [], {}
-    for step in range(config.steps):
-        load_flat(model, flat)
-        x, y = batch(config, step)
-        xs, ys = local_slice(config, rank, world, x), local_slice(config, rank, world, y)
-        model.zero_grad(set_to_none=True)
-        ready[:] = [0] * len(buckets)
-        with tracer.span("compute", f"forward {step}"):
-            out, act = activation_bytes(lambda: model(xs))
-            loss = loss_fn(config, out, ys)
-        with tracer.span("compute", f"backward {step}"):
-            loss.backward()
-        if not config.overlap:
-            for i in range(len(buckets)):
-                launch(i)
-        for i, grads, work, launched in pending:
+    def optimizer_step(self, step):
+        self.adam.update(self.flat, torch.cat([p.grad.reshape(-1) for p in self.params]), self.m, self.v)
+
+    def memory(self):
+        n, item = self.flat.numel(), self.flat.element_size()
+        return {"parameters": n * item, "gradients": n * item, "optimizer states": 2 * n * item}
+
+    def final_params(self):
+        return self.flat
+
+
+class DDP(FullReplica):
+    name = "ddp"
+
+    def __init__(self, *args, bucket_kb: int = 25, overlap: bool = True, comm_delay_ms: int = 0, **kw):
+        super().__init__(*args, **kw)
+        self.bucket_bytes, self.overlap, self.comm_delay_ms = bucket_kb * 1024, overlap, comm_delay_ms
+        self.logical_sent = 0
+
+    def setup(self, model):
+        super().setup(model)
+        self.buckets = make_buckets(self.params, self.bucket_bytes)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.ready, self.pending = [0] * len(self.buckets), []
+        self.link = SlowLink(self.comm_delay_ms, self.mesh.group("dp")) if self.comm_delay_ms else None
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p):
+        i = self.bucket_of[id(p)]
+        self.ready[i] += 1
+        if self.overlap and self.ready[i] == len(self.buckets[i]):
+            self._launch(i)
+
+    def _launch(self, i):
+        grads = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        work = self.link.all_reduce(grads) if self.link else dist.all_reduce(grads, group=self.mesh.group("dp"), async_op=True)
+        self.pending.append((i, grads, work, self.tracer.now_us()))
+
+    def before_forward(self, step):
+        super().before_forward(step)
+        self.ready = [0] * len(self.buckets)
+
+    def after_backward(self, step):
+        if not self.overlap:
+            for i in range(len(self.buckets)):
+                self._launch(i)
+        for i, grads, work, launched in self.pending:
             work.wait()
-            tracer.events.append({"name": f"all-reduce bucket {i}", "lane": "collective", "rank": rank, "ts": launched,
-                                  "dur": tracer.now_us() - launched, "args": {"bytes": grads.numel() * grads.element_size(),
-                                                                              "note": "launch to observed completion"}})
-            logical_sent += 2 * (world - 1) * grads.numel() * grads.element_size() // world
+            nbytes = grads.numel() * grads.element_size()
+            self.tracer.events.append({"name": f"all-reduce bucket {i}", "lane": "collective", "rank": self.mesh.rank,
+                                       "ts": launched, "dur": self.tracer.now_us() - launched,
+                                       "args": {"bytes": nbytes, "kind": "collective", "note": "launch to observed completion"}})
+            self.logical_sent += 2 * (self.world - 1) * nbytes // self.world
             offset = 0
-            for p in buckets[i]:
+            for p in self.buckets[i]:
                 p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        pending.clear()
-        with tracer.span("compute", f"adam {step}"):
-            adam.update(flat, torch.cat([p.grad.reshape(-1) for p in params]), m, v)
-        total = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(total)
-        losses.append(total.item())
-        if step == 0:
-            item = flat.element_size()
-            memory = {"parameters": flat.numel() * item, "gradients": flat.numel() * item,
-                      "optimizer states": 2 * flat.numel() * item, "activations": act}
-        if rank == 0:
-            ctx.progress((step + 1) / config.steps, f"step {step + 1}")
-    if slow_link:
-        slow_link.close()
-    peer = torch_ddp_peer(rank, world, config)
-    return {"rank": rank, "losses": losses, "params": flat.numpy().copy(), "memory": memory, "sent": logical_sent,
-            "psi_bytes": flat.numel() * flat.element_size(), "buckets": [sum(p.numel() for p in b) for b in buckets],
-            "trace": tracer.payload(), "peer_params": peer}
+        self.pending.clear()
+
+    def sent_bytes(self):
+        return self.logical_sent
+
+    def final_params(self):
+        if self.link:
+            self.link.close()
+        return self.flat
+
+    def extra(self):
+        return {"buckets": [sum(p.numel() for p in b) for b in self.buckets]}
+
+
+class TorchDDP(FullReplica):
+    """torch's DistributedDataParallel on the same workload (the peer); it averages gradients, so the loss is scaled by n."""
+    name = "torch ddp"
+
+    def __init__(self, *args, bucket_kb: int = 25, **kw):
+        super().__init__(*args, **kw)
+        self.bucket_kb = bucket_kb
+
+    @property
+    def loss_multiplier(self):
+        return self.world
+
+    def setup(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().setup(model)
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_kb / 1024, process_group=self.mesh.group("dp"))
+
+    def forward(self, x):
+        return self.ddp(x)  # the wrapper's hooks all-reduce during backward
 
 
 class SlowLink:
     """Simulated slow network: one background thread per rank runs the bucket all-reduces in launch order (so every
     rank issues them in the same order), each after `delay_ms` of pretend wire time."""
 
-    def __init__(self, delay_ms: int):
-        import queue
-        import threading
-
-        self.delay_s, self.jobs = delay_ms / 1000, queue.Queue()
+    def __init__(self, delay_ms: int, group=None):
+        self.delay_s, self.group, self.jobs = delay_ms / 1000, group, queue.Queue()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -116,38 +151,22 @@ class SlowLink:
         while (job := self.jobs.get()) is not None:
             tensor, done = job
             time.sleep(self.delay_s)
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.group)
             done.set()
 
     def all_reduce(self, tensor):
-        import threading
-
         done = threading.Event()
         self.jobs.put((tensor, done))
-
-        class Work:
-            def wait(self_inner):
-                done.wait()
-        return Work()
+        return _Done(done)
 
     def close(self):
         self.jobs.put(None)
         self.thread.join()
 
 
-def torch_ddp_peer(rank: int, world: int, config):
-    """torch's DistributedDataParallel on the same workload; DDP averages gradients, so the local loss is scaled by n."""
-    from torch.nn.parallel import DistributedDataParallel
+class _Done:
+    def __init__(self, event):
+        self.event = event
 
-    model = make_model(config.hidden, config.layers, config.seed)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_kb / 1024)
-    flat = flat_params(model)
-    m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
-    for step in range(config.steps):
-        load_flat(model, flat)
-        x, y = batch(config, step)
-        xs, ys = local_slice(config, rank, world, x), local_slice(config, rank, world, y)
-        ddp.zero_grad(set_to_none=True)
-        (loss_fn(config, ddp(xs), ys) * world).backward()
-        adam.update(flat, torch.cat([p.grad.reshape(-1) for p in model.parameters()]), m, v)
-    return flat.numpy().copy()
+    def wait(self):
+        self.event.wait()

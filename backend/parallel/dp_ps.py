@@ -16,31 +16,32 @@ import time
 import torch
 import torch.distributed as dist
 
-from backend.parallel.workload import Adam, batch, flat_params, load_flat, loss_fn, make_model
+from backend.parallel.workload import Adam, batch, flat_params, load_flat, loss_fn, make_model, reference_run
+from backend.result import Check, Result
 from backend.trace import Tracer
 
 
 def _grad(model, flat, config, step, worker, workers):
     load_flat(model, flat)
-    x, y = batch(config, step)
+    x, y = batch(config.workload, step)
     xs, ys = x.tensor_split(workers)[worker], y.tensor_split(workers)[worker]
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(config, model(xs), ys)
+    loss = loss_fn(config.workload, model(xs), ys)
     loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def _eval_loss(model, flat, config) -> float:
     load_flat(model, flat)
-    x, y = batch(config, 10_000)  # a held-out batch
+    x, y = batch(config.workload, 10_000)  # a held-out batch
     with torch.no_grad():
-        return loss_fn(config, model(x), y).item()
+        return loss_fn(config.workload, model(x), y).item()
 
 
 def run_rank(rank: int, world: int, config, ctx) -> dict:
     tracer = Tracer(rank)
     tracer.align(dist.barrier)
-    model = make_model(config.hidden, config.layers, config.seed)
+    model = make_model(config.workload)
     flat = flat_params(model)
     P, item = flat.numel(), flat.element_size()
     out = {"rank": rank, "trace": tracer.payload(), "sent": 0, "recv": 0, "updates": [], "eval": []}
@@ -141,3 +142,36 @@ def _work(config, model, flat, workers, rank, tracer, out):
         out["sent"] += (P + 1) * item
     out["trace"] = tracer.payload()
     return out
+
+
+def combine_ps(config, payloads: list[dict]) -> Result:
+    n, server = config.world_size, payloads[0]
+    P = server["params"].size
+    workers = n - 1 if config.server == "dedicated" else n
+    checks, notes = [], []
+    if config.mode == "sync":
+        ref = reference_run(config.workload)
+        err = (torch.from_numpy(server["params"]) - ref["params"]).abs().max().item()
+        checks.append(Check("synchronous server's parameters equal one process on the whole batch", err, 1e-12,
+                            reference="single-process PyTorch, same Adam, float64"))
+    else:
+        first, last = server["eval"][0]["loss"], server["eval"][-1]["loss"]
+        checks.append(Check("the server converges: held-out loss at the end below 0.8× the first update's", max(0.0, last - 0.8 * first), 0.0,
+                            reference="the loss after the first update", detail=f"{first:.4f} → {last:.4f}"))
+        stale = [u["staleness"] for u in server["updates"]]
+        if config.mode == "stale":
+            bound = (workers - 1) * (config.staleness + 1)
+            checks.append(Check("bounded staleness holds: no gradient older than (W-1)(s+1) updates", max(0, max(stale) - bound), 0,
+                                reference="the stale-synchronous bound", detail=f"max staleness {max(stale)}, bound {bound}"))
+        notes.append(f"Staleness over {len(stale)} updates: mean {sum(stale) / len(stale):.2f}, max {max(stale)}.")
+    if config.server == "rank0":
+        formula = (n - 1) * P * 8 * config.steps
+        checks.append(Check("rank 0 receives (n-1)ψ and sends (n-1)ψ per step (seed 000's DP)",
+                            abs(server["recv"] - formula) + abs(server["sent"] - formula), 0, reference="seed 000",
+                            detail="logical bytes of gloo's gather and broadcast"))
+    volume = [{"rank": pl["rank"], "sent_bytes": pl["sent"], "recv_bytes": pl["recv"]} for pl in payloads]
+    return Result(metrics={"strategy": f"parameter server ({config.mode}, {config.server})", "world_size": n, "workers": workers,
+                           "final_eval_loss": server["eval"][-1]["loss"], "updates": len(server["eval"])},
+                  checks=checks, notes=notes,
+                  tables={"staleness": server["updates"], "eval": server["eval"], "volume": volume},
+                  trace_events=[e for pl in payloads for e in pl["trace"]["events"]])

@@ -4,12 +4,13 @@ with the same hand-written Adam everywhere, and the single-process reference run
 Loss = squared error summed over the global batch ÷ (global batch · width); each rank takes a contiguous
 slice of every step's batch and scales its partial loss the same way, so summing gradients over ranks
 gives the single-process gradient. Adam is PyTorch's formula, written out so a shard updates exactly
-the elements the full vector would.
+the elements the full vector would. `Precision` says which dtype computes, which holds the master
+weights and Adam's states, and which reduces gradients (float64 throughout, or bf16 mixed precision).
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,27 +37,60 @@ class WorkloadConfig(Config):
         if self.batch < self.world_size:
             raise ConfigError("batch", f"{self.batch} is smaller than world_size={self.world_size} (allowed: >= world_size)")
 
+    @property
+    def workload(self) -> "Workload":
+        return Workload(self.hidden, self.layers, self.batch, self.steps, self.lr, self.seed)
 
-def make_model(hidden: int, layers: int, seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
+
+@dataclass(frozen=True)
+class Workload:
+    hidden: int
+    layers: int
+    batch: int
+    steps: int
+    lr: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # forward and backward
+    master: torch.dtype   # the weights Adam updates, and Adam's m and v
+    reduce: torch.dtype   # gradients on the wire and in the sum
+
+    @property
+    def mixed(self) -> bool:
+        return self.master != self.compute
+
+    def item(self, which: str) -> int:
+        return torch.empty(0, dtype=getattr(self, which)).element_size()
+
+
+FP64 = Precision(torch.float64, torch.float64, torch.float64)
+BF16_MIXED = Precision(torch.bfloat16, torch.float32, torch.float32)  # as FSDP's MixedPrecision(reduce_dtype=fp32)
+PRECISIONS = {"fp64": FP64, "bf16_mixed": BF16_MIXED}
+
+
+def make_model(w: Workload) -> nn.Sequential:
+    torch.manual_seed(w.seed)
     mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(hidden, hidden, dtype=torch.float64), nn.Tanh()]
+    for _ in range(w.layers):
+        mods += [nn.Linear(w.hidden, w.hidden, dtype=torch.float64), nn.Tanh()]
     return nn.Sequential(*mods)
 
 
-def batch(config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(config.seed * 7919 + step)
-    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
+def batch(w: Workload, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(w.seed * 7919 + step)
+    x = torch.randn(w.batch, w.hidden, generator=g, dtype=torch.float64)
     return x, torch.tanh(x.flip(1))  # a learnable target
 
 
-def local_slice(config, rank: int, world: int, t: torch.Tensor) -> torch.Tensor:
-    return t.tensor_split(world)[rank]
+def local_slice(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    return t.tensor_split(parts)[index]
 
 
-def loss_fn(config, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).sum() / (config.batch * config.hidden)
+def loss_fn(w: Workload, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum() / (w.batch * w.hidden)
 
 
 @dataclass
@@ -87,23 +121,6 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
-def reference_run(config) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final flat parameters."""
-    model = make_model(config.hidden, config.layers, config.seed)
-    flat = flat_params(model)
-    m, v, adam, losses = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr), []
-    for step in range(config.steps):
-        load_flat(model, flat)
-        x, y = batch(config, step)
-        loss = loss_fn(config, model(x), y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        adam.update(flat, grad, m, v)
-        losses.append(loss.item())
-    return {"losses": losses, "params": flat}
-
-
 def activation_bytes(fn):
     """Run fn() and return (its result, bytes of the tensors autograd saved for backward)."""
     saved = []
@@ -116,23 +133,24 @@ def activation_bytes(fn):
     return out, sum(saved)
 
 
-def reference_run_mixed(config, slices: int = 1) -> dict:
-    """One process in bf16 mixed precision: a bf16 copy of the fp32 master weights computes forward and backward;
-    with `slices` > 1 the batch is cut as n ranks cut it and the slices' bf16 gradients are summed in fp32,
-    the arithmetic a data-parallel run with an fp32 gradient reduction performs. Same Adam on the fp32 master."""
-    model = make_model(config.hidden, config.layers, config.seed).to(torch.bfloat16)
-    master = flat_params(make_model(config.hidden, config.layers, config.seed)).float()
-    m, v, adam, losses = torch.zeros_like(master), torch.zeros_like(master), Adam(config.lr), []
-    for step in range(config.steps):
-        load_flat(model, master.bfloat16())
-        x, y = batch(config, step)
-        grad, total = torch.zeros_like(master), 0.0
+def reference_run(w: Workload, precision: Precision = FP64, slices: int = 1) -> dict:
+    """One process, the same Adam: losses per step and the final flat master parameters (as float64).
+    The model computes in precision.compute from a copy of the master weights; with `slices` > 1 the batch is
+    cut as that many ranks cut it and the slices' gradients are summed in precision.reduce: the arithmetic a
+    data-parallel run performs, so a sharded mixed-precision run can be checked bitwise."""
+    model = make_model(w).to(precision.compute)
+    master = flat_params(make_model(w)).to(precision.master)
+    m, v, adam, losses = torch.zeros_like(master), torch.zeros_like(master), Adam(w.lr), []
+    for step in range(w.steps):
+        load_flat(model, master.to(precision.compute))
+        x, y = batch(w, step)
+        grad, total = torch.zeros_like(master, dtype=precision.reduce), 0.0
         for xs, ys in zip(x.tensor_split(slices), y.tensor_split(slices)):
-            loss = loss_fn(config, model(xs.bfloat16()).float(), ys.float())
+            loss = loss_fn(w, model(xs.to(precision.compute)).to(precision.master), ys.to(precision.master))
             model.zero_grad(set_to_none=True)
             loss.backward()
-            grad += torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float()
+            grad += torch.cat([p.grad.reshape(-1) for p in model.parameters()]).to(precision.reduce)
             total += loss.item()
-        adam.update(master, grad, m, v)
+        adam.update(master, grad.to(precision.master), m, v)
         losses.append(total)
     return {"losses": losses, "params": master.double()}

@@ -5,9 +5,11 @@ import dataclasses
 
 from backend.config import setting
 from backend.experiments import define
-from backend.parallel import ddp
-from backend.parallel.reconcile import make_combine
+from backend.parallel.ddp import DDP, TorchDDP
+from backend.parallel.loop import start_rank, train
+from backend.parallel.reconcile import combine
 from backend.parallel.workload import WorkloadConfig
+from backend.trace import Tracer
 
 
 @dataclasses.dataclass
@@ -17,5 +19,15 @@ class DDPConfig(WorkloadConfig):
     comm_delay_ms: int = setting(0, min=0, max=1000, help="simulated slow network: extra time per bucket all-reduce")
 
 
+def run_rank(rank, world, config: DDPConfig, ctx):
+    mesh, tracer = start_rank(rank, world)
+    ours = train(DDP(config.workload, mesh, tracer, bucket_kb=config.bucket_kb, overlap=config.overlap,
+                     comm_delay_ms=config.comm_delay_ms), ctx.progress)
+    peer = train(TorchDDP(config.workload, mesh, Tracer(rank), bucket_kb=config.bucket_kb))
+    ours.extra["peer_params"] = peer.params
+    return ours
+
+
 EXPERIMENT = define(__name__, DDPConfig, "our DDP (hooks, reverse-order buckets, overlapped async all-reduce) beside torch DDP",
-                    rank_fn=ddp.run_rank, combine=make_combine(lambda c: "ddp"), lanes=("compute", "collective"))
+                    rank_fn=run_rank, combine=lambda config, reports: combine(config, reports, peer="torch DistributedDataParallel"),
+                    lanes=("compute", "collective"))

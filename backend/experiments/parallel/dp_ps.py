@@ -6,7 +6,7 @@ import dataclasses
 from backend.config import ConfigError, setting
 from backend.experiments import define
 from backend.parallel import dp_ps
-from backend.parallel.reconcile import combine_ps
+from backend.parallel.dp_ps import combine_ps
 from backend.parallel.workload import WorkloadConfig
 
 

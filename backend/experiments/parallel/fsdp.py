@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 from backend.experiments import define
-from backend.parallel import fsdp
-from backend.parallel.reconcile import make_combine
+from backend.parallel.fsdp import FSDP2
+from backend.parallel.loop import start_rank, train
+from backend.parallel.reconcile import combine
 from backend.parallel.workload import WorkloadConfig
 
 
@@ -14,5 +15,10 @@ class FSDPConfig(WorkloadConfig):
     pass
 
 
+def run_rank(rank, world, config: FSDPConfig, ctx):
+    mesh, tracer = start_rank(rank, world)
+    return train(FSDP2(config.workload, mesh, tracer), ctx.progress)
+
+
 EXPERIMENT = define(__name__, FSDPConfig, "PyTorch FSDP2 (fully_shard per layer) on the same workload: the peer of our ZeRO-3",
-                    rank_fn=fsdp.run_rank, combine=make_combine(lambda c: "fsdp"), lanes=("compute",))
+                    rank_fn=run_rank, combine=combine, lanes=("compute",))

@@ -5,9 +5,10 @@ import dataclasses
 
 from backend.config import ConfigError, setting
 from backend.experiments import define
-from backend.parallel import zero
-from backend.parallel.reconcile import make_combine
-from backend.parallel.workload import WorkloadConfig
+from backend.parallel.loop import start_rank, train
+from backend.parallel.reconcile import combine
+from backend.parallel.workload import PRECISIONS, WorkloadConfig
+from backend.parallel.zero import ZeRO
 
 
 @dataclasses.dataclass
@@ -22,5 +23,10 @@ class ZeroConfig(WorkloadConfig):
             raise ConfigError("precision", "bf16_mixed is built for stages 1 and 2 (allowed with stage=3: fp64)")
 
 
+def run_rank(rank, world, config: ZeroConfig, ctx):
+    mesh, tracer = start_rank(rank, world)
+    return train(ZeRO(config.workload, mesh, tracer, PRECISIONS[config.precision], stage=config.stage), ctx.progress)
+
+
 EXPERIMENT = define(__name__, ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",
-                    rank_fn=zero.run_rank, combine=make_combine(lambda c: f"zero{c.stage}"), lanes=("compute", "collective", "comm"))
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))

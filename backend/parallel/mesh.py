@@ -1,0 +1,99 @@
+"""A device mesh: the ranks laid out on named dimensions, with one process group per line of the mesh.
+
+Dimensions are ordered outermost first, DIMS below (pp, dp, cp, ep, tp: tensor parallel
+innermost, so its ranks are neighbours, as Megatron-LM and picotron place them; on a node those share
+the fastest links). Rank r's coordinate on each dimension is its mixed-radix digit, and the group of
+dimension d holds the ranks that differ from r only in d. Every rank must build the same mesh: creating
+a process group is itself a collective call, made by all ranks in the same order.
+
+    mesh = DeviceMesh.build(rank, world_size, dp=2, tp=2)
+    mesh.size("tp"), mesh.index("tp"), mesh.group("tp"), mesh.ranks("tp")
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+DIMS = ("pp", "dp", "cp", "ep", "tp")  # outermost first
+
+
+@dataclass
+class DeviceMesh:
+    rank: int
+    shape: dict[str, int]                      # every dimension of DIMS, size 1 where unused
+    groups: dict[str, object] = field(default_factory=dict)        # this rank's process group per dimension
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)  # and the global ranks in it, by index
+
+    @classmethod
+    def layout(cls, world_size: int, **sizes: int) -> dict[str, int]:
+        """The full shape: named sizes, every other dimension 1; their product must be world_size."""
+        unknown = set(sizes) - set(DIMS)
+        if unknown:
+            raise ValueError(f"unknown mesh dimensions {sorted(unknown)} (allowed: {', '.join(DIMS)})")
+        shape = {d: int(sizes.get(d, 1)) for d in DIMS}
+        if math.prod(shape.values()) != world_size:
+            raise ValueError(f"mesh {shape} holds {math.prod(shape.values())} ranks, not world_size={world_size}")
+        return shape
+
+    @classmethod
+    def coords(cls, rank: int, shape: dict[str, int]) -> dict[str, int]:
+        out, rest = {}, rank
+        for d in reversed(DIMS):  # the innermost dimension is the fastest-varying digit
+            out[d], rest = rest % shape[d], rest // shape[d]
+        return out
+
+    @classmethod
+    def rank_of(cls, coords: dict[str, int], shape: dict[str, int]) -> int:
+        rank = 0
+        for d in DIMS:
+            rank = rank * shape[d] + coords[d]
+        return rank
+
+    @classmethod
+    def lines(cls, shape: dict[str, int], dim: str) -> list[list[int]]:
+        """Every group of dimension `dim`: the ranks sharing all other coordinates, in index order."""
+        others = [d for d in DIMS if d != dim]
+        out = []
+        for fixed in itertools.product(*(range(shape[d]) for d in others)):
+            base = dict(zip(others, fixed))
+            out.append([cls.rank_of({**base, dim: i}, shape) for i in range(shape[dim])])
+        return out
+
+    @classmethod
+    def build(cls, rank: int, world_size: int, **sizes: int) -> "DeviceMesh":
+        """Create the process groups (a collective: every rank calls this with the same sizes)."""
+        import torch.distributed as dist
+
+        shape = cls.layout(world_size, **sizes)
+        mesh = cls(rank, shape)
+        for dim in DIMS:
+            for members in cls.lines(shape, dim):
+                if shape[dim] == 1:
+                    mine = [rank]
+                    group = None  # nothing to communicate along a dimension of size 1
+                elif shape[dim] == world_size:
+                    group, mine = dist.group.WORLD, members
+                else:
+                    group = dist.new_group(members)
+                    mine = members
+                if rank in members:
+                    mesh.groups[dim], mesh.group_ranks[dim] = group, mine
+        return mesh
+
+    def size(self, dim: str) -> int:
+        return self.shape[dim]
+
+    def index(self, dim: str) -> int:
+        return self.coords(self.rank, self.shape)[dim]
+
+    def group(self, dim: str):
+        return self.groups[dim]
+
+    def ranks(self, dim: str) -> list[int]:
+        return self.group_ranks[dim]
+
+    def describe(self) -> dict:
+        """Plain data for a page: the shape, and every group of every dimension used."""
+        return {"shape": {d: s for d, s in self.shape.items() if s > 1},
+                "groups": {d: self.lines(self.shape, d) for d in DIMS if self.shape[d] > 1}}
