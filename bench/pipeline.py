@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
+from backend.parallel.pp.schedules import SCHEDULES  # noqa: E402
 
 
 def main() -> None:
@@ -22,12 +23,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     rows = []
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "pipedream", "naive"):
+    for schedule in SCHEDULES:
         for m in (4, 8, 16):
-            if schedule == "naive" and m != 4:
+            if SCHEDULES[schedule].whole_batch and m != 4:
                 continue
-            settings = dict(schedule=schedule, stages=4, microbatches=m, hidden=args.hidden, batch=16 * m, layers=8)
-            if schedule == "interleaved_1f1b":
+            settings = dict(schedule=schedule, world_size=4, microbatches=m, hidden=args.hidden, batch=16 * m, layers=8)
+            if SCHEDULES[schedule].interleaved:
                 settings["virtual_stages"] = 2
             result = experiments.run("pipeline.run", **settings)
             assert result.passed, [c for c in result.checks if not c.passed]
@@ -35,7 +36,7 @@ def main() -> None:
             rows.append({"schedule": schedule, "p": 4, "m": m, "bubble_measured": mt["bubble_measured"],
                          "bubble_model": mt["bubble_model"], "gap_pp": mt["bubble_gap_pp"], "mean_action_ms": mt["mean_action_ms"]})
             print(rows[-1])
-    target = [r for r in rows if r["schedule"] in ("gpipe", "1f1b") and r["m"] == 8]
+    target = [r for r in rows if SCHEDULES[r["schedule"]].torch_peer and r["m"] == 8]  # GPipe and 1F1B
     out = {"benchmark": "pipeline", "device": describe(), "code_version": experiments.code_version(), "hidden": args.hidden,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
            "target_within_5pp": all(abs(r["gap_pp"]) <= 5 for r in target)}

@@ -32,7 +32,7 @@ def render(result: dict, rec) -> None:
     m = result["metrics"]
     cols = st.columns(4)
     cols[0].metric("bubble, measured", f"{100 * m['bubble_measured']:.1f} %", help="1 − busy ÷ makespan, mean over ranks")
-    cols[1].metric("bubble, model", f"{100 * m['bubble_model']:.1f} %", help="(p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1); ZB-H1 (p−1)/(3m+p−1)")
+    cols[1].metric("bubble, model", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
     cols[2].metric("makespan", f"{m['makespan_ms']:,.0f} ms")
     cols[3].metric("mean action", f"{m['mean_action_ms']:.1f} ms")
     for note in result.get("notes", []):
@@ -55,10 +55,11 @@ def render(result: dict, rec) -> None:
     other = st.selectbox("compare with schedule", [s for s in SCHEDULES if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
     compare_id = st.query_params.get("compare")
     if st.button(f"Run {other} on the same settings"):
+        plan = SCHEDULES[other]
         settings = dict(rec.config, schedule=other)
-        if other != "interleaved_1f1b":
-            settings["virtual_stages"] = 1
-        settings["recompute"] = settings["recompute"] and other in ("naive", "gpipe", "1f1b")
+        settings["virtual_stages"] = settings["virtual_stages"] if plan.interleaved else 1
+        settings["recompute"] = settings["recompute"] and plan.supports_recompute
+        settings["vertical_sync"] = settings["vertical_sync"] and plan.asynchronous
         try:
             compare_id = ui.runner().submit("pipeline.run", settings)
             st.query_params["compare"] = compare_id

@@ -9,7 +9,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel.pp.executor import run_rank
 from backend.experiments.pipeline.run import PipelineConfig, combine, run_rank_with_peer
-from backend.parallel.pp.schedules import build, live_activations, peak_live_bound
+from backend.parallel.pp.schedules import SCHEDULES, live_activations
 
 
 def _matrix_rank(rank, world, configs, ctx):
@@ -17,7 +17,7 @@ def _matrix_rank(rank, world, configs, ctx):
 
 
 def _configs(p):
-    small = dict(stages=p, hidden=16, batch=8, layers=2 * p)
+    small = dict(world_size=p, hidden=16, batch=8, layers=2 * p)
     out = [PipelineConfig(schedule=s, microbatches=4, **small) for s in ("naive", "gpipe", "1f1b", "zb_h1")]
     out += [PipelineConfig(schedule="gpipe", microbatches=4, recompute=True, **small),
             PipelineConfig(schedule="1f1b", microbatches=4, recompute=True, **small),
@@ -53,7 +53,7 @@ def test_peak_live_activations(matrix):
     for config, payloads in matrix:
         m = 1 if config.schedule == "naive" else config.microbatches
         for pl in payloads:
-            expected = {"gpipe": m, "1f1b": min(m, config.stages - pl["rank"])}.get(config.schedule)
+            expected = {"gpipe": m, "1f1b": min(m, config.world_size - pl["rank"])}.get(config.schedule)
             if expected is not None:
                 assert pl["peak_live"] == expected
 
@@ -63,7 +63,7 @@ def test_pipedream_stashing_consistency(matrix):
     versions = [v for pl in stash[1] for v in pl["versions"]]
     assert versions and all(v["forward_version"] == v["backward_version"] for v in versions)
     versions = [v for pl in no_stash[1] for v in pl["versions"]]
-    if no_stash[0].stages > 1:
+    if no_stash[0].world_size > 1:
         assert any(v["forward_version"] != v["backward_version"] for v in versions)
         assert max(e["relative_error"] for pl in no_stash[1] for e in pl["grad_errors"]) > 0
 
@@ -77,13 +77,13 @@ def test_a_wrong_gradient_fails_the_check(matrix):
 def test_schedule_bounds_from_the_order():
     for p, m in ((4, 8), (3, 5)):
         for r in range(p):
-            assert live_activations(build("gpipe", p, m)[r]) == m
-            assert live_activations(build("1f1b", p, m)[r]) == peak_live_bound("1f1b", p, m, r) == min(m, p - r)
+            assert live_activations(SCHEDULES["gpipe"].actions(p, m)[r]) == m
+            assert live_activations(SCHEDULES["1f1b"].actions(p, m)[r]) == SCHEDULES["1f1b"].live_bound(p, m, r) == min(m, p - r)
 
 
 @pytest.mark.parametrize("values, field", [
-    ({"stages": "1"}, "stages"),
-    ({"schedule": "interleaved_1f1b", "virtual_stages": "2", "microbatches": "2", "stages": "4", "layers": "8"}, "microbatches"),
+    ({"world_size": "1"}, "world_size"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": "2", "microbatches": "2", "world_size": "4", "layers": "8"}, "microbatches"),
     ({"schedule": "interleaved_1f1b", "virtual_stages": "3", "layers": "8"}, "layers"),
     ({"virtual_stages": "2"}, "virtual_stages"),
     ({"batch": "30", "microbatches": "8"}, "batch"),
@@ -107,5 +107,5 @@ def test_pipedream_vertical_sync(matrix):
     for pl in plain:
         for v in pl["versions"]:
             spread.setdefault(v["mb"], set()).add(v["forward_version"])
-    if config.stages > 2:
+    if config.world_size > 2:
         assert any(len(vs) > 1 for vs in spread.values())  # without it, stages disagree

@@ -17,14 +17,14 @@ import torch
 from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
-from backend.parallel.pp.schedules import SCHEDULES, bubble_model, build, peak_live_bound
+from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result
 
 
 @dataclasses.dataclass
 class PipelineConfig(Config):
     schedule: str = setting("1f1b", choices=tuple(SCHEDULES), help="pipeline schedule")
-    stages: int = setting(4, min=2, max=8, help="pipeline ranks p")
+    world_size: int = setting(4, min=2, max=8, help="pipeline ranks p (each holds v stages)")
     microbatches: int = setting(8, min=1, max=64, help="micro-batches m per step")
     virtual_stages: int = setting(1, min=1, max=4, help="model chunks per rank v (interleaved_1f1b)")
     layers: int = setting(8, min=1, max=64, help="Linear+tanh layers in the whole model, split evenly over p·v stages")
@@ -38,33 +38,40 @@ class PipelineConfig(Config):
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
 
     @property
-    def world_size(self) -> int:
-        return self.stages
+    def plan(self):
+        return SCHEDULES[self.schedule]
 
     @property
     def num_stages(self) -> int:
-        return self.stages * (self.virtual_stages if self.schedule == "interleaved_1f1b" else 1)
+        return self.world_size * self.plan.chunks(self.virtual_stages)
 
     def check(self) -> None:
-        m = 1 if self.schedule == "naive" else self.microbatches
-        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
-            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule=interleaved_1f1b (allowed here: 1)")
+        plan, m = self.plan, self.plan.microbatches(self.microbatches)
+        if self.virtual_stages > 1 and not plan.interleaved:
+            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule "
+                                                f"({_names('interleaved')}; allowed with {self.schedule}: 1)")
         if self.layers % self.num_stages:
             raise ConfigError("layers", f"{self.layers} layers do not split evenly over {self.num_stages} stages "
                                         f"(p·v; allowed: a multiple of {self.num_stages})")
-        if self.schedule == "interleaved_1f1b":
-            if self.microbatches < self.stages:
-                raise ConfigError("microbatches", f"{self.microbatches} is fewer than stages={self.stages}; interleaved 1F1B needs m >= p")
-            rounds = max(1, self.microbatches // self.stages)
+        if plan.interleaved:
+            if self.microbatches < self.world_size:
+                raise ConfigError("microbatches", f"{self.microbatches} is fewer than world_size={self.world_size}; "
+                                                  "an interleaved schedule needs m >= p")
+            rounds = max(1, self.microbatches // self.world_size)
             if self.microbatches % rounds:
                 raise ConfigError("microbatches", f"{self.microbatches} is not a multiple of its {rounds} rounds (m // p); "
                                                   "allowed: a multiple of p, or m with m % (m // p) == 0")
         if self.batch % m:
             raise ConfigError("batch", f"{self.batch} does not split into {m} equal micro-batches (allowed: a multiple of microbatches)")
-        if self.vertical_sync and self.schedule != "pipedream":
-            raise ConfigError("vertical_sync", f"vertical sync is PipeDream's (allowed with schedule=pipedream, not {self.schedule})")
-        if self.recompute and self.schedule not in ("naive", "gpipe", "1f1b"):
-            raise ConfigError("recompute", f"recomputation is built for naive, gpipe and 1f1b, not {self.schedule}")
+        if self.vertical_sync and not plan.asynchronous:
+            raise ConfigError("vertical_sync", f"vertical sync is for asynchronous schedules ({_names('asynchronous')}), not {self.schedule}")
+        if self.recompute and not plan.supports_recompute:
+            raise ConfigError("recompute", f"recomputation is built for {_names('supports_recompute')}, not {self.schedule}")
+
+
+def _names(flag: str) -> str:
+    """The schedules that have a flag, for messages."""
+    return ", ".join(name for name, s in SCHEDULES.items() if getattr(s, flag))
 
 
 def reference_grads(config) -> list[list[torch.Tensor]]:
@@ -83,9 +90,10 @@ def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] |
     exposed as data: GPipe and 1F1B run their loops inline)."""
     import torch.distributed.pipelining.schedules as S
 
-    cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "zb_h1": S.ScheduleInterleavedZeroBubble}.get(schedule)
-    if cls is None:
+    name = SCHEDULES[schedule].torch_order
+    if name is None:
         return None
+    cls = getattr(S, name)
     rounds = max(1, m // p)
     fake = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
                            microbatches_per_round=m // rounds)
@@ -96,13 +104,13 @@ def torch_pipelining_peer(rank: int, p: int, config) -> dict:
     """Run PyTorch's own ScheduleGPipe / Schedule1F1B on the same stage (same seed, same data) on these ranks;
     record the order of its forwards and backwards with module hooks, and its gradients."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
     module = make_stage(rank, config.hidden, stage_layers(config, rank), config.seed)
     x, y = make_batch(config)
     scale = 1.0 / (config.batch * config.hidden)
-    stage = PipelineStage(module, rank, p, torch.device("cpu"))
-    cls = ScheduleGPipe if config.schedule == "gpipe" else Schedule1F1B
+    stage = pipelining.PipelineStage(module, rank, p, torch.device("cpu"))
+    cls = getattr(pipelining, config.plan.torch_peer)
     schedule = cls(stage, n_microbatches=config.microbatches, scale_grads=False,
                    loss_fn=lambda out, target: ((out - target) ** 2).sum() * scale)
 
@@ -126,30 +134,30 @@ def torch_pipelining_peer(rank: int, p: int, config) -> dict:
 
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     payload = run_rank(rank, p, config, ctx)
-    if config.schedule in ("gpipe", "1f1b"):
+    if config.plan.torch_peer:
         payload["torch_peer"] = torch_pipelining_peer(rank, p, config)
     return payload
 
 
 def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
-    p, v = config.stages, config.virtual_stages if config.schedule == "interleaved_1f1b" else 1
-    m = 1 if config.schedule == "naive" else config.microbatches
+    plan, p = config.plan, config.world_size
+    v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     events = [e for pl in payloads for e in pl["trace"]["events"]]
     compute = [e for e in events if e["lane"] == "compute"]
     start = min(e["ts"] for e in compute)
     end = max(e["ts"] + e["dur"] for e in compute)
     makespan = end - start
     per_stage, checks, notes = [], [], []
-    model = bubble_model(config.schedule, p, m, v)
+    model = plan.bubble(p, m, v)
     for pl in payloads:
         r = pl["rank"]
         busy = sum(e["dur"] for e in compute if e["rank"] == r)
-        bound = peak_live_bound(config.schedule, p, m, r, v)
+        bound = plan.live_bound(p, m, r, v)
         per_stage.append({"rank": r, "busy_us": busy, "bubble": 1 - busy / makespan, "bubble_model": model,
                           "peak_live": pl["peak_live"], "peak_live_bound": bound})
     checks.append(Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
-                        0, reference="GPipe m, 1F1B p - r (seed 000); interleaved and ZB-H1 from their order"))
-    if config.schedule != "pipedream":
+                        0, reference=f"{plan.title}: {plan.live_bound_source}"))
+    if not plan.asynchronous:
         ref = reference_grads(config)
         worst = 0.0
         for pl in payloads:
@@ -167,7 +175,7 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     if all("torch_peer" in pl for pl in payloads):
         ours = ["".join(a[len(str(pl["rank"]))] for a in pl["order"]) for pl in payloads]
         theirs = [pl["torch_peer"]["order"] for pl in payloads]
-        checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {'ScheduleGPipe' if config.schedule == 'gpipe' else 'Schedule1F1B'} run as a peer",
+        checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {plan.torch_peer} run as a peer",
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
         ref = reference_grads(config)
@@ -177,7 +185,7 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                             reference="single-process PyTorch autograd, float64"))
     versions = [dict(v_, rank=pl["rank"]) for pl in payloads for v_ in pl["versions"]]
     errors = [e for pl in payloads for e in pl["grad_errors"]]
-    if config.schedule == "pipedream":
+    if plan.asynchronous:
         mismatched = sum(1 for v_ in versions if v_["forward_version"] != v_.get("backward_version"))
         if config.weight_stashing:
             checks.append(Check("weight stashing: every backward used its forward's weight version", mismatched, 0,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
 
-from backend.parallel.pp.schedules import Action, build
+from backend.parallel.pp.schedules import SCHEDULES
 from backend.trace import Tracer
 
 
@@ -46,7 +46,8 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
 
 
 def run_rank(rank: int, p: int, config, ctx) -> dict:
-    S, m = config.num_stages, (1 if config.schedule == "naive" else config.microbatches)
+    plan = SCHEDULES[config.schedule]
+    S, m = config.num_stages, plan.microbatches(config.microbatches)
     tracer = Tracer(rank)
     stages = {s: make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(rank, S, p)}
     x_all, y_all = make_batch(config)
@@ -63,7 +64,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
     version = {s: 0 for s in stages}
     history = {s: {0: {k: v.detach().clone() for k, v in mod.named_parameters()}} for s, mod in stages.items()}  # version -> weights
     grad_errors = []
-    order = build(config.schedule, p, m, config.virtual_stages)[rank]
+    order = plan.actions(p, m, config.virtual_stages)[rank]
     for action in order:
         kind, mb, s = action
         module = stages[s]
@@ -76,7 +77,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                     dist.recv(x, (s - 1) % p, tag=_tag(s - 1, mb, False, m))
                 x.requires_grad_(True)
             params = None
-            if config.schedule == "pipedream":
+            if plan.asynchronous:
                 use = vertical_version(config, p, mb) if config.vertical_sync else version[s]
                 params = {k: v.clone() for k, v in history[s][use].items()}
             with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb):
@@ -87,7 +88,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                     out = functional_call(module, {k: v.requires_grad_() for k, v in params.items()}, (x,)) if params else module(x)
                 loss = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else None
             saved[(s, mb)] = {"x": x, "out": out, "loss": loss, "params": params}
-            if config.schedule == "pipedream":
+            if plan.asynchronous:
                 versions.append({"stage": s, "mb": mb, "forward_version": use})
             if s < S - 1:
                 pending_sends.append(dist.isend(out.detach().contiguous(), (s + 1) % p, tag=_tag(s, mb, False, m)))
@@ -106,7 +107,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                     if s == S - 1:
                         st["loss"] = ((st["out"] - ys[mb]) ** 2).sum() * scale
                 root, seed_grad = (st["loss"], None) if s == S - 1 else (st["out"], grad_out)
-                if config.schedule == "pipedream":
+                if plan.asynchronous:
                     _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S)
                     history[s][version[s]] = {k: v.detach().clone() for k, v in module.named_parameters()}
                 elif kind == "B":
@@ -145,7 +146,7 @@ def vertical_version(config, p: int, mb: int) -> int:
     """PipeDream's vertical sync: every stage runs micro-batch mb on the weight version stage 0 had when it
     ran mb's forward (the number of backwards stage 0 had finished by then), known from stage 0's order."""
     done = 0
-    for action in build(config.schedule, p, config.microbatches)[0]:
+    for action in SCHEDULES[config.schedule].actions(p, config.microbatches)[0]:
         if action.kind == "F" and action.mb == mb:
             return done
         done += action.kind == "B"

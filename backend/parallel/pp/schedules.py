@@ -7,7 +7,8 @@ Sends and receives are implied by the stage graph (stage s feeds s + 1) and adde
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 
 class Action(NamedTuple):
@@ -17,11 +18,6 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:  # torch.distributed.pipelining's _Action prints "{stage}{kind}{mb}"
         return f"{self.stage}{self.kind}{self.mb}"
-
-
-def naive(p: int, m: int, r: int) -> list[Action]:
-    """No micro-batching: the whole batch as one, so one stage works at a time."""
-    return [Action("F", 0, r), Action("B", 0, r)]
 
 
 def gpipe(p: int, m: int, r: int) -> list[Action]:
@@ -94,27 +90,6 @@ def pipedream(p: int, m: int, r: int) -> list[Action]:
     return one_f_one_b(p, m, r)
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b,
-             "zb_h1": zb_h1, "pipedream": pipedream}
-
-
-def build(name: str, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
-    if name == "interleaved_1f1b":
-        return {r: interleaved_1f1b(p, m, r, v) for r in range(p)}
-    return {r: SCHEDULES[name](p, 1 if name == "naive" else m, r) for r in range(p)}
-
-
-def bubble_model(name: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction each stage spends, with equal F, B (and W = B/2... see notes) costs: the textbook formulas."""
-    if name == "naive":
-        return (p - 1) / p
-    if name == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    if name == "zb_h1":  # F = I = W: the bubble shrinks to a third of 1F1B's (Qi et al., 2023)
-        return (p - 1) / (3 * m + p - 1)
-    return (p - 1) / (m + p - 1)
-
-
 def live_activations(order: list[Action]) -> int:
     """Peak activations a rank's order keeps: +1 at F, -1 at B or W (I keeps them for its W)."""
     live = peak = 0
@@ -124,13 +99,70 @@ def live_activations(order: list[Action]) -> int:
     return peak
 
 
-def peak_live_bound(name: str, p: int, m: int, r: int, v: int = 1) -> int:
-    """Seed 000's bounds: GPipe holds all m micro-batches' activations, 1F1B (and PipeDream) at most p - r;
-    for interleaved and ZB-H1, the peak their order implies."""
-    if name == "gpipe":
-        return m
-    if name == "naive":
-        return 1
-    if name in ("1f1b", "pipedream"):
-        return min(m, p - r)
-    return live_activations(build(name, p, m, v)[r])
+def _flush_bubble(p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule: its per-rank action lists, what it implies, and the flags the config, executor and page read.
+    Nothing outside this file compares schedule names."""
+    name: str
+    title: str
+    order_fn: Callable[..., list[Action]]          # (p, m, r) or, interleaved, (p, m, r, v)
+    bubble_fn: Callable[[int, int, int], float] = _flush_bubble
+    bubble_formula: str = "(p−1)/(m+p−1)"
+    interleaved: bool = False       # v model chunks per rank
+    whole_batch: bool = False       # no micro-batching: the batch runs as one micro-batch
+    split_backward: bool = False    # zero bubble: each backward split into I (input grad) and W (weight grad)
+    asynchronous: bool = False      # PipeDream: weights updated after every backward, no flush
+    supports_recompute: bool = False
+    live_bound_fn: Callable[[int, int, int], int] | None = None  # (p, m, r) -> the bound the seed states, if any
+    live_bound_source: str = "the peak its order implies"
+    torch_peer: str | None = None   # torch.distributed.pipelining class run on the same model as a peer
+    torch_order: str | None = None  # torch.distributed.pipelining class whose per-rank order is data to compare
+
+    def microbatches(self, m: int) -> int:
+        return 1 if self.whole_batch else m
+
+    def chunks(self, v: int) -> int:
+        return v if self.interleaved else 1
+
+    def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+        m = self.microbatches(m)
+        if self.interleaved:
+            return {r: self.order_fn(p, m, r, v) for r in range(p)}
+        return {r: self.order_fn(p, m, r) for r in range(p)}
+
+    def bubble(self, p: int, m: int, v: int = 1) -> float:
+        """Idle fraction of each stage with equal action costs: the textbook formula."""
+        return self.bubble_fn(p, self.microbatches(m), self.chunks(v))
+
+    def live_bound(self, p: int, m: int, r: int, v: int = 1) -> int:
+        if self.live_bound_fn:
+            return self.live_bound_fn(p, self.microbatches(m), r)
+        return live_activations(self.actions(p, m, v)[r])
+
+
+def _all_microbatches(p, m, r):  # seed 000: GPipe holds every micro-batch's activations
+    return m
+
+
+def _p_minus_r(p, m, r):  # seed 000: 1F1B holds at most p - r
+    return min(m, p - r)
+
+
+SCHEDULES = {s.name: s for s in (
+    Schedule("naive", "naive (no micro-batches)", gpipe, bubble_fn=lambda p, m, v: (p - 1) / p, bubble_formula="(p−1)/p",
+             whole_batch=True, supports_recompute=True, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
+    Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, torch_peer="ScheduleGPipe",
+             live_bound_fn=_all_microbatches, live_bound_source="seed 000: all m"),
+    Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, torch_peer="Schedule1F1B",
+             live_bound_fn=_p_minus_r, live_bound_source="seed 000: p − r"),
+    Schedule("interleaved_1f1b", "interleaved 1F1B", interleaved_1f1b, bubble_fn=lambda p, m, v: (p - 1) / (v * m + p - 1),
+             bubble_formula="(p−1)/(v·m+p−1)", interleaved=True, torch_order="ScheduleInterleaved1F1B"),
+    Schedule("zb_h1", "zero bubble H1", zb_h1, bubble_fn=lambda p, m, v: (p - 1) / (3 * m + p - 1),
+             bubble_formula="(p−1)/(3m+p−1) with F = I = W", split_backward=True, torch_order="ScheduleInterleavedZeroBubble"),
+    Schedule("pipedream", "PipeDream (async 1F1B)", pipedream, asynchronous=True, live_bound_fn=_p_minus_r,
+             live_bound_source="seed 000: p − r"),
+)}
