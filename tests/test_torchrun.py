@@ -1,3 +1,4 @@
+"""Every distributed experiment runs under torchrun (the cluster path) on 2 ranks, with its checks passing."""
 import json
 import os
 import shutil
@@ -5,20 +6,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from backend import experiments
 from tests.conftest import REPO
 
+DISTRIBUTED = [e.name for e in experiments.all_experiments() if e.distributed]
+# Smaller than the defaults where a default is sized to make the page's picture clear, not to be quick.
+QUICK = {"pipeline.run": ["hidden=64", "batch=32"], "comm.bandwidth": ["max_bytes=4096", "iters=2", "ops=all_reduce,all_gather"]}
 
-def test_torchrun_runs_the_same_experiment(tmp_path):
+
+def _torchrun(name: str, out: Path, sets: list[str]) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "backend.launch", "comm.bandwidth",
-           "--set", "max_bytes=4096", "--set", "iters=2", "--set", "ops=all_reduce,all_gather",
-           "--out", str(tmp_path), "--json"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "backend.launch", name,
+           *[a for s in sets for a in ("--set", s)], "--out", str(out), "--json"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+
+
+def test_every_distributed_experiment_is_listed():
+    assert {"comm.bandwidth", "pipeline.run", "parallel.zero"} <= set(DISTRIBUTED)
+
+
+@pytest.mark.parametrize("name", DISTRIBUTED)
+def test_torchrun_runs_the_experiment(name, tmp_path):
+    out = _torchrun(name, tmp_path, QUICK.get(name, []))
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["config"]["world_size"] == 2  # taken from torchrun's WORLD_SIZE
-    assert report["status"] == "succeeded" and report["passed"]
+    assert report["status"] == "succeeded" and report["passed"], [c for c in report["checks"] if not c["passed"]]
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     from backend.store import RunStore
