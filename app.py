@@ -3,7 +3,10 @@ import streamlit as st
 
 st.set_page_config(page_title="LLM Systems Explorer", page_icon="🧭", layout="wide")
 
-from pages import ui  # noqa: E402  (after set_page_config)
+from pages.navigation_guard import route_through_app  # noqa: E402  (after set_page_config)
+
+route_through_app()
+from pages import ui  # noqa: E402
 
 navigation = st.navigation({
     "Explorer": [

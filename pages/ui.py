@@ -17,19 +17,9 @@ from backend.config import Config, ConfigError
 from backend.device import describe
 from backend.jobs import JobRunner
 from backend.store import ACTIVE, FINAL, RunRecord, RunStore
+from pages.navigation_guard import route_through_app
 
-def _route_through_app() -> None:
-    """Streamlit treats a folder named pages/ as a v1 multipage app until st.navigation has run once in
-    the server process, so a deep link that is a fresh server's first request would run its page
-    without app.py (no sidebar, no router). Turn v1 off and rerun, which goes through app.py."""
-    from streamlit.runtime.pages_manager import PagesManager
-
-    if PagesManager.uses_pages_directory:
-        PagesManager.uses_pages_directory = False
-        st.rerun()
-
-
-_route_through_app()
+route_through_app()  # pages import this module first, so a page run alone reroutes through app.py
 
 STATUS_ICON = {"queued": "⏳", "running": "⚙️", "succeeded": "✅", "failed": "❌", "cancelled": "🚫"}
 

@@ -1,4 +1,5 @@
 """Real Chromium (Debian's package, driven by Playwright) against a real `streamlit run app.py`."""
+import contextlib
 import json
 import os
 import shutil
@@ -30,35 +31,59 @@ def _require_browser():
         pytest.skip("chromium or playwright not installed")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def streamlit_server(data_dir):
+    """`streamlit run app.py` on a free port with its own run store; every process it started ends with it."""
     _require_browser()
     port = free_port()
-    data = tmp_path_factory.mktemp("browser-data")
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
          "--browser.gatherUsageStats", "false"],
-        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data)}, start_new_session=True,
+        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data_dir)}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        pytest.fail("streamlit did not start within 60 s")
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("streamlit did not start within 60 s")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert processes_in_group(proc.pid) == []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with streamlit_server(tmp_path_factory.mktemp("browser-data")) as url:
+        yield url
+
+
+def test_a_deep_link_as_a_fresh_servers_first_request_goes_through_app_py(tmp_path):
+    """Streamlit runs a pages/ folder as a v1 app until st.navigation has run once (pages/navigation_guard.py);
+    if an upgrade breaks the guard, this first request would show the bare page without the router."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with streamlit_server(tmp_path) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/pipeline?schedule=gpipe")
+        expect(page.get_by_role("heading", name="Pipeline parallel")).to_be_visible(timeout=30_000)
+        expect(page.get_by_text("Job queue")).to_be_visible()  # app.py's sidebar: the router ran
+        expect(page.get_by_role("link", name="Data parallel & ZeRO")).to_be_visible()  # st.navigation's links
+        expect(page.get_by_text("Page not found")).to_have_count(0)
+        browser.close()
 
 
 def test_launch_bandwidth_run_see_chart_download_trace(server, tmp_path):
