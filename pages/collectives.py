@@ -1,5 +1,4 @@
 """Collectives: any primitive, built from send/recv in several algorithms, replayed step by step from the live trace."""
-import json
 
 import altair as alt
 import pandas as pd
@@ -66,9 +65,7 @@ def render(result: dict, rec) -> None:
         color=alt.Color("measure:N"), yOffset="measure:N",
         tooltip=["algorithm", "measure", alt.Tooltip("GBps:Q", format=".4f"), alt.Tooltip("time_us:Q", format=",.0f", title="µs")],
     ).properties(height=140), width="stretch")
-    trace = rec.trace_bytes()
-    if trace:
-        ui.timeline_chart(json.loads(trace), title="Measured timeline of the checked call: each comm bar is one step")
+    ui.run_timeline(rec, title="Measured timeline of the checked call: each comm bar is one step")
 
 
 ui.experiment_page(

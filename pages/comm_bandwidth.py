@@ -1,5 +1,4 @@
 """Collective bandwidth: gloo's built-in collectives over a size sweep, algbw and busbw per op."""
-import json
 
 import altair as alt
 import pandas as pd
@@ -40,9 +39,7 @@ def render(result: dict, rec) -> None:
     st.altair_chart(spread, width="stretch")
     with st.expander("Table"):
         st.dataframe(table, hide_index=True, width="stretch")
-    trace = rec.trace_bytes()
-    if trace:
-        ui.timeline_chart(json.loads(trace), title="Per-rank timeline of the sweep (each bar one timed call)")
+    ui.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")
 
 
 ui.experiment_page(

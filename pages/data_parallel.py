@@ -1,5 +1,4 @@
 """Data parallel & ZeRO: DDP, ZeRO-1/2/3 and FSDP2 on one workload; memory per rank and bytes moved, measured."""
-import json
 
 import altair as alt
 import pandas as pd
@@ -34,9 +33,7 @@ def render_ps(result: dict, rec) -> None:
             x=alt.X("update:O", title="update"), y=alt.Y("staleness:Q", title="staleness (updates)"), color="worker:N",
             tooltip=["update", "worker", "staleness"]).properties(height=260, title="Staleness of each applied gradient"), width="stretch")
     st.dataframe(pd.DataFrame(result["tables"]["volume"]), hide_index=True, width="stretch")
-    trace = rec.trace_bytes()
-    if trace:
-        ui.timeline_chart(json.loads(trace), title="Per-rank timeline: the server's receive, update, send")
+    ui.run_timeline(rec, title="Per-rank timeline: the server's receive, update, send")
 
 
 def render(result: dict, rec) -> None:
@@ -58,9 +55,7 @@ def render(result: dict, rec) -> None:
         st.dataframe(volume, hide_index=True, width="stretch")
     for note in result.get("notes", []):
         st.caption(note)
-    trace = rec.trace_bytes()
-    if trace:
-        ui.timeline_chart(json.loads(trace), title="Per-rank timeline: compute and communication")
+    ui.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
     st.subheader("Compare strategies on these settings")
     base = {k: rec.config[k] for k in BASE}

@@ -1,6 +1,5 @@
 """Autograd & fusion: forward and backward graphs with their fused kernels, the passes' log and why-not reasons,
 the generated Triton source, kernels and bytes measured before and after, and the memory plan over time."""
-import json
 
 import altair as alt
 import pandas as pd
@@ -67,9 +66,7 @@ def render(result: dict, rec) -> None:
             st.code(sources[pick]["source"], language="python")
             st.download_button("Download all generated kernels (.py)", "\n\n".join(s["source"] for s in t["sources"]),
                                file_name=f"{rec.id}-kernels.py")
-        trace = rec.trace_bytes()
-        if trace:
-            ui.timeline_chart(json.loads(trace), title="The fused program's launches, in order (wall time on this machine)")
+        ui.run_timeline(rec, title="The fused program's launches, in order (wall time on this machine)")
     with passes:
         left, right = st.columns(2)
         with left:

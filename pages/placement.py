@@ -1,5 +1,4 @@
 """Graph placement: a graph split across ranks with send/recv inserted, run on gloo, checked against one process."""
-import json
 
 import pandas as pd
 import streamlit as st
@@ -29,9 +28,7 @@ def render(result: dict, rec) -> None:
                      column_config={"bytes": st.column_config.NumberColumn("bytes (B)", format="%d")})
         st.dataframe(pd.DataFrame(t["per_rank"]), hide_index=True, width="stretch",
                      column_config={"compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f")})
-    trace = rec.trace_bytes()
-    if trace:
-        ui.timeline_chart(json.loads(trace), title="Per-rank timeline: compute, send, recv")
+    ui.run_timeline(rec, title="Per-rank timeline: compute, send, recv")
 
 
 ui.experiment_page("graph.placement", render,

@@ -22,9 +22,7 @@ if run_id:
             left, right = st.columns(2)
             left.json(rec.config)
             right.json(rec.result()["metrics"])
-        trace = rec.trace_bytes()
-        if trace:
-            ui.timeline_chart(json.loads(trace), title="Trace timeline")
+        ui.run_timeline(rec, title="Trace timeline")
     st.stop()
 
 names = [e.name for e in experiments.all_experiments()]

@@ -187,6 +187,13 @@ def rate(gbps: float) -> str:
 
 
 # --- charts ---------------------------------------------------------------------------------------
+def run_timeline(rec: RunRecord, title: str) -> None:
+    """The run's trace as a timeline, when it has one."""
+    trace = rec.trace_bytes()
+    if trace:
+        timeline_chart(json.loads(trace), title=title)
+
+
 def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None:
     """A per-rank, per-lane Gantt of a Chrome trace's complete events."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
