@@ -9,6 +9,7 @@ from pages import ui
 st.title("Data parallel & ZeRO")
 
 STRATEGIES = {"Parameter server": "parallel.dp_ps", "DDP (ours, beside torch DDP)": "parallel.ddp", "ZeRO-1/2/3 (ours)": "parallel.zero", "FSDP2 (PyTorch)": "parallel.fsdp"}
+SPMD = ("parallel.ddp", "parallel.zero", "parallel.fsdp")  # the strategies with a memory-per-rank table to compare
 BASE = ("world_size", "hidden", "layers", "batch", "steps", "lr", "seed")
 
 
@@ -65,7 +66,7 @@ def render(result: dict, rec) -> None:
             ui.runner().submit(name, {**base, **extra})
         st.info("Queued; the comparison fills in as they finish (reload).")
     rows = []
-    for name in STRATEGIES.values():
+    for name in SPMD:
         for other in ui.store().list(experiment=name, statuses=("succeeded",), limit=200):
             if all(other.config.get(k) == v for k, v in base.items()):
                 res = other.result()
@@ -81,6 +82,6 @@ choice = st.radio("strategy", list(STRATEGIES), horizontal=True,
                   index=list(STRATEGIES.values()).index(st.query_params.get("strategy", "parallel.ddp"))
                   if st.query_params.get("strategy") in STRATEGIES.values() else 0)
 st.query_params["strategy"] = STRATEGIES[choice]
-ui.experiment_page(STRATEGIES[choice], render,
+ui.experiment_page(STRATEGIES[choice], render, page_params=("strategy",),
                    intro="Every strategy trains the same float64 MLP with the same Adam, checked step by step against one "
                          "process training the whole batch.")

@@ -89,8 +89,10 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
 
 
 # --- one experiment's page ---------------------------------------------------------------------------
-def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro: str = "") -> None:
-    """Settings form -> job -> live progress -> checks, the page's own charts, downloads."""
+def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro: str = "",
+                    page_params: tuple[str, ...] = ()) -> None:
+    """Settings form -> job -> live progress -> checks, the page's own charts, downloads. `page_params` are the
+    page's own URL parameters (a chosen view), kept in the URL when a run replaces the settings there."""
     exp = experiments.get(name)
     if intro:
         st.markdown(intro)
@@ -103,7 +105,8 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
         except ConfigError as err:
             st.error(str(err))
             return
-        st.query_params.from_dict({**{k: str(v) for k, v in values.items()}, "run": run_id})
+        kept = {k: st.query_params[k] for k in page_params if k in st.query_params}
+        st.query_params.from_dict({**kept, **{k: str(v) for k, v in values.items()}, "run": run_id})
     if run_id:
         show_run(run_id, render)
     else:

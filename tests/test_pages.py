@@ -92,3 +92,25 @@ def test_fusion_page_draws_graphs_source_and_memory_plan():
     assert not at.exception, at.exception
     assert any("@triton.jit" in c.value for c in at.code), ([c.value[:80] for c in at.code], [e.value for e in at.error], [s.value for s in at.subheader])
     assert any(m.label == "kernels launched" and m.value == "38 → 3" for m in at.metric)
+
+
+def _recorded(name: str, settings: dict) -> str:
+    from backend import experiments
+    from backend.store import RunStore
+
+    exp = experiments.get(name)
+    config = exp.make_config(settings)
+    store = RunStore()
+    rid = store.create(exp.name, config.to_dict(), f"pages-{name}", status="running")
+    experiments.run_recorded(exp, config, experiments.RunContext(timeout_s=120), store, rid)
+    return rid
+
+
+def test_data_parallel_comparison_after_a_parameter_server_run():
+    """A parameter-server run (no memory table) with the same settings must not break the ZeRO page's comparison."""
+    base = {"world_size": "2", "hidden": "8", "layers": "2", "batch": "8", "steps": "2"}
+    _recorded("parallel.dp_ps", base)
+    rid = _recorded("parallel.zero", {**base, "stage": "2"})
+    at = _app("pages/data_parallel.py", strategy="parallel.zero", run=rid)
+    assert not at.exception, at.exception
+    assert at.radio[0].value.startswith("ZeRO")
