@@ -34,12 +34,14 @@ class Tracer:
 
     @contextlib.contextmanager
     def span(self, lane: str, name: str, **args):
-        start = self.now_us()
+        """Time a block: wall time, and this thread's CPU time (what the block cost, whoever else shared the core)."""
+        start, cpu_start = self.now_us(), time.thread_time_ns()
         try:
             yield
         finally:
             end = self.now_us()
-            self.events.append({"name": name, "lane": lane, "rank": self.rank, "ts": start, "dur": end - start, "args": args})
+            self.events.append({"name": name, "lane": lane, "rank": self.rank, "ts": start, "dur": end - start,
+                                "cpu_us": (time.thread_time_ns() - cpu_start) / 1e3, "args": args})
 
     def count(self, kind: str, sent: int = 0, recv: int = 0) -> None:
         """Communication byte counters, keyed by what moved (an op name, a peer, a tensor)."""
@@ -48,6 +50,37 @@ class Tracer:
 
     def payload(self) -> dict[str, Any]:
         return {"rank": self.rank, "events": self.events, "bytes_sent": dict(self.bytes_sent), "bytes_recv": dict(self.bytes_recv)}
+
+
+def replay(actions: list[dict], depends_on) -> list[dict]:
+    """The timeline the actions imply with one dedicated core per rank: each action takes its measured CPU time
+    (`cpu_us`), starts when the previous action of its rank has ended and every action it depends on has ended.
+    `actions` are in each rank's executed order; `depends_on(action)` returns the keys ((rank, index) pairs of
+    other actions, e.g. the matched sender of a receive) it waits for. Returns copies with ts and dur replayed;
+    communication is taken as free, so the replay shows the schedule, not the wire."""
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    for a in actions:
+        by_rank[a["rank"]].append(a)
+    end: dict[tuple[int, int], float] = {}
+    out, cursor = [], {r: 0 for r in by_rank}
+    progress = True
+    while progress:
+        progress = False
+        for r, todo in by_rank.items():
+            while cursor[r] < len(todo):
+                a = todo[cursor[r]]
+                deps = depends_on(a)
+                if any(d not in end for d in deps):
+                    break  # waits on another rank: come back to this rank after the others advance
+                start = max([end.get((r, cursor[r] - 1), 0.0)] + [end[d] for d in deps])
+                end[(r, cursor[r])] = start + a["cpu_us"]
+                out.append({**a, "ts": start, "dur": a["cpu_us"]})
+                cursor[r] += 1
+                progress = True
+    stuck = {r: todo[cursor[r]]["name"] for r, todo in by_rank.items() if cursor[r] < len(todo)}
+    if stuck:
+        raise ValueError(f"replay deadlocked: the orders and dependencies are inconsistent (stuck at {stuck})")
+    return out
 
 
 def to_chrome_trace(events: Iterable[dict[str, Any]], lanes: Iterable[str] = DEFAULT_LANES) -> dict[str, Any]:
@@ -66,6 +99,7 @@ def to_chrome_trace(events: Iterable[dict[str, Any]], lanes: Iterable[str] = DEF
     for e in sorted(events, key=lambda e: (e["rank"], tid[e["lane"]], e["ts"], -e["dur"])):
         out.append({
             "ph": "X", "name": e["name"], "cat": e["lane"], "pid": e["rank"], "tid": tid[e["lane"]],
-            "ts": round(e["ts"], 3), "dur": round(e["dur"], 3), "args": e.get("args", {}),
+            "ts": round(e["ts"], 3), "dur": round(e["dur"], 3),
+            "args": {**e.get("args", {}), **({"cpu_us": round(e["cpu_us"], 1)} if "cpu_us" in e else {})},
         })
     return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -117,6 +117,7 @@ class Schedule:
     split_backward: bool = False    # zero bubble: each backward split into I (input grad) and W (weight grad)
     asynchronous: bool = False      # PipeDream: weights updated after every backward, no flush
     supports_recompute: bool = False
+    bubble_exact: bool = False      # the formula holds for any F and B costs equal across stages (checked on the replay)
     live_bound_fn: Callable[[int, int, int], int] | None = None  # (p, m, r) -> the bound the seed states, if any
     live_bound_source: str = "the peak its order implies"
     torch_peer: str | None = None   # torch.distributed.pipelining class run on the same model as a peer
@@ -154,10 +155,10 @@ def _p_minus_r(p, m, r):  # seed 000: 1F1B holds at most p - r
 
 SCHEDULES = {s.name: s for s in (
     Schedule("naive", "naive (no micro-batches)", gpipe, bubble_fn=lambda p, m, v: (p - 1) / p, bubble_formula="(p−1)/p",
-             whole_batch=True, supports_recompute=True, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
-    Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, torch_peer="ScheduleGPipe",
+             whole_batch=True, supports_recompute=True, bubble_exact=True, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
+    Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, bubble_exact=True, torch_peer="ScheduleGPipe",
              live_bound_fn=_all_microbatches, live_bound_source="seed 000: all m"),
-    Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, torch_peer="Schedule1F1B",
+    Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, bubble_exact=True, torch_peer="Schedule1F1B",
              live_bound_fn=_p_minus_r, live_bound_source="seed 000: p − r"),
     Schedule("interleaved_1f1b", "interleaved 1F1B", interleaved_1f1b, bubble_fn=lambda p, m, v: (p - 1) / (v * m + p - 1),
              bubble_formula="(p−1)/(v·m+p−1)", interleaved=True, torch_order="ScheduleInterleaved1F1B"),
