@@ -1,4 +1,6 @@
 """Passes on hand-built graphs with known results; generated kernels against eager PyTorch; the memory plan."""
+import dataclasses
+
 import networkx as nx
 import pytest
 import torch
@@ -36,6 +38,19 @@ class Builder:
     def output(self, *names):
         self.g.graph["outputs"] = list(names)
         return self.g
+
+
+def test_nodes_are_frozen_and_put_keeps_edges_equal_to_what_a_node_reads():
+    b = Builder()
+    x, y = b.input("x", 4, 8), b.input("y", 4, 8)
+    b.op("a", aten.add.Tensor, x, x)
+    g = b.output("a")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ir.get(g, "a").op = "mul"
+    ir.put(g, "a", ir.get(g, "a").with_input("x", "y"))
+    assert ir.get(g, "a").args == (Ref("y"), Ref("y")) and list(g.predecessors("a")) == ["y"]
+    ir.put(g, "a", ir.get(g, "a").with_input("y", 2.0))     # a literal is no edge
+    assert g.in_degree("a") == 0 and ir.get(g, "a").category == "elementwise"
 
 
 def test_dce_removes_only_unused_compute():

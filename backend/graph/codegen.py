@@ -199,26 +199,31 @@ def _store(g: nx.DiGraph, body: _Body, k: int, counter: str, n: str) -> None:
 
 def _compute(g: nx.DiGraph, body: _Body, n: str, grp) -> None:
     node = ir.get(g, n)
-    v = f"v_{n}"  # its value's name in the kernel
-    if node.op == "getitem":  # var_mean's (var, mean): v_<tuple>_0, v_<tuple>_1
+    if node.op == "getitem":  # var_mean's (var, mean): v_<tuple>_0, v_<tuple>_1, one per program
         src, idx = node.args
         body.value[n], body.vector[n] = f"{body.value[src.name]}_{idx}", body.axis is None
-        return
-    if node.kind == "reduction":
-        e = body.value[node.args[0].name]
-        if not body.vector[node.args[0].name]:
-            e = f"({e} + tl.zeros([BLOCK], tl.float32))"
-        n_el = grp.domain[body.axis]
-        correction = dict(node.kwargs).get("correction", 1)
-        if body.looped:
-            before, loop, after = looped_reduction(node.op, n, e, n_el, correction)
-            body.before += before
-            body.loop += loop
-            body.after += after
-        else:
-            body.loop += persistent_reduction(node.op, n, e, n_el, correction)
-        body.value[n], body.vector[n] = v, False
-        return
+    elif node.kind == "reduction":
+        _reduce(body, n, node, grp.domain[body.axis])
+    else:
+        _pointwise(g, body, n, node, grp.members)
+
+
+def _reduce(body: _Body, n: str, node: ir.Node, n_el: int) -> None:
+    e = body.value[node.args[0].name]
+    if not body.vector[node.args[0].name]:
+        e = f"({e} + tl.zeros([BLOCK], tl.float32))"
+    correction = dict(node.kwargs).get("correction", 1)
+    if body.looped:
+        before, loop, after = looped_reduction(node.op, n, e, n_el, correction)
+        body.before += before
+        body.loop += loop
+        body.after += after
+    else:
+        body.loop += persistent_reduction(node.op, n, e, n_el, correction)
+    body.value[n], body.vector[n] = f"v_{n}", False
+
+
+def _pointwise(g: nx.DiGraph, body: _Body, n: str, node: ir.Node, members: set) -> None:
     if node.op not in POINTWISE:
         raise ValueError(f"no template for {node.op}")
     expr = POINTWISE[node.op](*[body.value[a.name] if isinstance(a, Ref) else lit(a) for a in node.args])
@@ -226,10 +231,10 @@ def _compute(g: nx.DiGraph, body: _Body, n: str, grp) -> None:
     if not vec and body.axis in varies(g, n):
         vec = True  # a fill shaped like the row
         expr = f"({expr} + tl.zeros([BLOCK], tl.float32))"
-    # a scalar in the looped form is computed before the loop, or after it if it reads the reduction's result
-    after_loop = body.looped and not vec and any(ir.get(g, a).kind == "reduction" for a in nx.ancestors(g, n) if a in grp.members)
-    body.lines(vec, after_loop).append(f"{v} = {expr}")
-    body.value[n], body.vector[n] = v, vec
+    # in the looped form a scalar is computed before the loop, or after it if it reads the reduction's result
+    reads_reduction = any(ir.get(g, a).kind == "reduction" for a in nx.ancestors(g, n) if a in members)
+    body.lines(vec, after_loop=reads_reduction).append(f"v_{n} = {expr}")
+    body.value[n], body.vector[n] = f"v_{n}", vec
 
 
 REDUCE = {"sum": ("0.0", "tl.sum"), "amax": ('float("-inf")', "tl.max"), "amin": ('float("inf")', "tl.min")}

@@ -300,7 +300,7 @@ def merged_space(g: nx.DiGraph, a: Group, b: Group):
     if len(axes) > 1:
         return None, "reductions along different axes (rows vs columns) need different loop orders"
     axis = axes.pop() if axes else None
-    for m in [m for grp in (a, b) for m in grp.members]:
+    for m in sorted(a.members | b.members):  # sorted, here and below: the same reason every run
         node = ir.get(g, m)
         if node.kind == "reduction" and _node_space(g, m)[0][node.axis] != dom[node.axis]:
             return None, f"{m} reduces fewer elements than the kernel's {dom[node.axis]} along its axis"
@@ -318,7 +318,7 @@ def why_not(g: nx.DiGraph, plan: FusionPlan, a: int, b: int, edges: list[tuple[s
     dom, axis = space
     members = A.members | B.members
     if axis is not None and dom[axis] > plan.block_limit:
-        for p, c in edges + [(p, c) for p in members for c in g.successors(p) if c in members]:
+        for p, c in edges + [(p, c) for p in sorted(members) for c in g.successors(p) if c in members]:
             if _reduced_by(g, p) and axis in varies(g, c):
                 return (f"{c} reads the result of reducing {dom[axis]} elements, more than one block ({plan.block_limit}): "
                         "the looped reduction cannot broadcast it back without a second pass")
@@ -338,7 +338,7 @@ def why_not(g: nx.DiGraph, plan: FusionPlan, a: int, b: int, edges: list[tuple[s
 
 def _outside_user_between(g: nx.DiGraph, merged: set):
     """(user, member): a user outside the merged kernel that reads a member and feeds another, or None."""
-    for src in merged:
+    for src in sorted(merged):
         for succ in g.successors(src):
             if succ not in merged and any(nx.has_path(g, succ, m) for m in merged):
                 return succ, src
