@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
+from backend.graph import ir  # noqa: E402
 from backend.graph.capture import capture, to_networkx  # noqa: E402
 from backend.experiments.graph.fusion import FusionConfig, eager, lower  # noqa: E402
 from backend.graph.models import model  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
         # time: the same programs, launched again and again
         fn, inputs = model(name, args.rows, args.width)
         captured = to_networkx(capture(fn, inputs, backward), backward)
-        tangent = torch.randn(captured.nodes[captured.graph["inputs"][-1]]["shape"]).to(device) if backward else None
+        tangent = torch.randn(ir.get(captured, captured.graph["inputs"][-1]).shape).to(device) if backward else None
         g, plan, _, _ = lower(captured, FusionConfig(backward=backward))
         fused, unfused = FusedProgram(g, plan), FusedProgram(captured, unfused_plan(captured))
         inputs = [t.to(device) for t in inputs]

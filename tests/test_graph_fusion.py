@@ -1,12 +1,15 @@
 """Passes on hand-built graphs with known results; generated kernels against eager PyTorch; the memory plan."""
+import dataclasses
+
 import networkx as nx
 import pytest
 import torch
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.graph import memory_plan
-from backend.graph.capture import Ref, capture, evaluate, to_networkx
+from backend.graph import ir, memory_plan
+from backend.graph.capture import capture, evaluate, to_networkx
+from backend.graph.ir import Node, Ref
 from backend.graph.models import model
 from backend.graph.passes import constant_fold, cse, dce, fuse
 from backend.graph.recompute import min_cut
@@ -16,34 +19,38 @@ aten = torch.ops.aten
 
 
 class Builder:
-    """A DAG written by hand: real aten ops, shapes given, phase forward unless said."""
+    """A DAG written by hand: real aten ops, each node's shape found by running its op on meta tensors."""
 
     def __init__(self):
         self.g = nx.DiGraph(inputs=[], outputs=[])
 
     def input(self, name, *shape):
-        t = torch.empty(shape)
-        self.g.add_node(name, op="input", kind="input", role="primal", fn=None, args=(), kwargs=(), target="input",
-                        why_opaque="", shape=shape, stride=t.stride(), dtype="float32", numel=t.numel(), bytes=4 * t.numel(),
-                        phase="forward")
+        ir.put(self.g, name, Node.make(shape=shape))
         self.g.graph["inputs"].append(name)
         return name
 
-    def op(self, name, fn, *args, kind="pointwise", phase="forward", axis=None, kwargs=()):
-        env = {n: torch.empty(self.g.nodes[n]["shape"]) for n in self.g.nodes}
-        val = fn(*[env[a] if isinstance(a, str) else a for a in args], **dict(kwargs))
-        self.g.add_node(name, op=fn.overloadpacket.__name__, kind=kind, fn=fn, target=str(fn), kwargs=tuple(kwargs),
-                        args=tuple(Ref(a) if isinstance(a, str) else a for a in args), why_opaque="library call" if kind == "opaque" else "",
-                        shape=tuple(val.shape), stride=tuple(val.stride()), dtype="float32", numel=val.numel(),
-                        bytes=4 * val.numel(), phase=phase, axis=axis)
-        for a in args:
-            if isinstance(a, str):
-                self.g.add_edge(a, name)
+    def op(self, name, fn, *args, **fields):
+        meta = {n: torch.empty(node.shape, device="meta") for n, node in ir.items(self.g)}
+        shape = fn(*[meta[a] if isinstance(a, str) else a for a in args], **dict(fields.get("kwargs", ()))).shape
+        ir.put(self.g, name, Node.make(fn, *[Ref(a) if isinstance(a, str) else a for a in args], shape=tuple(shape), **fields))
         return name
 
     def output(self, *names):
         self.g.graph["outputs"] = list(names)
         return self.g
+
+
+def test_nodes_are_frozen_and_put_keeps_edges_equal_to_what_a_node_reads():
+    b = Builder()
+    x, y = b.input("x", 4, 8), b.input("y", 4, 8)
+    b.op("a", aten.add.Tensor, x, x)
+    g = b.output("a")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ir.get(g, "a").op = "mul"
+    ir.put(g, "a", ir.get(g, "a").with_input("x", "y"))
+    assert ir.get(g, "a").args == (Ref("y"), Ref("y")) and list(g.predecessors("a")) == ["y"]
+    ir.put(g, "a", ir.get(g, "a").with_input("y", 2.0))     # a literal is no edge
+    assert g.in_degree("a") == 0 and ir.get(g, "a").category == "elementwise"
 
 
 def test_dce_removes_only_unused_compute():
@@ -62,7 +69,7 @@ def test_cse_merges_identical_ops():
     b.op("b", aten.exp.default, x)
     b.op("c", aten.add.Tensor, "a", "b")
     g, log = cse(b.output("c"))
-    assert "b" not in g and g.nodes["c"]["args"] == (Ref("a"), Ref("a")) and len(log) == 1
+    assert "b" not in g and ir.get(g, "c").args == (Ref("a"), Ref("a")) and len(log) == 1
 
 
 def test_constant_fold_fills_literals_and_identities():
@@ -76,7 +83,7 @@ def test_constant_fold_fills_literals_and_identities():
     b.op("s", aten.sigmoid.default, "d")
     g, log = constant_fold(b.output("s"))
     assert set(g.nodes) == {"x", "e", "s"}, log
-    assert g.nodes["e"]["args"] == (Ref("x"),) and g.nodes["s"]["args"] == (Ref("e"),)
+    assert ir.get(g, "e").args == (Ref("x"),) and ir.get(g, "s").args == (Ref("e"),)
     x_val = torch.randn(4, 8)
     assert torch.equal(evaluate(g, [x_val])["s"], torch.sigmoid(torch.exp(x_val)))
 
@@ -143,8 +150,8 @@ def test_min_cut_saves_mean_and_rstd_for_layernorm():
     g, _ = cse(g)
     g2, log, info = min_cut(g)
     assert info["saved_bytes_after"] < info["saved_bytes_before"]
-    computed = [n for n in info["saved_after"] if g2.nodes[n]["kind"] != "input"]
-    assert sorted(g2.nodes[n]["shape"] for n in computed) == [(4, 1), (4, 1)], computed  # mean, rstd
+    computed = [n for n in info["saved_after"] if ir.get(g2, n).kind != "input"]
+    assert sorted(ir.get(g2, n).shape for n in computed) == [(4, 1), (4, 1)], computed  # mean, rstd
     tangent = torch.randn(4, 8)
     values = evaluate(g2, inputs + [tangent])
     want = evaluate(g, inputs + [tangent])

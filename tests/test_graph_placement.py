@@ -1,14 +1,15 @@
 """Placement across ranks: the pass's decisions on known cases, and runs on gloo equal to one process."""
 from backend import experiments
+from backend.graph import ir
 from backend.graph.placement import place, transfers
 from backend.experiments.graph.placement import PlacementConfig, graph_and_plan
 
 
 def test_two_branches_go_to_two_ranks_and_meet_on_rank_0():
     g, _, rank_of, _, plan, _ = graph_and_plan(PlacementConfig())
-    mms = sorted((n for n in g if g.nodes[n]["op"] == "mm"), key=lambda n: int(n.split("_")[1]) if "_" in n else 0)
+    mms = sorted((n for n in g if ir.get(g, n).op == "mm"), key=lambda n: int(n.split("_")[1]) if "_" in n else 0)
     assert {rank_of[n] for n in mms} == {0, 1}                 # one branch each (seed 002's two servers)
-    cat = next(n for n in g if g.nodes[n]["op"] == "cat")
+    cat = next(n for n in g if ir.get(g, n).op == "cat")
     assert rank_of[cat] == 0                                   # results gathered on one server
     assert all(t["value"] in g.graph["inputs"] or t["dst"] == 0 for t in plan)
 

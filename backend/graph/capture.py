@@ -6,7 +6,7 @@ AOTAutograd's joint graph), so the graph holds the backward ops autograd derives
 DAG is derived from the forward one and reads its saved intermediates). LayerNorm, GELU and softmax are
 decomposed into pointwise ops and reductions, as compilers do before fusing.
 
-The networkx DAG carries, per node: op, kind (input, pointwise, reduction, view, opaque, output), shape,
+Each node of the networkx DAG is an `ir.Node`: op, kind (input, pointwise, reduction, view, opaque), shape,
 stride, bytes, the aten overload `fn` and its `args` (node references as `Ref`), and the phase: forward if
 the forward output needs it, else backward. `evaluate` runs the DAG on real tensors.
 """
@@ -20,6 +20,8 @@ import torch
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from backend.graph import ir
+from backend.graph.ir import Node, Ref
 from backend.graph.triton_ops import POINTWISE as TRITON_POINTWISE
 
 aten = torch.ops.aten
@@ -30,22 +32,6 @@ VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand
          "split", "split_with_sizes", "chunk", "unbind", "narrow", "slice", "select"}  # results alias their input
 FILLS = ("ones_like", "zeros_like", "full_like", "scalar_tensor", "clone")  # not tagged pointwise, yet elementwise
 REDUCTIONS = {"sum", "amax", "amin", "var_mean"}
-
-
-def category(kind: str, op: str) -> str:
-    """The fusion literature's op kinds: elementwise, broadcast, injective (re-indexing), reduction, opaque."""
-    if kind == "view":
-        return "broadcast" if op == "expand" else "injective"
-    return {"pointwise": "elementwise"}.get(kind, kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """An argument that is another node's value."""
-    name: str
-
-    def __repr__(self) -> str:
-        return self.name
 
 
 def kind_of(fn) -> tuple[str, str]:
@@ -88,45 +74,47 @@ def _freeze(a):
     return a
 
 
+def _tensor_fields(val) -> dict:
+    """Shape, stride, dtype and bytes of an fx node's value; a tuple (var_mean's) has none of them."""
+    if not isinstance(val, torch.Tensor):
+        return dict(shape=(), stride=(), dtype="", bytes=0)
+    return dict(shape=tuple(val.shape), stride=tuple(val.stride()), dtype=str(val.dtype).removeprefix("torch."),
+                bytes=int(val.numel() * val.element_size()))
+
+
 def to_networkx(gm: torch.fx.GraphModule, backward: bool) -> nx.DiGraph:
-    g = nx.DiGraph()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    g = nx.DiGraph(inputs=[n.name for n in placeholders], outputs=[a.name for a in gm.graph.output_node().args[0]])
     for node in gm.graph.nodes:
-        if node.op == "output":
-            outs = [a.name for a in node.args[0]]
-            g.graph["outputs"] = outs
-            continue
-        val = node.meta.get("val")
-        is_tensor = isinstance(val, torch.Tensor)
-        attrs = dict(shape=tuple(val.shape) if is_tensor else (), stride=tuple(val.stride()) if is_tensor else (),
-                     dtype=str(val.dtype).replace("torch.", "") if is_tensor else "",
-                     numel=int(val.numel()) if is_tensor else 0,
-                     bytes=int(val.numel() * val.element_size()) if is_tensor else 0)
+        tensor = _tensor_fields(node.meta.get("val"))
         if node.op == "placeholder":
             role = "tangent" if backward and node is placeholders[-1] else "primal"
-            g.add_node(node.name, op="input", kind="input", role=role, fn=None, args=(), kwargs=(), target="input", why_opaque="",
-                       **attrs)
-            continue
-        kind, why = kind_of(node.target)
-        op = node.target.overloadpacket.__name__ if kind != "view" or node.target is not operator.getitem else "getitem"
-        g.add_node(node.name, op=op, kind=kind, fn=node.target, args=_freeze(node.args), target=str(node.target),
-                   kwargs=tuple(sorted((k, _freeze(v)) for k, v in node.kwargs.items())), why_opaque=why, **attrs)
-        for inp in node.all_input_nodes:
-            g.add_edge(inp.name, node.name)
-    g.graph["inputs"] = [n.name for n in placeholders]
-    for n, d in g.nodes(data=True):
-        _check_template_fit(g, n, d)
-        d["category"] = category(d["kind"], d["op"])
+            ir.put(g, node.name, Node("input", "input", role=role, **tensor))
+        elif node.op != "output":
+            ir.put(g, node.name, _op_node(g, node, tensor))
     mark_phases(g)
     return g
 
 
-def reduction_axis(g: nx.DiGraph, n: str) -> int | None:
-    """The 2D axis (0 rows, 1 columns, right-aligned) a reduction reduces, or None if it is not one axis."""
-    d = g.nodes[n]
-    src = g.nodes[d["args"][0].name]
-    rank = len(src["shape"])
-    dims = d["args"][1] if len(d["args"]) > 1 else dict(d["kwargs"]).get("dim")
+def _op_node(g: nx.DiGraph, node: torch.fx.Node, tensor: dict) -> Node:
+    """An aten op; ops outside the 2D templates (rank 3+, multi-axis reductions) run as library calls."""
+    kind, why = kind_of(node.target)
+    op = "getitem" if node.target is operator.getitem else node.target.overloadpacket.__name__
+    args, kwargs = _freeze(node.args), tuple(sorted((k, _freeze(v)) for k, v in node.kwargs.items()))
+    axis = None
+    if kind == "pointwise" and len(tensor["shape"]) > 2:
+        kind, why = "opaque", f"rank-{len(tensor['shape'])} tensor: the 2D templates do not cover it"
+    if kind == "reduction":
+        axis = reduction_axis(len(ir.get(g, args[0].name).shape), args, kwargs)
+        if axis is None:
+            kind, why = "opaque", "reduces over several or no axes: the templates reduce one axis of a 2D tensor"
+    return Node(op, kind, args=args, kwargs=kwargs, fn=node.target, axis=axis, why_opaque=why, **tensor)
+
+
+def reduction_axis(rank: int, args: tuple, kwargs: tuple) -> int | None:
+    """The 2D axis (0 rows, 1 columns, right-aligned) a reduction of a rank-`rank` tensor reduces, or None if
+    it is not one axis."""
+    dims = args[1] if len(args) > 1 else dict(kwargs).get("dim")
     if dims is None or rank == 0 or rank > 2:
         return None
     dims = [dims] if isinstance(dims, int) else list(dims)
@@ -135,50 +123,19 @@ def reduction_axis(g: nx.DiGraph, n: str) -> int | None:
     return dims[0] % rank + (2 - rank)
 
 
-def _check_template_fit(g: nx.DiGraph, n: str, d: dict) -> None:
-    """Ops outside the 2D templates (rank 3+, multi-axis reductions) run as library calls."""
-    if d["kind"] == "pointwise" and len(d["shape"]) > 2:
-        d["kind"], d["why_opaque"] = "opaque", f"rank-{len(d['shape'])} tensor: the 2D templates do not cover it"
-    if d["kind"] == "reduction":
-        d["axis"] = reduction_axis(g, n)
-        if d["axis"] is None:
-            d["kind"], d["why_opaque"] = "opaque", "reduces over several or no axes: the templates reduce one axis of a 2D tensor"
-
-
 def mark_phases(g: nx.DiGraph) -> None:
     """Forward: what the forward output needs; backward: the rest (it runs once the loss gradient arrives)."""
     forward = set(nx.ancestors(g, g.graph["outputs"][0])) | {g.graph["outputs"][0]}
-    for n, d in g.nodes(data=True):
-        d["phase"] = "forward" if n in forward or (d["kind"] == "input" and d.get("role") == "primal") else "backward"
-
-
-def refs(args) -> list[str]:
-    out = []
-    for a in args:
-        if isinstance(a, Ref):
-            out.append(a.name)
-        elif isinstance(a, tuple):
-            out += refs(a)
-    return out
-
-
-def _resolve(a, env):
-    if isinstance(a, Ref):
-        return env[a.name]
-    if isinstance(a, tuple):
-        return [_resolve(x, env) for x in a]
-    return a
-
-
-def run_node(d: dict, env: dict):
-    return d["fn"](*[_resolve(a, env) for a in d["args"]], **{k: _resolve(v, env) for k, v in d["kwargs"]})
+    for n, node in list(ir.items(g)):
+        phase = "forward" if n in forward or node.role == "primal" else "backward"
+        ir.put(g, n, dataclasses.replace(node, phase=phase))
 
 
 def evaluate(g: nx.DiGraph, inputs: list[torch.Tensor], nodes=None) -> dict[str, torch.Tensor]:
     """Run the DAG's ops eagerly on real tensors; returns every node's value."""
     env = dict(zip(g.graph["inputs"], inputs))
     for n in nodes if nodes is not None else nx.topological_sort(g):
-        d = g.nodes[n]
-        if d["kind"] not in ("input", "output"):
-            env[n] = run_node(d, env)
+        node = ir.get(g, n)
+        if node.kind != "input":
+            env[n] = node.run(env)
     return env

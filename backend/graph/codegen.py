@@ -22,7 +22,8 @@ from pathlib import Path
 import networkx as nx
 
 import kernels  # noqa: F401  (selects Triton's interpreter on a CPU before triton is imported)
-from backend.graph.capture import Ref
+from backend.graph import ir
+from backend.graph.ir import Ref
 from backend.graph.passes import FusionPlan, group_io, to2d, varies
 from backend.graph.triton_ops import POINTWISE, lit
 
@@ -59,7 +60,7 @@ def _strides_2d(shape, stride) -> tuple[int, int]:
 def _output_strides(g, n) -> tuple[int, int]:
     """Outputs are contiguous; a reduction's result is indexed by the axis it kept, even without keepdim."""
     axes = varies(g, n)
-    cols = to2d(g.nodes[n]["shape"])[1]
+    cols = to2d(ir.get(g, n).shape)[1]
     if axes == {0, 1}:
         return (cols, 1)
     return (1 if 0 in axes else 0, 1 if 1 in axes else 0)
@@ -67,162 +68,210 @@ def _output_strides(g, n) -> tuple[int, int]:
 
 def generate(g: nx.DiGraph, plan: FusionPlan, gid: int) -> GeneratedKernel:
     grp = plan.groups[gid]
-    members = grp.members
-    order = [n for n in nx.topological_sort(g) if n in members]
+    order = [n for n in nx.topological_sort(g) if n in grp.members]
     inputs, outputs = group_io(g, order)
-    R, C = grp.domain
     template = plan.template(gid)
-    axis = grp.axis
-    inner = None if axis is None else (R, C)[axis]
-    looped = template == "looped reduction"
-    block = _next_pow2(inner) if template == "persistent reduction" else \
-        (min(_next_pow2(plan.block_limit), _next_pow2(inner)) if looped else min(1024, _next_pow2(R * C)))
-    grid = (-(-R * C // block)) if axis is None else (R, C)[1 - axis]
-    ops = "_".join(dict.fromkeys(g.nodes[n]["op"] for n in order if g.nodes[n]["op"] != "getitem"))[:48]
+    block, grid = _launch(template, grp.domain, grp.axis, plan.block_limit)
+    ops = "_".join(dict.fromkeys(ir.get(g, n).op for n in order if ir.get(g, n).op != "getitem"))[:48]
     name = f"k{gid}_{ops}"
-
-    def is_vector(axes) -> bool:
-        return axis is None or axis in axes
-
-    var = {}          # node -> expression name
-    form = {}         # node -> "vector" | "scalar"
-    args = [f"in{i}" for i in range(len(inputs))] + [f"out{i}" for i in range(len(outputs))]
-    counters = [f"cnt{i}" for i in range(len(args))]
-    pre, body, post = [], [], []   # before the loop, in it (vectors), after it (looped form only)
-
-    def index(sr, sc, vector):
-        terms = []
-        if vector or axis is None:
-            terms = [f"r * {sr}" if sr else "", f"c * {sc}" if sc else ""]
-        else:
-            terms = [f"r * {sr}" if axis == 1 and sr else "", f"c * {sc}" if axis == 0 and sc else ""]
-        terms = [t for t in terms if t]
-        return " + ".join(terms) if terms else ("offs * 0" if axis is None else ("i * 0" if vector else "0"))
-
-    def count(lines, ptr, idx, vector):
-        m = ", mask=mask" if vector else ""
-        lines += ["if COUNT:", f"    tl.atomic_add({ptr} + {idx}, 1{m})"]
-
+    body = _Body(grp.axis, looped=template == "looped reduction")
     for k, x in enumerate(inputs):
-        d = g.nodes[x]
-        sr, sc = _strides_2d(d["shape"], d["stride"])
-        vec = is_vector({ax for ax, s in enumerate((sr, sc)) if s})
-        idx = index(sr, sc, vec)
-        lines = body if (vec and looped) else pre
-        m = ", mask=mask, other=0.0" if vec else ""
-        lines.append(f"x{k} = tl.load(in{k} + {idx}{m})  # {x} {list(d['shape'])}")
-        count(lines, f"cnt{k}", idx, vec)
-        var[x], form[x] = f"x{k}", "vector" if vec else "scalar"
-
-    def arg(a):
-        if isinstance(a, Ref):
-            return var[a.name]
-        return lit(a)
-
-    def depends_on_reduction(n):
-        return any(g.nodes[a]["kind"] == "reduction" for a in nx.ancestors(g, n) | {n} if a in members)
-
+        _load(body, k, x, ir.get(g, x))
     for n in order:
-        d = g.nodes[n]
-        op = d["op"]
-        v = f"v_{n}"
-        if op == "getitem":
-            src, idx = d["args"]
-            var[n], form[n] = f"{var[src.name]}_{idx}", "scalar" if axis is not None else "vector"
-            continue
-        if d["kind"] == "reduction":
-            e = var[d["args"][0].name]
-            if form[d["args"][0].name] == "scalar":
-                e = f"({e} + tl.zeros([BLOCK], tl.float32))"
-            n_el = (R, C)[axis]
-            kw = dict(d["kwargs"])
-            if looped:
-                acc = f"acc_{n}"
-                if op == "sum":
-                    pre.append(f"{acc} = tl.zeros([BLOCK], tl.float32)")
-                    body.append(f"{acc} += tl.where(mask, {e}, 0.0)")
-                if op == "var_mean":  # Welford per lane, then Chan's formula across lanes (as Inductor's welford)
-                    corr = kw.get("correction", 1)
-                    pre += [f"{acc}_n = tl.zeros([BLOCK], tl.float32)", f"{acc}_mean = tl.zeros([BLOCK], tl.float32)",
-                            f"{acc}_m2 = tl.zeros([BLOCK], tl.float32)"]
-                    body += [f"{acc}_n += tl.where(mask, 1.0, 0.0)",
-                             f"{acc}_d = tl.where(mask, {e} - {acc}_mean, 0.0)",
-                             f"{acc}_mean += {acc}_d / tl.maximum({acc}_n, 1.0)",
-                             f"{acc}_m2 += {acc}_d * tl.where(mask, {e} - {acc}_mean, 0.0)"]
-                    post += [f"{v}_1 = tl.sum({acc}_mean * {acc}_n, axis=0) / {n_el}.0",
-                             f"{v}_0 = (tl.sum({acc}_m2, axis=0) + tl.sum({acc}_n * ({acc}_mean - {v}_1) * ({acc}_mean - {v}_1), "
-                             f"axis=0)) / {float(n_el - corr)}"]
-                elif op == "sum":
-                    post.append(f"{v} = tl.sum({acc}, axis=0)")
-                else:
-                    fill, red = ('float("-inf")', "tl.max") if op == "amax" else ('float("inf")', "tl.min")
-                    cmp = "tl.maximum" if op == "amax" else "tl.minimum"
-                    pre.append(f"{acc} = tl.full([BLOCK], {fill}, tl.float32)")
-                    body.append(f"{acc} = {cmp}({acc}, tl.where(mask, {e}, {fill}))")
-                    post.append(f"{v} = {red}({acc}, axis=0)")
-            else:
-                lines = body
-                if op == "sum":
-                    lines.append(f"{v} = tl.sum(tl.where(mask, {e}, 0.0), axis=0)")
-                elif op in ("amax", "amin"):
-                    fill, red = ('float("-inf")', "tl.max") if op == "amax" else ('float("inf")', "tl.min")
-                    lines.append(f"{v} = {red}(tl.where(mask, {e}, {fill}), axis=0)")
-                else:  # var_mean -> (var, mean), two passes over the row held in registers
-                    corr = kw.get("correction", 1)
-                    lines.append(f"{v}_1 = tl.sum(tl.where(mask, {e}, 0.0), axis=0) / {n_el}.0")
-                    lines.append(f"{v}_d = tl.where(mask, {e} - {v}_1, 0.0)")
-                    lines.append(f"{v}_0 = tl.sum({v}_d * {v}_d, axis=0) / {float(n_el - corr)}")
-            var[n], form[n] = v, "scalar"
-        else:
-            if op not in POINTWISE:
-                raise ValueError(f"no template for {op}")
-            expr = POINTWISE[op](*[arg(a) for a in d["args"]])
-            vec = axis is None or any(form.get(a.name) == "vector" for a in d["args"] if isinstance(a, Ref))
-            if axis is not None and not vec and axis in varies(g, n):
-                vec = True  # a fill shaped like the row
-                expr = f"({expr} + tl.zeros([BLOCK], tl.float32))"
-            if looped:
-                lines = body if vec else (post if depends_on_reduction(n) else pre)
-            else:
-                lines = body
-            lines.append(f"{v} = {expr}")
-            var[n], form[n] = v, "vector" if vec else "scalar"
-
+        _compute(g, body, n, grp)
     for k, n in enumerate(outputs):
-        sr, sc = _output_strides(g, n)
-        vec = form[n] == "vector"
-        idx = index(sr, sc, vec)
-        if looped:
-            lines = body if vec else post
-        else:
-            lines = body
-        m = ", mask=mask" if vec else ""
-        lines.append(f"tl.store(out{k} + {idx}, {var[n]}{m})  # {n} {list(g.nodes[n]['shape'])}")
-        count(lines, f"cnt{len(inputs) + k}", idx, vec)
-
-    src = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-           f"def {name}({', '.join(args + counters)}, COUNT: tl.constexpr, BLOCK: tl.constexpr):"]
-    ind = "    "
-    if axis is None:
-        head = ["pid = tl.program_id(0)", "offs = pid * BLOCK + tl.arange(0, BLOCK)", f"mask = offs < {R * C}",
-                f"r = offs // {C}", f"c = offs % {C}"]
-        src += [ind + line for line in head + pre + body]
+        _store(g, body, k, f"cnt{len(inputs) + k}", n)
+    pointers = [f"in{i}" for i in range(len(inputs))] + [f"out{i}" for i in range(len(outputs))]
+    header = _header(name, pointers + [f"cnt{i}" for i in range(len(pointers))])
+    (R, C), axis = grp.domain, grp.axis
+    if template == "pointwise":
+        source = pointwise_kernel(header, R, C, body.loop)
+    elif template == "persistent reduction":
+        source = persistent_reduction_kernel(header, axis, (R, C)[axis], body.loop)
     else:
-        outer, inner_var = ("r", "c") if axis == 1 else ("c", "r")
-        head = [f"{outer} = tl.program_id(0)"]
-        if looped:
-            src += [ind + line for line in head + pre]
-            src += [ind + f"for start in range(0, {inner}, BLOCK):",
-                    ind * 2 + "i = start + tl.arange(0, BLOCK)", ind * 2 + f"mask = i < {inner}", ind * 2 + f"{inner_var} = i"]
-            src += [ind * 2 + line for line in body]
-            src += [ind + line for line in post]
-        else:
-            head += ["i = tl.arange(0, BLOCK)", f"mask = i < {inner}", f"{inner_var} = i"]
-            src += [ind + line for line in head + pre + body]
-    source = "\n".join(src) + "\n"
+        source = looped_reduction_kernel(header, axis, (R, C)[axis], body.before, body.loop, body.after)
     kern = GeneratedKernel(gid, name, template, source, inputs, outputs, (R, C), axis, block, grid)
     kern.fn = load(source, name)
     return kern
+
+
+def _launch(template: str, domain: tuple[int, int], axis: int | None, block_limit: int) -> tuple[int, int]:
+    """(BLOCK, programs): a block of elements per program, or one program per row (column) of a reduction."""
+    R, C = domain
+    if axis is None:
+        block = min(1024, _next_pow2(R * C))
+        return block, -(-R * C // block)
+    inner = domain[axis]
+    block = _next_pow2(inner) if template == "persistent reduction" else min(_next_pow2(block_limit), _next_pow2(inner))
+    return block, domain[1 - axis]
+
+
+# --- the three templates: the code around the body's lines ------------------------------------------------
+IND = "    "
+
+
+def _header(name: str, params: list[str]) -> list[str]:
+    return ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+            f"def {name}({', '.join(params)}, COUNT: tl.constexpr, BLOCK: tl.constexpr):"]
+
+
+def pointwise_kernel(header: list[str], rows: int, cols: int, lines: list[str]) -> str:
+    """Each program takes BLOCK consecutive elements of the rows × cols space."""
+    head = ["pid = tl.program_id(0)", "offs = pid * BLOCK + tl.arange(0, BLOCK)", f"mask = offs < {rows * cols}",
+            f"r = offs // {cols}", f"c = offs % {cols}"]
+    return "\n".join(header + [IND + line for line in head + lines]) + "\n"
+
+
+def persistent_reduction_kernel(header: list[str], axis: int, inner: int, lines: list[str]) -> str:
+    """Each program takes one row (axis 1) or column (axis 0), whole, as one block."""
+    outer, inner_var = ("r", "c") if axis == 1 else ("c", "r")
+    head = [f"{outer} = tl.program_id(0)", "i = tl.arange(0, BLOCK)", f"mask = i < {inner}", f"{inner_var} = i"]
+    return "\n".join(header + [IND + line for line in head + lines]) + "\n"
+
+
+def looped_reduction_kernel(header: list[str], axis: int, inner: int, before: list[str], loop: list[str],
+                            after: list[str]) -> str:
+    """Each program walks one row (axis 1) or column (axis 0) a block at a time, accumulating."""
+    outer, inner_var = ("r", "c") if axis == 1 else ("c", "r")
+    walk = [f"for start in range(0, {inner}, BLOCK):", IND + "i = start + tl.arange(0, BLOCK)", IND + f"mask = i < {inner}",
+            IND + f"{inner_var} = i"]
+    return "\n".join(header + [IND + line for line in [f"{outer} = tl.program_id(0)"] + before + walk]
+                     + [IND * 2 + line for line in loop] + [IND + line for line in after]) + "\n"
+
+
+# --- the body: loads, the group's ops, stores -------------------------------------------------------------
+@dataclasses.dataclass
+class _Body:
+    """A kernel's lines, and each node's value in them: a vector (one per element of the block) or a scalar
+    (one per program). Only the looped reduction has a loop; the other templates use `loop` alone."""
+    axis: int | None
+    looped: bool
+    before: list = dataclasses.field(default_factory=list)   # before the loop
+    loop: list = dataclasses.field(default_factory=list)     # in it: vectors
+    after: list = dataclasses.field(default_factory=list)    # after it: what reads a finished reduction
+    value: dict = dataclasses.field(default_factory=dict)    # node -> expression name
+    vector: dict = dataclasses.field(default_factory=dict)   # node -> is a vector
+
+    def lines(self, vector: bool, after_loop: bool) -> list:
+        if not self.looped or vector:
+            return self.loop
+        return self.after if after_loop else self.before
+
+    def is_vector(self, axes) -> bool:
+        """A value varying along these 2D axes is a vector, unless all of them are the program's own row (column)."""
+        return self.axis is None or self.axis in axes
+
+    def index(self, sr: int, sc: int, vector: bool) -> str:
+        """The element offset of a tensor with 2D strides (sr, sc): a scalar is indexed by the program alone."""
+        if vector or self.axis is None:
+            terms = [f"r * {sr}" if sr else "", f"c * {sc}" if sc else ""]
+        else:
+            terms = [f"r * {sr}" if self.axis == 1 and sr else "", f"c * {sc}" if self.axis == 0 and sc else ""]
+        terms = [t for t in terms if t]
+        return " + ".join(terms) if terms else ("offs * 0" if self.axis is None else ("i * 0" if vector else "0"))
+
+
+def _counted(ptr: str, idx: str, vector: bool) -> list[str]:
+    """With COUNT, add 1 at every offset touched to the buffer's shadow array."""
+    return ["if COUNT:", f"    tl.atomic_add({ptr} + {idx}, 1{', mask=mask' if vector else ''})"]
+
+
+def _load(body: _Body, k: int, x: str, node: ir.Node) -> None:
+    """Input k (node x) from pointer in{k} into x{k}, its shadow array cnt{k}."""
+    sr, sc = _strides_2d(node.shape, node.stride)
+    vec = body.is_vector({ax for ax, s in enumerate((sr, sc)) if s})
+    idx = body.index(sr, sc, vec)
+    body.lines(vec, after_loop=False).extend(
+        [f"x{k} = tl.load(in{k} + {idx}{', mask=mask, other=0.0' if vec else ''})  # {x} {list(node.shape)}"]
+        + _counted(f"cnt{k}", idx, vec))
+    body.value[x], body.vector[x] = f"x{k}", vec
+
+
+def _store(g: nx.DiGraph, body: _Body, k: int, counter: str, n: str) -> None:
+    """Output k (node n) to pointer out{k}, its shadow array `counter`; a scalar once the loop is done."""
+    sr, sc = _output_strides(g, n)
+    vec = body.vector[n]
+    idx = body.index(sr, sc, vec)
+    body.lines(vec, after_loop=True).extend(
+        [f"tl.store(out{k} + {idx}, {body.value[n]}{', mask=mask' if vec else ''})  # {n} {list(ir.get(g, n).shape)}"]
+        + _counted(counter, idx, vec))
+
+
+def _compute(g: nx.DiGraph, body: _Body, n: str, grp) -> None:
+    node = ir.get(g, n)
+    if node.op == "getitem":  # var_mean's (var, mean): v_<tuple>_0, v_<tuple>_1, one per program
+        src, idx = node.args
+        body.value[n], body.vector[n] = f"{body.value[src.name]}_{idx}", body.axis is None
+    elif node.kind == "reduction":
+        _reduce(body, n, node, grp.domain[body.axis])
+    else:
+        _pointwise(g, body, n, node, grp.members)
+
+
+def _reduce(body: _Body, n: str, node: ir.Node, n_el: int) -> None:
+    e = body.value[node.args[0].name]
+    if not body.vector[node.args[0].name]:
+        e = f"({e} + tl.zeros([BLOCK], tl.float32))"
+    correction = dict(node.kwargs).get("correction", 1)
+    if body.looped:
+        before, loop, after = looped_reduction(node.op, n, e, n_el, correction)
+        body.before += before
+        body.loop += loop
+        body.after += after
+    else:
+        body.loop += persistent_reduction(node.op, n, e, n_el, correction)
+    body.value[n], body.vector[n] = f"v_{n}", False
+
+
+def _pointwise(g: nx.DiGraph, body: _Body, n: str, node: ir.Node, members: set) -> None:
+    if node.op not in POINTWISE:
+        raise ValueError(f"no template for {node.op}")
+    expr = POINTWISE[node.op](*[body.value[a.name] if isinstance(a, Ref) else lit(a) for a in node.args])
+    vec = body.axis is None or any(body.vector.get(a.name) for a in node.args if isinstance(a, Ref))
+    if not vec and body.axis in varies(g, n):
+        vec = True  # a fill shaped like the row
+        expr = f"({expr} + tl.zeros([BLOCK], tl.float32))"
+    # in the looped form a scalar is computed before the loop, or after it if it reads the reduction's result
+    reads_reduction = any(ir.get(g, a).kind == "reduction" for a in nx.ancestors(g, n) if a in members)
+    body.lines(vec, after_loop=reads_reduction).append(f"v_{n} = {expr}")
+    body.value[n], body.vector[n] = f"v_{n}", vec
+
+
+REDUCE = {"sum": ("0.0", "tl.sum"), "amax": ('float("-inf")', "tl.max"), "amin": ('float("inf")', "tl.min")}
+
+
+def persistent_reduction(op: str, n: str, e: str, n_el: int, correction) -> list[str]:
+    """Node n reduces e, whose whole row is in the block: at once; var_mean in two passes over the registers."""
+    v = f"v_{n}"
+    if op == "var_mean":  # -> v_0 (var), v_1 (mean)
+        return [f"{v}_1 = tl.sum(tl.where(mask, {e}, 0.0), axis=0) / {n_el}.0",
+                f"{v}_d = tl.where(mask, {e} - {v}_1, 0.0)",
+                f"{v}_0 = tl.sum({v}_d * {v}_d, axis=0) / {float(n_el - correction)}"]
+    fill, reduce = REDUCE[op]
+    return [f"{v} = {reduce}(tl.where(mask, {e}, {fill}), axis=0)"]
+
+
+def looped_reduction(op: str, n: str, e: str, n_el: int, correction) -> tuple[list[str], list[str], list[str]]:
+    """Node n reduces e a block at a time: (before, in, after the loop) lines; per-lane accumulators over the
+    blocks, reduced across lanes at the end."""
+    v, acc = f"v_{n}", f"acc_{n}"
+    if op == "var_mean":  # Welford per lane, then Chan's formula across lanes (as Inductor's welford)
+        return ([f"{acc}_n = tl.zeros([BLOCK], tl.float32)", f"{acc}_mean = tl.zeros([BLOCK], tl.float32)",
+                 f"{acc}_m2 = tl.zeros([BLOCK], tl.float32)"],
+                [f"{acc}_n += tl.where(mask, 1.0, 0.0)",
+                 f"{acc}_d = tl.where(mask, {e} - {acc}_mean, 0.0)",
+                 f"{acc}_mean += {acc}_d / tl.maximum({acc}_n, 1.0)",
+                 f"{acc}_m2 += {acc}_d * tl.where(mask, {e} - {acc}_mean, 0.0)"],
+                [f"{v}_1 = tl.sum({acc}_mean * {acc}_n, axis=0) / {n_el}.0",
+                 f"{v}_0 = (tl.sum({acc}_m2, axis=0) + tl.sum({acc}_n * ({acc}_mean - {v}_1) * ({acc}_mean - {v}_1), "
+                 f"axis=0)) / {float(n_el - correction)}"])
+    if op == "sum":
+        return [f"{acc} = tl.zeros([BLOCK], tl.float32)"], [f"{acc} += tl.where(mask, {e}, 0.0)"], \
+            [f"{v} = tl.sum({acc}, axis=0)"]
+    fill, reduce = REDUCE[op]
+    combine = "tl.maximum" if op == "amax" else "tl.minimum"
+    return [f"{acc} = tl.full([BLOCK], {fill}, tl.float32)"], [f"{acc} = {combine}({acc}, tl.where(mask, {e}, {fill}))"], \
+        [f"{v} = {reduce}({acc}, axis=0)"]
 
 
 def load(source: str, name: str):

@@ -15,7 +15,8 @@ import dataclasses
 import networkx as nx
 import torch
 
-from backend.graph.capture import Ref, refs
+from backend.graph import ir
+from backend.graph.ir import Ref
 
 GROUPABLE = ("pointwise", "reduction")
 
@@ -27,32 +28,18 @@ def dce(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     while changed:
         changed = False
         for n in list(g.nodes):
-            if g.nodes[n]["kind"] != "input" and n not in outputs and g.out_degree(n) == 0:
+            if ir.get(g, n).kind != "input" and n not in outputs and g.out_degree(n) == 0:
                 g.remove_node(n)
                 log.append(f"dce: removed {n}: nothing uses it")
                 changed = True
     return g, log
 
 
-def substitute(args, old: str, new):
-    if isinstance(args, Ref):
-        return (Ref(new) if isinstance(new, str) else new) if args.name == old else args
-    if isinstance(args, tuple):
-        return tuple(substitute(a, old, new) for a in args)
-    return args
-
-
 def replace_uses(g: nx.DiGraph, old: str, new, only=None) -> None:
     """Make users of `old` read `new` (a node name, or a Python scalar literal) instead."""
     for user in list(g.successors(old)):
-        if only is not None and user not in only:
-            continue
-        d = g.nodes[user]
-        d["args"] = substitute(d["args"], old, new)
-        d["kwargs"] = tuple((k, substitute(v, old, new)) for k, v in d["kwargs"])
-        g.remove_edge(old, user)
-        if isinstance(new, str):
-            g.add_edge(new, user)
+        if only is None or user in only:
+            ir.put(g, user, ir.get(g, user).with_input(old, new))
     if isinstance(new, str) and only is None:
         g.graph["outputs"] = [new if o == old else o for o in g.graph["outputs"]]
 
@@ -60,15 +47,15 @@ def replace_uses(g: nx.DiGraph, old: str, new, only=None) -> None:
 def cse(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     g, log, seen = g.copy(), [], {}
     for n in list(nx.topological_sort(g)):
-        d = g.nodes[n]
-        if d["kind"] == "input":
+        node = ir.get(g, n)
+        if node.kind == "input":
             continue
-        key = (d["target"], d["args"], d["kwargs"])
+        key = (node.fn, node.args, node.kwargs)
         if key in seen:
             keep = seen[key]
             replace_uses(g, n, keep)
             g.remove_node(n)
-            log.append(f"cse: {n} computes what {keep} does ({d['op']} of the same inputs); reuse {keep}")
+            log.append(f"cse: {n} computes what {keep} does ({node.op} of the same inputs); reuse {keep}")
         else:
             seen[key] = n
     return g, log
@@ -76,68 +63,88 @@ def cse(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
 
 FILL_VALUE = {"ones_like": lambda a: 1.0, "zeros_like": lambda a: 0.0, "full_like": lambda a: a[1], "scalar_tensor": lambda a: a[0]}
 IDENTITY_VIEWS = ("detach", "alias", "clone")
+NEUTRAL = {"mul": 1, "div": 1, "add": 0, "sub": 0}  # x op c is x (div and sub only with x on the left)
 
 
-def _is_transpose(d) -> bool:
-    return d["op"] == "t" or (d["op"] == "permute" and tuple(d["args"][1]) == (1, 0)) or \
-        (d["op"] == "transpose" and len(d["shape"]) == 2)
+def _is_transpose(node: ir.Node) -> bool:
+    return node.op == "t" or (node.op == "permute" and tuple(node.args[1]) == (1, 0)) or \
+        (node.op == "transpose" and len(node.shape) == 2)
 
 
 def constant_fold(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str]]:
     g, log = g.copy(), []
     for n in list(nx.topological_sort(g)):
-        if n not in g:
+        if n not in g or ir.get(g, n).kind == "input":
             continue
-        d = g.nodes[n]
-        op, args = d["op"], d["args"]
-        if d["kind"] == "input":
-            continue
-        if op in IDENTITY_VIEWS:
-            src = args[0].name
-            replace_uses(g, n, src)
-            g.remove_node(n)
-            log.append(f"fold: {n} ({op}) is an identity: users read {src}")
-            continue
-        if d["kind"] == "view" and _is_transpose(d) and _is_transpose(g.nodes[args[0].name]):
-            src = g.nodes[args[0].name]["args"][0].name
-            replace_uses(g, n, src)
-            log.append(f"fold: {n} transposes a transpose of {src}: users read {src}")
-            continue
-        if d["kind"] != "pointwise":
-            continue
-        value = None
-        if op in FILL_VALUE:
-            value = float(FILL_VALUE[op](args))
-        elif not refs(args) and not refs(tuple(v for _, v in d["kwargs"])):
-            # every input is a literal: compute it now
-            value = float(d["fn"](*[torch.tensor(a) if isinstance(a, (int, float)) else a for a in args]).item())
-        if value is not None:
-            users = [u for u in g.successors(n) if g.nodes[u]["kind"] == "pointwise" and _same_broadcast(g, n, u)]
-            if users:
-                replace_uses(g, n, value, only=set(users))
-                log.append(f"fold: {n} ({op}) is the constant {value:g}: {', '.join(users)} read it as a literal")
-            continue
-        # x*1, 1*x, x/1, x+0, 0+x, x-0 -> x, when no broadcast changes the shape
-        literal = [a for a in args if not isinstance(a, Ref)]
-        tensors = [a for a in args if isinstance(a, Ref)]
-        if len(args) == 2 and len(tensors) == 1 and len(literal) == 1 and not d["kwargs"]:
-            x, c = tensors[0].name, literal[0]
-            neutral = {"mul": 1, "div": 1, "add": 0, "sub": 0}.get(op)
-            if neutral is not None and c == neutral and (op in ("mul", "add") or args[0] == tensors[0]) \
-                    and g.nodes[x]["shape"] == d["shape"] and g.nodes[x]["dtype"] == d["dtype"]:
-                replace_uses(g, n, x)
-                g.remove_node(n)
-                log.append(f"fold: {n} = {x} {op} {c:g} is {x}")
+        entry = _fold_identity(g, n) or _fold_double_transpose(g, n) or _fold_constant(g, n) or _fold_neutral(g, n)
+        if entry:
+            log.append(entry)
     g, dead = dce(g)
     return g, log + [e.replace("dce:", "fold:") for e in dead]
 
 
+def _fold_identity(g: nx.DiGraph, n: str) -> str | None:
+    node = ir.get(g, n)
+    if node.op not in IDENTITY_VIEWS:
+        return None
+    src = node.args[0].name
+    replace_uses(g, n, src)
+    g.remove_node(n)
+    return f"fold: {n} ({node.op}) is an identity: users read {src}"
+
+
+def _fold_double_transpose(g: nx.DiGraph, n: str) -> str | None:
+    node = ir.get(g, n)
+    if not (node.kind == "view" and _is_transpose(node) and _is_transpose(ir.get(g, node.args[0].name))):
+        return None
+    src = ir.get(g, node.args[0].name).args[0].name
+    replace_uses(g, n, src)
+    return f"fold: {n} transposes a transpose of {src}: users read {src}"
+
+
+def _fold_constant(g: nx.DiGraph, n: str) -> str | None:
+    """A fill, or a pointwise op of literals only, becomes a literal in the pointwise users it does not shape."""
+    node = ir.get(g, n)
+    if node.kind != "pointwise":
+        return None
+    if node.op in FILL_VALUE:
+        value = float(FILL_VALUE[node.op](node.args))
+    elif not node.inputs:  # every input is a literal: compute it now
+        value = float(node.fn(*[torch.tensor(a) if isinstance(a, (int, float)) else a for a in node.args]).item())
+    else:
+        return None
+    users = [u for u in g.successors(n) if ir.get(g, u).kind == "pointwise" and _same_broadcast(g, n, u)]
+    if not users:
+        return None
+    replace_uses(g, n, value, only=set(users))
+    return f"fold: {n} ({node.op}) is the constant {value:g}: {', '.join(users)} read it as a literal"
+
+
+def _fold_neutral(g: nx.DiGraph, n: str) -> str | None:
+    """x*1, 1*x, x/1, x+0, 0+x, x-0 -> x, when no broadcast changes the shape."""
+    node = ir.get(g, n)
+    if node.kind != "pointwise":
+        return None
+    literal = [a for a in node.args if not isinstance(a, Ref)]
+    tensors = [a for a in node.args if isinstance(a, Ref)]
+    if not (len(node.args) == 2 and len(tensors) == 1 and len(literal) == 1 and not node.kwargs):
+        return None
+    x, c = tensors[0].name, literal[0]
+    neutral = NEUTRAL.get(node.op)
+    if neutral is None or c != neutral or not (node.op in ("mul", "add") or node.args[0] == tensors[0]) \
+            or ir.get(g, x).shape != node.shape or ir.get(g, x).dtype != node.dtype:
+        return None
+    replace_uses(g, n, x)
+    g.remove_node(n)
+    return f"fold: {n} = {x} {node.op} {c:g} is {x}"
+
+
 def _same_broadcast(g, const: str, user: str) -> bool:
     """A literal can replace a tensor argument only if that argument does not set the user's shape."""
-    d = g.nodes[user]
-    others = [g.nodes[r]["shape"] for r in refs(d["args"]) if r != const]
+    node = ir.get(g, user)
+    others = [ir.get(g, r).shape for r in ir.refs(node.args) if r != const]
     try:
-        return tuple(torch.broadcast_shapes(*others)) == tuple(d["shape"]) if others else False
+        return tuple(torch.broadcast_shapes(*others)) == tuple(node.shape) if others else False
     except RuntimeError:
         return False
 
@@ -170,155 +177,181 @@ class FusionPlan:
         return "persistent reduction" if grp.domain[grp.axis] <= self.block_limit else "looped reduction"
 
 
-def _node_space(g, n):
-    d = g.nodes[n]
-    if d["kind"] == "reduction":
-        return to2d(g.nodes[d["args"][0].name]["shape"]), d["axis"]
-    return to2d(d["shape"]), None
+def _node_space(g, n) -> tuple[tuple[int, int], int | None]:
+    """The 2D iteration space of n's own kernel, and the axis it reduces (None for pointwise)."""
+    node = ir.get(g, n)
+    if node.kind == "reduction":
+        return to2d(ir.get(g, node.args[0].name).shape), node.axis
+    return to2d(node.shape), None
+
+
+def _reduced_by(g, n) -> bool:
+    """n is a reduction's result, or one of a tuple reduction's (var_mean's) getitems."""
+    node = ir.get(g, n)
+    return node.kind == "reduction" or node.op == "getitem"
 
 
 def varies(g, n) -> set[int]:
     """The 2D axes along which node n's value changes inside a kernel."""
-    d = g.nodes[n]
-    if d["kind"] == "reduction":
-        src = to2d(g.nodes[d["args"][0].name]["shape"])
-        other = 1 - d["axis"]
+    node = ir.get(g, n)
+    if node.kind == "reduction":
+        src = to2d(ir.get(g, node.args[0].name).shape)
+        other = 1 - node.axis
         return {other} if src[other] > 1 else set()
-    if d["kind"] == "view" and d["op"] == "getitem":
-        return varies(g, d["args"][0].name)
-    return {ax for ax, size in enumerate(to2d(d["shape"])) if size > 1}
+    if node.kind == "view" and node.op == "getitem":
+        return varies(g, node.args[0].name)
+    return {ax for ax, size in enumerate(to2d(node.shape)) if size > 1}
 
 
 def fuse(g: nx.DiGraph, vertical: bool = True, horizontal: bool = True, block_limit: int = 1024) -> FusionPlan:
-    groups: dict[int, Group] = {}
-    group: dict[str, int] = {}
-    for i, n in enumerate(nx.topological_sort(g)):
-        d = g.nodes[n]
-        if d["kind"] in GROUPABLE:
-            domain, axis = _node_space(g, n)
-            groups[i] = Group({n}, domain, axis, d["phase"])
-            group[n] = i
-    for n in g.nodes:  # a getitem of a tuple (var_mean) lives with its producer
-        d = g.nodes[n]
-        if d["op"] == "getitem" and d["args"][0].name in group:
-            group[n] = group[d["args"][0].name]
-            groups[group[n]].members.add(n)
-    log, rejected = [], []
-
-    def merged_space(a: Group, b: Group):
-        dom = []
-        for x, y in zip(a.domain, b.domain):
-            if x != y and 1 not in (x, y):
-                return None, f"different iteration spaces ({a.domain[0]}×{a.domain[1]} vs {b.domain[0]}×{b.domain[1]})"
-            dom.append(max(x, y))
-        axes = {x.axis for x in (a, b) if x.axis is not None}
-        if len(axes) > 1:
-            return None, "reductions along different axes (rows vs columns) need different loop orders"
-        axis = axes.pop() if axes else None
-        for grp in (a, b):
-            for m in grp.members:
-                if g.nodes[m]["kind"] == "reduction" and _node_space(g, m)[0][m_axis(m)] != dom[m_axis(m)]:
-                    return None, f"{m} reduces fewer elements than the kernel's {dom[m_axis(m)]} along its axis"
-        return (tuple(dom), axis), None
-
-    def m_axis(m):
-        return g.nodes[m]["axis"]
-
-    def why_not(a: int, b: int, edges: list[tuple[str, str]]) -> str | None:
-        A, B = groups[a], groups[b]
-        if A.phase != B.phase:
-            return "forward and backward run at different times (the backward waits for the loss gradient)"
-        space, reason = merged_space(A, B)
-        if reason:
-            return reason
-        (dom, axis) = space
-        members = A.members | B.members
-        if axis is not None:
-            inner = dom[axis]
-            for p, c in edges + [(p, c) for p in members for c in g.successors(p) if c in members]:
-                if g.nodes[p]["kind"] != "reduction" and not (g.nodes[p]["op"] == "getitem"):
-                    continue
-                if axis in varies(g, c) and inner > block_limit:
-                    return (f"{c} reads the result of reducing {inner} elements, more than one block ({block_limit}): "
-                            "the looped reduction cannot broadcast it back without a second pass")
-        for p, c in edges:
-            pd = g.nodes[p]
-            if pd["kind"] == "reduction" or pd["op"] == "getitem":
-                src_axis = pd["axis"] if pd["kind"] == "reduction" else g.nodes[pd["args"][0].name]["axis"]
-                seen = {ax for ax, size in enumerate(to2d(pd["shape"])) if size > 1}
-                if seen != varies(g, p):
-                    return f"{p} drops its reduced axis ({src_axis}); {c} would broadcast it along the other axis"
-        via = creates_cycle(members)
-        if via is not None:
-            return (f"{via[0]} uses {via[1]}'s result and feeds the kernel: fusing would put {via[0]}, "
-                    "an intermediate user outside the kernel, both before and after it (a cycle)")
-        return None
-
-    def creates_cycle(merged: set):
-        for src in merged:
-            for succ in g.successors(src):
-                if succ in merged:
-                    continue
-                if any(nx.has_path(g, succ, m) for m in merged):
-                    return succ, src
-        return None
-
-    def merge(a: int, b: int) -> None:
-        A, B = groups[a], groups.pop(b)
-        (dom, axis), _ = merged_space(A, B)
-        A.members |= B.members
-        A.domain, A.axis = dom, axis
-        for m in B.members:
-            group[m] = a
-
+    plan = _one_group_per_op(g, block_limit)
     if vertical:
-        for n in nx.topological_sort(g):
-            if g.nodes[n]["kind"] == "opaque":
-                for p in g.predecessors(n):
-                    if p in group:
-                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
-                                         "why not": f"{n}: {g.nodes[n]['why_opaque']}"})
-            if n not in group or g.nodes[n]["op"] == "getitem":
-                continue
-            for p in list(g.predecessors(n)):
-                pk = g.nodes[p]["kind"]
-                if p in group and group[p] == group[n]:
-                    continue
-                if p not in group:
-                    if pk == "opaque":
-                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
-                                         "why not": f"{p}: {g.nodes[p]['why_opaque']}"})
-                    elif pk == "view" and g.nodes[p]["op"] != "getitem":
-                        rejected.append({"producer": p, "consumer": n, "kind": "vertical",
-                                         "why not": f"{p} ({g.nodes[p].get('category', 'injective')}: {g.nodes[p]['op']}) "
-                                                    "re-indexes its input: kernels read views from memory"})
-                    continue
-                reason = why_not(group[p], group[n], [(p, n)])
-                if reason:
-                    rejected.append({"producer": p, "consumer": n, "kind": "vertical", "why not": reason})
-                else:
-                    log.append(f"vertical: {p} ({pk}) into {n} ({g.nodes[n]['kind']})")
-                    merge(group[n], group[p])
+        _fuse_vertically(g, plan)
     if horizontal:
-        for x in nx.topological_sort(g):
-            users = [u for u in g.successors(x) if u in group and g.nodes[u]["op"] != "getitem"]
-            for a, b in zip(users, users[1:]):
-                if group[a] == group[b]:
-                    continue
-                reason = why_not(group[a], group[b], [])
+        _fuse_horizontally(g, plan)
+    plan.rejected = _first_reason_per_pair(plan.rejected)
+    return plan
+
+
+def _one_group_per_op(g: nx.DiGraph, block_limit: int) -> FusionPlan:
+    """Every pointwise op and reduction its own group; a getitem of a tuple (var_mean) lives with its producer."""
+    plan = FusionPlan({}, {}, [], [], block_limit)
+    for i, n in enumerate(nx.topological_sort(g)):
+        node = ir.get(g, n)
+        if node.kind in GROUPABLE:
+            plan.groups[i] = Group({n}, *_node_space(g, n), node.phase)
+            plan.group[n] = i
+    for n, node in ir.items(g):
+        if node.op == "getitem" and node.args[0].name in plan.group:
+            plan.group[n] = plan.group[node.args[0].name]
+            plan.groups[plan.group[n]].members.add(n)
+    return plan
+
+
+def _fuse_vertically(g: nx.DiGraph, plan: FusionPlan) -> None:
+    """Each op into its consumer's kernel, in topological order, unless a reason keeps them apart."""
+    for n in nx.topological_sort(g):
+        node = ir.get(g, n)
+        if node.kind == "opaque":
+            for p in g.predecessors(n):
+                if p in plan.group:
+                    _reject(plan, p, n, "vertical", f"{n}: {node.why_opaque}")
+        if n not in plan.group or node.op == "getitem":
+            continue
+        for p in list(g.predecessors(n)):
+            if p not in plan.group:
+                _reject_unfusable_producer(g, plan, p, n)
+            elif plan.group[p] != plan.group[n]:
+                reason = why_not(g, plan, plan.group[p], plan.group[n], [(p, n)])
                 if reason:
-                    rejected.append({"producer": x, "consumer": f"{a} + {b}", "kind": "horizontal", "why not": reason})
+                    _reject(plan, p, n, "vertical", reason)
                 else:
-                    log.append(f"horizontal: {a} and {b} both read {x}: one kernel, one read of {x}")
-                    merge(group[a], group[b])
-    # a pair can be met twice (an extern consumer seen from both ends): keep its first reason
+                    plan.log.append(f"vertical: {p} ({ir.get(g, p).kind}) into {n} ({node.kind})")
+                    _merge(g, plan, plan.group[n], plan.group[p])
+
+
+def _reject_unfusable_producer(g: nx.DiGraph, plan: FusionPlan, p: str, n: str) -> None:
+    producer = ir.get(g, p)
+    if producer.kind == "opaque":
+        _reject(plan, p, n, "vertical", f"{p}: {producer.why_opaque}")
+    elif producer.kind == "view" and producer.op != "getitem":
+        _reject(plan, p, n, "vertical", f"{p} ({producer.category}: {producer.op}) re-indexes its input: "
+                                        "kernels read views from memory")
+
+
+def _fuse_horizontally(g: nx.DiGraph, plan: FusionPlan) -> None:
+    """Siblings reading the same value into one kernel, which then reads it once."""
+    for x in nx.topological_sort(g):
+        users = [u for u in g.successors(x) if u in plan.group and ir.get(g, u).op != "getitem"]
+        for a, b in zip(users, users[1:]):
+            if plan.group[a] == plan.group[b]:
+                continue
+            reason = why_not(g, plan, plan.group[a], plan.group[b], [])
+            if reason:
+                _reject(plan, x, f"{a} + {b}", "horizontal", reason)
+            else:
+                plan.log.append(f"horizontal: {a} and {b} both read {x}: one kernel, one read of {x}")
+                _merge(g, plan, plan.group[a], plan.group[b])
+
+
+def _reject(plan: FusionPlan, producer: str, consumer: str, kind: str, why: str) -> None:
+    plan.rejected.append({"producer": producer, "consumer": consumer, "kind": kind, "why not": why})
+
+
+def _first_reason_per_pair(rejected: list[dict]) -> list[dict]:
+    """A pair can be met twice (an extern consumer seen from both ends): keep its first reason."""
     seen, unique = set(), []
     for r in rejected:
         key = (r["producer"], r["consumer"])
         if key not in seen:
             seen.add(key)
             unique.append(r)
-    return FusionPlan(group, groups, unique, log, block_limit)
+    return unique
+
+
+def merged_space(g: nx.DiGraph, a: Group, b: Group):
+    """((domain, axis), None) of one kernel running both groups, or (None, why it cannot)."""
+    dom = []
+    for x, y in zip(a.domain, b.domain):
+        if x != y and 1 not in (x, y):
+            return None, f"different iteration spaces ({a.domain[0]}×{a.domain[1]} vs {b.domain[0]}×{b.domain[1]})"
+        dom.append(max(x, y))
+    axes = {x.axis for x in (a, b) if x.axis is not None}
+    if len(axes) > 1:
+        return None, "reductions along different axes (rows vs columns) need different loop orders"
+    axis = axes.pop() if axes else None
+    for m in sorted(a.members | b.members):  # sorted, here and below: the same reason every run
+        node = ir.get(g, m)
+        if node.kind == "reduction" and _node_space(g, m)[0][node.axis] != dom[node.axis]:
+            return None, f"{m} reduces fewer elements than the kernel's {dom[node.axis]} along its axis"
+    return (tuple(dom), axis), None
+
+
+def why_not(g: nx.DiGraph, plan: FusionPlan, a: int, b: int, edges: list[tuple[str, str]]) -> str | None:
+    """Why groups a and b (joined by the producer -> consumer `edges`) cannot be one kernel, or None."""
+    A, B = plan.groups[a], plan.groups[b]
+    if A.phase != B.phase:
+        return "forward and backward run at different times (the backward waits for the loss gradient)"
+    space, reason = merged_space(g, A, B)
+    if reason:
+        return reason
+    dom, axis = space
+    members = A.members | B.members
+    if axis is not None and dom[axis] > plan.block_limit:
+        for p, c in edges + [(p, c) for p in sorted(members) for c in g.successors(p) if c in members]:
+            if _reduced_by(g, p) and axis in varies(g, c):
+                return (f"{c} reads the result of reducing {dom[axis]} elements, more than one block ({plan.block_limit}): "
+                        "the looped reduction cannot broadcast it back without a second pass")
+    for p, c in edges:
+        if _reduced_by(g, p):
+            producer = ir.get(g, p)
+            src_axis = producer.axis if producer.kind == "reduction" else ir.get(g, producer.args[0].name).axis
+            seen = {ax for ax, size in enumerate(to2d(producer.shape)) if size > 1}
+            if seen != varies(g, p):
+                return f"{p} drops its reduced axis ({src_axis}); {c} would broadcast it along the other axis"
+    via = _outside_user_between(g, members)
+    if via is not None:
+        return (f"{via[0]} uses {via[1]}'s result and feeds the kernel: fusing would put {via[0]}, "
+                "an intermediate user outside the kernel, both before and after it (a cycle)")
+    return None
+
+
+def _outside_user_between(g: nx.DiGraph, merged: set):
+    """(user, member): a user outside the merged kernel that reads a member and feeds another, or None."""
+    for src in sorted(merged):
+        for succ in g.successors(src):
+            if succ not in merged and any(nx.has_path(g, succ, m) for m in merged):
+                return succ, src
+    return None
+
+
+def _merge(g: nx.DiGraph, plan: FusionPlan, a: int, b: int) -> None:
+    """Group b joins group a."""
+    A, B = plan.groups[a], plan.groups.pop(b)
+    (A.domain, A.axis), _ = merged_space(g, A, B)
+    A.members |= B.members
+    for m in B.members:
+        plan.group[m] = a
 
 
 def unfused_plan(g: nx.DiGraph) -> FusionPlan:
@@ -332,7 +365,7 @@ def group_io(g: nx.DiGraph, members) -> tuple[list[str], list[str]]:
     inside = set(members)
     order = [n for n in nx.topological_sort(g) if n in inside]
     inputs = list(dict.fromkeys(p for n in order for p in g.predecessors(n) if p not in inside))
-    outputs = [n for n in order if g.nodes[n]["op"] != "var_mean"
+    outputs = [n for n in order if ir.get(g, n).op != "var_mean"
                and (n in g.graph["outputs"] or any(u not in inside for u in g.successors(n)))]
     return inputs, outputs
 
@@ -342,6 +375,6 @@ def modelled_bytes(g: nx.DiGraph, plan: FusionPlan) -> dict:
     per_group = {}
     for gid, grp in plan.groups.items():
         inputs, outputs = group_io(g, grp.members)
-        per_group[gid] = sum(g.nodes[n]["bytes"] for n in inputs + outputs)
-    ideal = sum(g.nodes[n]["bytes"] for n in g.graph["inputs"]) + sum(g.nodes[n]["bytes"] for n in set(g.graph["outputs"]))
+        per_group[gid] = sum(ir.get(g, n).bytes for n in inputs + outputs)
+    ideal = sum(ir.get(g, n).bytes for n in g.graph["inputs"]) + sum(ir.get(g, n).bytes for n in set(g.graph["outputs"]))
     return {"per_group": per_group, "ideal_unique_bytes": ideal}

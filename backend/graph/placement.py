@@ -14,17 +14,17 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 
-from backend.graph.capture import run_node
+from backend.graph import ir
 
 
 def flops(g: nx.DiGraph, n: str) -> int:
-    d = g.nodes[n]
-    if d["op"] in ("mm", "bmm", "addmm"):
-        (m, k) = g.nodes[d["args"][0].name]["shape"][-2:]
-        return 2 * m * k * d["shape"][-1]
-    if d["kind"] in ("view", "input"):
+    node = ir.get(g, n)
+    if node.op in ("mm", "bmm", "addmm"):
+        (m, k) = ir.get(g, node.args[0].name).shape[-2:]
+        return 2 * m * k * node.shape[-1]
+    if node.kind in ("view", "input"):
         return 0
-    return max(d["numel"], sum(g.nodes[p]["numel"] for p in g.predecessors(n)))
+    return max(node.numel, sum(ir.get(g, p).numel for p in g.predecessors(n)))
 
 
 def place(g: nx.DiGraph, ranks: int, flops_per_s: float, link_bytes_per_s: float, latency_s: float):
@@ -32,27 +32,27 @@ def place(g: nx.DiGraph, ranks: int, flops_per_s: float, link_bytes_per_s: float
     rank, finish, free = {}, {}, [0.0] * ranks
     log = []
     for n in nx.topological_sort(g):
-        d = g.nodes[n]
+        node = ir.get(g, n)
         preds = list(g.predecessors(n))
-        if d["kind"] == "input":
+        if node.kind == "input":
             rank[n], finish[n] = 0, 0.0
             continue
-        if d["kind"] == "view" and preds:  # a view (or a tuple's getitem) stays with its input
+        if node.kind == "view" and preds:  # a view (or a tuple's getitem) stays with its input
             rank[n], finish[n] = rank[preds[0]], finish[preds[0]]
             continue
         cost = flops(g, n) / flops_per_s
         options = []
         for r in range(ranks):
-            ready = max([finish[p] + (0 if rank[p] == r else latency_s + g.nodes[p]["bytes"] / link_bytes_per_s)
+            ready = max([finish[p] + (0 if rank[p] == r else latency_s + ir.get(g, p).bytes / link_bytes_per_s)
                          for p in preds] + [0.0])
             start = max(ready, free[r])
-            gather = latency_s + d["bytes"] / link_bytes_per_s if n in g.graph["outputs"] and r != 0 else 0.0
+            gather = latency_s + node.bytes / link_bytes_per_s if n in g.graph["outputs"] and r != 0 else 0.0
             options.append((start + cost + gather, r, start))  # an output must reach rank 0
         end, r, start = min(options)
         rank[n], finish[n], free[r] = r, end, start + cost
         others = ", ".join(f"rank {o[1]} {o[0] * 1e6:.1f}" for o in options if o[1] != r)
-        moved = [p for p in preds if rank[p] != r and g.nodes[p]["bytes"]]
-        log.append({"node": n, "op": d["op"], "rank": r, "flops": flops(g, n),
+        moved = [p for p in preds if rank[p] != r and ir.get(g, p).bytes]
+        log.append({"node": n, "op": node.op, "rank": r, "flops": flops(g, n),
                     "why": f"finishes at {end * 1e6:.1f} µs (others: {others} µs)"
                            + (f"; receives {', '.join(moved)}" if moved else "")})
     return rank, log, max(finish.values())
@@ -66,7 +66,7 @@ def transfers(g: nx.DiGraph, rank: dict) -> list[dict]:
         for dst in dests:
             if dst != rank[n] and (n, dst) not in seen:
                 seen.add((n, dst))
-                plan.append({"tag": len(plan), "value": n, "src": rank[n], "dst": dst, "bytes": g.nodes[n]["bytes"]})
+                plan.append({"tag": len(plan), "value": n, "src": rank[n], "dst": dst, "bytes": ir.get(g, n).bytes})
     return plan
 
 
@@ -84,7 +84,8 @@ def run_rank(g: nx.DiGraph, rank_of: dict, plan: list[dict], me: int, inputs: li
         if value in env:
             return
         t = recv_of[(value, me)]
-        buf = torch.empty(g.nodes[value]["shape"], dtype=getattr(torch, g.nodes[value]["dtype"]))
+        node = ir.get(g, value)
+        buf = torch.empty(node.shape, dtype=getattr(torch, node.dtype))
         with tracer.span("recv", f"recv {value} from rank {t['src']}", bytes=t["bytes"]):
             dist.recv(buf, src=t["src"], tag=t["tag"])
         tracer.count("recv", recv=t["bytes"])
@@ -104,13 +105,13 @@ def run_rank(g: nx.DiGraph, rank_of: dict, plan: list[dict], me: int, inputs: li
     for n in nx.topological_sort(g):
         if rank_of[n] != me:
             continue
-        d = g.nodes[n]
-        if d["kind"] != "input":
+        node = ir.get(g, n)
+        if node.kind != "input":
             for p in g.predecessors(n):
                 if rank_of[p] != me:
                     arrive(p)
-            with tracer.span("compute", f"{d['op']} {n}"):
-                env[n] = run_node(d, env)
+            with tracer.span("compute", f"{node.op} {n}"):
+                env[n] = node.run(env)
             computed.append(n)
         send(n)
     outputs = None

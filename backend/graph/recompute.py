@@ -11,41 +11,46 @@ The rewritten graph clones the recomputed nodes into the backward.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 
-from backend.graph.passes import dce, replace_uses, substitute
+from backend.graph import ir
+from backend.graph.passes import dce, replace_uses
 
 
 def _save_cost(g: nx.DiGraph, v: str) -> int:
-    d = g.nodes[v]
-    if d["kind"] == "input":
+    node = ir.get(g, v)
+    if node.kind == "input":
         return 0
-    return d["bytes"]  # a tuple (var_mean) has 0 bytes: its getitems carry the cost
+    return node.bytes  # a tuple (var_mean) has 0 bytes: its getitems carry the cost
 
 
 def _never_recomputed(g: nx.DiGraph, v: str) -> bool:
-    d = g.nodes[v]
-    if d["op"] == "getitem":
-        return _never_recomputed(g, d["args"][0].name)
-    return d["kind"] in ("input", "opaque", "reduction")
+    node = ir.get(g, v)
+    if node.op == "getitem":
+        return _never_recomputed(g, node.args[0].name)
+    return node.kind in ("input", "opaque", "reduction")
+
+
+def _read_by_backward(g: nx.DiGraph, v: str) -> bool:
+    return any(ir.get(g, u).phase == "backward" for u in g.successors(v))
 
 
 def saved_values(g: nx.DiGraph) -> list[str]:
     """Forward values some backward node reads: what stays in memory between the two."""
-    return sorted(v for v, d in g.nodes(data=True) if d["phase"] == "forward"
-                  and any(g.nodes[u]["phase"] == "backward" for u in g.successors(v)))
+    return sorted(v for v, node in ir.items(g) if node.phase == "forward" and _read_by_backward(g, v))
 
 
 def min_cut(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str], dict]:
-    fwd = [v for v, d in g.nodes(data=True) if d["phase"] == "forward"]
+    fwd = [v for v, node in ir.items(g) if node.phase == "forward"]
     net = nx.DiGraph()
     for v in fwd:
-        d = g.nodes[v]
         net.add_edge((v, "in"), (v, "out"), capacity=_save_cost(g, v))
         if _never_recomputed(g, v):
             net.add_edge("source", (v, "in"))          # never recomputed
         for u in g.successors(v):
-            if g.nodes[u]["phase"] == "forward":
+            if ir.get(g, u).phase == "forward":
                 net.add_edge((v, "out"), (u, "in"))
             else:
                 net.add_edge((v, "out"), "sink")
@@ -57,26 +62,21 @@ def min_cut(g: nx.DiGraph) -> tuple[nx.DiGraph, list[str], dict]:
     cut_bytes, (source_side, _) = nx.minimum_cut(net, "source", "sink")
     needed = set()
     for v in fwd:
-        if any(g.nodes[u]["phase"] == "backward" for u in g.successors(v)):
+        if _read_by_backward(g, v):
             needed |= {v} | nx.ancestors(g, v)
-    recompute = [v for v in nx.topological_sort(g) if v in needed and g.nodes[v]["phase"] == "forward"
+    recompute = [v for v in nx.topological_sort(g) if v in needed and ir.get(g, v).phase == "forward"
                  and (v, "in") not in source_side]
     g2, log = g.copy(), []
     clone = {}
-    for v in recompute:
-        d = dict(g2.nodes[v])
-        name = f"{v}_rc"
-        args = d["args"]
-        for u in list(g2.predecessors(v)):
+    for v in recompute:  # in topological order, so a clone reads the clones of what it reads
+        node = dataclasses.replace(ir.get(g2, v), phase="backward")
+        for u in node.inputs:
             if u in clone:
-                args = substitute(args, u, clone[u])
-        d.update(args=args, phase="backward")
-        g2.add_node(name, **d)
-        for u in g2.predecessors(v):
-            g2.add_edge(clone.get(u, u), name)
-        clone[v] = name
+                node = node.with_input(u, clone[u])
+        clone[v] = f"{v}_rc"
+        ir.put(g2, clone[v], node)
     for v, name in clone.items():
-        users = {u for u in g2.successors(v) if g2.nodes[u]["phase"] == "backward" and u != name}
+        users = {u for u in g2.successors(v) if ir.get(g2, u).phase == "backward" and u != name}
         replace_uses(g2, v, name, only=users)
     g2, _ = dce(g2)
     after = saved_values(g2)

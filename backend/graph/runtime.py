@@ -14,8 +14,7 @@ import time
 import networkx as nx
 import torch
 
-from backend.graph import memory_plan
-from backend.graph.capture import run_node
+from backend.graph import ir, memory_plan
 from backend.graph.codegen import GeneratedKernel, generate
 from backend.graph.passes import FusionPlan
 
@@ -39,12 +38,12 @@ class FusedProgram:
         self.memory = self._plan_memory()
 
     def _unit(self, n):
-        d = self.g.nodes[n]
+        kind = ir.get(self.g, n).kind
         if n in self.plan.group:
             return ("kernel", self.plan.group[n])
-        if d["kind"] == "opaque":
+        if kind == "opaque":
             return ("extern", n)
-        if d["kind"] == "view":
+        if kind == "view":
             return ("view", n)
         return None
 
@@ -65,7 +64,7 @@ class FusedProgram:
         order = nx.lexicographical_topological_sort(units, key=lambda u: first[u])
         steps = []
         for kind, key in order:
-            label = self.kernels[key].name if kind == "kernel" else f"{g.nodes[key]['op']} ({key})"
+            label = self.kernels[key].name if kind == "kernel" else f"{ir.get(g, key).op} ({key})"
             steps.append(Step(kind, key, label))
         return steps
 
@@ -81,7 +80,7 @@ class FusedProgram:
 
     def base(self, n: str) -> str:
         """The buffer a view aliases."""
-        while self.g.nodes[n]["kind"] == "view" and n not in self.plan.group:
+        while ir.get(self.g, n).kind == "view" and n not in self.plan.group:
             n = next(iter(self.g.predecessors(n)))
         return n
 
@@ -90,7 +89,7 @@ class FusedProgram:
         start, end = {}, {}
         for i, step in enumerate(self.steps):
             for n in self._writes(step):
-                if n not in outputs and self.g.nodes[n]["bytes"] > 0:
+                if n not in outputs and ir.get(self.g, n).bytes > 0:
                     start[n], end[n] = i, i
             for n in self._reads(step):
                 b = self.base(n)
@@ -101,7 +100,7 @@ class FusedProgram:
             b = self.base(o)
             if b in start:
                 end[b] = len(self.steps) - 1
-        buffers = [memory_plan.Buffer(n, self.g.nodes[n]["bytes"], start[n], end[n]) for n in start]
+        buffers = [memory_plan.Buffer(n, ir.get(self.g, n).bytes, start[n], end[n]) for n in start]
         return memory_plan.plan(buffers, len(self.steps))
 
     def run(self, inputs: list[torch.Tensor], count: bool = False) -> tuple[list[torch.Tensor], dict]:
@@ -112,12 +111,12 @@ class FusedProgram:
         outputs = set(g.graph["outputs"])
 
         def buffer(n):
-            d = g.nodes[n]
-            dtype = getattr(torch, d["dtype"])
+            node = ir.get(g, n)
+            dtype = getattr(torch, node.dtype)
             if n in outputs or n not in self.memory.offsets:
-                return torch.empty(d["shape"], dtype=dtype, device=device)
+                return torch.empty(node.shape, dtype=dtype, device=device)
             off = self.memory.offsets[n]
-            return arena[off:off + d["bytes"]].view(dtype).view(d["shape"])
+            return arena[off:off + node.bytes].view(dtype).view(node.shape)
 
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         launches, per_kernel, extern_bytes, timeline = 0, [], 0, []
@@ -130,7 +129,7 @@ class FusedProgram:
                 timeline.append({"step": step.label, "kind": step.kind, "start_us": (t0 - started) * 1e6,
                                  "dur_us": (time.perf_counter() - t0) * 1e6})
             if step.kind == "extern":
-                extern_bytes += sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + g.nodes[step.key]["bytes"]
+                extern_bytes += sum(ir.get(g, p).bytes for p in set(g.predecessors(step.key))) + ir.get(g, step.key).bytes
         seconds = time.perf_counter() - started
         result = []
         for o in g.graph["outputs"]:
@@ -143,10 +142,10 @@ class FusedProgram:
     def _run_step(self, step: Step, env: dict, buffer, dummy, count: bool, per_kernel: list) -> None:
         g = self.g
         if step.kind == "view":
-            env[step.key] = run_node(g.nodes[step.key], env)
+            env[step.key] = ir.get(g, step.key).run(env)
             return
         if step.kind == "extern":
-            result = run_node(g.nodes[step.key], env)
+            result = ir.get(g, step.key).run(env)
             if isinstance(result, torch.Tensor):
                 out = buffer(step.key)
                 out.copy_(result)
@@ -156,10 +155,10 @@ class FusedProgram:
         k = self.kernels[step.key]
         ins = [env[x] for x in k.inputs]
         for x, t in zip(k.inputs, ins):
-            meta = g.nodes[x]
-            if tuple(t.shape) != meta["shape"] or (t.numel() > 1 and tuple(t.stride()) != meta["stride"]):
+            meta = ir.get(g, x)
+            if tuple(t.shape) != meta.shape or (t.numel() > 1 and tuple(t.stride()) != meta.stride):
                 raise RuntimeError(f"{k.name}: {x} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
-                                   f"the kernel was generated for {meta['shape']} {meta['stride']}")
+                                   f"the kernel was generated for {meta.shape} {meta.stride}")
         outs = [buffer(n) for n in k.outputs]
         shadows = [torch.zeros(_span(t), dtype=torch.int32, device=dummy.device) if count else dummy for t in ins + outs]
         k.fn[(k.grid,)](*ins, *outs, *shadows, COUNT=count, BLOCK=k.block)

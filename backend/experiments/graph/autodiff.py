@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import networkx as nx
 import torch
 
 from backend.config import Config, setting

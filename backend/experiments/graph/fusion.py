@@ -17,7 +17,7 @@ import torch
 
 from backend.config import Config, ConfigError, setting
 from backend.experiments import define
-from backend.graph import expr
+from backend.graph import expr, ir
 from backend.graph.capture import capture, to_networkx
 from backend.graph.dot import to_dot
 from backend.graph.models import MODELS, model
@@ -103,7 +103,7 @@ def run(config: FusionConfig, ctx) -> Result:
     ctx.progress(0.05, "capturing the graph")
     gm = capture(fn, inputs, config.backward)
     captured = to_networkx(gm, config.backward)
-    tangent = torch.randn(captured.nodes[captured.graph["inputs"][-1]]["shape"], generator=torch.Generator().manual_seed(1)) \
+    tangent = torch.randn(ir.get(captured, captured.graph["inputs"][-1]).shape, generator=torch.Generator().manual_seed(1)) \
         if config.backward else None
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the generated kernels run where the tensors are
     feeds = [t.to(device) for t in inputs + ([tangent] if config.backward else [])]
@@ -136,10 +136,10 @@ def run(config: FusionConfig, ctx) -> Result:
                             "unique_bytes": measured["unique_bytes"], "ideal_bytes": group_ideal,
                             "unique_over_ideal": round(measured["unique_bytes"] / max(group_ideal, 1), 3)})
         elif step.kind == "extern":
-            d = g.nodes[step.key]
-            kernels.append({"kernel": f"{d['op']} ({step.key})", "phase": d["phase"], "template": "library call", "ops": 1,
+            node = ir.get(g, step.key)
+            kernels.append({"kernel": f"{node.op} ({step.key})", "phase": node.phase, "template": "library call", "ops": 1,
                             "grid": None, "block": None, "requested_bytes": None, "unique_bytes": None,
-                            "ideal_bytes": sum(g.nodes[p]["bytes"] for p in set(g.predecessors(step.key))) + d["bytes"],
+                            "ideal_bytes": sum(ir.get(g, p).bytes for p in set(g.predecessors(step.key))) + node.bytes,
                             "unique_over_ideal": None})
     worst = max((k["unique_over_ideal"] for k in kernels if k["unique_over_ideal"] is not None), default=0.0)
 
@@ -168,8 +168,8 @@ def run(config: FusionConfig, ctx) -> Result:
         "worst_group_unique_over_ideal": worst,
         "error_fused_vs_fp64": max_error(after_out, reference), "error_eager_fp32_vs_fp64": eager_error,
         "arena_bytes": mem.arena_bytes, "lower_bound_bytes": mem.lower_bound_bytes, "no_reuse_bytes": mem.no_reuse_bytes,
-        "ops_captured": sum(1 for _, d in captured.nodes(data=True) if d["kind"] in ("pointwise", "reduction", "opaque")),
-        "ops_after_passes": sum(1 for _, d in g.nodes(data=True) if d["kind"] in ("pointwise", "reduction", "opaque")),
+        "ops_captured": sum(1 for _, node in ir.items(captured) if node.kind in ("pointwise", "reduction", "opaque")),
+        "ops_after_passes": sum(1 for _, node in ir.items(g) if node.kind in ("pointwise", "reduction", "opaque")),
     }
     if saved:
         metrics.update(saved_bytes_naive=saved["saved_bytes_before"], saved_bytes_min_cut=saved["saved_bytes_after"])
@@ -187,7 +187,7 @@ def run(config: FusionConfig, ctx) -> Result:
                          "last_step": b.end, "written_by": labels[b.start]} for b in mem.buffers],
         "memory_over_time": [{"step": i, "kernel": labels[i], "live_bytes": live} for i, live in enumerate(mem.live_bytes)],
         "graph_dot": [{"phase": phase, "dot": phase_dot(g, plan, phase)} for phase in (("forward", "backward") if config.backward else ("forward",))],
-        "saved": [{"value": v, "bytes": g.nodes[v]["bytes"], "shape": "×".join(map(str, g.nodes[v]["shape"]))}
+        "saved": [{"value": v, "bytes": ir.get(g, v).bytes, "shape": "×".join(map(str, ir.get(g, v).shape))}
                   for v in (saved["saved_after"] if saved else [])],
     }
     checks = [
@@ -219,20 +219,17 @@ def run(config: FusionConfig, ctx) -> Result:
 
 def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
     """The nodes of one phase, with the other phase's values they read drawn dashed; fused groups as clusters."""
-    nodes = {n for n, d in g.nodes(data=True) if d["phase"] == phase and not (d["kind"] == "input" and phase == "backward"
-                                                                             and d.get("role") == "primal")}
+    nodes = {n for n, node in ir.items(g) if node.phase == phase and not (phase == "backward" and node.role == "primal")}
     reads = {p for n in nodes for p in g.predecessors(n) if p not in nodes}
     sub = g.subgraph(nodes | reads).copy()
-    for n, d in sub.nodes(data=True):
-        shape = "×".join(map(str, d["shape"])) or "scalar"
-        d["label"] = f"{n}\n{d['op']} [{shape}]"
-        d["fillcolor"] = KIND_COLOR.get(d["kind"], "#ffffff")
-        d["tooltip"] = f"{d.get('category', d['kind'])}, {d['bytes']} B" + (f": {d['why_opaque']}" if d.get("why_opaque") else "")
-        if d["op"] == "var_mean":
-            d["label"] = f"{n}\nvar_mean → (var, mean)"
+    for n, node in list(ir.items(sub)):  # graphviz attributes beside the node
+        shape = "×".join(map(str, node.shape)) or "scalar"
+        sub.nodes[n].update(label=f"{n}\n{node.op} [{shape}]" if node.op != "var_mean" else f"{n}\nvar_mean → (var, mean)",
+                            fillcolor=KIND_COLOR.get(node.kind, "#ffffff"),
+                            tooltip=f"{node.category}, {node.bytes} B" + (f": {node.why_opaque}" if node.why_opaque else ""))
         if n in reads:
-            d["style"] = "rounded,filled,dashed"
-            d["tooltip"] = f"read from the {'forward' if phase == 'backward' else 'backward'}: {d['bytes']} B"
+            sub.nodes[n].update(style="rounded,filled,dashed",
+                                tooltip=f"read from the {'forward' if phase == 'backward' else 'backward'}: {node.bytes} B")
     text = to_dot(sub, rankdir="TB").rstrip().rstrip("}")
     clusters: dict[int, list[str]] = {}
     for n in nodes:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from backend.config import Config, setting
 from backend.experiments import define
+from backend.graph import ir
 from backend.graph.capture import capture, evaluate, to_networkx
 from backend.graph.dot import to_dot
 from backend.graph.models import model
@@ -47,7 +48,7 @@ def graph_and_plan(config: PlacementConfig):
     fn, inputs = two_branch(config.rows, config.width) if config.model == "two_branch" else model(config.model, config.rows, config.width)
     g = to_networkx(capture(fn, inputs, config.backward), config.backward)
     if config.backward:
-        inputs = inputs + [torch.randn(g.nodes[g.graph["inputs"][-1]]["shape"], generator=torch.Generator().manual_seed(1))]
+        inputs = inputs + [torch.randn(ir.get(g, g.graph["inputs"][-1]).shape, generator=torch.Generator().manual_seed(1))]
     rank_of, log, modelled = place(g, config.world_size, config.gflops * 1e9, config.link_gbps * 1e9, config.latency_us * 1e-6)
     return g, inputs, rank_of, log, transfers(g, rank_of), modelled
 
@@ -88,15 +89,14 @@ def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
         Check("every rank computed only the ops placed on it", len(wrong_rank), 0, reference="the placement"),
     ]
     dot_graph = g.copy()
-    for n, d in dot_graph.nodes(data=True):
-        d["label"] = f"{n}\n{d['op']} · rank {rank_of[n]}"
-        d["fillcolor"] = RANK_COLOR[rank_of[n] % len(RANK_COLOR)]
-        d["tooltip"] = f"rank {rank_of[n]}, {d['bytes']:,} B"
+    for n, node in list(ir.items(dot_graph)):  # graphviz attributes beside the node
+        dot_graph.nodes[n].update(label=f"{n}\n{node.op} · rank {rank_of[n]}", fillcolor=RANK_COLOR[rank_of[n] % len(RANK_COLOR)],
+                                  tooltip=f"rank {rank_of[n]}, {node.bytes:,} B")
     for a, b, e in dot_graph.edges(data=True):
         if rank_of[a] != rank_of[b]:
-            e.update(color="#d62728", style="dashed", label=f"send/recv {g.nodes[a]['bytes']:,} B")
+            e.update(color="#d62728", style="dashed", label=f"send/recv {ir.get(g, a).bytes:,} B")
     return Result(
-        metrics={"ranks": config.world_size, "ops": sum(1 for _, d in g.nodes(data=True) if d["kind"] != "input"),
+        metrics={"ranks": config.world_size, "ops": sum(1 for _, node in ir.items(g) if node.kind != "input"),
                  "transfers": len(plan), "bytes_moved": sum(t["bytes"] for t in plan),
                  "modelled_makespan_ms": modelled * 1e3, "measured_makespan_ms": end_us / 1e3,
                  "ops_per_rank": [r["ops"] for r in per_rank]},
