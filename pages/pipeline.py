@@ -9,42 +9,70 @@ from pages import ui
 
 st.title("Pipeline parallel")
 
-KIND_COLORS = alt.Scale(domain=["F", "B", "I", "W", "recv"], range=["#1f6fd1", "#e4572e", "#f2a541", "#76b041", "#c9ced6"])
+KINDS = ["forward", "backward", "input grad", "weight grad", "waiting to receive"]
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+KIND_COLORS = alt.Scale(domain=KINDS, range=["#1f6fd1", "#e4572e", "#f2a541", "#76b041", "#c9ced6"])
+TIMELINES = {"replayed": "Replayed: one core per rank, each action's measured CPU time",
+             "measured": "Measured wall clock on this machine (ranks share its cores)"}
 
 
-def gantt(result: dict, title: str) -> alt.Chart:
-    df = pd.DataFrame(result["tables"]["gantt"])
+def gantt(result: dict, which: str, title: str) -> alt.Chart:
+    """One Gantt: rows are ranks, bars actions coloured by kind; model chunks (interleaved) told apart by shade;
+    micro-batch numbers only on bars wide enough to hold them; drag to zoom, double-click to reset."""
+    rows = [e for e in result["tables"]["gantt"] if (e["lane"] == "replayed") == (which == "replayed")
+            and e["lane"] in ("compute", "recv", "replayed")]
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return alt.Chart(pd.DataFrame({"x": []})).mark_text()
     df["row"] = df["rank"].map(lambda r: f"rank {r}")
-    df["label"] = df.apply(lambda e: f"{e['mb']}" if e["lane"] == "compute" else "", axis=1)
-    df["kind"] = df.apply(lambda e: e["kind"] if e["lane"] == "compute" else "recv", axis=1)
+    df["kind"] = df.apply(lambda e: "waiting to receive" if e["lane"] == "recv" else KIND_NAMES[e["kind"]], axis=1)
+    p = result["metrics"]["p"]
+    df["chunk"] = df["stage"].map(lambda s: "" if s is None or pd.isna(s) else f"chunk {int(s) // p}")
+    df["start_ms"] = df["start_ms"].clip(lower=0)
+    df["dur_ms"] = df["end_ms"] - df["start_ms"]
+    span = max(df["end_ms"].max(), 1e-9)
+    df["label"] = df.apply(lambda e: str(int(e["mb"])) if e["lane"] != "recv" and e["dur_ms"] > span / 45 else "", axis=1)
+    zoom = alt.selection_interval(bind="scales", encodings=["x"])
     base = alt.Chart(df).encode(y=alt.Y("row:N", title=None, sort="ascending"))
-    bars = base.mark_bar(height=alt.RelativeBandSize(0.8)).encode(
-        x=alt.X("start_ms:Q", title="time since the ranks aligned (ms)"), x2="end_ms:Q",
-        color=alt.Color("kind:N", scale=KIND_COLORS, title="action"),
-        opacity=alt.condition(alt.datum.kind == "recv", alt.value(0.5), alt.value(1.0)),
-        tooltip=["row", "kind", "mb", "stage", alt.Tooltip("start_ms:Q", format=".1f"), alt.Tooltip("end_ms:Q", format=".1f")])
-    labels = base.transform_filter(alt.datum.label != "").mark_text(color="white", fontSize=9).encode(
+    bars = base.mark_bar(height=alt.RelativeBandSize(0.8), stroke="white", strokeWidth=0.5).encode(
+        x=alt.X("start_ms:Q", title="time (ms)", scale=alt.Scale(domain=[0, span], nice=False)), x2="end_ms:Q",
+        color=alt.Color("kind:N", scale=KIND_COLORS, title="action", legend=alt.Legend(orient="top")),
+        opacity=alt.Opacity("chunk:N", title="model chunk", legend=alt.Legend(orient="top") if df["chunk"].nunique() > 1 else None,
+                            scale=alt.Scale(range=[1.0, 0.55, 0.8, 0.4])),
+        tooltip=["row", "kind", alt.Tooltip("mb:Q", title="micro-batch"), alt.Tooltip("stage:Q", title="stage"), "chunk",
+                 alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"), alt.Tooltip("dur_ms:Q", format=".2f", title="duration (ms)")])
+    labels = base.transform_filter(alt.datum.label != "").mark_text(color="white", fontSize=10).encode(
         x=alt.X("mid:Q"), text="label:N").transform_calculate(mid="(datum.start_ms + datum.end_ms) / 2")
-    return (bars + labels).properties(title=title, height=alt.Step(28))
+    return (bars + labels).add_params(zoom).properties(title=title, height=alt.Step(30))
+
+
+def summary(m: dict) -> None:
+    cols = st.columns(4)
+    cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
+                   help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
+    cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
+    cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
+                   help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
+    cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
 
 
 def render(result: dict, rec) -> None:
     m = result["metrics"]
-    cols = st.columns(4)
-    cols[0].metric("bubble, measured", f"{100 * m['bubble_measured']:.1f} %", help="1 − busy ÷ makespan, mean over ranks")
-    cols[1].metric("bubble, model", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
-    cols[2].metric("makespan", f"{m['makespan_ms']:,.0f} ms")
-    cols[3].metric("mean action", f"{m['mean_action_ms']:.1f} ms")
+    summary(m)
     for note in result.get("notes", []):
-        st.warning(note)
-    st.altair_chart(gantt(result, f"{m['schedule']}: p={m['p']}, m={m['m']}" + (f", v={m['v']}" if m["v"] > 1 else "")), width="stretch")
+        st.info(note)
+    title = f"{m['schedule']}: p={m['p']}, m={m['m']}" + (f", v={m['v']}" if m["v"] > 1 else "")
+    for which, label in TIMELINES.items():
+        st.altair_chart(gantt(result, which, f"{label} — {title}"), width="stretch")
+    st.caption("Drag on a chart to zoom in time, double-click to reset; hover a bar for its micro-batch, stage and duration.")
     stages = pd.DataFrame(result["tables"]["stages"])
     left, right = st.columns(2)
     left.dataframe(stages, hide_index=True, width="stretch", column_config={
-        "bubble": st.column_config.NumberColumn("bubble", format="%.3f"), "bubble_model": st.column_config.NumberColumn("model", format="%.3f")})
+        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f") for c in ("bubble_wall", "bubble_replayed", "bubble_model")} | {
+        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.1f") for c in ("busy_ms", "cpu_ms")})
     live = pd.DataFrame(result["tables"]["live"])
     right.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
-        x=alt.X("t_ms:Q", title="time (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)"),
+        x=alt.X("t_ms:Q", title="time on the wall clock (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)"),
         color=alt.Color("rank:N")).properties(height=220, title="Activations held, per rank"), width="stretch")
     versions = pd.DataFrame(result["tables"]["versions"])
     if not versions.empty:
@@ -66,7 +94,18 @@ def render(result: dict, rec) -> None:
         except ConfigError as err:
             st.error(str(err))
     if compare_id:
-        ui.show_run(compare_id, lambda res, r: st.altair_chart(gantt(res, f"{r.config['schedule']} (run {r.id})"), width="stretch"))
+        left, right = st.columns(2)
+        with left:
+            compact(result, rec)
+        with right:
+            ui.show_run(compare_id, compact)
+
+
+def compact(result: dict, rec) -> None:
+    """One run of a side-by-side pair: its bubble figures and its replayed timeline."""
+    st.markdown(f"**{rec.config['schedule']}** · run `{rec.id}`")
+    summary(result["metrics"])
+    st.altair_chart(gantt(result, "replayed", "replayed, one core per rank"), width="stretch")
 
 
 ui.experiment_page(

@@ -54,7 +54,7 @@ def _url_settings(exp: experiments.Experiment) -> tuple[dict, ConfigError | None
     names = {f.name for f in exp.config_cls.fields()}
     raw = {k: st.query_params[k] for k in st.query_params if k in names}
     try:
-        return exp.make_config(raw).to_dict(), None
+        return {k: v for k, v in exp.make_config(raw).to_dict().items() if k in raw}, None
     except ConfigError as err:
         return {}, err
 
