@@ -13,6 +13,26 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 DEFAULT_LANES = ("compute", "collective", "send", "recv")
+# What an event is, for colour and legend: a few kinds, whatever the experiment named the event.
+KINDS = ("forward", "backward", "weight grad", "optimizer", "compute", "send", "recv", "collective", "kernel", "library call")
+_KIND_OF_ARG = {"F": "forward", "B": "backward", "I": "backward", "W": "weight grad", "forward": "forward",
+                "backward": "backward", "optimizer": "optimizer", "collective": "collective"}
+_KIND_OF_LANE = {"send": "send", "recv": "recv", "collective": "collective", "comm": "collective",
+                 "generated kernel": "kernel", "library call": "library call"}
+_KIND_OF_NAME = (("forward", "forward"), ("backward", "backward"), ("adam", "optimizer"), ("update", "optimizer"),
+                 ("all-reduce", "collective"), ("all-gather", "collective"), ("reduce-scatter", "collective"),
+                 ("broadcast", "collective"), ("gather", "collective"))
+
+
+def kind_of(event: dict[str, Any]) -> str:
+    """The event's kind (one of KINDS): its declared kind, else its lane's, else what its name says, else compute."""
+    declared = _KIND_OF_ARG.get(str(event.get("args", {}).get("kind")))
+    if declared:
+        return declared
+    if event.get("lane") in _KIND_OF_LANE:
+        return _KIND_OF_LANE[event["lane"]]
+    name = event.get("name", "").lower()
+    return next((kind for prefix, kind in _KIND_OF_NAME if name.startswith(prefix)), "compute")
 
 
 class Tracer:
@@ -100,6 +120,6 @@ def to_chrome_trace(events: Iterable[dict[str, Any]], lanes: Iterable[str] = DEF
         out.append({
             "ph": "X", "name": e["name"], "cat": e["lane"], "pid": e["rank"], "tid": tid[e["lane"]],
             "ts": round(e["ts"], 3), "dur": round(e["dur"], 3),
-            "args": {**e.get("args", {}), **({"cpu_us": round(e["cpu_us"], 1)} if "cpu_us" in e else {})},
+            "args": {**e.get("args", {}), "kind": kind_of(e), **({"cpu_us": round(e["cpu_us"], 1)} if "cpu_us" in e else {})},
         })
     return {"traceEvents": out, "displayTimeUnit": "ms"}

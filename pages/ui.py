@@ -17,6 +17,7 @@ from backend.config import Config, ConfigError
 from backend.device import describe
 from backend.jobs import JobRunner
 from backend.store import ACTIVE, FINAL, RunRecord, RunStore
+from backend.trace import KINDS
 from pages.navigation_guard import route_through_app
 
 route_through_app()  # pages import this module first, so a page run alone reroutes through app.py
@@ -197,6 +198,10 @@ def run_timeline(rec: RunRecord, title: str) -> None:
         timeline_chart(json.loads(trace), title=title)
 
 
+KIND_COLORS = alt.Scale(domain=list(KINDS), range=["#1f6fd1", "#e4572e", "#76b041", "#8e44ad", "#7f8c8d",
+                                                   "#f2a541", "#f7d08a", "#17a2b8", "#2c3e50", "#bdc3c7"])
+
+
 def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None:
     """A per-rank, per-lane Gantt of a Chrome trace's complete events."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
@@ -214,14 +219,15 @@ def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None
         "end_ms": [(e["ts"] + e["dur"]) / 1e3 for e in shown],
         "dur_us": [e["dur"] for e in shown],
         "name": [e["name"] for e in shown],
+        "kind": [e.get("args", {}).get("kind", "compute") for e in shown],
         "args": [json.dumps(e.get("args", {})) for e in shown],
     })
     chart = alt.Chart(df, **({"title": title} if title else {})).mark_bar().encode(
         x=alt.X("start_ms:Q", title="time since ranks aligned (ms)"),
         x2="end_ms:Q",
         y=alt.Y("lane:N", title=None, sort=alt.EncodingSortField("row", op="min")),
-        color=alt.Color("name:N", title="event"),
-        tooltip=["lane", "name", alt.Tooltip("start_ms:Q", format=".3f", title="start (ms)"),
+        color=alt.Color("kind:N", title="kind", scale=KIND_COLORS, legend=alt.Legend(orient="top", columns=5)),
+        tooltip=["lane", "name", "kind", alt.Tooltip("start_ms:Q", format=".3f", title="start (ms)"),
                  alt.Tooltip("dur_us:Q", format=".1f", title="duration (µs)"), "args"],
     ).properties(height=alt.Step(22)).interactive(bind_y=False)
     st.altair_chart(chart, width="stretch")
