@@ -74,13 +74,15 @@ def test_bad_inputs(cls, values, field):
 
 @pytest.mark.parametrize("server, mode", [("rank0", "sync"), ("dedicated", "sync"), ("dedicated", "async"), ("dedicated", "stale")])
 def test_parameter_servers(server, mode):
-    cfg = PSConfig(world_size=3, hidden=8, layers=2, batch=12, steps=8, lr=0.02, server=server, mode=mode, staleness=0,
-                   straggler_ms=20 if mode != "sync" else 0).validate()
+    cfg = PSConfig(world_size=3, hidden=8, layers=2, batch=12, steps=8, server=server, mode=mode, staleness=0,
+                   straggler_ms=20 if mode != "sync" else 0).validate()  # the default lr: no tuning for the check
     payloads = spawn_ranks(dp_ps.run_rank, 3, cfg, RunContext(timeout_s=120))
     result = combine_ps(cfg, payloads)
     assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
     if mode == "async":
         assert max(u["staleness"] for u in result.tables["staleness"]) >= 1
+        payloads[0]["updates"][-1]["based_on"] = 0  # a log that lies about which version a gradient used
+        assert not combine_ps(cfg, payloads).passed
 
 
 def test_parameter_server_bad_inputs():

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from backend.comm.p2p import P2P, Transfer
 from backend.parallel.workload import Adam, batch, flat_params, load_flat, loss_fn, make_model, reference_run
 from backend.result import Check, Result
 from backend.trace import Tracer
@@ -47,23 +48,23 @@ def run_rank(rank: int, world: int, config, ctx) -> dict:
     out = {"rank": rank, "trace": tracer.payload(), "sent": 0, "recv": 0, "updates": [], "eval": []}
     if config.server == "rank0" and config.mode == "sync":
         m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
+        comm = P2P(rank, world, tracer)
         for step in range(config.steps):
             with tracer.span("compute", f"grad {step}"):
                 g = _grad(model, flat, config, step, rank, world)
-            with tracer.span("collective", f"gather grads {step}"):
-                bucket = [torch.empty_like(g) for _ in range(world)] if rank == 0 else None
-                dist.gather(g, bucket, dst=0)
+            # Every worker sends its gradient to rank 0, which sends the new parameters back: point to point,
+            # through our logged send/recv, so the bytes on the wire are counted, not assumed.
             if rank == 0:
-                with tracer.span("compute", f"update {step}"):
-                    adam.update(flat, torch.stack(bucket).sum(0), m, v)
-                out["recv"] += (world - 1) * P * item
-                out["sent"] += (world - 1) * P * item
+                grads = [torch.empty_like(g) for _ in range(world - 1)]
+                comm.exchange(step, "gather grads", recvs=[Transfer(t, w, [w]) for w, t in enumerate(grads, start=1)])
+                with tracer.span("compute", f"update {step}", kind="optimizer"):
+                    adam.update(flat, g + torch.stack(grads).sum(0), m, v)
                 out["eval"].append({"update": step, "loss": _eval_loss(model, flat, config)})
+                comm.exchange(step, "send params", sends=[Transfer(flat, w, [0]) for w in range(1, world)])
             else:
-                out["sent"] += P * item
-                out["recv"] += P * item
-            with tracer.span("collective", f"broadcast params {step}"):
-                dist.broadcast(flat, src=0)
+                comm.exchange(step, "gather grads", sends=[Transfer(g, 0, [rank])])
+                comm.exchange(step, "send params", recvs=[Transfer(flat, 0, [0])])
+        out["sent"], out["recv"] = comm.bytes_sent, comm.bytes_recv
         out["params"] = flat.numpy().copy()
         out["trace"] = tracer.payload()
         return out
@@ -107,7 +108,8 @@ def _serve(config, model, flat, workers, tracer, out, ctx):
             continue
         with tracer.span("compute", f"update {version}"):
             adam.update(flat, grad, m, v)
-        out["updates"].append({"update": version, "worker": sender, "staleness": version - based_on})
+        out["updates"].append({"update": version, "worker": sender, "step": clocks[sender] - 1, "based_on": based_on,
+                               "staleness": version - based_on})
         version += 1
         out["eval"].append({"update": version, "loss": _eval_loss(model, flat, config)})
         held.append(sender)
@@ -155,9 +157,20 @@ def combine_ps(config, payloads: list[dict]) -> Result:
         checks.append(Check("synchronous server's parameters equal one process on the whole batch", err, 1e-12,
                             reference="single-process PyTorch, same Adam, float64"))
     else:
+        # What asynchronous updates must satisfy is not a convergence speed but their semantics: every gradient
+        # applied exactly once, each computed on the parameter version it says, in the order the server applied them.
+        # Replaying that sequence in one process must give the server's parameters exactly.
+        replayed = replay_updates(config, server["updates"], workers)
+        err = (torch.from_numpy(server["params"]) - replayed).abs().max().item()
+        checks.append(Check("the server's parameters equal a one-process replay of its update log", err, 1e-12,
+                            reference="one process: each logged gradient recomputed on the version it was based on, "
+                                      "Adam applied in the server's order"))
+        applied = sorted((u["worker"], u["step"]) for u in server["updates"])
+        expected = sorted((w, s) for w in (range(1, n) if config.server == "dedicated" else range(n)) for s in range(config.steps))
+        checks.append(Check("every worker's gradient of every step applied exactly once", 0 if applied == expected else 1, 0,
+                            reference="workers × steps", detail=f"{len(applied)} updates"))
         first, last = server["eval"][0]["loss"], server["eval"][-1]["loss"]
-        checks.append(Check("the server converges: held-out loss at the end below 0.8× the first update's", max(0.0, last - 0.8 * first), 0.0,
-                            reference="the loss after the first update", detail=f"{first:.4f} → {last:.4f}"))
+        notes.append(f"Held-out loss {first:.4f} after the first update, {last:.4f} after the last.")
         stale = [u["staleness"] for u in server["updates"]]
         if config.mode == "stale":
             bound = (workers - 1) * (config.staleness + 1)
@@ -168,10 +181,25 @@ def combine_ps(config, payloads: list[dict]) -> Result:
         formula = (n - 1) * P * 8 * config.steps
         checks.append(Check("rank 0 receives (n-1)ψ and sends (n-1)ψ per step (seed 000's DP)",
                             abs(server["recv"] - formula) + abs(server["sent"] - formula), 0, reference="seed 000",
-                            detail="logical bytes of gloo's gather and broadcast"))
+                            detail="bytes counted by our send/recv on the wire"))
     volume = [{"rank": pl["rank"], "sent_bytes": pl["sent"], "recv_bytes": pl["recv"]} for pl in payloads]
     return Result(metrics={"strategy": f"parameter server ({config.mode}, {config.server})", "world_size": n, "workers": workers,
                            "final_eval_loss": server["eval"][-1]["loss"], "updates": len(server["eval"])},
                   checks=checks, notes=notes,
                   tables={"staleness": server["updates"], "eval": server["eval"], "volume": volume},
                   trace_events=[e for pl in payloads for e in pl["trace"]["events"]])
+
+
+def replay_updates(config, updates: list[dict], workers: int) -> torch.Tensor:
+    """One process replays the server's log: update k applies the gradient worker w computed for its step on the
+    parameters of version `based_on`, with the same Adam, in the logged order."""
+    model = make_model(config.workload)
+    flat = flat_params(model)
+    m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
+    versions = [flat.clone()]
+    for u in updates:
+        worker_index = u["worker"] - 1 if config.server == "dedicated" else u["worker"]
+        grad = _grad(model, versions[u["based_on"]], config, u["step"], worker_index, workers)
+        adam.update(flat, grad, m, v)
+        versions.append(flat.clone())
+    return flat
