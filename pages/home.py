@@ -1,9 +1,9 @@
-"""Overview: what the explorer is, and every experiment it can run."""
-import pandas as pd
+"""Overview: a map of the topics, each a link with one line on what runs there and how many runs it has."""
 import streamlit as st
 
 from backend import experiments
 from pages import ui
+from pages.catalog import SECTIONS
 
 st.title("LLM Systems Explorer")
 st.markdown(
@@ -12,13 +12,24 @@ st.markdown(
     "interpreted on a CPU), real models. Every run is checked against an independent reference, and the "
     "error is shown beside the result. Runs are shared: everyone on this server sees them under **Runs**."
 )
-st.page_link("pages/comm_bandwidth.py", label="Start with collective bandwidth", icon="📶")
-rows = []
-for exp in experiments.all_experiments():
-    runs = ui.store().list(experiment=exp.name, limit=10_000)
-    rows.append({"experiment": exp.name, "what it does": exp.summary,
-                 "kind": "distributed (gloo ranks)" if exp.distributed else "single process",
-                 "runs on this server": len(runs)})
-st.subheader("Experiments")
-st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+known = {e.name: e for e in experiments.all_experiments()}
+for section, topics in SECTIONS.items():
+    if section == "Explorer":
+        continue
+    st.subheader(section)
+    cols = st.columns(3)
+    for i, topic in enumerate(topics):
+        with cols[i % 3].container(border=True):
+            st.page_link(topic.file, label=topic.title, icon=topic.icon)
+            st.caption(topic.what)
+            runs = sum(len(ui.store().list(experiment=name, limit=10_000)) for name in topic.experiments)
+            kinds = {"distributed: gloo ranks" if known[name].distributed else "one process"
+                     for name in topic.experiments if name in known}
+            st.caption(f"{', '.join(sorted(kinds))} · {runs} run{'s' if runs != 1 else ''} on this server")
+shown = {name for topics in SECTIONS.values() for t in topics for name in t.experiments}
+headless = sorted(set(known) - shown)
+if headless:
+    st.subheader("Headless only")
+    for name in headless:
+        st.markdown(f"`{name}`: {known[name].summary}")
 st.caption("Headless: `python -m backend list`, `python -m backend run NAME --set key=value --json`.")

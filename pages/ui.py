@@ -81,12 +81,24 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
                     values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
                 elif t is bool:
                     values[f.name] = st.checkbox(label, value=initial, help=helptext, key=key)
-                elif t in (int, float):
-                    values[f.name] = st.number_input(label, value=initial, step=1 if t is int else None, help=helptext, key=key)
+                elif t is int:
+                    values[f.name] = st.number_input(label, value=initial, step=1, help=helptext, key=key)
+                elif t is float:
+                    values[f.name] = st.number_input(label, value=float(initial), step=float_step(initial, meta), format="%g",
+                                                     help=helptext, key=key)
                 else:
                     values[f.name] = st.text_input(label, value=initial, help=helptext, key=key)
         submitted = st.form_submit_button("Run", type="primary")
     return values if submitted else None
+
+
+def float_step(value: float, meta: dict) -> float:
+    """A step one decade below the value's leading digit (0.003 steps by 0.001), so a small value is shown and
+    nudged at its own scale, never rounded to 0.00."""
+    import math
+
+    scale = abs(value) or abs(meta.get("max") or 1.0)
+    return 10.0 ** math.floor(math.log10(scale)) if scale > 0 else 0.01
 
 
 # --- one experiment's page ---------------------------------------------------------------------------

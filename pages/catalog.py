@@ -1,0 +1,62 @@
+"""Every page of the explorer, by topic: the sidebar (app.py) and the Overview's map are both drawn from this list.
+
+A topic page names the experiments it runs, so the Overview can say what runs where and link to it.
+Icons are Material Symbols (bundled with Streamlit: no emoji font needed).
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topic:
+    file: str
+    title: str
+    icon: str
+    what: str                          # one line: what runs on the page
+    experiments: tuple[str, ...] = ()
+
+    @property
+    def url_path(self) -> str:
+        return self.file.removeprefix("pages/").removesuffix(".py")
+
+
+SECTIONS: dict[str, list[Topic]] = {
+    "Explorer": [
+        Topic("pages/home.py", "Overview", ":material/explore:", "this map"),
+        Topic("pages/runs.py", "Runs", ":material/history:", "every run on this server, by link, with downloads"),
+    ],
+    "Distributed": [
+        Topic("pages/collectives.py", "Collectives, step by step", ":material/sync_alt:",
+              "every collective built from send/recv, each transfer replayed", ("collectives.run",)),
+        Topic("pages/comm_bandwidth.py", "Collective bandwidth", ":material/network_check:",
+              "gloo's collectives over a size sweep: algbw and busbw", ("comm.bandwidth",)),
+        Topic("pages/data_parallel.py", "Data parallel & ZeRO", ":material/call_split:",
+              "parameter servers, DDP, ZeRO-1/2/3, FSDP2: memory and bytes against 2ψ/2ψ/3ψ",
+              ("parallel.dp_ps", "parallel.ddp", "parallel.zero", "parallel.fsdp")),
+        Topic("pages/pipeline.py", "Pipeline parallel", ":material/view_timeline:",
+              "GPipe, 1F1B, interleaved, zero bubble, PipeDream: Gantt and bubble", ("pipeline.run",)),
+    ],
+    "Attention": [
+        Topic("pages/kv_cache.py", "KV cache: MHA, MQA, GQA, MLA", ":material/database:",
+              "bytes per token of each variant's cache, measured", ("attention.kv_cache",)),
+        Topic("pages/variants_train.py", "Variants in training", ":material/trending_down:",
+              "the four variants trained on one corpus", ("attention.variants_train",)),
+        Topic("pages/flash_attention.py", "FlashAttention", ":material/bolt:",
+              "Triton kernels forward and backward, traffic counted in the kernel", ("attention.flash",)),
+    ],
+    "Compilers": [
+        Topic("pages/autograd.py", "Autograd", ":material/functions:",
+              "symbolic, numeric and automatic differentiation side by side", ("graph.autodiff",)),
+        Topic("pages/fusion.py", "Autograd & fusion", ":material/merge:",
+              "captured graphs, fusion passes, generated Triton kernels", ("graph.fusion",)),
+        Topic("pages/placement.py", "Graph placement", ":material/account_tree:",
+              "a graph split across ranks with send/recv", ("graph.placement",)),
+    ],
+    "Hardware": [
+        Topic("pages/memory_hierarchy.py", "GPU memory hierarchy", ":material/memory:",
+              "this CPU's roofline measured beside GPU presets", ("memory.roofline",)),
+    ],
+    "Serving": [
+        Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
+              "continuous batching on a paged block pool: the three wastes", ("kvcache.serve", "kvcache.paged_decode")),
+    ],
+}
