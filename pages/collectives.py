@@ -27,7 +27,7 @@ def render(result: dict, rec) -> None:
     if cfg["op"] == "all_reduce" and cfg["algo"] == "ring":
         st.markdown(RING_FORMULAS)
     for note in result.get("notes", []):
-        st.warning(note)
+        st.info(note)
 
     holdings = pd.DataFrame(tables["holdings"])
     if not holdings.empty:

@@ -74,7 +74,7 @@ def test_collectives_page_replays_a_ring_run():
     at = _app("pages/collectives.py", run=rid)
     assert not at.exception
     assert at.slider[0].max == 3  # 2(n-1) steps: 0..3
-    assert any("Seed 000 writes the all-gather step" in w.value for w in at.warning)
+    assert any("The ring all-gather indices as the notes write them" in w.value for w in at.info)
     at.slider[0].set_value(-1).run()
     assert not at.exception
 

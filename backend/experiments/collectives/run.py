@@ -332,10 +332,10 @@ def combine(config: CollectivesConfig, payloads: list[dict]) -> Result:
                             reference="scatter-reduce (j-i)%n, all-gather (j+1-i)%n", detail=f"{ok} of {total} transfers"))
         if seed_total:
             metrics["seed_allgather_formula_agreement"] = f"{seed_ok}/{seed_total}"
-            notes.append(f"Seed 000 writes the all-gather step as 'send chunk (j-i-1)%n, receive (j-i-2)%n'. A correct run "
-                         f"sends (j+1-i)%n and receives (j-i)%n in step i = 0..n-2: the seed's indices matched {seed_ok} of "
-                         f"{seed_total} all-gather transfers (they are the right ones only if i counts on from the "
-                         f"scatter-reduce's n-2).")
+            notes.append(f"The ring all-gather indices as the notes write them, 'send chunk (j-i-1)%n, receive (j-i-2)%n', "
+                         f"count the step i on from where the scatter-reduce stopped. Counting i from 0 again, rank j sends "
+                         f"(j+1-i)%n and receives (j-i)%n in steps i = 0..n-2: that is what this run did, and the written form "
+                         f"matched {seed_ok} of {seed_total} of its all-gather transfers.")
     s_bytes = config.numel * item * (n if op in ("all_gather", "gather") else 1)
     if op == "all_to_all":
         s_bytes = max(sum(spec_for(config, r).send_splits) for r in range(n)) * item
