@@ -262,3 +262,11 @@ def test_a_kernel_that_skips_rows_fails_the_coverage_check():
     next(iter(prog.kernels.values())).grid -= 1
     _, run = prog.run([t.clone() for t in inputs], count=True)
     assert coverage_error(prog, run, ideal) > 0.1
+
+
+def test_the_plan_never_needs_more_than_no_reuse_at_the_same_alignment():
+    """Small buffers padded to 64 bytes: the arena is compared with a no-reuse layout padded the same way."""
+    bufs = [memory_plan.Buffer(f"b{i}", 36, 0, 2) for i in range(3)]  # all live at once: nothing to reuse
+    plan = memory_plan.plan(bufs, steps=3)
+    assert plan.arena_bytes == plan.no_reuse_bytes == 64 + 64 + 36
+    assert not plan.conflicts()

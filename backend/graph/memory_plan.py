@@ -4,7 +4,7 @@ lifetimes overlap never share bytes.
 A buffer is live from the step that writes it to the last step that reads it (or reads a view of it).
 Offsets are chosen greedily, largest buffer first, at the lowest aligned offset free for its whole
 lifetime. The arena that results is compared with the lower bound (the most bytes live at any one step)
-and with giving every buffer its own memory.
+and with giving every buffer its own memory at the same alignment (no reuse), which it never exceeds.
 """
 from __future__ import annotations
 
@@ -57,4 +57,12 @@ def plan(buffers: list[Buffer], steps: int, align: int = 64) -> MemoryPlan:
         placed.append(buf)
     live = [sum(b.nbytes for b in buffers if b.start <= s <= b.end) for s in range(steps)]
     return MemoryPlan(buffers, offsets, max((offsets[b.name] + b.nbytes for b in buffers), default=0),
-                      max(live, default=0), sum(b.nbytes for b in buffers), live)
+                      max(live, default=0), no_reuse_bytes(buffers, align), live)
+
+
+def no_reuse_bytes(buffers: list[Buffer], align: int) -> int:
+    """Every buffer its own bytes, one after another at aligned offsets: the arena without any reuse."""
+    end = 0
+    for b in buffers:
+        end = -(-end // align) * align + b.nbytes
+    return end
