@@ -4,7 +4,7 @@ import torch
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.graph.autograd import Node, build, graphs, numeric_grad, symbolic_example
+from backend.graph.autograd import Node, build, graphs, numeric_grad, symbolic_derivative
 
 
 @pytest.mark.parametrize("expression", ["mlp", "softmax", "layernorm"])
@@ -39,9 +39,20 @@ def test_backward_graph_mirrors_forward():
     assert fwd.number_of_nodes() >= 6 and bwd.number_of_edges() >= 4
 
 
-def test_symbolic_matches():
-    s = symbolic_example()
-    assert s["symbolic"] == pytest.approx(s["ours"], abs=1e-12) == pytest.approx(s["torch"], abs=1e-12)
+@pytest.mark.parametrize("expression, wrt", [("mlp", "w1"), ("softmax", "w1"), ("layernorm", "w2")])
+def test_symbolic_derivative_is_of_the_chosen_expression(expression, wrt):
+    """sympy differentiates the expression the user chose, so it agrees with torch on it, and not on another."""
+    g = torch.Generator().manual_seed(1)
+    t = {"x": torch.randn(2, 3, generator=g, dtype=torch.float64), "w1": torch.randn(3, 4, generator=g, dtype=torch.float64),
+         "w2": torch.rand(4, 2, generator=g, dtype=torch.float64) + 0.5}
+    grads = {}
+    for e in ("mlp", "softmax", "layernorm"):
+        ref = {k: v.clone().requires_grad_() for k, v in t.items()}
+        build(e, t)[2](**ref).backward()
+        grads[e] = ref[wrt].grad[0, 0].item()
+    value = symbolic_derivative(expression, t, wrt)["value"]
+    assert value == pytest.approx(grads[expression], abs=1e-12)
+    assert all(value != pytest.approx(v, abs=1e-6) for e, v in grads.items() if e != expression)
 
 
 def test_bad_expression():

@@ -184,20 +184,39 @@ def numeric_grad(fn, tensors: dict[str, torch.Tensor], name: str, eps: float = 1
     return grad
 
 
-def symbolic_example() -> dict:
-    """Seed 002's symbolic differentiation on a scalar: f(x, w) = tanh(w·x)², derived by sympy, evaluated, and
-    compared with our autograd and torch.autograd at one point."""
+def symbolic_derivative(expression: str, tensors: dict[str, torch.Tensor], wrt: str = "w1", index=(0, 0)) -> dict:
+    """Seed 002's symbolic differentiation on the chosen expression itself: sympy writes the loss with the element
+    `wrt[index]` as a symbol t (every other entry a number), differentiates by t, and evaluates at t's value."""
     import sympy
 
-    xs, ws = sympy.symbols("x w")
-    f = sympy.tanh(ws * xs) ** 2
-    dfdw = sympy.diff(f, ws)
-    x0, w0 = 0.7, -1.3
-    sym = float(dfdw.subs({xs: x0, ws: w0}))
-    w = Node(torch.tensor(w0, dtype=torch.float64))
-    out = (w * x0).tanh().pow(2)
-    out.backward()
-    wt = torch.tensor(w0, dtype=torch.float64, requires_grad=True)
-    torch.tanh(wt * x0).pow(2).backward()
-    return {"expression": str(f), "derivative": str(sympy.simplify(dfdw)), "symbolic": sym,
-            "ours": w.grad.item(), "torch": wt.grad.item()}
+    t = sympy.Symbol(f"{wrt}[{index[0]},{index[1]}]")
+    m = {k: sympy.Matrix(v.tolist()) for k, v in tensors.items()}
+    t0 = m[wrt][index]
+    m[wrt][index] = t
+    x, w1, w2 = m["x"], m["w1"], m["w2"]
+    if expression == "mlp":
+        y = (x * w1).applyfunc(sympy.tanh) * w2
+        loss = sum(v ** 2 for v in y) / len(y)
+    elif expression == "softmax":
+        s = x * w1
+        rows = []
+        for i in range(s.rows):
+            e = [sympy.exp(v) for v in s.row(i)]
+            rows.append([v / sum(e) for v in e])
+        z = sympy.Matrix(rows) * w2.applyfunc(lambda v: v ** 2)
+        loss = sum(sympy.log(v) for v in z) / len(z)
+    elif expression == "layernorm":
+        h = x * w1
+        rows = []
+        for i in range(h.rows):
+            r = list(h.row(i))
+            mu = sum(r) / len(r)
+            var = sum((v - mu) ** 2 for v in r) / len(r)
+            rows.append([(v - mu) / sympy.sqrt(var + sympy.Float(1e-5)) for v in r])
+        loss = sum(sympy.tanh(v) for v in sympy.Matrix(rows) * w2)
+    else:
+        raise ValueError(expression)
+    derivative = sympy.diff(loss, t)
+    return {"symbol": str(t), "value": float(derivative.subs(t, t0)), "operations": int(sympy.count_ops(derivative))}
+
+
