@@ -26,6 +26,9 @@ navigation = st.navigation({
         st.Page("pages/fusion.py", title="Autograd & fusion", icon="🔗", url_path="fusion"),
         st.Page("pages/placement.py", title="Graph placement", icon="🗺️", url_path="placement"),
     ],
+    "Numerics": [
+        st.Page("pages/number_formats.py", title="Number formats", icon=":material/decimal_increase:", url_path="number_formats"),
+    ],
     "Hardware": [
         st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),
     ],
