@@ -37,6 +37,7 @@ navigation = st.navigation({
     ],
     "Serving": [
         st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),
+        st.Page("pages/speculative.py", title="Speculative sampling", icon=":material/fast_forward:", url_path="speculative"),
     ],
 })
 ui.sidebar()
