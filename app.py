@@ -29,6 +29,9 @@ navigation = st.navigation({
     "Numerics": [
         st.Page("pages/number_formats.py", title="Number formats", icon=":material/decimal_increase:", url_path="number_formats"),
     ],
+    "Training": [
+        st.Page("pages/bellman.py", title="MDPs & Bellman", icon=":material/grid_on:", url_path="bellman"),
+    ],
     "Models": [
         st.Page("pages/moe_routing.py", title="MoE routing", icon=":material/alt_route:", url_path="moe_routing"),
     ],
