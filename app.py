@@ -28,6 +28,7 @@ navigation = st.navigation({
     ],
     "Numerics": [
         st.Page("pages/number_formats.py", title="Number formats", icon=":material/decimal_increase:", url_path="number_formats"),
+        st.Page("pages/mixed_precision.py", title="Mixed precision & loss scaling", icon=":material/stacked_line_chart:", url_path="mixed_precision"),
     ],
     "Training": [
         st.Page("pages/bellman.py", title="MDPs & Bellman", icon=":material/grid_on:", url_path="bellman"),

@@ -81,3 +81,74 @@ def test_page_draws_a_run():
     at = render_recorded("pages/number_formats.py", "numerics.formats", n_terms="200")
     assert not at.exception, at.exception
     assert any("checks against independent references passed" in s.value for s in at.success)
+
+
+# --- mixed precision -------------------------------------------------------------------------------
+from backend.experiments.numerics.mixed_precision import MixedPrecisionConfig  # noqa: E402
+from backend.numerics.mixed_precision import DynamicLossScaler  # noqa: E402
+
+SMALL_MP = dict(steps="12", batch="4", seq_len="16", count_every="2")
+
+
+def test_loss_scaling_recovers_the_gradients_that_underflow_without_it():
+    result = experiments.run("numerics.mixed_precision", **SMALL_MP)
+    assert result.passed, [c for c in result.checks if not c.passed]
+    summary = {r["mode"]: r for r in result.tables["summary"]}
+    assert summary["fp16 no scaling"]["activation_underflow"] + summary["fp16 no scaling"]["param_underflow"] > 0
+    for mode in ("fp16 static scaling", "fp16 dynamic scaling"):
+        assert summary[mode]["activation_underflow"] + summary[mode]["param_underflow"] == 0
+
+
+def test_dynamic_scaler_follows_gradscaler_on_a_given_overflow_pattern():
+    """Feed GradScaler and ours the same inf/finite gradients; their scales agree step by step."""
+    pattern = [True, True, False, False, False, True, False, False, False, False, False, True, False]
+    ours = DynamicLossScaler(2.0 ** 10, growth_interval=3)
+    peer = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for inf in pattern:
+        peer.scale(torch.ones(()))  # GradScaler sets itself up on its first scale()
+        p.grad = torch.tensor([math.inf if inf else 1.0])
+        assert ours.scale == peer.get_scale()
+        peer.step(opt)
+        peer.update()
+        ours.update(inf)
+    assert ours.scale == peer.get_scale()
+
+
+def test_a_wrong_scaler_is_caught():
+    """Growing after growth_interval + 1 clean steps (an off-by-one) departs from GradScaler."""
+    ours = DynamicLossScaler(2.0 ** 10, growth_interval=2)
+    ours.growth_interval += 1
+    peer = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scales = []
+    for _ in range(4):
+        peer.scale(torch.ones(()))
+        p.grad = torch.ones(1)
+        peer.step(opt)
+        peer.update()
+        ours.update(False)
+        scales.append((ours.scale, peer.get_scale()))
+    assert any(a != b for a, b in scales)
+
+
+@pytest.mark.parametrize("settings_", one_at_a_time(MixedPrecisionConfig))
+def test_mixed_precision_defaults_pass(settings_):
+    result = experiments.run("numerics.mixed_precision", **settings_)
+    assert result.passed, [c for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("values, field", [({"steps": "1"}, "steps"), ({"init_scale_log2": "64"}, "init_scale_log2"),
+                                           ({"growth_interval": "0"}, "growth_interval")])
+def test_mixed_precision_bad_inputs_name_the_field(values, field):
+    with pytest.raises(ConfigError) as info:
+        MixedPrecisionConfig.from_dict(values)
+    assert info.value.field == field and "allowed" in str(info.value)
+
+
+def test_mixed_precision_page_draws_a_run():
+    at = render_recorded("pages/mixed_precision.py", "numerics.mixed_precision", **SMALL_MP)
+    assert not at.exception, at.exception
+    assert any("checks against independent references passed" in s.value for s in at.success)
