@@ -31,6 +31,7 @@ navigation = st.navigation({
         st.Page("pages/mixed_precision.py", title="Mixed precision & loss scaling", icon=":material/stacked_line_chart:", url_path="mixed_precision"),
     ],
     "Training": [
+        st.Page("pages/training_estimates.py", title="Training pipeline & estimates", icon=":material/calculate:", url_path="training_estimates"),
         st.Page("pages/bellman.py", title="MDPs & Bellman", icon=":material/grid_on:", url_path="bellman"),
     ],
     "Models": [
