@@ -1,6 +1,10 @@
-"""Shared by the topic tests: every choice/bool setting varied one at a time from the defaults, and a page drawn
-from a recorded run."""
+"""Shared by the topic tests: every choice/bool setting varied one at a time from the defaults, a bad setting
+refused by name, and a page drawn from a recorded run."""
 from __future__ import annotations
+
+import pytest
+
+from backend.config import ConfigError
 
 
 def one_at_a_time(config_cls, skip: tuple[str, ...] = ()) -> list[dict]:
@@ -14,8 +18,16 @@ def one_at_a_time(config_cls, skip: tuple[str, ...] = ()) -> list[dict]:
     return variants
 
 
+def assert_refused(config_cls, values: dict, field: str) -> None:
+    """The settings are refused with one message naming `field` and what it allows."""
+    with pytest.raises(ConfigError) as info:
+        config_cls.from_dict(values)
+    assert info.value.field == field and "allowed" in str(info.value)
+
+
 def render_recorded(page: str, name: str, **settings):
-    """Run `name` recorded in the test store, open `page` on it through app.py; returns the AppTest."""
+    """Run `name` recorded in the test store, open `page` on it through app.py, check it drew without an exception
+    and with every check passed; returns the AppTest."""
     from backend import experiments
     from backend.store import RunStore
     from tests.test_pages import _app
@@ -26,4 +38,7 @@ def render_recorded(page: str, name: str, **settings):
     run_id = store.create(exp.name, config.to_dict(), "page-test", status="running")
     report = experiments.run_recorded(exp, config, experiments.RunContext(), store, run_id)
     assert report["status"] == "succeeded", report.get("error")
-    return _app(page, run=run_id)
+    at = _app(page, run=run_id)
+    assert not at.exception, at.exception
+    assert any("checks against independent references passed" in s.value for s in at.success)
+    return at
