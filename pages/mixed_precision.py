@@ -1,4 +1,6 @@
 """Mixed precision: fp16 compute, fp32 master weights, loss scaling (none, static, dynamic) and GradScaler."""
+import math
+
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -14,7 +16,9 @@ def render(result: dict, rec) -> None:
     t, m, cfg = result["tables"], result["metrics"], rec.config
     st.dataframe(pd.DataFrame(t["summary"]), hide_index=True, width="stretch", column_config={
         "activation_underflow_share": st.column_config.NumberColumn("logit-gradient share flushed to 0", format="%.4f"),
-        "param_underflow_share": st.column_config.NumberColumn("parameter-gradient share flushed to 0", format="%.4f")})
+        "param_underflow_share": st.column_config.NumberColumn("parameter-gradient share flushed to 0", format="%.4f"),
+        "final_scale": st.column_config.NumberColumn("final scale", format="%.0f"),
+        "max_grad_relative_error": st.column_config.NumberColumn("max ‖g16 − g32‖/‖g32‖", format="%.3g")})
     st.caption(f"Underflow counted every {cfg['count_every']} steps against an fp32 backward of the same weights; "
                f"{m['underflow_no_scaling']:,} gradient elements were flushed to zero without scaling.")
 
@@ -25,8 +29,10 @@ def render(result: dict, rec) -> None:
         color=alt.Color("mode:N", title=None), strokeDash="mode:N",
         tooltip=["mode", "step", alt.Tooltip("loss:Q", format=".4f"), "skipped"]).properties(height=300), width="stretch")
     dyn = curves[curves["mode"].isin(["fp16 dynamic scaling", "fp16 GradScaler"])]
+    powers = [2.0 ** k for k in range(int(math.log2(dyn["scale"].min())), int(math.log2(dyn["scale"].max())) + 1)]
     line = alt.Chart(dyn).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="optimizer step"), y=alt.Y("scale:Q", title="loss scale S (log)", scale=alt.Scale(type="log", base=2)),
+        x=alt.X("step:Q", title="optimizer step"), y=alt.Y("scale:Q", title="loss scale S", scale=alt.Scale(type="log", base=2),
+                axis=alt.Axis(values=powers, labelExpr="'2^' + round(log(datum.value) / LN2)")),
         color=alt.Color("mode:N", title=None), strokeDash="mode:N", tooltip=["mode", "step", "scale", "skipped"])
     skips = alt.Chart(dyn[dyn["skipped"] & (dyn["mode"] == "fp16 dynamic scaling")]).mark_point(shape="cross", size=160, color="red").encode(
         x="step:Q", y="scale:Q", tooltip=["step", "scale"])

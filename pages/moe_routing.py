@@ -19,8 +19,9 @@ def render(result: dict, rec) -> None:
         x=alt.X("expert:O", title="expert"), y=alt.Y("tokens:Q", title="tokens processed"),
         tooltip=["router", "expert", "tokens", alt.Tooltip("balanced:Q", title="balanced share", format=".2f")])
     rule = alt.Chart(loads).mark_rule(strokeDash=[4, 4], color="black").encode(y="mean(balanced):Q")
-    st.altair_chart(alt.layer(bars, rule, data=loads).properties(height=150).facet(row=alt.Row("router:N", title=None)),
-                    width="stretch")
+    order = [r["router"] for r in t["summary"]]
+    st.altair_chart(alt.layer(bars, rule, data=loads).properties(height=120, width=560)
+                    .facet(row=alt.Row("router:N", title=None, sort=order, header=alt.Header(labelAngle=0, labelAlign="left"))))
     st.caption(f"Dashed: a perfectly balanced load. Switch top-1 sends each token to one expert with capacity "
                f"{m['switch_capacity']} tokens (capacity factor {cfg['capacity_factor']}); {m['switch_dropped_tokens']} tokens "
                "over capacity were dropped and are not counted in its bars.")

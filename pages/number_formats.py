@@ -17,6 +17,13 @@ def bit_strip(row: pd.Series) -> pd.DataFrame:
     return pd.DataFrame(cells)
 
 
+def general(df: pd.DataFrame, digits: int = 6) -> dict:
+    """Every float column in %g form, so 2^-126 reads 1.17549e-38 and not 0.0000…"""
+    # beyond 2^53 the table shows raw digits for %g, so those columns use its scientific form
+    return {c: st.column_config.NumberColumn(format="scientific" if df[c].abs().max() > 2**53 else f"%.{digits}g")
+            for c in df.columns if df[c].dtype.kind == "f"}
+
+
 def render(result: dict, rec) -> None:
     t = result["tables"]
     bits = pd.DataFrame(t["bits"])
@@ -43,16 +50,15 @@ def render(result: dict, rec) -> None:
     long = ranges.melt(id_vars=["format"], value_vars=["smallest_subnormal", "smallest_normal", "max"],
                        var_name="limit", value_name="magnitude")
     st.altair_chart(alt.Chart(long).mark_point(filled=True, size=90).encode(
-        x=alt.X("magnitude:Q", scale=alt.Scale(type="log"), title="magnitude (log scale)"),
+        x=alt.X("magnitude:Q", scale=alt.Scale(type="log"), title="magnitude (log scale)", axis=alt.Axis(format=".0e")),
         y=alt.Y("format:N", title=None, sort=list(ranges["format"])), color=alt.Color("limit:N", title=None),
         tooltip=["format", "limit", alt.Tooltip("magnitude:Q", format=".4g")]).properties(height=240), width="stretch")
-    st.dataframe(ranges, hide_index=True, width="stretch")
+    st.dataframe(ranges, hide_index=True, width="stretch", column_config=general(ranges))
     st.caption("max, smallest normal, smallest subnormal and eps from E, M and the bias; finfo_* columns are torch.finfo.")
 
     st.subheader("Seed 002's swamping: weight 2⁻³ plus gradient 2⁻¹⁴")
     swamp = pd.DataFrame(t["swamping"])
-    st.dataframe(swamp, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="%.14g") for c in ("result", "exact", "rounded_exact")})
+    st.dataframe(swamp, hide_index=True, width="stretch", column_config=general(swamp, digits=14))
     st.markdown("In FP16 the gap above 2⁻³ is 2⁻¹³, so 2⁻¹⁴ is exactly half a gap: a tie, which rounds to the even "
                 "neighbour, 2⁻³. The update is lost. BF16 (7 mantissa bits) loses it too; FP32 keeps it.")
 
@@ -62,7 +68,8 @@ def render(result: dict, rec) -> None:
         x=alt.X("terms:Q", title="values added"), y=alt.Y("running_sum:Q", title="running sum"),
         color=alt.Color("method:N", title=None), strokeDash="method:N",
         tooltip=["method", "terms", alt.Tooltip("running_sum:Q", format=".6g")]).properties(height=300), width="stretch")
-    st.dataframe(pd.DataFrame(t["sum_errors"]), hide_index=True, width="stretch")
+    errors = pd.DataFrame(t["sum_errors"])
+    st.dataframe(errors, hide_index=True, width="stretch", column_config=general(errors, digits=8))
     stall = result["metrics"].get("fp16_stall_prediction")
     if stall:
         st.markdown(f"Model: a plain FP16 sum of a constant v stops at the first 2^k whose half-gap 2^(k−11) is at least v: "

@@ -30,11 +30,13 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Wall time for one sequence")
     st.altair_chart(alt.Chart(pd.DataFrame(t["timing"])).mark_bar().encode(
-        x=alt.X("ms:Q", title="milliseconds (median)"), y=alt.Y("decoder:N", title=None),
-        tooltip=["decoder", alt.Tooltip("ms:Q", format=".1f"), "target_calls"]).properties(height=110), width="stretch")
+        x=alt.X("ms:Q", title="milliseconds for the sequence (median)"), y=alt.Y("decoder:N", title=None),
+        yOffset="source:N", color=alt.Color("source:N", title=None),
+        tooltip=["decoder", "source", alt.Tooltip("ms:Q", format=".1f")]).properties(height=140), width="stretch")
 
     st.subheader("Is the output distributed as the target's samples?")
-    st.dataframe(pd.DataFrame(t["distribution_tests"]), hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame(t["distribution_tests"]), hide_index=True, width="stretch",
+                 column_config={"p_value": st.column_config.NumberColumn("p-value", format="%.3g")})
     joint = pd.DataFrame(t["joint"])
     rule = st.radio("rule", list(joint["rule"].unique()), horizontal=True, key=f"rule-{rec.id}")
     shown = joint[joint["rule"] == rule]

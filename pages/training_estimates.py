@@ -23,6 +23,13 @@ STAGES = [
 ]
 
 
+def general(df: pd.DataFrame) -> dict:
+    """Float columns in %g form: 3.15e+23, not 315000000000000000000000."""
+    # beyond 2^53 the table shows raw digits for %g, so those columns use its scientific form
+    return {c: st.column_config.NumberColumn(format="scientific" if df[c].abs().max() > 2**53 else "%.4g")
+            for c in df.columns if df[c].dtype.kind == "f"}
+
+
 def pipeline_overview() -> None:
     st.subheader("Where each stage's systems run in this explorer")
     cols = st.columns(len(STAGES))
@@ -68,7 +75,7 @@ def render(result: dict, rec) -> None:
          "how measured": "FlopCounterMode", "formula used": "6·N_linear·D + 12·L·T·d·D"},
         {"quantity": "same, by 6·N·D with all parameters", "measured": meas["counted"], "formula": meas["six_n_all"],
          "how measured": "FlopCounterMode", "formula used": "6·N·D"},
-        {"quantity": "step time at twice the batch (s)", "measured": meas["double_step_s"], "formula": meas["double_step_predicted_s"],
+        {"quantity": "step time at twice the batch (s), this CPU", "measured": meas["double_step_s"], "formula": meas["double_step_predicted_s"],
          "how measured": "wall clock, this CPU", "formula used": f"FLOPs ÷ this CPU's rate at one batch ({meas['cpu_flops_per_s'] / 1e9:.2f} GFLOP/s)"},
     ]), hide_index=True, width="stretch")
     mem = pd.DataFrame(t["memory_measured"] + t["zero_memory"])
@@ -79,21 +86,22 @@ def render(result: dict, rec) -> None:
     st.subheader("Seed 002: a 175B model's memory")
     seed2 = pd.DataFrame(t["seed_002_175b"])
     seed2["GB"] = seed2["bytes"] / 1e9
-    st.dataframe(seed2.drop(columns=["bytes"]), hide_index=True, width="stretch")
+    seed2 = seed2.drop(columns=["bytes"])
+    st.dataframe(seed2, hide_index=True, width="stretch", column_config=general(seed2))
     st.caption("The seed's 320 GB is 350 GB in GiB (326 GiB); 5600 GB ÷ 64 GB is 87.5, so 88 cards.")
 
     st.subheader("Seed 004: training times on one V100, and what they imply")
     seed4 = pd.DataFrame(t["seed_004"])
-    st.dataframe(seed4, hide_index=True, width="stretch", column_config={
+    st.dataframe(seed4, hide_index=True, width="stretch", column_config={**general(seed4),
         "implied_tflops": st.column_config.NumberColumn("implied sustained TFLOP/s", format="%.2f"),
         "implied_mfu": st.column_config.NumberColumn("implied MFU (of 125 TFLOP/s)", format="%.3f"),
         "predicted_days": st.column_config.NumberColumn(f"predicted days at MFU {cfg['mfu']}", format="%.1f")})
     long = seed4.melt(id_vars=["model"], value_vars=["seed_days", "predicted_days"], var_name="source", value_name="days")
     long["source"] = long["source"].map({"seed_days": "seed 004's table", "predicted_days": f"6·N·D at MFU {cfg['mfu']}"})
-    st.altair_chart(alt.Chart(long).mark_bar().encode(
+    st.altair_chart(alt.Chart(long).mark_point(size=140, filled=True).encode(
         x=alt.X("days:Q", scale=alt.Scale(type="log"), title="days on one V100 (log)"), y=alt.Y("model:N", title=None, sort=None),
-        yOffset="source:N", color=alt.Color("source:N", title=None), tooltip=["model", "source", alt.Tooltip("days:Q", format=",.1f")])
-        .properties(height=220), width="stretch")
+        color=alt.Color("source:N", title=None), shape=alt.Shape("source:N", title=None),
+        tooltip=["model", "source", alt.Tooltip("days:Q", format=",.1f")]).properties(height=200), width="stretch")
     st.caption("The table's rows imply very different utilisations (a few TFLOP/s for the small models, close to the V100's "
                "peak for GPT-3): they come from different setups, not from one formula. The disagreement is shown, not fitted.")
     for note in result.get("notes", []):
