@@ -47,14 +47,16 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Range and precision of each format")
     ranges = pd.DataFrame(t["ranges"])
-    long = ranges.melt(id_vars=["format"], value_vars=["smallest_subnormal", "smallest_normal", "max"],
+    floats = ranges[ranges["format"] != "int8"]
+    long = floats.melt(id_vars=["format"], value_vars=["smallest_subnormal", "smallest_normal", "max"],
                        var_name="limit", value_name="magnitude")
     st.altair_chart(alt.Chart(long).mark_point(filled=True, size=90).encode(
         x=alt.X("magnitude:Q", scale=alt.Scale(type="log"), title="magnitude (log scale)", axis=alt.Axis(format=".0e")),
-        y=alt.Y("format:N", title=None, sort=list(ranges["format"])), color=alt.Color("limit:N", title=None),
+        y=alt.Y("format:N", title=None, sort=list(floats["format"])), color=alt.Color("limit:N", title=None),
         tooltip=["format", "limit", alt.Tooltip("magnitude:Q", format=".4g")]).properties(height=240), width="stretch")
     st.dataframe(ranges, hide_index=True, width="stretch", column_config=general(ranges))
-    st.caption("max, smallest normal, smallest subnormal and eps from E, M and the bias; finfo_* columns are torch.finfo.")
+    st.caption("max, smallest normal, smallest subnormal and eps from E, M and the bias; finfo_* columns are torch.finfo. "
+               "INT8 (seed 002's inference format) has no exponent: -128 .. 127 in steps of 1, against torch.iinfo.")
 
     st.subheader("Seed 002's swamping: weight 2⁻³ plus gradient 2⁻¹⁴")
     swamp = pd.DataFrame(t["swamping"])

@@ -67,6 +67,11 @@ def run(config: FormatsConfig, ctx) -> Result:
                        "decimal_digits": f.mantissa_bits * math.log10(2)})
     range_error = max(abs(r[k] - r[f"finfo_{k}"]) / r[k] for r in ranges
                       for k in ("max", "smallest_normal", "smallest_subnormal", "eps") if f"finfo_{k}" in r)
+    # INT8 (seed 002's inference format): two's complement, -2^7 .. 2^7 - 1 in steps of 1, against torch.iinfo.
+    int8 = {"format": "int8", "bits": 8, "max": 2.0 ** 7 - 1, "min": -2.0 ** 7, "eps": 1.0,
+            "iinfo_max": float(torch.iinfo(torch.int8).max), "iinfo_min": float(torch.iinfo(torch.int8).min)}
+    ranges.append(int8)
+    int8_error = abs(int8["max"] - int8["iinfo_max"]) + abs(int8["min"] - int8["iinfo_min"])
 
     # Seed 002: weight 2^-3 plus gradient 2^-14. FP16's gap at 2^-3 is 2^-13, so 2^-14 is exactly half a gap: a tie,
     # and ties go to the even neighbour, 2^-3 itself.
@@ -109,6 +114,7 @@ def run(config: FormatsConfig, ctx) -> Result:
               reference="one unit in the last place from the exponent field", detail="mismatches"),
         Check("max, smallest normal, smallest subnormal, eps from E and M equal torch.finfo", range_error, 0.0,
               reference="torch.finfo (smallest subnormal: torch decoding the stored integer 1)", detail="largest relative difference"),
+        Check("INT8 range -2^7 .. 2^7 - 1 equals torch.iinfo", int8_error, 0.0, reference="torch.iinfo(torch.int8)"),
         Check("seed 002: 2^-3 + 2^-14 in FP16 stays 2^-3", abs(swamp[2]["result"] - w), 0.0,
               reference="the exact sum rounded to FP16 (a tie, to even) is 2^-3", detail=f"FP16 gives {swamp[2]['result']!r}"),
         Check("the same sum in FP32 keeps the gradient", abs(swamp[0]["result"] - (w + g)), 0.0,
