@@ -58,5 +58,23 @@ SECTIONS: dict[str, list[Topic]] = {
     "Serving": [
         Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
               "continuous batching on a paged block pool: the three wastes", ("kvcache.serve", "kvcache.paged_decode")),
+        Topic("pages/speculative.py", "Speculative sampling", ":material/fast_forward:",
+              "draft and target tiny LLaMAs; acceptance and a distribution test", ("decoding.speculative",)),
+    ],
+    "Models": [
+        Topic("pages/moe_routing.py", "MoE routing", ":material/alt_route:",
+              "softmax top-k, Switch, DeepSeek-V3 group-limited routing", ("moe.routing",)),
+    ],
+    "Numerics": [
+        Topic("pages/number_formats.py", "Number formats", ":material/decimal_increase:",
+              "bits, ranges, FP16 swamping, Kahan sums", ("numerics.formats",)),
+        Topic("pages/mixed_precision.py", "Mixed precision & loss scaling", ":material/stacked_line_chart:",
+              "fp16 with fp32 master weights: underflow, loss scaling, GradScaler", ("numerics.mixed_precision",)),
+    ],
+    "Training": [
+        Topic("pages/training_estimates.py", "Training pipeline & estimates", ":material/calculate:",
+              "pretrain/SFT/RLHF map; time and memory estimates checked on small runs", ("estimate.training",)),
+        Topic("pages/bellman.py", "MDPs & Bellman", ":material/grid_on:",
+              "weather MRP, grid-world policy and value iteration", ("rl.bellman",)),
     ],
 }

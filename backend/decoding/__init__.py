@@ -1,0 +1,1 @@
+"""Decoding: speculative sampling."""

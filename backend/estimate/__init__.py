@@ -1,0 +1,1 @@
+"""Back-of-envelope estimates of training time and memory."""

@@ -1,0 +1,127 @@
+"""estimate.training: the seeds' back-of-envelope training estimates as a calculator (seed 002's training-time
+equation and 175B memory; seed 004's table of training times on a V100), with the formulas checked against
+small runs measured here: FLOPs of the tiny LLaMA counted by torch's FlopCounterMode against 6·N·D plus the
+attention term; the bytes a mixed-precision Adam step holds against (2 + 2 + 12)ψ; optionally, the memory per
+rank of a real ZeRO-1 run (parallel.zero, 2 gloo ranks) against the per-rank formula.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from backend import experiments
+from backend.config import Config, setting
+from backend.estimate.training import (ACCELERATORS, BYTES, SECONDS_PER_DAY, counted_flops, decoder_flops,
+                                       measured_mixed_adam_bytes, memory_per_rank, seed_004_rows, seed_175b,
+                                       training_flops, training_seconds)
+from backend.experiments import define
+from backend.models.llama import ModelShape, TinyDecoder
+from backend.result import Check, Result
+
+SHAPE = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
+
+
+@dataclasses.dataclass
+class TrainingEstimateConfig(Config):
+    params_b: float = setting(175.0, min=0.001, max=10000.0, help="model parameters N, billions")
+    tokens_b: float = setting(300.0, min=0.001, max=100000.0, help="training tokens D, billions")
+    device: str = setting("A100 (80 GB SXM)", choices=tuple(ACCELERATORS), help="accelerator (peak dense fp16/bf16)")
+    devices: int = setting(1024, min=1, max=1_000_000, help="accelerators")
+    mfu: float = setting(0.4, min=0.01, max=1.0, help="model FLOPs utilisation of one device")
+    parallel_efficiency: float = setting(0.9, min=0.01, max=1.0, help="seed 002's multi-device efficiency")
+    dp_ranks: int = setting(64, min=1, max=1_000_000, help="data-parallel ranks for the memory per rank")
+    card_gb: float = setting(64.0, min=1.0, max=1024.0, help="memory per card, GB (seed 002: a 64 GB NPU)")
+    bytes_per_token: float = setting(4.0, min=1.0, max=16.0, help="dataset bytes per token, for seed 004's table")
+    measure_batch: int = setting(4, min=1, max=32, help="sequences in the measured tiny-LLaMA step")
+    measure_seq_len: int = setting(32, min=4, max=256, help="tokens per measured sequence")
+    zero_run: bool = setting(False, help="also run parallel.zero (ZeRO-1, bf16 mixed, 2 ranks) and check its memory per rank (~20 s)")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="tiny model weights and tokens")
+
+
+def timed_step(model, batch) -> float:
+    start = time.perf_counter()
+    model.loss(batch).backward()
+    model.zero_grad()
+    return time.perf_counter() - start
+
+
+def measure(c: TrainingEstimateConfig) -> tuple[dict, list[Check], list[dict]]:
+    torch.manual_seed(c.seed)
+    model = TinyDecoder(SHAPE)
+    batch = torch.randint(0, SHAPE.vocab, (c.measure_batch, c.measure_seq_len + 1))
+    formula = decoder_flops(model, c.measure_batch, c.measure_seq_len)
+    counted = counted_flops(model, batch)
+    held = measured_mixed_adam_bytes(model, batch)
+    psi = formula["all_params"]
+    checks = [
+        Check("FLOPs of a training step equal 6·N_linear·D + 12·L·T·d·D", abs(counted - formula["exact"]) / counted, 0.0,
+              reference="torch.utils.flop_counter.FlopCounterMode", detail=f"counted {counted:,.0f}, formula {formula['exact']:,.0f}"),
+        Check("bytes held by a mixed-precision Adam step equal (2 + 2 + 12)ψ",
+              max(abs(held[k] - b * psi) for k, b in BYTES.items()), 0,
+              reference="nbytes of the fp16 weights and gradients, fp32 master and AdamW's exp_avg, exp_avg_sq"),
+    ]
+    # Time: the step's FLOP rate at this batch predicts the step at twice the batch (same code, more tokens).
+    double = torch.cat([batch, batch])
+    timed_step(model, batch)  # warm-up
+    t1 = min(timed_step(model, batch) for _ in range(3))
+    t2 = min(timed_step(model, double) for _ in range(3))
+    rate = counted / t1
+    memory_rows = [{"category": k, "measured_bytes": held[k], "formula_bytes": b * psi} for k, b in BYTES.items()]
+    return ({**formula, "counted": counted, "six_n_all": 6.0 * psi * formula["tokens"], "cpu_flops_per_s": rate,
+             "step_s": t1, "double_step_s": t2, "double_step_predicted_s": 2 * counted / rate}, checks, memory_rows)
+
+
+def zero_memory(c: TrainingEstimateConfig) -> tuple[list[dict], Check]:
+    """A real ZeRO-1 bf16 run's memory per rank against the per-rank formula for its ψ."""
+    result = experiments.run("parallel.zero", stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2)
+    psi = result.metrics["parameter_bytes_bf16"] // 2
+    want = memory_per_rank(psi, 2, 1)
+    names = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states"}
+    rows = [{"rank": r["rank"], "category": names[r["category"]], "measured_bytes": r["measured_bytes"],
+             "formula_bytes": want[names[r["category"]]]} for r in result.tables["memory"] if r["category"] in names]
+    return rows, Check("ZeRO-1 run: memory per rank equals 2ψ + 2ψ + 12ψ/n", max(abs(r["measured_bytes"] - r["formula_bytes"]) for r in rows), 0,
+                       reference="parallel.zero (2 gloo ranks, bf16 mixed precision), tensors' bytes per rank",
+                       detail="ψ from that run (ZeRO pads ψ to a multiple of n)")
+
+
+def run(config: TrainingEstimateConfig, ctx) -> Result:
+    torch.set_num_threads(1)
+    c = config
+    ctx.progress(0.1, "measuring the tiny LLaMA")
+    measured, checks, memory_rows = measure(c)
+    zero_rows = []
+    if c.zero_run:
+        ctx.progress(0.4, "ZeRO-1 run on 2 ranks")
+        zero_rows, check = zero_memory(c)
+        checks.append(check)
+
+    n, d = c.params_b * 1e9, c.tokens_b * 1e9
+    flops = training_flops(n, d)
+    peak, card_bytes = ACCELERATORS[c.device]
+    seconds = training_seconds(flops, peak, c.mfu, c.devices, c.parallel_efficiency)
+    scaling = [{"device": name, "devices": k, "days": training_seconds(flops, p, c.mfu, k, c.parallel_efficiency) / SECONDS_PER_DAY}
+               for name, (p, _) in ACCELERATORS.items() for k in (2 ** e for e in range(0, 17, 2))]
+    per_rank = [{"stage": f"ZeRO-{s}" if s else "DDP", "category": k, "bytes": v}
+                for s in range(4) for k, v in memory_per_rank(n, c.dp_ranks, s).items()]
+    return Result(
+        metrics={"training_flops": flops, "training_days": seconds / SECONDS_PER_DAY,
+                 "memory_per_rank_gb.DDP": sum(memory_per_rank(n, c.dp_ranks, 0).values()) / 1e9,
+                 "memory_per_rank_gb.ZeRO-3": sum(memory_per_rank(n, c.dp_ranks, 3).values()) / 1e9,
+                 "tiny_counted_flops": measured["counted"], "tiny_six_n_error": measured["six_n_all"] / measured["counted"] - 1,
+                 "cpu_tflops": measured["cpu_flops_per_s"] / 1e12},
+        tables={"measured": [measured], "memory_measured": memory_rows, "zero_memory": zero_rows,
+                "seed_002_175b": seed_175b(c.card_gb * 1e9), "seed_004": seed_004_rows(c.bytes_per_token, c.mfu),
+                "scaling": scaling, "memory_per_rank": per_rank},
+        checks=checks,
+        notes=[f"Device peaks are datasheet dense fp16/bf16 tensor figures; {c.device}: {peak / 1e12:g} TFLOP/s.",
+               "6·N·D counts 2 FLOPs per parameter per token forward and 4 backward; it leaves out attention's T×T work "
+               "(12·L·T·d per token) and counts embedding parameters that do no matmul.",
+               "Seed 004's table lists each model's dataset size; its tokens here are one pass at bytes_per_token, except "
+               "GPT-3's 300B training tokens (seed 002)."])
+
+
+EXPERIMENT = define(__name__, TrainingEstimateConfig,
+                    "training time and memory estimates (seeds 002, 004), formulas checked by FlopCounterMode and real tensors",
+                    run_fn=run)

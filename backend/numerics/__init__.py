@@ -1,0 +1,1 @@
+"""Number formats and mixed precision: bits, ranges, rounding, loss scaling."""

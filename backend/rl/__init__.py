@@ -1,0 +1,1 @@
+"""Reinforcement learning foundations: MRPs, MDPs and the Bellman equations."""

@@ -1,0 +1,86 @@
+"""Number formats: the bits of typed values, each format's range, FP16 swamping, plain vs Kahan summation."""
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from pages import ui
+
+st.title("Number formats: FP32, TF32, BF16, FP16, FP8")
+
+
+def bit_strip(row: pd.Series) -> pd.DataFrame:
+    """One cell per stored bit, coloured by field: sign, exponent, mantissa."""
+    fields = [("sign", row["sign_bit"]), ("exponent", row["exponent_bits"]), ("mantissa", row["mantissa_bits"])]
+    cells = []
+    for name, bits in fields:
+        cells += [{"field": name, "bit": b, "position": len(cells) + i} for i, b in enumerate(bits)]
+    return pd.DataFrame(cells)
+
+
+def general(df: pd.DataFrame, digits: int = 6) -> dict:
+    """Every float column in %g form, so 2^-126 reads 1.17549e-38 and not 0.0000…"""
+    # beyond 2^53 the table shows raw digits for %g, so those columns use its scientific form
+    return {c: st.column_config.NumberColumn(format="scientific" if df[c].abs().max() > 2**53 else f"%.{digits}g")
+            for c in df.columns if df[c].dtype.kind == "f"}
+
+
+def render(result: dict, rec) -> None:
+    t = result["tables"]
+    bits = pd.DataFrame(t["bits"])
+    st.subheader("The bits of each value you typed")
+    value = st.selectbox("value", sorted(bits["input"].unique(), key=list(bits["input"]).index), key=f"value-{rec.id}")
+    shown = bits[bits["input"] == value]
+    strips = pd.concat([bit_strip(r).assign(format=r["format"]) for _, r in shown.iterrows()])
+    base = alt.Chart(strips).encode(x=alt.X("position:O", title="bit (most significant first)", axis=None),
+                                    y=alt.Y("format:N", title=None, sort=list(shown["format"])))
+    st.altair_chart((base.mark_rect(stroke="white").encode(
+        color=alt.Color("field:N", scale=alt.Scale(domain=["sign", "exponent", "mantissa"], range=["#d62728", "#1f77b4", "#2ca02c"])),
+        tooltip=["format", "field", "bit", "position"]) + base.mark_text(color="white").encode(text="bit:N"))
+        .properties(height=38 * len(shown)), width="stretch")
+    st.dataframe(shown[["format", "kind", "sign_bit", "exponent_bits", "mantissa_bits", "unbiased_exponent", "stored_value",
+                        "relative_error", "gap_to_next", "gap_formula"]], hide_index=True, width="stretch",
+                 column_config={"stored_value": st.column_config.NumberColumn("stored value", format="%.10g"),
+                                "gap_to_next": st.column_config.NumberColumn("gap to next (torch)", format="%.4g"),
+                                "gap_formula": st.column_config.NumberColumn("gap 2^(e-bias-M)", format="%.4g"),
+                                "relative_error": st.column_config.NumberColumn("relative rounding error", format="%.3g")})
+    st.caption("Stored value: torch's cast. Gap to next: torch decoding the stored integer plus one, beside the formula.")
+
+    st.subheader("Range and precision of each format")
+    ranges = pd.DataFrame(t["ranges"])
+    floats = ranges[ranges["format"] != "int8"]
+    long = floats.melt(id_vars=["format"], value_vars=["smallest_subnormal", "smallest_normal", "max"],
+                       var_name="limit", value_name="magnitude")
+    st.altair_chart(alt.Chart(long).mark_point(filled=True, size=90).encode(
+        x=alt.X("magnitude:Q", scale=alt.Scale(type="log"), title="magnitude (log scale)", axis=alt.Axis(format=".0e")),
+        y=alt.Y("format:N", title=None, sort=list(floats["format"])), color=alt.Color("limit:N", title=None),
+        tooltip=["format", "limit", alt.Tooltip("magnitude:Q", format=".4g")]).properties(height=240), width="stretch")
+    st.dataframe(ranges, hide_index=True, width="stretch", column_config=general(ranges))
+    st.caption("max, smallest normal, smallest subnormal and eps from E, M and the bias; finfo_* columns are torch.finfo. "
+               "INT8 (seed 002's inference format) has no exponent: -128 .. 127 in steps of 1, against torch.iinfo.")
+
+    st.subheader("Seed 002's swamping: weight 2⁻³ plus gradient 2⁻¹⁴")
+    swamp = pd.DataFrame(t["swamping"])
+    st.dataframe(swamp, hide_index=True, width="stretch", column_config=general(swamp, digits=14))
+    st.markdown("In FP16 the gap above 2⁻³ is 2⁻¹³, so 2⁻¹⁴ is exactly half a gap: a tie, which rounds to the even "
+                "neighbour, 2⁻³. The update is lost. BF16 (7 mantissa bits) loses it too; FP32 keeps it.")
+
+    st.subheader("Summing many small values")
+    sums = pd.DataFrame(t["sums"])
+    st.altair_chart(alt.Chart(sums).mark_line().encode(
+        x=alt.X("terms:Q", title="values added"), y=alt.Y("running_sum:Q", title="running sum"),
+        color=alt.Color("method:N", title=None), strokeDash="method:N",
+        tooltip=["method", "terms", alt.Tooltip("running_sum:Q", format=".6g")]).properties(height=300), width="stretch")
+    errors = pd.DataFrame(t["sum_errors"])
+    st.dataframe(errors, hide_index=True, width="stretch", column_config=general(errors, digits=8))
+    stall = result["metrics"].get("fp16_stall_prediction")
+    if stall:
+        st.markdown(f"Model: a plain FP16 sum of a constant v stops at the first 2^k whose half-gap 2^(k−11) is at least v: "
+                    f"**{stall:g}** predicted; measured **{result['metrics']['fp16_plain_sum']:g}**. Kahan's compensation "
+                    "carries the lost low part and reaches the exact sum to within FP16's own rounding of it.")
+    for note in result.get("notes", []):
+        st.caption(note)
+
+
+ui.experiment_page("numerics.formats", render,
+                   intro="Type numbers: each is stored in every format by torch, its bits read back, and the rounding, "
+                         "decoding and gap re-derived from the formulas with exact rational arithmetic.")
