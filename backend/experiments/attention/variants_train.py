@@ -15,6 +15,7 @@ import torch
 
 from backend.config import Config, setting
 from backend.experiments import define
+from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
@@ -29,24 +30,6 @@ class TrainConfig(Config):
     vocab: int = setting(16, min=4, max=64, help="vocabulary of the Markov chain")
     lr: float = setting(3e-3, min=1e-5, max=1e-1, help="AdamW learning rate")
     seed: int = setting(0, min=0, max=2**31 - 1, help="corpus and weights")
-
-
-class MarkovCorpus:
-    def __init__(self, vocab: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.P = torch.softmax(2.5 * torch.randn(vocab, vocab, generator=g, dtype=torch.float64), dim=1)
-        pi = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
-        for _ in range(500):
-            pi = pi @ self.P
-        self.pi = pi
-        self.entropy_rate = float(-(pi[:, None] * self.P * self.P.log()).sum())
-
-    def sample(self, n: int, length: int, g: torch.Generator) -> torch.Tensor:
-        seqs = torch.empty(n, length, dtype=torch.long)
-        seqs[:, 0] = torch.multinomial(self.pi, n, replacement=True, generator=g)
-        for t in range(1, length):
-            seqs[:, t] = torch.multinomial(self.P[seqs[:, t - 1]], 1, generator=g)[:, 0]
-        return seqs
 
 
 def shape_for(variant: str, vocab: int) -> ModelShape:

@@ -20,7 +20,7 @@ from backend.config import Config, setting
 from backend.decoding.speculative import (RULES, chi_square, expected_tokens_per_call, next_probs, plain_decode,
                                           predicted_speedup, speculative_decode)
 from backend.experiments import define
-from backend.experiments.attention.variants_train import MarkovCorpus
+from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 

@@ -15,7 +15,7 @@ import torch
 
 from backend.config import Config, setting
 from backend.experiments import define
-from backend.experiments.attention.variants_train import MarkovCorpus
+from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.numerics.mixed_precision import MODES, Settings, gradient_magnitudes, train
 from backend.result import Check, Result
