@@ -5,6 +5,9 @@ st.set_page_config(page_title="LLM Systems Explorer", page_icon="🧭", layout="
 
 from pages import ui  # noqa: E402  (after set_page_config)
 
+if not ui.sign_in():  # bound beyond localhost: the server's token, or st.login when configured
+    st.stop()
+
 navigation = st.navigation({
     "Explorer": [
         st.Page("pages/home.py", title="Overview", icon="🧭", default=True),

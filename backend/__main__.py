@@ -1,7 +1,7 @@
 """Headless CLI.
 
     python -m backend list
-    python -m backend run NAME [--set key=value ...] [--out DIR] [--json] [--timeout S]
+    python -m backend run NAME [--set key=value ...] [--trace-file CSV] [--out DIR] [--json] [--timeout S]
     python -m backend show RUN_ID [--json]
 
 Exit status: 0 ran and every check passed; 1 the run failed or a check did not pass;
@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment")
     run.add_argument("name")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--trace-file", type=Path, help="a local CSV for the `trace` setting (checked with the server's "
+                                                       "caps, stored in the run store under its content hash)")
     run.add_argument("--out", type=Path, help="folder for result.json and trace.json (default: the run store)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--timeout", type=float, help="seconds (default and most: EXPLORER_JOB_TIMEOUT_S, 120)")
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         args.timeout = limits.check_timeout(args.timeout)
         exp = experiments.get(args.name)
         values = json.loads(args.config_json) if args.config_json else parse_sets(args.sets)
+        if args.trace_file:
+            values["trace"] = _upload(args.trace_file, store.root)
         config = exp.make_config(values)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -117,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print_human(report)
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+def _upload(path: Path, root: Path) -> str:
+    from backend import uploads
+
+    try:
+        return uploads.save_trace(uploads.read_capped(path), root)
+    except (OSError, ValueError) as err:
+        raise ConfigError("trace", f"{path}: {err}") from None
 
 
 def _print_human(report: dict) -> None:

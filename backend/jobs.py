@@ -195,7 +195,7 @@ class Leader:
                 self.end("failed", limits.time_message(self.timeout_s), 1)
             used = limits.tree_memory(os.getpid())
             if used > self.memory_bytes:
-                self.end("failed", limits.memory_message(used), 1)
+                self.end("failed", limits.memory_message(used, self.memory_bytes), 1)
 
     def end(self, status: str, message: str, code: int) -> None:
         """Record the final state (unless one is recorded), kill the job's processes, exit now."""

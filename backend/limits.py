@@ -67,9 +67,9 @@ def is_out_of_memory(text: str) -> bool:
     return "MemoryError" in text or "can't allocate memory" in text or "Cannot allocate memory" in text
 
 
-def memory_message(used: int | None = None) -> str:
+def memory_message(used: int | None = None, limit: int | None = None) -> str:
     used_text = f"the job used {used / GIB:.2f} GiB, " if used else "an allocation failed: "
-    return (f"memory limit: {used_text}over the {memory_budget() / GIB:g} GiB a run may use "
+    return (f"memory limit: {used_text}over the {(limit or memory_budget()) / GIB:g} GiB a run may use "
             "(EXPLORER_RUN_MEMORY_GIB); choose smaller settings, or ask the server's admin to raise the limit")
 
 

@@ -262,3 +262,15 @@ def test_bad_input_is_rejected_before_anything_is_stored(runner):
     with pytest.raises(ConfigError, match="fault_rank: 5 is not a rank"):
         runner.submit("comm.selftest", {"world_size": "2", "fault": "crash", "fault_rank": "5"})
     assert runner.store.list() == []
+
+
+def test_a_distributed_run_listens_on_loopback_only(runner):
+    rid = runner.submit("comm.selftest", {"world_size": "3", "fault": "hang", "fault_rank": "2"}, timeout_s=60)
+    rec = _wait_for_ranks(runner.store, 3, rid)
+    time.sleep(3)  # past the rendezvous: every rank has connected
+    pids = set(processes_in_group(rec.pid))
+    listening = [line.split() for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()]
+    ours = [cols[3] for cols in listening if any(f"pid={pid}," in cols[-1] for pid in pids)]
+    runner.cancel(rid)
+    assert ours, "found no listening socket of the run's ranks"
+    assert all(addr.startswith("127.0.0.1:") for addr in ours), ours

@@ -72,15 +72,29 @@ def append_log(ctx, text: str) -> None:
         log.write(text.rstrip("\n") + "\n")
 
 
+_rendezvous_listener: socket.socket | None = None
+
+
 def init_rank(rank: int, world_size: int, port: int, timeout_s: float, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only fight
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The rendezvous store listens on loopback only. Given an address, TCPStore still binds every interface;
+    # handed a socket that already listens (master_listen_fd), it serves on that one. Gloo's own connections
+    # follow GLOO_SOCKET_IFNAME.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    global _rendezvous_listener  # kept open for the life of the rank: the store serves on it
+    listener = None
+    if rank == 0:
+        listener = _rendezvous_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout,
+                          master_listen_fd=listener.fileno() if listener else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results, parent_pid, stack_path) -> None:
