@@ -198,8 +198,12 @@ class Config:
         if m.get("choices") or t is bool:
             options = m.get("choices") or (False, True)
             return next((c for c in options if c != value and self._fits(**{name: c})), None)
+        if t is str:
+            return None
         low = m.get("min") if m.get("min") is not None else (1 if t is int else 0.0)
-        if t is str or value <= low or not self._fits(**{name: low}):
+        while low < value and not self._fits(**{name: low}):  # the smallest values may break a cross-field rule
+            low = low * 2 if low > 0 else 1
+        if low >= value:
             return None
         high = value  # low fits, high does not
         if t is int:

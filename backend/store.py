@@ -12,9 +12,11 @@ The store is also the one queue of every process that uses it (servers, CLI runs
   runs are running, counted in the same write transaction (claim_next);
 - dedupe is atomic: look-up and insert happen in one transaction, and a unique index on the digest
   of live job runs makes a second live row impossible (submit);
-- a running row carries a heartbeat written by its leader every second; any reader that finds a
-  running row whose heartbeat is older than STALE_S, or whose process on this host is gone, marks
-  it failed with that reason (_reap), so nothing stays "running" and dedupe never returns a dead run;
+- a running row carries a heartbeat written by its leader every half second (from the moment a runner
+  claims it, or a CLI or torchrun leader creates it with its pid); any reader that finds a running
+  row whose heartbeat is older than STALE_S, or whose process on this host is gone, marks it failed
+  with that reason (_reap), so nothing stays "running" and dedupe never returns a dead run. (A row
+  created as running without a pid, by a script that runs an experiment in-process, is not watched.)
 - cancel is a flag in the row; the run's leader reads it with each heartbeat (request_cancel, beat).
 """
 from __future__ import annotations
@@ -170,11 +172,12 @@ class RunStore:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         running = status == "running"
+        watched = running and pid is not None  # a leader that will beat; other callers keep their own rows
         db.execute(
             "INSERT INTO runs (id, experiment, config, digest, status, created, started, timeout_s, code_version,"
             " origin, owner, pid, host, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, experiment, json.dumps(config, sort_keys=True), digest, status, now, now if running else None,
-             timeout_s, code_version, origin, owner, pid, HOST if running else None, now if running else None),
+             timeout_s, code_version, origin, owner, pid, HOST if watched else None, now if watched else None),
         )
         return run_id
 
@@ -304,8 +307,8 @@ def _death(row: sqlite3.Row, now: float) -> str | None:
     """Why a running row's leader is gone, or None while it lives."""
     if row["host"] == HOST and row["pid"] and not pid_alive(row["pid"]):
         return f"the process running this job (pid {row['pid']}) is gone without recording a final state"
-    beat = row["heartbeat"] or row["started"] or row["created"]
-    if now - beat > STALE_S:
+    beat = row["heartbeat"]
+    if beat is not None and now - beat > STALE_S:
         return (f"no heartbeat from the process running this job for {now - beat:.0f} s (limit {STALE_S:g} s); "
                 "it was killed or its machine stopped")
     return None

@@ -27,6 +27,7 @@ from backend.config import ConfigError  # noqa: E402
 from backend.device import describe  # noqa: E402
 
 ALLOWED = re.compile(r"allowed with the other settings as they are: (\w+) = ([^)]+)\)")
+ALLOWED_WITH = re.compile(r"allowed: (\w+) = (\S+) with (.+)\)$")  # no single setting fits: others given too
 
 
 def largest_accepted(exp) -> dict:
@@ -36,10 +37,13 @@ def largest_accepted(exp) -> dict:
         try:
             return exp.make_config(values).to_dict()
         except ConfigError as err:
-            fix = ALLOWED.search(str(err))
+            fix, fix_with = ALLOWED.search(str(err)), ALLOWED_WITH.search(str(err))
             field = exp.config_cls._field(err.field)
             if fix:
                 values[fix.group(1)] = fix.group(2)
+            elif fix_with:
+                values[fix_with.group(1)] = fix_with.group(2)
+                values.update(pair.split(" = ") for pair in fix_with.group(3).split(", "))
             elif field.metadata.get("min") is not None and str(values.get(err.field)) != str(field.metadata["min"]):
                 values[err.field] = field.metadata["min"]  # a cross-field rule or no single fit: try its smallest
             else:

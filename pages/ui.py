@@ -44,14 +44,18 @@ _route_through_app()
 
 STATUS_ICON = {"queued": "⏳", "running": "⚙️", "succeeded": "✅", "failed": "❌", "cancelled": "🚫"}
 RUN_ID = re.compile(r"[0-9a-f]{12}")
-_MARKDOWN = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:])")
+# What lets Markdown make a link, an image, HTML, code, emphasis or maths out of text; and bare URLs (autolinks).
+_MARKUP = re.compile(r"([\\`*\[\]<>!$])")
+_AUTOLINK = re.compile(r"(?i)(\w):(?=//)|\b(www)\.")
 # The experiment of the page being drawn (per script run: Streamlit runs each in its own thread).
 _page_experiment: contextvars.ContextVar[str | None] = contextvars.ContextVar("page_experiment", default=None)
 
 
 def escape(text: str) -> str:
-    """Text shown as itself inside Markdown: every character Markdown could act on is backslash-escaped."""
-    return _MARKDOWN.sub(r"\\\1", str(text))
+    """Text shown as itself inside Markdown: whatever could become a link, an image, HTML, code or maths is
+    backslash-escaped (so is the colon of "http://" and the dot of "www."); plain words and punctuation stay."""
+    text = _MARKUP.sub(r"\\\1", str(text))
+    return _AUTOLINK.sub(lambda m: f"{m.group(1)}\\:" if m.group(1) else f"{m.group(2)}\\.", text)
 
 
 def url_run_id(key: str = "run") -> str | None:
@@ -60,7 +64,10 @@ def url_run_id(key: str = "run") -> str | None:
     if value is None:
         return None
     if not RUN_ID.fullmatch(value):
-        st.warning(f"The link's `{key}` is not a run id (12 hex digits), so it was ignored.")
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):  # nothing Markdown acts on inside a code span
+            st.warning(f"No run `{value}` in this server's store (a run id is 12 hex digits).")
+        else:
+            st.warning(f"The link's `{key}` is not a run id (12 hex digits), so it was ignored.")
         return None
     return value
 

@@ -119,9 +119,9 @@ def test_defaults_fit_and_the_maxima_are_refused_with_a_value_that_fits(exp):
 def test_refusal_names_the_driving_setting_and_the_largest_value_that_fits():
     exp = experiments.get("collectives.run")
     with pytest.raises(ConfigError) as info:
-        exp.make_config({"numel": str(16 << 20), "iters": "50"})
+        exp.make_config({"numel": str(16 << 20), "iters": "10", "world_size": "6"})
     assert info.value.field == "numel" and "EXPLORER_RUN_MEMORY_GIB" in str(info.value)
     best = int(str(info.value).split("numel = ")[1].rstrip(")"))
-    exp.make_config({"numel": str(best), "iters": "50"})  # the value it names fits
+    exp.make_config({"numel": str(best), "iters": "10", "world_size": "6"})  # the value it names fits
     with pytest.raises(ConfigError, match="numel"):
-        exp.make_config({"numel": str(best + 1), "iters": "50"})  # and is the largest that does
+        exp.make_config({"numel": str(best + 1), "iters": "10", "world_size": "6"})  # and is the largest that does

@@ -59,8 +59,9 @@ def test_a_markdown_run_id_is_refused_as_text(page, param):
 def test_escape_leaves_no_markdown_to_act_on():
     from pages.ui import escape
 
-    text = escape(HOSTILE)
-    assert "](" not in text and "\\[click\\]\\(http\\:" in text
+    assert escape(HOSTILE) == r"\[click\](http\://evil.example/x)\!\[img\](http\://evil.example/i.png)"
+    assert escape("see www.evil.example, `code`, $x$, <b>") == r"see www\.evil.example, \`code\`, \$x\$, \<b\>"
+    assert escape("world_size: 1000 is out of range (allowed: 2..8)") == "world_size: 1000 is out of range (allowed: 2..8)"
 
 
 def test_another_experiments_run_is_named_and_linked_not_drawn():
