@@ -9,6 +9,9 @@ route_through_app()
 from pages import ui  # noqa: E402
 from pages.catalog import SECTIONS  # noqa: E402
 
+if not ui.sign_in():  # bound beyond localhost: the server's token, or st.login when configured
+    st.stop()
+
 navigation = st.navigation({
     section: [st.Page(t.file, title=t.title, icon=t.icon, url_path=t.url_path, default=t.file == "pages/home.py")
               for t in topics]

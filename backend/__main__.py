@@ -1,15 +1,20 @@
 """Headless CLI.
 
     python -m backend list
-    python -m backend run NAME [--set key=value ...] [--out DIR] [--json] [--timeout S]
+    python -m backend run NAME [--set key=value ...] [--trace-file CSV] [--out DIR] [--json] [--timeout S]
     python -m backend show RUN_ID [--json]
 
 Exit status: 0 ran and every check passed; 1 the run failed or a check did not pass;
-2 bad input (one line on stderr naming the field and the allowed range).
+2 bad input (one line on stderr naming the field and the allowed range); 128+N stopped by signal N
+(the run is recorded as cancelled first).
+
+The process running `run` is the run's leader (backend.jobs.Leader): it heartbeats into the store,
+obeys a cancel flag set from any process, and holds the run to the server's time and memory limits.
 """
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -35,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment")
     run.add_argument("name")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--trace-file", type=Path, help="a local CSV for the `trace` setting (checked with the server's "
+                                                       "caps, stored in the run store under its content hash)")
     run.add_argument("--out", type=Path, help="folder for result.json and trace.json (default: the run store)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
-    run.add_argument("--timeout", type=float, default=float(os.environ.get("EXPLORER_JOB_TIMEOUT_S", 120)))
+    run.add_argument("--timeout", type=float, help="seconds (default and most: EXPLORER_JOB_TIMEOUT_S, 120)")
     run.add_argument("--run-id", help=argparse.SUPPRESS)  # set by the job runner for a queued run
     run.add_argument("--config-json", help=argparse.SUPPRESS)
     show = sub.add_parser("show", help="a stored run")
@@ -70,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(body, indent=None if args.json else 1, default=str))
         return 0
 
+    from backend import limits
+
     try:
-        if not 1 <= args.timeout <= 3600:
-            raise ConfigError("timeout", f"{args.timeout:g} is out of range (allowed: 1..3600 seconds)")
+        args.timeout = limits.check_timeout(args.timeout)
         exp = experiments.get(args.name)
         values = json.loads(args.config_json) if args.config_json else parse_sets(args.sets)
+        if args.trace_file:
+            values["trace"] = _upload(args.trace_file, store.root)
         config = exp.make_config(values)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -83,21 +93,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from backend.comm.spawn import free_port
+    from backend.jobs import Leader
 
     port = int(os.environ["EXPLORER_PORT"]) if os.environ.get("EXPLORER_PORT") else free_port()
-    run_id = args.run_id or store.create(
-        exp.name, config.to_dict(), config.digest(exp.name, experiments.code_version()), status="running",
-        timeout_s=args.timeout, code_version=experiments.code_version(), origin="cli",
-    )
-    store.update(run_id, pid=os.getpid(), port=port)
+    if args.run_id:  # queued by a job runner, which claimed it
+        run_id = args.run_id
+        store.update(run_id, pid=os.getpid(), port=port)
+    else:
+        run_id = store.create(
+            exp.name, config.to_dict(), config.digest(exp.name, experiments.code_version()), status="running",
+            timeout_s=args.timeout, code_version=experiments.code_version(), origin="cli",
+            owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
+        store.update(run_id, port=port)
+    # spawn_ranks enforces a distributed run's time limit itself (after collecting the ranks' stacks);
+    # the leader's clock is then only a backstop.
+    leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
+                    grace_s=15 if exp.distributed else 0).start()
     ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, port=port,
                                  echo_progress=not args.json)
     report = experiments.run_recorded(exp, config, ctx, store, run_id, args.out)
+    leader.stop()
+    if report["status"] == "failed" and limits.is_out_of_memory(report["error"]):
+        report["error"] = limits.memory_message()
+        store.update(run_id, error=report["error"])
     if args.json:
         print(json.dumps(report, default=str))
     else:
         _print_human(report)
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+def _upload(path: Path, root: Path) -> str:
+    from backend import uploads
+
+    try:
+        return uploads.save_trace(uploads.read_capped(path), root)
+    except (OSError, ValueError) as err:
+        raise ConfigError("trace", f"{path}: {err}") from None
 
 
 def _print_human(report: dict) -> None:

@@ -3,13 +3,30 @@
 `validate()` runs on the server for every run, whatever the caller (CLI, Python API, page, URL),
 so a widget's bounds are only a convenience. Every failure is one `ConfigError` naming the field
 and what it allows.
+
+Every Config also predicts its run's cost: `estimate()` gives peak memory (all processes) and wall
+time from the settings, and validate() refuses a run predicted to pass the server's budget
+(backend.limits: EXPLORER_RUN_MEMORY_GIB, EXPLORER_JOB_TIMEOUT_S), naming the setting that drives the
+cost (`cost_drivers`, most influential first) and the largest value of it that fits. The constants
+below are calibrated on a 2-core CPU; bench/limits.py measures every experiment at its largest
+accepted settings and checks no estimate falls below its measurement.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping
+import math
+from typing import Any, ClassVar, Mapping
+
+from backend import limits
+
+MiB = 1 << 20
+PROCESS_BYTES = 400 * MiB  # anonymous memory of a process with torch and the experiments imported (~250 MiB measured)
+RANK_START_S = 10.0        # seconds to start one spawned rank (its imports) on a loaded 2-core box; two start at a time
+FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
+BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
+OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
 
 
 class ConfigError(ValueError):
@@ -30,9 +47,28 @@ def _type_name(t) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    memory_bytes: int
+    seconds: float
+
+
+def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops: float = 0, ranks: int = 0,
+         seconds: float = 0) -> Estimate:
+    """A run's estimate from its work: the bytes it holds at its peak (beyond its processes' own), the
+    floating-point operations it computes, the bytes it copies or sends, the Python-level steps it takes,
+    the ranks it spawns besides its leader, and any fixed seconds (a compiler, a probe, a deliberate wait)."""
+    start = RANK_START_S * ranks / 2
+    return Estimate(int((1 + ranks) * PROCESS_BYTES + data_bytes),
+                    start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds)
+
+
 @dataclasses.dataclass
 class Config:
-    """Base class. Subclasses declare fields with `setting(...)` and may add cross-field rules in `check()`."""
+    """Base class. Subclasses declare fields with `setting(...)`, may add cross-field rules in `check()`,
+    and override `estimate()` with their run's cost, naming the settings that drive it in `cost_drivers`."""
+
+    cost_drivers: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
@@ -111,10 +147,77 @@ class Config:
             if bad:
                 raise ConfigError(f.name, f"{value!r} is out of range (allowed: {self.allowed(f)})")
         self.check()
+        self.check_budget()
         return self
 
     def check(self) -> None:
         """Cross-field rules; raise ConfigError naming the field to change."""
+
+    def estimate(self) -> Estimate:
+        """Peak memory and wall time of a run with these settings (experiments override; see cost())."""
+        return cost()
+
+    def _fits(self, **change) -> bool:
+        candidate = dataclasses.replace(self, **change)
+        try:
+            candidate.check()
+        except ConfigError:
+            return False
+        est = candidate.estimate()
+        return est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()
+
+    def check_budget(self) -> None:
+        """Refuse a run predicted to pass the server's memory or time budget, naming the setting to lower."""
+        if self._fits():
+            return
+        est = self.estimate()
+        need = (f"needs about {est.memory_bytes / limits.GIB:.1f} GiB and {est.seconds:.0f} s, over the server's "
+                f"budget of {limits.memory_budget() / limits.GIB:g} GiB (EXPLORER_RUN_MEMORY_GIB) and "
+                f"{limits.time_budget():g} s (EXPLORER_JOB_TIMEOUT_S) per run")
+        for name in self.cost_drivers:
+            best = self._largest_fitting(name)
+            if best is not None:
+                raise ConfigError(name, f"{getattr(self, name)!r}: this run {need} (allowed with the other "
+                                        f"settings as they are: {name} = {best})")
+        if not self.cost_drivers:
+            raise ConfigError("settings", f"this run {need}")
+        # No one setting is enough: say how far the main one may go with the other cost settings at their defaults.
+        name, others = self.cost_drivers[0], self.cost_drivers[1:]
+        defaults = {f.name: f.default for f in self.fields() if f.name in others}
+        best = dataclasses.replace(self, **defaults)._largest_fitting(name)
+        hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
+                if best is not None else f"lower {', '.join(self.cost_drivers)} together")
+        raise ConfigError(name, f"{getattr(self, name)!r}: this run {need}, and no single setting brings it "
+                                f"within ({hint})")
+
+    def _largest_fitting(self, name: str):
+        """The largest value of one setting (others unchanged) that fits the budget, or None. Assumes the cost
+        grows with the value; a choice setting gives its first choice that fits."""
+        f = self._field(name)
+        t, m, value = self.field_type(f), f.metadata, getattr(self, name)
+        if m.get("choices") or t is bool:
+            options = m.get("choices") or (False, True)
+            return next((c for c in options if c != value and self._fits(**{name: c})), None)
+        if t is str:
+            return None
+        low = m.get("min") if m.get("min") is not None else (1 if t is int else 0.0)
+        while low < value and not self._fits(**{name: low}):  # the smallest values may break a cross-field rule
+            low = low * 2 if low > 0 else 1
+        if low >= value:
+            return None
+        high = value  # low fits, high does not
+        if t is int:
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (mid, high) if self._fits(**{name: mid}) else (low, mid)
+            return low
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if self._fits(**{name: mid}) else (low, mid)
+        if low <= 0:
+            return low
+        step = 10.0 ** (math.floor(math.log10(low)) - 2)
+        return math.floor(low / step) * step  # 3 significant digits, rounded down so that it still fits
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

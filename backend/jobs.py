@@ -1,19 +1,24 @@
-"""The job runner: every run a subprocess in its own process group, queued behind a concurrency cap.
+"""The job runner and the job leader: runs queued in the store, each under its limits, none left "running".
 
     runner = JobRunner(store)
-    run_id = runner.submit("comm.bandwidth", {"world_size": "4"})   # ConfigError on bad input
+    run_id = runner.submit("comm.bandwidth", {"world_size": "4"}, owner="ana")   # ConfigError on bad input
 
-submit() validates on the server, then returns an existing run with the same digest (experiment,
-settings, code version) if one is queued, running or succeeded, so a second person asking gets the
-stored run. Otherwise it queues a row. A dispatcher thread starts queued runs while fewer than
-`max_jobs` run: `python -m backend run NAME --run-id ID` with start_new_session=True (its own
-process group, which its ranks inherit), a free rendezvous port, and stdout/stderr to the run's
-log. A run that outlives its timeout, or whose cancel was requested (from any process: the flag
-lives in the store), has its whole group killed. A child that ends without recording a final
-state is marked failed with the tail of its log.
+submit() validates on the server, then (in one store transaction) returns an existing run with the
+same digest (experiment, settings, code version) if one is queued, running or succeeded, else queues
+a row. Every runner on the store (one per server process; any number of processes) claims queued
+runs only while fewer than its cap of job runs are running in the store, so the cap holds across
+processes. A claimed run is started as `python -m backend run NAME --run-id ID` in its own process
+group with a free rendezvous port, its output appended to the run's log.txt.
+
+That process is the run's leader. `Leader` (used by the CLI and by torchrun's rank 0) writes its
+heartbeat every half second, reads the cancel flag with it, holds the job to its time and memory
+limits, and records a final state when it is stopped by a signal. So cancel works from any process,
+a restarted server adopts the jobs of the last one (they keep running, heartbeating and obeying the
+flag), and a leader that dies without a word is marked failed by the next reader of the store.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -24,44 +29,49 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from backend import experiments
+from backend import experiments, limits
 from backend.config import Config
 from backend.comm.spawn import free_port
 from backend.store import FINAL, RunRecord, RunStore
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("EXPLORER_JOB_TIMEOUT_S", 120))
 DEFAULT_MAX_JOBS = int(os.environ.get("EXPLORER_MAX_JOBS", 1))
+BEAT_S = 0.5  # heartbeat and cancel poll period: cancel acts within a second
+
+
+class NotAllowed(PermissionError):
+    """A user asked for something only the run's owner or an admin may do."""
 
 
 class JobRunner:
     def __init__(self, store: RunStore | None = None, max_jobs: int = DEFAULT_MAX_JOBS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 0.1):
+                 timeout_s: float | None = None, poll_s: float = 0.1):
         self.store = store or RunStore()
-        self.max_jobs, self.timeout_s, self.poll_s = max_jobs, timeout_s, poll_s
+        self.max_jobs, self.poll_s = max_jobs, poll_s
+        self.timeout_s = timeout_s or limits.time_budget()
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._reap_orphans()
         self._thread = threading.Thread(target=self._loop, name="job-dispatcher", daemon=True)
         self._thread.start()
 
     # --- public -----------------------------------------------------------------------------
     def submit(self, name: str, settings: Mapping[str, Any] | Config, *, timeout_s: float | None = None,
-               reuse: bool = True) -> str:
+               owner: str = "") -> str:
         exp = experiments.get(name)
         config = settings.validate() if isinstance(settings, Config) else exp.make_config(settings)
         version = experiments.code_version()
         digest = config.digest(exp.name, version)
-        if reuse and (existing := self.store.find_reusable(digest)):
-            return existing.id
-        return self.store.create(exp.name, config.to_dict(), digest, status="queued",
-                                 timeout_s=timeout_s or self.timeout_s, code_version=version, origin="jobs")
+        timeout_s = min(timeout_s or self.timeout_s, self.timeout_s)
+        return self.store.submit(exp.name, config.to_dict(), digest, timeout_s=timeout_s,
+                                 code_version=version, owner=owner)[0]
 
-    def cancel(self, run_id: str) -> None:
-        """Cancel a queued run at once; a running one is killed by the dispatcher that owns it."""
-        if self._is_queued(run_id):
-            self.store.finish(run_id, "cancelled", error="cancelled before it started")
-        self.store.update(run_id, cancel_requested=1)
+    def cancel(self, run_id: str, by: str = "", admin: bool = True) -> None:
+        """Cancel a queued run at once; a running one is stopped by its leader within a second, whichever
+        process started it. Only the run's owner or an admin may cancel."""
+        rec = self.store.get(run_id)
+        if rec and not admin and rec.owner and rec.owner != by:
+            raise NotAllowed(f"run {run_id} was launched by {rec.owner}; only they or an admin can cancel it")
+        self.store.request_cancel(run_id, by)
 
     def wait(self, run_id: str, timeout_s: float = 300) -> RunRecord:
         """Block until the run is final and, if this runner started it, its process group is gone."""
@@ -77,20 +87,16 @@ class JobRunner:
         return self.store.list(statuses=("queued", "running"))
 
     def close(self) -> None:
-        """Stop dispatching and kill every running job's process group."""
+        """Stop dispatching and kill every job this runner started."""
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
             for run_id, proc in list(self._procs.items()):
-                _kill_group(proc)
                 self.store.finish(run_id, "cancelled", error="job runner shut down")
+                _kill_group(proc)
             self._procs.clear()
 
     # --- dispatcher ---------------------------------------------------------------------------
-    def _is_queued(self, run_id: str) -> bool:
-        rec = self.store.get(run_id)
-        return bool(rec and rec.status == "queued")
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -103,12 +109,12 @@ class JobRunner:
         with self._lock:
             for run_id, proc in list(self._procs.items()):
                 self._watch(run_id, proc)
-            while len(self._procs) < self.max_jobs and (rec := self.store.claim_next()):
+            while len(self._procs) < self.max_jobs and (rec := self.store.claim_next(self.max_jobs)):
                 self._procs[rec.id] = self._start(rec)
 
     def _start(self, rec: RunRecord) -> subprocess.Popen:
         port = free_port()
-        log = open(self.store.run_dir(rec.id) / "log.txt", "wb")
+        log = open(self.store.run_dir(rec.id) / "log.txt", "ab")  # append: ranks write their stacks here too
         env = {**os.environ, "EXPLORER_PORT": str(port), "EXPLORER_DATA_DIR": str(self.store.root),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(experiments.REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
@@ -121,41 +127,83 @@ class JobRunner:
         return proc
 
     def _watch(self, run_id: str, proc: subprocess.Popen) -> None:
-        rec = self.store.get(run_id)
+        """Beat for a leader still starting up; reap one that ended; backstop a leader that stopped obeying."""
         code = proc.poll()
         if code is not None:
             _kill_group(proc)  # the leader is gone; take any rank it left behind
             del self._procs[run_id]
-            self.store.finish(run_id, "failed", error=f"job exited with code {code}: {_log_tail(self.store, run_id)}")
+            self.store.finish(run_id, "failed", error=f"job exited with code {code}: {log_tail(self.store, run_id)}")
             return
-        # The inner launcher has the same timeout; this is the backstop for a stuck leader (+grace).
-        if rec.started and time.time() - rec.started > (rec.timeout_s or self.timeout_s) + 10:
-            _kill_group(proc)
-            del self._procs[run_id]
-            self.store.finish(run_id, "failed", error=f"timed out after {rec.timeout_s:g} s; process group killed")
-        elif rec.cancel_requested:
-            _kill_group(proc)
-            del self._procs[run_id]
-            self.store.finish(run_id, "cancelled", error="cancelled by user")
+        cancel = self.store.beat(run_id)
+        rec = self.store.get(run_id)
+        if rec.status in FINAL:  # the leader recorded its end and is exiting
+            return
+        overdue = rec.started and time.time() - rec.started > (rec.timeout_s or self.timeout_s) + 15
+        if overdue or cancel:
+            # The leader acts on both itself within a second; still running after that, it is stuck or
+            # has not started yet (importing torch can take seconds), and the runner ends it instead.
+            asked = getattr(proc, "cancel_seen", None) or time.monotonic()
+            proc.cancel_seen = asked
+            if overdue or time.monotonic() - asked > 1.0:
+                # Record first: once the leader is dead, any reader would record it as simply gone.
+                self.store.finish(run_id, "cancelled" if cancel else "failed",
+                                  error="cancelled (its process group was killed)"
+                                  if cancel else limits.time_message(rec.timeout_s))
+                _kill_group(proc)
+                del self._procs[run_id]
 
-    def _reap_orphans(self) -> None:
-        """Runs left 'running' by a process that died (a server restart, a killed CLI): mark them failed.
-        A row with no pid yet is only reaped once it is older than its timeout, as its starter may be alive."""
-        for rec in self.store.list(statuses=("running",)):
-            if rec.pid is not None and not _alive(rec.pid):
-                self.store.finish(rec.id, "failed", error="the process running this job stopped")
-            elif rec.pid is None and time.time() - rec.created > (rec.timeout_s or self.timeout_s) + 60:
-                self.store.finish(rec.id, "failed", error="the process running this job never started it")
 
+class Leader:
+    """What the process leading a run does beside running it: heartbeat, cancel, limits, last words.
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    A thread beats every BEAT_S and, on a cancel flag, a passed deadline or the job's memory over the
+    budget, records the final state, kills the job's processes and ends this one. SIGINT and SIGTERM
+    do the same, so a CLI run stopped from the terminal or by a supervisor is never left "running".
+    `grace_s` delays the deadline when the caller enforces the time limit itself (spawn_ranks, which
+    first collects each rank's stack), so the leader's clock is then a backstop.
+    """
+
+    def __init__(self, store: RunStore, run_id: str, timeout_s: float, memory_bytes: int, log_path: Path,
+                 grace_s: float = 0.0):
+        self.store, self.run_id, self.memory_bytes, self.log_path = store, run_id, memory_bytes, log_path
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s + grace_s
+        self._done = threading.Event()
+
+    def start(self) -> "Leader":
+        limits.limit_this_process(self.memory_bytes)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        threading.Thread(target=self._loop, name="job-leader", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.end("cancelled", f"stopped by {signal.Signals(signum).name} before it finished", 128 + signum)
+
+    def _loop(self) -> None:
+        while not self._done.wait(BEAT_S):
+            if self.store.beat(self.run_id):
+                rec = self.store.get(self.run_id)
+                self.end("cancelled", (rec.progress_msg if rec and rec.progress_msg else "cancelled"), 1)
+            if time.monotonic() > self.deadline:
+                with open(self.log_path, "a") as log:
+                    print(f"--- time limit: stack of the leader (pid {os.getpid()}) ---", file=log, flush=True)
+                    faulthandler.dump_traceback(file=log, all_threads=True)
+                self.end("failed", limits.time_message(self.timeout_s), 1)
+            used = limits.tree_memory(os.getpid())
+            if used > self.memory_bytes:
+                self.end("failed", limits.memory_message(used, self.memory_bytes), 1)
+
+    def end(self, status: str, message: str, code: int) -> None:
+        """Record the final state (unless one is recorded), kill the job's processes, exit now."""
+        self._done.set()
+        self.store.finish(self.run_id, status, error=message)
+        limits.kill_tree(os.getpid())
+        print(f"run {self.run_id} {status}: {message}", file=sys.stderr, flush=True)
+        os._exit(code)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -169,7 +217,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _log_tail(store: RunStore, run_id: str, lines: int = 15) -> str:
+def log_tail(store: RunStore, run_id: str, lines: int = 15) -> str:
     path = Path(store.run_dir(run_id)) / "log.txt"
     if not path.exists():
         return ""

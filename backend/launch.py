@@ -7,13 +7,21 @@ torchrun supplies RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; wor
 from it. Every rank runs the experiment's rank function; rank 0 gathers the payloads, combines
 them, writes result.json and trace.json (--out, else the run store) and records the run in the
 store, so the explorer shows it like any other (origin "torchrun").
+
+Rank 0 is the run's leader (backend.jobs.Leader: heartbeat, cancel flag, time and memory limits,
+a final state on SIGINT/SIGTERM). Every rank runs under the per-process memory limit; a rank that
+raises appends its whole traceback to the run's log.txt (when the store is on its machine), and at
+the time limit every rank dumps its Python stack (faulthandler) before it ends.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import getpass
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from backend.config import ConfigError
@@ -25,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, help="seconds (default and most: EXPLORER_JOB_TIMEOUT_S, 120)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -34,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from backend import experiments
+    from backend import experiments, limits
     from backend.__main__ import parse_sets
+    from backend.comm.spawn import append_log
+    from backend.jobs import Leader
     from backend.store import RunStore
 
     if "RANK" not in os.environ:
@@ -43,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     try:
+        args.timeout = limits.check_timeout(args.timeout)
         exp = experiments.get(args.name)
         if not exp.distributed:
             raise ConfigError("experiment", f"{exp.name} is single-process; run it with python -m backend run")
@@ -59,25 +70,42 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu":
         torch.set_num_threads(1)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
-    store = RunStore() if rank == 0 else None
-    run_id = None
+    store = RunStore()
+    run_id = leader = None
     if rank == 0:
         version = experiments.code_version()
         run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
-                              timeout_s=args.timeout, code_version=version, origin="torchrun")
-    ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root) if store else None,
-                                 timeout_s=args.timeout, device=device, dist_backend=args.backend)
+                              timeout_s=args.timeout, code_version=version, origin="torchrun",
+                              owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
+        leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt").start()
+    else:
+        limits.limit_this_process(limits.memory_budget())
+        faulthandler.dump_traceback_later(args.timeout + 2, exit=True)  # rank 0's leader records the failure
+    shared = [run_id]
+    dist.broadcast_object_list(shared, src=0)
+    run_id = shared[0]
+    ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, device=device,
+                                 dist_backend=args.backend)
     try:
         payload = exp.rank_fn(rank, world, config, ctx)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
+    except Exception as err:
+        append_log(ctx, f"--- rank {rank} failed ---\n{traceback.format_exc()}")
+        if rank == 0:
+            leader.stop()
+            message = limits.memory_message() if limits.is_out_of_memory(str(err)) else f"rank 0: {type(err).__name__}: {err}"
+            store.finish(run_id, "failed", error=message)
+        raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
     if rank != 0:
         return 0
     report_exp = experiments.Experiment(exp.name, exp.config_cls, exp.summary,
                                         run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes)
     report = experiments.run_recorded(report_exp, config, ctx, store, run_id, args.out)
+    leader.stop()
     print(json.dumps(report, default=str) if args.json else f"{exp.name} run {run_id} {report['status']}: {report.get('artifacts')}")
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1
 

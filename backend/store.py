@@ -6,6 +6,18 @@ runs/<id>/ beside the database; rows only point at them. WAL plus short transact
 writer killed mid-write loses at most its own uncommitted change.
 
 Status moves queued -> running -> succeeded | failed | cancelled (or queued -> cancelled).
+
+The store is also the one queue of every process that uses it (servers, CLI runs, torchrun):
+- the concurrency cap is a lease: a runner claims a queued run only while fewer than `cap` job
+  runs are running, counted in the same write transaction (claim_next);
+- dedupe is atomic: look-up and insert happen in one transaction, and a unique index on the digest
+  of live job runs makes a second live row impossible (submit);
+- a running row carries a heartbeat written by its leader every half second (from the moment a runner
+  claims it, or a CLI or torchrun leader creates it with its pid); any reader that finds a running
+  row whose heartbeat is older than STALE_S, or whose process on this host is gone, marks it failed
+  with that reason (_reap), so nothing stays "running" and dedupe never returns a dead run. (A row
+  created as running without a pid, by a script that runs an experiment in-process, is not watched.)
+- cancel is a flag in the row; the run's leader reads it with each heartbeat (request_cancel, beat).
 """
 from __future__ import annotations
 
@@ -13,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sqlite3
 import time
 import uuid
@@ -21,6 +34,8 @@ from typing import Any, Iterator
 
 FINAL = ("succeeded", "failed", "cancelled")
 ACTIVE = ("queued", "running")
+STALE_S = 10.0  # a running row whose heartbeat is older than this has lost its leader
+HOST = socket.gethostname()
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -42,12 +57,19 @@ CREATE TABLE IF NOT EXISTS runs (
     trace_path TEXT,
     error TEXT,
     code_version TEXT,
-    origin TEXT
+    origin TEXT,
+    heartbeat REAL,
+    host TEXT,
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_digest ON runs(digest);
 CREATE INDEX IF NOT EXISTS runs_status ON runs(status);
 CREATE INDEX IF NOT EXISTS runs_experiment ON runs(experiment, created);
 """
+NEW_COLUMNS = {"heartbeat": "REAL", "host": "TEXT", "owner": "TEXT"}  # added to stores made before them
+# At most one live (queued or running) job-queue run per digest: what makes dedupe atomic.
+LIVE_INDEX = ("CREATE UNIQUE INDEX IF NOT EXISTS runs_live_digest ON runs(digest)"
+              " WHERE status IN ('queued','running') AND origin='jobs'")
 
 
 def data_dir() -> Path:
@@ -80,6 +102,9 @@ class RunRecord:
     error: str | None
     code_version: str | None
     origin: str | None
+    heartbeat: float | None
+    host: str | None
+    owner: str | None
 
     @property
     def duration_s(self) -> float | None:
@@ -105,7 +130,19 @@ class RunStore:
         self.path = self.root / "runs.sqlite"
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
+        with self._transaction() as db:  # one writer at a time: many processes may open a new store at once
+            for statement in SCHEMA.split(";"):
+                db.execute(statement)
+            have = {row["name"] for row in db.execute("PRAGMA table_info(runs)")}
+            for name, kind in NEW_COLUMNS.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            # Stores from before atomic dedupe may hold twin live rows: keep the newest of each.
+            db.execute("UPDATE runs SET status='failed', finished=?, error='duplicate of a newer identical run'"
+                       " WHERE origin='jobs' AND status IN ('queued','running') AND EXISTS (SELECT 1 FROM runs AS newer"
+                       " WHERE newer.digest=runs.digest AND newer.origin='jobs' AND newer.status IN ('queued','running')"
+                       " AND newer.created > runs.created)", (time.time(),))
+            db.execute(LIVE_INDEX)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -125,17 +162,38 @@ class RunStore:
         return path
 
     def create(self, experiment: str, config: dict, digest: str, *, status: str = "queued",
-               timeout_s: float | None = None, code_version: str = "", origin: str = "") -> str:
+               timeout_s: float | None = None, code_version: str = "", origin: str = "", owner: str = "",
+               pid: int | None = None) -> str:
+        with self._connect() as db:
+            return self._insert(db, experiment, config, digest, status, timeout_s, code_version, origin, owner, pid)
+
+    @staticmethod
+    def _insert(db, experiment, config, digest, status, timeout_s, code_version, origin, owner, pid) -> str:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
-        with self._connect() as db:
-            db.execute(
-                "INSERT INTO runs (id, experiment, config, digest, status, created, started, timeout_s, code_version, origin)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (run_id, experiment, json.dumps(config, sort_keys=True), digest, status, now,
-                 now if status == "running" else None, timeout_s, code_version, origin),
-            )
+        running = status == "running"
+        watched = running and pid is not None  # a leader that will beat; other callers keep their own rows
+        db.execute(
+            "INSERT INTO runs (id, experiment, config, digest, status, created, started, timeout_s, code_version,"
+            " origin, owner, pid, host, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (run_id, experiment, json.dumps(config, sort_keys=True), digest, status, now, now if running else None,
+             timeout_s, code_version, origin, owner, pid, HOST if watched else None, now if watched else None),
+        )
         return run_id
+
+    def submit(self, experiment: str, config: dict, digest: str, *, timeout_s: float, code_version: str,
+               owner: str = "") -> tuple[str, bool]:
+        """Queue a job-queue run unless a live or succeeded run has the same digest: (run id, created?).
+        Look-up and insert are one write transaction, so simultaneous identical submissions make one run."""
+        with self._transaction() as db:
+            self._reap(db, db.execute("SELECT * FROM runs WHERE digest=? AND status='running'", (digest,)).fetchall())
+            row = db.execute(
+                "SELECT id FROM runs WHERE digest=? AND status IN ('queued','running','succeeded') ORDER BY created DESC LIMIT 1",
+                (digest,),
+            ).fetchone()
+            if row:
+                return row["id"], False
+            return self._insert(db, experiment, config, digest, "queued", timeout_s, code_version, "jobs", owner, None), True
 
     def update(self, run_id: str, **fields) -> None:
         if not fields:
@@ -158,15 +216,8 @@ class RunStore:
     def get(self, run_id: str) -> RunRecord | None:
         with self._connect() as db:
             row = db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-        return _record(row) if row else None
-
-    def find_reusable(self, digest: str) -> RunRecord | None:
-        """A run with the same digest that is queued, running or succeeded (newest first)."""
-        with self._connect() as db:
-            row = db.execute(
-                "SELECT * FROM runs WHERE digest=? AND status IN ('queued','running','succeeded') ORDER BY created DESC LIMIT 1",
-                (digest,),
-            ).fetchone()
+            if row and self._reap(db, [row]):
+                row = db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return _record(row) if row else None
 
     def list(self, *, experiment: str | None = None, statuses: tuple[str, ...] | None = None, limit: int = 500) -> list[RunRecord]:
@@ -180,27 +231,98 @@ class RunStore:
         query += " ORDER BY created DESC LIMIT ?"
         args.append(limit)
         with self._connect() as db:
+            self._reap(db, db.execute("SELECT * FROM runs WHERE status='running'").fetchall())
             return [_record(r) for r in db.execute(query, args).fetchall()]
 
-    def claim_next(self) -> RunRecord | None:
-        """Atomically take the oldest queued run and mark it running (safe across processes)."""
+    # --- liveness --------------------------------------------------------------------------------
+    def beat(self, run_id: str) -> bool:
+        """The leader's heartbeat; returns whether a cancel was requested (the leader then stops the run)."""
+        with self._connect() as db:
+            db.execute("UPDATE runs SET heartbeat=? WHERE id=? AND status='running'", (time.time(), run_id))
+            row = db.execute("SELECT cancel_requested FROM runs WHERE id=?", (run_id,)).fetchone()
+        return bool(row and row["cancel_requested"])
+
+    def request_cancel(self, run_id: str, by: str = "") -> str | None:
+        """Cancel a queued run at once, or flag a running one for its leader; returns the status it had."""
+        message = f"cancelled by {by}" if by else "cancelled"
+        with self._transaction() as db:
+            row = db.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            if row["status"] == "queued":
+                db.execute("UPDATE runs SET status='cancelled', error=?, finished=? WHERE id=?",
+                           (message + " before it started", time.time(), run_id))
+            elif row["status"] == "running":
+                db.execute("UPDATE runs SET cancel_requested=1, progress_msg=? WHERE id=?", (message, run_id))
+            return row["status"]
+
+    @staticmethod
+    def _reap(db: sqlite3.Connection, rows) -> int:
+        """Mark failed each running row among `rows` whose leader is gone; returns how many."""
+        now, reaped = time.time(), 0
+        for row in rows:
+            if row["status"] != "running":
+                continue
+            reason = _death(row, now)
+            if reason:
+                reaped += db.execute(
+                    "UPDATE runs SET status='failed', error=?, finished=? WHERE id=? AND status='running'",
+                    (reason, now, row["id"])).rowcount
+        return reaped
+
+    def claim_next(self, cap: int) -> RunRecord | None:
+        """Take the oldest queued run and mark it running, if fewer than `cap` job-queue runs are running in
+        this store (whichever process started them). One write transaction, so the cap holds across processes."""
+        with self._transaction() as db:
+            running = db.execute("SELECT * FROM runs WHERE status='running' AND origin='jobs'").fetchall()
+            if len(running) - self._reap(db, running) >= cap:
+                return None
+            row = db.execute("SELECT * FROM runs WHERE status='queued' ORDER BY created LIMIT 1").fetchone()
+            if row is None:
+                return None
+            now = time.time()
+            db.execute("UPDATE runs SET status='running', started=?, heartbeat=?, host=? WHERE id=?",
+                       (now, now, HOST, row["id"]))
+            row = db.execute("SELECT * FROM runs WHERE id=?", (row["id"],)).fetchone()
+        return _record(row)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: taken at BEGIN, so no other process writes between our read and our write."""
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                row = db.execute("SELECT * FROM runs WHERE status='queued' ORDER BY created LIMIT 1").fetchone()
-                if row is None:
-                    db.execute("COMMIT")
-                    return None
-                db.execute("UPDATE runs SET status='running', started=? WHERE id=?", (time.time(), row["id"]))
-                db.execute("COMMIT")
+                yield db
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return self.get(row["id"])
+            db.execute("COMMIT")
 
     def check_integrity(self) -> str:
         with self._connect() as db:
             return db.execute("PRAGMA integrity_check").fetchone()[0]
+
+
+def _death(row: sqlite3.Row, now: float) -> str | None:
+    """Why a running row's leader is gone, or None while it lives."""
+    if row["host"] == HOST and row["pid"] and not pid_alive(row["pid"]):
+        return f"the process running this job (pid {row['pid']}) is gone without recording a final state"
+    beat = row["heartbeat"]
+    if beat is not None and now - beat > STALE_S:
+        return (f"no heartbeat from the process running this job for {now - beat:.0f} s (limit {STALE_S:g} s); "
+                "it was killed or its machine stopped")
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a zombie has ended; its parent has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _record(row: sqlite3.Row) -> RunRecord:

@@ -10,7 +10,7 @@ from pages import ui
 
 st.title("Runs")
 
-run_id = st.query_params.get("run")
+run_id = ui.url_run_id()
 if run_id:
     if st.button("← All runs"):
         del st.query_params["run"]
@@ -20,7 +20,7 @@ if run_id:
     if rec and rec.status == "succeeded":
         with st.expander("Settings and metrics", expanded=True):
             left, right = st.columns(2)
-            left.json(rec.config)
+            left.json(rec.config)  # st.json shows values as data, never as Markdown
             right.json(rec.result()["metrics"])
         ui.run_timeline(rec, title="Trace timeline")
     st.stop()
@@ -37,7 +37,7 @@ df = pd.DataFrame([{
     "run": r.id, "experiment": r.experiment, "status": f"{ui.STATUS_ICON[r.status]} {r.status}",
     "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created)),
     "duration (s)": round(r.duration_s, 2) if r.duration_s is not None else None,
-    "origin": r.origin, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",
+    "origin": r.origin, "owner": r.owner, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",
 } for r in records])
 st.caption(f"{len(df)} runs. Click a row to open it.")
 event = st.dataframe(df, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",

@@ -1,28 +1,165 @@
 """Shared page pieces: the settings form, launching a run, live progress, results, downloads, timelines.
 
 Pages draw; everything they show comes from the run store. Nothing here computes a result.
+Links are data, never markup: a run id from a URL is used only if it has the id format, and text a user
+can influence (settings, error messages) is escaped before Markdown sees it.
 """
 from __future__ import annotations
 
+import contextvars
+import getpass
+import hashlib
+import hmac
 import json
+import os
+import re
+import secrets
 import time
 from typing import Callable
 
 import altair as alt
 import pandas as pd
 import streamlit as st
+import streamlit.components.v1 as components
 
 from backend import experiments
 from backend.config import Config, ConfigError
 from backend.device import describe
-from backend.jobs import JobRunner
-from backend.store import ACTIVE, FINAL, RunRecord, RunStore
+from backend.jobs import JobRunner, NotAllowed, log_tail
+from backend.store import ACTIVE, FINAL, RunRecord, RunStore, data_dir
 from backend.trace import KINDS
 from pages.navigation_guard import route_through_app
 
 route_through_app()  # pages import this module first, so a page run alone reroutes through app.py
 
 STATUS_ICON = {"queued": "⏳", "running": "⚙️", "succeeded": "✅", "failed": "❌", "cancelled": "🚫"}
+RUN_ID = re.compile(r"[0-9a-f]{12}")
+# What lets Markdown make a link, an image, HTML, code, emphasis or maths out of text; and bare URLs (autolinks).
+_MARKUP = re.compile(r"([\\`*\[\]<>!$])")
+_AUTOLINK = re.compile(r"(?i)(\w):(?=//)|\b(www)\.")
+# The experiment of the page being drawn (per script run: Streamlit runs each in its own thread).
+_page_experiment: contextvars.ContextVar[str | None] = contextvars.ContextVar("page_experiment", default=None)
+
+
+def escape(text: str) -> str:
+    """Text shown as itself inside Markdown: whatever could become a link, an image, HTML, code or maths is
+    backslash-escaped (so is the colon of "http://" and the dot of "www."); plain words and punctuation stay."""
+    text = _MARKUP.sub(r"\\\1", str(text))
+    return _AUTOLINK.sub(lambda m: f"{m.group(1)}\\:" if m.group(1) else f"{m.group(2)}\\.", text)
+
+
+def url_run_id(key: str = "run") -> str | None:
+    """A run id from the URL, if it has the id format (12 hex digits); anything else is reported, not used."""
+    value = st.query_params.get(key)
+    if value is None:
+        return None
+    if not RUN_ID.fullmatch(value):
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):  # nothing Markdown acts on inside a code span
+            st.warning(f"No run `{value}` in this server's store (a run id is 12 hex digits).")
+        else:
+            st.warning(f"The link's `{key}` is not a run id (12 hex digits), so it was ignored.")
+        return None
+    return value
+
+
+def page_of(experiment: str) -> str:
+    """The URL path of the page that draws an experiment's runs (the Runs page if no topic page does)."""
+    from pages.catalog import SECTIONS
+
+    return next((t.url_path for topics in SECTIONS.values() for t in topics if experiment in t.experiments), "runs")
+
+
+# --- sign-in, as Jupyter does it ----------------------------------------------------------------------
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+COOKIE = "explorer_auth"
+
+
+def _oidc() -> bool:
+    """Whether Streamlit's own sign-in (st.login) is configured: an [auth] section in secrets.toml."""
+    try:
+        return "auth" in st.secrets
+    except Exception:  # no secrets file at all
+        return False
+
+
+def exposed() -> bool:
+    """Whether the server listens beyond this machine (Streamlit's default, no address, is every interface)."""
+    return (st.get_option("server.address") or "0.0.0.0") not in LOOPBACK
+
+
+@st.cache_resource
+def server_token() -> str:
+    """EXPLORER_TOKEN, else a token generated once per data folder (kept there, readable by its owner only)
+    and printed on the server's terminal."""
+    if os.environ.get("EXPLORER_TOKEN"):
+        return os.environ["EXPLORER_TOKEN"]
+    path = data_dir() / "server_token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_urlsafe(32).encode())
+        os.close(fd)
+    except FileExistsError:
+        pass
+    token = path.read_text().strip()
+    port = st.get_option("server.port")
+    print(f"LLM Systems Explorer needs its token: open http://<this host>:{port}/?token={token}  (kept in {path})",
+          flush=True)
+    return token
+
+
+def sign_in() -> bool:
+    """The gate app.py runs first. Bound to loopback only: open. With st.login configured (OIDC): signed-in
+    users. Otherwise the server's token, given once as ?token=, after which a cookie (a keyed digest of the
+    token, never the token) lets the browser back in."""
+    if _oidc():
+        if st.user.is_logged_in:
+            return True
+        st.title("Sign in")
+        st.button("Sign in", type="primary", on_click=st.login)
+        return False
+    if not exposed():
+        return True
+    token = server_token()
+    proof = hmac.new(token.encode(), b"explorer-session", hashlib.sha256).hexdigest()
+    if st.session_state.get("signed_in") or hmac.compare_digest(st.context.cookies.get(COOKIE, ""), proof):
+        return True
+    given = st.query_params.get("token")
+    if given is None:
+        with st.form("sign-in"):
+            st.title("Sign in")
+            st.write("This server is shared: open the link with its token that was printed where it was started, "
+                     "or paste the token here.")
+            typed = st.text_input("Token", type="password")
+            submitted = st.form_submit_button("Sign in", type="primary")
+        if not submitted:
+            return False
+        given = typed
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        st.error("That token is not this server's.")
+        return False
+    st.session_state["signed_in"] = True
+    if "token" in st.query_params:
+        del st.query_params["token"]  # out of the address bar and the history
+    components.html(f"<script>document.cookie = '{COOKIE}={proof}; path=/; max-age=2592000; SameSite=Strict';</script>",
+                    height=0)
+    return True
+
+
+def current_user() -> str:
+    """Who is launching runs: the signed-in email with st.login; the token holder; on loopback, this machine's user."""
+    if _oidc() and st.user.is_logged_in:
+        return st.user.get("email") or st.user.get("name") or "signed-in user"
+    return "token holder" if exposed() else getpass.getuser()
+
+
+def is_admin() -> bool:
+    """With st.login, the emails in EXPLORER_ADMINS; otherwise whoever holds the server's token (as in Jupyter,
+    the token is the server's own key) or sits at the machine."""
+    if _oidc():
+        admins = {a.strip() for a in os.environ.get("EXPLORER_ADMINS", "").split(",") if a.strip()}
+        return current_user() in admins
+    return True
 
 
 @st.cache_resource
@@ -43,10 +180,10 @@ def sidebar() -> None:
         active = runner().queue()
         st.caption(f"Job queue · {len(active)} active · cap {runner().max_jobs} at once")
         if not active:
-            st.markdown("<small>No runs queued or running.</small>", unsafe_allow_html=True)
+            st.caption("No runs queued or running.")
         for rec in reversed(active):
             pct = f" {rec.progress:.0%}" if rec.status == "running" else ""
-            st.markdown(f"<small>{STATUS_ICON[rec.status]} `{rec.id}` {rec.experiment}{pct}</small>", unsafe_allow_html=True)
+            st.caption(f"{STATUS_ICON[rec.status]} `{rec.id}` {escape(rec.experiment)}{pct} · {escape(rec.owner or '')}")
 
 
 # --- settings -------------------------------------------------------------------------------------
@@ -65,7 +202,7 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
     returns raw values when submitted, else None."""
     from_url, url_error = _url_settings(exp)
     if url_error:
-        st.error(f"The link's settings were not used. {url_error}")
+        st.error(f"The link's settings were not used. {escape(url_error)}")
     defaults = {**exp.config_cls().to_dict(), **(shown or {})}
     with st.form(f"settings-{exp.name}"):
         cols = st.columns(3)
@@ -107,16 +244,17 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     """Settings form -> job -> live progress -> checks, the page's own charts, downloads. `page_params` are the
     page's own URL parameters (a chosen view), kept in the URL when a run replaces the settings there."""
     exp = experiments.get(name)
+    _page_experiment.set(name)
     if intro:
         st.markdown(intro)
-    run_id = st.query_params.get("run")
+    run_id = url_run_id()
     shown = store().get(run_id) if run_id else None
     values = settings_form(exp, shown.config if shown and shown.experiment == name else None)
     if values is not None:
         try:
-            run_id = runner().submit(name, values)
+            run_id = runner().submit(name, values, owner=current_user())
         except ConfigError as err:
-            st.error(str(err))
+            st.error(escape(str(err)))
             return
         kept = {k: st.query_params[k] for k in page_params if k in st.query_params}
         st.query_params.from_dict({**kept, **{k: str(v) for k, v in values.items()}, "run": run_id})
@@ -130,16 +268,30 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
 
 
 def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = None) -> None:
+    """A run's status, checks, the page's own charts (render) and downloads. On a topic page, a run of another
+    experiment is named and linked to its own page instead of being drawn with charts made for this one."""
+    if not RUN_ID.fullmatch(run_id):
+        st.warning("That is not a run id (12 hex digits).")
+        return
     rec = store().get(run_id)
     if rec is None:
         st.warning(f"No run `{run_id}` in this server's store.")
         return
-    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {rec.experiment} · {rec.status}")
+    expected = _page_experiment.get()
+    if render and expected and rec.experiment != expected:
+        st.warning(f"Run `{rec.id}` is a run of {escape(rec.experiment)}, not of {escape(expected)}: "
+                   f"[open it on its page]({page_of(rec.experiment)}?run={rec.id}).")
+        return
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
     if rec.status in ACTIVE:
         _live_status(run_id)
         return
     if rec.status != "succeeded":
-        st.error(rec.error or rec.status)
+        st.error(escape(rec.error or rec.status))
+        log = log_tail(store(), rec.id, lines=200)
+        if log:
+            with st.expander("Log: every rank's traceback and, after a time limit, its stack"):
+                st.code(log, language=None)
         return
     result = rec.result()
     if result is None:
@@ -163,7 +315,10 @@ def _live_status(run_id: str) -> None:
         elapsed = time.time() - (rec.started or time.time())
         st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")
     if st.button("Cancel run", key=f"cancel-{run_id}"):
-        runner().cancel(run_id)
+        try:
+            runner().cancel(run_id, by=current_user(), admin=is_admin())
+        except NotAllowed as err:
+            st.error(str(err))
 
 
 def _checks(result: dict) -> None:

@@ -50,3 +50,78 @@ def test_digest_depends_on_settings_and_code():
     assert a.digest("x", "v1") == Demo().digest("x", "v1")
     assert a.digest("x", "v1") != b.digest("x", "v1")
     assert a.digest("x", "v1") != a.digest("x", "v2")
+
+
+# --- every experiment's settings, built from strings as a URL or the CLI gives them ------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from backend import limits  # noqa: E402
+
+EXPERIMENTS = experiments.all_experiments()
+
+
+def _raw_values(f) -> st.SearchStrategy[str]:
+    """Strings a user might send for one field: its choices, its bounds, numbers around and past them, junk."""
+    m = f.metadata
+    options = [st.text(max_size=12), st.sampled_from(["", " ", "nan", "inf", "-1", "1e309", "true", "0x10", "1,2,3"])]
+    if m.get("choices"):
+        options.append(st.sampled_from([str(c) for c in m["choices"]]))
+    numbers = [b for b in (m.get("min"), m.get("max")) if b is not None]
+    if numbers:
+        low, high = min(numbers), max(numbers)
+        options.append(st.sampled_from([str(b) for b in numbers]))
+        options.append(st.integers(int(low) - 2, int(high) + 2).map(str))
+        options.append(st.floats(float(low), float(high)).map(repr))
+    if f.type in (bool, "bool"):
+        options.append(st.sampled_from(["true", "false", "1", "0", "yes"]))
+    return st.one_of(options)
+
+
+@st.composite
+def raw_settings(draw, exp):
+    fields = exp.config_cls.fields()
+    chosen = draw(st.lists(st.sampled_from(fields), unique_by=lambda f: f.name, max_size=len(fields)))
+    return {f.name: draw(_raw_values(f)) for f in chosen}
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS, ids=[e.name for e in EXPERIMENTS])
+def test_any_strings_give_a_named_error_or_a_run_within_budget(exp):
+    names = {f.name for f in exp.config_cls.fields()}
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(raw_settings(exp))
+    def check(values):
+        try:
+            config = exp.make_config(values)
+        except ConfigError as err:  # anything else is a traceback a user would see
+            assert err.field in names, f"{err} names no setting of {exp.name}"
+            assert "\n" not in str(err)
+            return
+        est = config.estimate()
+        assert est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()
+
+    check()
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS, ids=[e.name for e in EXPERIMENTS])
+def test_defaults_fit_and_the_maxima_are_refused_with_a_value_that_fits(exp):
+    exp.make_config({})  # defaults are accepted
+    maxima = {f.name: f.metadata["max"] for f in exp.config_cls.fields() if f.metadata.get("max") is not None}
+    try:
+        config = exp.make_config(maxima)
+    except ConfigError as err:
+        assert err.field in {f.name for f in exp.config_cls.fields()}
+        return
+    est = config.estimate()
+    assert est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()
+
+
+def test_refusal_names_the_driving_setting_and_the_largest_value_that_fits():
+    exp = experiments.get("collectives.run")
+    with pytest.raises(ConfigError) as info:
+        exp.make_config({"numel": str(16 << 20), "iters": "10", "world_size": "6"})
+    assert info.value.field == "numel" and "EXPLORER_RUN_MEMORY_GIB" in str(info.value)
+    best = int(str(info.value).split("numel = ")[1].rstrip(")"))
+    exp.make_config({"numel": str(best), "iters": "10", "world_size": "6"})  # the value it names fits
+    with pytest.raises(ConfigError, match="numel"):
+        exp.make_config({"numel": str(best + 1), "iters": "10", "world_size": "6"})  # and is the largest that does

@@ -1,10 +1,14 @@
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from backend.config import ConfigError
-from tests.conftest import processes_in_group
+from tests.conftest import REPO, processes_in_group
 
 SMALL = {"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce"}
 
@@ -40,6 +44,9 @@ def test_crashing_rank_fails_the_run_with_its_error(runner):
     rec = runner.wait(runner.submit("comm.selftest", {"world_size": "3", "fault": "crash", "fault_rank": "2"}), 120)
     assert rec.status == "failed"
     assert "rank 2" in rec.error and "injected crash on rank 2" in rec.error
+    log = (runner.store.run_dir(rec.id) / "log.txt").read_text()
+    whole = log.split("--- rank 2 failed ---")[1]  # the whole traceback, not its last line
+    assert "Traceback (most recent call last)" in whole and 'selftest.py", line' in whole
     _assert_cleaned_up(rec)
 
 
@@ -49,12 +56,16 @@ def test_silently_exiting_rank_is_named(runner):
     _assert_cleaned_up(rec)
 
 
-def test_hanging_rank_is_killed_at_the_timeout(runner):
+def test_hanging_rank_is_named_and_its_stack_logged(runner):
     start = time.time()
-    rid = runner.submit("comm.selftest", {"world_size": "2", "fault": "hang"}, timeout_s=6)
-    rec = runner.wait(rid, 60)
-    assert rec.status == "failed" and "timeout" in rec.error
-    assert time.time() - start < 6 + 25
+    rid = runner.submit("comm.selftest", {"world_size": "3", "fault": "hang", "fault_rank": "1"}, timeout_s=20)
+    rec = runner.wait(rid, 90)
+    assert rec.status == "failed" and "time limit: not finished within 20 s" in rec.error, rec.error
+    assert "ranks [1] had not reached the collective" in rec.error and "rank 0 in all_reduce" in rec.error
+    log = (runner.store.run_dir(rid) / "log.txt").read_text()
+    hung = log.split("--- rank 1: Python stack")[1].split("--- rank 2")[0]
+    assert 'selftest.py", line' in hung and "in rank_main" in hung and "distributed_c10d" not in hung
+    assert time.time() - start < 20 + 40
     _assert_cleaned_up(rec)
 
 
@@ -96,9 +107,153 @@ def test_queue_respects_the_cap_and_cancels_queued(store):
         r.cancel(b)
         assert store.get(b).status == "cancelled"
         r.cancel(a)
-        assert r.wait(a, 30).status == "cancelled"
+        rec = r.wait(a, 30)
+        assert rec.status == "cancelled", rec.error
     finally:
         r.close()
+
+
+RUNNER_PROCESS = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from backend.jobs import JobRunner
+from backend.store import RunStore
+JobRunner(RunStore({root!r}), max_jobs=1, poll_s=0.05)
+time.sleep(10_000)
+"""
+
+
+def _running(store) -> list:
+    return store.list(statuses=("running",))
+
+
+def _cancel_within_a_second(store, rid: str) -> None:
+    """Cancel from this process, which did not start the job: its leader must stop it within a second."""
+    from backend.jobs import JobRunner
+
+    JobRunner(store, max_jobs=0).cancel(rid)  # a runner that only submits and cancels, like a page process
+    asked = time.monotonic()
+    while store.get(rid).status == "running":
+        assert time.monotonic() - asked < 1.5, "the leader did not act on the cancel flag within a second"
+        time.sleep(0.02)
+    assert store.get(rid).status == "cancelled"
+
+
+def test_cap_holds_across_runner_processes_and_a_new_server_adopts_their_jobs(store):
+    """Two runner processes with cap 1 never run two jobs; cancel works from a third process; after both runners
+    die (kill -9), their running job's leader lives on: a fresh runner counts it against the cap and cancels it."""
+    from backend.jobs import JobRunner
+
+    code = RUNNER_PROCESS.format(repo=str(REPO), root=str(store.root))
+    runners = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(2)]
+    submitter = JobRunner(store, max_jobs=0)
+    hangs = [submitter.submit("comm.selftest", {"world_size": "2", "fault": "hang", "fault_rank": str(r)}, timeout_s=60)
+             for r in (0, 1)]
+    try:
+        seen = set()
+        for rid in hangs[:1]:
+            deadline = time.time() + 60
+            while not (running := _running(store)) and time.time() < deadline:
+                time.sleep(0.05)
+            assert len(running) == 1
+            seen.add(running[0].id)
+            _wait_for_ranks(store, 2, running[0].id)
+            for _ in range(30):  # both runners are polling; still one job at a time
+                assert len(_running(store)) <= 1
+                time.sleep(0.1)
+            _cancel_within_a_second(store, running[0].id)
+        deadline = time.time() + 60
+        while not (running := _running(store)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(running) == 1 and running[0].id not in seen
+        adopted = _wait_for_ranks(store, 2, running[0].id)
+        for proc in runners:
+            proc.kill()
+            proc.wait()
+        time.sleep(1)
+        assert store.get(adopted.id).status == "running"  # the leader outlives the server that started it
+        fresh = JobRunner(store, max_jobs=1)
+        try:
+            queued = fresh.submit("comm.selftest", {"world_size": "1"})
+            time.sleep(1)
+            assert store.get(queued).status == "queued"  # the adopted job holds the one slot
+            _cancel_within_a_second(store, adopted.id)
+            deadline = time.time() + 5
+            while processes_in_group(adopted.pid) and time.time() < deadline:
+                time.sleep(0.1)
+            assert processes_in_group(adopted.pid) == []
+            fresh.cancel(queued)
+        finally:
+            fresh.close()
+    finally:
+        for proc in runners:
+            proc.kill()
+
+
+# store.py alone (stdlib only), so 8 processes start in a moment instead of each importing torch.
+SUBMITTER = """
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("store", {path!r})
+store_module = sys.modules["store"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(store_module)
+store = store_module.RunStore({root!r})
+print("ready", flush=True)
+while not os.path.exists({go!r}):
+    time.sleep(0.001)
+print(store.submit("demo", {{"n": 1}}, "same-digest", timeout_s=60, code_version="v")[0], flush=True)
+"""
+
+
+def test_identical_simultaneous_submissions_make_one_run(store, tmp_path):
+    go = tmp_path / "go"
+    code = SUBMITTER.format(path=str(REPO / "backend" / "store.py"), root=str(store.root), go=str(go))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    assert all(p.stdout.readline().strip() == "ready" for p in procs)  # all waiting at the line
+    go.touch()
+    ids = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert len(ids) == 1 and len(store.list(experiment="demo")) == 1
+
+
+def _wait_for_ranks(store, world: int, run_id: str | None = None, timeout_s: float = 90):
+    """The run's row (or any running selftest's), once every rank is past start-up (each created its stack file)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for rec in store.list(experiment="comm.selftest", statuses=("running",)):
+            if run_id and rec.id != run_id:
+                continue
+            stacks = store.root / "runs" / rec.id / "stacks"
+            if stacks.exists() and len(list(stacks.iterdir())) == world:
+                return rec
+        time.sleep(0.1)
+    raise TimeoutError("ranks did not start")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_stopped_cli_run_is_never_left_running_nor_its_ranks(store, how):
+    env = {**os.environ, "EXPLORER_DATA_DIR": str(store.root), "PYTHONPATH": str(REPO)}
+    cli = subprocess.Popen([sys.executable, "-m", "backend", "run", "comm.selftest", "--set", "world_size=2",
+                            "--set", "fault=hang", "--timeout", "100"], cwd=REPO, env=env, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rec = _wait_for_ranks(store, 2)
+        assert len(processes_in_group(cli.pid)) >= 3
+        if how == "ctrl-c":
+            os.killpg(cli.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+        else:
+            os.kill(cli.pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        stopped = time.monotonic()
+        cli.wait(timeout=10)
+        while processes_in_group(cli.pid) and time.monotonic() - stopped < 5:
+            time.sleep(0.1)
+        assert processes_in_group(cli.pid) == [], "a rank outlived its leader"
+        while store.get(rec.id).status == "running" and time.monotonic() - stopped < 10:
+            time.sleep(0.2)
+        final = store.get(rec.id)
+        assert final.status == ("failed" if how == "sigkill" else "cancelled")
+        assert ("is gone" if how == "sigkill" else "stopped by SIG") in final.error, final.error
+    finally:
+        if processes_in_group(cli.pid):
+            os.killpg(cli.pid, signal.SIGKILL)
 
 
 def test_bad_input_is_rejected_before_anything_is_stored(runner):
@@ -107,3 +262,15 @@ def test_bad_input_is_rejected_before_anything_is_stored(runner):
     with pytest.raises(ConfigError, match="fault_rank: 5 is not a rank"):
         runner.submit("comm.selftest", {"world_size": "2", "fault": "crash", "fault_rank": "5"})
     assert runner.store.list() == []
+
+
+def test_a_distributed_run_listens_on_loopback_only(runner):
+    rid = runner.submit("comm.selftest", {"world_size": "3", "fault": "hang", "fault_rank": "2"}, timeout_s=60)
+    rec = _wait_for_ranks(runner.store, 3, rid)
+    time.sleep(3)  # past the rendezvous: every rank has connected
+    pids = set(processes_in_group(rec.pid))
+    listening = [line.split() for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()]
+    ours = [cols[3] for cols in listening if any(f"pid={pid}," in cols[-1] for pid in pids)]
+    runner.cancel(rid)
+    assert ours, "found no listening socket of the run's ranks"
+    assert all(addr.startswith("127.0.0.1:") for addr in ours), ours

@@ -22,7 +22,10 @@ def test_writer_killed_mid_write_leaves_store_intact(tmp_path):
             i += 1
     """)
     proc = subprocess.Popen([sys.executable, "-c", writer])
-    time.sleep(1.5)
+    deadline = time.time() + 60
+    while not store.list(experiment="writer", limit=1) and time.time() < deadline:  # writing, not starting up
+        time.sleep(0.05)
+    time.sleep(0.5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     reopened = RunStore(tmp_path)
@@ -35,8 +38,40 @@ def test_writer_killed_mid_write_leaves_store_intact(tmp_path):
 def test_claim_is_exclusive_and_finish_is_first_writer_wins(tmp_path):
     store = RunStore(tmp_path)
     rid = store.create("demo", {}, "d", status="queued")
-    assert store.claim_next().id == rid
-    assert store.claim_next() is None
+    assert store.claim_next(cap=1).id == rid
+    assert store.claim_next(cap=1) is None
     store.finish(rid, "succeeded")
     store.finish(rid, "failed", error="late")
     assert store.get(rid).status == "succeeded"
+
+
+def test_a_dead_run_is_failed_by_any_reader_and_never_reused(tmp_path):
+    store = RunStore(tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = store.create("demo", {}, "same", status="running", pid=gone.pid, origin="jobs")
+    rid, created = store.submit("demo", {}, "same", timeout_s=60, code_version="v")
+    assert created and rid != dead
+    rec = store.get(dead)
+    assert rec.status == "failed" and f"pid {gone.pid}) is gone" in rec.error
+
+
+def test_a_silent_leader_is_failed_after_the_heartbeat_limit(tmp_path):
+    from backend import store as store_module
+
+    store = RunStore(tmp_path)
+    rid = store.create("demo", {}, "d", status="running", pid=os.getpid())  # alive, but it stops beating
+    store.update(rid, heartbeat=time.time() - store_module.STALE_S + 1)
+    assert store.get(rid).status == "running"
+    store.update(rid, heartbeat=time.time() - store_module.STALE_S - 1)
+    rec = store.list(statuses=("failed",))[0]
+    assert rec.id == rid and "no heartbeat" in rec.error
+
+
+def test_claim_honours_a_cap_shared_by_every_runner(tmp_path):
+    store = RunStore(tmp_path)
+    first, _ = store.submit("demo", {"i": 1}, "a", timeout_s=60, code_version="v")
+    second, _ = store.submit("demo", {"i": 2}, "b", timeout_s=60, code_version="v")
+    assert store.claim_next(cap=1).id == first
+    assert store.claim_next(cap=1) is None  # whichever runner asks, one is already running
+    assert store.claim_next(cap=2).id == second

@@ -2,21 +2,27 @@
 
 Every rank runs `rank_fn(rank, world_size, config, ctx)` inside a gloo process group and sends its
 payload (plain Python data) back over a queue. The parent waits for all payloads. If any rank
-raises, dies or the timeout passes, every rank is killed and the error of the first rank that
-failed is raised. Ranks also ask the kernel to kill them if the parent dies, so no rank outlives
-its run.
+raises, dies or the timeout passes, every rank is killed and the error of the rank that started it
+is raised, with every rank's whole traceback appended to the run's log.txt. At the timeout each
+rank first dumps its Python stack (faulthandler, on SIGUSR1) into the log, and the error names the
+ranks that had not reached the collective the others wait in. Ranks ask the kernel to kill them
+when their parent dies (PR_SET_PDEATHSIG), so no rank outlives its run, even after `kill -9`.
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import os
 import queue
+import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -39,10 +45,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent ends. If the parent ended before we got here, the kernel
+    will never send it, so check the parent is still the one that started us."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def run_log(ctx) -> Path | None:
+    """The run's log.txt in the store, or None for an unrecorded run (then stderr is its log)."""
+    if ctx.run_id and ctx.store_root:
+        return Path(ctx.store_root) / "runs" / ctx.run_id / "log.txt"
+    return None
+
+
+def append_log(ctx, text: str) -> None:
+    path = run_log(ctx)
+    if path is None:
+        print(text, file=sys.stderr, flush=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(text.rstrip("\n") + "\n")
+
+
+_rendezvous_listener: socket.socket | None = None
 
 
 def init_rank(rank: int, world_size: int, port: int, timeout_s: float, backend: str = "gloo") -> None:
@@ -50,15 +80,29 @@ def init_rank(rank: int, world_size: int, port: int, timeout_s: float, backend: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only fight
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The rendezvous store listens on loopback only. Given an address, TCPStore still binds every interface;
+    # handed a socket that already listens (master_listen_fd), it serves on that one. Gloo's own connections
+    # follow GLOO_SOCKET_IFNAME.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    global _rendezvous_listener  # kept open for the life of the rank: the store serves on it
+    listener = None
+    if rank == 0:
+        listener = _rendezvous_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout,
+                          master_listen_fd=listener.fileno() if listener else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results) -> None:
-    _die_with_parent()
+def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results, parent_pid, stack_path) -> None:
+    die_with_parent(parent_pid)
     import torch.distributed as dist
+
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
     code = 0
     try:
@@ -83,8 +127,12 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
     port = ctx.port or free_port()
     mp_ctx = mp.get_context("spawn")
     results = mp_ctx.Queue()
+    # Where each rank's faulthandler writes its stack; a rank creates its file once it is past start-up.
+    stacks = run_log(ctx).parent / "stacks" if run_log(ctx) else Path(tempfile.mkdtemp(prefix="explorer-stacks-"))
+    stacks.mkdir(parents=True, exist_ok=True)
     procs = [
-        mp_ctx.Process(target=_rank_entry, args=(rank_fn, r, world_size, port, config, ctx, results), daemon=True)
+        mp_ctx.Process(target=_rank_entry, daemon=True, args=(
+            rank_fn, r, world_size, port, config, ctx, results, os.getpid(), stacks / f"rank{r}.txt"))
         for r in range(world_size)
     ]
     for p in procs:
@@ -97,13 +145,12 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
                 kind, rank, data = results.get(timeout=0.1)
             except queue.Empty:
                 if any(r not in payloads and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
-                    raise _root_cause(results, procs, {})
+                    raise _root_cause(results, procs, {}, ctx)
                 if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in payloads]
-                    raise RunTimeout(f"ranks {missing} did not finish within the {ctx.timeout_s:g} s timeout")
+                    raise _timeout(procs, payloads, stacks, ctx)
                 continue
             if kind == "err":
-                raise _root_cause(results, procs, {rank: data})
+                raise _root_cause(results, procs, {rank: data}, ctx)
             payloads[rank] = data
         for p in procs:
             p.join(timeout=10)
@@ -114,16 +161,79 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
             p.join(timeout=5)
         results.close()
         results.cancel_join_thread()
+        for f in stacks.iterdir():
+            f.unlink()
+        stacks.rmdir()
     return [payloads[r] for r in range(world_size)]
+
+
+def _timeout(procs, payloads: dict, stacks: Path, ctx, grace_s: float = 2.0) -> RunTimeout:
+    """Ask every unfinished rank for its Python stack, log them, and name the ranks that had not reached
+    the collective the others are blocked in (a rank blocked in one is waiting for those)."""
+    pending = [r for r, p in enumerate(procs) if r not in payloads and p.is_alive()]
+    for r in pending:
+        os.kill(procs[r].pid, signal.SIGUSR1)  # before the rank registered its handler, this ends it: fine
+
+    def dump(r: int) -> str:
+        path = stacks / f"rank{r}.txt"
+        return path.read_text() if path.exists() else ""
+
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and not all(_main_stack(dump(r)) for r in pending if procs[r].is_alive()):
+        time.sleep(0.05)
+    waiting, elsewhere, starting = {}, [], []
+    for r in pending:
+        frames = _main_stack(dump(r))
+        append_log(ctx, f"--- rank {r}: Python stack at the {ctx.timeout_s:g} s time limit ---\n"
+                        + (dump(r) or "(none: the rank had not started its run)"))
+        if not frames:
+            starting.append(r)
+        elif collective := _collective(frames):
+            waiting[r] = collective
+        else:
+            elsewhere.append(r)
+    blocked = ", ".join(f"rank {r} in {name}" for r, name in waiting.items())
+    behind = elsewhere + starting
+    if waiting and behind:
+        what = f"ranks {behind} had not reached the collective the others wait in ({blocked})"
+    elif waiting:
+        what = f"every unfinished rank was blocked in a collective ({blocked})"
+    elif elsewhere:
+        what = f"ranks {elsewhere} were still computing"
+    else:
+        what = f"ranks {starting} had not started their run (process start-up alone took the time)"
+    from backend.limits import time_message
+
+    return RunTimeout(f"{time_message(ctx.timeout_s)}: {what}; each rank's stack is in the run's log.txt")
+
+
+def _main_stack(dump: str) -> list[str]:
+    """The main thread's frames from a faulthandler dump, innermost first: the block that holds the rank's
+    entry point (faulthandler lists every thread, the main one not necessarily first)."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
+        if " in _rank_entry" in block:
+            return [ln.strip() for ln in block.splitlines()[1:] if ln.strip().startswith("File ")]
+    return []
+
+
+# Frames that mean "blocked in communication": torch.distributed, or this package's send/recv layer.
+_COMM_FILES = ("torch/distributed/distributed_c10d.py", "backend/comm/p2p.py")
+
+
+def _collective(frames: list[str]) -> str | None:
+    """The outermost communication call on a stack (e.g. 'all_reduce'), or None if the rank was elsewhere."""
+    names = [ln.rsplit(" in ", 1)[1] for ln in frames if any(f in ln for f in _COMM_FILES)]
+    return names[-1] if names else None
 
 
 # A rank whose peer vanished fails inside gloo's transport; that error is a consequence, not a cause.
 _PEER_LOST = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _root_cause(results, procs, errors: dict[int, str], grace_s: float = 1.0) -> RankFailed:
+def _root_cause(results, procs, errors: dict[int, str], ctx, grace_s: float = 1.0) -> RankFailed:
     """Collect what every rank says for a moment, then blame the rank most likely to have started it:
-    one that died without a word, else one whose error is not a lost peer, else the first to report."""
+    one that died without a word, else one whose error is not a lost peer, else the first to report.
+    Every rank's whole traceback goes to the run's log."""
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
         try:
@@ -132,6 +242,8 @@ def _root_cause(results, procs, errors: dict[int, str], grace_s: float = 1.0) ->
             continue
         if kind == "err":
             errors.setdefault(r, data)
+    for r, tb in sorted(errors.items()):
+        append_log(ctx, f"--- rank {r} failed ---\n{tb}")
     silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
     if silent:
         code = procs[silent[0]].exitcode

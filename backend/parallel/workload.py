@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -32,6 +32,19 @@ class WorkloadConfig(Config):
     steps: int = setting(5, min=1, max=100, help="training steps")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
+
+    cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
+
+    def estimate(self):
+        """float64 MLP: each rank and the single-process reference hold weights, gradients and Adam's two moments
+        (torch's own peer doubles it) and activations; every step is 6·batch·params flops for each of them, and
+        gradients cross the ranks once per step."""
+        params = self.layers * (self.hidden * self.hidden + self.hidden)
+        copies = self.world_size + 2
+        activations = self.batch * self.hidden * self.layers * 8 * 3
+        return cost(data_bytes=copies * (params * 8 * 8 + activations), flops=3 * 6 * self.batch * params * self.steps,
+                    moved_bytes=self.steps * params * 8 * 4 * self.world_size,
+                    ops=self.steps * self.layers * 1000 * copies, ranks=self.world_size + 1)
 
     def check(self) -> None:
         if self.batch < self.world_size:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.attention.flash import io_model, naive_attention, online_softmax_example, tiled_attention
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.result import Check, Result
 
@@ -39,6 +39,16 @@ class FlashConfig(Config):
     impl: str = setting("triton", choices=("naive", "tiled", "triton"), help="which path")
     backward: bool = setting(True, help="also run and check the backward pass")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
+
+    cost_drivers = ("seq_len", "batch", "heads")
+
+    def estimate(self):
+        """The reference holds every score in float64; the kernel's tiles each cost interpreter or loop steps."""
+        bh, s = self.batch * self.heads, self.seq_len
+        passes = 3 if self.backward else 1  # a backward pass is about two forwards
+        tiles = bh * -(-s // self.block_m) * -(-s // self.block_n) * passes
+        return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2,
+                    ops=tiles * {"triton": 40, "tiled": 4, "naive": 0}[self.impl])
 
     def check(self) -> None:
         gpu = torch.cuda.is_available()

@@ -17,7 +17,7 @@ import torch
 
 from backend.attention.rope import relative_position_error
 from backend.attention.variants import cache_formula_elements
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
@@ -46,6 +46,18 @@ class KVCacheConfig(Config):
     n_layers: int = setting(2, min=1, max=8, help="layers l")
     context: int = setting(128, min=8, max=1024, help="tokens in the sequence (half prompt, half generated)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and prompt")
+
+    cost_drivers = ("n_layers", "context", "n_heads", "d_head")
+
+    def estimate(self):
+        """Each variant's fp32 model (plus MLA's naive twin) generates `context` tokens, checked against a full
+        recomputation: three passes of 2·params flops per token."""
+        d_model = max(64, self.n_heads * self.d_head // 2)
+        params = self.n_layers * 12 * d_model * max(d_model, self.d_c, self.n_heads * self.d_head)
+        variants = len(VARIANTS) + 1 if self.variant == "all" else 2
+        return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4,
+                    flops=variants * 3 * 2 * params * self.context,
+                    ops=variants * 3 * self.context * self.n_layers * 40)
 
     def check(self) -> None:
         if self.n_heads % self.n_kv_heads:

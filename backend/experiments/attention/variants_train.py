@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from backend.config import Config, setting
+from backend.config import Config, setting, cost
 from backend.experiments import define
 from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
@@ -30,6 +30,15 @@ class TrainConfig(Config):
     vocab: int = setting(16, min=4, max=64, help="vocabulary of the Markov chain")
     lr: float = setting(3e-3, min=1e-5, max=1e-1, help="AdamW learning rate")
     seed: int = setting(0, min=0, max=2**31 - 1, help="corpus and weights")
+
+    cost_drivers = ("steps", "batch", "seq_len")
+
+    def estimate(self):
+        """Four tiny decoders (d_model 64, 2 layers), each trained `steps` steps on batch × seq_len tokens."""
+        params = 2 * 12 * 64 * 64 + 2 * self.vocab * 64
+        per_token = 6 * params + 2 * 12 * self.seq_len * 64  # weights, then attention over the sequence
+        return cost(data_bytes=self.batch * self.seq_len * (self.seq_len * 4 + 64 * 40) * 8,
+                    flops=4 * self.steps * self.batch * self.seq_len * per_token, ops=4 * (self.steps * 3500 + 64 * 200))
 
 
 def shape_for(variant: str, vocab: int) -> ModelShape:

@@ -17,7 +17,7 @@ import dataclasses
 import statistics
 import time
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.comm.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
 from backend.experiments import define
 from backend.result import Check, Result
@@ -38,6 +38,16 @@ class CollectivesConfig(Config):
     splits: str = setting("equal", choices=("equal", "uneven"), help="all_to_all: equal or uneven split sizes")
     root: int = setting(0, min=0, max=7, help="root rank of broadcast, scatter, gather, reduce, barrier")
     iters: int = setting(3, min=1, max=50, help="timed repetitions (plus one traced, checked call)")
+
+    cost_drivers = ("numel", "iters", "world_size")
+
+    def estimate(self):
+        """Each rank holds its buffer, up to world_size received pieces and reference copies; every timed call
+        (ours and gloo's built-in) moves about twice the buffer per rank."""
+        size = self.numel * (4 if self.dtype == "float32" else 2)
+        n = self.world_size
+        return cost(data_bytes=n * (n + 4) * size, moved_bytes=2 * (self.iters + 2) * 2 * n * size,
+                    ops=2 * (self.iters + 2) * n * 2 * n * 300, ranks=n)
 
     def check(self) -> None:
         if self.algo not in ALGORITHMS[self.op]:

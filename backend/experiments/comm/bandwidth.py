@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.comm.collectives import BUS_FACTOR
 from backend.experiments import define
 from backend.result import Check, Result
@@ -44,6 +44,17 @@ class BandwidthConfig(Config):
             sizes.append(s)
             s *= 2
         return sizes
+
+    cost_drivers = ("max_bytes", "iters", "world_size")
+
+    def estimate(self):
+        """Sizes double from min_bytes to max_bytes (their sum < 2·max_bytes); each op runs warmup + iters
+        times per size; all_gather's output is world_size buffers per rank."""
+        n, ops = self.world_size, len([o for o in self.ops.split(",") if o.strip()])
+        sizes = max(1, (max(self.max_bytes, self.min_bytes) // self.min_bytes).bit_length())
+        calls = ops * (self.iters + self.warmup + 1)
+        return cost(data_bytes=n * (n + 3) * self.max_bytes, moved_bytes=calls * 2 * self.max_bytes * 2 * n,
+                    ops=calls * sizes * n * 400, ranks=n)
 
     def check(self) -> None:
         ops = self.op_list()

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import time
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.result import Check, Result
 from backend.trace import Tracer
@@ -21,6 +21,11 @@ class SelftestConfig(Config):
     world_size: int = setting(2, min=1, max=8, help="number of ranks")
     fault: str = setting("none", choices=("none", "crash", "exit", "hang"), help="what the faulty rank does")
     fault_rank: int = setting(1, min=0, max=7, help="which rank misbehaves")
+
+    cost_drivers = ("world_size",)
+
+    def estimate(self):
+        return cost(ranks=self.world_size)
 
     def check(self) -> None:
         if self.fault != "none" and self.fault_rank >= self.world_size:

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from backend.config import Config, setting
+from backend.config import Config, setting, cost
 from backend.experiments import define
 from backend.graph.autograd import build, graphs, numeric_grad, symbolic_derivative
 from backend.graph.dot import to_dot
@@ -26,6 +26,13 @@ class AutodiffConfig(Config):
     width: int = setting(5, min=1, max=64, help="columns of x / rows of w1")
     hidden: int = setting(6, min=2, max=64, help="columns of w1 / rows of w2")
     seed: int = setting(0, min=0, max=2**31 - 1, help="values")
+
+    cost_drivers = ("batch", "width", "hidden")
+
+    def estimate(self):
+        """Central differences evaluate the expression twice per input element, and each element is a table row."""
+        elements = self.batch * self.width + self.width * self.hidden + self.hidden * 3
+        return cost(data_bytes=elements * 2000, ops=elements * 2 * 12 + 2000)
 
 
 def run(config: AutodiffConfig, ctx) -> Result:

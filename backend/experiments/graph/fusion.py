@@ -15,7 +15,7 @@ import dataclasses
 import networkx as nx
 import torch
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.graph import expr, ir
 from backend.graph.capture import capture, to_networkx
@@ -46,6 +46,15 @@ class FusionConfig(Config):
     horizontal: bool = setting(True, help="fuse siblings that read the same input")
     block_limit: int = setting(1024, min=2, max=4096, help="longest reduced axis one block holds (a persistent reduction)")
     inductor: bool = setting(False, help="also compile with torch.compile and count TorchInductor's kernels (about 20 s)")
+
+    cost_drivers = ("rows", "width", "inductor")
+
+    def estimate(self):
+        """Triton's interpreter runs each generated kernel once per row; Inductor, when asked, compiles with a C++
+        toolchain (the dominant cost: tens of seconds and a compiler's memory)."""
+        passes = 2 if self.backward else 1
+        return cost(data_bytes=self.rows * self.width * 4 * 400 + (1536 << 20 if self.inductor else 0),
+                    ops=passes * self.rows * (200 + 4 * self.width) + 40_000, seconds=60 if self.inductor else 0)
 
     def check(self) -> None:
         if self.model == "expression":

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backend.config import Config, setting
+from backend.config import Config, setting, cost
 from backend.experiments import define
 from backend.graph import ir
 from backend.graph.capture import capture, evaluate, to_networkx
@@ -32,6 +32,15 @@ class PlacementConfig(Config):
     gflops: float = setting(2.0, min=0.001, max=1e6, help="compute rate the placement assumes, GFLOP/s per rank")
     link_gbps: float = setting(1.0, min=0.001, max=1e4, help="link bandwidth the placement assumes, GB/s")
     latency_us: float = setting(50.0, min=0.0, max=1e5, help="per-transfer latency the placement assumes, µs")
+
+    cost_drivers = ("rows", "width", "world_size")
+
+    def estimate(self):
+        """A few rows × width × width matmuls per rank, sent between ranks, and a single-process reference."""
+        passes = 3 if self.backward else 1
+        data = (self.rows * self.width + 4 * self.width * self.width) * 4
+        return cost(data_bytes=(self.world_size + 1) * 8 * data, flops=(self.world_size + 1) * passes * 20 * self.rows * self.width ** 2,
+                    moved_bytes=passes * 8 * data, ops=passes * 400, ranks=self.world_size)
 
 
 def two_branch(rows: int, width: int):

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.kvcache.manager import KVCacheManager
 from backend.models.llama import ModelShape, TinyDecoder
@@ -63,6 +63,16 @@ class PagedDecodeConfig(Config):
     n_heads: int = setting(4, min=1, max=16, help="query heads")
     n_kv_heads: int = setting(2, min=1, max=16, help="KV heads (GQA)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and prompts")
+
+    cost_drivers = ("new_tokens", "prompt_len", "sequences", "num_blocks")
+
+    def estimate(self):
+        """Each decode step runs the paged kernel in Triton's interpreter over every block of every sequence and
+        head, and a token-by-token reference; the pool holds num_blocks blocks per layer."""
+        blocks = -(-(self.prompt_len + 20 + self.new_tokens) // self.block_size)
+        steps = self.sequences * (self.new_tokens + 1)
+        pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
+        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 40 + 400) + self.sequences * self.prompt_len * 60)
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):

@@ -3,17 +3,18 @@ of the same memory. Both schedulers run the same trace; see serving.py for what 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
-from backend.kvcache.serving import read_csv_trace, simulate_contiguous, simulate_paged, synthetic_trace
+from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthetic_trace
 from backend.result import Check, Result
+from backend.uploads import load_trace
 
 
 @dataclasses.dataclass
 class ServeConfig(Config):
-    trace: str = setting("synthetic", help="'synthetic' (ShareGPT-like) or the path of a CSV: arrival,prompt_len,output_len[,prefix_id,prefix_len]")
+    trace: str = setting("synthetic", help="'synthetic' (ShareGPT-like), or an uploaded CSV's hash, or a .csv in the data "
+                                           "folder's traces/: arrival,prompt_len,output_len[,prefix_id,prefix_len]")
     n_requests: int = setting(1000, min=1, max=10_000, help="requests in the synthetic trace")
     rate: float = setting(1.0, min=0.01, max=100.0, help="synthetic arrivals per scheduler step")
     block_size: int = setting(16, min=1, max=256, help="tokens per KV block")
@@ -26,13 +27,23 @@ class ServeConfig(Config):
     def requests(self):
         if self.trace == "synthetic":
             return synthetic_trace(self.n_requests, self.seed, self.rate, self.max_model_len)
-        path = Path(self.trace)
-        if not path.is_file():
-            raise ConfigError("trace", f"{self.trace!r} is neither 'synthetic' nor a readable CSV file")
-        try:
-            return read_csv_trace(path.read_text())
+        try:  # by content hash or a name in the data folder's traces/, never a path (see backend/uploads.py)
+            return load_trace(self.trace)
         except ValueError as err:
-            raise ConfigError("trace", str(err).removeprefix("trace: ")) from None
+            raise ConfigError("trace", str(err)) from None
+
+    cost_drivers = ("n_requests", "num_blocks", "max_model_len")
+
+    def estimate(self):
+        """Two scheduler simulations, each a Python loop over scheduler steps (until the last request arrives
+        and drains), sampling its state every step; each request costs about 200 scheduler steps of Python."""
+        if self.trace == "synthetic":
+            requests, span = self.n_requests, self.n_requests / self.rate
+        else:
+            trace = self.requests()
+            requests, span = len(trace), max(r.arrival for r in trace)
+        return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
+                    ops=2 * (span * 20 + requests * 200))
 
     def check(self) -> None:
         capacity = self.num_blocks * self.block_size

@@ -14,7 +14,7 @@ import time
 import torch
 
 from backend.attention.flash import io_model, naive_attention, tiled_attention
-from backend.config import Config, setting
+from backend.config import Config, setting, cost
 from backend.experiments import define
 from backend.memory.devices import DEVICES, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, probe_bandwidth, probe_matmul
@@ -31,6 +31,14 @@ class RooflineConfig(Config):
     def sizes(self) -> list[int]:
         return [int(s) for s in self.gemm_sizes.split(",") if s.strip()]
 
+    cost_drivers = ("seq_len",)
+
+    def estimate(self):
+        """Each GEMM size is timed (3 repeats of 2n³ flops) and attention materialises N × N scores."""
+        n, sizes = self.seq_len, self.sizes()
+        return cost(data_bytes=4 * n * n * 4 + sum(3 * s * s * 4 for s in sizes) + (512 << 20),
+                    flops=sum(3 * 2 * s ** 3 for s in sizes) + 3 * 4 * n * n * self.head_dim, seconds=5)
+
     def check(self) -> None:
         from backend.config import ConfigError
 
@@ -38,6 +46,8 @@ class RooflineConfig(Config):
             sizes = self.sizes()
         except ValueError:
             raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r} is not a comma-separated list of integers") from None
+        if len(sizes) > 8:
+            raise ConfigError("gemm_sizes", f"{len(sizes)} sizes (allowed: at most 8)")
         if not sizes or any(not 16 <= s <= 2048 for s in sizes):
             raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r}: each size must be in 16..2048")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import setting
+from backend.config import Estimate, setting
 from backend.experiments import define
 from backend.parallel.ddp import DDP, TorchDDP
 from backend.parallel.loop import start_rank, train
@@ -17,6 +17,14 @@ class DDPConfig(WorkloadConfig):
     bucket_kb: int = setting(25, min=1, max=1 << 20, help="bucket size in KiB")
     overlap: bool = setting(True, help="launch each bucket's all-reduce during backward")
     comm_delay_ms: int = setting(0, min=0, max=1000, help="simulated slow network: extra time per bucket all-reduce")
+
+    cost_drivers = ("comm_delay_ms",) + WorkloadConfig.cost_drivers
+
+    def estimate(self):
+        """The workload's, plus the simulated network's delay on every bucket of every step."""
+        base = super().estimate()
+        buckets = -(-self.layers * (self.hidden * self.hidden + self.hidden) * 8 // (self.bucket_kb * 1024))
+        return Estimate(base.memory_bytes, base.seconds + 2 * self.steps * buckets * self.comm_delay_ms / 1000)
 
 
 def run_rank(rank, world, config: DDPConfig, ctx):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import ConfigError, setting
+from backend.config import ConfigError, Estimate, setting
 from backend.experiments import define
 from backend.parallel import dp_ps
 from backend.parallel.dp_ps import combine_ps
@@ -16,6 +16,13 @@ class PSConfig(WorkloadConfig):
     staleness: int = setting(1, min=0, max=16, help="stale mode: how many pushes a worker may run ahead of the slowest")
     server: str = setting("dedicated", choices=("rank0", "dedicated"), help="rank 0 also works (seed's GPU0 DP), or only serves")
     straggler_ms: int = setting(0, min=0, max=1000, help="extra time per step on the last worker")
+
+    cost_drivers = ("straggler_ms",) + WorkloadConfig.cost_drivers
+
+    def estimate(self):
+        """The workload's, plus the straggler's wait on every step."""
+        base = super().estimate()
+        return Estimate(base.memory_bytes, base.seconds + 2 * self.steps * self.straggler_ms / 1000)
 
     def check(self) -> None:
         super().check()

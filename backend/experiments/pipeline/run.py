@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.schedules import SCHEDULES
@@ -46,6 +46,18 @@ class PipelineConfig(Config):
     @property
     def num_stages(self) -> int:
         return self.world_size * self.plan.chunks(self.virtual_stages)
+
+    cost_drivers = ("batch", "hidden", "layers", "microbatches", "stages")
+
+    def estimate(self):
+        """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
+        more steps on the same ranks: about four training steps of 6·batch·params flops, and every micro-batch's
+        activations held at once (GPipe's worst case) in each."""
+        params = self.layers * (self.hidden * self.hidden + self.hidden)
+        activations = self.batch * self.hidden * self.layers * 8 * 3
+        return cost(data_bytes=2 * (params * 8 * 3 + activations),
+                    flops=4 * 6 * self.batch * params, moved_bytes=4 * 2 * self.batch * self.hidden * 8 * self.stages,
+                    ops=4 * self.microbatches * self.num_stages * 60, ranks=self.stages)
 
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)

@@ -1,0 +1,101 @@
+"""Benchmark: every experiment at its largest accepted settings, its measured peak memory and wall time beside
+Config.estimate(). The estimate must never fall below the measurement, and nothing accepted may pass the
+server's budget (EXPLORER_RUN_MEMORY_GIB, EXPLORER_JOB_TIMEOUT_S). Writes bench/results/limits.json.
+
+"Largest accepted": every numeric setting at its maximum, then, while validate() refuses, the setting its
+message names lowered to the largest value it says fits. Each run is `python -m backend run` (the job
+leader, as the server starts it); memory is the resident anonymous memory of its whole process tree,
+sampled every 50 ms, the same sum the leader enforces.
+
+    nice python bench/limits.py [--only NAME,...] [--defaults]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backend import experiments, limits  # noqa: E402
+from backend.config import ConfigError  # noqa: E402
+from backend.device import describe  # noqa: E402
+
+ALLOWED = re.compile(r"allowed with the other settings as they are: (\w+) = ([^)]+)\)")
+ALLOWED_WITH = re.compile(r"allowed: (\w+) = (\S+) with (.+)\)$")  # no single setting fits: others given too
+
+
+def largest_accepted(exp) -> dict:
+    """Every numeric setting at its maximum, then lowered as the refusals say until validate() accepts."""
+    values = {f.name: f.metadata["max"] for f in exp.config_cls.fields() if f.metadata.get("max") is not None}
+    for _ in range(30):
+        try:
+            return exp.make_config(values).to_dict()
+        except ConfigError as err:
+            fix, fix_with = ALLOWED.search(str(err)), ALLOWED_WITH.search(str(err))
+            field = exp.config_cls._field(err.field)
+            if fix:
+                values[fix.group(1)] = fix.group(2)
+            elif fix_with:
+                values[fix_with.group(1)] = fix_with.group(2)
+                values.update(pair.split(" = ") for pair in fix_with.group(3).split(", "))
+            elif field.metadata.get("min") is not None and str(values.get(err.field)) != str(field.metadata["min"]):
+                values[err.field] = field.metadata["min"]  # a cross-field rule or no single fit: try its smallest
+            else:
+                values.pop(err.field, None)  # back to its default
+    raise RuntimeError(f"{exp.name}: no accepted settings found from the maxima")
+
+
+def measure(name: str, config: dict, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "backend", "run", name, "--config-json", json.dumps(config), "--json"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, limits.tree_memory(proc.pid))
+        time.sleep(0.05)
+        if time.monotonic() - start > timeout_s + 60:
+            proc.kill()
+    wall = time.monotonic() - start
+    lines = proc.stdout.read().strip().splitlines()
+    report = json.loads(lines[-1]) if lines else {}
+    return {"status": report.get("status", f"exit {proc.returncode}"), "error": report.get("error"),
+            "passed": report.get("passed"), "peak_bytes": peak, "process_wall_s": round(wall, 2),
+            "run_wall_s": report.get("wall_s")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", help="comma-separated experiment names")
+    p.add_argument("--defaults", action="store_true", help="measure default settings instead (calibration)")
+    args = p.parse_args()
+    chosen = [e for e in experiments.all_experiments() if not args.only or e.name in args.only.split(",")]
+    rows = []
+    for exp in chosen:
+        config = exp.config_cls().to_dict() if args.defaults else largest_accepted(exp)
+        est = exp.make_config(config).estimate()
+        got = measure(exp.name, config, limits.time_budget())
+        # The leader's own clock starts after its imports; the estimate covers the run, compared with run_wall_s.
+        row = {"experiment": exp.name, "config": config, "estimate_bytes": est.memory_bytes,
+               "estimate_s": round(est.seconds, 2), **got,
+               "memory_covered": est.memory_bytes >= got["peak_bytes"],
+               "time_covered": got["run_wall_s"] is None or est.seconds >= got["run_wall_s"],
+               "within_budget": est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()}
+        rows.append(row)
+        print(f"{exp.name:24s} peak {got['peak_bytes'] / 2**30:5.2f} GiB (est {est.memory_bytes / 2**30:5.2f})  "
+              f"run {got['run_wall_s']} s (est {est.seconds:6.1f})  {got['status']}", flush=True)
+    out = {"device": describe()["name"], "memory_budget_bytes": limits.memory_budget(),
+           "time_budget_s": limits.time_budget(), "mode": "defaults" if args.defaults else "largest accepted",
+           "all_covered": all(r["memory_covered"] and r["time_covered"] for r in rows), "rows": rows}
+    path = ROOT / "bench" / "results" / ("limits_defaults.json" if args.defaults else "limits.json")
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Sign-in as Jupyter does it, in real Chromium: a server bound beyond localhost asks for its token; ?token= once
+sets a cookie (a keyed digest, not the token) and leaves the address bar; a browser without it is asked again."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from backend.comm.spawn import free_port
+from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+from tests.conftest import REPO, processes_in_group
+
+TOKEN = "t0k3n-for-this-test-only"
+
+
+@pytest.fixture(scope="module")
+def exposed_server(tmp_path_factory):
+    _require_browser()
+    port = free_port()
+    data = tmp_path_factory.mktemp("token-data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "0.0.0.0", "--browser.gatherUsageStats", "false"],
+        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data), "EXPLORER_TOKEN": TOKEN}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        pytest.fail("streamlit did not start within 60 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert processes_in_group(proc.pid) == []
+
+
+def test_token_flow(exposed_server):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        stranger = browser.new_page()
+        stranger.goto(f"{exposed_server}/runs")
+        expect(stranger.get_by_role("heading", name="Sign in")).to_be_visible(timeout=30_000)
+        expect(stranger.get_by_text("Job queue")).to_have_count(0)  # nothing of the app without the token
+        stranger.goto(f"{exposed_server}/?token=wrong")
+        expect(stranger.get_by_text("That token is not this server's.")).to_be_visible(timeout=30_000)
+
+        context = browser.new_context()
+        member = context.new_page()
+        member.goto(f"{exposed_server}/?token={TOKEN}")
+        expect(member.get_by_text("Job queue")).to_be_visible(timeout=30_000)
+        deadline = time.time() + 10
+        while "token=" in member.url and time.time() < deadline:
+            time.sleep(0.1)
+        assert "token=" not in member.url  # out of the address bar and the history
+        deadline = time.time() + 10
+        while not any(c["name"] == "explorer_auth" for c in context.cookies()) and time.time() < deadline:
+            time.sleep(0.1)
+        cookie = next(c for c in context.cookies() if c["name"] == "explorer_auth")
+        assert TOKEN not in cookie["value"]
+        again = context.new_page()  # a later visit: the cookie is enough
+        again.goto(f"{exposed_server}/runs")
+        expect(again.get_by_role("heading", name="Runs")).to_be_visible(timeout=30_000)
+
+        pasted = browser.new_page()  # or paste the token into the form
+        pasted.goto(exposed_server)
+        pasted.get_by_label("Token").fill(TOKEN)
+        pasted.get_by_role("button", name="Sign in").click()
+        expect(pasted.get_by_text("Job queue")).to_be_visible(timeout=30_000)
+        browser.close()

@@ -1,0 +1,85 @@
+"""Hard limits per job: memory (RLIMIT_DATA on every process + the leader's sum over the process tree) and time,
+for runs from the CLI (the job runner starts the same command); a run stopped by a limit says which and what to do."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from backend import limits
+from backend.store import RunStore
+from tests.conftest import REPO
+
+# A job leader over a run that grows its memory: slowly (the leader's poll of the tree catches it) or in one
+# allocation past the limit (the rlimit refuses it, and the leader names the limit).
+LEADER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    from backend import limits
+    from backend.jobs import Leader
+    from backend.store import RunStore
+    store = RunStore({root!r})
+    rid = store.create("demo", {{}}, "d", status="running", pid=__import__("os").getpid())
+    print(rid, flush=True)
+    Leader(store, rid, 60, {limit}, store.run_dir(rid) / "log.txt").start()
+    if {ranks}:  # two "ranks", each under the per-process limit, together over the job's
+        grow = "import time; x = bytearray(600 << 20); time.sleep(60)"
+        ranks = [__import__("subprocess").Popen([sys.executable, "-c", grow]) for _ in range(2)]
+        time.sleep(60)
+    try:
+        held = torch.ones((2 << 30) // 8, dtype=torch.float64)  # one allocation past the limit
+    except RuntimeError as err:
+        assert limits.is_out_of_memory(str(err)), err
+        store.finish(rid, "failed", error=limits.memory_message(limit={limit}))
+""")
+
+
+@pytest.mark.parametrize("ranks, caught_by", [(True, "the job used"), (False, "an allocation failed")])
+def test_a_run_over_the_memory_limit_fails_naming_the_limit(tmp_path, ranks, caught_by):
+    limit = 1 << 30
+    code = LEADER.format(repo=str(REPO), root=str(tmp_path), limit=limit, ranks=ranks)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    rec = RunStore(tmp_path).get(out.stdout.split()[0])
+    assert rec.status == "failed", (rec.status, out.stderr[-2000:])
+    assert rec.error.startswith("memory limit:") and caught_by in rec.error and "over the 1 GiB" in rec.error
+    assert "EXPLORER_RUN_MEMORY_GIB" in rec.error
+
+
+def _cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "backend", "run", *args, "--json"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def test_a_single_process_cli_run_is_held_to_its_time_limit_with_its_stack_logged():
+    out = _cli("attention.variants_train", "--set", "steps=60", "--timeout", "10")
+    assert out.returncode == 1
+    rec = RunStore().list(experiment="attention.variants_train", limit=1)[0]
+    assert rec.status == "failed" and rec.error.startswith("time limit: not finished within 10 s"), rec.error
+    log = (RunStore().run_dir(rec.id) / "log.txt").read_text()
+    assert "stack of the leader" in log and "variants_train.py" in log
+
+
+def test_the_time_limit_cannot_pass_the_servers():
+    out = _cli("comm.selftest", "--timeout", "500")
+    assert out.returncode == 2 and "timeout: 500 is out of range (allowed: 1..120 seconds" in out.stderr
+
+
+def test_a_run_predicted_over_budget_is_refused_before_it_starts():
+    out = _cli("collectives.run", "--set", f"numel={16 << 20}", "--set", "iters=50", "--set", "world_size=8")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: ") and "EXPLORER_RUN_MEMORY_GIB" in out.stderr
+
+
+def test_the_cli_reads_a_local_trace_with_the_same_caps(tmp_path):
+    good, late = tmp_path / "good.csv", tmp_path / "late.csv"
+    good.write_bytes("\ufeffarrival,prompt_len,output_len\n0,10,5\n2,30,8\n".encode())
+    late.write_text("arrival,prompt_len,output_len\n9000000,1,1\n")
+    out = _cli("kvcache.serve", "--trace-file", str(good), "--set", "max_model_len=64", "--set", "num_blocks=64")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["metrics"]["requests"] == 2 and len(report["config"]["trace"]) == 64
+    refused = _cli("kvcache.serve", "--trace-file", str(late))
+    assert refused.returncode == 2 and "arrives at step 9,000,000" in refused.stderr
