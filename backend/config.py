@@ -27,6 +27,7 @@ RANK_START_S = 10.0        # seconds to start one spawned rank (its imports) on 
 FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
 BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
 OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
+DYNAMO_IMPORT_S = 35.0     # a process's first torch.optim optimizer or FlopCounterMode imports torch._dynamo: 9-23 s measured loaded
 
 
 class ConfigError(ValueError):

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.func import vmap
 
-from backend.config import Config, setting
+from backend.config import DYNAMO_IMPORT_S, Config, cost, setting
 from backend.decoding.speculative import (RULES, chi_square, expected_tokens_per_call, next_probs, plain_decode,
                                           predicted_speedup, speculative_decode)
 from backend.experiments import define
@@ -41,6 +41,24 @@ class SpeculativeConfig(Config):
     vocab: int = setting(16, min=4, max=32, help="vocabulary of the Markov-chain corpus")
     timing_repeats: int = setting(3, min=1, max=10, help="timed decodes of one sequence (median taken)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="corpus, weights and sampling")
+
+    cost_drivers = ("new_tokens", "gamma", "test_samples", "timing_repeats", "target_steps", "draft_steps")
+
+    def estimate(self):
+        """Model calls of ~300 ops each (vmap over a tiny LLaMA, no KV cache), counted at their worst: one token per
+        round (alpha = 0), so each gamma in the sweep takes new_tokens·(gamma + 1) calls, as does each timed speculative
+        decode; the distribution test's two rounds per rule run test_samples sequences through the target twice and
+        the draft 2·gamma times. Training steps ~1500 ops."""
+        sweep = self.new_tokens * self.gamma * (self.gamma + 3) // 2
+        timing = self.timing_repeats * self.new_tokens * (self.gamma + 2) + 30
+        test_calls = 2 * 2 * (self.gamma + 1)
+        context, test_context = PREFIX_LEN + self.new_tokens + self.gamma + 1, PREFIX_LEN + 2 + self.gamma + 1
+        target, draft = (m["n_layers"] * (4 * m["d_model"] ** 2 + 3 * m["d_model"] * m["d_ff"]) for m in (TARGET, DRAFT))
+        test_flops = 2 * self.test_samples * test_context * 2 * (2 * target + 2 * self.gamma * draft)
+        return cost(data_bytes=self.test_samples * test_context * (self.vocab + TARGET["d_ff"]) * 4 * 8,
+                    flops=test_flops + 2 * target * (sweep * self.sequences + timing) * context,
+                    ops=300 * (sweep + timing + test_calls) + 1500 * (self.target_steps + self.draft_steps),
+                    seconds=DYNAMO_IMPORT_S)
 
 
 def train(shape: dict, corpus: MarkovCorpus, steps: int, seed: int) -> TinyDecoder:

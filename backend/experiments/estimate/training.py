@@ -12,7 +12,7 @@ import time
 import torch
 
 from backend import experiments
-from backend.config import Config, setting
+from backend.config import DYNAMO_IMPORT_S, PROCESS_BYTES, Config, Estimate, cost, setting
 from backend.estimate.training import (ACCELERATORS, BYTES, SECONDS_PER_DAY, counted_flops, decoder_flops,
                                        measured_mixed_adam_bytes, memory_per_rank, seed_004_rows, seed_175b,
                                        training_flops, training_seconds)
@@ -21,6 +21,7 @@ from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
 SHAPE = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
+ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2)
 
 
 @dataclasses.dataclass
@@ -38,6 +39,23 @@ class TrainingEstimateConfig(Config):
     measure_seq_len: int = setting(32, min=4, max=256, help="tokens per measured sequence")
     zero_run: bool = setting(False, help="also run parallel.zero (ZeRO-1, bf16 mixed, 2 ranks) and check its memory per rank (~20 s)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="tiny model weights and tokens")
+
+    cost_drivers = ("measure_seq_len", "measure_batch", "zero_run")
+
+    def estimate(self):
+        """Twelve forward-backward steps of the tiny LLaMA (counted, fp16 mixed Adam, warm-up, 3 timed, 3 timed at twice
+        the batch), their attention scores' elementwise work dominating at long sequences, after first calls that take
+        seconds (FlopCounterMode imports torch._dynamo, fp16 kernels load); then parallel.zero's own estimate when it runs
+        (its leader is this process)."""
+        tokens, T, L = self.measure_batch * self.measure_seq_len, self.measure_seq_len, SHAPE.n_layers
+        weights = L * (4 * SHAPE.d_model ** 2 + 3 * SHAPE.d_model * SHAPE.d_ff) + SHAPE.vocab * SHAPE.d_model
+        elements = tokens * SHAPE.vocab + L * self.measure_batch * SHAPE.n_heads * T * T
+        own = cost(data_bytes=2 * elements * 40, flops=12 * 2 * tokens * (6 * weights + 12 * L * T * SHAPE.d_model),
+                   moved_bytes=12 * 2 * elements * 100, ops=12 * 1500 + 50_000, seconds=DYNAMO_IMPORT_S)
+        if not self.zero_run:
+            return own
+        zero = experiments.get("parallel.zero").config_cls(**ZERO_RUN).estimate()
+        return Estimate(own.memory_bytes + zero.memory_bytes - PROCESS_BYTES, own.seconds + zero.seconds)
 
 
 def timed_step(model, batch) -> float:
@@ -75,7 +93,7 @@ def measure(c: TrainingEstimateConfig) -> tuple[dict, list[Check], list[dict]]:
 
 def zero_memory(c: TrainingEstimateConfig) -> tuple[list[dict], Check]:
     """A real ZeRO-1 bf16 run's memory per rank against the per-rank formula for its ψ."""
-    result = experiments.run("parallel.zero", stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2)
+    result = experiments.run("parallel.zero", **ZERO_RUN)
     psi = result.metrics["parameter_bytes_bf16"] // 2
     want = memory_per_rank(psi, 2, 1)
     names = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states"}

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.models import moe, moe_reference as ref
 from backend.result import Check, Result
@@ -39,6 +39,17 @@ class RoutingConfig(Config):
     bias_steps: int = setting(30, min=0, max=300, help="auxiliary-loss-free balancing steps")
     bias_rate: float = setting(0.02, min=0.0, max=1.0, help="bias update speed γ")
     seed: int = setting(0, min=0, max=2**31 - 1, help="tokens and weights")
+
+    cost_drivers = ("tokens", "top_k", "bias_steps", "d_ff")
+
+    def estimate(self):
+        """The reference layer runs each token through each of its experts alone, for four routers: top_k + 1 +
+        2·(top_k + shared) expert calls per token, each a slice, a SwiGLU module call and a weighted add (measured
+        1.7 ms a call on the loaded box); the gate runs once per balancing step."""
+        expert_calls = self.tokens * (3 * self.top_k + 1 + 2 * min(self.n_shared, 1))
+        expert_flops = 3 * 2 * self.d_model * self.d_ff * (1 + self.n_shared)
+        return cost(data_bytes=self.n_experts * 3 * self.d_model * self.d_ff * 8 * 2 + self.tokens * self.n_experts * 8 * 40,
+                    flops=expert_calls * expert_flops * 2, ops=expert_calls * 20 + self.bias_steps * 20 + 5000)
 
     def check(self) -> None:
         if self.n_experts % self.n_groups:
