@@ -48,7 +48,7 @@ class MixedPrecisionConfig(Config):
         L, H, d = SHAPE["n_layers"], SHAPE["n_heads"], SHAPE["d_model"]
         weights = L * (4 * d * d + 3 * d * SHAPE["d_ff"]) + self.vocab * d
         elements = tokens * self.vocab + L * self.batch * H * self.seq_len ** 2
-        return cost(data_bytes=elements * 40 + self.steps * tokens * 8, flops=steps * tokens * (6 * weights + 12 * L * self.seq_len * d),
+        return cost(data_bytes=elements * 60 + self.steps * tokens * 8, flops=steps * tokens * (6 * weights + 12 * L * self.seq_len * d),
                     moved_bytes=steps * elements * 100, ops=steps * 1500, seconds=DYNAMO_IMPORT_S)
 
 
