@@ -47,7 +47,7 @@ class PipelineConfig(Config):
     def num_stages(self) -> int:
         return self.world_size * self.plan.chunks(self.virtual_stages)
 
-    cost_drivers = ("batch", "hidden", "layers", "microbatches", "stages")
+    cost_drivers = ("batch", "hidden", "layers", "microbatches", "world_size")
 
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
@@ -56,8 +56,8 @@ class PipelineConfig(Config):
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
-                    flops=4 * 6 * self.batch * params, moved_bytes=4 * 2 * self.batch * self.hidden * 8 * self.stages,
-                    ops=4 * self.microbatches * self.num_stages * 60, ranks=self.stages)
+                    flops=4 * 6 * self.batch * params, moved_bytes=4 * 2 * self.batch * self.hidden * 8 * self.world_size,
+                    ops=4 * self.microbatches * self.num_stages * 60, ranks=self.world_size)
 
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)
