@@ -32,7 +32,7 @@ def main() -> None:
         return
     import torch.nn.functional as F
 
-    from kernels.flash_attention import flash_attention
+    from kernels.flash_attention import flash_attention, sdpa_reference
 
     rows = []
     for heads, d in ((32, 64), (16, 128)):
@@ -42,6 +42,8 @@ def main() -> None:
                     q, k, v = (torch.randn(4, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
                     flops = 4 * n * n * d * heads * 4 * (0.5 if causal else 1)
                     row = {"heads": heads, "d": d, "N": n, "dtype": str(dtype).split(".")[1], "causal": causal}
+                    out, ref = flash_attention(q, k, v, causal, 128, 64), sdpa_reference(q, k, v, causal)[0]
+                    row["max_abs_err_vs_sdpa"] = (out - ref).abs().max().item()
                     for name, fn in (("triton", lambda: flash_attention(q, k, v, causal, 128, 64)),
                                      ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))):
                         row[f"{name}_fwd_TFLOPs"] = flops / timed(fn) / 1e12

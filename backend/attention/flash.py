@@ -1,5 +1,5 @@
-"""Attention three ways, one maths: naive (S and P in memory), tiled in PyTorch (FlashAttention's
-algorithm, for long sequences on a CPU), and the Triton kernel (kernels/flash_attention.py).
+"""FlashAttention's algorithm in PyTorch (tiled, for long sequences on a CPU) and its IO model. The Triton
+kernels and the references (naive attention, torch SDPA) live together in kernels/flash_attention.py.
 
 `online_softmax_update` is the step the tiled path and the seed's worked example share: given the
 running max m, running sum l and unnormalised output acc, fold in one block of scores.
@@ -41,21 +41,6 @@ def online_softmax_example(blocks=((1.0, 2.0), (3.0, 4.0))) -> list[dict]:
                   "reference_softmax": torch.softmax(x, 0).tolist(),
                   "l_closed_form": sum(math.exp(v - 4.0) for v in x.tolist())})
     return steps
-
-
-def naive_attention(q, k, v, causal=False):
-    """The seed's steps, each a separate pass over memory: S = QKᵀ/√d, P = softmax(S), O = PV.
-    Returns O and the bytes each step read and wrote (measured from the tensors it touched)."""
-    d = q.shape[-1]
-    s = q @ k.transpose(-1, -2) / math.sqrt(d)
-    if causal:
-        n = q.shape[-2]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = p @ v
-    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-    traffic = {"Q": nb(q), "K": nb(k), "V": nb(v), "S": 2 * nb(s), "P": 2 * nb(p), "O": nb(o)}  # S, P: written then read
-    return o, traffic
 
 
 def tiled_attention(q, k, v, causal=False, block_m=64, block_n=64, on_step=None):

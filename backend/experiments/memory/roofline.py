@@ -13,12 +13,13 @@ import time
 
 import torch
 
-from backend.attention.flash import io_model, naive_attention, tiled_attention
+from backend.attention.flash import io_model, tiled_attention
 from backend.config import Config, setting
 from backend.experiments import define
 from backend.memory.devices import DEVICES, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, probe_bandwidth, probe_matmul
 from backend.result import Check, Result
+from kernels.flash_attention import naive_attention
 
 
 @dataclasses.dataclass
