@@ -14,16 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-
-def timed(fn, warmup=3, repeats=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+from cuda_timing import timed  # noqa: E402  (bench/ is on the path when a script here runs)
 
 
 def main() -> None:

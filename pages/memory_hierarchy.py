@@ -19,12 +19,13 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Roofline")
     intensities = np.logspace(-1, 3, 60)
-    lines = [{"device": r["device"], "intensity": x, "flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)}
-             for r in tables["roofs"] for x in intensities]
+    lines = [{"device": r["device"], "roof": f"{r['device']}, {r.get('precision', 'fp16/bf16 tensor')}", "intensity": x,
+              "flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)} for r in tables["roofs"] for x in intensities]
     roof = alt.Chart(pd.DataFrame(lines)).mark_line().encode(
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP/byte)"),
         y=alt.Y("flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
-        color=alt.Color("device:N"), strokeDash=alt.condition(alt.datum.device == "this CPU (measured)", alt.value([1, 0]), alt.value([5, 3])))
+        color=alt.Color("device:N"), detail="roof:N", tooltip=["roof", alt.Tooltip("flops_per_s:Q", format=".3s")],
+        strokeDash=alt.condition(alt.datum.device == "this CPU (measured)", alt.value([1, 0]), alt.value([5, 3])))
     measured = alt.Chart(pd.DataFrame(tables["points"])).mark_point(filled=True, size=80, color="black").encode(
         x="intensity:Q", y="flops_per_s:Q", shape=alt.Shape("kernel:N"),
         tooltip=["kernel", alt.Tooltip("intensity:Q", format=".2f"), alt.Tooltip("flops_per_s:Q", format=".3s"), "source"])
@@ -32,7 +33,8 @@ def render(result: dict, rec) -> None:
         x="intensity:Q", y="attainable_flops_per_s:Q", color="device:N", shape=alt.Shape("kernel:N"),
         tooltip=["device", "kernel", alt.Tooltip("intensity:Q", format=".1f"), alt.Tooltip("attainable_flops_per_s:Q", format=".3s")])
     st.altair_chart((roof + model + measured).properties(height=420).interactive(), width="stretch")
-    st.caption("Lines: presets (dashed, datasheet peaks: a model) and this CPU (solid, measured). Black: measured runs on "
+    st.caption("Lines: presets (dashed, datasheet peaks: a model; each GPU twice, at its fp16 tensor-core peak and its fp32 peak, "
+               "e.g. the RTX 4090 at 165.2 and seed 003's 82.58 TFLOP/s) and this CPU (solid, measured). Black: measured runs on "
                "this CPU. Coloured points: where naive and flash attention of the chosen shape would sit on each GPU (model).")
 
     st.subheader("The hierarchy, level by level")
