@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from backend import experiments
-from backend.attention.flash import online_softmax_example, tiled_attention
+from backend.attention.flash import online_softmax_example, sram_budget, tiled_attention
 from backend.config import ConfigError
 from backend.memory.devices import ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity
@@ -72,6 +72,17 @@ def test_online_softmax_example_reproduces_the_seed():
     final = steps[-1]
     assert final["l"] == pytest.approx(math.exp(-3) + math.exp(-2) + math.exp(-1) + 1)
     assert final["softmax"] == pytest.approx(final["reference_softmax"])
+
+
+def test_sram_budget_follows_seed_003():
+    b = sram_budget(100 * 1024, 64, 2)                 # 51,200 words, d = 64
+    assert b["Bc"] == 200 and b["Br"] == 64            # ⌈M / 4d⌉ and min(that, d)
+    d, bc = 64, 200
+    assert b["steps"][2]["live_words"] == 3 * bc * d + 2 * d * (d + 1)   # the seed's total after computing S
+    assert b["steps"][-1]["live_words"] == 2 * bc * d                    # K_j and V_j stay for the next Q tile
+    assert b["peak_words"] == b["steps"][4]["live_words"]                # S and P̃ both live
+    small = sram_budget(48 * 1024, 128, 4)
+    assert small["Br"] == small["Bc"] == 24
 
 
 def test_roofline_arithmetic_and_seed_ops_per_datum():

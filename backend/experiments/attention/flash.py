@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backend.attention.flash import io_model, online_softmax_example, tiled_attention
+from backend.attention.flash import io_model, online_softmax_example, sram_budget, tiled_attention
 from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.result import Check, Result
@@ -39,6 +39,7 @@ class FlashConfig(Config):
     dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
     impl: str = setting("triton", choices=("naive", "tiled", "triton"), help="which path")
     backward: bool = setting(True, help="also run and check the backward pass")
+    sram_kib: int = setting(100, choices=(48, 100, 164, 228), help="on-chip SRAM per SM for the Br/Bc budget (KiB; 4090 100, A100 164, H100 228)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
 
     def check(self) -> None:
@@ -122,6 +123,15 @@ def run(config: FlashConfig, ctx) -> Result:
     metrics.update({f"io_model.{k}": v for k, v in model.items()})
     flops = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
     metrics["forward_flops"] = flops
+    budget = sram_budget(config.sram_kib * 1024, D, q.element_size())
+    tables["sram_budget"] = budget["steps"]
+    metrics.update({"sram.Br": budget["Br"], "sram.Bc": budget["Bc"], "sram.words": budget["sram_words"],
+                    "sram.peak_words": budget["peak_words"]})
+    seeded = [st for st in budget["steps"] if st["seed_live_words"] is not None]
+    checks.append(Check("seed 003's SRAM accounting: live words after each step it states equal the step-by-step count",
+                        sum(abs(st["live_words"] - st["seed_live_words"]) for st in seeded), 0, reference="seed 003's expressions",
+                        detail=f"{len(seeded)} steps compared (the seed's Br = d case)" if len(seeded) > 1 else
+                               "Bc < d here, so Br = Bc and the seed's Br = d expressions do not apply beyond step 1"))
     tables["online_softmax_example"] = online_softmax_example()
     if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
         steps = []
