@@ -20,6 +20,7 @@ navigation = st.navigation({
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),
         st.Page("pages/variants_train.py", title="Variants in training", icon="📉", url_path="variants_train"),
         st.Page("pages/flash_attention.py", title="FlashAttention", icon="⚡", url_path="flash_attention"),
+        st.Page("pages/nsa.py", title="Native sparse attention", icon=":material/filter_alt:", url_path="nsa"),
     ],
     "Compilers": [
         st.Page("pages/autograd.py", title="Autograd", icon="🧮", url_path="autograd"),
@@ -28,6 +29,7 @@ navigation = st.navigation({
     ],
     "Hardware": [
         st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),
+        st.Page("pages/gpu_execution.py", title="GPU execution model", icon=":material/grid_view:", url_path="gpu_execution"),
     ],
     "Serving": [
         st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),
