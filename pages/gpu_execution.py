@@ -18,14 +18,16 @@ def _hierarchy(h: dict, cfg: dict) -> None:
     cols[3].metric("C elements per thread", f"{h['outputs_per_thread']:g}")
     cols[4].metric("waves on " + cfg["device"], h["waves"] if h["waves"] is not None else "—",
                    help=f"{h['programs_per_sm']} programs fit per SM (limited by {h['limited_by']}) x {h['sms']} SMs (model)")
+    warps = h["programs"] * h["warps_per_program"]
     levels = pd.DataFrame([
-        {"level": "grid", "how many": h["programs"], "each does": f"{h['k_steps']} K steps of one {cfg['block_m']}x{cfg['block_n']} tile of C"},
-        {"level": "program (thread block, one SM)", "how many": h["warps_per_program"],
-         "each does": f"{h['wmma_per_program']:,} 16x16x16 WMMA-sized products; {h['shared_bytes_per_program']:,} B of A/B tiles staged in shared memory"},
-        {"level": "warp (32 threads, SIMT)", "how many": h["threads_per_warp"],
+        {"level": "grid (the launch)", "in this GEMM": 1, "each does": f"C = A @ B as {h['grid'][0]} x {h['grid'][1]} tiles"},
+        {"level": "program (thread block, on one SM)", "in this GEMM": h["programs"],
+         "each does": f"one {cfg['block_m']}x{cfg['block_n']} tile of C in {h['k_steps']} K steps: {h['wmma_per_program']:,} "
+                      f"16x16x16 WMMA-sized products; {h['shared_bytes_per_program']:,} B of A/B tiles staged in shared memory"},
+        {"level": "warp (32 threads in lockstep, SIMT)", "in this GEMM": warps,
          "each does": f"a {h['warp_tile'][0]}x{h['warp_tile'][1]} warp tile: {h['wmma_per_warp']:g} WMMA instructions, "
                       f"each {h['tensor_core_ops_per_wmma']} tensor-core 4x4x4 steps"},
-        {"level": "thread", "how many": 1,
+        {"level": "thread", "in this GEMM": warps * h["threads_per_warp"],
          "each does": f"{h['outputs_per_thread']:g} C elements, {h['macs_per_thread']:,.0f} multiply-adds, "
                       f"{h['accumulator_registers_per_thread']} fp32 accumulator registers"},
     ])
@@ -55,15 +57,15 @@ def _program_order(result: dict, cfg: dict) -> None:
         x=alt.X("col0:Q", title="column in the tile", scale=alt.Scale(domain=[0, cfg["block_n"]])), x2="col1:Q",
         y=alt.Y("row0:Q", title="row in the tile", scale=alt.Scale(domain=[cfg["block_m"], 0])), y2="row1:Q",
         color=alt.Color("warp:N"), tooltip=["warp", "row0", "row1", "col0", "col1"]).properties(height=260), width="stretch")
-    foot = pd.DataFrame(result["tables"]["wave_footprint"])
-    foot = foot.groupby(["case", "group_m"], as_index=False)["bytes"].max()
-    foot["ordering"] = foot["case"] + ", GROUP_M " + foot["group_m"].astype(str)
+    foot = pd.DataFrame(result["tables"]["wave_footprint"]).groupby(["case", "group_m"], as_index=False)["bytes"].max()
     st.markdown("**Bytes of A and B bands one wave of programs touches (a program per SM)**: what L2 must hold for "
-                "the wave's repeated loads to hit; grouping tile-rows (GROUP_M) shrinks it.")
-    st.altair_chart(alt.Chart(foot).mark_bar().encode(
-        x=alt.X("bytes:Q", title="largest wave footprint (bytes)", axis=alt.Axis(format="~s")),
-        y=alt.Y("ordering:N", title=None), color=alt.Color("case:N", legend=None),
-        tooltip=["case", "group_m", alt.Tooltip("bytes:Q", format=",")]), width="stretch")
+                "the wave's repeated loads to hit; grouping tile-rows (GROUP_M) shrinks it (a model of the order, "
+                "computed from the same program numbering).")
+    for column, (case, part) in zip(st.columns(2), foot.groupby("case")):
+        column.altair_chart(alt.Chart(part, title=case).mark_bar().encode(
+            x=alt.X("bytes:Q", title="largest wave footprint (bytes)", axis=alt.Axis(format="~s")),
+            y=alt.Y("group_m:O", title="GROUP_M"),
+            tooltip=["group_m", alt.Tooltip("bytes:Q", format=",")]).properties(height=120), width="stretch")
 
 
 def _intensity(result: dict) -> None:
@@ -86,12 +88,20 @@ def _intensity(result: dict) -> None:
     roof = pd.DataFrame(result["tables"]["roofline"])
     st.markdown("**Where those intensities sit on each preset's fp16 tensor-core roofline** (model: the counts at 2 bytes "
                 "per element, every global load served by device memory)")
-    st.altair_chart(alt.Chart(roof).mark_line(point=True).encode(
-        x=alt.X("intensity_fp16:Q", title="FLOP per byte (fp16)", scale=alt.Scale(type="log")),
-        y=alt.Y("attainable_flops_per_s:Q", title="attainable FLOP/s", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s")),
-        color=alt.Color("device:N"), detail="size:N",
+    lines = pd.DataFrame([{"device": r["device"], "intensity_fp16": x, "attainable_flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)}
+                          for r in result["tables"]["roofs"] for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)])
+    x = alt.X("intensity_fp16:Q", title="FLOP per byte (fp16)", scale=alt.Scale(type="log"))
+    y = alt.Y("attainable_flops_per_s:Q", title="attainable FLOP/s", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s"))
+    roofs = alt.Chart(lines).mark_line(strokeDash=[5, 3]).encode(x=x, y=y, color=alt.Color("device:N"))
+    points = alt.Chart(roof).mark_point(filled=True, size=60).encode(
+        x=x, y=y, color="device:N", shape=alt.Shape("size:N", title="M = N = K"),
         tooltip=["device", "size", "tile", alt.Tooltip("intensity_fp16:Q", format=".2f"),
-                 alt.Tooltip("attainable_flops_per_s:Q", format=".3s")]).properties(height=300), width="stretch")
+                 alt.Tooltip("attainable_flops_per_s:Q", format=".3s")])
+    st.altair_chart((roofs + points).properties(height=320), width="stretch")
+    st.caption("Dashed: each preset's roofline, min(fp16 tensor peak, device-memory bandwidth x intensity), datasheet figures. "
+               "These tiles sit on the slope; even 128x128 tiles reach only 2 ÷ (2·(1/128 + 1/128)) = 64 FLOP/B "
+               "if every load went to device memory, below each ridge: L2 serving the repeated bands is what lets a real "
+               "GEMM reach its peak.")
 
 
 def render(result: dict, rec) -> None:

@@ -72,8 +72,10 @@ def render_measured(result: dict, rec) -> None:
     caches = pd.DataFrame(tables["caches"])
     rules = alt.Chart(caches).mark_rule(strokeDash=[4, 3], color="gray").encode(
         x="bytes:Q", tooltip=["level", alt.Tooltip("bytes:Q", format=",", title="capacity (bytes)"), "shared_by"])
-    labels = alt.Chart(caches).mark_text(align="left", dx=3, dy=-140, color="gray").encode(x="bytes:Q", text="level:N")
-    x = alt.X("bytes:Q", title="working set (bytes)", scale=alt.Scale(type="log", base=2), axis=alt.Axis(format="~s"))
+    labels = alt.Chart(caches).mark_text(align="left", baseline="top", dx=3, color="gray").encode(
+        x="bytes:Q", y=alt.value(2), text="level:N")
+    x = alt.X("bytes:Q", title="working set", scale=alt.Scale(type="log", base=2), axis=alt.Axis(
+        labelExpr="datum.value >= 1048576 ? format(datum.value / 1048576, '~r') + ' MiB' : format(datum.value / 1024, '~r') + ' KiB'"))
     latency = alt.Chart(probes).mark_line(point=True).encode(
         x=x, y=alt.Y("ns_per_load:Q", title="load latency (ns)", scale=alt.Scale(type="log")),
         tooltip=[alt.Tooltip("bytes:Q", format=","), alt.Tooltip("ns_per_load:Q", format=".2f"), "fits_in"])
@@ -82,7 +84,7 @@ def render_measured(result: dict, rec) -> None:
         tooltip=[alt.Tooltip("bytes:Q", format=","), alt.Tooltip("read_GBps:Q", format=".2f"), "fits_in"])
     left, right = st.columns(2)
     left.altair_chart((latency + rules + labels).properties(height=320, title="Pointer chase: one dependent load at a time"), width="stretch")
-    right.altair_chart((bandwidth + rules).properties(height=320, title="Reading the working set over and over"), width="stretch")
+    right.altair_chart((bandwidth + rules + labels).properties(height=320, title="Reading the working set over and over"), width="stretch")
     st.caption("Dashed: the cache sizes the kernel reports for this CPU. Latency steps where the working set outgrows a level.")
 
     st.subheader("Little's law: bytes in flight = latency x bandwidth")

@@ -25,10 +25,11 @@ def _one_query(result: dict, cfg: dict, rec) -> None:
         start = b * cfg["sel_block"]
         spans.append({"branch": "selected", "start": start, "end": min(start + cfg["sel_block"], t + 1), "what": f"block {b}"})
     spans.append({"branch": "window", "start": max(0, t - cfg["window"] + 1), "end": t + 1, "what": f"last {cfg['window']} tokens"})
-    st.altair_chart(alt.Chart(pd.DataFrame(spans)).mark_bar(height=18).encode(
+    st.altair_chart(alt.Chart(pd.DataFrame(spans)).mark_bar(stroke="white").encode(
         x=alt.X("start:Q", title="key position", scale=alt.Scale(domain=[0, n])), x2="end:Q",
-        y=alt.Y("branch:N", sort=list(BRANCHES), title=None), color=alt.Color("branch:N", sort=list(BRANCHES), legend=None),
-        tooltip=["branch", "what", "start", "end"]).properties(height=120), width="stretch")
+        y=alt.Y("branch:N", title=None, scale=alt.Scale(domain=list(BRANCHES))),
+        color=alt.Color("branch:N", scale=alt.Scale(domain=list(BRANCHES)), legend=None),
+        tooltip=["branch", "what", "start", "end"]).properties(height=150), width="stretch")
     st.caption(f"Query {t} (KV group 0): the selected branch reads blocks {row['blocks']} of {cfg['sel_block']} tokens "
                "(always the first and its own, the rest by compressed score); the compressed branch reads one key per "
                "block; the window the latest tokens.")
@@ -40,7 +41,7 @@ def render(result: dict, rec) -> None:
     cols[0].metric("KV bytes, last query (NSA)", f"{m['kv_bytes_per_query.nsa_last']:,.0f}")
     cols[1].metric("KV bytes, last query (full)", f"{m['kv_bytes_per_query.full_last']:,.0f}")
     cols[2].metric("NSA / full", f"{m['kv_bytes_per_query.nsa_last'] / m['kv_bytes_per_query.full_last']:.1%}")
-    cols[3].metric("blocks", f"{m['compressed_blocks']} compressed · {m['selection_blocks']} selection")
+    cols[3].metric("compressed / selection blocks", f"{m['compressed_blocks']} / {m['selection_blocks']}")
 
     st.subheader("What one query reads")
     _one_query(result, cfg, rec)

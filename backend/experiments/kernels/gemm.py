@@ -158,6 +158,8 @@ def run(config: GemmConfig, ctx) -> Result:
                                "attainable_flops_per_s": attainable(spec["peak_flops"]["fp16/bf16 tensor"], dram(name)[2],
                                                                     r["intensity counted"] * elem / 2)}
                               for name, spec in DEVICES.items() for r in sweep]
+        tables["roofs"] = [{"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
+                           for name, spec in DEVICES.items()]
 
     # the execution model on the chosen preset
     ctx.progress(0.85, "execution model")
