@@ -73,7 +73,7 @@ def test_experiment_defaults_pass():
 @pytest.mark.parametrize("values, field", [
     ({"kv_heads": "4", "heads": "6"}, "kv_heads"), ({"cmp_stride": "16", "cmp_block": "8"}, "cmp_stride"),
     ({"sel_block": "16", "cmp_stride": "16", "cmp_block": "32"}, None), ({"sweep_sizes": "10"}, "sweep_sizes"),
-    ({"sweep_sizes": "8192,8192", "heads": "16"}, "sweep_sizes"), ({"seq_len": "4096"}, "seq_len"),
+    ({"sweep_sizes": "8192,8192", "heads": "16"}, "sweep_sizes"), ({"seq_len": "4096"}, "seq_len"), ({"impl": "triton"}, "seq_len"),
 ])
 def test_bad_inputs_name_the_setting(values, field):
     if field is None:  # allowed
@@ -82,3 +82,24 @@ def test_bad_inputs_name_the_setting(values, field):
     with pytest.raises(ConfigError) as info:
         experiments.get("attention.nsa").make_config(values)
     assert info.value.field == field
+
+
+def test_triton_selected_kernel_against_both_references_and_its_byte_count():
+    from kernels.nsa_selected import selected_attention, selected_reference
+
+    q, k, v, g = _inputs(4, 2, 40, 16, seed=7)
+    _, chosen = nsa_attention(q, k, v, make_params(16, 8, g), cmp_block=8, cmp_stride=8, sel_block=16, top_n=2)
+    counters = torch.zeros(2, dtype=torch.int64)
+    out = selected_attention(q, k, v, chosen["blocks"], chosen["real"], 16, counters)
+    assert (out - chosen["branch_outputs"]["selected"]).abs().max() < 1e-5
+    assert (out - selected_reference(q, k, v, chosen["blocks"], chosen["real"], 16)).abs().max() < 1e-5
+    rows = closed_form_rows(40, 8, 8, 16, 2, 64)["selected"].sum().item() * 2  # two KV groups
+    assert counters.tolist() == [rows * 16 * 4] * 2
+    wrong = chosen["blocks"].clone()
+    wrong[..., -1] = 0                                                          # a wrong block table is caught
+    assert (selected_attention(q, k, v, wrong, chosen["real"], 16) - out).abs().max() > 1e-3
+
+
+def test_experiment_with_the_triton_kernel_passes():
+    result = experiments.run("attention.nsa", impl="triton", seq_len=64, sweep_sizes="")
+    assert result.passed, [c for c in result.checks if not c.passed]

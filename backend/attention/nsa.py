@@ -13,8 +13,9 @@ closely (the top-n blocks the skim scored highest), and read around where you ar
 - window: the last `window` tokens.
 - gates: sigmoid of a linear map of the query, one per branch: o = Σ_c g_c · attention_c.
 Everything is gathered: the selected and window branches touch only the rows they index, which is what
-`kv_rows_read` counts. `masked_dense_reference` computes the same three branches as dense attention over
-all keys with boolean masks (torch SDPA), the independent check.
+`kv_rows_read` counts. The selected branch can also run as a Triton kernel (kernels/nsa_selected.py) that
+counts the bytes it loads. `masked_dense_reference` computes the same three branches as dense attention
+over all keys with boolean masks (torch SDPA), the independent check.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from kernels.nsa_selected import selected_attention, selected_reference
 
 BRANCHES = ("compressed", "selected", "window")
 
@@ -62,8 +65,9 @@ def select_blocks(p_cmp, n: int, cmp_block: int, cmp_stride: int, sel_block: int
     return top.indices, top.values > float("-inf"), importance
 
 
-def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top_n=4, window=64):
-    """q: (H, N, d); k, v: (G, N, d) with H a multiple of G. Returns o (H, N, d) and what was chosen and read."""
+def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top_n=4, window=64, selected_counters=None):
+    """q: (H, N, d); k, v: (G, N, d) with H a multiple of G. Returns o (H, N, d) and what was chosen and read.
+    selected_counters (int64[2]): run the selected branch through the Triton kernel, which counts its K and V bytes."""
     H, n, d = q.shape
     G = k.shape[0]
     qg = q.reshape(G, H // G, n, d)
@@ -80,7 +84,10 @@ def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top
     sel_visible = real.repeat_interleave(sel_block, -1) & (tokens <= t[:, None]) & (tokens < n)
     tokens = tokens.clamp(max=n - 1)
     gather = lambda x, idx: torch.stack([x[g][idx[g]] for g in range(G)])  # noqa: E731  (G, N, keys, d)
-    o_slc, _ = _attend(qg, gather(k, tokens), gather(v, tokens), sel_visible)
+    if selected_counters is None:
+        o_slc, _ = _attend(qg, gather(k, tokens), gather(v, tokens), sel_visible)
+    else:
+        o_slc = selected_attention(q, k, v, blocks, real, sel_block, selected_counters).reshape(G, H // G, n, d)
 
     win = t[:, None] - window + 1 + torch.arange(window)                                     # (N, window)
     win_visible = (win >= 0).expand(G, n, -1)
@@ -106,13 +113,7 @@ def masked_dense_reference(q, k, v, chosen, sel_block, window):
     dense = lambda keys, values, mask: F.scaled_dot_product_attention(q, expand(keys), expand(values),  # noqa: E731
                                                                        attn_mask=expand(mask)).nan_to_num(0.0)
     o_cmp = dense(chosen["kc"], chosen["vc"], chosen["cmp_visible"])
-    sel_mask = torch.zeros(G, n, n, dtype=torch.bool)
-    for b in range(chosen["blocks"].shape[-1]):  # mark every token of every chosen block, then keep the causal part
-        start = chosen["blocks"][..., b] * sel_block
-        in_block = (t[None, None, :] >= start[..., None]) & (t[None, None, :] < start[..., None] + sel_block)
-        sel_mask |= in_block & chosen["real"][..., b, None]
-    sel_mask &= t[None, :, None] >= t[None, None, :]
-    o_slc = dense(k, v, sel_mask)
+    o_slc = selected_reference(q, k, v, chosen["blocks"], chosen["real"], sel_block)
     win_mask = ((t[:, None] - t[None, :] >= 0) & (t[:, None] - t[None, :] < window)).expand(G, n, n)
     o_win = dense(k, v, win_mask)
     g = chosen["gates"]

@@ -21,6 +21,9 @@ from backend.experiments import define
 from backend.result import Check, Result
 
 
+TRITON_INTERPRETER_STEPS = 256  # (query, group, block) steps of the selected-block kernel in Triton's interpreter
+
+
 @dataclasses.dataclass
 class NSAConfig(Config):
     seq_len: int = setting(512, min=64, max=2048, help="sequence length N of the checked run (the reference is dense, N²)")
@@ -32,6 +35,7 @@ class NSAConfig(Config):
     sel_block: int = setting(32, choices=(16, 32, 64), help="tokens per selection block (l')")
     top_n: int = setting(4, min=1, max=32, help="selected blocks per query (with the first and its own)")
     window: int = setting(64, min=1, max=2048, help="sliding-window tokens")
+    impl: str = setting("torch", choices=("torch", "triton"), help="selected branch: gathered in PyTorch, or the Triton kernel")
     sweep_sizes: str = setting("512,1024,2048,4096", help="sequence lengths for KV bytes per query (64..8192; empty: none)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs and weights")
 
@@ -39,6 +43,10 @@ class NSAConfig(Config):
         return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
 
     def check(self) -> None:
+        programs = self.seq_len * self.kv_heads * self.top_n
+        if self.impl == "triton" and not torch.cuda.is_available() and programs > TRITON_INTERPRETER_STEPS:
+            raise ConfigError("seq_len", f"the Triton kernel in the interpreter: seq_len·kv_heads·top_n = {programs:,} block steps is "
+                                         f"too slow (allowed: <= {TRITON_INTERPRETER_STEPS}, e.g. seq_len 64 with top_n 4)")
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", f"{self.kv_heads} does not divide heads={self.heads} (allowed: a divisor of heads)")
         if self.cmp_stride > self.cmp_block:
@@ -66,7 +74,8 @@ def run(config: NSAConfig, ctx) -> Result:
                              torch.randn(G, length, d, generator=g))
     q, k, v = inputs(n)
     ctx.progress(0.05, "NSA")
-    out, chosen = nsa_attention(q, k, v, params, **geometry)
+    counters = torch.zeros(2, dtype=torch.int64) if config.impl == "triton" else None
+    out, chosen = nsa_attention(q, k, v, params, **geometry, selected_counters=counters)
     ctx.progress(0.25, "masked dense reference")
     ref = masked_dense_reference(q, k, v, chosen, config.sel_block, config.window)
     checks = [Check("NSA equals dense attention with the same masks (fp32 round-off)", (out - ref).abs().max().item(), 1e-5,
@@ -82,6 +91,11 @@ def run(config: NSAConfig, ctx) -> Result:
     checks.append(Check("KV rows the gathers read equal the closed form per branch",
                         sum((chosen["kv_rows_read"][b] - closed[b][None]).abs().sum().item() for b in BRANCHES), 0,
                         reference="block geometry"))
+    if counters is not None:
+        closed_bytes = closed["selected"].sum().item() * G * d * q.element_size()
+        checks.append(Check("bytes of K and V the Triton kernel counted equal the closed form",
+                            abs(counters[0].item() - closed_bytes) + abs(counters[1].item() - closed_bytes), 0,
+                            reference="block geometry", detail=f"{counters.sum().item():,} bytes counted"))
     ctx.progress(0.4, "every block selected vs full causal attention")
     n_sel = -(-n // config.sel_block)
     _, everything = nsa_attention(q, k, v, params, **{**geometry, "top_n": n_sel})
