@@ -57,7 +57,7 @@ def run(config: RooflineConfig, ctx) -> Result:
     ctx.progress(0.1, "probing memory bandwidth")
     bw = probe_bandwidth()
     ctx.progress(0.3, "probing matmul")
-    peak, _ = probe_matmul()
+    peak = probe_matmul()
     n, d, elem = config.seq_len, config.head_dim, 4
     io = io_model(n, d, elem, config.block, config.block)
     flops_attn = 4 * n * n * d
