@@ -84,14 +84,20 @@ def random_cycle(nbytes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.
 
 
 def chase_latency(nbytes: int, steps: int, rng: np.random.Generator, repeats: int = 5) -> dict:
-    """Nanoseconds per dependent load in a working set of nbytes (best of `repeats`), and whether the chase
-    ended on the line the cycle predicts (it did follow the chain)."""
+    """Nanoseconds per dependent load in a working set of nbytes, and whether the chase ended on the line the
+    cycle predicts (it did follow the chain). Every measurement walks the whole cycle at least once, so the
+    working set really is nbytes. A set that fits in the caches is warmed first and timed `repeats` times (the
+    best is the least disturbed by other work on the machine); a larger one is timed twice from cold."""
     buf, order = random_cycle(nbytes, rng)
-    fn, end = _probes().chase, ctypes.c_int64()
-    fn(buf.ctypes.data, int(order[0]) * 8, min(steps, len(order)), ctypes.byref(end))  # warm the caches
-    best = min(fn(buf.ctypes.data, int(order[0]) * 8, steps, ctypes.byref(end)) for _ in range(repeats))
+    lines = len(order)
+    fits = lines <= steps
+    steps = max(steps, lines)
+    fn, end, start = _probes().chase, ctypes.c_int64(), int(order[0]) * 8
+    if fits:
+        fn(buf.ctypes.data, start, lines, ctypes.byref(end))  # warm the caches: one lap
+    best = min(fn(buf.ctypes.data, start, steps, ctypes.byref(end)) for _ in range(repeats if fits else 2))
     return {"bytes": nbytes, "ns_per_load": best / steps * 1e9, "steps": steps,
-            "ended_where_predicted": end.value == int(order[steps % len(order)]) * 8}
+            "ended_where_predicted": end.value == int(order[steps % lines]) * 8}
 
 
 def read_bandwidth(nbytes: int, min_bytes_read: int = 32 << 20, repeats: int = 5) -> dict:

@@ -29,7 +29,7 @@ SEED_FLOPS, SEED_CPU_BANDWIDTH = 2000e9, 200e9
 class LatencyConfig(Config):
     max_mib: int = setting(256, choices=(16, 64, 256), help="largest working set probed (MiB); DRAM shows past the last cache")
     spacing: int = setting(4, choices=(2, 4), help="factor between probed working-set sizes (from 4 KiB)")
-    steps: int = setting(200_000, min=10_000, max=5_000_000, help="dependent loads per latency measurement")
+    steps: int = setting(50_000, min=10_000, max=5_000_000, help="dependent loads per latency measurement (at least one lap of the working set)")
     gpu_latency_ns: float = setting(500.0, min=50.0, max=5_000.0,
                                     help="assumed device-memory load latency for the GPU presets (a model input)")
     request_bytes: int = setting(16, min=1, max=256, help="bytes one thread's request moves (seed: x and y of ax+b, fp64)")
