@@ -14,9 +14,10 @@ tile row, so the counts are exactly `closed_form_traffic`:
     A: M·K·cdiv(N, BLOCK_N)·elem   B: K·N·cdiv(M, BLOCK_M)·elem   C: M·N·elem_c
 which is why a larger tile raises the arithmetic intensity 2·M·N·K / bytes.
 
-Reference beside it: `reference_matmul` (torch.matmul in fp32). The kernel uses plain pointer
-arithmetic (no block pointers) so Triton's interpreter runs it on a CPU; passing there does not prove
-that it compiles for a GPU.
+Reference beside it: `reference_matmul` (torch.matmul in fp32). Plain pointer arithmetic (no block
+pointers), so Triton's interpreter runs it on a CPU. The interpreter proves no GPU compile:
+tests/test_gpu_compile.py compiles it to an sm_90 cubin without a GPU; running it on a GPU is tested
+only where one is present.
 """
 from __future__ import annotations
 

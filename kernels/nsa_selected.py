@@ -7,8 +7,9 @@ unused table entries masked out) and folds it in with the online softmax, so onl
 are ever read. With COUNT_TRAFFIC it adds the bytes of K and V it loaded to two counters.
 
 Reference beside it: `selected_reference`, torch SDPA over every key with the selection as a boolean
-mask. Plain pointer arithmetic (no block pointers) so Triton's interpreter runs it; the interpreter
-passing does not prove a GPU compile.
+mask. Plain pointer arithmetic (no block pointers), so Triton's interpreter runs it on a CPU. The interpreter
+proves no GPU compile: tests/test_gpu_compile.py compiles it to an sm_90 cubin without a GPU; running
+it on a GPU is tested only where one is present.
 """
 from __future__ import annotations
 
