@@ -50,11 +50,15 @@ def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def _matmul_kernel(A, B, C, counters, M, N, K,
+def _matmul_kernel(A, B, C, counters, Order, M, N, K,
                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   ELEM: tl.constexpr, ELEM_C: tl.constexpr, PRECISION: tl.constexpr, COUNT_TRAFFIC: tl.constexpr):
-    tile_m, tile_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                   ELEM: tl.constexpr, ELEM_C: tl.constexpr, PRECISION: tl.constexpr, COUNT_TRAFFIC: tl.constexpr,
+                   RECORD_ORDER: tl.constexpr):
+    pid = tl.program_id(0)
+    tile_m, tile_n = _tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if RECORD_ORDER:  # which program computed which tile, for the picture and to check `program_order`
+        tl.store(Order + tile_m * tl.cdiv(N, BLOCK_N) + tile_n, pid)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -82,8 +86,9 @@ def check_tiles(block_m: int, block_n: int, block_k: int, group_m: int) -> None:
         raise ValueError(f"group_m {group_m} must be >= 1")
 
 
-def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, counters=None, num_warps=4, num_stages=3):
+def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, counters=None, num_warps=4, num_stages=3, order=None):
     """C = a @ b for 2-D a (M, K) and b (K, N), any strides; C in a's dtype. counters: int64[3] or None.
+    order: int32[tiles_m · tiles_n] or None, filled with the program id that computed each tile (row-major).
     num_warps, num_stages: launch settings on a GPU (warps per program, K steps in flight)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a (M, K) and b (K, N) must share K; got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -96,11 +101,12 @@ def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, counters=None, n
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     cnt = counters if counters is not None else torch.zeros(len(TENSORS), dtype=torch.int64, device=a.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _matmul_kernel[grid](a, b, c, cnt, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+    _matmul_kernel[grid](a, b, c, cnt, order if order is not None else cnt, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                          ELEM=a.element_size(), ELEM_C=c.element_size(),
                          PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                         COUNT_TRAFFIC=counters is not None, num_warps=num_warps, num_stages=num_stages)
+                         COUNT_TRAFFIC=counters is not None, RECORD_ORDER=order is not None,
+                         num_warps=num_warps, num_stages=num_stages)
     return c
 
 
@@ -111,7 +117,8 @@ def closed_form_traffic(M, N, K, elem, block_m, block_n, elem_c=None) -> dict[st
 
 
 def program_order(M, N, block_m, block_n, group_m) -> list[tuple[int, int]]:
-    """The (tile row, tile column) each program id computes, as `_tile_coords` numbers them."""
+    """The (tile row, tile column) each program id computes, as `_tile_coords` numbers them (checked against the
+    order the kernel records), for grids too large to run here."""
     tiles_m, tiles_n = -(-M // block_m), -(-N // block_n)
     per_group = group_m * tiles_n
     order = []

@@ -39,7 +39,7 @@ def _hierarchy(h: dict, cfg: dict) -> None:
 def _program_order(result: dict, cfg: dict) -> None:
     order = pd.DataFrame(result["tables"]["program_order"])
     left, right = st.columns(2)
-    left.markdown(f"**Which program computes which tile of C** (GROUP_M = {cfg['group_m']})")
+    left.markdown(f"**Which program computed which tile of C**, recorded by the kernel (GROUP_M = {cfg['group_m']})")
     heat = alt.Chart(order).mark_rect(stroke="white").encode(
         x=alt.X("tile_n:O", title=f"tile column ({cfg['block_n']} columns of C)"),
         y=alt.Y("tile_m:O", title=f"tile row ({cfg['block_m']} rows of C)"),

@@ -46,6 +46,15 @@ def test_seed_5x5_count_and_its_generalisation():
     assert tile_reuse(32, 64, 100)["loads_per_mac"] == pytest.approx(1 / 32 + 1 / 64)
 
 
+@pytest.mark.parametrize("M, N, bm, bn, group_m", [(100, 72, 16, 16, 4), (70, 90, 32, 16, 2), (48, 48, 16, 16, 8)])
+def test_program_order_is_the_order_the_kernel_records(M, N, bm, bn, group_m):
+    tiles_n = -(-N // bn)
+    order = torch.full((-(-M // bm) * tiles_n,), -1, dtype=torch.int32)
+    matmul(torch.randn(M, 16), torch.randn(16, N), bm, bn, 16, group_m, order=order)
+    recorded = {int(pid): (i // tiles_n, i % tiles_n) for i, pid in enumerate(order.tolist())}
+    assert [recorded[pid] for pid in range(len(recorded))] == program_order(M, N, bm, bn, group_m)
+
+
 def test_program_order_groups_rows_and_covers_every_tile():
     order = program_order(100, 72, 16, 16, 4)
     assert sorted(order) == [(m, n) for m in range(7) for n in range(5)]

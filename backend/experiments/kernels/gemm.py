@@ -82,9 +82,9 @@ class GemmConfig(Config):
                                              f"(allowed: <= {INTERPRETER_STEPS - main:,} beside the main GEMM; e.g. 64,96)")
 
 
-def _counted(a, b, block_m, block_n, block_k, group_m, num_warps=4):
+def _counted(a, b, block_m, block_n, block_k, group_m, num_warps=4, order=None):
     counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=a.device)
-    c = matmul(a, b, block_m, block_n, block_k, group_m, counters, num_warps)
+    c = matmul(a, b, block_m, block_n, block_k, group_m, counters, num_warps, order=order)
     return c, dict(zip(TENSORS, counters.tolist()))
 
 
@@ -101,7 +101,8 @@ def run(config: GemmConfig, ctx) -> Result:
 
     ctx.progress(0.05, "GEMM")
     start = time.perf_counter()
-    c, counted = _counted(a, b, bm, bn, bk, config.group_m, config.num_warps)
+    recorded = torch.full((-(-M // bm) * -(-N // bn),), -1, dtype=torch.int32, device=device)  # program id per tile
+    c, counted = _counted(a, b, bm, bn, bk, config.group_m, config.num_warps, order=recorded)
     metrics["seconds"] = round(time.perf_counter() - start, 4)
     exact = (a.double() @ b.double()).cpu()  # the inputs as rounded to dtype, multiplied exactly enough
     err = (c.double().cpu() - exact).abs().max().item()
@@ -165,8 +166,13 @@ def run(config: GemmConfig, ctx) -> Result:
     ctx.progress(0.85, "execution model")
     h = gemm_hierarchy(M, N, K, bm, bn, bk, config.num_warps, config.device, elem)
     tables["hierarchy"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in h.items()}]
-    order = program_order(M, N, bm, bn, config.group_m)
-    tables["program_order"] = [{"program": pid, "tile_m": tm, "tile_n": tn} for pid, (tm, tn) in enumerate(order)]
+    tiles_n = -(-N // bn)
+    tables["program_order"] = [{"program": int(pid), "tile_m": i // tiles_n, "tile_n": i % tiles_n}
+                               for i, pid in enumerate(recorded.tolist())]
+    model = program_order(M, N, bm, bn, config.group_m)
+    checks.append(Check("the program order the kernel recorded is the order the L2 model assumes",
+                        sum(model[r["program"]] != (r["tile_m"], r["tile_n"]) for r in tables["program_order"]), 0,
+                        reference="program_order (Python)"))
     # what one wave (a program per SM) touches, for this GEMM and for a large one where GROUP_M matters
     wave = h["sms"]
     tables["wave_footprint"] = [{**r, "case": case, "group_m": gm}
