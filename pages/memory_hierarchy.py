@@ -92,6 +92,17 @@ def render_measured(result: dict, rec) -> None:
                 f"of one ax+b are **{m['seed_one_request_percent']:.2f}%** of that, so about **{m['seed_requests_needed']:,.0f}** "
                 f"requests (the Xeon 8280's 729 threads) keep memory busy. A CPU at 2,000 GFLOP/s FP64 and 200 GB/s needs "
                 f"**{m['seed_ops_per_datum']:.0f}** operations per datum.")
+    flight = pd.DataFrame([{"where": f"this CPU, {r['level']} (measured)", "bytes in flight": r["bytes_in_flight"]} for r in tables["levels"]] +
+                          [{"where": "seed 002's CPU (89 ns x 131 GB/s)", "bytes in flight": m["seed_bytes_in_flight"]}] +
+                          [{"where": f"{r['device']} {r['memory']} (model)", "bytes in flight": r["bytes_in_flight"]}
+                           for r in tables["gpu_littles_law"]])
+    st.altair_chart(alt.Chart(flight).mark_bar().encode(
+        x=alt.X("bytes in flight:Q", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s"), title="bytes that must be in flight"),
+        y=alt.Y("where:N", sort=None, title=None), tooltip=["where", alt.Tooltip("bytes in flight:Q", format=",.0f")],
+        color=alt.condition("indexof(datum.where, 'model') >= 0", alt.value("#9aa5b1"), alt.value("#1f6fd1"))),
+        width="stretch")
+    st.caption("A dependent chase keeps one 64-byte line in flight; everything to the right of 64 bytes has to come from "
+               "independent requests: out-of-order cores and prefetchers on a CPU, tens of thousands of threads on a GPU.")
     st.markdown("**This machine, per level** (measured latency and bandwidth of the probe that fits in it):")
     st.dataframe(pd.DataFrame(tables["levels"]), hide_index=True, width="stretch",
                  column_config={"one_chase_uses": st.column_config.NumberColumn("one chase uses", format="%.4f"),
