@@ -65,17 +65,21 @@ def selected_attention(q, k, v, blocks, real, sel_block, counters=None):
     G, top_n = k.shape[0], blocks.shape[-1]
     if q.dtype != torch.float32 or d not in (16, 32, 64, 128) or sel_block < 16 or sel_block & (sel_block - 1):
         raise ValueError(f"float32, head_dim in 16..128 and a power-of-two sel_block >= 16 (got {q.dtype}, {d}, {sel_block})")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    blocks, real = blocks.to(torch.int32).contiguous(), real.to(torch.int32).contiguous()
+    home = q.device
+    device = torch.device("cuda") if torch.cuda.is_available() else home  # natively where there is a GPU
+    q, k, v = (x.to(device).contiguous() for x in (q, k, v))
+    blocks, real = blocks.to(device, torch.int32).contiguous(), real.to(device, torch.int32).contiguous()
     out = torch.empty_like(q)
-    cnt = counters if counters is not None else torch.zeros(len(TENSORS), dtype=torch.int64, device=q.device)
+    cnt = torch.zeros(len(TENSORS), dtype=torch.int64, device=device)
     group = H // G
     _selected_kernel[(n, G)](q, k, v, blocks, real, out, cnt, d ** -0.5,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), blocks.stride(0), blocks.stride(1),
                              out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                              TOP_N=top_n, SEL_BLOCK=sel_block, HEAD_DIM=d, ELEM=q.element_size(),
                              COUNT_TRAFFIC=counters is not None)
-    return out
+    if counters is not None:
+        counters += cnt.to(counters.device)
+    return out.to(home)
 
 
 def selected_reference(q, k, v, blocks, real, sel_block):

@@ -96,11 +96,14 @@ def render_measured(result: dict, rec) -> None:
                           [{"where": "seed 002's CPU (89 ns x 131 GB/s)", "bytes in flight": m["seed_bytes_in_flight"]}] +
                           [{"where": f"{r['device']} {r['memory']} (model)", "bytes in flight": r["bytes_in_flight"]}
                            for r in tables["gpu_littles_law"]])
-    st.altair_chart(alt.Chart(flight).mark_bar().encode(
-        x=alt.X("bytes in flight:Q", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s"), title="bytes that must be in flight"),
-        y=alt.Y("where:N", sort=None, title=None), tooltip=["where", alt.Tooltip("bytes in flight:Q", format=",.0f")],
-        color=alt.condition("indexof(datum.where, 'model') >= 0", alt.value("#9aa5b1"), alt.value("#1f6fd1"))),
-        width="stretch")
+    flight["from"] = 1.0  # a log axis has no zero: each bar starts at one byte
+    bars = alt.Chart(flight).encode(
+        y=alt.Y("where:N", sort=None, title=None, axis=alt.Axis(labelLimit=320)),
+        color=alt.condition("indexof(datum.where, 'measured') >= 0", alt.value("#1f6fd1"), alt.value("#9aa5b1")),
+        tooltip=["where", alt.Tooltip("bytes in flight:Q", format=",.0f")])
+    x = alt.X("bytes in flight:Q", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s"), title="bytes that must be in flight")
+    st.altair_chart((bars.mark_rule(strokeWidth=8).encode(x=x, x2="from:Q") + bars.mark_point(filled=True, size=80).encode(x=x))
+                    .properties(height=240), width="stretch")
     st.caption("A dependent chase keeps one 64-byte line in flight; everything to the right of 64 bytes has to come from "
                "independent requests: out-of-order cores and prefetchers on a CPU, tens of thousands of threads on a GPU.")
     st.markdown("**This machine, per level** (measured latency and bandwidth of the probe that fits in it):")
