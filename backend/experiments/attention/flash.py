@@ -5,6 +5,8 @@
 - naive: S and P materialised; bytes per step measured from the tensors.
 - tiled: FlashAttention's algorithm in PyTorch, for long sequences on a CPU; peak resident memory
   measured, beside the N² floats naive attention would need.
+Also, for every path: seed 003's SRAM budget for the chosen SRAM size and head dim (Br, Bc and the words on
+chip at each step of one tile iteration), its stated expressions checked against the step-by-step count.
 Error criterion (FlashAttention's own): the implementation's max error against an fp32 SDPA
 reference is within 2× that of SDPA computed in the same precision (+1e-6 for round-off in fp32).
 """
