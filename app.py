@@ -29,7 +29,7 @@ navigation = st.navigation({
     ],
     "Hardware": [
         st.Page("pages/memory_hierarchy.py", title="GPU memory hierarchy", icon="🧱", url_path="memory_hierarchy"),
-        st.Page("pages/gpu_execution.py", title="GPU execution model", icon=":material/grid_view:", url_path="gpu_execution"),
+        st.Page("pages/gpu_execution.py", title="GPU execution model", icon=":material/developer_board:", url_path="gpu_execution"),
     ],
     "Serving": [
         st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),
