@@ -32,8 +32,10 @@ def _hierarchy(h: dict, cfg: dict) -> None:
                       f"{h['accumulator_registers_per_thread']} fp32 accumulator registers"},
     ])
     st.dataframe(levels, hide_index=True, width="stretch")
-    st.caption("A model of how the tiling maps onto the preset (Triton chooses the real layout); the counts of loads "
-               "below are measured by the kernel.")
+    st.caption(f"A model of how the tiling maps onto the preset (Triton chooses the real layout); the counts of loads "
+               f"are measured by the kernel. Edge tiles run whole: {h['useful_fraction']:.1%} of the multiply-adds issued "
+               "are useful, the rest run on masked, padded rows and columns (SIMT: a warp executes as a unit, its idle "
+               "lanes included).")
 
 
 def _program_order(result: dict, cfg: dict) -> None:

@@ -71,6 +71,9 @@ def test_execution_hierarchy_of_a_tile():
     assert h["warp_grid"] == (2, 4) or h["warp_grid"] == (4, 2)
     assert h["tensor_core_ops_per_wmma"] == 64 and h["shared_bytes_per_program"] == 3 * 2 * 128 * 32 * 2
     assert warp_grid(4, 16, 64) == (1, 4)
+    assert h["useful_fraction"] == 1.0
+    tail = gemm_hierarchy(100, 72, 60, 32, 32, 32, 4, "RTX 4090", 4)
+    assert tail["useful_fraction"] == pytest.approx(100 * 72 * 60 / (128 * 96 * 64))
 
 
 def test_experiment_defaults_pass():

@@ -72,6 +72,8 @@ def gemm_hierarchy(M: int, N: int, K: int, block_m: int, block_n: int, block_k: 
                                                     ("registers", by_registers), key=lambda t: t[1])[0],
         "concurrent_programs": concurrent, "waves": math.ceil(programs / concurrent) if concurrent else None,
         "sms": spec["sms"], "max_warps_per_sm": spec["max_warps_per_sm"],
+        # masked tails: the tiles at the edges still run whole (a warp runs all 32 lanes, idle ones included)
+        "useful_fraction": M * N * K / (tiles_m * block_m * tiles_n * block_n * k_steps * block_k),
     }
 
 
