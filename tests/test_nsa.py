@@ -73,7 +73,7 @@ def test_experiment_defaults_pass():
 @pytest.mark.parametrize("values, field", [
     ({"kv_heads": "4", "heads": "6"}, "kv_heads"), ({"cmp_stride": "16", "cmp_block": "8"}, "cmp_stride"),
     ({"sel_block": "16", "cmp_stride": "16", "cmp_block": "32"}, None), ({"sweep_sizes": "10"}, "sweep_sizes"),
-    ({"sweep_sizes": "8192,8192", "heads": "16"}, "sweep_sizes"), ({"seq_len": "4096"}, "seq_len"), ({"impl": "triton"}, "seq_len"),
+    ({"sweep_sizes": "8192", "head_dim": "64"}, "sweep_sizes"), ({"top_n": "32", "window": "2048", "seq_len": "2048"}, "seq_len"), ({"seq_len": "4096"}, "seq_len"), ({"impl": "triton"}, "seq_len"),
 ])
 def test_bad_inputs_name_the_setting(values, field):
     if field is None:  # allowed

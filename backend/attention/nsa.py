@@ -43,11 +43,15 @@ def compress(x, block: int, stride: int, pos, w):
     return (blocks + pos).mean(2) @ w
 
 
+def _softmax_visible(scores, visible):
+    """Softmax over the visible keys only; a row with none gives zeros (it reads nothing)."""
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+
+
 def _attend(q, k, v, visible):
-    """q: (G, h, N, d); k, v: (G, N, keys, d) per query; visible: (G, N, keys). Rows with no visible key give 0."""
-    scores = torch.einsum("ghnd,gnkd->ghnk", q, k) / math.sqrt(q.shape[-1])
-    p = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("ghnk,gnkd->ghnd", p, v), p
+    """q: (G, h, N, d); k, v: (G, N, keys, d), gathered per query; visible: (G, N, keys)."""
+    p = _softmax_visible(torch.einsum("ghnd,gnkd->ghnk", q, k) / math.sqrt(q.shape[-1]), visible[:, None])
+    return torch.einsum("ghnk,gnkd->ghnd", p, v)
 
 
 def select_blocks(p_cmp, n: int, cmp_block: int, cmp_stride: int, sel_block: int, top_n: int):
@@ -77,7 +81,8 @@ def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top
     vc = compress(v, cmp_block, cmp_stride, params["pos"], params["w_v"])
     ends = torch.arange(kc.shape[1]) * cmp_stride + cmp_block - 1
     cmp_visible = (ends[None, :] <= t[:, None]).expand(G, n, -1)
-    o_cmp, p_cmp = _attend(qg, kc[:, None].expand(-1, n, -1, -1), vc[:, None].expand(-1, n, -1, -1), cmp_visible)
+    p_cmp = _softmax_visible(qg @ kc[:, None].transpose(-1, -2) / math.sqrt(d), cmp_visible[:, None])  # every query, every block
+    o_cmp = p_cmp @ vc[:, None]
 
     blocks, real, importance = select_blocks(p_cmp, n, cmp_block, cmp_stride, sel_block, top_n)
     tokens = (blocks[..., None] * sel_block + torch.arange(sel_block)).flatten(-2)          # (G, N, top_n·sel_block)
@@ -85,14 +90,15 @@ def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top
     tokens = tokens.clamp(max=n - 1)
     gather = lambda x, idx: torch.stack([x[g][idx[g]] for g in range(G)])  # noqa: E731  (G, N, keys, d)
     if selected_counters is None:
-        o_slc, _ = _attend(qg, gather(k, tokens), gather(v, tokens), sel_visible)
+        o_slc = _attend(qg, gather(k, tokens), gather(v, tokens), sel_visible)
     else:
         o_slc = selected_attention(q, k, v, blocks, real, sel_block, selected_counters).reshape(G, H // G, n, d)
 
+    window = min(window, n)                                                                  # no more than the sequence
     win = t[:, None] - window + 1 + torch.arange(window)                                     # (N, window)
     win_visible = (win >= 0).expand(G, n, -1)
     win = win.clamp(min=0).expand(G, n, -1)
-    o_win, _ = _attend(qg, gather(k, win), gather(v, win), win_visible)
+    o_win = _attend(qg, gather(k, win), gather(v, win), win_visible)
 
     gates = torch.sigmoid(q @ params["w_gate"]).reshape(G, H // G, n, len(BRANCHES))
     o = sum(gates[..., i, None] * branch for i, branch in enumerate((o_cmp, o_slc, o_win)))

@@ -22,6 +22,7 @@ from backend.result import Check, Result
 
 
 TRITON_INTERPRETER_STEPS = 256  # (query, group, block) steps of the selected-block kernel in Triton's interpreter
+GATHER_BUDGET = 2 ** 26         # elements of one gathered K (or V) tensor: groups x N x keys per query x d
 
 
 @dataclasses.dataclass
@@ -42,6 +43,10 @@ class NSAConfig(Config):
     def sizes(self) -> list[int]:
         return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
 
+    def gathered(self, n: int, groups: int) -> int:
+        """Elements of the selected and window gathers of K (V is the same again) for n queries."""
+        return groups * n * (min(self.top_n * self.sel_block, n) + min(self.window, n)) * self.head_dim
+
     def check(self) -> None:
         programs = self.seq_len * self.kv_heads * self.top_n
         if self.impl == "triton" and not torch.cuda.is_available() and programs > TRITON_INTERPRETER_STEPS:
@@ -59,8 +64,12 @@ class NSAConfig(Config):
             raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r} is not a comma-separated list of integers") from None
         if any(not 64 <= s <= 8192 for s in sizes):
             raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 64..8192")
-        if self.heads * sum(sizes) > 16 * 8192:
-            raise ConfigError("sweep_sizes", f"heads x the sizes' sum = {self.heads * sum(sizes):,} is too much work (allowed: <= {16 * 8192:,})")
+        if self.gathered(self.seq_len, self.kv_heads) > GATHER_BUDGET:
+            raise ConfigError("seq_len", f"{self.seq_len} gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these "
+                                         f"kv_heads, top_n, sel_block, window and head_dim (allowed: <= {GATHER_BUDGET:,})")
+        if sizes and self.gathered(max(sizes), 1) > GATHER_BUDGET:
+            raise ConfigError("sweep_sizes", f"N={max(sizes)} gathers {self.gathered(max(sizes), 1):,} K elements per group "
+                                             f"(allowed: <= {GATHER_BUDGET:,}; use shorter sizes or fewer selected tokens)")
 
 
 def run(config: NSAConfig, ctx) -> Result:
@@ -70,9 +79,9 @@ def run(config: NSAConfig, ctx) -> Result:
     geometry = dict(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
                     top_n=config.top_n, window=config.window)
     params = make_params(d, config.cmp_block, g)
-    inputs = lambda length: (torch.randn(H, length, d, generator=g), torch.randn(G, length, d, generator=g),  # noqa: E731
-                             torch.randn(G, length, d, generator=g))
-    q, k, v = inputs(n)
+    inputs = lambda length, groups: (torch.randn(groups * (H // G), length, d, generator=g),  # noqa: E731
+                                     torch.randn(groups, length, d, generator=g), torch.randn(groups, length, d, generator=g))
+    q, k, v = inputs(n, G)
     ctx.progress(0.05, "NSA")
     counters = torch.zeros(2, dtype=torch.int64) if config.impl == "triton" else None
     out, chosen = nsa_attention(q, k, v, params, **geometry, selected_counters=counters)
@@ -109,7 +118,7 @@ def run(config: NSAConfig, ctx) -> Result:
     sweep = []
     for i, length in enumerate(config.sizes()):
         ctx.progress(0.5 + 0.45 * i / max(1, len(config.sizes())), f"KV bytes per query at N={length}")
-        _, c = nsa_attention(*inputs(length), params, **geometry)
+        _, c = nsa_attention(*inputs(length, 1), params, **geometry)  # one KV group: every group reads alike
         counted = kv_bytes_per_query(c["kv_rows_read"], d, elem)
         sweep.append({"seq_len": length, **counted, "nsa_over_full_last": counted["nsa_last"] / counted["full_last"]})
 
@@ -126,7 +135,7 @@ def run(config: NSAConfig, ctx) -> Result:
                  "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1]},
         tables={"sweep": sweep, "importance": importance, "selection": selection},
         checks=checks,
-        notes=["KV bytes are counted from the rows the gathers index (K and V, fp32); full attention reads every "
+        notes=["KV bytes are counted from the rows the gathers index, per query and KV head (K and V, fp32); full attention reads every "
                "earlier token. The weights of φ and the gate are random: the structure, not a trained model."])
 
 
