@@ -42,6 +42,8 @@ SECTIONS: dict[str, list[Topic]] = {
               "the four variants trained on one corpus", ("attention.variants_train",)),
         Topic("pages/flash_attention.py", "FlashAttention", ":material/bolt:",
               "Triton kernels forward and backward, traffic counted in the kernel", ("attention.flash",)),
+        Topic("pages/nsa.py", "Native sparse attention", ":material/filter_alt:",
+              "compressed, selected and window branches gated; KV bytes per query vs full attention", ("attention.nsa",)),
     ],
     "Compilers": [
         Topic("pages/autograd.py", "Autograd", ":material/functions:",
@@ -53,7 +55,10 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Hardware": [
         Topic("pages/memory_hierarchy.py", "GPU memory hierarchy", ":material/memory:",
-              "this CPU's roofline measured beside GPU presets", ("memory.roofline",)),
+              "this CPU's roofline, latency and bandwidth per level measured beside GPU presets",
+              ("memory.roofline", "hardware.latency")),
+        Topic("pages/gpu_execution.py", "GPU execution model", ":material/developer_board:",
+              "a tiled Triton GEMM: grid, warps, threads, traffic counted per tile shape", ("kernels.gemm",)),
     ],
     "Serving": [
         Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
