@@ -64,8 +64,7 @@ class Sharded(nn.Module):
     the pieces concatenated along dim."""
 
     def take(self, name: str, state: dict, dim: int, pieces: list[tuple[str, slice]]) -> None:
-        cut = [state[ref].narrow(dim, s.start, s.stop - s.start) if dim is not None else state[ref] for ref, s in pieces]
-        self.register_parameter(name, nn.Parameter(torch.cat(cut, dim if dim is not None else 0).clone()))
+        self.register_parameter(name, nn.Parameter(cut(state, {name: (dim, pieces)})[name].clone()))
         self.shard_sources = {**getattr(self, "shard_sources", {}), name: (dim, pieces)}
 
 
@@ -198,30 +197,43 @@ class TPBlock(nn.Module):
 
 
 class TPDecoder(nn.Module):
-    """Rank r of n of the TinyDecoder `reference`: same arithmetic, weights split, activations communicated."""
+    """Rank r of n of the TinyDecoder `reference`: same arithmetic, weights split, activations communicated.
+    With stages > 1 it is pipeline stage `stage`: its share of the blocks, the embedding on the first stage,
+    the final norm, head and loss on the last."""
 
-    def __init__(self, reference: TinyDecoder, wire, sp: bool = False):
+    def __init__(self, reference: TinyDecoder, wire, sp: bool = False, stage: int = 0, stages: int = 1):
         super().__init__()
         s, r, n = reference.shape, wire.index, wire.n
         state = {k: v.detach() for k, v in reference.state_dict().items()}
         self.shape, self.wire, self.sp = s, wire, sp
-        self.embed = VocabParallelEmbedding(state, s.vocab, wire, sp, r, n)
-        self.blocks = nn.ModuleList(TPBlock(state, i, s, wire, sp, r, n) for i in range(s.n_layers))
-        self.norm = ReplicatedNorm(state, "norm.weight")
-        self.head = ColumnParallelLinear(state, [("head.weight", part(s.vocab, r, n))], wire, sp, "head")
+        self.first, self.last, self.vocab_rows = stage == 0, stage == stages - 1, part(s.vocab, r, n)
+        if self.first:
+            self.embed = VocabParallelEmbedding(state, s.vocab, wire, sp, r, n)
+        layers = part(s.n_layers, stage, stages)
+        self.blocks = nn.ModuleList(TPBlock(state, i, s, wire, sp, r, n) for i in range(layers.start, layers.stop))
+        if self.last:
+            self.norm = ReplicatedNorm(state, "norm.weight")
+            self.head = ColumnParallelLinear(state, [("head.weight", self.vocab_rows)], wire, sp, "head")
 
     def forward(self, tokens: torch.Tensor, memory=None):
         """tokens (b, t + 1) -> (mean next-token loss, this rank's logits (b, t, vocab / n)). `memory`, a
         context manager, is entered around the blocks only (the layers the activation formula counts)."""
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = self.embed(inputs)
-        cos, sin = rope_angles(torch.arange(inputs.shape[1]), self.shape.d_head, dtype=x.dtype)
+        x = self.embed(tokens[:, :-1])
         with memory or contextlib.nullcontext():
-            for block in self.blocks:
-                x = block(x, cos, sin)
+            x = self.run_blocks(x)
+        return self.head_loss(x, tokens[:, 1:])
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1] * (self.wire.n if self.sp else 1)
+        cos, sin = rope_angles(torch.arange(seq), self.shape.d_head, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor):
         logits = self.head(self.norm(x))
         loss = VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                               self.embed.rows.start, self.wire)
+                                               self.vocab_rows.start, self.wire)
         return loss, logits
 
     def sync_replicated_grads(self) -> None:
@@ -240,9 +252,13 @@ class TPDecoder(nn.Module):
 
     def expected(self, reference_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reference tensors (weights or gradients, by reference name) cut as this rank's parameters were."""
-        out = {}
-        for name, (dim, pieces) in self.sources().items():
-            cut = [reference_tensors[ref] if dim is None else reference_tensors[ref].narrow(dim, s.start, s.stop - s.start)
-                   for ref, s in pieces]
-            out[name] = torch.cat(cut, dim if dim is not None else 0)
-        return out
+        return cut(reference_tensors, self.sources())
+
+
+def cut(reference_tensors: dict[str, torch.Tensor], sources: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (dim, pieces) in sources.items():
+        parts = [reference_tensors[ref] if dim is None else reference_tensors[ref].narrow(dim, s.start, s.stop - s.start)
+                 for ref, s in pieces]
+        out[name] = torch.cat(parts, dim if dim is not None else 0)
+    return out

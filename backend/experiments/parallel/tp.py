@@ -32,11 +32,15 @@ class TPConfig(Config):
     layers: int = setting(2, min=1, max=8, help="decoder blocks")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and tokens")
 
+    @property
+    def tp_degree(self) -> tuple[str, int]:
+        return "world_size", self.world_size
+
     def check(self) -> None:
-        t = self.world_size
+        name, t = self.tp_degree
         for field in ("n_heads", "n_kv_heads", "d_ff", "vocab", "d_model", "seq"):
             if getattr(self, field) % t:
-                raise ConfigError(field, f"{getattr(self, field)} does not divide by world_size={t}, the tensor-parallel "
+                raise ConfigError(field, f"{getattr(self, field)} does not divide by {name}={t}, the tensor-parallel "
                                          f"degree (allowed: a multiple of {t})")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (allowed: a divisor)")
@@ -70,7 +74,7 @@ def run_rank(rank, world, config: TPConfig, ctx):
         wire = Wire.along(mesh, "tp", tracer)
         model, loss, logits, grads, act = _step(reference, config, wire, sp)
         want = model.expected(ref_grads)
-        vocab = model.embed.rows
+        vocab = model.vocab_rows
         out["modes"][mode] = {
             "loss_error": abs(loss.item() - ref_loss.item()),
             "logits_error": (logits - ref_logits[..., vocab]).abs().max().item(),
