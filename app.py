@@ -18,6 +18,10 @@ navigation = st.navigation({
         st.Page("pages/comm_bandwidth.py", title="Collective bandwidth", icon="📶", url_path="comm_bandwidth"),
         st.Page("pages/data_parallel.py", title="Data parallel & ZeRO", icon="🗂", url_path="data_parallel"),
         st.Page("pages/pipeline.py", title="Pipeline parallel", icon="🛤️", url_path="pipeline"),
+        st.Page("pages/tensor_parallel.py", title="Tensor & sequence parallel", icon=":material/view_column:", url_path="tensor_parallel"),
+        st.Page("pages/expert_parallel.py", title="Expert parallel", icon=":material/hub:", url_path="expert_parallel"),
+        st.Page("pages/context_parallel.py", title="Context parallel", icon=":material/donut_large:", url_path="context_parallel"),
+        st.Page("pages/mesh_parallel.py", title="3D parallel", icon=":material/view_in_ar:", url_path="mesh_parallel"),
     ],
     "Attention": [
         st.Page("pages/kv_cache.py", title="KV cache: MHA, MQA, GQA, MLA", icon="🗃️", url_path="kv_cache"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -163,7 +164,8 @@ def combine(config: TPConfig, payloads) -> Result:
     checks.append(Check("one rank: activation memory within 10 % of the formula",
                         abs(memory[-1]["measured_bytes"] / memory[-1]["formula_bytes"] - 1), 0.10, reference="same formula, t = 1"))
     tables["collectives"], tables["memory"] = collectives, memory
-    tables["shards"] = [{"rank": p["rank"], "parameter": k, "shape": str(v)} for p in payloads for k, v in p["modes"]["TP"]["shards"].items()]
+    tables["shards"] = [{"rank": p["rank"], "parameter": k, "shape": " x ".join(map(str, v)), "elements": math.prod(v)}
+                        for p in payloads for k, v in p["modes"]["TP"]["shards"].items()]
     if "worked" in payloads[0]:
         tables["worked_examples"] = [row for p in payloads for row in p["worked"]]
         e = payloads[0]["worked_errors"]
