@@ -22,13 +22,13 @@ def render(result: dict, rec) -> None:
     experts = pd.DataFrame(t["experts"])
     long = experts.melt(id_vars=["source rank", "expert", "on rank", "capacity"], value_vars=["kept", "dropped"],
                         var_name="fate", value_name="assignments")
-    bars = alt.Chart(long).mark_bar().encode(
+    bars = alt.Chart().mark_bar().encode(
         x=alt.X("expert:O", title="expert"), y=alt.Y("assignments:Q", title="(token, expert) assignments"),
         color=alt.Color("fate:N", scale=alt.Scale(domain=["kept", "dropped"], range=["#1f6fd1", "#e4572e"])),
         tooltip=["source rank", "expert", "on rank", "fate", "assignments", "capacity"])
-    rule = alt.Chart(experts).mark_tick(color="black", thickness=2).encode(x="expert:O", y=alt.Y("capacity:Q"),
-                                                                           tooltip=["capacity"])
-    st.altair_chart((bars + rule).properties(height=220, width=260).facet(column=alt.Column("source rank:N", title="tokens of rank")))
+    rule = alt.Chart().mark_tick(color="black", thickness=2).encode(x="expert:O", y="capacity:Q", tooltip=["capacity"])
+    st.altair_chart(alt.layer(bars, rule, data=long).properties(height=220, width=260).facet(
+        column=alt.Column("source rank:N", title="tokens of rank")))
     st.caption("Black ticks: the capacity per expert per rank. First choices are served before second choices, then "
                "tokens in order; the rest are dropped.")
 

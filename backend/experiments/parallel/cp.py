@@ -10,6 +10,7 @@ from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.parallel.cp import Ring, RingAttention, positions
 from backend.parallel.loop import start_rank
+from backend.parallel.sp import SavedActivations
 from backend.result import Check, Result
 
 TOL = 1e-12
@@ -51,7 +52,8 @@ def run_rank(rank, world, config: CPConfig, ctx):
     ring = Ring(mesh.index("cp"), world, mesh.ranks("cp"), tracer)
     steps = []
     ctx.progress(0.3, "ring forward")
-    out = RingAttention.apply(*local, pos, ring, config.causal, steps)
+    with SavedActivations([]) as saved:
+        out = RingAttention.apply(*local, pos, ring, config.causal, steps)
     ctx.progress(0.6, "ring backward")
     out.backward(grad[:, :, mine])
     forward_ms = sum(e["dur"] for e in tracer.events if e["lane"] == "compute" and e["name"].startswith("attend")) / 1e3
@@ -59,7 +61,7 @@ def run_rank(rank, world, config: CPConfig, ctx):
     return {"rank": rank, "positions": mine.tolist(),
             "output_error": (out - reference[:, :, mine]).abs().max().item(),
             "grad_errors": {name: (a.grad - b.grad[:, :, mine]).abs().max().item() for name, a, b in zip("qkv", local, full)},
-            "steps": steps, "ring": ring.log, "forward_compute_ms": forward_ms, "unmasked_scores": unmasked,
+            "steps": steps, "ring": ring.log, "forward_compute_ms": forward_ms, "unmasked_scores": unmasked, "activation_bytes": saved.bytes,
             "trace": tracer.payload()}
 
 
@@ -75,6 +77,10 @@ def combine(config: CPConfig, payloads) -> Result:
         bwd = sum(r["sent_bytes"] for r in p["ring"]) - fwd
         checks.append(Check(f"rank {p['rank']}: bytes sent equal the model", abs(fwd - (n - 1) * block) + abs(bwd - (2 * n - 1) * block), 0,
                             reference="forward: n-1 K/V blocks; backward: n-1 K/V blocks and n dK/dV blocks (the last one home)"))
+    local = config.batch * config.heads * (config.seq // n)
+    checks.append(Check("saved for backward: this rank's Q, K, V, output and log-sum-exp only (no S x S scores)",
+                        max(abs(p["activation_bytes"] - (4 * local * config.d_head + local) * 8) for p in payloads), 0,
+                        reference="4·b·h·(S/n)·d + b·h·(S/n) float64 values"))
     work = [p["unmasked_scores"] for p in payloads]
     metrics = {"unmasked scores, max / mean over ranks": max(work) / (sum(work) / n),
                "forward compute ms, max / mean over ranks": max(p["forward_compute_ms"] for p in payloads)
@@ -92,7 +98,8 @@ def combine(config: CPConfig, payloads) -> Result:
              "checked against SDPA on the whole sequence instead."]
     return Result(metrics=metrics, checks=checks, tables={"steps": steps, "ring": ring, "layout": layout,
                                                           "work": [{"rank": p["rank"], "unmasked scores": p["unmasked_scores"],
-                                                                    "forward compute ms": p["forward_compute_ms"]} for p in payloads]},
+                                                                    "forward compute ms": p["forward_compute_ms"],
+                                                                    "activation_bytes": p["activation_bytes"]} for p in payloads]},
                   notes=notes, trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 

@@ -9,6 +9,7 @@ from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.parallel.ep import MoE
 from backend.parallel.loop import start_rank
+from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result
 from backend.trace import Tracer
@@ -59,7 +60,7 @@ def run_rank(rank, world, config: EPConfig, ctx):
     x = x_all.detach().tensor_split(world)[rank].requires_grad_()
     t = target.tensor_split(world)[rank]
     ctx.progress(0.3, "dispatch, experts, combine")
-    with tracer.span("compute", "MoE forward"):
+    with tracer.span("compute", "MoE forward"), SavedActivations(model.parameters()) as saved:
         y, (stats,) = model(x, wire)
         loss = ((y - t) ** 2).sum() / config.tokens
     with tracer.span("compute", "MoE backward"):
@@ -72,7 +73,7 @@ def run_rank(rank, world, config: EPConfig, ctx):
     return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(),
             "grad_error": max((p.grad - q.grad).abs().max().item() for p, q in pairs),
             "input_grad_error": (x.grad - x_all.grad.tensor_split(world)[rank]).abs().max().item(),
-            "stats": stats, "reference_stats": ref_stats[rank], "log": wire.log, "trace": tracer.payload()}
+            "stats": stats, "activation_bytes": saved.bytes, "reference_stats": ref_stats[rank], "log": wire.log, "trace": tracer.payload()}
 
 
 def combine(config: EPConfig, payloads) -> Result:
@@ -115,7 +116,8 @@ def combine(config: EPConfig, payloads) -> Result:
                / (sum(r["rows computed"] for r in load) / n)}
     notes = ["Dropped assignments still reach the shared expert (and their token's other experts); a token whose every "
              "choice overflowed keeps only the shared expert's output, as Switch Transformers passes it by the residual."]
-    return Result(metrics=metrics, checks=checks, tables={"experts": experts, "all_to_all": a2a, "load": load}, notes=notes,
+    memory = [{"rank": p["rank"], "activation_bytes": p["activation_bytes"]} for p in payloads]
+    return Result(metrics=metrics, checks=checks, tables={"experts": experts, "all_to_all": a2a, "load": load, "memory": memory}, notes=notes,
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
