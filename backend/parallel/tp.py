@@ -237,14 +237,8 @@ class TPDecoder(nn.Module):
         return loss, logits
 
     def sync_replicated_grads(self) -> None:
-        """Under SP each rank's norm weights saw only its sequence shard: sum their gradients (Megatron's
-        all-reduce of layer-norm gradients). Under plain TP f already made them whole."""
         if self.sp:
-            for p in self.replicated():
-                p.grad = self.wire.all_reduce(p.grad, "backward", "norm weight gradients")
-
-    def replicated(self):
-        return [m.weight for m in self.modules() if isinstance(m, ReplicatedNorm)]
+            sum_norm_grads(self, self.wire)
 
     def sources(self) -> dict[str, tuple]:
         return {f"{prefix}.{name}".lstrip("."): src for prefix, m in self.named_modules()
@@ -253,6 +247,14 @@ class TPDecoder(nn.Module):
     def expected(self, reference_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reference tensors (weights or gradients, by reference name) cut as this rank's parameters were."""
         return cut(reference_tensors, self.sources())
+
+
+def sum_norm_grads(module: nn.Module, wire) -> None:
+    """Under SP each rank's norm weights saw only its sequence shard: sum their gradients (Megatron's all-reduce
+    of layer-norm gradients). Under plain TP f already made them whole, so only SP calls this."""
+    for m in module.modules():
+        if isinstance(m, ReplicatedNorm) and m.weight.grad is not None:
+            m.weight.grad = wire.all_reduce(m.weight.grad, "backward", "norm weight gradients")
 
 
 def cut(reference_tensors: dict[str, torch.Tensor], sources: dict[str, tuple]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 
 from backend.attention.rope import rope_angles
 from backend.models.llama import ModelShape, TinyDecoder
+from backend.parallel.tp import sum_norm_grads
 from backend.parallel.wire import ring_bytes
 
 
@@ -96,42 +97,64 @@ def worked_examples(wire) -> list[dict]:
                    "row_activation_error": (act_row - torch.tanh(exact)).abs().max().item()}
 
 
-def dtensor_peer(reference: TinyDecoder, ours, x: torch.Tensor, n: int) -> dict:
-    """PyTorch's own tensor parallel on layer 0 of the same reference: parallelize_module with ColwiseParallel
-    and RowwiseParallel on the MLP and the attention, run forward and backward on the same input, compared
-    with our layers (`ours`, a TPBlock) output for output and gradient for gradient; CommDebugMode counts the
-    collectives DTensor issued."""
+def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:
+    """PyTorch's own tensor parallel on layer 0 of the same reference, compared output for output and gradient for
+    gradient with our TPBlocks (`ours_tp`, `ours_sp`): parallelize_module with ColwiseParallel and RowwiseParallel
+    on the MLP and on the attention, and on the whole block with SequenceParallel norms (Megatron-SP's layout).
+    CommDebugMode counts the collectives DTensor issued."""
     import copy
 
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     mesh = DeviceMesh("cpu", list(range(n)))
-    block = reference.blocks[0]
-    ffn, attn = copy.deepcopy(block.ffn), copy.deepcopy(block.attn)
-    parallelize_module(ffn, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
-    parallelize_module(attn, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
-    attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n  # each rank's module sees its heads only
-    rows, t = {}, x.shape[1]
+    layer = reference.blocks[0]
+    qkv = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+    mlp = {"ffn.gate": ColwiseParallel(), "ffn.up": ColwiseParallel()}
+    sp_plan = {"attn_norm": SequenceParallel(sequence_dim=0), "ffn_norm": SequenceParallel(sequence_dim=0),  # unbatched (t, d)
+               "attn": PrepareModuleInput(input_layouts=(Shard(0), None, None), desired_input_layouts=(Replicate(), None, None)),
+               "ffn": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+               **qkv, "attn.wo": RowwiseParallel(output_layouts=Shard(0)), **mlp, "ffn.down": RowwiseParallel(output_layouts=Shard(0))}
+    t = x.shape[1]
     cos, sin = rope_angles(torch.arange(t), reference.shape.d_head, dtype=x.dtype)
-    for name, peer, mine, call_peer, call_mine in (
-            ("mlp", ffn, ours.ffn, lambda m, v: m(v), lambda m, v: m(v)),
-            ("attention", attn, ours.attn, lambda m, v: m(v[0], 0)[None], lambda m, v: m(v[:1], cos, sin))):
+    rows_sp = slice(rank * t // n, (rank + 1) * t // n)
+    cases = {  # name: (peer module, plan, peer call, our call, peer parameters in our parameters' order)
+        "MLP: Colwise, Rowwise": (layer.ffn, {k[4:]: v for k, v in mlp.items()} | {"down": RowwiseParallel()},
+                                  lambda m, v: m(v), lambda v: ours_tp.ffn(v), ["gate", "up", "down"]),
+        "attention: Colwise, Rowwise": (layer.attn, {k[5:]: v for k, v in qkv.items()} | {"wo": RowwiseParallel()},
+                                        lambda m, v: m(v[0], 0)[None], lambda v: ours_tp.attn(v[:1], cos, sin), ["wq", "wk", "wv", "wo"]),
+        "block: SequenceParallel norms, Colwise, Rowwise": (
+            layer, sp_plan, lambda m, v: m(v[0, rows_sp], 0, None), lambda v: ours_sp(v[:1, rows_sp], cos, sin)[0],
+            ["attn_norm", "ffn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.gate", "ffn.up", "ffn.down"]),
+    }
+    rows = {}
+    for name, (module, plan, call_peer, call_mine, order) in cases.items():
+        peer = copy.deepcopy(module)
+        parallelize_module(peer, mesh, plan)
+        attn = peer.attn if hasattr(peer, "attn") else peer if hasattr(peer, "n_kv_heads") else None
+        if attn is not None:
+            attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n  # each rank's module sees its heads only
+        mine = ours_sp if "Sequence" in name else ours_tp
         xp, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
         with CommDebugMode() as comm:
             out_peer = call_peer(peer, xp)
             out_peer.sum().backward()
-        out_mine = call_mine(mine, xo)
+        out_mine = call_mine(xo)
         out_mine.sum().backward()
-        local = {k: v.grad.to_local() for k, v in peer.named_parameters()}
-        mine_grads = torch.cat([p.grad.reshape(-1) for p in mine.parameters()])
-        order = ["gate.weight", "up.weight", "down.weight"] if name == "mlp" else ["wq.weight", "wk.weight", "wv.weight", "wo.weight"]
-        peer_grads = torch.cat([local[k].reshape(-1) for k in order])
-        counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        if mine is ours_sp:
+            sum_norm_grads(mine, sp_wire)
+        grads = dict(peer.named_parameters())
+        # DTensor leaves a replicated norm weight's gradient Partial (a pending sum over the sequence shards)
+        local = {k: (g.grad.redistribute(placements=[Replicate()]) if isinstance(g.grad.placements[0], Partial) else g.grad).to_local()
+                 for k, g in grads.items()}
+        peer_flat = torch.cat([local[k + ".weight"].reshape(-1) for k in order])
+        mine_flat = torch.cat([p.grad.reshape(-1) for p in mine.parameters() if p.grad is not None])
         rows[name] = {"output_error": (out_peer - out_mine).abs().max().item(),
                       "input_grad_error": (xp.grad - xo.grad).abs().max().item(),
-                      "weight_grad_error": (peer_grads - mine_grads).abs().max().item(),
-                      "dtensor_collectives": counts}
+                      "weight_grad_error": (peer_flat - mine_flat).abs().max().item(),
+                      "dtensor_collectives": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}}
         mine.zero_grad(set_to_none=True)
     return rows

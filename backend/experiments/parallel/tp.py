@@ -16,7 +16,12 @@ from backend.parallel.wire import Wire, ring_bytes
 from backend.result import Check, Result
 from backend.trace import Tracer
 
-TOL = 1e-10  # float64: sums regrouped over ranks differ from one process in the last bits only
+TOL = 1e-10
+OURS_COLLECTIVES = {  # per layer, fused column-parallel weights; SP's backward re-gathers each gathered input
+    "MLP: Colwise, Rowwise": "all_reduce: 1 forward (g), 1 backward (f)",
+    "attention: Colwise, Rowwise": "all_reduce: 1 forward (g), 1 backward (f)",
+    "block: SequenceParallel norms, Colwise, Rowwise": "forward all_gather 2, reduce_scatter 2; backward all_gather 4 "
+                                                      "(2 re-gathers), reduce_scatter 2; norm gradients all_reduce 2"}  # float64: sums regrouped over ranks differ from one process in the last bits only
 
 
 @dataclasses.dataclass
@@ -88,9 +93,10 @@ def run_rank(rank, world, config: TPConfig, ctx):
     if world == 2:
         out["worked"], out["worked_errors"] = worked_examples(Wire.along(mesh, "tp", Tracer(rank)))
     ctx.progress(0.8, "DTensor peer")
-    peer_wire = Wire.along(mesh, "tp", Tracer(rank))
+    peer_tp, peer_sp = Wire.along(mesh, "tp", Tracer(rank)), Wire.along(mesh, "tp", Tracer(rank))
     x = torch.randn(config.batch, config.seq, config.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    out["dtensor"] = dtensor_peer(reference, TPDecoder(reference, peer_wire).blocks[0], x, world)
+    out["dtensor"] = dtensor_peer(reference, TPDecoder(reference, peer_tp).blocks[0], TPDecoder(reference, peer_sp, sp=True).blocks[0],
+                                  peer_sp, x, world, rank)
     out["pp_send"] = _pp_send(mesh, tracer, config)
     out["trace"] = tracer.payload()
     return out
@@ -146,6 +152,8 @@ def combine(config: TPConfig, payloads) -> Result:
                                           "all-gather (t-1) x the shard; one all-reduce of b*s*h per layer forward (g), one backward (f)"))
         per_layer = [r for r in model if r["name"] == "mlp" and r["phase"] == "forward"]
         metrics[f"{mode} MLP forward bytes per rank per layer"] = sum(r["sent_bytes"] for r in per_layer) // config.layers
+        for phase in ("forward", "backward"):
+            metrics[f"{mode} {phase} bytes per rank per step"] = sum(r["sent_bytes"] for r in model if r["phase"] == phase)
         formula = sum(activation_elements(b, s, h, config.n_heads, config.n_heads * config.d_head, config.d_ff, n, sp).values())
         formula_bytes = config.layers * formula * 8 + s * config.d_head * 8  # + RoPE's cos and sin tables, shared by the layers
         for p in payloads:
@@ -179,15 +187,15 @@ def combine(config: TPConfig, payloads) -> Result:
     peer = payloads[0]["dtensor"]
     tables["dtensor"] = [{"layer": k, **{m: v for m, v in row.items() if m != "dtensor_collectives"},
                           "dtensor_collectives": str(row["dtensor_collectives"]),
-                          "ours_collectives": "{'all_reduce': 2}: g forward, f backward (fused columns)"} for k, row in peer.items()]
-    checks.append(Check("DTensor parallelize_module (Colwise/RowwiseParallel) equals our layers: outputs and gradients",
+                          "ours_collectives": OURS_COLLECTIVES[k]} for k, row in peer.items()]
+    checks.append(Check("DTensor parallelize_module (Colwise, Rowwise, SequenceParallel) equals our layers: outputs and gradients",
                         max(max(r["output_error"], r["input_grad_error"], r["weight_grad_error"]) for r in peer.values()), TOL,
                         reference="torch.distributed.tensor.parallel on the same weights"))
     # DTensor all-reduces the input gradient once per ColwiseParallel module (gate, up; wq, wk, wv); ours fuses
     # the column-parallel weights that read one input (as Megatron fuses QKV), so it all-reduces once
-    columns = {"mlp": 2, "attention": 3}
+    columns = {"MLP: Colwise, Rowwise": 2, "attention: Colwise, Rowwise": 3}
     checks.append(Check("DTensor's collectives: one all-reduce forward, one backward per column-parallel module",
-                        max(abs(r["dtensor_collectives"].get("all_reduce", 0) - 1 - columns[k]) for k, r in peer.items()), 0,
+                        max(abs(peer[k]["dtensor_collectives"].get("all_reduce", 0) - 1 - c) for k, c in columns.items()), 0,
                         reference="CommDebugMode's counts", detail="ours: one forward, one backward per layer (fused)"))
     mk = b * s * h
     tp_ar = ring_bytes("all_reduce", mk, n, 8)
@@ -200,6 +208,11 @@ def combine(config: TPConfig, payloads) -> Result:
                         reference="M x K float64 elements"))
     notes.append(f"Seed 004's 2MK: a ring all-reduce sends 2(t-1)/t MK per rank, 2(t-1)MK in all: "
                  f"{tp_ar * n / (mk * 8):g} MK at t={n}, against MK for the pipeline's send of the same output.")
+    notes.append("Sequence parallel moves the same bytes as tensor parallel in forward (an all-gather plus a reduce-scatter "
+                 "is an all-reduce). In backward it moves more: "
+                 f"{metrics['TP + SP backward bytes per rank per step']:,} B against {metrics['TP backward bytes per rank per step']:,} B "
+                 "per rank here, because each column-parallel linear gathers its input again to form its weight gradient "
+                 "(it kept only its sequence shard: the memory SP saves), and the replicated norm weights' gradients are summed.")
     notes.append("Activation memory: this block saves three tensors per RMSNorm (it is written as elementwise ops, where the "
                  "paper assumes a fused LayerNorm saving its input), has no dropout masks, and SwiGLU keeps 4 x d_ff per "
                  "token where GPT's GELU MLP keeps 4h + 4h + h; the paper's GPT-block figure (fp16) is shown beside ours.")
