@@ -60,7 +60,7 @@ def part(total: int, index: int, parts: int) -> slice:
 
 
 class Sharded(nn.Module):
-    """A module whose parameters are cut from reference tensors: sources[name] = (dim, [(reference name, slice)]),
+    """A module whose parameters are cut from reference tensors: shard_sources[name] = (dim, [(reference name, slice)]),
     the pieces concatenated along dim."""
 
     def take(self, name: str, state: dict, dim: int, pieces: list[tuple[str, slice]]) -> None:
