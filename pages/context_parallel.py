@@ -21,7 +21,7 @@ def render(result: dict, rec) -> None:
     layout = pd.DataFrame(t["layout"])
     st.altair_chart(alt.Chart(layout).mark_tick(thickness=3).encode(
         x=alt.X("position:Q", title="token position in the sequence"), y=alt.Y("rank:O", title="rank"), color="rank:N",
-        tooltip=["rank", "position"]).properties(height=120, title="Which tokens each rank holds"), width="stretch")
+        tooltip=["rank", "position"]).properties(height=alt.Step(28), title="Which tokens each rank holds"), width="stretch")
 
     steps = pd.DataFrame(t["steps"])
     steps["what"] = steps.apply(lambda s: f"block of rank {s['block_of_rank']}" + ("" if s["computed"] else " (masked: skipped)"), axis=1)

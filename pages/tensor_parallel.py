@@ -42,7 +42,7 @@ def render(result: dict, rec) -> None:
     st.subheader("Each rank's shard of every weight")
     shards = pd.DataFrame(t["shards"])
     st.altair_chart(alt.Chart(shards).mark_bar().encode(
-        y=alt.Y("parameter:N", title=None, sort=None), x=alt.X("elements:Q", title="elements held (per rank)"),
+        y=alt.Y("parameter:N", title=None, sort=None, axis=alt.Axis(labelLimit=220)), x=alt.X("elements:Q", title="elements held (per rank)"),
         color=alt.Color("rank:N"), yOffset="rank:N",
         tooltip=["rank", "parameter", "shape", alt.Tooltip("elements:Q", format=",")]).properties(height=alt.Step(9)), width="stretch")
     st.caption("wqkv and w13 are the column-parallel weights (query heads with their GQA KV heads; gate and up), wo and "
@@ -54,16 +54,17 @@ def render(result: dict, rec) -> None:
         x=alt.X("sent_bytes:Q", title="bytes rank 0 sent (measured, B)"), y=alt.Y("name:N", title=None),
         color=alt.Color("op:N", title="collective"), row=alt.Row("mode:N", title=None), column=alt.Column("phase:N", title=None),
         tooltip=["mode", "phase", "op", "name", "calls", alt.Tooltip("sent_bytes:Q", format=","),
-                 alt.Tooltip("model_bytes:Q", format=",", title="model (B)")]).properties(height=160, width=300))
+                 alt.Tooltip("model_bytes:Q", format=",", title="model (B)")]
+    ).properties(height=alt.Step(16), width=300).configure_axisY(labelLimit=220))
     st.dataframe(coll, hide_index=True, width="stretch")
 
     st.subheader("Activation memory per rank, measured against the formula")
     mem = pd.DataFrame(t["memory"])
     long = mem.melt(id_vars=["layout", "rank"], value_vars=["measured_bytes", "formula_bytes"], var_name="source", value_name="bytes")
     st.altair_chart(alt.Chart(long).mark_bar().encode(
-        x=alt.X("source:N", title=None), y=alt.Y("bytes:Q", title="bytes saved for backward (B)"),
-        color="source:N", column=alt.Column("layout:N", title=None),
-        tooltip=["layout", "rank", "source", alt.Tooltip("bytes:Q", format=",")]).properties(width=140, height=220))
+        x=alt.X("rank:N", title="rank"), xOffset="source:N", y=alt.Y("bytes:Q", title="bytes saved for backward (B)"),
+        color=alt.Color("source:N", title=None), column=alt.Column("layout:N", title=None, sort=["one rank, t=1"]),
+        tooltip=["layout", "rank", "source", alt.Tooltip("bytes:Q", format=",")]).properties(width=160, height=220))
     st.dataframe(mem, hide_index=True, width="stretch",
                  column_config={"paper_gpt_block_bytes": st.column_config.NumberColumn("Korthikanti, GPT block fp16 (B)", format="%d")})
 

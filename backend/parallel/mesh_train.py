@@ -26,13 +26,14 @@ from backend.trace import Tracer
 
 
 def reference_training(config) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final weights."""
+    """One process, the whole batch, the same Adam: losses per step and the final weights. Every step sees the
+    same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it."""
     model = reference_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     losses = []
     for step in range(config.steps):
         opt.zero_grad()
-        loss = model.loss(tokens(config, step))
+        loss = model.loss(tokens(config))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -60,16 +61,16 @@ class Pipe:
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, tp=config.tp)
     tracer = Tracer(rank)
-    tracer.align(dist.barrier)
     tp, dp = Wire.along(mesh, "tp", tracer), Wire.along(mesh, "dp", tracer)
     stage, stages = mesh.index("pp"), mesh.size("pp")
     model = TPDecoder(reference_model(config), tp, stage=stage, stages=stages)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     pipe = Pipe(mesh, tracer)
+    tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     losses, activation_bytes = [], 0
     global_tokens = config.batch * config.seq
     for step in range(config.steps):
-        mine = tokens(config, step).tensor_split(config.dp)[mesh.index("dp")]
+        mine = tokens(config).tensor_split(config.dp)[mesh.index("dp")]
         saved, total = [], 0.0
         memory = SavedActivations(model.parameters())
         for j, mb in enumerate(mine.tensor_split(config.microbatches)):

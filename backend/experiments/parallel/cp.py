@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from backend.config import Config, ConfigError, setting
@@ -50,6 +51,7 @@ def run_rank(rank, world, config: CPConfig, ctx):
     mine = pos[rank]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     ring = Ring(mesh.index("cp"), world, mesh.ranks("cp"), tracer)
+    tracer.align(dist.barrier)  # time zero once every rank has its chunk: the trace is the ring alone
     steps = []
     ctx.progress(0.3, "ring forward")
     with SavedActivations([]) as saved:

@@ -60,10 +60,10 @@ def run_rank(rank, world, config: EPConfig, ctx):
     x = x_all.detach().tensor_split(world)[rank].requires_grad_()
     t = target.tensor_split(world)[rank]
     ctx.progress(0.3, "dispatch, experts, combine")
-    with tracer.span("compute", "MoE forward"), SavedActivations(model.parameters()) as saved:
+    with tracer.span("compute", "MoE forward", kind="forward"), SavedActivations(model.parameters()) as saved:
         y, (stats,) = model(x, wire)
         loss = ((y - t) ** 2).sum() / config.tokens
-    with tracer.span("compute", "MoE backward"):
+    with tracer.span("compute", "MoE backward", kind="backward"):
         loss.backward()
     for p in list(model.router.parameters()) + list(model.shared.parameters()):  # replicated: sum over the ranks' tokens
         p.grad = wire.all_reduce(p.grad, "backward", "router and shared-expert gradients")

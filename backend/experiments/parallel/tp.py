@@ -58,9 +58,12 @@ def _step(reference, config, wire, sp):
     """One forward and backward of rank `wire.index`'s shard; the measurements the checks read."""
     model = TPDecoder(reference, wire, sp)
     memory = SavedActivations(model.parameters())
-    loss, logits = model(tokens(config), memory)
-    loss.backward()
-    model.sync_replicated_grads()
+    mode = "TP + SP" if sp else "TP"
+    with wire.tracer.span("compute", f"{mode} forward", kind="forward"):
+        loss, logits = model(tokens(config), memory)
+    with wire.tracer.span("compute", f"{mode} backward", kind="backward"):
+        loss.backward()
+        model.sync_replicated_grads()
     grads = {k: p.grad for k, p in model.named_parameters()}
     return model, loss, logits, grads, memory.bytes
 
