@@ -26,7 +26,7 @@ from torch.autograd import Function
 
 from backend.attention.rope import apply_rope, rope_angles
 from backend.models.llama import RMSNorm, TinyDecoder
-from backend.parallel.sp import SEQ, GatherLinear, ReduceScatterToSP
+from backend.parallel.sp import GatherLinear, ReduceScatterToSP
 
 
 class CopyToTP(Function):
