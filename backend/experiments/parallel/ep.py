@@ -85,7 +85,7 @@ def combine(config: EPConfig, payloads) -> Result:
               Check("input gradients (through both all-to-alls' backward) equal one process's",
                     max(p["input_grad_error"] for p in payloads), TOL, reference="single-process autograd")]
     # drops, counted independently: an expert routed r assignments with capacity C drops max(0, r - C)
-    drop_err = max(abs(sum(p["stats"]["dropped"]) - sum(max(0, r - p["stats"]["capacity"]) for r in p["reference_stats"]["routed"]))
+    drop_err = max(sum(abs(d - max(0, r - p["stats"]["capacity"])) for d, r in zip(p["stats"]["dropped"], p["reference_stats"]["routed"]))
                    for p in payloads)
     checks.append(Check("dropped assignments equal Σ max(0, routed − capacity) per expert", drop_err, 0,
                         reference="bincount of the reference's top-k choices"))
