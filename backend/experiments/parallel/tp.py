@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from backend.comm.p2p import Transfer
 from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.parallel.loop import start_rank
@@ -116,7 +117,6 @@ def _pp_send(mesh, tracer, config):
     """Seed 004's other side: pipeline parallel cut at the same layer sends its M x K output once, stage to stage."""
     wire = Wire.along(mesh, "tp", tracer)
     out = torch.zeros(config.batch * config.seq, config.d_model, dtype=torch.float64)
-    from backend.comm.p2p import Transfer
     if wire.index == 0:
         wire.p2p.exchange(0, "pipeline send", sends=[Transfer(out, 1, [0])])
     elif wire.index == 1:
