@@ -95,7 +95,7 @@ def combine(config: MeshConfig, payloads) -> Result:
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {"pp": config.pp, "dp": dp, "tp": config.tp, "final_loss": last["losses"][-1]}
+    metrics = {"pp": config.pp, "dp": dp, "tp": config.tp, "steps": config.steps, "final_loss": last["losses"][-1]}
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config)},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
