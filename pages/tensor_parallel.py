@@ -51,11 +51,11 @@ def render(result: dict, rec) -> None:
     st.subheader("The f and g collectives of one training step")
     coll = pd.DataFrame(t["collectives"])
     st.altair_chart(alt.Chart(coll).mark_bar().encode(
-        x=alt.X("sent_bytes:Q", title="bytes rank 0 sent (measured, B)"), y=alt.Y("name:N", title=None),
+        x=alt.X("sent_bytes:Q", title="bytes rank 0 sent (measured, B)"), y=alt.Y("name:N", title=None, axis=alt.Axis(labelOverlap=False)),
         color=alt.Color("op:N", title="collective"), row=alt.Row("mode:N", title=None), column=alt.Column("phase:N", title=None),
         tooltip=["mode", "phase", "op", "name", "calls", alt.Tooltip("sent_bytes:Q", format=","),
                  alt.Tooltip("model_bytes:Q", format=",", title="model (B)")]
-    ).properties(height=alt.Step(16), width=300).configure_axisY(labelLimit=220))
+    ).properties(height=alt.Step(18), width=300).configure_axisY(labelLimit=220))
     st.dataframe(coll, hide_index=True, width="stretch")
 
     st.subheader("Activation memory per rank, measured against the formula")
