@@ -36,7 +36,7 @@ SECTIONS: dict[str, list[Topic]] = {
               "GPipe, 1F1B, interleaved, zero bubble, PipeDream: Gantt and bubble", ("pipeline.run",)),
         Topic("pages/tensor_parallel.py", "Tensor & sequence parallel", ":material/view_column:",
               "column and row splits, Megatron MLP and attention, vocab-parallel loss, SP; DTensor beside ours",
-              ("parallel.tp", "parallel.sp")),
+              ("parallel.tp",)),
         Topic("pages/expert_parallel.py", "Expert parallel", ":material/hub:",
               "MoE experts over ranks: all-to-all dispatch and combine, capacity, dropped tokens", ("parallel.ep",)),
         Topic("pages/context_parallel.py", "Context parallel", ":material/donut_large:",
