@@ -1,0 +1,272 @@
+"""The continuous-batching scheduler, shared by the real engine and the simulator.
+
+Each step it picks what runs: for every request, how many of its tokens get their KV computed. A
+request's tokens so far (`known`: prompt, then what it generated) run ahead of its `computed`
+tokens; a step computes some of the difference, and a request whose computed tokens catch up
+samples one more token (vLLM v1's shape: prefill, chunked prefill, decode and recompute are one rule).
+
+Policies:
+- `chunked_prefill=False` (FCFS, vLLM v0): a step either prefills whole prompts of waiting requests,
+  first come first served while they fit the token budget, or decodes one token for every running one.
+- `chunked_prefill=True` (Sarathi, vLLM v1): running requests first, in admission order, then waiting
+  ones, each taking what is left of the token budget: decodes and prefill chunks share a step.
+- prefix caching: a new request starts with the cached full blocks of its prompt already computed.
+- preemption, when the pool runs out of blocks: the most recently admitted request is swapped out to
+  CPU memory (`swap`) or dropped and recomputed later (`recompute`).
+Time is the executor's: the engine's measured step time, or the cost model's prediction.
+
+The requests' state is kept as arrays indexed by request id, and a step is computed with array
+operations over the running batch; the block manager is called only when a request needs a block or
+fills one. That is what lets the simulator run a million requests (and the engine is no slower).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.kvcache.manager import KVCacheManager
+from backend.serving.workload import Trace
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    num_blocks: int = 128
+    max_batch: int = 16           # running requests at most
+    token_budget: int = 256       # tokens computed per step at most
+    chunked_prefill: bool = True
+    prefix_caching: bool = False
+    preemption: str = "recompute"  # or "swap"
+
+
+@dataclass
+class Step:
+    """One step's batch: request `rids[i]` computes tokens starts[i] .. starts[i] + takes[i] - 1."""
+    index: int
+    start: float
+    rids: np.ndarray
+    starts: np.ndarray
+    takes: np.ndarray
+    samples: np.ndarray                                   # the request samples a token after this step
+    block_ops: list = field(default_factory=list)         # ("swap_out" | "swap_in", rid, block ids), in order
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    kv_blocks: int = 0                                    # blocks attention reads
+
+
+class SequenceTokens:
+    """A request's token ids as the manager reads them: the trace's prompt, then its outputs."""
+
+    def __init__(self, scheduler: "Scheduler", rid: int):
+        self.s, self.rid = scheduler, rid
+
+    def __len__(self) -> int:
+        return int(self.s.known[self.rid])
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return [self.s.token(self.rid, i) for i in range(*index.indices(len(self)))]
+
+
+class Scheduler:
+    def __init__(self, trace: Trace, config: SchedulerConfig, record_batches: bool = False):
+        n, c = len(trace), config
+        self.trace, self.config, self.record_batches = trace, c, record_batches
+        self.m = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
+        self.watermark = max(1, c.num_blocks // 100)   # blocks kept free at admission, as vLLM does
+        self.known = trace.prompt_len.astype(np.int64).copy()
+        self.computed = np.zeros(n, np.int64)
+        self.held = np.zeros(n, np.int64)               # blocks each request holds
+        self.generated = np.zeros(n, np.int64)
+        self.first_scheduled = np.full(n, np.nan)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.preemptions = np.zeros(n, np.int64)
+        self.outputs: dict[int, list[int]] = {}         # sampled token ids, when the executor gives them
+        self.token_times: dict[int, list[float]] = {}
+        self.preempted_spans: list[tuple[int, float, float]] = []  # (rid, out, back)
+        self._out_since: dict[int, float] = {}
+        self.running = np.zeros(0, np.int64)            # admission order: the last is preempted first
+        self.waiting: deque[int] = deque()
+        self.swapped: deque[int] = deque()
+        self.next_arrival = 0
+        self.steps: list[dict] = []
+        self.batches: list[tuple[np.ndarray, np.ndarray]] = []
+
+    # --- tokens --------------------------------------------------------------------------------------
+    def token(self, rid: int, i: int) -> int:
+        prompt = int(self.trace.prompt_len[rid])
+        if i < prompt:
+            return self.trace.token(rid, i)
+        out = self.outputs.get(rid)
+        return out[i - prompt] if out is not None else self.trace.token(rid, i)  # the simulator samples nothing
+
+    # --- one step --------------------------------------------------------------------------------------
+    def schedule(self, now: float, index: int) -> Step | None:
+        c, m, bs = self.config, self.m, self.config.block_size
+        while self.next_arrival < len(self.trace) and self.trace.arrival[self.next_arrival] <= now:
+            self.waiting.append(self.next_arrival)
+            self.next_arrival += 1
+        ops: list = []
+        self._swap_in(ops, now)
+        admitted: list[tuple[int, int, int]] = []
+        prefill_only = not c.chunked_prefill and self.waiting and not self.swapped
+        if prefill_only:
+            admitted = self._admit(c.token_budget, now)
+        if admitted:
+            takes = np.zeros(len(self.running) - len(admitted), np.int64)
+        else:
+            takes, preempted = self._take_running(ops, now)
+            if c.chunked_prefill and not preempted and not self.swapped:
+                admitted = self._admit(c.token_budget - int(takes.sum()), now)
+        rids = np.concatenate([self.running[:len(takes)], np.array([a[0] for a in admitted], np.int64)])
+        takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
+        picked = takes > 0
+        rids, takes = rids[picked], takes[picked]
+        if len(rids) == 0:
+            return None
+        starts = self.computed[rids]
+        ends = starts + takes
+        samples = ends == self.known[rids]
+        decode = (takes == 1) & samples & (self.generated[rids] > 0)
+        step = Step(index, now, rids, starts, takes, samples, ops, int(takes.sum() - decode.sum()), int(decode.sum()),
+                    int((-(-ends // bs)).sum()))
+        first = rids[np.isnan(self.first_scheduled[rids])]
+        self.first_scheduled[first] = now
+        return step
+
+    def _take_running(self, ops: list, now: float) -> tuple[np.ndarray, bool]:
+        """Tokens for each running request (admission order) within the budget, preempting from the back
+        until the pool holds them; books their blocks."""
+        c, m, bs = self.config, self.m, self.config.block_size
+        preempted = False
+        while True:
+            run = self.running
+            need = self.known[run] - self.computed[run]
+            budget = c.token_budget if c.chunked_prefill else np.iinfo(np.int64).max
+            takes = np.clip(budget - (np.cumsum(need) - need), 0, need)
+            ends = self.computed[run] + takes
+            new_blocks = -(-ends // bs) - self.held[run]
+            if int(new_blocks.sum()) <= m.pool.num_free:
+                break
+            self._preempt(int(run[-1]), ops, now)
+            preempted = True
+        fills = (ends // bs > self.computed[run] // bs) if c.prefix_caching else np.zeros(len(run), bool)
+        for i in np.flatnonzero((new_blocks > 0) | fills):  # the manager hears only of new or filled blocks
+            rid = int(run[i])
+            m.grow(rid, int(ends[i]), SequenceTokens(self, rid))
+            self.held[rid] = len(m.seqs[rid].table)
+        return takes, preempted
+
+    def _admit(self, budget: int, now: float) -> list[tuple[int, int, int]]:
+        """Waiting requests, first come first served, while the batch, the budget and the pool allow."""
+        c, m = self.config, self.m
+        admitted = []
+        while self.waiting and len(self.running) < c.max_batch and budget > 0:
+            rid = self.waiting[0]
+            tokens = SequenceTokens(self, rid)
+            hit = m.cached_prefix(tokens) if c.prefix_caching else 0
+            want = int(self.known[rid]) - hit
+            take = min(want, budget)
+            if take < want and not c.chunked_prefill:
+                break  # whole prompts only: the head of the queue waits for a step with room
+            if m.blocks_for(hit + take + 1) - hit // c.block_size + self.watermark > m.pool.num_free:
+                break
+            try:
+                m.add(rid, tokens, hit + take)
+            except MemoryError:
+                break
+            self.waiting.popleft()
+            self.computed[rid], self.held[rid] = hit, len(m.seqs[rid].table)
+            self.running = np.append(self.running, rid)
+            self._back(rid, now)
+            admitted.append((rid, hit, take))
+            budget -= take
+        return admitted
+
+    def _preempt(self, rid: int, ops: list, now: float) -> None:
+        m = self.m
+        self.running = self.running[:-1]
+        self.preemptions[rid] += 1
+        self._out_since[rid] = now
+        if self.config.preemption == "swap":
+            m.grow(rid, int(self.computed[rid]), SequenceTokens(self, rid))  # bring the lazy count up to date
+            ops.append(("swap_out", rid, m.swap_out(rid)))
+            self.swapped.appendleft(rid)
+        else:
+            m.free(rid)
+            self.computed[rid] = 0
+            self.waiting.appendleft(rid)
+        self.held[rid] = 0
+
+    def _swap_in(self, ops: list, now: float) -> None:
+        m = self.m
+        while self.swapped and len(self.running) < self.config.max_batch:
+            rid = self.swapped[0]
+            if m.blocks_for(int(self.computed[rid])) + self.watermark > m.pool.num_free:
+                break
+            self.swapped.popleft()
+            ops.append(("swap_in", rid, m.swap_in(rid)))
+            self.held[rid] = len(m.seqs[rid].table)
+            self.running = np.append(self.running, rid)
+            self._back(rid, now)
+
+    def _back(self, rid: int, now: float) -> None:
+        if rid in self._out_since:
+            self.preempted_spans.append((rid, self._out_since.pop(rid), now))
+
+    def complete(self, step: Step, end: float, tokens: np.ndarray | None) -> None:
+        """The step ran until `end`; `tokens` are the sampled ids of the requests with step.samples set."""
+        rids = step.rids
+        self.computed[rids] += step.takes
+        sampled = rids[step.samples]
+        self.generated[sampled] += 1
+        self.known[sampled] += 1
+        self.first_token[sampled[self.generated[sampled] == 1]] = end
+        if tokens is not None:
+            for rid, token in zip(sampled.tolist(), tokens.tolist()):
+                self.outputs.setdefault(rid, []).append(token)
+                self.token_times.setdefault(rid, []).append(end)
+        done = sampled[self.generated[sampled] >= self.trace.output_len[sampled]]
+        if len(done):
+            self.finish[done] = end
+            for rid in done.tolist():
+                self.m.free(rid)
+                self.held[rid] = 0
+            self.running = self.running[~np.isin(self.running, done)]
+        self.steps.append({"step": step.index, "start": step.start, "time": end - step.start, "requests": len(rids),
+                           "prefill_tokens": step.prefill_tokens, "decode_tokens": step.decode_tokens,
+                           "kv_blocks": step.kv_blocks, "running": len(self.running), "waiting": len(self.waiting),
+                           "swapped": len(self.swapped)})
+        if self.record_batches:
+            self.batches.append((rids, step.takes))
+
+    # --- the loop ----------------------------------------------------------------------------------------
+    def run(self, executor, progress=None, max_steps: int = 50_000_000) -> "Scheduler":
+        """Steps until every request finished. `executor.execute(step, scheduler)` returns (seconds or None,
+        sampled tokens or None); None seconds means 'as long as it took': this thread's CPU time since the
+        last step. CPU time, not wall time: on a shared machine wall time also counts other people's work;
+        on a dedicated one (one thread per step, no waiting on I/O) the two agree."""
+        now, stamp, index, n = 0.0, time.thread_time(), 0, len(self.trace)
+        while self.next_arrival < n or len(self.running) or self.waiting or self.swapped:
+            step = self.schedule(now, index)
+            if step is None:
+                if self.next_arrival >= n:
+                    raise RuntimeError(f"requests {list(self.waiting)[:5]} can never be scheduled")
+                now = max(now, float(self.trace.arrival[self.next_arrival]))  # idle until the next arrival
+                stamp = time.thread_time()
+                continue
+            seconds, tokens = executor.execute(step, self)
+            if seconds is None:
+                t = time.thread_time()
+                seconds, stamp = t - stamp, t
+            now += seconds
+            self.complete(step, now, tokens)
+            index += 1
+            if progress and index % 2000 == 0:
+                progress(int(np.isfinite(self.finish).sum()) / n)
+            if index > max_steps:
+                raise RuntimeError("the schedule did not finish")
+        return self

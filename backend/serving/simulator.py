@@ -1,0 +1,94 @@
+"""The simulator: the engine's scheduler, with the model replaced by a cost model of a step's time.
+
+    step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
+
+fitted by least squares to the steps of a profiling run of the real engine (the fit's error is
+reported). `ReplayExecutor` feeds back a run's measured step times instead: given those, the simulator
+must reproduce the engine's schedule step for step, which is what shows it is the same scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
+from backend.serving.workload import Trace
+
+FEATURES = ("prefill_tokens", "decode_tokens", "kv_blocks")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    intercept: float            # seconds per step
+    per_prefill_token: float
+    per_decode_token: float
+    per_kv_block: float
+    rmse: float = 0.0           # of the fit, seconds
+    mape: float = 0.0           # mean |relative error| of the fit
+    r2: float = 0.0
+    steps: int = 0
+
+    @classmethod
+    def fit(cls, steps: list[dict]) -> "CostModel":
+        X = np.array([[1.0] + [s[f] for f in FEATURES] for s in steps])
+        y = np.array([s["time"] for s in steps])
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        pred = X @ coef
+        resid = y - pred
+        r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
+        return cls(*map(float, coef), rmse=float(np.sqrt(np.mean(resid ** 2))),
+                   mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(steps))
+
+    def predict(self, prefill_tokens, decode_tokens, kv_blocks):
+        return (self.intercept + self.per_prefill_token * prefill_tokens + self.per_decode_token * decode_tokens
+                + self.per_kv_block * kv_blocks)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class CostModelExecutor:
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def execute(self, step: Step, sched: Scheduler):
+        return float(self.cost.predict(step.prefill_tokens, step.decode_tokens, step.kv_blocks)), None
+
+
+class ReplayExecutor:
+    def __init__(self, step_times: list[float]):
+        self.step_times = step_times
+
+    def execute(self, step: Step, sched: Scheduler):
+        return self.step_times[step.index], None
+
+
+def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, record_batches=False) -> Scheduler:
+    return Scheduler(trace, config, record_batches).run(CostModelExecutor(cost), progress)
+
+
+def latency_summary(sched: Scheduler) -> dict:
+    """TTFT, TPOT (mean time between a request's output tokens) and end-to-end latency percentiles in
+    seconds; throughput in output tokens and requests per second of trace time."""
+    t = sched.trace
+    ttft = sched.first_token - t.arrival
+    multi = t.output_len > 1
+    tpot = (sched.finish[multi] - sched.first_token[multi]) / (t.output_len[multi] - 1)
+    e2e = sched.finish - t.arrival
+    span = float(np.nanmax(sched.finish) - t.arrival[0])
+    out = {"requests": len(t), "steps": len(sched.steps), "duration_s": span,
+           "throughput_tok_s": float(t.output_len.sum()) / span, "throughput_req_s": len(t) / span,
+           "preemptions": int(sched.preemptions.sum())}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}"] = float(np.percentile(values, q)) if len(values) else float("nan")
+    return out
+
+
+FIDELITY_KEYS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput_tok_s")
+
+
+def fidelity(real: dict, simulated: dict) -> dict:
+    """Relative error of the simulated summary against the real one, per figure."""
+    return {k: (simulated[k] - real[k]) / real[k] for k in FIDELITY_KEYS}
