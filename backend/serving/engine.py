@@ -15,7 +15,7 @@ import torch
 from backend.attention.rope import apply_rope, rope_angles
 from backend.kvcache.tensor_store import KVTensorStore
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.serving.attention import paged_attention_torch
+from backend.serving.attention import TorchPagedAttention
 from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
 
 MODEL_SHAPE = ModelShape(vocab=256, d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, d_head=16, d_ff=384, variant="gqa")
@@ -26,18 +26,19 @@ def tiny_llama(seed: int = 0, shape: ModelShape = MODEL_SHAPE) -> TinyDecoder:
     return TinyDecoder(shape).eval()
 
 
-def forward_batch(model: TinyDecoder, store: KVTensorStore, tokens, pos, seq, slots, tables, rows, attention):
-    """Logits (len(rows), vocab) of the batch rows `rows`; writes every token's K and V into the store."""
+def forward_batch(model: TinyDecoder, store: KVTensorStore, tokens, pos, slots, rows, attention):
+    """Logits (len(rows), vocab) of the batch rows `rows`; writes every token's K and V into the store.
+    `attention(q, layer_pool)` attends over the block tables (built once per step)."""
     x = model.embed(tokens)
     n = len(tokens)
+    cos, sin = rope_angles(pos, model.shape.d_head, dtype=x.dtype)
     for layer, block in enumerate(model.blocks):
         a = block.attn
         h = block.attn_norm(x)
-        cos, sin = rope_angles(pos, a.d_head, dtype=x.dtype)
         q = apply_rope(a.wq(h).view(n, a.n_heads, a.d_head).transpose(0, 1), cos, sin).transpose(0, 1)
         k = apply_rope(a.wk(h).view(n, a.n_kv_heads, a.d_head).transpose(0, 1), cos, sin).transpose(0, 1)
         store.write(layer, slots, k, a.wv(h).view(n, a.n_kv_heads, a.d_head))
-        x = x + a.wo(attention(q, store.layer(layer), tables, seq, pos).reshape(n, -1))
+        x = x + a.wo(attention(q, store.layer(layer)).reshape(n, -1))
         x = x + block.ffn(block.ffn_norm(x))
     return model.head(model.norm(x[rows]))
 
@@ -45,7 +46,7 @@ def forward_batch(model: TinyDecoder, store: KVTensorStore, tokens, pos, seq, sl
 class ModelExecutor:
     """Runs a step for real; its time is the wall time the step took (the scheduler measures it)."""
 
-    def __init__(self, model: TinyDecoder, config: SchedulerConfig, attention=paged_attention_torch):
+    def __init__(self, model: TinyDecoder, config: SchedulerConfig, attention=TorchPagedAttention):
         s = model.shape
         self.model, self.attention = model, attention
         self.store = KVTensorStore(s.n_layers, config.num_blocks, config.block_size, s.n_kv_heads, s.d_head,
@@ -66,11 +67,11 @@ class ModelExecutor:
         slots = tables[seq, pos // bs] * bs + pos % bs
         tokens = torch.tensor([sched.token(int(step.rids[s]), int(p)) for s, p in zip(seq.tolist(), pos.tolist())])
         rows = (torch.cumsum(takes, 0) - 1)[torch.from_numpy(step.samples)]
-        logits = forward_batch(self.model, self.store, tokens, pos, seq, slots, tables, rows, self.attention)
+        logits = forward_batch(self.model, self.store, tokens, pos, slots, rows, self.attention(tables, seq, pos, bs))
         return None, logits.argmax(-1).numpy()
 
 
-def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=paged_attention_torch,
+def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=TorchPagedAttention,
           record_batches: bool = False, progress=None) -> Scheduler:
     return Scheduler(trace, config, record_batches).run(ModelExecutor(model, config, attention), progress)
 

@@ -22,6 +22,7 @@ fills one. That is what lets the simulator run a million requests (and the engin
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,6 +58,28 @@ class Step:
     kv_blocks: int = 0                                    # blocks attention reads
 
 
+class StepLog:
+    """One column per measure, one entry per step (columns of C doubles: a million steps is cheap)."""
+    COLUMNS = ("start", "time", "requests", "prefill_tokens", "decode_tokens", "kv_blocks", "running", "waiting", "swapped")
+
+    def __init__(self):
+        self.columns = {name: array("d") for name in self.COLUMNS}
+
+    def add(self, **values) -> None:
+        for name, value in values.items():
+            self.columns[name].append(value)
+
+    def extend(self, **values) -> None:
+        for name, value in values.items():
+            self.columns[name].frombytes(np.asarray(value, dtype=np.float64).tobytes())
+
+    def __len__(self) -> int:
+        return len(self.columns["time"])
+
+    def table(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(column, dtype=np.float64) for name, column in self.columns.items()}
+
+
 class SequenceTokens:
     """A request's token ids as the manager reads them: the trace's prompt, then its outputs."""
 
@@ -73,7 +96,7 @@ class SequenceTokens:
 class Scheduler:
     def __init__(self, trace: Trace, config: SchedulerConfig, record_batches: bool = False):
         n, c = len(trace), config
-        self.trace, self.config, self.record_batches = trace, c, record_batches
+        self.trace, self.n, self.config, self.record_batches = trace, n, c, record_batches
         self.m = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
         self.watermark = max(1, c.num_blocks // 100)   # blocks kept free at admission, as vLLM does
         self.known = trace.prompt_len.astype(np.int64).copy()
@@ -92,7 +115,7 @@ class Scheduler:
         self.waiting: deque[int] = deque()
         self.swapped: deque[int] = deque()
         self.next_arrival = 0
-        self.steps: list[dict] = []
+        self.log = StepLog()
         self.batches: list[tuple[np.ndarray, np.ndarray]] = []
 
     # --- tokens --------------------------------------------------------------------------------------
@@ -106,9 +129,7 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------------------
     def schedule(self, now: float, index: int) -> Step | None:
         c, m, bs = self.config, self.m, self.config.block_size
-        while self.next_arrival < len(self.trace) and self.trace.arrival[self.next_arrival] <= now:
-            self.waiting.append(self.next_arrival)
-            self.next_arrival += 1
+        self._intake(now)
         ops: list = []
         self._swap_in(ops, now)
         admitted: list[tuple[int, int, int]] = []
@@ -137,6 +158,11 @@ class Scheduler:
         self.first_scheduled[first] = now
         return step
 
+    def _intake(self, now: float) -> None:
+        while self.next_arrival < self.n and self.trace.arrival[self.next_arrival] <= now:
+            self.waiting.append(self.next_arrival)
+            self.next_arrival += 1
+
     def _take_running(self, ops: list, now: float) -> tuple[np.ndarray, bool]:
         """Tokens for each running request (admission order) within the budget, preempting from the back
         until the pool holds them; books their blocks."""
@@ -145,8 +171,10 @@ class Scheduler:
         while True:
             run = self.running
             need = self.known[run] - self.computed[run]
-            budget = c.token_budget if c.chunked_prefill else np.iinfo(np.int64).max
-            takes = np.clip(budget - (np.cumsum(need) - need), 0, need)
+            if c.chunked_prefill:
+                takes = np.minimum(np.maximum(c.token_budget - (np.cumsum(need) - need), 0), need)
+            else:
+                takes = need
             ends = self.computed[run] + takes
             new_blocks = -(-ends // bs) - self.held[run]
             if int(new_blocks.sum()) <= m.pool.num_free:
@@ -217,9 +245,9 @@ class Scheduler:
         if rid in self._out_since:
             self.preempted_spans.append((rid, self._out_since.pop(rid), now))
 
-    def complete(self, step: Step, end: float, tokens: np.ndarray | None) -> None:
-        """The step ran until `end`; `tokens` are the sampled ids of the requests with step.samples set."""
-        rids = step.rids
+    def complete(self, step: Step, seconds: float, tokens: np.ndarray | None) -> None:
+        """The step took `seconds`; `tokens` are the sampled ids of the requests with step.samples set."""
+        rids, end = step.rids, step.start + seconds
         self.computed[rids] += step.takes
         sampled = rids[step.samples]
         self.generated[sampled] += 1
@@ -236,12 +264,67 @@ class Scheduler:
                 self.m.free(rid)
                 self.held[rid] = 0
             self.running = self.running[~np.isin(self.running, done)]
-        self.steps.append({"step": step.index, "start": step.start, "time": end - step.start, "requests": len(rids),
-                           "prefill_tokens": step.prefill_tokens, "decode_tokens": step.decode_tokens,
-                           "kv_blocks": step.kv_blocks, "running": len(self.running), "waiting": len(self.waiting),
-                           "swapped": len(self.swapped)})
+        self.log.add(start=step.start, time=seconds, requests=len(rids), prefill_tokens=step.prefill_tokens,
+                     decode_tokens=step.decode_tokens, kv_blocks=step.kv_blocks, running=len(self.running),
+                     waiting=len(self.waiting), swapped=len(self.swapped))
         if self.record_batches:
             self.batches.append((rids, step.takes))
+
+    # --- a run of decode steps at once ----------------------------------------------------------------
+    def decode_run(self, executor, now: float, index: int, cap: int = 1024) -> tuple[float, int]:
+        """When every running request is decoding and nothing can join (no request waits, or the batch is
+        full, and none is swapped out), the coming steps differ only in the KV blocks they read, until a
+        request finishes, one arrives, or the pool would run short. Take them together: the same steps
+        with the same times (summed in the same order), booked in one go. Returns (now, steps taken), 0
+        steps if the state is not such a run; a test holds it to the step-by-step schedule."""
+        c, m, bs = self.config, self.m, self.config.block_size
+        run = self.running
+        if (not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget
+                or np.any((self.known[run] - self.computed[run] != 1) | (self.generated[run] == 0))):
+            return now, 0
+        computed, left = self.computed[run], self.trace.output_len[run] - self.generated[run]
+        longest = int(min(left.min(), cap))
+        for horizon in (min(16, longest), longest):  # a short look first: an arrival usually ends the run soon
+            blocks = -(-(computed[:, None] + np.arange(1, horizon + 1)) // bs)   # (running, step): blocks after it
+            fits = (blocks - self.held[run][:, None]).sum(0) <= m.pool.num_free
+            k = horizon if fits.all() else int(np.argmin(fits))
+            if k == 0:
+                return now, 0
+            kv = blocks[:, :k].sum(0)
+            times = executor.decode_times(index, len(run), kv)
+            clock = np.cumsum(np.concatenate([[now], times]))[1:]
+            if not self.waiting and self.next_arrival < self.n:  # stop at the step that ends at or after it
+                k = min(k, int(np.searchsorted(clock, self.trace.arrival[self.next_arrival])) + 1)
+            if k < horizon or horizon == longest:
+                break
+        times, clock, kv = times[:k], clock[:k], kv[:k]
+        # Book as the steps would have, in the same order (step, then running order): a block taken at
+        # each step that starts one, and with prefix caching one call at each step that fills one.
+        after = computed[:, None] + np.arange(1, k + 1)
+        events = (after - 1) % bs == 0
+        if c.prefix_caching:
+            events |= after % bs == 0
+        for t, i in zip(*np.nonzero(events.T)):
+            rid = int(run[i])
+            m.grow(rid, int(after[i, t]), SequenceTokens(self, rid))
+            self.held[rid] = len(m.seqs[rid].table)
+        self.computed[run] += k
+        self.generated[run] += k
+        self.known[run] += k
+        done = run[left == k]
+        self.finish[done] = clock[-1]
+        for rid in done.tolist():
+            m.free(rid)
+            self.held[rid] = 0
+        self.running = run[left != k]
+        starts = np.concatenate([[now], clock[:-1]])
+        arrived = np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival
+        n, running = len(run), np.full(k, len(run))
+        running[-1] = len(self.running)
+        self.log.extend(start=starts, time=times, requests=np.full(k, n), prefill_tokens=np.zeros(k), decode_tokens=np.full(k, n),
+                        kv_blocks=kv, running=running,
+                        waiting=len(self.waiting) + np.maximum(arrived, 0), swapped=np.zeros(k))
+        return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------
     def run(self, executor, progress=None, max_steps: int = 50_000_000) -> "Scheduler":
@@ -250,7 +333,18 @@ class Scheduler:
         last step. CPU time, not wall time: on a shared machine wall time also counts other people's work;
         on a dedicated one (one thread per step, no waiting on I/O) the two agree."""
         now, stamp, index, n = 0.0, time.thread_time(), 0, len(self.trace)
+        runs = hasattr(executor, "decode_times") and not self.record_batches
+        next_progress = 2000
         while self.next_arrival < n or len(self.running) or self.waiting or self.swapped:
+            if progress and index >= next_progress:
+                progress(int(np.isfinite(self.finish).sum()) / n)
+                next_progress = index + 2000
+            if runs:
+                self._intake(now)
+                now, k = self.decode_run(executor, now, index)
+                if k:
+                    index += k
+                    continue
             step = self.schedule(now, index)
             if step is None:
                 if self.next_arrival >= n:
@@ -263,10 +357,8 @@ class Scheduler:
                 t = time.thread_time()
                 seconds, stamp = t - stamp, t
             now += seconds
-            self.complete(step, now, tokens)
+            self.complete(step, seconds, tokens)
             index += 1
-            if progress and index % 2000 == 0:
-                progress(int(np.isfinite(self.finish).sum()) / n)
             if index > max_steps:
                 raise RuntimeError("the schedule did not finish")
         return self

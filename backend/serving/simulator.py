@@ -30,15 +30,16 @@ class CostModel:
     steps: int = 0
 
     @classmethod
-    def fit(cls, steps: list[dict]) -> "CostModel":
-        X = np.array([[1.0] + [s[f] for f in FEATURES] for s in steps])
-        y = np.array([s["time"] for s in steps])
+    def fit(cls, steps: dict[str, np.ndarray]) -> "CostModel":
+        """steps: a StepLog table (columns of equal length)."""
+        X = np.column_stack([np.ones(len(steps["time"]))] + [steps[f] for f in FEATURES])
+        y = steps["time"]
         coef = np.linalg.lstsq(X, y, rcond=None)[0]
         pred = X @ coef
         resid = y - pred
         r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
         return cls(*map(float, coef), rmse=float(np.sqrt(np.mean(resid ** 2))),
-                   mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(steps))
+                   mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y))
 
     def predict(self, prefill_tokens, decode_tokens, kv_blocks):
         return (self.intercept + self.per_prefill_token * prefill_tokens + self.per_decode_token * decode_tokens
@@ -55,6 +56,10 @@ class CostModelExecutor:
     def execute(self, step: Step, sched: Scheduler):
         return float(self.cost.predict(step.prefill_tokens, step.decode_tokens, step.kv_blocks)), None
 
+    def decode_times(self, index: int, decode_tokens: int, kv_blocks: np.ndarray) -> np.ndarray:
+        """Times of a run of decode-only steps (the same arithmetic as `execute`, elementwise)."""
+        return self.cost.predict(0, decode_tokens, kv_blocks)
+
 
 class ReplayExecutor:
     def __init__(self, step_times: list[float]):
@@ -63,9 +68,13 @@ class ReplayExecutor:
     def execute(self, step: Step, sched: Scheduler):
         return self.step_times[step.index], None
 
+    def decode_times(self, index: int, decode_tokens: int, kv_blocks: np.ndarray) -> np.ndarray:
+        return np.asarray(self.step_times[index:index + len(kv_blocks)], dtype=np.float64)
 
-def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, record_batches=False) -> Scheduler:
-    return Scheduler(trace, config, record_batches).run(CostModelExecutor(cost), progress)
+
+def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, step_by_step=False) -> Scheduler:
+    """step_by_step: no decode runs taken together (and each step's batch recorded)."""
+    return Scheduler(trace, config, record_batches=step_by_step).run(CostModelExecutor(cost), progress)
 
 
 def latency_summary(sched: Scheduler) -> dict:
@@ -77,7 +86,7 @@ def latency_summary(sched: Scheduler) -> dict:
     tpot = (sched.finish[multi] - sched.first_token[multi]) / (t.output_len[multi] - 1)
     e2e = sched.finish - t.arrival
     span = float(np.nanmax(sched.finish) - t.arrival[0])
-    out = {"requests": len(t), "steps": len(sched.steps), "duration_s": span,
+    out = {"requests": len(t), "steps": len(sched.log), "duration_s": span,
            "throughput_tok_s": float(t.output_len.sum()) / span, "throughput_req_s": len(t) / span,
            "preemptions": int(sched.preemptions.sum())}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
