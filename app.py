@@ -31,6 +31,7 @@ navigation = st.navigation({
     ],
     "Serving": [
         st.Page("pages/paged_attention.py", title="Paged attention", icon="📄", url_path="paged_attention"),
+        st.Page("pages/serving.py", title="Serving: engine and simulator", icon=":material/speed:", url_path="serving"),
     ],
 })
 ui.sidebar()

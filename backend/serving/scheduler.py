@@ -300,6 +300,7 @@ class Scheduler:
         times, clock, kv = times[:k], clock[:k], kv[:k]
         # Book as the steps would have, in the same order (step, then running order): a block taken at
         # each step that starts one, and with prefix caching one call at each step that fills one.
+        self.known[run] += k  # first: the manager reads the new tokens' ids to hash the blocks they fill
         after = computed[:, None] + np.arange(1, k + 1)
         events = (after - 1) % bs == 0
         if c.prefix_caching:
@@ -310,7 +311,6 @@ class Scheduler:
             self.held[rid] = len(m.seqs[rid].table)
         self.computed[run] += k
         self.generated[run] += k
-        self.known[run] += k
         done = run[left == k]
         self.finish[done] = clock[-1]
         for rid in done.tolist():
