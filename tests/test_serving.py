@@ -123,13 +123,13 @@ def test_cost_model_fit_recovers_a_known_answer():
     assert 0.005 < noisy.mape < 0.04
 
 
-FIDELITY_TOLERANCE = 0.2  # 24 held-out requests on a shared 2-core machine; bench/serving.py has the full figure
-
-
 def test_fidelity_on_a_small_held_out_trace(model):
-    config = SchedulerConfig()
-    cal = calibrate(model, config, sharegpt_like(24, 8.0, 1000), sharegpt_like(24, 8.0, 0))
-    assert max(abs(v) for v in cal.fidelity.values()) < FIDELITY_TOLERANCE, cal.fidelity
+    """Tolerance: the issue's 5%, or twice the engine's own run-to-run spread on the same trace when the
+    machine is too busy for 5% (bench/serving.py records the full figure and the machine's load)."""
+    cal = calibrate(model, SchedulerConfig(), sharegpt_like(24, 8.0, 1000), sharegpt_like(24, 8.0, 0))
+    assert cal.tolerance() < 0.5, cal.repeat  # the engine repeats itself well enough for the test to mean something
+    assert max(abs(v) for v in cal.fidelity.values()) <= cal.tolerance(), (cal.fidelity, cal.repeat)
+    assert all(check.passed for check in cal.checks())
 
 
 @pytest.mark.parametrize("name, values, field", [

@@ -279,10 +279,12 @@ class Scheduler:
         steps if the state is not such a run; a test holds it to the step-by-step schedule."""
         c, m, bs = self.config, self.m, self.config.block_size
         run = self.running
-        if (not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget
-                or np.any((self.known[run] - self.computed[run] != 1) | (self.generated[run] == 0))):
+        if not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget:
             return now, 0
-        computed, left = self.computed[run], self.trace.output_len[run] - self.generated[run]
+        computed = self.computed[run]
+        if ((self.known[run] - computed != 1) | (self.generated[run] == 0)).any():
+            return now, 0
+        left = self.trace.output_len[run] - self.generated[run]
         longest = int(min(left.min(), cap))
         for horizon in (min(16, longest), longest):  # a short look first: an arrival usually ends the run soon
             blocks = -(-(computed[:, None] + np.arange(1, horizon + 1)) // bs)   # (running, step): blocks after it
@@ -332,7 +334,9 @@ class Scheduler:
         sampled tokens or None); None seconds means 'as long as it took': this thread's CPU time since the
         last step. CPU time, not wall time: on a shared machine wall time also counts other people's work;
         on a dedicated one (one thread per step, no waiting on I/O) the two agree."""
-        now, stamp, index, n = 0.0, time.thread_time(), 0, len(self.trace)
+        measured = getattr(executor, "measured", False)  # the engine: time is what a step took
+        clock = time.thread_time if measured else float  # float(): 0.0, no system call for the simulator
+        now, stamp, index, n = 0.0, clock(), 0, self.n
         runs = hasattr(executor, "decode_times") and not self.record_batches
         next_progress = 2000
         while self.next_arrival < n or len(self.running) or self.waiting or self.swapped:
@@ -350,11 +354,11 @@ class Scheduler:
                 if self.next_arrival >= n:
                     raise RuntimeError(f"requests {list(self.waiting)[:5]} can never be scheduled")
                 now = max(now, float(self.trace.arrival[self.next_arrival]))  # idle until the next arrival
-                stamp = time.thread_time()
+                stamp = clock()
                 continue
             seconds, tokens = executor.execute(step, self)
             if seconds is None:
-                t = time.thread_time()
+                t = clock()
                 seconds, stamp = t - stamp, t
             now += seconds
             self.complete(step, seconds, tokens)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from backend.config import Config, ConfigError, setting
+from backend.models.llama import TinyDecoder
+from backend.serving.calibrate import Calibration, calibrate
+from backend.serving.engine import tiny_llama
 from backend.serving.scheduler import SchedulerConfig
 from backend.serving.workload import WORKLOADS, Trace
 
@@ -23,6 +28,9 @@ class ServingSettings(Config):
     prefix_caching: bool = setting(False, help="reuse the KV of cached full prompt blocks")
     preemption: str = setting("recompute", choices=("recompute", "swap"), help="when blocks run out, drop the newest request's KV and recompute it later, or swap it to CPU memory")
     seed: int = setting(0, min=0, max=2**31 - 1, help="model weights and traces")
+    profile_requests: int = setting(32, min=5, max=400, help="requests the real engine serves to fit the cost model")
+    held_out_requests: int = setting(32, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
+    sweep_requests: int = setting(400, min=10, max=100_000, help="simulated requests per point of the load curve (and per knob)")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.block_size, self.num_blocks, self.max_batch, self.token_budget,
@@ -30,6 +38,13 @@ class ServingSettings(Config):
 
     def trace(self, n: int, seed: int, rate: float | None = None) -> Trace:
         return WORKLOADS[self.workload](n, rate or self.rate, seed, max_len=MAX_LEN)
+
+    def calibrate(self, progress=None) -> tuple[TinyDecoder, Calibration]:
+        """The model, and the simulator calibrated against it on these settings (see calibrate.py)."""
+        torch.set_num_threads(1)
+        model = tiny_llama(self.seed)
+        return model, calibrate(model, self.scheduler_config(), self.trace(self.profile_requests, self.seed + 1000),
+                                self.trace(self.held_out_requests, self.seed), progress)
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
