@@ -118,7 +118,8 @@ class KVCacheManager:
             copies.append((shared.id, new.id))
             self.stats.cow_copies += 1
             self.events.append({"op": "copy-on-write", "seq": seq_id, "from": shared.id, "to": new.id})
-        seq.table.extend(self.pool.allocate() for _ in range(num_blocks - len(seq.table)))
+        for _ in range(num_blocks - len(seq.table)):
+            seq.table.append(self.pool.allocate())
         for i in range(old // bs, len(seq.table)):
             seq.table[i].num_tokens = min(bs, num_tokens - i * bs)
         if self.prefix_caching:

@@ -57,6 +57,8 @@ class ModelExecutor:
     def execute(self, step: Step, sched: Scheduler):
         for op, rid, block_ids in step.block_ops:
             (self.store.swap_out if op == "swap_out" else self.store.swap_in)(rid, block_ids)
+        if not len(step.rids):  # a step that only moved KV
+            return None, np.zeros(0, np.int64)
         bs = sched.config.block_size
         ids = [sched.m.block_ids(int(r)) for r in step.rids]
         width = max(map(len, ids))

@@ -146,8 +146,8 @@ class Scheduler:
         takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
         picked = takes > 0
         rids, takes = rids[picked], takes[picked]
-        if len(rids) == 0:
-            return None
+        if len(rids) == 0 and not ops:
+            return None  # nothing to run: the caller waits for the next arrival
         starts = self.computed[rids]
         ends = starts + takes
         samples = ends == self.known[rids]
