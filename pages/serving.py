@@ -96,6 +96,12 @@ def render_engine(result: dict, rec) -> None:
     st.subheader("Latency: real and simulated, same trace")
     fidelity_table(m, "real", "simulated")
     latency_cdfs(pd.DataFrame(t["latency"]))
+    gaps = pd.DataFrame(t["token_gaps"])
+    st.altair_chart(alt.Chart(gaps).transform_window(share="cume_dist()", sort=[{"field": "gap"}]).mark_line(
+        interpolate="step-after").encode(
+        x=alt.X("gap:Q", title="time between two output tokens of a request (s), the engine", scale=alt.Scale(type="log")),
+        y=alt.Y("share:Q", title="share of gaps", axis=alt.Axis(format="%")),
+        tooltip=[alt.Tooltip("gap:Q", format=".4f"), alt.Tooltip("share:Q", format=".0%")]).properties(height=200), width="stretch")
     st.subheader("The cost model")
     cost_model(m, t["cost_model"], steps, "measured (held-out run)")
     st.subheader("Load curve")

@@ -28,6 +28,11 @@ def latency_rows(sched: Scheduler, source: str) -> list[dict]:
             for rid in range(len(t))]
 
 
+def token_gap_rows(sched: Scheduler) -> list[dict]:
+    """Every gap between two consecutive output tokens of a request (the engine records each token's time)."""
+    return [{"request": rid, "gap": float(b - a)} for rid, times in sched.token_times.items() for a, b in zip(times, times[1:])]
+
+
 def step_rows(sched: Scheduler, cost: CostModel, limit: int = 3000) -> list[dict]:
     log = sched.log.table()
     predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"])

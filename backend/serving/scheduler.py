@@ -22,7 +22,6 @@ fills one. That is what lets the simulator run a million requests (and the engin
 from __future__ import annotations
 
 import time
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -59,25 +58,41 @@ class Step:
 
 
 class StepLog:
-    """One column per measure, one entry per step (columns of C doubles: a million steps is cheap)."""
+    """One row per step: single steps are kept as tuples, runs of steps as blocks, joined on demand."""
     COLUMNS = ("start", "time", "requests", "prefill_tokens", "decode_tokens", "kv_blocks", "running", "waiting", "swapped")
 
     def __init__(self):
-        self.columns = {name: array("d") for name in self.COLUMNS}
+        self.blocks: list[np.ndarray] = []
+        self.rows: list[tuple] = []
+        self.count = 0
 
-    def add(self, **values) -> None:
-        for name, value in values.items():
-            self.columns[name].append(value)
+    def add(self, *row) -> None:
+        """One step: values in COLUMNS order."""
+        self.rows.append(row)
+        self.count += 1
 
-    def extend(self, **values) -> None:
-        for name, value in values.items():
-            self.columns[name].frombytes(np.asarray(value, dtype=np.float64).tobytes())
+    def extend(self, *columns) -> None:
+        """Several steps: one array (or scalar) per column, in COLUMNS order; the first sets the length."""
+        self._flush()
+        block = np.empty((len(columns[0]), len(self.COLUMNS)))
+        for i, column in enumerate(columns):
+            block[:, i] = column
+        self.blocks.append(block)
+        self.count += len(block)
+
+    def _flush(self) -> None:
+        if self.rows:
+            self.blocks.append(np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)))
+            self.rows = []
 
     def __len__(self) -> int:
-        return len(self.columns["time"])
+        return self.count
 
     def table(self) -> dict[str, np.ndarray]:
-        return {name: np.frombuffer(column, dtype=np.float64) for name, column in self.columns.items()}
+        self._flush()
+        joined = np.concatenate(self.blocks) if self.blocks else np.zeros((0, len(self.COLUMNS)))
+        self.blocks = [joined]
+        return {name: joined[:, i] for i, name in enumerate(self.COLUMNS)}
 
 
 class SequenceTokens:
@@ -264,9 +279,8 @@ class Scheduler:
                 self.m.free(rid)
                 self.held[rid] = 0
             self.running = self.running[~np.isin(self.running, done)]
-        self.log.add(start=step.start, time=seconds, requests=len(rids), prefill_tokens=step.prefill_tokens,
-                     decode_tokens=step.decode_tokens, kv_blocks=step.kv_blocks, running=len(self.running),
-                     waiting=len(self.waiting), swapped=len(self.swapped))
+        self.log.add(step.start, seconds, len(rids), step.prefill_tokens, step.decode_tokens, step.kv_blocks,
+                     len(self.running), len(self.waiting), len(self.swapped))
         if self.record_batches:
             self.batches.append((rids, step.takes))
 
@@ -294,7 +308,9 @@ class Scheduler:
                 return now, 0
             kv = blocks[:, :k].sum(0)
             times = executor.decode_times(index, len(run), kv)
-            clock = np.cumsum(np.concatenate([[now], times]))[1:]
+            clock = np.empty(len(times) + 1)
+            clock[0], clock[1:] = now, times
+            clock = np.cumsum(clock)[1:]  # summed in order, as one step at a time would
             if not self.waiting and self.next_arrival < self.n:  # stop at the step that ends at or after it
                 k = min(k, int(np.searchsorted(clock, self.trace.arrival[self.next_arrival])) + 1)
             if k < horizon or horizon == longest:
@@ -319,13 +335,12 @@ class Scheduler:
             m.free(rid)
             self.held[rid] = 0
         self.running = run[left != k]
-        starts = np.concatenate([[now], clock[:-1]])
+        starts = np.empty(k)
+        starts[0], starts[1:] = now, clock[:-1]
         arrived = np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival
         n, running = len(run), np.full(k, len(run))
         running[-1] = len(self.running)
-        self.log.extend(start=starts, time=times, requests=np.full(k, n), prefill_tokens=np.zeros(k), decode_tokens=np.full(k, n),
-                        kv_blocks=kv, running=running,
-                        waiting=len(self.waiting) + np.maximum(arrived, 0), swapped=np.zeros(k))
+        self.log.extend(starts, times, n, 0, n, kv, running, len(self.waiting) + np.maximum(arrived, 0), 0)
         return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from backend.experiments import define
 from backend.result import Check, Result
 from backend.serving import attention
 from backend.serving.engine import serve, token_mismatches
-from backend.serving.report import cost_rows, gantt_rows, knee, latency_rows, load_row, step_rows
+from backend.serving.report import cost_rows, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
 from backend.serving.settings import ServingSettings
 from backend.serving.simulator import simulate
 
@@ -72,7 +72,7 @@ def run(config: EngineConfig, ctx) -> Result:
                "knee_rate": knee([r for r in load if r["source"] == "simulated"]), "attention": "batched torch (CPU)"}
     notes = [cal.note()]
     tables = {"gantt": gantt_rows(real, limit=200), "latency": latency_rows(real, "real") + latency_rows(cal.simulated, "simulated"),
-              "steps": step_rows(real, cost), "load": load, "cost_model": cost_rows(cost)}
+              "steps": step_rows(real, cost), "load": load, "cost_model": cost_rows(cost), "token_gaps": token_gap_rows(real)}
     return Result(metrics=metrics, checks=checks, notes=notes, tables=tables)
 
 
