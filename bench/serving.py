@@ -3,8 +3,9 @@ real engine on three held-out traces. Writes bench/results/serving.json.
 
 Targets (issue 18): 100k requests simulated in <= 30 s and 1M in <= 5 min on 2 cores; simulated
 median and p90 TTFT and TPOT and throughput within 5% of the real engine on held-out traces.
-The cost model is fitted once, to a profiling run of the engine (another seed), and used for all.
-`--quick` skips 1M.
+The cost model is fitted once, to a profiling run of the engine (another seed), and used for all. The
+engine serves each held-out trace twice: how far it differs from itself is the noise a prediction of it
+is up against on this shared machine (the load averages are recorded). `--quick` skips 1M.
 """
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ def main(quick: bool) -> None:
     held_out = []
     for name, (make, config) in HELD_OUT.items():
         trace = make()
-        real, sim = latency_summary(serve(model, trace, config)), latency_summary(simulate(trace, config, cost))
-        errors = fidelity(real, sim)
-        held_out.append({"trace": name, "requests": len(trace), "real": real, "simulated": sim, "error": errors,
-                         "worst": max(abs(errors[k]) for k in FIDELITY_KEYS)})
-        print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}%" for k, v in errors.items()))
+        real, again = (latency_summary(serve(model, trace, config)) for _ in range(2))
+        sim = latency_summary(simulate(trace, config, cost))
+        errors, repeat = fidelity(real, sim), fidelity(real, again)
+        held_out.append({"trace": name, "requests": len(trace), "real": real, "real_again": again, "simulated": sim,
+                         "error": errors, "engine_vs_itself": repeat, "worst": max(abs(errors[k]) for k in FIDELITY_KEYS),
+                         "engine_spread": max(abs(repeat[k]) for k in FIDELITY_KEYS)})
+        print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (engine vs itself {100 * repeat[k]:+.1f}%)" for k, v in errors.items()))
     speed = []
     for n in (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000):
         trace = sharegpt_like(n, 8.0, 3)
@@ -63,6 +66,7 @@ def main(quick: bool) -> None:
            "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
            "cost_model": cost.as_dict(), "fidelity": held_out, "speed": speed,
            "targets": {"fidelity within 5% (every figure, every held-out trace)": all(h["worst"] <= 0.05 for h in held_out),
+                       "fidelity within twice the engine's own run-to-run spread": all(h["worst"] <= 2 * h["engine_spread"] for h in held_out),
                        "100k requests <= 30 s": by_n[100_000]["wall_s"] <= 30,
                        **({"1M requests <= 300 s": by_n[1_000_000]["wall_s"] <= 300} if 1_000_000 in by_n else {})},
            "notes": "Engine step times are the engine thread's CPU time (robust to other processes, not to their cache "

@@ -300,7 +300,7 @@ class Scheduler:
             return now, 0
         left = self.trace.output_len[run] - self.generated[run]
         longest = int(min(left.min(), cap))
-        for horizon in (min(16, longest), longest):  # a short look first: an arrival usually ends the run soon
+        for horizon in (min(64, longest), longest):  # a short look first: an arrival usually ends the run soon
             blocks = -(-(computed[:, None] + np.arange(1, horizon + 1)) // bs)   # (running, step): blocks after it
             fits = (blocks - self.held[run][:, None]).sum(0) <= m.pool.num_free
             k = horizon if fits.all() else int(np.argmin(fits))
@@ -337,10 +337,12 @@ class Scheduler:
         self.running = run[left != k]
         starts = np.empty(k)
         starts[0], starts[1:] = now, clock[:-1]
-        arrived = np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival
+        waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
+        if self.waiting:
+            waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
         n, running = len(run), np.full(k, len(run))
         running[-1] = len(self.running)
-        self.log.extend(starts, times, n, 0, n, kv, running, len(self.waiting) + np.maximum(arrived, 0), 0)
+        self.log.extend(starts, times, n, 0, n, kv, running, waiting, 0)
         return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------
