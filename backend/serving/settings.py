@@ -28,8 +28,8 @@ class ServingSettings(Config):
     prefix_caching: bool = setting(False, help="reuse the KV of cached full prompt blocks")
     preemption: str = setting("recompute", choices=("recompute", "swap"), help="when blocks run out, drop the newest request's KV and recompute it later, or swap it to CPU memory")
     seed: int = setting(0, min=0, max=2**31 - 1, help="model weights and traces")
-    profile_requests: int = setting(32, min=5, max=400, help="requests the real engine serves to fit the cost model")
-    held_out_requests: int = setting(32, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
+    profile_requests: int = setting(24, min=5, max=400, help="requests the real engine serves to fit the cost model")
+    held_out_requests: int = setting(24, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
     sweep_requests: int = setting(400, min=10, max=100_000, help="simulated requests per point of the load curve (and per knob)")
 
     def scheduler_config(self) -> SchedulerConfig:
