@@ -20,8 +20,8 @@ def fidelity_table(m: dict, real: str, simulated: str) -> None:
         "error": st.column_config.NumberColumn("simulated vs real", format="percent"),
         "repeat": st.column_config.NumberColumn("real vs real (a second run)", format="percent",
                                                 help="the engine serving the same trace again: its own reproducibility")})
-    target = "meets" if m["fidelity_target_met"] else "misses"
-    st.caption(f"The simulator {target} the 5% target on every figure of this trace. Times are CPU time of the engine's "
+    target = "meets the 5% target on every figure" if m["fidelity_target_met"] else "misses the 5% target on at least one figure"
+    st.caption(f"The simulator {target} of this trace. Times are CPU time of the engine's "
                "thread; a busy shared machine still slows it through caches and memory bandwidth, which the second column shows.")
 
 
@@ -87,16 +87,18 @@ def render_engine(result: dict, rec) -> None:
                                                                          alt.Tooltip("end:Q", format=".3f")],
     ).properties(height=max(200, 8 * gantt["request"].nunique())), width="stretch")
     steps = pd.DataFrame(t["steps"])
-    mix = steps.melt(id_vars=["start"], value_vars=["prefill_tokens", "decode_tokens"], var_name="tokens")
-    st.altair_chart(alt.Chart(mix).mark_area(interpolate="step-after").encode(
-        x=alt.X("start:Q", title="time (s)"), y=alt.Y("value:Q", title="tokens in the step", stack=True),
-        color=alt.Color("tokens:N", title=None), tooltip=["tokens", "value", alt.Tooltip("start:Q", format=".3f")],
-    ).properties(height=160, title="Batch composition, step by step"), width="stretch")
+    mix = steps.melt(id_vars=["start", "end", "step"], value_vars=["prefill_tokens", "decode_tokens"], var_name="tokens")
+    st.altair_chart(alt.Chart(mix[mix["value"] > 0]).mark_bar(opacity=0.75).encode(
+        x=alt.X("start:Q", title="time since the first arrival (s)"), x2="end:Q",
+        y=alt.Y("value:Q", title="tokens in the step", scale=alt.Scale(type="log"), stack=None),
+        color=alt.Color("tokens:N", title=None), tooltip=["step", "tokens", "value", alt.Tooltip("start:Q", format=".3f"),
+                                                          alt.Tooltip("end:Q", format=".3f")],
+    ).properties(height=200, title="Batch composition: each step as wide as it took"), width="stretch")
 
     st.subheader("Latency: real and simulated, same trace")
     fidelity_table(m, "real", "simulated")
     latency_cdfs(pd.DataFrame(t["latency"]))
-    gaps = pd.DataFrame(t["token_gaps"])
+    gaps = pd.DataFrame(t.get("token_gaps", []), columns=["request", "gap"])
     st.altair_chart(alt.Chart(gaps).transform_window(share="cume_dist()", sort=[{"field": "gap"}]).mark_line(
         interpolate="step-after").encode(
         x=alt.X("gap:Q", title="time between two output tokens of a request (s), the engine", scale=alt.Scale(type="log")),

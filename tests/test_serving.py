@@ -123,6 +123,19 @@ def test_cost_model_fit_recovers_a_known_answer():
     assert 0.005 < noisy.mape < 0.04
 
 
+def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
+    rng = np.random.default_rng(1)
+    decode = rng.integers(1, 16, 300).astype(float)
+    kv = decode * 5 + rng.normal(0, 0.5, 300)  # KV blocks follow the decode count: a free fit trades one against the other
+    steps = {"prefill_tokens": np.zeros(300), "decode_tokens": decode, "kv_blocks": kv,
+             "time": 0.005 + 4e-4 * decode + rng.normal(0, 2e-4, 300)}
+    X = np.column_stack([np.ones(300), decode, kv])
+    free = np.linalg.lstsq(X, steps["time"], rcond=None)[0]
+    fit = CostModel.fit(steps)
+    assert min(fit.intercept, fit.per_prefill_token, fit.per_decode_token, fit.per_kv_block) >= 0
+    assert fit.rmse >= np.sqrt(np.mean((X @ free - steps["time"]) ** 2)) - 1e-12  # the constraint costs fit, never gains it
+
+
 def test_fidelity_on_a_small_held_out_trace(model):
     """Tolerance: the issue's 5%, or twice the engine's own run-to-run spread on the same trace when the
     machine is too busy for 5% (bench/serving.py records the full figure and the machine's load)."""

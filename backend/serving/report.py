@@ -37,7 +37,7 @@ def step_rows(sched: Scheduler, cost: CostModel, limit: int = 3000) -> list[dict
     log = sched.log.table()
     predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"])
     stride = max(1, len(log["time"]) // limit)
-    return [{"step": i, "start": float(log["start"][i]), "time_ms": 1e3 * float(log["time"][i]),
+    return [{"step": i, "start": float(log["start"][i]), "end": float(log["start"][i] + log["time"][i]), "time_ms": 1e3 * float(log["time"][i]),
              "predicted_ms": 1e3 * float(predicted[i]), **{k: int(log[k][i]) for k in
              ("prefill_tokens", "decode_tokens", "kv_blocks", "requests", "running", "waiting", "swapped")}}
             for i in range(0, len(log["time"]), stride)]

@@ -2,12 +2,13 @@
 
     step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
 
-fitted by least squares to the steps of a profiling run of the real engine (the fit's error is
+fitted by (non-negative) least squares to the steps of a profiling run of the real engine (the fit's error is
 reported). `ReplayExecutor` feeds back a run's measured step times instead: given those, the simulator
 must reproduce the engine's schedule step for step, which is what shows it is the same scheduler.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -31,10 +32,21 @@ class CostModel:
 
     @classmethod
     def fit(cls, steps: dict[str, np.ndarray]) -> "CostModel":
-        """steps: a StepLog table (columns of equal length)."""
+        """Least squares with every coefficient >= 0 (each term is a cost; decode tokens and KV blocks rise
+        together, and a free fit trades them against each other, one going negative). Exact: the best
+        unconstrained fit over each subset of the terms, kept if non-negative. steps: a StepLog table."""
         X = np.column_stack([np.ones(len(steps["time"]))] + [steps[f] for f in FEATURES])
         y = steps["time"]
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        best, coef = np.inf, np.zeros(X.shape[1])
+        for subset in itertools.product((False, True), repeat=X.shape[1]):
+            cols = np.flatnonzero(subset)
+            if not len(cols):
+                continue
+            c = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
+            residual = float(((X[:, cols] @ c - y) ** 2).sum())
+            if (c >= 0).all() and residual < best:
+                best, coef = residual, np.zeros(X.shape[1])
+                coef[cols] = c
         pred = X @ coef
         resid = y - pred
         r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
