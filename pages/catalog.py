@@ -72,6 +72,9 @@ SECTIONS: dict[str, list[Topic]] = {
     "Serving": [
         Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
               "continuous batching on a paged block pool: the three wastes", ("kvcache.serve", "kvcache.paged_decode")),
+        Topic("pages/serving.py", "Serving: engine and simulator", ":material/speed:",
+              "a continuous-batching engine on the tiny LLaMA and a simulator calibrated from it: TTFT, TPOT, load curves",
+              ("serving.engine", "serving.simulate")),
         Topic("pages/speculative.py", "Speculative sampling", ":material/fast_forward:",
               "draft and target tiny LLaMAs; acceptance and a distribution test", ("decoding.speculative",)),
     ],
