@@ -38,7 +38,7 @@ class TrainConfig(Config):
         per_token = 6 * params + 2 * 12 * self.seq_len * 64  # weights, then attention over the sequence
         return cost(data_bytes=self.batch * self.seq_len * (self.seq_len * 4 + 64 * 40) * 8,
                     flops=2 * 4 * self.steps * self.batch * self.seq_len * per_token,  # 64-wide matmuls: half the rate
-                    ops=4 * (self.steps * 3500 + 64 * 200))
+                    ops=4 * (self.steps * 5000 + 64 * 200))
 
 
 class MarkovCorpus:
