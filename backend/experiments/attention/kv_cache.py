@@ -55,9 +55,10 @@ class KVCacheConfig(Config):
         d_model = max(64, self.n_heads * self.d_head // 2)
         params = self.n_layers * 12 * d_model * max(d_model, self.d_c, self.n_heads * self.d_head)
         variants = len(VARIANTS) + 1 if self.variant == "all" else 2
-        return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4,
+        scores = self.n_heads * self.context * self.context * 4  # the full recomputation's attention, per layer
+        return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4 + 3 * scores,
                     flops=variants * 3 * 2 * params * self.context,
-                    ops=variants * 3 * self.context * self.n_layers * 40)
+                    ops=variants * 3 * self.context * self.n_layers * (40 + 2 * self.n_heads))
 
     def check(self) -> None:
         if self.n_heads % self.n_kv_heads:
