@@ -23,7 +23,7 @@ from backend import limits
 
 MiB = 1 << 20
 PROCESS_BYTES = 400 * MiB  # anonymous memory of a process with torch and the experiments imported (~250 MiB measured)
-RANK_START_S = 10.0        # seconds to start one spawned rank (its imports) on a loaded 2-core box; two start at a time
+RANK_START_S = 15.0        # seconds to start one spawned rank (its imports) on a loaded 2-core box; two start at a time
 FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
 BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
 OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
@@ -182,9 +182,9 @@ class Config:
                                         f"settings as they are: {name} = {best})")
         if not self.cost_drivers:
             raise ConfigError("settings", f"this run {need}")
-        # No one setting is enough: say how far the main one may go with the other cost settings at their defaults.
-        name, others = self.cost_drivers[0], self.cost_drivers[1:]
-        defaults = {f.name: f.default for f in self.fields() if f.name in others}
+        # No one setting is enough: say how far the main one may go with the other settings back at their defaults.
+        name = self.cost_drivers[0]
+        defaults = {f.name: f.default for f in self.fields() if f.name != name and getattr(self, f.name) != f.default}
         best = dataclasses.replace(self, **defaults)._largest_fitting(name)
         hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
                 if best is not None else f"lower {', '.join(self.cost_drivers)} together")

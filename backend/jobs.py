@@ -187,7 +187,7 @@ class Leader:
         while not self._done.wait(BEAT_S):
             if self.store.beat(self.run_id):
                 rec = self.store.get(self.run_id)
-                self.end("cancelled", (rec.progress_msg if rec and rec.progress_msg else "cancelled"), 1)
+                self.end("cancelled", rec.error if rec and rec.error else "cancelled", 1)
             if time.monotonic() > self.deadline:
                 with open(self.log_path, "a") as log:
                     print(f"--- time limit: stack of the leader (pid {os.getpid()}) ---", file=log, flush=True)

@@ -253,7 +253,7 @@ class RunStore:
                 db.execute("UPDATE runs SET status='cancelled', error=?, finished=? WHERE id=?",
                            (message + " before it started", time.time(), run_id))
             elif row["status"] == "running":
-                db.execute("UPDATE runs SET cancel_requested=1, progress_msg=? WHERE id=?", (message, run_id))
+                db.execute("UPDATE runs SET cancel_requested=1, error=? WHERE id=?", (message, run_id))  # for the leader
             return row["status"]
 
     @staticmethod

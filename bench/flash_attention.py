@@ -14,16 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-
-def timed(fn, warmup=3, repeats=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+from cuda_timing import timed  # noqa: E402  (bench/ is on the path when a script here runs)
 
 
 def main() -> None:
@@ -32,7 +23,7 @@ def main() -> None:
         return
     import torch.nn.functional as F
 
-    from kernels.flash_attention import flash_attention
+    from kernels.flash_attention import flash_attention, sdpa_reference
 
     rows = []
     for heads, d in ((32, 64), (16, 128)):
@@ -42,6 +33,8 @@ def main() -> None:
                     q, k, v = (torch.randn(4, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
                     flops = 4 * n * n * d * heads * 4 * (0.5 if causal else 1)
                     row = {"heads": heads, "d": d, "N": n, "dtype": str(dtype).split(".")[1], "causal": causal}
+                    out, ref = flash_attention(q, k, v, causal, 128, 64), sdpa_reference(q, k, v, causal)[0]
+                    row["max_abs_err_vs_sdpa"] = (out - ref).abs().max().item()
                     for name, fn in (("triton", lambda: flash_attention(q, k, v, causal, 128, 64)),
                                      ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))):
                         row[f"{name}_fwd_TFLOPs"] = flops / timed(fn) / 1e12

@@ -6,28 +6,115 @@ O and the log-sum-exp L = m + log l for the backward. S and P never leave the ch
 Backward: delta = rowsum(dO ∘ O) first; then one kernel per K/V tile accumulates dK and dV over the
 query tiles, and one per Q tile accumulates dQ over the K/V tiles, both recomputing P = exp(S - L).
 
+The tile steps both directions share (loading a row tile and counting its bytes, which scores are
+visible, recomputing P and dS) are small @triton.jit helpers, so each kernel reads as its algorithm.
+
 With COUNT_TRAFFIC the kernels add the bytes every load and store moves (masked elements excluded)
 to a counter per tensor, with atomics, so the global-memory traffic is measured from the run itself,
 in the interpreter and on a GPU alike. The counts equal `closed_form_traffic` for the same tiling.
+
+References beside the kernels: `naive_attention` (the seed's three passes, S and P in memory) and
+`sdpa_reference` (torch's scaled_dot_product_attention, with autograd for the backward).
+Plain pointer arithmetic (no block pointers), so Triton's interpreter runs them on a CPU. The interpreter
+proves no GPU compile: tests/test_gpu_compile.py compiles them to sm_90 cubins without a GPU; running
+them on a GPU is tested only where one is present.
 """
 from __future__ import annotations
 
 import kernels  # noqa: F401  (chooses the interpreter on a CPU before triton is used)
 
+import math
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 TENSORS = ("Q", "K", "V", "O", "L", "dO", "delta", "dQ", "dK", "dV")
-_IDX = {name: i for i, name in enumerate(TENSORS)}
+# The counter slot of each tensor, constexpr so the kernels can name it.
+Q_, K_, V_, O_, L_, DO_, DELTA_, DQ_, DK_, DV_ = (tl.constexpr(i) for i in range(len(TENSORS)))
 
 
 @triton.jit
-def _count(counters, idx: tl.constexpr, mask, width: tl.constexpr, elem: tl.constexpr, ON: tl.constexpr):
+def _count(counters, slot: tl.constexpr, mask, width: tl.constexpr, elem: tl.constexpr, ON: tl.constexpr):
+    """Add the bytes a masked load or store of `width` elements per true mask entry moved."""
     if ON:
-        tl.atomic_add(counters + idx, tl.sum(mask.to(tl.int64)) * width * elem)
+        tl.atomic_add(counters + slot, tl.sum(mask.to(tl.int64)) * width * elem)
 
 
+# --- tile steps shared by the forward and backward kernels -------------------------------------------------
+@triton.jit
+def _load_rows(ptr, base, rows, stride_n, N, counters, slot: tl.constexpr,
+               HEAD_DIM: tl.constexpr, ELEM: tl.constexpr, COUNT: tl.constexpr):
+    """Rows `rows` of one (batch, head)'s (N, HEAD_DIM) matrix; rows past N read as zeros and move no bytes."""
+    ok = rows < N
+    tile = tl.load(ptr + base + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None], other=0.0)
+    _count(counters, slot, ok, HEAD_DIM, ELEM, COUNT)
+    return tile
+
+
+@triton.jit
+def _store_rows(ptr, base, rows, stride_n, N, tile, counters, slot: tl.constexpr,
+                HEAD_DIM: tl.constexpr, ELEM: tl.constexpr, COUNT: tl.constexpr):
+    ok = rows < N
+    tl.store(ptr + base + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :], tile.to(ptr.dtype.element_ty), mask=ok[:, None])
+    _count(counters, slot, ok, HEAD_DIM, ELEM, COUNT)
+
+
+@triton.jit
+def _load_row_stats(ptr, bh, rows, N, counters, slot: tl.constexpr, COUNT: tl.constexpr):
+    """One fp32 per row (L or delta), stored (B·H, N)."""
+    ok = rows < N
+    stats = tl.load(ptr + bh * N + rows, mask=ok, other=0.0)
+    _count(counters, slot, ok, 1, 4, COUNT)
+    return stats
+
+
+@triton.jit
+def _store_row_stats(ptr, bh, rows, N, stats, counters, slot: tl.constexpr, COUNT: tl.constexpr):
+    ok = rows < N
+    tl.store(ptr + bh * N + rows, stats, mask=ok)
+    _count(counters, slot, ok, 1, 4, COUNT)
+
+
+@triton.jit
+def _visible(rows, cols, N, CAUSAL: tl.constexpr):
+    """Which scores of a tile exist: the key inside the sequence and, if causal, not after the query."""
+    keep = cols[None, :] < N
+    if CAUSAL:
+        keep = keep & (rows[:, None] >= cols[None, :])
+    return keep
+
+
+@triton.jit
+def _load_query_side(Q, dO, L, Delta, base, bh, rows, stride_n, N, counters,
+                     HEAD_DIM: tl.constexpr, ELEM: tl.constexpr, COUNT: tl.constexpr):
+    """What the backward needs of a Q tile: Q, dO, the log-sum-exp L and delta = rowsum(dO ∘ O)."""
+    q = _load_rows(Q, base, rows, stride_n, N, counters, Q_, HEAD_DIM, ELEM, COUNT)
+    do = _load_rows(dO, base, rows, stride_n, N, counters, DO_, HEAD_DIM, ELEM, COUNT)
+    lse = _load_row_stats(L, bh, rows, N, counters, L_, COUNT)
+    delta = _load_row_stats(Delta, bh, rows, N, counters, DELTA_, COUNT)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _load_kv(K, V, base, cols, stride_n, N, counters, HEAD_DIM: tl.constexpr, ELEM: tl.constexpr, COUNT: tl.constexpr):
+    k = _load_rows(K, base, cols, stride_n, N, counters, K_, HEAD_DIM, ELEM, COUNT)
+    v = _load_rows(V, base, cols, stride_n, N, counters, V_, HEAD_DIM, ELEM, COUNT)
+    return k, v
+
+
+@triton.jit
+def _recompute_p_ds(q, k, v, do, lse, delta, rows, cols, N, scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """The backward's recomputation of one tile: P = exp(S - L) from the saved L (S is never stored),
+    and dS = P ∘ (dP - delta) with dP = dO Vᵀ."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    p = tl.where(_visible(rows, cols, N, CAUSAL) & (rows[:, None] < N), tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+# --- kernels -----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(Q, K, V, O, L, counters, scale, N,
                 stride_b, stride_h, stride_n, H,
@@ -36,39 +123,25 @@ def _fwd_kernel(Q, K, V, O, L, counters, scale, N,
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H) * stride_b + (bh % H) * stride_h
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N
-    q = tl.load(Q + base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    _count(counters, 0, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, base, rows, stride_n, N, counters, Q_, HEAD_DIM, ELEM, COUNT_TRAFFIC)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi = tl.minimum(N, (start_m + 1) * BLOCK_M) if CAUSAL else N
     for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < N
-        k = tl.load(K + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        _count(counters, 1, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-        _count(counters, 2, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(K, V, base, cols, stride_n, N, counters, HEAD_DIM, ELEM, COUNT_TRAFFIC)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= cols[None, :])
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(_visible(rows, cols, N, CAUSAL), s, float("-inf"))  # rows past N are never stored
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(O + base + offs_m[:, None] * stride_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    _count(counters, 3, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    tl.store(L + bh * N + offs_m, m_i + tl.log(l_i), mask=row_ok)
-    _count(counters, 4, row_ok, 1, 4, COUNT_TRAFFIC)
+    _store_rows(O, base, rows, stride_n, N, acc / l_i[:, None], counters, O_, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    _store_row_stats(L, bh, rows, N, m_i + tl.log(l_i), counters, L_, COUNT_TRAFFIC)
 
 
 @triton.jit
@@ -77,15 +150,10 @@ def _bwd_delta_kernel(O, dO, Delta, counters, N, stride_b, stride_h, stride_n, H
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H) * stride_b + (bh % H) * stride_h
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N
-    o = tl.load(O + base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(dO + base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    _count(counters, 3, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    _count(counters, 5, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    tl.store(Delta + bh * N + offs_m, tl.sum(o * do, 1), mask=row_ok)
-    _count(counters, 6, row_ok, 1, 4, COUNT_TRAFFIC)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o = _load_rows(O, base, rows, stride_n, N, counters, O_, HEAD_DIM, ELEM, COUNT_TRAFFIC).to(tl.float32)
+    do = _load_rows(dO, base, rows, stride_n, N, counters, DO_, HEAD_DIM, ELEM, COUNT_TRAFFIC).to(tl.float32)
+    _store_row_stats(Delta, bh, rows, N, tl.sum(o * do, 1), counters, DELTA_, COUNT_TRAFFIC)
 
 
 @triton.jit
@@ -96,39 +164,19 @@ def _bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, counters, scale, N, stride_b
     bh = tl.program_id(1)
     base = (bh // H) * stride_b + (bh % H) * stride_h
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = cols < N
-    k = tl.load(K + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    _count(counters, 1, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    _count(counters, 2, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    k, v = _load_kv(K, V, base, cols, stride_n, N, counters, HEAD_DIM, ELEM, COUNT_TRAFFIC)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for start_m in range(lo, N, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        row_ok = rows < N
-        q = tl.load(Q + base + rows[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(dO + base + rows[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(L + bh * N + rows, mask=row_ok, other=0.0)
-        delta = tl.load(Delta + bh * N + rows, mask=row_ok, other=0.0)
-        _count(counters, 0, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-        _count(counters, 5, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-        _count(counters, 4, row_ok, 1, 4, COUNT_TRAFFIC)
-        _count(counters, 6, row_ok, 1, 4, COUNT_TRAFFIC)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :])
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        q, do, lse, delta = _load_query_side(Q, dO, L, Delta, base, bh, rows, stride_n, N, counters,
+                                             HEAD_DIM, ELEM, COUNT_TRAFFIC)
+        p, ds = _recompute_p_ds(q, k, v, do, lse, delta, rows, cols, N, scale, CAUSAL, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    tl.store(dK + base + cols[:, None] * stride_n + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dV + base + cols[:, None] * stride_n + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=col_ok[:, None])
-    _count(counters, 8, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    _count(counters, 9, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    _store_rows(dK, base, cols, stride_n, N, dk * scale, counters, DK_, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    _store_rows(dV, base, cols, stride_n, N, dv, counters, DV_, HEAD_DIM, ELEM, COUNT_TRAFFIC)
 
 
 @triton.jit
@@ -139,36 +187,16 @@ def _bwd_dq_kernel(Q, K, V, dO, L, Delta, dQ, counters, scale, N, stride_b, stri
     bh = tl.program_id(1)
     base = (bh // H) * stride_b + (bh % H) * stride_h
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = rows < N
-    q = tl.load(Q + base + rows[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(dO + base + rows[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(L + bh * N + rows, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + bh * N + rows, mask=row_ok, other=0.0)
-    _count(counters, 0, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    _count(counters, 5, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-    _count(counters, 4, row_ok, 1, 4, COUNT_TRAFFIC)
-    _count(counters, 6, row_ok, 1, 4, COUNT_TRAFFIC)
+    q, do, lse, delta = _load_query_side(Q, dO, L, Delta, base, bh, rows, stride_n, N, counters,
+                                         HEAD_DIM, ELEM, COUNT_TRAFFIC)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi = tl.minimum(N, (start_m + 1) * BLOCK_M) if CAUSAL else N
     for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < N
-        k = tl.load(K + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + base + cols[:, None] * stride_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        _count(counters, 1, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-        _count(counters, 2, col_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :])
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(K, V, base, cols, stride_n, N, counters, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+        _, ds = _recompute_p_ds(q, k, v, do, lse, delta, rows, cols, N, scale, CAUSAL, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(dQ + base + rows[:, None] * stride_n + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty), mask=row_ok[:, None])
-    _count(counters, 7, row_ok, HEAD_DIM, ELEM, COUNT_TRAFFIC)
+    _store_rows(dQ, base, rows, stride_n, N, dq * scale, counters, DQ_, HEAD_DIM, ELEM, COUNT_TRAFFIC)
 
 
 # --- host side ------------------------------------------------------------------------------------------
@@ -273,3 +301,29 @@ def closed_form_traffic(B, H, N, D, elem, causal, block_m, block_n, backward=Fal
         t["delta"] = N * 4 * bh + q_reads * 4 + N * 4 * bh
         t["dQ"], t["dK"], t["dV"] = (N * row_bytes * bh,) * 3
     return t
+
+
+# --- references --------------------------------------------------------------------------------------------
+def naive_attention(q, k, v, causal=False):
+    """The seed's steps, each a separate pass over memory: S = QKᵀ/√d, P = softmax(S), O = PV.
+    Returns O and the bytes each step read and wrote (measured from the tensors it touched)."""
+    d = q.shape[-1]
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = p @ v
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    traffic = {"Q": nb(q), "K": nb(k), "V": nb(v), "S": 2 * nb(s), "P": 2 * nb(p), "O": nb(o)}  # S, P: written then read
+    return o, traffic
+
+
+def sdpa_reference(q, k, v, causal=False, do=None):
+    """torch's scaled_dot_product_attention: O, and with dO given, (dQ, dK, dV) by autograd (else None)."""
+    q, k, v = (t.detach().clone().requires_grad_(do is not None) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if do is None:
+        return out.detach(), None
+    out.backward(do)
+    return out.detach(), (q.grad, k.grad, v.grad)

@@ -50,6 +50,24 @@ def render(result: dict, rec) -> None:
             x=alt.X("row:Q", title="row within the Q tile"), y=alt.Y("value:Q", title=None), color=alt.Color("variable:N", title=None),
             tooltip=["row", "variable", alt.Tooltip("value:Q", format=".4f")]).properties(height=260), width="stretch")
 
+    budget = tables.get("sram_budget")
+    if budget:
+        st.subheader(f"The SRAM budget (seed 003): {cfg['sram_kib']} KiB, d = {cfg['head_dim']}, {cfg['dtype']}")
+        words = m["sram.words"]
+        st.markdown(f"M = {words:,} words → Bc = ⌈M / 4d⌉ = **{m['sram.Bc']}**, Br = min(Bc, d) = **{m['sram.Br']}** "
+                    f"(this run's kernel tiles: {cfg['block_m']} x {cfg['block_n']}, powers of two for tl.dot). "
+                    f"Peak live words {m['sram.peak_words']:,} = {m['sram.peak_words'] / words:.0%} of M.")
+        steps = pd.DataFrame(budget)
+        bars = alt.Chart(steps).mark_bar().encode(
+            x=alt.X("step:O", title="step of one (K/V tile, Q tile) iteration"), y=alt.Y("live_words:Q", title="words on chip"),
+            tooltip=["step", "what", alt.Tooltip("delta_words:Q", format="+,"), alt.Tooltip("live_words:Q", format=","),
+                     alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's expression")])
+        cap = alt.Chart(pd.DataFrame({"M": [words]})).mark_rule(color="#e4572e", strokeDash=[4, 3]).encode(y="M:Q")
+        st.altair_chart((bars + cap).properties(height=260), width="stretch")
+        st.dataframe(steps[["step", "what", "delta_words", "live_words", "live_bytes", "seed_live_words"]], hide_index=True, width="stretch")
+        st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
+                   "live (step 5) the set can pass M by the Q/O tile, which is why the paper's bound is O(M).")
+
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]
     st.dataframe(pd.DataFrame(example[:-1]), hide_index=True, width="stretch")

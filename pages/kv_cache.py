@@ -45,9 +45,20 @@ def render(result: dict, rec) -> None:
     if not speed.empty:
         st.subheader("Decoding as the context grows")
         left, right = st.columns(2)
-        left.altair_chart(alt.Chart(speed).mark_line().encode(
-            x=alt.X("context:Q", title="context (tokens)"), y=alt.Y("ms_per_token:Q", title="time per generated token (ms)"),
-            color="variant:N", tooltip=["variant", "context", alt.Tooltip("ms_per_token:Q", format=".3f")]).properties(height=260), width="stretch")
+        # A rolling median: one step descheduled by the OS (a 100 ms spike) must not flatten every other step.
+        speed = speed.sort_values(["variant", "context"])
+        speed["median_ms"] = speed.groupby("variant")["ms_per_token"].transform(lambda s: s.rolling(9, center=True, min_periods=1).median())
+        top = float(speed["ms_per_token"].quantile(0.98)) * 1.2
+        points = alt.Chart(speed).mark_circle(size=14, opacity=0.35, clip=True).encode(
+            x=alt.X("context:Q", title="context (tokens)"),
+            y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[0, top])),
+            color="variant:N", tooltip=["variant", "context", alt.Tooltip("ms_per_token:Q", format=".3f", title="ms")])
+        lines = alt.Chart(speed).mark_line().encode(x="context:Q", y="median_ms:Q", color="variant:N")
+        left.altair_chart((points + lines).properties(height=260, title="each step (dots) and the rolling median of 9 (lines)"),
+                          width="stretch")
+        if (speed["ms_per_token"] > top).any():
+            left.caption(f"{int((speed['ms_per_token'] > top).sum())} step(s) above {top:.2f} ms are off the chart "
+                         f"(slowest {speed['ms_per_token'].max():.1f} ms): the OS paused the process, not the cache.")
         right.altair_chart(alt.Chart(speed).mark_line().encode(
             x=alt.X("context:Q", title="context (tokens)"), y=alt.Y("cache_bytes_read:Q", title="cache bytes read per token (B)"),
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("cache_bytes_read:Q", format=",")]).properties(height=260), width="stretch")

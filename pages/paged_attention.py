@@ -6,6 +6,8 @@ import streamlit as st
 from pages import ui
 
 st.title("Paged attention: the KV cache as pages")
+st.page_link("pages/serving.py", label="Latency, throughput and a simulator: the Serving page runs the tiny LLaMA on these pages",
+             icon=":material/speed:")
 
 STATE_COLORS = alt.Scale(domain=["used", "cached, free", "free"], range=["#1f6fd1", "#f2a541", "#e6e9ef"])
 

@@ -177,13 +177,20 @@ def sidebar() -> None:
     with st.sidebar:
         st.caption("Device")
         st.markdown(f"**{info['name']}** · torch {info['torch']}  \nTriton {info['triton']} · {info['triton_mode']}")
-        active = runner().queue()
-        st.caption(f"Job queue · {len(active)} active · cap {runner().max_jobs} at once")
-        if not active:
-            st.caption("No runs queued or running.")
-        for rec in reversed(active):
-            pct = f" {rec.progress:.0%}" if rec.status == "running" else ""
-            st.caption(f"{STATUS_ICON[rec.status]} `{rec.id}` {escape(rec.experiment)}{pct} · {escape(rec.owner or '')}")
+        _queue()
+
+
+@st.fragment(run_every=2.0)
+def _queue() -> None:
+    """The team's queue, refreshed while the page is open (a run started elsewhere shows up here too)."""
+    active = runner().queue()
+    running = sum(rec.status == "running" for rec in active)
+    st.caption(f"Job queue · {running} running, {len(active) - running} queued · cap {runner().max_jobs} at once")
+    if not active:
+        st.caption("No runs queued or running.")
+    for rec in reversed(active):
+        pct = f" {rec.progress:.0%}" if rec.status == "running" else ""
+        st.caption(f"{STATUS_ICON[rec.status]} `{rec.id}` {escape(rec.experiment)}{pct} · {escape(rec.owner or '')}")
 
 
 # --- settings -------------------------------------------------------------------------------------
@@ -282,10 +289,10 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
         st.warning(f"Run `{rec.id}` is a run of {escape(rec.experiment)}, not of {escape(expected)}: "
                    f"[open it on its page]({page_of(rec.experiment)}?run={rec.id}).")
         return
-    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
     if rec.status in ACTIVE:
-        _live_status(run_id)
+        _live_status(run_id)  # draws its own header, so "queued" turns "running" as it happens
         return
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
     if rec.status != "succeeded":
         st.error(escape(rec.error or rec.status))
         log = log_tail(store(), rec.id, lines=200)
@@ -308,9 +315,12 @@ def _live_status(run_id: str) -> None:
     rec = store().get(run_id)
     if rec.status in FINAL:
         st.rerun()
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
     if rec.status == "queued":
-        ahead = [r for r in store().list(statuses=("queued",)) if r.created < rec.created]
-        st.info(f"Queued: {len(ahead)} run(s) ahead, at most {runner().max_jobs} at a time.")
+        waiting = [r for r in store().list(statuses=("queued",)) if r.created < rec.created]
+        running = store().list(statuses=("running",))
+        st.info(f"Queued behind {len(running)} running and {len(waiting)} queued run(s); "
+                f"at most {runner().max_jobs} run at a time on this server.")
     else:
         elapsed = time.time() - (rec.started or time.time())
         st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")

@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from backend import experiments
-from backend.attention.flash import online_softmax_example, tiled_attention
+from backend.attention.flash import online_softmax_example, sram_budget, tiled_attention
 from backend.config import ConfigError
 from backend.memory.devices import ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity
-from kernels.flash_attention import TENSORS, closed_form_traffic, flash_attention, flash_backward, flash_forward
+from kernels.flash_attention import (TENSORS, closed_form_traffic, flash_attention, flash_backward, flash_forward,
+                                     naive_attention, sdpa_reference)
 
 
 @pytest.mark.parametrize("n, d, causal, bm, bn", [(40, 16, False, 16, 16), (40, 16, True, 16, 32), (33, 32, True, 32, 16)])
@@ -21,13 +22,23 @@ def test_triton_forward_backward_and_traffic(n, d, causal, bm, bn):
     counters = torch.zeros(len(TENSORS), dtype=torch.int64)
     o, lse = flash_forward(q, k, v, causal, bm, bn, counters)
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, causal, bm, bn, counters)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    ref.backward(do)
+    ref, ref_grads = sdpa_reference(q, k, v, causal, do)
     assert (o - ref).abs().max() < 1e-5
-    for mine, theirs in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+    for mine, theirs in zip((dq, dk, dv), ref_grads):
         assert (mine - theirs).abs().max() < 1e-4
     assert dict(zip(TENSORS, counters.tolist())) == closed_form_traffic(1, 2, n, d, 4, causal, bm, bn, backward=True)
+
+
+def test_references_agree_and_a_wrong_kernel_is_caught():
+    """naive == SDPA; the kernel run on a wrongly scaled input (a deliberate bug) fails the tolerance."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=g) for _ in range(3))
+    for causal in (False, True):
+        naive, traffic = naive_attention(q, k, v, causal)
+        assert (naive - sdpa_reference(q, k, v, causal)[0]).abs().max() < 1e-5
+        assert traffic["S"] == 2 * 20 * 20 * 4
+    wrong, _ = flash_forward(q * 1.01, k, v)
+    assert (wrong - sdpa_reference(q, k, v)[0]).abs().max() > 1e-3
 
 
 def test_autograd_function_in_fp16():
@@ -61,6 +72,17 @@ def test_online_softmax_example_reproduces_the_seed():
     final = steps[-1]
     assert final["l"] == pytest.approx(math.exp(-3) + math.exp(-2) + math.exp(-1) + 1)
     assert final["softmax"] == pytest.approx(final["reference_softmax"])
+
+
+def test_sram_budget_follows_seed_003():
+    b = sram_budget(100 * 1024, 64, 2)                 # 51,200 words, d = 64
+    assert b["Bc"] == 200 and b["Br"] == 64            # ⌈M / 4d⌉ and min(that, d)
+    d, bc = 64, 200
+    assert b["steps"][2]["live_words"] == 3 * bc * d + 2 * d * (d + 1)   # the seed's total after computing S
+    assert b["steps"][-1]["live_words"] == 2 * bc * d                    # K_j and V_j stay for the next Q tile
+    assert b["peak_words"] == b["steps"][4]["live_words"]                # S and P̃ both live
+    small = sram_budget(48 * 1024, 128, 4)
+    assert small["Br"] == small["Bc"] == 24
 
 
 def test_roofline_arithmetic_and_seed_ops_per_datum():

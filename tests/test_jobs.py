@@ -274,3 +274,20 @@ def test_a_distributed_run_listens_on_loopback_only(runner):
     runner.cancel(rid)
     assert ours, "found no listening socket of the run's ranks"
     assert all(addr.startswith("127.0.0.1:") for addr in ours), ours
+
+
+def test_only_the_owner_or_an_admin_cancels(store):
+    from backend.jobs import JobRunner, NotAllowed
+
+    r = JobRunner(store, max_jobs=0)  # submits and cancels; runs nothing
+    rid = r.submit("comm.selftest", {"world_size": "1"}, owner="ana@team")
+    assert store.get(rid).owner == "ana@team"
+    with pytest.raises(NotAllowed, match="launched by ana@team"):
+        r.cancel(rid, by="bo@team", admin=False)
+    assert store.get(rid).status == "queued"
+    r.cancel(rid, by="ana@team", admin=False)
+    rec = store.get(rid)
+    assert rec.status == "cancelled" and "by ana@team" in rec.error
+    other = r.submit("comm.selftest", {"world_size": "2"}, owner="ana@team")
+    r.cancel(other, by="admin@team", admin=True)
+    assert store.get(other).status == "cancelled"

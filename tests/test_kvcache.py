@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from backend import experiments
 from backend.config import ConfigError
 from backend.kvcache.manager import KVCacheManager
+from backend.kvcache.tensor_store import KVTensorStore
 from backend.kvcache.serving import read_csv_trace, simulate_contiguous, simulate_paged, synthetic_trace
 
 
@@ -16,6 +17,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.m = KVCacheManager(num_blocks=12, block_size=4, prefix_caching=True)
+        self.tokens = {}  # seq id -> its token ids (the manager keeps none)
         self.next_id = 0
 
     @rule(length=st.integers(1, 20), shared=st.booleans())
@@ -24,6 +26,7 @@ class ManagerMachine(RuleBasedStateMachine):
         free_before = self.m.pool.num_free
         try:
             self.m.add(self.next_id, tokens)
+            self.tokens[self.next_id] = tokens
             self.next_id += 1
         except MemoryError:
             assert self.m.pool.num_free == free_before  # a refused add changes nothing
@@ -32,15 +35,19 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append(self, data):
         sid = data.draw(st.sampled_from(sorted(self.m.seqs)))
+        tokens = self.tokens[sid] + [7]
         try:
-            self.m.append(sid, 7)
+            self.m.grow(sid, len(tokens), tokens)
+            self.tokens[sid] = tokens
         except MemoryError:
             pass
 
     @precondition(lambda self: self.m.seqs)
     @rule(data=st.data())
     def fork(self, data):
-        self.m.fork(data.draw(st.sampled_from(sorted(self.m.seqs))), self.next_id)
+        parent = data.draw(st.sampled_from(sorted(self.m.seqs)))
+        self.m.fork(parent, self.next_id)
+        self.tokens[self.next_id] = list(self.tokens[parent])
         self.next_id += 1
 
     @precondition(lambda self: self.m.seqs)
@@ -60,7 +67,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.m.check()
+        self.m.check_invariants()
 
 
 TestManagerStateMachine = ManagerMachine.TestCase
@@ -70,23 +77,35 @@ TestManagerStateMachine.settings = settings(max_examples=60, stateful_step_count
 def test_check_catches_a_broken_ref_count():
     m = KVCacheManager(4, 2)
     m.add(0, [1, 2, 3])
-    m.pool.ref_count[m.seqs[0].table[0]] += 1
+    m.seqs[0].table[0].ref_count += 1
     with pytest.raises(AssertionError, match="ref count"):
-        m.check()
+        m.check_invariants()
+
+
+def test_check_catches_a_wrong_fill_count():
+    m = KVCacheManager(4, 2)
+    m.add(0, [1, 2, 3])
+    m.seqs[0].table[1].num_tokens = 2
+    with pytest.raises(AssertionError, match="holds 2, expected 1"):
+        m.check_invariants()
 
 
 def test_copy_on_write_copies_exactly_the_written_block():
-    m = KVCacheManager(8, 4, kv_shape=(1, 2))
-    m.add(0, list(range(6)), kv=torch.arange(6 * 4, dtype=torch.float32).view(6, 2, 1, 2))
+    m, store = KVCacheManager(8, 4), KVTensorStore(1, 8, 4, 1, 2)
+    kv = torch.arange(6 * 4, dtype=torch.float32).view(6, 2, 1, 2)
+    m.add(0, list(range(6)))
+    store.write(0, torch.tensor(m.slots(0, 0, 6)), kv[:, 0], kv[:, 1])
     m.fork(0, 1)
-    before = m.kv.clone()
-    m.append(1, 99, kv=torch.full((2, 1, 2), -1.0))
-    parent, child = m.seqs[0].table, m.seqs[1].table
+    before = store.kv[0].clone()
+    copies = m.grow(1, 7, list(range(6)) + [99])
+    store.copy(copies)
+    store.write(0, torch.tensor(m.slots(1, 6, 7)), torch.full((1, 1, 2), -1.0), torch.full((1, 1, 2), -1.0))
+    parent, child = m.block_ids(0), m.block_ids(1)
     assert parent[0] == child[0] and parent[1] != child[1]  # full block still shared; partial one copied
-    assert m.stats.cow_copies == 1
-    assert torch.equal(m.kv[parent[1]], before[parent[1]])  # the parent's block is untouched
-    assert torch.equal(m.kv[child[1], :, :2], before[parent[1], :, :2]) and (m.kv[child[1], :, 2] == -1).all()
-    m.check()
+    assert copies == [(parent[1], child[1])] and m.stats.cow_copies == 1
+    assert torch.equal(store.kv[0, parent[1]], before[parent[1]])  # the parent's block is untouched
+    assert torch.equal(store.kv[0, child[1], :, :2], before[parent[1], :, :2]) and (store.kv[0, child[1], :, 2] == -1).all()
+    m.check_invariants()
 
 
 def test_prefix_hits_for_shared_prompts_and_none_below_a_block():
@@ -96,22 +115,26 @@ def test_prefix_hits_for_shared_prompts_and_none_below_a_block():
     assert m.add(2, list(range(3)) + [77] * 5) == 0     # 3 shared tokens do not fill a block: no hit
     assert m.add(3, list(range(9))) == 8
     m.free(0), m.free(1), m.free(3)
+    assert m.cached_prefix(list(range(10))) == 8         # a look-up books nothing
     assert m.add(4, list(range(10))) == 8               # cached-but-free blocks are revived
-    m.check()
+    m.check_invariants()
 
 
 def test_swap_out_then_in_restores_identical_kv():
-    m = KVCacheManager(8, 4, kv_shape=(2, 3))
+    m, store = KVCacheManager(8, 4), KVTensorStore(2, 8, 4, 2, 3)
     kv = torch.randn(7, 2, 2, 3)
-    m.add(0, list(range(7)), kv=kv)
-    k0, v0 = m.gather(0)
-    m.swap_out(0)
+    m.add(0, list(range(7)))
+    for layer in range(2):
+        store.write(layer, torch.tensor(m.slots(0, 0, 7)), kv[:, 0] + layer, kv[:, 1] + layer)
+    k0, v0 = store.gather(1, m.block_ids(0), 7)
+    store.swap_out(0, m.swap_out(0))
     m.add(1, list(range(100, 120)))  # someone else takes the blocks meanwhile
+    store.write(1, torch.tensor(m.slots(1, 0, 20)), torch.zeros(20, 2, 3), torch.zeros(20, 2, 3))
     m.free(1)
-    m.swap_in(0)
-    k1, v1 = m.gather(0)
-    assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(k1, kv[:, 0])
-    m.check()
+    store.swap_in(0, m.swap_in(0))
+    k1, v1 = store.gather(1, m.block_ids(0), 7)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(k1, kv[:, 0] + 1)
+    m.check_invariants()
 
 
 def test_serving_targets_on_the_synthetic_trace():
@@ -134,14 +157,15 @@ def test_paged_kernel_matches_reference_at_mixed_lengths_and_page_sizes():
     q = torch.randn(len(lens), H, D, generator=g)
     outs = {}
     for bs in (1, 16):
-        m = KVCacheManager(64, bs, prefix_caching=False, kv_shape=(HKV, D))
+        m, store = KVCacheManager(64, bs, prefix_caching=False), KVTensorStore(1, 64, bs, HKV, D)
         for sid, kv in enumerate(keys):
-            m.add(sid, list(range(len(kv))), kv=kv)
+            m.add(sid, list(range(len(kv))))
+            store.write(0, torch.tensor(m.slots(sid, 0, len(kv))), kv[:, 0], kv[:, 1])
         width = max(len(s.table) for s in m.seqs.values())
-        tables = torch.tensor([m.seqs[s].table + [0] * (width - len(m.seqs[s].table)) for s in range(len(lens))], dtype=torch.int32)
+        tables = torch.tensor([m.block_ids(s) + [0] * (width - len(m.seqs[s].table)) for s in range(len(lens))], dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        outs[bs] = paged_decode(q, m.kv, tables, seq_lens)
-        assert (outs[bs] - paged_decode_reference(q, m.kv, tables, seq_lens)).abs().max() < 1e-5
+        outs[bs] = paged_decode(q, store.layer(0), tables, seq_lens)
+        assert (outs[bs] - paged_decode_reference(q, store.layer(0), tables, seq_lens)).abs().max() < 1e-5
     assert (outs[1] - outs[16]).abs().max() < 1e-5
 
 
@@ -178,5 +202,5 @@ def test_a_sequence_larger_than_the_pool_is_refused_and_leaves_it_consistent():
         m.add(1, list(range(17)))
     with pytest.raises(MemoryError):
         m.add(2, list(range(16)))
-    m.check()
+    m.check_invariants()
     assert sorted(m.seqs) == [0]

@@ -2,11 +2,10 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from pages.catalog import SECTIONS
 from tests.conftest import REPO
 
-PAGES = ["pages/home.py", "pages/runs.py", "pages/comm_bandwidth.py", "pages/collectives.py", "pages/kv_cache.py", "pages/variants_train.py", "pages/paged_attention.py",
-         "pages/flash_attention.py", "pages/memory_hierarchy.py", "pages/pipeline.py",
-         "pages/data_parallel.py", "pages/autograd.py", "pages/fusion.py", "pages/placement.py"]
+PAGES = [t.file for topics in SECTIONS.values() for t in topics]  # every page in the navigation
 
 
 def _app(page=None, **params):

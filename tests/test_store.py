@@ -75,3 +75,14 @@ def test_claim_honours_a_cap_shared_by_every_runner(tmp_path):
     assert store.claim_next(cap=1).id == first
     assert store.claim_next(cap=1) is None  # whichever runner asks, one is already running
     assert store.claim_next(cap=2).id == second
+
+
+def test_cancel_is_a_flag_the_leader_reads_with_its_heartbeat(tmp_path):
+    store = RunStore(tmp_path)
+    rid = store.create("demo", {}, "d", status="running", pid=os.getpid())
+    assert store.beat(rid) is False
+    assert store.request_cancel(rid, by="ana") == "running"
+    assert store.beat(rid) is True and store.get(rid).error == "cancelled by ana"  # what the leader records
+    queued, _ = store.submit("demo", {"q": 1}, "q", timeout_s=60, code_version="v")
+    store.request_cancel(queued, by="bo")
+    assert store.get(queued).status == "cancelled" and store.get(queued).error == "cancelled by bo before it started"

@@ -1,5 +1,5 @@
-"""Attention three ways, one maths: naive (S and P in memory), tiled in PyTorch (FlashAttention's
-algorithm, for long sequences on a CPU), and the Triton kernel (kernels/flash_attention.py).
+"""FlashAttention's algorithm in PyTorch (tiled, for long sequences on a CPU) and its IO model. The Triton
+kernels and the references (naive attention, torch SDPA) live together in kernels/flash_attention.py.
 
 `online_softmax_update` is the step the tiled path and the seed's worked example share: given the
 running max m, running sum l and unnormalised output acc, fold in one block of scores.
@@ -43,21 +43,6 @@ def online_softmax_example(blocks=((1.0, 2.0), (3.0, 4.0))) -> list[dict]:
     return steps
 
 
-def naive_attention(q, k, v, causal=False):
-    """The seed's steps, each a separate pass over memory: S = QKᵀ/√d, P = softmax(S), O = PV.
-    Returns O and the bytes each step read and wrote (measured from the tensors it touched)."""
-    d = q.shape[-1]
-    s = q @ k.transpose(-1, -2) / math.sqrt(d)
-    if causal:
-        n = q.shape[-2]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = p @ v
-    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-    traffic = {"Q": nb(q), "K": nb(k), "V": nb(v), "S": 2 * nb(s), "P": 2 * nb(p), "O": nb(o)}  # S, P: written then read
-    return o, traffic
-
-
 def tiled_attention(q, k, v, causal=False, block_m=64, block_n=64, on_step=None):
     """FlashAttention's algorithm in PyTorch: O(N·d) memory beyond the inputs. q, k, v: (N, d) or (..., N, d)
     handled per leading index. on_step(i, j, m, l) is called after each (Q tile, K/V tile) step."""
@@ -97,3 +82,32 @@ def io_model(n: int, d: int, elem: int, block_m: int, block_n: int, batch_heads:
     flash = batch_heads * (2 * n * d * elem + 2 * kv_passes * n * d * elem)
     return {"sram_bytes_per_step": sram, "standard_bytes": standard, "flash_bytes": int(flash),
             "flash_theta_N2d2_over_M": batch_heads * n * n * d * d * elem / sram}
+
+
+def sram_budget(sram_bytes: int, d: int, elem: int) -> dict:
+    """Seed 003 / FlashAttention's Algorithm 1: with M words of SRAM, Bc = ⌈M / 4d⌉ (room for the Q, K, V and O
+    tiles) and Br = min(Bc, d); then the words on chip at each step of one (K/V tile, Q tile) iteration.
+    Returns Br, Bc, the steps (what is loaded, computed or released; live words after it), and the seed's
+    expression for the live words where the seed gives one."""
+    M = sram_bytes // elem
+    bc = math.ceil(M / (4 * d))
+    br = min(bc, d)
+    steps, live = [], 0
+
+    def step(what, delta, seed=None):
+        nonlocal live
+        live += delta
+        steps.append({"step": len(steps) + 1, "what": what, "delta_words": delta, "live_words": live,
+                      "live_bytes": live * elem, "seed_live_words": seed})
+
+    step("load K_j, V_j (Bc x d each)", 2 * bc * d, seed=2 * bc * d)
+    step("load Q_i, O_i (Br x d each) and l_i, m_i (Br each)", 2 * br * d + 2 * br, seed=2 * bc * d + 2 * d * d + 2 * d if br == d else None)
+    step("S = Q_i K_jᵀ (Br x Bc)", br * bc, seed=3 * bc * d + 2 * d * (d + 1) if br == d else None)
+    step("release Q_i (K_j stays for the next Q tile)", -br * d)
+    step("m̃ = rowmax(S), P̃ = exp(S - m̃)", br + br * bc)
+    step("release S", -br * bc)
+    step("l̃ = rowsum(P̃)", br)
+    step("m_new, l_new", 2 * br)
+    step("O_i = diag(l_new)⁻¹(diag(l)e^(m-m_new) O_i + e^(m̃-m_new) P̃ V_j), written back; release O_i", -br * d)
+    step("write l_new, m_new; release m̃, l̃, P̃, l, m", -(2 * br + br + br + br * bc + 2 * br))
+    return {"sram_words": M, "Br": br, "Bc": bc, "steps": steps, "peak_words": max(s["live_words"] for s in steps)}

@@ -75,54 +75,78 @@ def read_csv_trace(text: str) -> list[Request]:
     return out
 
 
+@dataclass
+class RequestState:
+    """A request inside the scheduler: its sequence so far (prompt, then generated) is `num_tokens` long;
+    while it runs, all of them are in the KV cache."""
+    request: Request
+    num_tokens: int
+
+
+class TokenIds:
+    """The first `length` token ids of a request, computed on demand: what the manager hashes."""
+
+    def __init__(self, request: Request, length: int):
+        self.request, self.length = request, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return [self.request.token(i) for i in range(*index.indices(self.length))]
+
+
 def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, policy: str = "swap",
                    prefix_caching: bool = True, sample_every: int = 5, max_snapshots: int = 60) -> dict:
     m = KVCacheManager(num_blocks, block_size, prefix_caching)
     watermark = max(1, num_blocks // 100)  # blocks kept free at admission, as vLLM's watermark
     pending = deque(sorted(trace, key=lambda r: r.arrival))
-    waiting, swapped, running = deque(), deque(), []  # running: [request, tokens so far]
+    waiting: deque[RequestState] = deque()
+    swapped: deque[RequestState] = deque()
+    running: list[RequestState] = []
     step = preemptions = max_running = invariant_failures = 0
     samples, snapshots, events = [], [], []
     snapshot_every = sample_every * 4
     while pending or waiting or running or swapped:
         while pending and pending[0].arrival <= step:
-            waiting.append([pending.popleft(), 0])
-        while swapped and len(m.swapped[swapped[0][0].rid][0].table) <= m.pool.num_free:
-            entry = swapped.popleft()
-            m.swap_in(entry[0].rid)
-            running.append(entry)
+            request = pending.popleft()
+            waiting.append(RequestState(request, request.prompt_len))
+        while swapped and m.blocks_for(swapped[0].num_tokens) <= m.pool.num_free:
+            state = swapped.popleft()
+            m.swap_in(state.request.rid)
+            running.append(state)
         while waiting and not swapped:
-            req, done = waiting[0]
-            length = req.prompt_len + done
+            state = waiting[0]
+            length = state.num_tokens  # a recomputed request brings back what it had generated
             if m.blocks_for(length + 1) + watermark > m.pool.num_free:  # leave room to decode, or we thrash
                 break
             try:
-                m.add(req.rid, [req.token(i) for i in range(length)])
+                m.add(state.request.rid, TokenIds(state.request, length))
             except MemoryError:
                 break
             waiting.popleft()
-            running.append([req, length])
+            running.append(state)
         i = 0
         while i < len(running):
-            req, length = running[i]
+            state = running[i]
             try:
-                m.append(req.rid, req.token(length))
+                m.grow(state.request.rid, state.num_tokens + 1, TokenIds(state.request, state.num_tokens + 1))
             except MemoryError:
                 victim = running.pop()
                 preemptions += 1
-                events.append({"step": step, "op": f"preempt ({policy})", "seq": victim[0].rid})
+                events.append({"step": step, "op": f"preempt ({policy})", "seq": victim.request.rid})
                 if policy == "swap":
-                    m.swap_out(victim[0].rid)
+                    m.swap_out(victim.request.rid)
                     swapped.appendleft(victim)
                 else:
-                    m.free(victim[0].rid)
-                    waiting.appendleft([victim[0], victim[1] - victim[0].prompt_len])
+                    m.free(victim.request.rid)  # its tokens stay known; their KV is computed again on return
+                    waiting.appendleft(victim)
                 continue  # retry this sequence (or stop, if it was the victim)
-            running[i][1] = length + 1
+            state.num_tokens += 1
             i += 1
-        for entry in [e for e in running if e[1] >= e[0].total]:
-            running.remove(entry)
-            m.free(entry[0].rid)
+        for state in [s for s in running if s.num_tokens >= s.request.total]:
+            running.remove(state)
+            m.free(state.request.rid)
         max_running = max(max_running, len(running))
         if step % sample_every == 0:
             used = m.used_blocks()
@@ -131,7 +155,7 @@ def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, polic
                             "allocated_slots": used * block_size, "filled_slots": filled})
             if step % snapshot_every == 0:
                 try:
-                    m.check()
+                    m.check_invariants()
                 except AssertionError as err:
                     invariant_failures += 1
                     events.append({"step": step, "op": f"invariant broken: {err}"})
@@ -156,15 +180,16 @@ def simulate_paged(trace: list[Request], block_size: int, num_blocks: int, polic
     }
 
 
-def _snapshot(m: KVCacheManager, step: int, running) -> dict:
+def _snapshot(m: KVCacheManager, step: int, running: list[RequestState]) -> dict:
     owner = {}
     for seq in m.seqs.values():
         for b in seq.table:
-            owner.setdefault(b, seq.seq_id)
-    pool = [{"block": b, "ref": m.pool.ref_count[b], "fill": m.fill[b],
-             "state": "used" if m.pool.ref_count[b] else ("cached, free" if m.pool.block_hash[b] is not None else "free"),
-             "owner": owner.get(b, -1)} for b in range(m.pool.num_blocks)]
-    tables = [{"seq": e[0].rid, "logical": i, "physical": b} for e in running[:12] for i, b in enumerate(m.seqs[e[0].rid].table)]
+            owner.setdefault(b.id, seq.seq_id)
+    pool = [{"block": b.id, "ref": b.ref_count, "fill": b.num_tokens,
+             "state": "used" if b.ref_count else ("cached, free" if b.hash is not None else "free"),
+             "owner": owner.get(b.id, -1)} for b in m.pool.blocks]
+    tables = [{"seq": s.request.rid, "logical": i, "physical": b} for s in running[:12]
+              for i, b in enumerate(m.block_ids(s.request.rid))]
     return {"step": step, "pool": pool, "tables": tables}
 
 

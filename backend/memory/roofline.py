@@ -32,12 +32,14 @@ def probe_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def probe_matmul(n: int = 1024, repeats: int = 5) -> tuple[float, float]:
-    """(FLOP/s, arithmetic intensity) of an n×n fp32 matmul, best of `repeats`."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best, gemm_intensity(n, n, n, 4)
+def probe_matmul(sizes=(256, 512, 1024), repeats=5) -> float:
+    """Peak FLOP/s of fp32 matmul on this machine: the best over a few sizes (the fastest may fit a cache), best of
+    `repeats` each, so a busy moment does not set the roof below what the machine can do."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+    return best

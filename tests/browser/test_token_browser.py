@@ -1,17 +1,11 @@
 """Sign-in as Jupyter does it, in real Chromium: a server bound beyond localhost asks for its token; ?token= once
 sets a cookie (a keyed digest, not the token) and leaves the address bar; a browser without it is asked again."""
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
-from backend.comm.spawn import free_port
+from tests.browser.streamlit_server import streamlit_app
 from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
-from tests.conftest import REPO, processes_in_group
 
 TOKEN = "t0k3n-for-this-test-only"
 
@@ -19,32 +13,9 @@ TOKEN = "t0k3n-for-this-test-only"
 @pytest.fixture(scope="module")
 def exposed_server(tmp_path_factory):
     _require_browser()
-    port = free_port()
-    data = tmp_path_factory.mktemp("token-data")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "0.0.0.0", "--browser.gatherUsageStats", "false"],
-        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data), "EXPLORER_TOKEN": TOKEN}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        pytest.fail("streamlit did not start within 60 s")
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert processes_in_group(proc.pid) == []
+    with streamlit_app(tmp_path_factory.mktemp("token-data"), "--server.address", "0.0.0.0",
+                       env={"EXPLORER_TOKEN": TOKEN}) as url:
+        yield url
 
 
 def test_token_flow(exposed_server):

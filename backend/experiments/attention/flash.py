@@ -5,6 +5,8 @@
 - naive: S and P materialised; bytes per step measured from the tensors.
 - tiled: FlashAttention's algorithm in PyTorch, for long sequences on a CPU; peak resident memory
   measured, beside the N² floats naive attention would need.
+Also, for every path: seed 003's SRAM budget for the chosen SRAM size and head dim (Br, Bc and the words on
+chip at each step of one tile iteration), its stated expressions checked against the step-by-step count.
 Error criterion (FlashAttention's own): the implementation's max error against an fp32 SDPA
 reference is within 2× that of SDPA computed in the same precision (+1e-6 for round-off in fp32).
 """
@@ -16,12 +18,13 @@ import resource
 import time
 
 import torch
-import torch.nn.functional as F
 
-from backend.attention.flash import io_model, naive_attention, online_softmax_example, tiled_attention
-from backend.config import Config, ConfigError, setting, cost
+from backend.attention.flash import io_model, online_softmax_example, sram_budget, tiled_attention
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.result import Check, Result
+from kernels.flash_attention import (TENSORS, closed_form_traffic, flash_backward, flash_forward, naive_attention,
+                                     sdpa_reference)
 
 POW2 = (16, 32, 64, 128)
 
@@ -38,17 +41,19 @@ class FlashConfig(Config):
     dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
     impl: str = setting("triton", choices=("naive", "tiled", "triton"), help="which path")
     backward: bool = setting(True, help="also run and check the backward pass")
+    sram_kib: int = setting(100, choices=(48, 100, 164, 228), help="on-chip SRAM per SM for the Br/Bc budget (KiB; 4090 100, A100 164, H100 228)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
 
     cost_drivers = ("seq_len", "batch", "heads")
 
     def estimate(self):
-        """The reference holds every score in float64; the kernel's tiles each cost interpreter or loop steps."""
+        """The reference holds every score in float64; each tile costs interpreter or loop steps (measured: a
+        Triton program in the interpreter takes ~0.15-0.25 s)."""
         bh, s = self.batch * self.heads, self.seq_len
         passes = 3 if self.backward else 1  # a backward pass is about two forwards
         tiles = bh * -(-s // self.block_m) * -(-s // self.block_n) * passes
         return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2,
-                    ops=tiles * {"triton": 40, "tiled": 4, "naive": 0}[self.impl])
+                    ops=tiles * {"triton": 2500, "tiled": 40, "naive": 0}[self.impl])
 
     def check(self) -> None:
         gpu = torch.cuda.is_available()
@@ -88,8 +93,6 @@ def run(config: FlashConfig, ctx) -> Result:
     start = time.perf_counter()
     grads = None
     if config.impl == "triton":
-        from kernels.flash_attention import TENSORS, closed_form_traffic, flash_backward, flash_forward
-
         counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=device)
         out, lse = flash_forward(q, k, v, config.causal, config.block_m, config.block_n, counters)
         fwd_counts = counters.clone()
@@ -116,19 +119,16 @@ def run(config: FlashConfig, ctx) -> Result:
     metrics["peak_resident_growth_bytes"] = peak
     metrics["naive_scores_bytes_would_be"] = B * H * N * N * 4
     ctx.progress(0.7, "reference")
-    ref32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=config.causal)
-    ref_same = F.scaled_dot_product_attention(q, k, v, is_causal=config.causal).float()
-    err, err_ref = (out.float() - ref32).abs().max().item(), (ref_same - ref32).abs().max().item()
+    do_ref = (do32, do) if config.backward else (None, None)
+    ref32, grads32 = sdpa_reference(q32, k32, v32, config.causal, do_ref[0])
+    ref_same, grads_same = sdpa_reference(q, k, v, config.causal, do_ref[1])
+    err, err_ref = (out.float() - ref32).abs().max().item(), (ref_same.float() - ref32).abs().max().item()
     slack = 1e-6 if dtype == torch.float32 else 0.0
     checks.append(Check(f"forward: error vs fp32 SDPA within 2× SDPA's own in {config.dtype}", err, 2 * err_ref + slack,
                         reference="torch scaled_dot_product_attention (fp32, and in the same dtype)",
                         detail=f"SDPA in {config.dtype}: {err_ref:.3g}"))
     if grads is not None:
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q32, k32, v32))
-        F.scaled_dot_product_attention(qr, kr, vr, is_causal=config.causal).backward(do32)
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        F.scaled_dot_product_attention(qs, ks, vs, is_causal=config.causal).backward(do)
-        for name, mine, ref, same in zip(("dQ", "dK", "dV"), grads, (qr.grad, kr.grad, vr.grad), (qs.grad, ks.grad, vs.grad)):
+        for name, mine, ref, same in zip(("dQ", "dK", "dV"), grads, grads32, grads_same):
             e, e_ref = (mine.float() - ref).abs().max().item(), (same.float() - ref).abs().max().item()
             checks.append(Check(f"backward {name}: error vs fp32 SDPA within 2× SDPA's own", e, 2 * e_ref + (1e-5 if dtype == torch.float32 else 0.0),
                                 reference="autograd through torch SDPA", detail=f"SDPA in {config.dtype}: {e_ref:.3g}"))
@@ -136,6 +136,15 @@ def run(config: FlashConfig, ctx) -> Result:
     metrics.update({f"io_model.{k}": v for k, v in model.items()})
     flops = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
     metrics["forward_flops"] = flops
+    budget = sram_budget(config.sram_kib * 1024, D, q.element_size())
+    tables["sram_budget"] = budget["steps"]
+    metrics.update({"sram.Br": budget["Br"], "sram.Bc": budget["Bc"], "sram.words": budget["sram_words"],
+                    "sram.peak_words": budget["peak_words"]})
+    seeded = [st for st in budget["steps"] if st["seed_live_words"] is not None]
+    checks.append(Check("seed 003's SRAM accounting: live words after each step it states equal the step-by-step count",
+                        sum(abs(st["live_words"] - st["seed_live_words"]) for st in seeded), 0, reference="seed 003's expressions",
+                        detail=f"{len(seeded)} steps compared (the seed's Br = d case)" if len(seeded) > 1 else
+                               "Bc < d here, so Br = Bc and the seed's Br = d expressions do not apply beyond step 1"))
     tables["online_softmax_example"] = online_softmax_example()
     if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
         steps = []

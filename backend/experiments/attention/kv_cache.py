@@ -55,9 +55,10 @@ class KVCacheConfig(Config):
         d_model = max(64, self.n_heads * self.d_head // 2)
         params = self.n_layers * 12 * d_model * max(d_model, self.d_c, self.n_heads * self.d_head)
         variants = len(VARIANTS) + 1 if self.variant == "all" else 2
-        return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4,
+        scores = self.n_heads * self.context * self.context * 4  # the full recomputation's attention, per layer
+        return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4 + 3 * scores,
                     flops=variants * 3 * 2 * params * self.context,
-                    ops=variants * 3 * self.context * self.n_layers * 40)
+                    ops=variants * 3 * self.context * self.n_layers * (40 + 2 * self.n_heads))
 
     def check(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -92,7 +93,8 @@ def generate(model: TinyDecoder, prompt: torch.Tensor, total: int):
         read = sum(c.bytes_used() for c in caches)  # this step attends over everything cached so far
         start = time.perf_counter()
         logits.append(model(torch.tensor([nxt]), pos, caches))
-        steps.append({"context": pos, "ms_per_token": (time.perf_counter() - start) * 1e3, "cache_bytes_read": read})
+        steps.append({"context": pos, "ms_per_token": (time.perf_counter() - start) * 1e3, "cache_bytes_read": read,
+                      "start_s": start})
     return torch.tensor(tokens), torch.cat(logits), steps, caches
 
 
@@ -141,13 +143,17 @@ def preset_table(gpu_gib: float = 80.0) -> list[dict]:
 def run(config: KVCacheConfig, ctx) -> Result:
     torch.set_num_threads(1)
     variants = VARIANTS if config.variant == "all" else (config.variant,)
-    rows, speed, checks = [], [], []
+    rows, speed, checks, events = [], [], [], []
+    origin = time.perf_counter()
     for i, v in enumerate(variants):
         ctx.progress(i / (len(variants) + 1), f"generating with {v}")
         m = measure_variant(config, v)
         rows.append({k: m[k] for k in ("variant", "bytes_per_token_per_layer", "formula_bytes", "elements_per_token_per_layer")}
                     | {"cache_tensors": str(m["cache_tensors"])})
-        speed += [dict(s, variant=v) for s in m["steps"]]
+        speed += [{k: val for k, val in s.items() if k != "start_s"} | {"variant": v} for s in m["steps"]]
+        events += [{"name": f"{v} decode at context {s['context']}", "lane": v, "rank": 0,
+                    "ts": (s["start_s"] - origin) * 1e6, "dur": s["ms_per_token"] * 1e3,
+                    "args": {"kind": "forward", "cache_bytes_read": s["cache_bytes_read"]}} for s in m["steps"]]
         checks.append(Check(f"{v}: cache bytes per token per layer equal the formula", abs(m["bytes_per_token_per_layer"] - m["formula_bytes"]),
                             0.0, reference="seed formula × 4 bytes (fp32)", detail=f"{m['bytes_per_token_per_layer']:.0f} B measured"))
         checks.append(Check(f"{v}: decoding with the cache equals full recomputation", m["decode_error"], LOGIT_TOLERANCE,
@@ -173,7 +179,7 @@ def run(config: KVCacheConfig, ctx) -> Result:
     for r in rows:
         metrics[f"bytes_per_token_per_layer.{r['variant']}"] = r["bytes_per_token_per_layer"]
     return Result(metrics=metrics, checks=checks,
-                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table()},
+                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table()}, trace_events=events,
                   notes=["Timings are for a tiny fp32 model on this machine's CPU; at this size, time per token is "
                          "dominated by per-layer overheads, not by reading the cache."])
 

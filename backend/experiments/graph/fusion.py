@@ -54,7 +54,7 @@ class FusionConfig(Config):
         toolchain (the dominant cost: tens of seconds and a compiler's memory)."""
         passes = 2 if self.backward else 1
         return cost(data_bytes=self.rows * self.width * 4 * 400 + (1536 << 20 if self.inductor else 0),
-                    ops=passes * self.rows * (200 + 4 * self.width) + 40_000, seconds=60 if self.inductor else 0)
+                    ops=passes * self.rows * (4000 + 60 * self.width) + 40_000, seconds=60 if self.inductor else 0)
 
     def check(self) -> None:
         if self.model == "expression":

@@ -12,45 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
-from backend.kvcache.manager import KVCacheManager
+from backend.kvcache.paged_decode import decode_paged
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
 TOLERANCE = 1e-4  # fp32 logits, same maths in another summation order
-
-
-class PagedLayerCache:
-    """One layer's view of a shared pool kv[NB, 2, BS, L·HKV, D]; the manager owns the block tables."""
-
-    def __init__(self, manager: KVCacheManager, seq_id: int, layer: int, n_kv_heads: int):
-        self.m, self.seq_id = manager, seq_id
-        self.heads = slice(layer * n_kv_heads, (layer + 1) * n_kv_heads)
-
-    def attend(self, q, k, v, start):
-        """q: (H, t, D); k, v: (t, HKV, D) for positions start.. (slots already allocated by the manager)."""
-        from kernels.paged_attention import paged_decode
-
-        m, seq = self.m, self.m.seqs[self.seq_id]
-        bs, t = m.block_size, k.shape[0]
-        for j in range(t):
-            pos = start + j
-            m.kv[seq.table[pos // bs], 0, pos % bs, self.heads] = k[j]
-            m.kv[seq.table[pos // bs], 1, pos % bs, self.heads] = v[j]
-        layer_pool = m.kv[:, :, :, self.heads]
-        n = start + t
-        if t == 1:
-            table = torch.tensor([seq.table], dtype=torch.int32)
-            return paged_decode(q.transpose(0, 1).contiguous(), layer_pool, table, torch.tensor([n], dtype=torch.int32)).transpose(0, 1)
-        kv = layer_pool[seq.table].transpose(1, 2).reshape(-1, 2, layer_pool.shape[3], layer_pool.shape[4])[:n]
-        group = q.shape[0] // kv.shape[2]
-        keys = kv[:, 0].transpose(0, 1).repeat_interleave(group, dim=0)
-        values = kv[:, 1].transpose(0, 1).repeat_interleave(group, dim=0)
-        mask = torch.ones(t, n, dtype=torch.bool).tril(diagonal=start)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 @dataclasses.dataclass
@@ -72,7 +41,7 @@ class PagedDecodeConfig(Config):
         blocks = -(-(self.prompt_len + 20 + self.new_tokens) // self.block_size)
         steps = self.sequences * (self.new_tokens + 1)
         pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
-        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 40 + 400) + self.sequences * self.prompt_len * 60)
+        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 150 + 1500) + self.sequences * self.prompt_len * 60)
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
@@ -90,41 +59,6 @@ def _shape(c: PagedDecodeConfig) -> ModelShape:
     return ModelShape(vocab=128, d_model=64, n_layers=2, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, d_head=16, variant="gqa")
 
 
-@torch.no_grad()
-def decode_paged(model, prompts, new_tokens, block_size, num_blocks, fork_and_swap=False):
-    """Round-robin greedy decoding of all prompts through one paged pool. Returns tokens, logits, manager, log."""
-    s = model.shape
-    m = KVCacheManager(num_blocks, block_size, prefix_caching=False, kv_shape=(s.n_layers * s.n_kv_heads, s.d_head))
-    caches = lambda sid: [PagedLayerCache(m, sid, layer, s.n_kv_heads) for layer in range(s.n_layers)]  # noqa: E731
-    tokens, logits, log = {}, {}, []
-    for sid, prompt in enumerate(prompts):
-        m.add(sid, prompt.tolist())
-        logits[sid] = [model(prompt, 0, caches(sid))]
-        tokens[sid] = prompt.tolist()
-    if fork_and_swap:  # the child shares the parent's blocks; its first write copies the shared last block
-        child = len(prompts)
-        m.fork(0, child)
-        fork_at = len(tokens[0])
-        log.append(f"sequence {child} forked from sequence 0 at {fork_at} tokens: "
-                   f"{fork_at // block_size} full blocks shared, {'one partial block shared until a write' if fork_at % block_size else 'no partial block'}")
-        tokens[child], logits[child] = list(tokens[0]), [logits[0][-1]]
-    for step in range(new_tokens):
-        if fork_and_swap and step == new_tokens // 2 and len(prompts) > 1:
-            m.swap_out(1)
-            log.append(f"step {step}: sequence 1 swapped out ({len(m.swapped[1][0].table)} blocks to CPU)")
-            m.swap_in(1)
-            log.append(f"step {step}: sequence 1 swapped back in")
-        for sid in list(tokens):
-            nxt = int(logits[sid][-1][-1].argmax()) if not (fork_and_swap and sid == len(prompts) and step == 0) \
-                else int(logits[sid][-1][-1].argsort()[-2])  # the child samples differently, so it diverges
-            pos = len(tokens[sid])
-            m.append(sid, nxt)
-            tokens[sid].append(nxt)
-            logits[sid].append(model(torch.tensor([nxt]), pos, caches(sid)))
-        m.check()
-    return tokens, {k: torch.cat(v) for k, v in logits.items()}, m, log
-
-
 def run(config: PagedDecodeConfig, ctx) -> Result:
     from kernels.paged_attention import paged_decode, paged_decode_reference
 
@@ -134,26 +68,26 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
     g = torch.Generator().manual_seed(config.seed + 1)
     prompts = [torch.randint(0, 128, (config.prompt_len + 2 * i + (i % 2) * 5,), generator=g) for i in range(config.sequences)]
     ctx.progress(0.1, "paged decoding")
-    tokens, logits, m, log = decode_paged(model, prompts, config.new_tokens, config.block_size, config.num_blocks, fork_and_swap=True)
+    tokens, logits, m, store, log = decode_paged(model, prompts, config.new_tokens, config.block_size, config.num_blocks, fork_and_swap=True)
     ctx.progress(0.6, "contiguous reference")
     worst = 0.0
     with torch.no_grad():
         for sid, toks in tokens.items():
             worst = max(worst, (model(torch.tensor(toks)) - logits[sid]).abs().max().item())
     ctx.progress(0.8, "block size 1")
-    t1, l1, _, _ = decode_paged(model, prompts, config.new_tokens, 1, config.num_blocks * config.block_size)
+    t1, l1, _, _, _ = decode_paged(model, prompts, config.new_tokens, 1, config.num_blocks * config.block_size)
     page_gap = max((l1[sid] - logits[sid]).abs().max().item() for sid in t1)
     same_tokens = all(t1[sid] == tokens[sid] for sid in t1)
     # The kernel against gather + SDPA on the final pool, every sequence at once, layer 0.
     seqs = sorted(m.seqs)
     width = max(len(m.seqs[s].table) for s in seqs)
-    tables = torch.tensor([m.seqs[s].table + [0] * (width - len(m.seqs[s].table)) for s in seqs], dtype=torch.int32)
-    lens = torch.tensor([len(m.seqs[s].tokens) for s in seqs], dtype=torch.int32)
+    tables = torch.tensor([m.block_ids(s) + [0] * (width - len(m.seqs[s].table)) for s in seqs], dtype=torch.int32)
+    lens = torch.tensor([m.seqs[s].num_tokens for s in seqs], dtype=torch.int32)
     q = torch.randn(len(seqs), config.n_heads, 16, generator=g)
-    pool = m.kv[:, :, :, :config.n_kv_heads]
+    pool = store.layer(0)
     kernel_gap = (paged_decode(q, pool, tables, lens) - paged_decode_reference(q, pool, tables, lens)).abs().max().item()
     parent, child = m.seqs[0], m.seqs[config.sequences]
-    shared = sum(1 for a, b in zip(parent.table, child.table) if a == b)
+    shared = sum(1 for a, b in zip(parent.table, child.table) if a is b)
     fork_at = len(prompts[0])
     want_shared, want_copies = fork_at // config.block_size, int(fork_at % config.block_size != 0)
     checks = [
@@ -166,7 +100,7 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
               0, reference="copy-on-write: the shared partial block is copied once, full blocks stay shared",
               detail=f"{m.stats.cow_copies} copy-on-write, {shared} blocks still shared"),
     ]
-    table_rows = [{"seq": s, "logical": i, "physical": b, "ref_count": m.pool.ref_count[b], "tokens": m.fill[b]}
+    table_rows = [{"seq": s, "logical": i, "physical": b.id, "ref_count": b.ref_count, "tokens": b.num_tokens}
                   for s in seqs for i, b in enumerate(m.seqs[s].table)]
     return Result(
         metrics={"sequences": len(seqs), "block_size": config.block_size, "blocks_used": m.used_blocks(),

@@ -13,12 +13,13 @@ import time
 
 import torch
 
-from backend.attention.flash import io_model, naive_attention, tiled_attention
-from backend.config import Config, setting, cost
+from backend.attention.flash import io_model, tiled_attention
+from backend.config import Config, cost, setting
 from backend.experiments import define
-from backend.memory.devices import DEVICES, ops_per_datum
+from backend.memory.devices import DEVICES, dram, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, probe_bandwidth, probe_matmul
 from backend.result import Check, Result
+from kernels.flash_attention import naive_attention
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def run(config: RooflineConfig, ctx) -> Result:
     ctx.progress(0.1, "probing memory bandwidth")
     bw = probe_bandwidth()
     ctx.progress(0.3, "probing matmul")
-    peak, _ = probe_matmul()
+    peak = probe_matmul()
     n, d, elem = config.seq_len, config.head_dim, 4
     io = io_model(n, d, elem, config.block, config.block)
     flops_attn = 4 * n * n * d
@@ -81,11 +82,12 @@ def run(config: RooflineConfig, ctx) -> Result:
     t_tiled = _time(lambda: tiled_attention(q[0], k[0], v[0], block_m=max(config.block, 256), block_n=max(config.block, 256)), repeats=2)
     points.append({"kernel": "attention naive", "intensity": flops_attn / io["standard_bytes"], "flops_per_s": flops_attn / t_naive, "source": "measured (this CPU)"})
     points.append({"kernel": "attention tiled", "intensity": flops_attn / io["flash_bytes"], "flops_per_s": flops_attn / t_tiled, "source": "measured (this CPU)"})
-    roofs = [{"device": "this CPU (measured)", "peak_flops": peak, "bandwidth": bw}]
-    for name, spec in DEVICES.items():
-        roofs.append({"device": name, "peak_flops": spec["peak_flops"].get("fp16/bf16 tensor"), "bandwidth": spec["levels"]["HBM"][1]})
+    roofs = [{"device": "this CPU (measured)", "precision": "fp32", "peak_flops": peak, "bandwidth": bw}]
+    for name, spec in DEVICES.items():  # each GPU at its fp16 tensor-core peak and its fp32 peak, labelled
+        roofs += [{"device": name, "precision": p, "peak_flops": spec["peak_flops"][p], "bandwidth": dram(name)[2]}
+                  for p in ("fp16/bf16 tensor", "fp32")]
     model_points = []
-    for roof in roofs[1:]:
+    for roof in (r for r in roofs[1:] if r["precision"] == "fp16/bf16 tensor"):
         for kernel, bytes_ in (("attention naive", io["standard_bytes"] / 2), ("attention flash", io["flash_bytes"] / 2)):  # fp16
             ai = flops_attn / bytes_
             model_points.append({"device": roof["device"], "kernel": kernel, "intensity": ai,

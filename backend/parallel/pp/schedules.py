@@ -117,7 +117,9 @@ class Schedule:
     split_backward: bool = False    # zero bubble: each backward split into I (input grad) and W (weight grad)
     asynchronous: bool = False      # PipeDream: weights updated after every backward, no flush
     supports_recompute: bool = False
-    bubble_exact: bool = False      # the formula holds for any F and B costs equal across stages (checked on the replay)
+    # The makespan given each stage's forward and backward cost per micro-batch (lists f, b) and m: the formula
+    # generalised to unequal stages, where one is known (checked against the replay).
+    makespan_fn: Callable[[list, list, int], float] | None = None
     live_bound_fn: Callable[[int, int, int], int] | None = None  # (p, m, r) -> the bound the seed states, if any
     live_bound_source: str = "the peak its order implies"
     torch_peer: str | None = None   # torch.distributed.pipelining class run on the same model as a peer
@@ -145,6 +147,15 @@ class Schedule:
         return live_activations(self.actions(p, m, v)[r])
 
 
+def _forward_then_backward(f, b, m):  # every forward wave, then every backward wave
+    return sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)
+
+
+def _alternating(f, b, m):  # warm-up, then F and B alternate on the busiest stage
+    c = [x + y for x, y in zip(f, b)]
+    return sum(c) + (m - 1) * max(c)
+
+
 def _all_microbatches(p, m, r):  # seed 000: GPipe holds every micro-batch's activations
     return m
 
@@ -155,10 +166,12 @@ def _p_minus_r(p, m, r):  # seed 000: 1F1B holds at most p - r
 
 SCHEDULES = {s.name: s for s in (
     Schedule("naive", "naive (no micro-batches)", gpipe, bubble_fn=lambda p, m, v: (p - 1) / p, bubble_formula="(p−1)/p",
-             whole_batch=True, supports_recompute=True, bubble_exact=True, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
-    Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, bubble_exact=True, torch_peer="ScheduleGPipe",
+             whole_batch=True, supports_recompute=True, makespan_fn=_forward_then_backward, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
+    Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, makespan_fn=_forward_then_backward,
+             torch_peer="ScheduleGPipe",
              live_bound_fn=_all_microbatches, live_bound_source="seed 000: all m"),
-    Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, bubble_exact=True, torch_peer="Schedule1F1B",
+    Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, makespan_fn=_alternating,
+             torch_peer="Schedule1F1B",
              live_bound_fn=_p_minus_r, live_bound_source="seed 000: p − r"),
     Schedule("interleaved_1f1b", "interleaved 1F1B", interleaved_1f1b, bubble_fn=lambda p, m, v: (p - 1) / (v * m + p - 1),
              bubble_formula="(p−1)/(v·m+p−1)", interleaved=True, torch_order="ScheduleInterleaved1F1B"),

@@ -1,0 +1,144 @@
+"""attention.nsa: native sparse attention's three gated branches, checked against masked dense attention, and
+the KV bytes each query reads as the sequence grows.
+
+Checks: the output equals a dense attention (torch SDPA over every key) that applies the same masks, within
+fp32 round-off; every query's selection holds the first block and its own and nothing after it; the KV rows
+the gathers read equal the closed form per branch; with every block selected, the selected branch is full
+causal attention (SDPA with is_causal). Measured: KV bytes per query (counted from the gather indices) for
+a sweep of sequence lengths beside full attention's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
+                                   nsa_attention)
+from backend.config import Config, ConfigError, setting
+from backend.experiments import define
+from backend.result import Check, Result
+
+
+TRITON_INTERPRETER_STEPS = 256  # (query, group, block) steps of the selected-block kernel in Triton's interpreter
+GATHER_BUDGET = 2 ** 26         # elements of one gathered K (or V) tensor: groups x N x keys per query x d
+
+
+@dataclasses.dataclass
+class NSAConfig(Config):
+    seq_len: int = setting(512, min=64, max=2048, help="sequence length N of the checked run (the reference is dense, N²)")
+    head_dim: int = setting(32, choices=(16, 32, 64), help="head dimension d")
+    heads: int = setting(4, min=1, max=16, help="query heads")
+    kv_heads: int = setting(1, choices=(1, 2, 4), help="KV heads (GQA groups; a group shares one selection)")
+    cmp_block: int = setting(16, choices=(8, 16, 32), help="tokens per compressed block (l)")
+    cmp_stride: int = setting(8, choices=(4, 8, 16), help="tokens between compressed blocks (d in the paper)")
+    sel_block: int = setting(32, choices=(16, 32, 64), help="tokens per selection block (l')")
+    top_n: int = setting(4, min=1, max=32, help="selected blocks per query (with the first and its own)")
+    window: int = setting(64, min=1, max=2048, help="sliding-window tokens")
+    impl: str = setting("torch", choices=("torch", "triton"), help="selected branch: gathered in PyTorch, or the Triton kernel")
+    sweep_sizes: str = setting("512,1024,2048,4096", help="sequence lengths for KV bytes per query (64..8192; empty: none)")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="inputs and weights")
+
+    def sizes(self) -> list[int]:
+        return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
+
+    def gathered(self, n: int, groups: int) -> int:
+        """Elements of the selected and window gathers of K (V is the same again) for n queries."""
+        return groups * n * (min(self.top_n * self.sel_block, n) + min(self.window, n)) * self.head_dim
+
+    def check(self) -> None:
+        programs = self.seq_len * self.kv_heads * self.top_n
+        if self.impl == "triton" and not torch.cuda.is_available() and programs > TRITON_INTERPRETER_STEPS:
+            raise ConfigError("seq_len", f"the Triton kernel in the interpreter: seq_len·kv_heads·top_n = {programs:,} block steps is "
+                                         f"too slow (allowed: <= {TRITON_INTERPRETER_STEPS}, e.g. seq_len 64 with top_n 4)")
+        if self.heads % self.kv_heads:
+            raise ConfigError("kv_heads", f"{self.kv_heads} does not divide heads={self.heads} (allowed: a divisor of heads)")
+        if self.cmp_stride > self.cmp_block:
+            raise ConfigError("cmp_stride", f"{self.cmp_stride} skips tokens between blocks of {self.cmp_block} (allowed: <= cmp_block)")
+        if self.sel_block % self.cmp_stride:
+            raise ConfigError("sel_block", f"{self.sel_block} is not a multiple of cmp_stride={self.cmp_stride} (allowed: multiples)")
+        try:
+            sizes = self.sizes()
+        except ValueError:
+            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r} is not a comma-separated list of integers") from None
+        if any(not 64 <= s <= 8192 for s in sizes):
+            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 64..8192")
+        if self.gathered(self.seq_len, self.kv_heads) > GATHER_BUDGET:
+            raise ConfigError("seq_len", f"{self.seq_len} gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these "
+                                         f"kv_heads, top_n, sel_block, window and head_dim (allowed: <= {GATHER_BUDGET:,})")
+        if sizes and self.gathered(max(sizes), 1) > GATHER_BUDGET:
+            raise ConfigError("sweep_sizes", f"N={max(sizes)} gathers {self.gathered(max(sizes), 1):,} K elements per group "
+                                             f"(allowed: <= {GATHER_BUDGET:,}; use shorter sizes or fewer selected tokens)")
+
+
+def run(config: NSAConfig, ctx) -> Result:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(config.seed)
+    H, G, n, d = config.heads, config.kv_heads, config.seq_len, config.head_dim
+    geometry = dict(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
+                    top_n=config.top_n, window=config.window)
+    params = make_params(d, config.cmp_block, g)
+    inputs = lambda length, groups: (torch.randn(groups * (H // G), length, d, generator=g),  # noqa: E731
+                                     torch.randn(groups, length, d, generator=g), torch.randn(groups, length, d, generator=g))
+    q, k, v = inputs(n, G)
+    ctx.progress(0.05, "NSA")
+    counters = torch.zeros(2, dtype=torch.int64) if config.impl == "triton" else None
+    out, chosen = nsa_attention(q, k, v, params, **geometry, selected_counters=counters)
+    ctx.progress(0.25, "masked dense reference")
+    ref = masked_dense_reference(q, k, v, chosen, config.sel_block, config.window)
+    checks = [Check("NSA equals dense attention with the same masks (fp32 round-off)", (out - ref).abs().max().item(), 1e-5,
+                    reference="torch SDPA over every key with boolean masks, same gates")]
+
+    t = torch.arange(n)
+    blocks, real = chosen["blocks"], chosen["real"]
+    own, first = (blocks == (t // config.sel_block)[None, :, None]) & real, (blocks == 0) & real
+    after = ((blocks * config.sel_block > t[None, :, None]) & real).sum().item()
+    checks.append(Check("every query's selection holds the first block and its own, and none after it",
+                        (~own.any(-1)).sum().item() + (~first.any(-1)).sum().item() + after, 0, reference="NSA's selection rule"))
+    closed = closed_form_rows(n, **geometry)
+    checks.append(Check("KV rows the gathers read equal the closed form per branch",
+                        sum((chosen["kv_rows_read"][b] - closed[b][None]).abs().sum().item() for b in BRANCHES), 0,
+                        reference="block geometry"))
+    if counters is not None:
+        closed_bytes = closed["selected"].sum().item() * G * d * q.element_size()
+        checks.append(Check("bytes of K and V the Triton kernel counted equal the closed form",
+                            abs(counters[0].item() - closed_bytes) + abs(counters[1].item() - closed_bytes), 0,
+                            reference="block geometry", detail=f"{counters.sum().item():,} bytes counted"))
+    ctx.progress(0.4, "every block selected vs full causal attention")
+    n_sel = -(-n // config.sel_block)
+    _, everything = nsa_attention(q, k, v, params, **{**geometry, "top_n": n_sel})
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 0), v.repeat_interleave(H // G, 0), is_causal=True)
+    checks.append(Check("with every block selected, the selected branch is full causal attention",
+                        (everything["branch_outputs"]["selected"] - full).abs().max().item(), 1e-5,
+                        reference="torch SDPA, is_causal=True"))
+
+    elem = q.element_size()
+    bytes_now = kv_bytes_per_query(chosen["kv_rows_read"], d, elem)
+    sweep = []
+    for i, length in enumerate(config.sizes()):
+        ctx.progress(0.5 + 0.45 * i / max(1, len(config.sizes())), f"KV bytes per query at N={length}")
+        _, c = nsa_attention(*inputs(length, 1), params, **geometry)  # one KV group: every group reads alike
+        counted = kv_bytes_per_query(c["kv_rows_read"], d, elem)
+        sweep.append({"seq_len": length, **counted, "nsa_over_full_last": counted["nsa_last"] / counted["full_last"]})
+
+    stride = max(1, n // 64)  # the importance of group 0, every stride-th query, for the page's heat map
+    importance = [{"query": int(tq), "sel_block": j, "importance": float(chosen["importance"][0, tq, j]),
+                   "selected": bool(((blocks[0, tq] == j) & real[0, tq]).any())}
+                  for tq in range(0, n, stride) for j in range(n_sel) if j * config.sel_block <= tq]
+    selection = [{"query": tq, "blocks": sorted(int(b) for b, r in zip(blocks[0, tq], real[0, tq]) if r),
+                  "compressed_visible": int(chosen["cmp_visible"][0, tq].sum())} for tq in range(n)]
+    gates = chosen["gates"].mean((0, 1))
+    return Result(
+        metrics={**{f"kv_bytes_per_query.{k_}": v_ for k_, v_ in bytes_now.items()},
+                 **{f"gate_mean.{b}": float(gates[i]) for i, b in enumerate(BRANCHES)},
+                 "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1]},
+        tables={"sweep": sweep, "importance": importance, "selection": selection},
+        checks=checks,
+        notes=["KV bytes are counted from the rows the gathers index, per query and KV head (K and V, fp32); full attention reads every "
+               "earlier token. The weights of φ and the gate are random: the structure, not a trained model."])
+
+
+EXPERIMENT = define(__name__, NSAConfig,
+                    "native sparse attention (compressed, selected, window; gated) vs masked dense SDPA; KV bytes per query",
+                    run_fn=run)

@@ -1,0 +1,195 @@
+"""kernels.gemm: the tiled Triton GEMM, its traffic counted per tile shape, and how a GPU would execute it.
+
+Measured (counted inside the kernel as it runs, in the interpreter or on a GPU): global-memory bytes
+of A, B and C for the chosen GEMM and for a sweep of tile shapes and sizes; the arithmetic intensity
+2·M·N·K / bytes from those counts. Checks: C against torch.matmul (fp64 reference, within 2x torch's own
+error in the same dtype); counts equal the closed form exactly; loads per multiply-add equal
+1/BLOCK_M + 1/BLOCK_N; seed 002's 5x5 example (a row loaded once, five columns, 25 multiply-adds).
+Model (labelled): the execution hierarchy on a device preset, where the counted intensity sits on
+each preset's roofline, and the bytes each wave of programs touches under GROUP_M ordering.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from backend.config import Config, ConfigError, setting
+from backend.experiments import define
+from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
+from backend.memory.devices import DEVICES, dram
+from backend.memory.roofline import attainable
+from backend.result import Check, Result
+from kernels.matmul import TENSORS, closed_form_traffic, matmul, program_order
+
+TILES = (16, 32, 64, 128)
+SWEEP_TILES = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64))  # (BLOCK_M, BLOCK_N) swept ...
+SWEEP_BLOCK_K = 32                                                   # ... at one depth: the counts do not depend on it
+INTERPRETER_STEPS = 1200  # programs x K steps the interpreter may run in one experiment (~10 ms each on one core)
+
+
+def _pow2_at_least_16(x: int) -> int:
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def interpreter_steps(M, N, K, block_m, block_n, block_k) -> int:
+    return -(-M // block_m) * -(-N // block_n) * -(-K // block_k)
+
+
+@dataclasses.dataclass
+class GemmConfig(Config):
+    m: int = setting(100, min=1, max=8192, help="rows of A and C (odd sizes exercise the masked tails)")
+    n: int = setting(72, min=1, max=8192, help="columns of B and C")
+    k: int = setting(60, min=1, max=8192, help="inner dimension")
+    block_m: int = setting(32, choices=TILES, help="tile rows of C per program")
+    block_n: int = setting(32, choices=TILES, help="tile columns of C per program")
+    block_k: int = setting(32, choices=TILES, help="depth of one K step")
+    group_m: int = setting(4, choices=(1, 2, 4, 8), help="tile-rows per group in the program order (L2 reuse)")
+    num_warps: int = setting(4, choices=(1, 2, 4, 8), help="warps per program (the execution model; a launch setting on a GPU)")
+    dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
+    device: str = setting("A100 (80 GB SXM)", choices=tuple(DEVICES), help="preset for the execution model and rooflines")
+    sweep_sizes: str = setting("64,96", help="square sizes for the tile-shape sweep, comma-separated (16..4096; empty: no sweep)")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
+
+    def sizes(self) -> list[int]:
+        return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
+
+    def check(self) -> None:
+        gpu = torch.cuda.is_available()
+        if self.dtype == "bfloat16" and not gpu:
+            raise ConfigError("dtype", "bfloat16 gives wrong numbers in Triton's interpreter (allowed here: float16, float32)")
+        for field, dim in (("block_m", self.m), ("block_n", self.n), ("block_k", self.k)):
+            if getattr(self, field) > _pow2_at_least_16(dim):
+                raise ConfigError(field, f"{getattr(self, field)} is larger than the matrix needs ({dim} rounds up to "
+                                         f"{_pow2_at_least_16(dim)}; allowed: 16..{_pow2_at_least_16(dim)})")
+        try:
+            sizes = self.sizes()
+        except ValueError:
+            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r} is not a comma-separated list of integers") from None
+        if any(not 16 <= s <= 4096 for s in sizes):
+            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 16..4096")
+        if gpu:
+            return
+        main = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k)
+        if main > INTERPRETER_STEPS // 2:
+            raise ConfigError("m", f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x{self.block_k} tiles is "
+                                   f"{main:,} program-steps, too slow for Triton's interpreter (allowed: <= {INTERPRETER_STEPS // 2:,}; "
+                                   "use smaller m, n, k or larger tiles)")
+        sweep = sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in sizes for bm, bn in SWEEP_TILES)
+        if main + sweep > INTERPRETER_STEPS:
+            raise ConfigError("sweep_sizes", f"the sweep is {sweep:,} program-steps in Triton's interpreter "
+                                             f"(allowed: <= {INTERPRETER_STEPS - main:,} beside the main GEMM; e.g. 64,96)")
+
+
+def _counted(a, b, block_m, block_n, block_k, group_m, num_warps=4, order=None):
+    counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=a.device)
+    c = matmul(a, b, block_m, block_n, block_k, group_m, counters, num_warps, order=order)
+    return c, dict(zip(TENSORS, counters.tolist()))
+
+
+def run(config: GemmConfig, ctx) -> Result:
+    torch.set_num_threads(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, config.dtype)
+    M, N, K, bm, bn, bk = config.m, config.n, config.k, config.block_m, config.block_n, config.block_k
+    g = torch.Generator().manual_seed(config.seed)
+    a64, b64 = torch.randn(M, K, generator=g, dtype=torch.float64), torch.randn(K, N, generator=g, dtype=torch.float64)
+    a, b = a64.to(device, dtype), b64.to(device, dtype)
+    elem = a.element_size()
+    metrics, tables, checks = {"device": device}, {}, []
+
+    ctx.progress(0.05, "GEMM")
+    start = time.perf_counter()
+    recorded = torch.full((-(-M // bm) * -(-N // bn),), -1, dtype=torch.int32, device=device)  # program id per tile
+    c, counted = _counted(a, b, bm, bn, bk, config.group_m, config.num_warps, order=recorded)
+    metrics["seconds"] = round(time.perf_counter() - start, 4)
+    exact = (a.double() @ b.double()).cpu()  # the inputs as rounded to dtype, multiplied exactly enough
+    err = (c.double().cpu() - exact).abs().max().item()
+    err_torch = (torch.matmul(a, b).double().cpu() - exact).abs().max().item()
+    checks.append(Check(f"C vs fp64 matmul within 2x torch.matmul's own error in {config.dtype}", err,
+                        2 * err_torch + 1e-6 * K ** 0.5, reference="torch.matmul (fp64, and in the same dtype)",
+                        detail=f"torch.matmul in {config.dtype}: {err_torch:.3g}"))
+    closed = closed_form_traffic(M, N, K, elem, bm, bn)
+    checks.append(Check("bytes counted in the kernel equal the closed form for the tiling",
+                        sum(abs(counted[t] - closed[t]) for t in TENSORS), 0, reference="A: M·K·⌈N/BN⌉, B: K·N·⌈M/BM⌉, C: M·N",
+                        detail=f"{sum(counted.values()):,} bytes counted"))
+    flops = 2 * M * N * K
+    metrics.update({f"bytes_{t}": counted[t] for t in TENSORS})
+    metrics["flops"], metrics["intensity_flop_per_byte"] = flops, flops / sum(counted.values())
+    metrics["loads_per_mac"] = (counted["A"] + counted["B"]) / elem / (M * N * K)
+    tables["traffic"] = [{"tensor": t, "bytes counted": counted[t], "closed form": closed[t]} for t in TENSORS]
+
+    # seed 002's example: one row of A (5 elements) against five columns of B, on the kernel's own counters
+    ctx.progress(0.15, "seed 002's 5x5 example")
+    row, cols = torch.randn(1, 5, generator=g).to(device, dtype), torch.randn(5, 5, generator=g).to(device, dtype)
+    _, seed_count = _counted(row, cols, 16, 16, 16, 1)
+    seed = tile_reuse(1, 5, 5)
+    seed.update(counted_A_loads=seed_count["A"] // elem, counted_B_loads=seed_count["B"] // elem)
+    tables["seed_5x5"] = [seed]
+    checks.append(Check("seed 002: the row loaded once (5), the columns five times (25), 25 multiply-adds",
+                        abs(seed["counted_A_loads"] - 5) + abs(seed["counted_B_loads"] - 25) + abs(seed["macs"] - 25), 0,
+                        reference="seed 002's count", detail=f"counted {seed['counted_A_loads']} + {seed['counted_B_loads']} loads"))
+
+    # the sweep: intensity from the counters as the tile grows
+    sweep, bad_counts, bad_ratio = [], 0, 0.0
+    sizes = config.sizes()
+    for i, size in enumerate(sizes):
+        x, y = (torch.randn(size, size, generator=g).to(device, dtype) for _ in range(2))
+        for tm, tn in SWEEP_TILES:
+            ctx.progress(0.2 + 0.6 * i / len(sizes), f"sweep {size}³, tile {tm}x{tn}")
+            _, cnt = _counted(x, y, tm, tn, SWEEP_BLOCK_K, config.group_m)
+            ref = closed_form_traffic(size, size, size, elem, tm, tn)
+            bad_counts += sum(abs(cnt[t] - ref[t]) for t in TENSORS)
+            loads_per_mac = (cnt["A"] + cnt["B"]) / elem / size ** 3
+            if size % tm == 0 and size % tn == 0:  # the generalised seed count: 1/BM + 1/BN loads per multiply-add
+                bad_ratio = max(bad_ratio, abs(loads_per_mac - (1 / tm + 1 / tn)))
+            total = sum(cnt.values())
+            sweep.append({"size": size, "tile": f"{tm}x{tn}", "block_m": tm, "block_n": tn, "bytes counted": total,
+                          "intensity counted": 2 * size ** 3 / total, "loads_per_mac counted": loads_per_mac,
+                          "intensity formula": 2 * size ** 3 / (elem * (size * size * (-(-size // tn) + -(-size // tm) + 1))),
+                          "intensity large-K limit": 2 / (elem * (1 / tm + 1 / tn))})
+    tables["sweep"] = sweep
+    if sweep:
+        checks.append(Check("sweep: every count equals the closed form", bad_counts, 0, reference="tile geometry"))
+        checks.append(Check("sweep: loads per multiply-add = 1/BLOCK_M + 1/BLOCK_N (the seed's count, generalised)",
+                            bad_ratio, 1e-12, reference="(BM + BN)·K loads for BM·BN·K multiply-adds"))
+        # on each preset's fp16 tensor-core roofline: the same counts at 2 bytes per element
+        tables["roofline"] = [{"device": name, "size": r["size"], "tile": r["tile"], "intensity_fp16": r["intensity counted"] * elem / 2,
+                               "attainable_flops_per_s": attainable(spec["peak_flops"]["fp16/bf16 tensor"], dram(name)[2],
+                                                                    r["intensity counted"] * elem / 2)}
+                              for name, spec in DEVICES.items() for r in sweep]
+        tables["roofs"] = [{"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
+                           for name, spec in DEVICES.items()]
+
+    # the execution model on the chosen preset
+    ctx.progress(0.85, "execution model")
+    h = gemm_hierarchy(M, N, K, bm, bn, bk, config.num_warps, config.device, elem)
+    tables["hierarchy"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in h.items()}]
+    tiles_n = -(-N // bn)
+    tables["program_order"] = [{"program": int(pid), "tile_m": i // tiles_n, "tile_n": i % tiles_n}
+                               for i, pid in enumerate(recorded.tolist())]
+    model = program_order(M, N, bm, bn, config.group_m)
+    checks.append(Check("the program order the kernel recorded is the order the L2 model assumes",
+                        sum(model[r["program"]] != (r["tile_m"], r["tile_n"]) for r in tables["program_order"]), 0,
+                        reference="program_order (Python)"))
+    # what one wave (a program per SM) touches, for this GEMM and for a large one where GROUP_M matters
+    wave = h["sms"]
+    tables["wave_footprint"] = [{**r, "case": case, "group_m": gm}
+                                for case, (m_, n_, k_, tm, tn) in ((f"this GEMM ({M}x{N}x{K})", (M, N, K, bm, bn)),
+                                                                   ("4096³ in 128x128 tiles", (4096, 4096, 4096, 128, 128)))
+                                for gm in sorted({1, config.group_m, 8})
+                                for r in wave_footprint(program_order(m_, n_, tm, tn, gm), wave, tm, tn, k_, elem)]
+    tables["tensor_core_shapes"] = [
+        {"level": "tensor core (per cycle)", "m x n x k": "x".join(map(str, TENSOR_CORE_SHAPE)), "FMAs": 64},
+        {"level": "warp WMMA instruction", "m x n x k": "x".join(map(str, WMMA_SHAPE)), "FMAs": 16 ** 3},
+        {"level": "one tl.dot of this program", "m x n x k": f"{bm}x{bn}x{bk}", "FMAs": bm * bn * bk},
+    ]
+    return Result(metrics=metrics, tables=tables, checks=checks,
+                  notes=["Counted bytes are the loads the program issues to global memory; on a GPU, L2 serves the "
+                         "repeats of a band that other programs of the same wave also read, which GROUP_M ordering makes more likely."])
+
+
+EXPERIMENT = define(__name__, GemmConfig,
+                    "tiled Triton GEMM: error vs torch.matmul, bytes counted per tile shape vs the closed form, the execution hierarchy",
+                    run_fn=run)

@@ -1,0 +1,131 @@
+"""Context parallel: ring attention (Liu et al. 2023; seed 003) on the mesh's cp ranks.
+
+Each rank holds a chunk of the sequence: its queries, keys and values. The K/V blocks go round the ring: at
+step i rank r attends its queries to the block that started on rank r - i, while the next block is already
+in flight (isend to r + 1 and irecv from r - 1 are posted before the compute and waited after it). Each
+step yields a partial output O_i and its rows' log-sum-exp L_i; partials merge exactly as FlashAttention's
+online softmax merges tiles: L = log(e^L + e^L_i), O = e^(L_old - L) O + e^(L_i - L) O_i.
+
+Causal masking uses global positions. With a contiguous split rank 0 has nothing to do after step 0 while
+the last rank attends to everything; the zigzag split (rank r holds chunks r and 2n-1-r of 2n) gives every
+rank the same number of unmasked scores. Backward is the same ring in reverse roles: K/V blocks travel again,
+and each block's dK/dV accumulator travels with it, one step behind, and finally home.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+
+def positions(seq: int, index: int, n: int, split: str) -> torch.Tensor:
+    """Global token positions rank `index` holds."""
+    if split == "zigzag":
+        c = seq // (2 * n)
+        return torch.cat([torch.arange(index * c, (index + 1) * c), torch.arange((2 * n - 1 - index) * c, (2 * n - index) * c)])
+    c = seq // n
+    return torch.arange(index * c, (index + 1) * c)
+
+
+class Ring:
+    """One K/V-sized message per step to the next rank, one from the previous; bytes and wait times recorded."""
+
+    def __init__(self, index: int, n: int, ranks: list[int], tracer):
+        self.index, self.n, self.ranks, self.tracer = index, n, ranks, tracer
+        self.log: list[dict] = []
+
+    def start(self, tensor: torch.Tensor, tag: int, what: str):
+        incoming = torch.empty_like(tensor)
+        reqs = [dist.isend(tensor.contiguous(), self.ranks[(self.index + 1) % self.n], tag=tag),
+                dist.irecv(incoming, self.ranks[(self.index - 1) % self.n], tag=tag)]
+        return reqs, incoming, self.tracer.now_us(), what, tensor.numel() * tensor.element_size()
+
+    def finish(self, handle) -> torch.Tensor:
+        reqs, incoming, posted, what, nbytes = handle
+        waited = self.tracer.now_us()
+        for r in reqs:
+            r.wait()
+        end = self.tracer.now_us()
+        self.tracer.events.append({"name": what, "lane": "comm", "rank": self.tracer.rank, "ts": posted, "dur": end - posted,
+                                   "args": {"bytes": nbytes, "blocked_us": end - waited}})
+        self.log.append({"what": what, "sent_bytes": nbytes, "in_flight_us": end - posted, "blocked_us": end - waited})
+        return incoming
+
+
+def block_attention(q, k, v, pos_q, pos_k, causal: bool, scale: float):
+    """Attention of q to one K/V block: its output normalised within the block, and each row's log-sum-exp
+    (-inf for a row that sees nothing in this block)."""
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ v, lse, p
+
+
+def merge(out, lse, out_i, lse_i):
+    """Combine two partial softmax results by their log-sum-exps (rows that saw nothing yet stay 0, -inf)."""
+    new = torch.logaddexp(lse, lse_i)
+    keep, add = (torch.exp(lse - new).nan_to_num(0.0), torch.exp(lse_i - new).nan_to_num(0.0))
+    return out * keep[..., None] + out_i * add[..., None], new
+
+
+def _visible(pos_q, pos_k, causal) -> bool:
+    return not causal or bool(pos_k.min() <= pos_q.max())
+
+
+class RingAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pos, ring, causal, steps_log):
+        n, r = ring.n, ring.index
+        scale = 1 / math.sqrt(q.shape[-1])
+        all_pos = [pos[(r - i) % n] for i in range(n)]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        kv = torch.stack([k, v])
+        for i in range(n):
+            handle = ring.start(kv, i, f"K/V block of rank {(r - i - 1) % n} in") if i < n - 1 else None
+            src = (r - i) % n
+            with ring.tracer.span("compute", f"attend to block of rank {src}", step=i):
+                if _visible(pos[r], all_pos[i], causal):
+                    o_i, lse_i, _ = block_attention(q, kv[0], kv[1], pos[r], all_pos[i], causal, scale)
+                    out, lse = merge(out, lse, o_i, lse_i)
+            last = lse[0, 0, -1].item()  # the running log-sum-exp of this rank's last query (batch 0, head 0)
+            steps_log.append({"step": i, "block_of_rank": src, "computed": _visible(pos[r], all_pos[i], causal),
+                              "running_lse_last_query": last if math.isfinite(last) else None})
+            if handle:
+                kv = ring.finish(handle)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (pos, ring, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        pos, ring, causal, scale = ctx.args
+        n, r = ring.n, ring.index
+        delta = (grad_out * out).sum(-1)
+        dq = torch.zeros_like(q)
+        kv, acc, acc_handle = torch.stack([k, v]), None, None
+        for i in range(n):
+            src = (r - i) % n
+            handle = ring.start(kv, n + i, f"K/V block of rank {(r - i - 1) % n} in (backward)") if i < n - 1 else None
+            contrib = torch.zeros_like(kv)
+            with ring.tracer.span("compute", f"backward on block of rank {src}", step=i):
+                if _visible(pos[r], pos[src], causal):
+                    s = q @ kv[0].transpose(-1, -2) * scale
+                    if causal:
+                        s = s.masked_fill(pos[src][None, :] > pos[r][:, None], float("-inf"))
+                    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)       # the final softmax, recomputed per block
+                    ds = p * (grad_out @ kv[1].transpose(-1, -2) - delta[..., None])
+                    dq += ds @ kv[0] * scale
+                    contrib = torch.stack([ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ grad_out])
+            acc = contrib if acc_handle is None else ring.finish(acc_handle) + contrib
+            # this block's dK/dV goes on to the next rank (after the last step: home to its owner)
+            acc_handle = ring.start(acc, 2 * n + i, f"dK/dV of rank {src}'s block out")
+            if handle:
+                kv = ring.finish(handle)
+        home = ring.finish(acc_handle)
+        return dq, home[0], home[1], None, None, None, None

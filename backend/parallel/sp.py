@@ -1,0 +1,104 @@
+"""Sequence parallel (Megatron-SP, Korthikanti et al. 2022) on top of tensor parallel.
+
+Tensor parallel leaves the norms (and dropout) replicated: every rank holds the whole (b, s, h) activation
+there. Sequence parallel splits those regions along the sequence instead, and swaps each all-reduce for the
+two halves it is made of:
+    g  (before a column-parallel linear): all-gather along s in forward, reduce-scatter in backward
+    g' (after a row-parallel linear):     reduce-scatter along s in forward, all-gather in backward
+An all-reduce is a reduce-scatter followed by an all-gather, so the volume is the same. The column-parallel
+linear after g keeps only this rank's sequence shard for its weight gradient and gathers it again in
+backward (Megatron does the same, overlapped with the input-gradient GEMM), so no rank ever holds the whole
+norm output: that is the memory SP saves, at the price of one extra all-gather per such linear in backward.
+
+`activation_elements` counts what our block saves for backward, term by term in the paper's manner, beside
+the paper's own formula for a GPT block (34sbh + 5as²b bytes in fp16, divided as TP and SP divide it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+SEQ = 1  # activations are (batch, sequence, hidden)
+
+
+class GatherLinear(Function):
+    """Y = all_gather_s(X_local) · W_rᵀ; saves X_local only and re-gathers it for the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x_local, weight, wire, name):
+        ctx.wire, ctx.name = wire, name
+        ctx.save_for_backward(x_local, weight)
+        return F.linear(wire.all_gather(x_local, SEQ, "forward", name), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_local, weight = ctx.saved_tensors
+        full = ctx.wire.all_gather(x_local, SEQ, "backward", f"{ctx.name} (re-gather)")
+        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ full.reshape(-1, full.shape[-1])
+        grad_x = ctx.wire.reduce_scatter(grad @ weight, SEQ, "backward", ctx.name)
+        return grad_x, grad_weight, None, None
+
+
+class ReduceScatterToSP(Function):
+    """g': partial sums of a row-parallel output become this rank's sequence shard of the total."""
+
+    @staticmethod
+    def forward(ctx, x, wire, name):
+        ctx.wire, ctx.name = wire, name
+        return wire.reduce_scatter(x, SEQ, "forward", name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.wire.all_gather(grad, SEQ, "backward", ctx.name), None, None
+
+
+def activation_elements(b: int, s: int, h: int, heads: int, q_dim: int, d_ff: int, t: int, sp: bool) -> dict[str, float]:
+    """Elements one block of our decoder saves for backward on one rank (tensor-parallel degree t).
+
+    RMSNorm (composed of elementwise ops): its input x, x·rsqrt and its output (read by the next linear): 3sbh,
+      plus rsqrt itself, sb; two norms per block. Replicated under TP; split by t under SP.
+    Attention (heads split): q and k after RoPE for QKᵀ, v for PV (k and v repeated over their GQA group), the
+      softmax output a·s²·b, and the output projection's input: 4·sb·q_dim + a·s²·b, all split by t.
+    SwiGLU: gate and up outputs, silu(gate), silu(gate)·up: 4·sb·d_ff, split by t.
+    """
+    norm_split = t if sp else 1
+    return {"norms (x, x·rsqrt, output)": 2 * 3 * s * b * h / norm_split,
+            "norm rsqrt": 2 * s * b / norm_split,
+            "attention q, k, v, output-projection input": 4 * s * b * q_dim / t,
+            "softmax output (a·s²·b)": heads * s * s * b / t,
+            "SwiGLU gate, up, silu, product": 4 * s * b * d_ff / t}
+
+
+def korthikanti_bytes(b: int, s: int, h: int, heads: int, t: int, sp: bool) -> float:
+    """The paper's activation bytes per layer for a GPT block (fp16, dropout, GELU 4h): Table 2's rows."""
+    if sp:
+        return s * b * h / t * (34 + 5 * heads * s / h)
+    return s * b * h * (10 + 24 / t + 5 * heads * s / (h * t))
+
+
+class SavedActivations:
+    """Bytes autograd saves inside a `with` block: each storage counted once (a tensor saved by three linears,
+    or a view of it, is one allocation), parameters left out (they are weights, not activations)."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.skip:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())

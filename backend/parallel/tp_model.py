@@ -1,0 +1,160 @@
+"""What tensor and sequence parallel should do, predicted without running them: the seed's 2x2 worked
+examples, every collective of one training step with its bytes, and seed 004's 2MK against MK.
+
+The reference for all of it is the single-process TinyDecoder (backend/models/llama.py) in float64.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.attention.rope import rope_angles
+from backend.models.llama import ModelShape, TinyDecoder
+from backend.parallel.tp import sum_norm_grads
+from backend.parallel.wire import ring_bytes
+
+
+def reference_model(config) -> TinyDecoder:
+    torch.manual_seed(config.seed)
+    shape = ModelShape(vocab=config.vocab, d_model=config.d_model, n_layers=config.layers, n_heads=config.n_heads,
+                       n_kv_heads=config.n_kv_heads, d_head=config.d_head, d_ff=config.d_ff, variant="gqa")
+    return TinyDecoder(shape).double()
+
+
+def tokens(config) -> torch.Tensor:
+    g = torch.Generator().manual_seed(config.seed * 7919)
+    return torch.randint(0, config.vocab, (config.batch, config.seq + 1), generator=g)
+
+
+def expected_collectives(config, n: int, sp: bool) -> list[dict]:
+    """Every collective of one forward and backward on one rank: (phase, op, name, numel), in the order run."""
+    nh, tokens_, h = config.batch * config.seq * config.d_model, config.batch * config.seq, config.d_model
+    rows = []
+
+    def add(phase, op, name, numel):
+        rows.append({"phase": phase, "op": op, "name": name, "numel": numel})
+    if sp:
+        add("forward", "reduce_scatter", "embedding", nh)
+        for _ in range(config.layers):
+            for name in ("attention", "mlp"):
+                add("forward", "all_gather", name, nh // n)
+                add("forward", "reduce_scatter", name, nh)
+        add("forward", "all_gather", "head", nh // n)
+    else:
+        add("forward", "all_reduce", "embedding", nh)
+        for _ in range(config.layers):
+            add("forward", "all_reduce", "attention", nh)
+            add("forward", "all_reduce", "mlp", nh)
+    add("forward", "all_gather", "cross entropy: max", tokens_)
+    add("forward", "all_reduce", "cross entropy: target logit", tokens_)
+    add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
+    for name in ["head"] + ["mlp", "attention"] * config.layers:
+        if sp:
+            if name != "head":
+                add("backward", "all_gather", name, nh // n)  # g' backward
+            add("backward", "all_gather", f"{name} (re-gather)", nh // n)
+            add("backward", "reduce_scatter", name, nh)
+        else:
+            add("backward", "all_reduce", name, nh)
+    if sp:
+        add("backward", "all_gather", "embedding", nh // n)
+        for _ in range(2 * config.layers + 1):
+            add("backward", "all_reduce", "norm weight gradients", h)
+    item = 8  # float64
+    for r in rows:
+        r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, item)
+    return rows
+
+
+def worked_examples(wire) -> list[dict]:
+    """Seed 000's two 2x2 examples on 2 ranks, every step recorded: Y = XW split by columns of W (each rank
+    computes its column of Y, then the columns are gathered) and by rows of W with X by columns (each rank
+    computes a whole 2x2 partial product, then they are summed). Also seed 002's point: tanh applies to a
+    column shard before communication, but not to a row shard's partial sum."""
+    X = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    W = torch.tensor([[5.0, 6.0], [7.0, 8.0]], dtype=torch.float64)
+    r = wire.index
+    steps = []
+
+    def log(example, step, **tensors):
+        steps.append({"example": example, "rank": r, "step": step, **{k: v.tolist() for k, v in tensors.items()}})
+    W_r = W[:, r:r + 1]
+    Y_r = X @ W_r
+    log("column", "hold X and W's column r", X=X, W_r=W_r)
+    log("column", "Y_r = X W_r (no communication)", Y_r=Y_r)
+    Y = wire.all_gather(Y_r, 1, "forward", "worked example: column").clone()
+    log("column", "all-gather: Y = [Y_0 Y_1]", Y=Y)
+    act_col = wire.all_gather(torch.tanh(Y_r), 1, "forward", "worked example: column tanh")
+    X_r, W_row = X[:, r:r + 1], W[r:r + 1, :]
+    Y_part = X_r @ W_row
+    log("row", "hold X's column r and W's row r", X_r=X_r, W_r=W_row)
+    log("row", "Y_r = X_r W_r, a 2x2 partial product (outer product)", Y_r=Y_part)
+    Y_row = wire.all_reduce(Y_part, "forward", "worked example: row")
+    log("row", "all-reduce: Y = Y_0 + Y_1", Y=Y_row)
+    act_row = wire.all_reduce(torch.tanh(Y_part), "forward", "worked example: row tanh")
+    exact = X @ W
+    return steps, {"column_error": (Y - exact).abs().max().item(), "row_error": (Y_row - exact).abs().max().item(),
+                   "column_activation_error": (act_col - torch.tanh(exact)).abs().max().item(),
+                   "row_activation_error": (act_row - torch.tanh(exact)).abs().max().item()}
+
+
+def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:
+    """PyTorch's own tensor parallel on layer 0 of the same reference, compared output for output and gradient for
+    gradient with our TPBlocks (`ours_tp`, `ours_sp`): parallelize_module with ColwiseParallel and RowwiseParallel
+    on the MLP and on the attention, and on the whole block with SequenceParallel norms (Megatron-SP's layout).
+    CommDebugMode counts the collectives DTensor issued."""
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    mesh = DeviceMesh("cpu", list(range(n)))
+    layer = reference.blocks[0]
+    qkv = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+    mlp = {"ffn.gate": ColwiseParallel(), "ffn.up": ColwiseParallel()}
+    sp_plan = {"attn_norm": SequenceParallel(sequence_dim=0), "ffn_norm": SequenceParallel(sequence_dim=0),  # unbatched (t, d)
+               "attn": PrepareModuleInput(input_layouts=(Shard(0), None, None), desired_input_layouts=(Replicate(), None, None)),
+               "ffn": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+               **qkv, "attn.wo": RowwiseParallel(output_layouts=Shard(0)), **mlp, "ffn.down": RowwiseParallel(output_layouts=Shard(0))}
+    t = x.shape[1]
+    cos, sin = rope_angles(torch.arange(t), reference.shape.d_head, dtype=x.dtype)
+    rows_sp = slice(rank * t // n, (rank + 1) * t // n)
+    cases = {  # name: (peer module, plan, peer call, our call, peer parameters in our parameters' order)
+        "MLP: Colwise, Rowwise": (layer.ffn, {k[4:]: v for k, v in mlp.items()} | {"down": RowwiseParallel()},
+                                  lambda m, v: m(v), lambda v: ours_tp.ffn(v), ["gate", "up", "down"]),
+        "attention: Colwise, Rowwise": (layer.attn, {k[5:]: v for k, v in qkv.items()} | {"wo": RowwiseParallel()},
+                                        lambda m, v: m(v[0], 0)[None], lambda v: ours_tp.attn(v[:1], cos, sin), ["wq", "wk", "wv", "wo"]),
+        "block: SequenceParallel norms, Colwise, Rowwise": (
+            layer, sp_plan, lambda m, v: m(v[0, rows_sp], 0, None), lambda v: ours_sp(v[:1, rows_sp], cos, sin)[0],
+            ["attn_norm", "ffn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.gate", "ffn.up", "ffn.down"]),
+    }
+    rows = {}
+    for name, (module, plan, call_peer, call_mine, order) in cases.items():
+        peer = copy.deepcopy(module)
+        parallelize_module(peer, mesh, plan)
+        attn = peer.attn if hasattr(peer, "attn") else peer if hasattr(peer, "n_kv_heads") else None
+        if attn is not None:
+            attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n  # each rank's module sees its heads only
+        mine = ours_sp if "Sequence" in name else ours_tp
+        xp, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with CommDebugMode() as comm:
+            out_peer = call_peer(peer, xp)
+            out_peer.sum().backward()
+        out_mine = call_mine(xo)
+        out_mine.sum().backward()
+        if mine is ours_sp:
+            sum_norm_grads(mine, sp_wire)
+        grads = dict(peer.named_parameters())
+        # DTensor leaves a replicated norm weight's gradient Partial (a pending sum over the sequence shards)
+        local = {k: (g.grad.redistribute(placements=[Replicate()]) if isinstance(g.grad.placements[0], Partial) else g.grad).to_local()
+                 for k, g in grads.items()}
+        peer_flat = torch.cat([local[k + ".weight"].reshape(-1) for k in order])
+        mine_flat = torch.cat([p.grad.reshape(-1) for p in mine.parameters() if p.grad is not None])
+        rows[name] = {"output_error": (out_peer - out_mine).abs().max().item(),
+                      "input_grad_error": (xp.grad - xo.grad).abs().max().item(),
+                      "weight_grad_error": (peer_flat - mine_flat).abs().max().item(),
+                      "dtensor_collectives": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}}
+        mine.zero_grad(set_to_none=True)
+    return rows

@@ -1,0 +1,85 @@
+"""Collectives along one dimension of the mesh, every byte counted on the wire.
+
+Tensor, sequence and expert parallelism move activations, not gradients of a flat vector, so their
+collectives take a tensor and a dimension. Each one runs our own algorithms from backend/comm/collectives.py
+over logged send/recv (ring all-reduce, all-gather and reduce-scatter; direct all-to-all with uneven splits),
+so `sent_bytes` is what this rank really put on the wire, and every call is one trace event and one log row:
+(op, phase, name, payload elements, bytes sent). The models in the experiments predict these rows exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backend.comm.collectives import Spec, all_gather_ring, all_reduce_ring, all_to_all_direct, reduce_scatter_ring
+from backend.comm.p2p import P2P
+
+
+def ring_bytes(op: str, numel: int, n: int, item: int) -> int:
+    """What one rank sends in our algorithms: all-reduce 2(n-1)/n and reduce-scatter (n-1)/n of the input's
+    `numel` (which must divide by n, so every chunk is equal); all-gather (n-1) times its own `numel`."""
+    if op == "all_gather":
+        return (n - 1) * numel * item
+    if numel % n:
+        raise ValueError(f"the byte model assumes {numel} elements divide by {n}")
+    return {"all_reduce": 2, "reduce_scatter": 1}[op] * (n - 1) * (numel // n) * item
+
+
+class Wire:
+    def __init__(self, index: int, n: int, ranks: list[int], tracer):
+        self.n, self.index, self.tracer = n, index, tracer
+        self.p2p = P2P(index, n, tracer, ranks=ranks)
+        self.log: list[dict] = []
+
+    @classmethod
+    def along(cls, mesh, dim: str, tracer) -> "Wire":
+        return cls(mesh.index(dim), mesh.size(dim), mesh.ranks(dim), tracer)
+
+    @classmethod
+    def alone(cls, rank: int, tracer) -> "Wire":
+        """A group of one: the same code path with nothing to send (the single-process layout)."""
+        return cls(0, 1, [rank], tracer)
+
+    def _run(self, op: str, phase: str, name: str, x: torch.Tensor, fn):
+        before = self.p2p.bytes_sent
+        with self.tracer.span("collective", f"{op} {name}", phase=phase, numel=x.numel()):
+            out = fn()
+        self.log.append({"op": op, "phase": phase, "name": name, "numel": x.numel(),
+                         "payload_bytes": x.numel() * x.element_size(), "sent_bytes": self.p2p.bytes_sent - before})
+        return out
+
+    def all_reduce(self, x: torch.Tensor, phase: str, name: str, op: str = "sum") -> torch.Tensor:
+        """Sum (ring); `op="max"` is an all-gather and a local max (elementwise max needs no ring of its own)."""
+        if op == "max":
+            return self.all_gather(x.unsqueeze(0), 0, phase, name).amax(0)
+        flat = x.detach().contiguous().view(-1)
+        return self._run("all_reduce", phase, name, flat,
+                         lambda: all_reduce_ring(self.p2p, flat, Spec("all_reduce", flat.numel())).view_as(x))
+
+    def all_gather(self, x: torch.Tensor, dim: int, phase: str, name: str) -> torch.Tensor:
+        """Concatenate every rank's x along `dim`, in rank order."""
+        front = x.detach().movedim(dim, 0).contiguous()
+        out = self._run("all_gather", phase, name, front,
+                        lambda: all_gather_ring(self.p2p, front.view(-1), Spec("all_gather", front.numel())))
+        return out.view(self.n * front.shape[0], *front.shape[1:]).movedim(0, dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, phase: str, name: str) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's slice along `dim` (which must divide by n)."""
+        front = x.detach().movedim(dim, 0).contiguous()
+        out = self._run("reduce_scatter", phase, name, front,
+                        lambda: reduce_scatter_ring(self.p2p, front.view(-1), Spec("reduce_scatter", front.numel())))
+        return out.view(front.shape[0] // self.n, *front.shape[1:]).movedim(0, dim)
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], phase: str, name: str) -> torch.Tensor:
+        """Rows of x (dim 0) to each rank in turn, send_rows[r] of them to rank r; uneven splits allowed."""
+        row = math.prod(x.shape[1:])
+        flat = x.detach().contiguous().view(-1)
+        spec = Spec("all_to_all", flat.numel(), send_splits=tuple(r * row for r in send_rows),
+                    recv_splits=tuple(r * row for r in recv_rows))
+        out = self._run("all_to_all", phase, name, flat, lambda: all_to_all_direct(self.p2p, flat, spec))
+        return out.view(sum(recv_rows), *x.shape[1:])
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.p2p.bytes_sent

@@ -1,0 +1,98 @@
+"""The real engine: each scheduler step is one forward of the tiny LLaMA over the whole batch.
+
+The batch's tokens (prefill chunks and decode tokens of every request, back to back) go through the
+model as one (N, d) matrix: embedding, then per layer RMSNorm, Q/K/V projections with RoPE at each
+token's own position, K and V written into the paged pool at the slots the manager booked, attention
+over the block tables, the output projection and the SwiGLU MLP; logits only for the rows that
+sample, greedy. The weights are TinyDecoder's, so `greedy_alone` (the same model decoding one request
+with its contiguous cache) is an independent reference: the engine's tokens must equal it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backend.attention.rope import apply_rope, rope_angles
+from backend.kvcache.tensor_store import KVTensorStore
+from backend.models.llama import ModelShape, TinyDecoder
+from backend.serving.attention import TorchPagedAttention
+from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
+
+MODEL_SHAPE = ModelShape(vocab=256, d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, d_head=16, d_ff=384, variant="gqa")
+
+
+def tiny_llama(seed: int = 0, shape: ModelShape = MODEL_SHAPE) -> TinyDecoder:
+    torch.manual_seed(seed)
+    return TinyDecoder(shape).eval()
+
+
+def forward_batch(model: TinyDecoder, store: KVTensorStore, tokens, pos, slots, rows, attention):
+    """Logits (len(rows), vocab) of the batch rows `rows`; writes every token's K and V into the store.
+    `attention(q, layer_pool)` attends over the block tables (built once per step)."""
+    x = model.embed(tokens)
+    n = len(tokens)
+    cos, sin = rope_angles(pos, model.shape.d_head, dtype=x.dtype)
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        h = block.attn_norm(x)
+        q = apply_rope(a.wq(h).view(n, a.n_heads, a.d_head).transpose(0, 1), cos, sin).transpose(0, 1)
+        k = apply_rope(a.wk(h).view(n, a.n_kv_heads, a.d_head).transpose(0, 1), cos, sin).transpose(0, 1)
+        store.write(layer, slots, k, a.wv(h).view(n, a.n_kv_heads, a.d_head))
+        x = x + a.wo(attention(q, store.layer(layer)).reshape(n, -1))
+        x = x + block.ffn(block.ffn_norm(x))
+    return model.head(model.norm(x[rows]))
+
+
+class ModelExecutor:
+    """Runs a step for real; its time is what the step took (the scheduler measures it)."""
+    measured = True
+
+    def __init__(self, model: TinyDecoder, config: SchedulerConfig, attention=TorchPagedAttention):
+        s = model.shape
+        self.model, self.attention = model, attention
+        self.store = KVTensorStore(s.n_layers, config.num_blocks, config.block_size, s.n_kv_heads, s.d_head,
+                                   dtype=model.embed.weight.dtype)
+
+    @torch.no_grad()
+    def execute(self, step: Step, sched: Scheduler):
+        for op, rid, block_ids in step.block_ops:
+            (self.store.swap_out if op == "swap_out" else self.store.swap_in)(rid, block_ids)
+        if not len(step.rids):  # a step that only moved KV
+            return None, np.zeros(0, np.int64)
+        bs = sched.config.block_size
+        ids = [sched.m.block_ids(int(r)) for r in step.rids]
+        width = max(map(len, ids))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in ids], dtype=torch.long)
+        takes = torch.from_numpy(step.takes)
+        seq = torch.repeat_interleave(torch.arange(len(ids)), takes)
+        offsets = torch.arange(len(seq)) - (torch.cumsum(takes, 0) - takes)[seq]
+        pos = torch.from_numpy(step.starts)[seq] + offsets
+        slots = tables[seq, pos // bs] * bs + pos % bs
+        tokens = torch.tensor([sched.token(int(step.rids[s]), int(p)) for s, p in zip(seq.tolist(), pos.tolist())])
+        rows = (torch.cumsum(takes, 0) - 1)[torch.from_numpy(step.samples)]
+        logits = forward_batch(self.model, self.store, tokens, pos, slots, rows, self.attention(tables, seq, pos, bs))
+        return None, logits.argmax(-1).numpy()
+
+
+def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=TorchPagedAttention,
+          record_batches: bool = False, progress=None) -> Scheduler:
+    return Scheduler(trace, config, record_batches).run(ModelExecutor(model, config, attention), progress)
+
+
+@torch.no_grad()
+def greedy_alone(model: TinyDecoder, prompt: list[int], new_tokens: int) -> list[int]:
+    """The reference: one request, the model's own contiguous KV cache, greedy."""
+    caches = model.new_caches(len(prompt) + new_tokens)
+    logits, out = model(torch.tensor(prompt), 0, caches), []
+    for i in range(new_tokens):
+        out.append(int(logits[-1].argmax()))
+        if i + 1 < new_tokens:
+            logits = model(torch.tensor(out[-1:]), len(prompt) + i, caches)
+    return out
+
+
+def token_mismatches(model: TinyDecoder, sched: Scheduler) -> list[int]:
+    """Requests whose served tokens differ from decoding them alone."""
+    trace = sched.trace
+    return [rid for rid in range(len(trace))
+            if sched.outputs.get(rid) != greedy_alone(model, trace.prompt(rid), int(trace.output_len[rid]))]

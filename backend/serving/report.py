@@ -1,0 +1,62 @@
+"""Rows for the Serving page, read off a finished schedule (engine or simulator)."""
+from __future__ import annotations
+
+import numpy as np
+
+from backend.serving.scheduler import Scheduler
+from backend.serving.simulator import CostModel, latency_summary
+
+
+def gantt_rows(sched: Scheduler, limit: int = 200) -> list[dict]:
+    """Per request: queued (arrival -> first scheduled), prefill (-> first token), decode (-> last token),
+    and the spans it spent preempted."""
+    t, rows = sched.trace, []
+    for rid in range(min(limit, len(t))):
+        edges = (float(t.arrival[rid]), float(sched.first_scheduled[rid]), float(sched.first_token[rid]), float(sched.finish[rid]))
+        for phase, start, end in zip(("queued", "prefill", "decode"), edges, edges[1:]):
+            rows.append({"request": rid, "phase": phase, "start": start, "end": end})
+    rows += [{"request": rid, "phase": "preempted", "start": out, "end": back}
+             for rid, out, back in sched.preempted_spans if rid < limit]
+    return rows
+
+
+def latency_rows(sched: Scheduler, source: str) -> list[dict]:
+    t = sched.trace
+    tpot = np.where(t.output_len > 1, (sched.finish - sched.first_token) / np.maximum(t.output_len - 1, 1), np.nan)
+    return [{"source": source, "request": rid, "ttft": float(sched.first_token[rid] - t.arrival[rid]),
+             "tpot": None if np.isnan(tpot[rid]) else float(tpot[rid]), "e2e": float(sched.finish[rid] - t.arrival[rid])}
+            for rid in range(len(t))]
+
+
+def token_gap_rows(sched: Scheduler) -> list[dict]:
+    """Every gap between two consecutive output tokens of a request (the engine records each token's time)."""
+    return [{"request": rid, "gap": float(b - a)} for rid, times in sched.token_times.items() for a, b in zip(times, times[1:])]
+
+
+def step_rows(sched: Scheduler, cost: CostModel, limit: int = 3000) -> list[dict]:
+    log = sched.log.table()
+    predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"])
+    stride = max(1, len(log["time"]) // limit)
+    return [{"step": i, "start": float(log["start"][i]), "end": float(log["start"][i] + log["time"][i]), "time_ms": 1e3 * float(log["time"][i]),
+             "predicted_ms": 1e3 * float(predicted[i]), **{k: int(log[k][i]) for k in
+             ("prefill_tokens", "decode_tokens", "kv_blocks", "requests", "running", "waiting", "swapped")}}
+            for i in range(0, len(log["time"]), stride)]
+
+
+def load_row(sched: Scheduler, rate: float, source: str) -> dict:
+    s = latency_summary(sched)
+    return {"rate": float(rate), "source": source, **{k: s[k] for k in (
+        "throughput_tok_s", "throughput_req_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90", "preemptions")}}
+
+
+def knee(rows: list[dict]) -> float | None:
+    """The lowest offered rate the server no longer keeps up with (served < 90% of offered requests/s)."""
+    over = [r["rate"] for r in sorted(rows, key=lambda r: r["rate"]) if r["throughput_req_s"] < 0.9 * r["rate"]]
+    return over[0] if over else None
+
+
+def cost_rows(cost: CostModel) -> list[dict]:
+    return [{"term": "per step", "coefficient_us": 1e6 * cost.intercept},
+            {"term": "per prefill token", "coefficient_us": 1e6 * cost.per_prefill_token},
+            {"term": "per decode token", "coefficient_us": 1e6 * cost.per_decode_token},
+            {"term": "per KV block read", "coefficient_us": 1e6 * cost.per_kv_block}]

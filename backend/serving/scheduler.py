@@ -1,0 +1,385 @@
+"""The continuous-batching scheduler, shared by the real engine and the simulator.
+
+Each step it picks what runs: for every request, how many of its tokens get their KV computed. A
+request's tokens so far (`known`: prompt, then what it generated) run ahead of its `computed`
+tokens; a step computes some of the difference, and a request whose computed tokens catch up
+samples one more token (vLLM v1's shape: prefill, chunked prefill, decode and recompute are one rule).
+
+Policies:
+- `chunked_prefill=False` (FCFS, vLLM v0): a step either prefills whole prompts of waiting requests,
+  first come first served while they fit the token budget, or decodes one token for every running one.
+- `chunked_prefill=True` (Sarathi, vLLM v1): running requests first, in admission order, then waiting
+  ones, each taking what is left of the token budget: decodes and prefill chunks share a step.
+- prefix caching: a new request starts with the cached full blocks of its prompt already computed.
+- preemption, when the pool runs out of blocks: the most recently admitted request is swapped out to
+  CPU memory (`swap`) or dropped and recomputed later (`recompute`).
+Time is the executor's: the engine's measured step time, or the cost model's prediction.
+
+The requests' state is kept as arrays indexed by request id, and a step is computed with array
+operations over the running batch; the block manager is called only when a request needs a block or
+fills one. That is what lets the simulator run a million requests (and the engine is no slower).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.kvcache.manager import KVCacheManager
+from backend.serving.workload import Trace
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    num_blocks: int = 128
+    max_batch: int = 16           # running requests at most
+    token_budget: int = 256       # tokens computed per step at most
+    chunked_prefill: bool = True
+    prefix_caching: bool = False
+    preemption: str = "recompute"  # or "swap"
+
+
+@dataclass
+class Step:
+    """One step's batch: request `rids[i]` computes tokens starts[i] .. starts[i] + takes[i] - 1."""
+    index: int
+    start: float
+    rids: np.ndarray
+    starts: np.ndarray
+    takes: np.ndarray
+    samples: np.ndarray                                   # the request samples a token after this step
+    block_ops: list = field(default_factory=list)         # ("swap_out" | "swap_in", rid, block ids), in order
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    kv_blocks: int = 0                                    # blocks attention reads
+
+
+class StepLog:
+    """One row per step: single steps are kept as tuples, runs of steps as blocks, joined on demand."""
+    COLUMNS = ("start", "time", "requests", "prefill_tokens", "decode_tokens", "kv_blocks", "running", "waiting", "swapped")
+
+    def __init__(self):
+        self.blocks: list[np.ndarray] = []
+        self.rows: list[tuple] = []
+        self.count = 0
+
+    def add(self, *row) -> None:
+        """One step: values in COLUMNS order."""
+        self.rows.append(row)
+        self.count += 1
+
+    def extend(self, *columns) -> None:
+        """Several steps: one array (or scalar) per column, in COLUMNS order; the first sets the length."""
+        self._flush()
+        block = np.empty((len(columns[0]), len(self.COLUMNS)))
+        for i, column in enumerate(columns):
+            block[:, i] = column
+        self.blocks.append(block)
+        self.count += len(block)
+
+    def _flush(self) -> None:
+        if self.rows:
+            self.blocks.append(np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)))
+            self.rows = []
+
+    def __len__(self) -> int:
+        return self.count
+
+    def table(self) -> dict[str, np.ndarray]:
+        self._flush()
+        joined = np.concatenate(self.blocks) if self.blocks else np.zeros((0, len(self.COLUMNS)))
+        self.blocks = [joined]
+        return {name: joined[:, i] for i, name in enumerate(self.COLUMNS)}
+
+
+class SequenceTokens:
+    """A request's token ids as the manager reads them: the trace's prompt, then its outputs."""
+
+    def __init__(self, scheduler: "Scheduler", rid: int):
+        self.s, self.rid = scheduler, rid
+
+    def __len__(self) -> int:
+        return int(self.s.known[self.rid])
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return [self.s.token(self.rid, i) for i in range(*index.indices(len(self)))]
+
+
+class Scheduler:
+    def __init__(self, trace: Trace, config: SchedulerConfig, record_batches: bool = False):
+        n, c = len(trace), config
+        self.trace, self.n, self.config, self.record_batches = trace, n, c, record_batches
+        self.m = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
+        self.watermark = max(1, c.num_blocks // 100)   # blocks kept free at admission, as vLLM does
+        self.known = trace.prompt_len.astype(np.int64).copy()
+        self.computed = np.zeros(n, np.int64)
+        self.held = np.zeros(n, np.int64)               # blocks each request holds
+        self.generated = np.zeros(n, np.int64)
+        self.first_scheduled = np.full(n, np.nan)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.preemptions = np.zeros(n, np.int64)
+        self.outputs: dict[int, list[int]] = {}         # sampled token ids, when the executor gives them
+        self.token_times: dict[int, list[float]] = {}
+        self.preempted_spans: list[tuple[int, float, float]] = []  # (rid, out, back)
+        self._out_since: dict[int, float] = {}
+        self.running = np.zeros(0, np.int64)            # admission order: the last is preempted first
+        self.waiting: deque[int] = deque()
+        self.swapped: deque[int] = deque()
+        self.next_arrival = 0
+        self.log = StepLog()
+        self.batches: list[tuple[np.ndarray, np.ndarray]] = []
+
+    # --- tokens --------------------------------------------------------------------------------------
+    def token(self, rid: int, i: int) -> int:
+        prompt = int(self.trace.prompt_len[rid])
+        if i < prompt:
+            return self.trace.token(rid, i)
+        out = self.outputs.get(rid)
+        return out[i - prompt] if out is not None else self.trace.token(rid, i)  # the simulator samples nothing
+
+    # --- one step --------------------------------------------------------------------------------------
+    def schedule(self, now: float, index: int) -> Step | None:
+        c, m, bs = self.config, self.m, self.config.block_size
+        self._intake(now)
+        ops: list = []
+        self._swap_in(ops, now)
+        admitted: list[tuple[int, int, int]] = []
+        prefill_only = not c.chunked_prefill and self.waiting and not self.swapped
+        if prefill_only:
+            admitted = self._admit(c.token_budget, now)
+        if admitted:
+            takes = np.zeros(len(self.running) - len(admitted), np.int64)
+        else:
+            takes, preempted = self._take_running(ops, now)
+            if c.chunked_prefill and not preempted and not self.swapped:
+                admitted = self._admit(c.token_budget - int(takes.sum()), now)
+        rids = np.concatenate([self.running[:len(takes)], np.array([a[0] for a in admitted], np.int64)])
+        takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
+        picked = takes > 0
+        rids, takes = rids[picked], takes[picked]
+        if len(rids) == 0 and not ops:
+            return None  # nothing to run: the caller waits for the next arrival
+        starts = self.computed[rids]
+        ends = starts + takes
+        samples = ends == self.known[rids]
+        decode = (takes == 1) & samples & (self.generated[rids] > 0)
+        step = Step(index, now, rids, starts, takes, samples, ops, int(takes.sum() - decode.sum()), int(decode.sum()),
+                    int((-(-ends // bs)).sum()))
+        first = rids[np.isnan(self.first_scheduled[rids])]
+        self.first_scheduled[first] = now
+        return step
+
+    def _intake(self, now: float) -> None:
+        while self.next_arrival < self.n and self.trace.arrival[self.next_arrival] <= now:
+            self.waiting.append(self.next_arrival)
+            self.next_arrival += 1
+
+    def _take_running(self, ops: list, now: float) -> tuple[np.ndarray, bool]:
+        """Tokens for each running request (admission order) within the budget, preempting from the back
+        until the pool holds them; books their blocks."""
+        c, m, bs = self.config, self.m, self.config.block_size
+        preempted = False
+        while True:
+            run = self.running
+            need = self.known[run] - self.computed[run]
+            if c.chunked_prefill:
+                takes = np.minimum(np.maximum(c.token_budget - (np.cumsum(need) - need), 0), need)
+            else:
+                takes = need
+            ends = self.computed[run] + takes
+            new_blocks = -(-ends // bs) - self.held[run]
+            if int(new_blocks.sum()) <= m.pool.num_free:
+                break
+            self._preempt(int(run[-1]), ops, now)
+            preempted = True
+        fills = (ends // bs > self.computed[run] // bs) if c.prefix_caching else np.zeros(len(run), bool)
+        for i in np.flatnonzero((new_blocks > 0) | fills):  # the manager hears only of new or filled blocks
+            rid = int(run[i])
+            m.grow(rid, int(ends[i]), SequenceTokens(self, rid))
+            self.held[rid] = len(m.seqs[rid].table)
+        return takes, preempted
+
+    def _admit(self, budget: int, now: float) -> list[tuple[int, int, int]]:
+        """Waiting requests, first come first served, while the batch, the budget and the pool allow."""
+        c, m = self.config, self.m
+        admitted = []
+        while self.waiting and len(self.running) < c.max_batch and budget > 0:
+            rid = self.waiting[0]
+            tokens = SequenceTokens(self, rid)
+            hit = m.cached_prefix(tokens) if c.prefix_caching else 0
+            want = int(self.known[rid]) - hit
+            take = min(want, budget)
+            if take < want and not c.chunked_prefill:
+                break  # whole prompts only: the head of the queue waits for a step with room
+            if m.blocks_for(hit + take + 1) - hit // c.block_size + self.watermark > m.pool.num_free:
+                break
+            try:
+                m.add(rid, tokens, hit + take)
+            except MemoryError:
+                break
+            self.waiting.popleft()
+            self.computed[rid], self.held[rid] = hit, len(m.seqs[rid].table)
+            self.running = np.append(self.running, rid)
+            self._back(rid, now)
+            admitted.append((rid, hit, take))
+            budget -= take
+        return admitted
+
+    def _preempt(self, rid: int, ops: list, now: float) -> None:
+        m = self.m
+        self.running = self.running[:-1]
+        self.preemptions[rid] += 1
+        self._out_since[rid] = now
+        if self.config.preemption == "swap":
+            m.grow(rid, int(self.computed[rid]), SequenceTokens(self, rid))  # bring the lazy count up to date
+            ops.append(("swap_out", rid, m.swap_out(rid)))
+            self.swapped.appendleft(rid)
+        else:
+            m.free(rid)
+            self.computed[rid] = 0
+            self.waiting.appendleft(rid)
+        self.held[rid] = 0
+
+    def _swap_in(self, ops: list, now: float) -> None:
+        m = self.m
+        while self.swapped and len(self.running) < self.config.max_batch:
+            rid = self.swapped[0]
+            if m.blocks_for(int(self.computed[rid])) + self.watermark > m.pool.num_free:
+                break
+            self.swapped.popleft()
+            ops.append(("swap_in", rid, m.swap_in(rid)))
+            self.held[rid] = len(m.seqs[rid].table)
+            self.running = np.append(self.running, rid)
+            self._back(rid, now)
+
+    def _back(self, rid: int, now: float) -> None:
+        if rid in self._out_since:
+            self.preempted_spans.append((rid, self._out_since.pop(rid), now))
+
+    def complete(self, step: Step, seconds: float, tokens: np.ndarray | None) -> None:
+        """The step took `seconds`; `tokens` are the sampled ids of the requests with step.samples set."""
+        rids, end = step.rids, step.start + seconds
+        self.computed[rids] += step.takes
+        sampled = rids[step.samples]
+        self.generated[sampled] += 1
+        self.known[sampled] += 1
+        self.first_token[sampled[self.generated[sampled] == 1]] = end
+        if tokens is not None:
+            for rid, token in zip(sampled.tolist(), tokens.tolist()):
+                self.outputs.setdefault(rid, []).append(token)
+                self.token_times.setdefault(rid, []).append(end)
+        done = sampled[self.generated[sampled] >= self.trace.output_len[sampled]]
+        if len(done):
+            self.finish[done] = end
+            for rid in done.tolist():
+                self.m.free(rid)
+                self.held[rid] = 0
+            self.running = self.running[~np.isin(self.running, done)]
+        self.log.add(step.start, seconds, len(rids), step.prefill_tokens, step.decode_tokens, step.kv_blocks,
+                     len(self.running), len(self.waiting), len(self.swapped))
+        if self.record_batches:
+            self.batches.append((rids, step.takes))
+
+    # --- a run of decode steps at once ----------------------------------------------------------------
+    def decode_run(self, executor, now: float, index: int, cap: int = 1024) -> tuple[float, int]:
+        """When every running request is decoding and nothing can join (no request waits, or the batch is
+        full, and none is swapped out), the coming steps differ only in the KV blocks they read, until a
+        request finishes, one arrives, or the pool would run short. Take them together: the same steps
+        with the same times (summed in the same order), booked in one go. Returns (now, steps taken), 0
+        steps if the state is not such a run; a test holds it to the step-by-step schedule."""
+        c, m, bs = self.config, self.m, self.config.block_size
+        run = self.running
+        if not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget:
+            return now, 0
+        computed = self.computed[run]
+        if ((self.known[run] - computed != 1) | (self.generated[run] == 0)).any():
+            return now, 0
+        left = self.trace.output_len[run] - self.generated[run]
+        longest = int(min(left.min(), cap))
+        for horizon in (min(64, longest), longest):  # a short look first: an arrival usually ends the run soon
+            blocks = -(-(computed[:, None] + np.arange(1, horizon + 1)) // bs)   # (running, step): blocks after it
+            fits = (blocks - self.held[run][:, None]).sum(0) <= m.pool.num_free
+            k = horizon if fits.all() else int(np.argmin(fits))
+            if k == 0:
+                return now, 0
+            kv = blocks[:, :k].sum(0)
+            times = executor.decode_times(index, len(run), kv)
+            clock = np.empty(len(times) + 1)
+            clock[0], clock[1:] = now, times
+            clock = np.cumsum(clock)[1:]  # summed in order, as one step at a time would
+            if not self.waiting and self.next_arrival < self.n:  # stop at the step that ends at or after it
+                k = min(k, int(np.searchsorted(clock, self.trace.arrival[self.next_arrival])) + 1)
+            if k < horizon or horizon == longest:
+                break
+        times, clock, kv = times[:k], clock[:k], kv[:k]
+        # Book as the steps would have, in the same order (step, then running order): a block taken at
+        # each step that starts one, and with prefix caching one call at each step that fills one.
+        self.known[run] += k  # first: the manager reads the new tokens' ids to hash the blocks they fill
+        after = computed[:, None] + np.arange(1, k + 1)
+        events = (after - 1) % bs == 0
+        if c.prefix_caching:
+            events |= after % bs == 0
+        for t, i in zip(*np.nonzero(events.T)):
+            rid = int(run[i])
+            m.grow(rid, int(after[i, t]), SequenceTokens(self, rid))
+            self.held[rid] = len(m.seqs[rid].table)
+        self.computed[run] += k
+        self.generated[run] += k
+        done = run[left == k]
+        self.finish[done] = clock[-1]
+        for rid in done.tolist():
+            m.free(rid)
+            self.held[rid] = 0
+        self.running = run[left != k]
+        starts = np.empty(k)
+        starts[0], starts[1:] = now, clock[:-1]
+        waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
+        if self.waiting:
+            waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
+        n, running = len(run), np.full(k, len(run))
+        running[-1] = len(self.running)
+        self.log.extend(starts, times, n, 0, n, kv, running, waiting, 0)
+        return float(clock[-1]), k
+
+    # --- the loop ----------------------------------------------------------------------------------------
+    def run(self, executor, progress=None, max_steps: int = 50_000_000) -> "Scheduler":
+        """Steps until every request finished. `executor.execute(step, scheduler)` returns (seconds or None,
+        sampled tokens or None); None seconds means 'as long as it took': this thread's CPU time since the
+        last step. CPU time, not wall time: on a shared machine wall time also counts other people's work;
+        on a dedicated one (one thread per step, no waiting on I/O) the two agree."""
+        measured = getattr(executor, "measured", False)  # the engine: time is what a step took
+        clock = time.thread_time if measured else float  # float(): 0.0, no system call for the simulator
+        now, stamp, index, n = 0.0, clock(), 0, self.n
+        runs = hasattr(executor, "decode_times") and not self.record_batches
+        next_progress = 2000
+        while self.next_arrival < n or len(self.running) or self.waiting or self.swapped:
+            if progress and index >= next_progress:
+                progress(int(np.isfinite(self.finish).sum()) / n)
+                next_progress = index + 2000
+            if runs:
+                self._intake(now)
+                now, k = self.decode_run(executor, now, index)
+                if k:
+                    index += k
+                    continue
+            step = self.schedule(now, index)
+            if step is None:
+                if self.next_arrival >= n:
+                    raise RuntimeError(f"requests {list(self.waiting)[:5]} can never be scheduled")
+                now = max(now, float(self.trace.arrival[self.next_arrival]))  # idle until the next arrival
+                stamp = clock()
+                continue
+            seconds, tokens = executor.execute(step, self)
+            if seconds is None:
+                t = clock()
+                seconds, stamp = t - stamp, t
+            now += seconds
+            self.complete(step, seconds, tokens)
+            index += 1
+            if index > max_steps:
+                raise RuntimeError("the schedule did not finish")
+        return self

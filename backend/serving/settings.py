@@ -1,0 +1,61 @@
+"""The settings both serving experiments share: the workload and the scheduler's knobs, with the
+rules that keep every request servable (checked on the server, one message naming the field)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backend.config import Config, ConfigError, setting
+from backend.models.llama import TinyDecoder
+from backend.serving.calibrate import Calibration, calibrate
+from backend.serving.engine import tiny_llama
+from backend.serving.scheduler import SchedulerConfig
+from backend.serving.workload import WORKLOADS, Trace
+
+MAX_LEN = 256  # prompt + output tokens of the longest request a trace may hold
+
+
+@dataclasses.dataclass
+class ServingSettings(Config):
+    workload: str = setting("sharegpt", choices=tuple(WORKLOADS), help="ShareGPT-like lengths, or few-shot prompts sharing 4 prefixes of 96 tokens")
+    rate: float = setting(8.0, min=0.1, max=10_000.0, help="requests arriving per second (Poisson)")
+    policy: str = setting("chunked", choices=("chunked", "fcfs"), help="chunked prefill mixing decodes and prefill chunks under the token budget, or FCFS whole-prompt prefill steps")
+    token_budget: int = setting(256, min=16, max=8192, help="tokens computed per step at most")
+    max_batch: int = setting(16, min=1, max=1024, help="running requests at most")
+    block_size: int = setting(16, min=1, max=64, help="tokens per KV block (a power of two, for the kernel)")
+    num_blocks: int = setting(128, min=4, max=1_000_000, help="KV blocks in the pool")
+    prefix_caching: bool = setting(False, help="reuse the KV of cached full prompt blocks")
+    preemption: str = setting("recompute", choices=("recompute", "swap"), help="when blocks run out, drop the newest request's KV and recompute it later, or swap it to CPU memory")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="model weights and traces")
+    profile_requests: int = setting(24, min=5, max=400, help="requests the real engine serves to fit the cost model")
+    held_out_requests: int = setting(24, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
+    sweep_requests: int = setting(400, min=10, max=100_000, help="simulated requests per point of the load curve (and per knob)")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.block_size, self.num_blocks, self.max_batch, self.token_budget,
+                               self.policy == "chunked", self.prefix_caching, self.preemption)
+
+    def trace(self, n: int, seed: int, rate: float | None = None) -> Trace:
+        return WORKLOADS[self.workload](n, rate or self.rate, seed, max_len=MAX_LEN)
+
+    def calibrate(self, progress=None) -> tuple[TinyDecoder, Calibration]:
+        """The model, and the simulator calibrated against it on these settings (see calibrate.py)."""
+        torch.set_num_threads(1)
+        model = tiny_llama(self.seed)
+        return model, calibrate(model, self.scheduler_config(), self.trace(self.profile_requests, self.seed + 1000),
+                                self.trace(self.held_out_requests, self.seed), progress)
+
+    def check(self) -> None:
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size", f"{self.block_size} is not a power of two (allowed: 1, 2, 4, ..., 64)")
+        if self.max_batch > self.token_budget:
+            raise ConfigError("max_batch", f"{self.max_batch} running requests cannot all decode in a step of "
+                                           f"token_budget={self.token_budget} (allowed: max_batch <= token_budget)")
+        if self.policy == "fcfs" and self.token_budget < MAX_LEN:
+            raise ConfigError("token_budget", f"{self.token_budget} is less than a whole prompt (with what a preempted request had "
+                                              f"generated) may need under fcfs (allowed: >= {MAX_LEN}, or policy=chunked)")
+        need = -(-MAX_LEN // self.block_size) + max(1, self.num_blocks // 100)
+        if self.num_blocks < need:
+            raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} cannot hold a request of {MAX_LEN} "
+                                            f"tokens beside the admission watermark (allowed: >= {need})")

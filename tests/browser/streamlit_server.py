@@ -1,0 +1,46 @@
+"""Start `streamlit run app.py` for a browser test and stop it (its whole process group) afterwards."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from backend.comm.spawn import free_port
+from tests.conftest import REPO, processes_in_group
+
+
+@contextlib.contextmanager
+def streamlit_app(data_dir, *args: str, env: dict | None = None):
+    """The app's URL on loopback while it runs, with extra `streamlit run` arguments and environment."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
+         "--browser.gatherUsageStats", "false", *args],
+        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data_dir), **(env or {})}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("streamlit did not start within 60 s")
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert processes_in_group(proc.pid) == []

@@ -1,0 +1,102 @@
+"""This machine's probes (pointer chase, read bandwidth), Little's law and the seed's latency figures, and the device
+presets against datasheet values."""
+import numpy as np
+import pytest
+
+from backend import experiments
+from backend.hardware.latency import cache_levels, chase_latency, littles_law, random_cycle, read_bandwidth
+from backend.memory.devices import DEVICES, SOURCES, dram, ops_per_datum
+
+MB, GB, TB = 1e6, 1e9, 1e12
+
+# Datasheet values, typed in from the vendors' documents (see SOURCES), in the presets' conventions:
+# (device, figure, value, relative tolerance)
+DATASHEET = [
+    ("A100 (80 GB SXM)", "sms", 108, 0), ("A100 (80 GB SXM)", "fp16/bf16 tensor", 312 * TB, 0),
+    ("A100 (80 GB SXM)", "fp32", 19.5 * TB, 0), ("A100 (80 GB SXM)", "HBM2e bandwidth", 2039 * GB, 0),
+    ("A100 (80 GB SXM)", "registers capacity", 27 * 2**20, 0), ("A100 (80 GB SXM)", "NVLink per direction", 300 * GB, 0),
+    ("H100 (SXM)", "sms", 132, 0), ("H100 (SXM)", "fp16/bf16 tensor", 989 * TB, 0.001), ("H100 (SXM)", "HBM3 bandwidth", 3.35 * TB, 0),
+    ("H100 (SXM)", "registers capacity", 33 * 2**20, 0), ("H100 (SXM)", "NVLink per direction", 450 * GB, 0),
+    ("H200 (SXM)", "HBM3e bandwidth", 4.8 * TB, 0), ("H200 (SXM)", "HBM3e capacity", 141 * GB, 0),
+    ("RTX 4090", "sms", 128, 0), ("RTX 4090", "fp32", 82.58 * TB, 0), ("RTX 4090", "fp16/bf16 tensor", 165.2 * TB, 0),
+    ("RTX 4090", "registers capacity", 33.5 * MB, 0.01), ("RTX 4090", "GDDR6X bandwidth", 1.008 * TB, 0),
+    ("RTX 4090", "GDDR6X capacity", 24 * 2**30, 0), ("RTX 4090", "L2 capacity", 72 * 2**20, 0),
+]
+
+
+def _figure(device, figure):
+    spec = DEVICES[device]
+    if figure in spec:
+        return spec[figure]
+    if figure in spec["peak_flops"]:
+        return spec["peak_flops"][figure]
+    if figure == "NVLink per direction":
+        return next(bw for level, (_, bw) in spec["levels"].items() if level.startswith("NVLink"))
+    level, what = figure.rsplit(" ", 1)
+    capacity, bandwidth = spec["levels"][level]
+    return bandwidth if what == "bandwidth" else capacity
+
+
+@pytest.mark.parametrize("device, figure, value, rel", DATASHEET)
+def test_presets_match_the_datasheets(device, figure, value, rel):
+    assert _figure(device, figure) == pytest.approx(value, rel=rel, abs=0)
+
+
+def test_every_preset_figure_has_a_source_and_the_4090_is_gddr():
+    for device, spec in DEVICES.items():
+        assert (device, "peak_flops") in SOURCES and (device, "sm") in SOURCES
+        for level in spec["levels"]:
+            assert (device, f"level:{level}") in SOURCES, (device, level)
+        assert spec["levels"]["registers"][0] == spec["sms"] * spec["registers_per_sm"]
+    assert dram("RTX 4090")[0] == "GDDR6X" and not any("HBM" in level for level in DEVICES["RTX 4090"]["levels"])
+    assert ops_per_datum("A100 (80 GB SXM)")["PCIe 4"] == pytest.approx(6240)
+
+
+def test_littles_law_reproduces_seed_002():
+    law = littles_law(89e-9, 131e9, 16)
+    assert round(law["bytes_in_flight"]) == 11_659
+    assert round(100 * law["one_request_fraction"], 2) == 0.14
+    assert round(law["requests_in_flight_needed"]) == 729
+
+
+def test_random_cycle_is_one_cycle_and_the_chase_follows_it():
+    rng = np.random.default_rng(0)
+    buf, order = random_cycle(64 * 100, rng)
+    line, seen = int(order[0]), set()
+    for _ in range(100):
+        seen.add(line)
+        line = int(buf[line * 8]) // 8
+    assert len(seen) == 100 and line == order[0]
+    probe = chase_latency(64 * 1000, 12_345, rng)
+    assert probe["ended_where_predicted"] and probe["ns_per_load"] > 0
+
+
+def test_a_broken_chain_is_caught():
+    """A chain cut into two cycles ends elsewhere than the single cycle predicts: the check can fail."""
+    rng = np.random.default_rng(1)
+    buf, order = random_cycle(64 * 64, rng)
+    buf[order[31] * 8] = order[0] * 8                       # line 31 now loops back to the start
+    from backend.hardware import latency
+
+    end = latency.ctypes.c_int64()
+    latency._probes().chase(buf.ctypes.data, int(order[0]) * 8, 40, latency.ctypes.byref(end))
+    assert end.value != int(order[40]) * 8
+
+
+def test_read_bandwidth_reads_every_word():
+    probe = read_bandwidth(1 << 16, min_bytes_read=1 << 20, repeats=2)
+    assert probe["sum_correct"] and probe["bytes_per_s"] > 1e8
+
+
+def test_cache_levels_are_read_from_the_kernel():
+    levels = cache_levels()
+    assert levels and levels[0]["level"] == "L1" and all(a["bytes"] < b["bytes"] for a, b in zip(levels, levels[1:]))
+
+
+@pytest.mark.parametrize("spacing", [2, 4])
+def test_latency_experiment_passes(spacing):
+    result = experiments.run("hardware.latency", max_mib=16, spacing=spacing, steps=20_000)
+    assert result.passed, [c for c in result.checks if not c.passed]
+    assert result.tables["levels"][0]["level"] == "L1"
+    a100 = next(r for r in result.tables["gpu_littles_law"] if r["device"].startswith("A100"))
+    assert a100["bytes_in_flight"] == pytest.approx(500e-9 * 2039e9)

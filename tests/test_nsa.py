@@ -1,0 +1,105 @@
+"""Native sparse attention: equal to the masked dense reference, a wrong mask is caught, the selection rule, the
+KV rows against the closed form, full attention when everything is selected, the experiment and its bad inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend import experiments
+from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
+                                   nsa_attention, select_blocks)
+from backend.config import ConfigError
+
+
+def _inputs(H, G, n, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, n, d, generator=g), torch.randn(G, n, d, generator=g), torch.randn(G, n, d, generator=g), g
+
+
+@pytest.mark.parametrize("H, G, n, geometry", [
+    (4, 1, 200, dict(cmp_block=16, cmp_stride=8, sel_block=32, top_n=3, window=20)),
+    (4, 2, 150, dict(cmp_block=8, cmp_stride=8, sel_block=16, top_n=2, window=1)),
+    (2, 2, 70, dict(cmp_block=32, cmp_stride=16, sel_block=64, top_n=8, window=500)),
+])
+def test_nsa_equals_masked_dense_reference_and_rows_match_closed_form(H, G, n, geometry):
+    q, k, v, g = _inputs(H, G, n, 16)
+    params = make_params(16, geometry["cmp_block"], g)
+    out, chosen = nsa_attention(q, k, v, params, **geometry)
+    ref = masked_dense_reference(q, k, v, chosen, geometry["sel_block"], geometry["window"])
+    assert (out - ref).abs().max() < 1e-5
+    closed = closed_form_rows(n, **geometry)
+    for branch in BRANCHES:
+        assert torch.equal(chosen["kv_rows_read"][branch], closed[branch].expand(G, -1))
+
+
+def test_a_wrong_window_in_the_reference_is_caught():
+    q, k, v, g = _inputs(2, 1, 120, 16)
+    out, chosen = nsa_attention(q, k, v, make_params(16, 16, g), window=32)
+    assert (out - masked_dense_reference(q, k, v, chosen, 32, 33)).abs().max() > 1e-4
+
+
+def test_selection_takes_the_highest_scores_after_the_forced_blocks():
+    n, sel_block = 128, 16                    # 8 selection blocks; compressed blocks = selection blocks here
+    p = torch.zeros(1, 1, n, 8)
+    p[..., 5] = 0.9                           # block 5 matters most, then block 2
+    p[..., 2] = 0.5
+    blocks, real, importance = select_blocks(p, n, 16, 16, sel_block, top_n=4)
+    last = set(blocks[0, -1][real[0, -1]].tolist())
+    assert last == {0, 7, 5, 2}               # first, own, then by importance
+    early = set(blocks[0, 20][real[0, 20]].tolist())
+    assert early == {0, 1}                    # only two blocks are visible at t = 20
+
+
+def test_every_block_selected_is_full_causal_attention():
+    q, k, v, g = _inputs(4, 2, 96, 16)
+    _, chosen = nsa_attention(q, k, v, make_params(16, 16, g), sel_block=16, top_n=6)
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), is_causal=True)
+    assert (chosen["branch_outputs"]["selected"] - full).abs().max() < 1e-5
+
+
+def test_kv_bytes_fall_behind_full_attention_as_n_grows():
+    ratios = []
+    for n in (256, 1024, 4096):
+        rows = closed_form_rows(n, 16, 8, 32, 4, 64)
+        b = kv_bytes_per_query({k: r[None] for k, r in rows.items()}, 32, 4)
+        ratios.append(b["nsa_last"] / b["full_last"])
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] < 0.2
+
+
+def test_experiment_defaults_pass():
+    result = experiments.run("attention.nsa", sweep_sizes="256,512")
+    assert result.passed, [c for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"kv_heads": "4", "heads": "6"}, "kv_heads"), ({"cmp_stride": "16", "cmp_block": "8"}, "cmp_stride"),
+    ({"sel_block": "16", "cmp_stride": "16", "cmp_block": "32"}, None), ({"sweep_sizes": "10"}, "sweep_sizes"),
+    ({"sweep_sizes": "8192", "head_dim": "64"}, "sweep_sizes"), ({"top_n": "32", "window": "2048", "seq_len": "2048"}, "seq_len"), ({"seq_len": "4096"}, "seq_len"), ({"impl": "triton"}, "seq_len"),
+])
+def test_bad_inputs_name_the_setting(values, field):
+    if field is None:  # allowed
+        experiments.get("attention.nsa").make_config(values)
+        return
+    with pytest.raises(ConfigError) as info:
+        experiments.get("attention.nsa").make_config(values)
+    assert info.value.field == field
+
+
+def test_triton_selected_kernel_against_both_references_and_its_byte_count():
+    from kernels.nsa_selected import selected_attention, selected_reference
+
+    q, k, v, g = _inputs(4, 2, 40, 16, seed=7)
+    _, chosen = nsa_attention(q, k, v, make_params(16, 8, g), cmp_block=8, cmp_stride=8, sel_block=16, top_n=2)
+    counters = torch.zeros(2, dtype=torch.int64)
+    out = selected_attention(q, k, v, chosen["blocks"], chosen["real"], 16, counters)
+    assert (out - chosen["branch_outputs"]["selected"]).abs().max() < 1e-5
+    assert (out - selected_reference(q, k, v, chosen["blocks"], chosen["real"], 16)).abs().max() < 1e-5
+    rows = closed_form_rows(40, 8, 8, 16, 2, 64)["selected"].sum().item() * 2  # two KV groups
+    assert counters.tolist() == [rows * 16 * 4] * 2
+    wrong = chosen["blocks"].clone()
+    wrong[..., -1] = 0                                                          # a wrong block table is caught
+    assert (selected_attention(q, k, v, wrong, chosen["real"], 16) - out).abs().max() > 1e-3
+
+
+def test_experiment_with_the_triton_kernel_passes():
+    result = experiments.run("attention.nsa", impl="triton", seq_len=64, sweep_sizes="")
+    assert result.passed, [c for c in result.checks if not c.passed]

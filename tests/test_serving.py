@@ -1,0 +1,174 @@
+"""The serving engine and its simulator: tokens equal single-request decoding under every policy, the CPU
+attention path equals the Triton kernel, the simulator replays the engine's schedule, decode runs
+equal single steps, the cost-model fit recovers a known answer, fidelity on a small held-out trace,
+and bad settings."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from backend import experiments
+from backend.config import ConfigError
+from backend.serving import attention
+from backend.serving.calibrate import calibrate, replay_mismatches
+from backend.serving.engine import serve, tiny_llama, token_mismatches
+from backend.serving.scheduler import Scheduler, SchedulerConfig
+from backend.serving.simulator import CostModel, ReplayExecutor, simulate
+from backend.serving.workload import shared_prefix, sharegpt_like
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return tiny_llama(0)
+
+
+def small(seed=1, n=10, rate=50.0):
+    return sharegpt_like(n, rate, seed, prompt_median=24, output_median=12, max_len=96)
+
+
+POLICIES = {  # name: (config, trace, what must have happened)
+    "chunked": (SchedulerConfig(token_budget=32), small(), "chunks"),
+    "fcfs": (SchedulerConfig(chunked_prefill=False, token_budget=256), small(), ""),
+    "prefix caching": (SchedulerConfig(prefix_caching=True, num_blocks=64),
+                       shared_prefix(10, 50.0, 1, prefix_len=40, question_median=8, output_median=8, max_len=96), "hits"),
+    "recompute": (SchedulerConfig(num_blocks=12, block_size=8, token_budget=64, preemption="recompute"), small(2, 12), "preempted"),
+    "swap": (SchedulerConfig(num_blocks=12, block_size=8, token_budget=64, preemption="swap"), small(2, 12), "preempted"),
+    "fcfs + swap": (SchedulerConfig(num_blocks=12, block_size=8, chunked_prefill=False, token_budget=256, preemption="swap"),
+                    small(2, 12), "preempted"),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_engine_tokens_equal_single_request_greedy_decoding(model, policy):
+    config, trace, expect = POLICIES[policy]
+    sched = serve(model, trace, config)
+    assert token_mismatches(model, sched) == []
+    sched.m.check_invariants()
+    if expect == "preempted":
+        assert sched.preemptions.sum() > 0
+    if expect == "hits":
+        assert sched.m.stats.prefix_hit_tokens > 0
+    if expect == "chunks":
+        assert (sched.log.table()["prefill_tokens"] == 32).any()  # a prompt longer than the budget was split
+
+
+class WrongTables(attention.TorchPagedAttention):
+    """A deliberately wrong variant: every sequence reads the block table of the next one."""
+
+    def __init__(self, tables, seq, pos, block_size):
+        super().__init__(tables.roll(1, 0), seq, pos, block_size)
+
+
+def test_token_check_catches_a_wrong_attention(model):
+    sched = serve(model, small(), SchedulerConfig(), attention=WrongTables)
+    assert len(token_mismatches(model, sched)) > 0
+
+
+def test_cpu_attention_equals_triton_kernel_and_reference():
+    q, pool, tables, seq, pos = attention.mixed_batch(seed=3)
+    ours = attention.TorchPagedAttention(tables, seq, pos, pool.shape[2])(q, pool)
+    kernel = attention.TritonPagedAttention(tables, seq, pos, pool.shape[2])(q, pool)
+    reference = attention.paged_attention_reference(q, pool, tables, seq, pos)
+    assert (ours - kernel).abs().max() < 1e-5
+    assert (ours - reference).abs().max() < 1e-5
+    shifted = attention.paged_attention_reference(q, pool, tables, seq, torch.clamp(pos - 1, min=0))
+    assert (ours - shifted).abs().max() > 1e-2  # the comparison sees an off-by-one causal mask
+
+
+def test_simulator_given_engine_step_times_makes_the_same_schedule(model):
+    config, trace, _ = POLICIES["recompute"]
+    real = serve(model, trace, config, record_batches=True)
+    assert replay_mismatches(real) == 0
+    times = real.log.table()["time"]
+    slower = Scheduler(trace, config, record_batches=True).run(ReplayExecutor(list(times * 5)))
+    assert any(not np.array_equal(a[0], b[0]) for a, b in zip(real.batches, slower.batches)) or \
+        len(real.batches) != len(slower.batches)  # other step times do change the schedule
+
+
+COST = CostModel(0.0066, 9.8e-5, 6.1e-4, 2e-5)
+
+
+@pytest.mark.parametrize("config, trace", [
+    (SchedulerConfig(), sharegpt_like(600, 10.0, 3)),
+    (SchedulerConfig(chunked_prefill=False, num_blocks=48, preemption="swap"), sharegpt_like(300, 30.0, 3)),
+    (SchedulerConfig(prefix_caching=True, num_blocks=64), shared_prefix(300, 20.0, 4)),
+    (SchedulerConfig(num_blocks=40, max_batch=32, token_budget=64), sharegpt_like(300, 30.0, 5)),
+])
+def test_decode_runs_equal_the_step_by_step_schedule(config, trace):
+    fast, slow = simulate(trace, config, COST), simulate(trace, config, COST, step_by_step=True)
+    assert len(fast.log) == len(slow.log)
+    assert np.array_equal(fast.first_token, slow.first_token) and np.array_equal(fast.finish, slow.finish)
+    a, b = fast.log.table(), slow.log.table()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert fast.m.stats == slow.m.stats
+    fast.m.check_invariants()
+
+
+def test_cost_model_fit_recovers_a_known_answer():
+    rng = np.random.default_rng(0)
+    n = 400
+    steps = {"prefill_tokens": rng.integers(0, 256, n).astype(float), "decode_tokens": rng.integers(0, 32, n).astype(float),
+             "kv_blocks": rng.integers(0, 200, n).astype(float)}
+    truth = CostModel(0.004, 5e-5, 3e-4, 1e-5)
+    steps["time"] = truth.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"])
+    exact = CostModel.fit(steps)
+    for name in ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block"):
+        assert getattr(exact, name) == pytest.approx(getattr(truth, name), rel=1e-9)
+    assert exact.r2 == pytest.approx(1.0) and exact.rmse < 1e-12
+    steps["time"] = steps["time"] * rng.normal(1, 0.02, n)  # 2% noise: still close, and the error is reported
+    noisy = CostModel.fit(steps)
+    assert noisy.per_prefill_token == pytest.approx(truth.per_prefill_token, rel=0.05)
+    assert 0.005 < noisy.mape < 0.04
+
+
+def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
+    rng = np.random.default_rng(1)
+    decode = rng.integers(1, 16, 300).astype(float)
+    kv = decode * 5 + rng.normal(0, 0.5, 300)  # KV blocks follow the decode count: a free fit trades one against the other
+    steps = {"prefill_tokens": np.zeros(300), "decode_tokens": decode, "kv_blocks": kv,
+             "time": 0.005 + 4e-4 * decode + rng.normal(0, 2e-4, 300)}
+    X = np.column_stack([np.ones(300), decode, kv])
+    free = np.linalg.lstsq(X, steps["time"], rcond=None)[0]
+    fit = CostModel.fit(steps)
+    assert min(fit.intercept, fit.per_prefill_token, fit.per_decode_token, fit.per_kv_block) >= 0
+    assert fit.rmse >= np.sqrt(np.mean((X @ free - steps["time"]) ** 2)) - 1e-12  # the constraint costs fit, never gains it
+
+
+def test_fidelity_on_a_small_held_out_trace(model):
+    """Tolerance: the issue's 5%, or twice the engine's own run-to-run spread on the same trace when the
+    machine is too busy for 5% (bench/serving.py records the full figure and the machine's load)."""
+    cal = calibrate(model, SchedulerConfig(), sharegpt_like(24, 8.0, 1000), sharegpt_like(24, 8.0, 0))
+    assert cal.tolerance() < 0.5, cal.repeat  # the engine repeats itself well enough for the test to mean something
+    assert max(abs(v) for v in cal.fidelity.values()) <= cal.tolerance(), (cal.fidelity, cal.repeat)
+    assert all(check.passed for check in cal.checks())
+
+
+@pytest.mark.parametrize("name, values, field", [
+    ("serving.engine", {"block_size": "12"}, "block_size"),
+    ("serving.engine", {"max_batch": "300", "token_budget": "256"}, "max_batch"),
+    ("serving.engine", {"policy": "fcfs", "token_budget": "64"}, "token_budget"),
+    ("serving.engine", {"num_blocks": "10"}, "num_blocks"),
+    ("serving.engine", {"workload": "burst"}, "workload"),
+    ("serving.simulate", {"rate": "0"}, "rate"),
+    ("serving.simulate", {"n_requests": "2000000"}, "n_requests"),
+    ("serving.simulate", {"preemption": "drop"}, "preemption"),
+])
+def test_bad_settings_name_the_field(name, values, field):
+    with pytest.raises(ConfigError) as info:
+        experiments.get(name).make_config(values)
+    assert info.value.field == field
+
+
+def test_bad_traces_are_refused():
+    with pytest.raises(ValueError, match="n >= 1"):
+        sharegpt_like(0, 1.0)
+    with pytest.raises(ValueError, match="rate > 0"):
+        shared_prefix(5, 0.0)
+
+
+def test_a_request_that_never_fits_is_reported_not_looped_on():
+    trace = dataclasses.replace(small(n=2), prompt_len=np.array([60, 10]), output_len=np.array([6, 6]))
+    with pytest.raises(RuntimeError, match="never be scheduled"):
+        simulate(trace, SchedulerConfig(num_blocks=4, block_size=16), COST)

@@ -1,0 +1,90 @@
+"""Tensor and sequence parallel against one process, DTensor, the byte model and the activation formula."""
+import multiprocessing
+
+import pytest
+import torch
+
+from backend.comm.spawn import spawn_ranks
+from backend.config import ConfigError
+from backend.experiments import RunContext
+from backend.experiments.parallel import tp
+from backend.experiments.parallel.tp import TOL, TPConfig
+from backend.parallel.sp import activation_elements
+from backend.result import Check
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def run(request):
+    cfg = TPConfig(world_size=request.param).validate()
+    payloads = spawn_ranks(tp.run_rank, request.param, cfg, RunContext(timeout_s=300))
+    assert multiprocessing.active_children() == []
+    return cfg, payloads, tp.combine(cfg, payloads)
+
+
+def test_every_check_passes(run):
+    cfg, payloads, result = run
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert len(result.checks) >= 12
+
+
+def test_a_wrong_shard_fails_the_gradient_check(run):
+    """The neighbour's columns of a gradient, compared as the check compares: far outside the tolerance."""
+    cfg, payloads, result = run
+    wrong = max(p["modes"]["TP"]["wrong_shard_error"] for p in payloads)
+    assert not Check("gradient", wrong, TOL).passed and wrong > 1e-4
+
+
+def test_a_wrong_byte_count_fails(run):
+    cfg, payloads, result = run
+    payloads[0]["modes"]["TP + SP"]["log"][0]["sent_bytes"] += 8
+    assert not tp.combine(cfg, payloads).passed
+    payloads[0]["modes"]["TP + SP"]["log"][0]["sent_bytes"] -= 8
+
+
+def test_sequence_parallel_moves_the_same_bytes_and_saves_memory(run):
+    cfg, payloads, result = run
+    m = result.metrics
+    assert m["TP MLP forward bytes per rank per layer"] == m["TP + SP MLP forward bytes per rank per layer"] > 0
+    held = {row["layout"].split(",")[0]: row["measured_bytes"] for row in result.tables["memory"]}
+    assert held["TP + SP"] < held["TP"] < held["one rank"]
+
+
+def test_the_mlp_all_reduce_is_b_s_h(run):
+    cfg, payloads, result = run
+    n, bsh = cfg.world_size, cfg.batch * cfg.seq * cfg.d_model
+    rows = [r for r in result.tables["collectives"] if r["mode"] == "TP" and r["name"] == "mlp"]
+    assert {(r["phase"], r["op"], r["calls"]) for r in rows} == {("forward", "all_reduce", cfg.layers), ("backward", "all_reduce", cfg.layers)}
+    assert all(r["sent_bytes"] == cfg.layers * 2 * (n - 1) * bsh // n * 8 for r in rows)
+
+
+def test_worked_examples_step_by_step(run):
+    cfg, payloads, result = run
+    if cfg.world_size != 2:
+        assert "worked_examples" not in result.tables  # the seed's examples are 2x2 on 2 ranks
+        return
+    steps = result.tables["worked_examples"]
+    col = {(s["rank"], s["step"][:6]): s for s in steps if s["example"] == "column"}
+    assert col[(0, "Y_r = ")]["Y_r"] == [[19.0], [43.0]] and col[(1, "Y_r = ")]["Y_r"] == [[22.0], [50.0]]
+    row = [s for s in steps if s["example"] == "row" and s["step"].startswith("Y_r")]
+    assert torch.tensor(row[0]["Y_r"]).add(torch.tensor(row[1]["Y_r"])).tolist() == [[19.0, 22.0], [43.0, 50.0]]
+    assert row[0]["Y_r"] == [[5.0, 6.0], [15.0, 18.0]]  # x1·[w1 w2], x3·[w1 w2]: the seed's outer product
+
+
+def test_activation_formula_terms():
+    """Sequence parallel divides every term by t; TP leaves the norms whole."""
+    tp_terms = activation_elements(2, 16, 32, 8, 64, 64, 4, False)
+    sp_terms = activation_elements(2, 16, 32, 8, 64, 64, 4, True)
+    one = activation_elements(2, 16, 32, 8, 64, 64, 1, False)
+    assert sum(sp_terms.values()) == pytest.approx(sum(one.values()) / 4)
+    assert tp_terms["norms (x, x·rsqrt, output)"] == one["norms (x, x·rsqrt, output)"]
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"world_size": "3"}, "n_heads"), ({"world_size": "4", "n_kv_heads": "2"}, "n_kv_heads"),
+    ({"n_kv_heads": "3", "n_heads": "8", "world_size": "2"}, "n_kv_heads"), ({"d_head": "7"}, "d_head"),
+    ({"world_size": "1"}, "world_size"), ({"vocab": "63"}, "vocab"),
+])
+def test_bad_inputs(values, field):
+    with pytest.raises(ConfigError) as info:
+        TPConfig.from_dict(values)
+    assert info.value.field == field
