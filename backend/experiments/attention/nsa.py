@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
                                    nsa_attention)
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.result import Check, Result
 
@@ -42,6 +42,25 @@ class NSAConfig(Config):
 
     def sizes(self) -> list[int]:
         return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
+
+    cost_drivers = ("seq_len", "heads", "top_n", "window", "sweep_sizes")
+
+    def estimate(self):
+        """Three NSA passes (as set; every block selected, the largest; each sweep size on one group) each hold their
+        gathered K and V and the scores of every head over its keys, in fp32; the masked dense reference holds N²
+        scores per head; the heat map and the selection table are Python rows; the Triton kernel ~10 ms a step."""
+        n, d, per_group = self.seq_len, self.head_dim, self.heads // self.kv_heads
+
+        def pass_bytes(length: int, groups: int, top_n: int) -> int:
+            keys = min(top_n * self.sel_block, length) + min(self.window, length) + length // self.cmp_stride
+            return 4 * (2 * groups * length * keys * d + 3 * groups * per_group * length * keys)
+
+        passes = [pass_bytes(n, self.kv_heads, self.top_n), pass_bytes(n, self.kv_heads, -(-n // self.sel_block))]
+        passes += [pass_bytes(length, 1, self.top_n) for length in self.sizes()]
+        programs = n * self.kv_heads * self.top_n if self.impl == "triton" else 0
+        dense = 4 * 4 * self.heads * n * n
+        return cost(data_bytes=max(passes) + dense, flops=sum(passes) * d // 2 + dense * d // 4, moved_bytes=3 * (sum(passes) + dense),
+                    ops=n * 30 + 64 * n // self.sel_block + programs * 100 + 5000)
 
     def gathered(self, n: int, groups: int) -> int:
         """Elements of the selected and window gathers of K (V is the same again) for n queries."""

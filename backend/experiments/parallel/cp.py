@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.parallel.cp import Ring, RingAttention, positions
 from backend.parallel.loop import start_rank
@@ -27,6 +27,17 @@ class CPConfig(Config):
     causal: bool = setting(True, help="causal mask (by global positions)")
     split: str = setting("zigzag", choices=("zigzag", "contiguous"), help="zigzag: rank r holds chunks r and 2n-1-r of 2n")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
+
+    cost_drivers = ("seq", "batch", "heads", "d_head", "world_size")
+
+    def estimate(self):
+        """Every rank runs torch SDPA on the whole sequence as its reference (float64, the S×S scores materialised,
+        forward and backward), then its share of the ring; the ring's steps are Python-level sends and block updates."""
+        scores = self.batch * self.heads * self.seq ** 2
+        n = self.world_size
+        return cost(data_bytes=n * (scores * 8 * 4 + 12 * self.batch * self.heads * self.seq * self.d_head * 8),
+                    flops=(n + 1) * 3 * 4 * scores * self.d_head, moved_bytes=(n + 1) * scores * 8 * 8,
+                    ops=n * n * 4 * 50 + n * 500, ranks=n)
 
     def check(self) -> None:
         parts = 2 * self.world_size if self.split == "zigzag" else self.world_size

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.parallel.ep import MoE
 from backend.parallel.loop import start_rank
@@ -27,6 +27,17 @@ class EPConfig(Config):
     top_k: int = setting(2, min=1, max=8, help="experts per token")
     capacity_factor: float = setting(1.0, min=0.1, max=16.0, help="an expert takes at most ceil(cf·T·k/E) of a rank's T tokens")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and tokens")
+
+    cost_drivers = ("tokens", "d_ff", "d_model", "experts", "capacity_factor", "world_size")
+
+    def estimate(self):
+        """Every rank builds the whole layer twice (its reference, then its own experts kept) in float64 and runs the
+        reference on all tokens, forward and backward; expert buffers hold up to capacity_factor·tokens·top_k rows."""
+        n, d, f = self.world_size, self.d_model, self.d_ff
+        weights = (self.experts + 1) * 2 * d * f + d * self.experts
+        rows = self.tokens * self.top_k * max(1.0, self.capacity_factor)
+        return cost(data_bytes=n * (4 * weights + rows * (2 * d + f) * 4) * 8,
+                    flops=2 * n * 6 * rows * 2 * d * f, ops=2 * n * (self.experts + 2 * n) * 60, ranks=n)
 
     def check(self) -> None:
         if self.experts % self.world_size:

@@ -5,9 +5,9 @@ import dataclasses
 
 import torch
 
-from backend.config import ConfigError, setting
+from backend.config import DYNAMO_IMPORT_S, ConfigError, setting
 from backend.experiments import define
-from backend.experiments.parallel.tp import TPConfig
+from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_train import reference_training, train_rank
 from backend.parallel.sp import activation_elements
@@ -31,6 +31,14 @@ class MeshConfig(TPConfig):
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+
+    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size")
+
+    def estimate(self):
+        """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
+        as the whole, for the bubbles and re-sends); each of these processes makes an Adam, whose first use imports
+        torch._dynamo: the leader's as in any run, each rank's ~2.5 s more of CPU (measured) on the shared cores."""
+        return decoder_cost(self, self.world_size + 1, passes=self.steps, seconds=DYNAMO_IMPORT_S + 2.5 * self.world_size)
 
     @property
     def tp_degree(self):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from backend.comm.p2p import Transfer
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
@@ -39,6 +39,14 @@ class TPConfig(Config):
     layers: int = setting(2, min=1, max=8, help="decoder blocks")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and tokens")
 
+    cost_drivers = ("d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size")
+
+    def estimate(self):
+        """Every rank runs the whole model besides its shards: the reference (forward, backward and a forward per
+        sequence), TP, TP + SP, the model alone, and DTensor's block: about five passes of the whole model each; each
+        rank's first DTensor imports torch.distributed.tensor (seconds of CPU, the ranks sharing two cores)."""
+        return decoder_cost(self, self.world_size, passes=5, seconds=5.0 * self.world_size)
+
     @property
     def tp_degree(self) -> tuple[str, int]:
         return "world_size", self.world_size
@@ -53,6 +61,18 @@ class TPConfig(Config):
             raise ConfigError("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (allowed: a divisor)")
         if self.d_head % 2:
             raise ConfigError("d_head", f"{self.d_head} is odd (allowed: even, RoPE rotates pairs)")
+
+
+def decoder_cost(c: TPConfig, processes: int, passes: int, seconds: float = 0.0):
+    """`processes` processes (the ranks, or the ranks and the leader) each holding the float64 tiny LLaMA of c's shape
+    with its gradients and copies, and running `passes` forward-backward passes of it on the whole batch."""
+    h, L, tokens = c.d_model, c.layers, c.batch * c.seq
+    params = L * (h * (c.n_heads + 2 * c.n_kv_heads) * c.d_head + c.n_heads * c.d_head * h + 3 * h * c.d_ff) + 2 * c.vocab * h
+    activations = tokens * L * (6 * h + 4 * c.n_heads * c.d_head + 3 * c.d_ff) + c.batch * c.n_heads * c.seq ** 2 * L * 3 + tokens * c.vocab * 3
+    return cost(data_bytes=processes * (6 * params + 2 * activations) * 8,
+                flops=processes * passes * tokens * (6 * params + 12 * L * c.seq * c.n_heads * c.d_head),
+                moved_bytes=processes * passes * activations * 8 * 4, ops=processes * passes * L * 400, ranks=c.world_size,
+                seconds=seconds)
 
 
 def _step(reference, config, wire, sp):

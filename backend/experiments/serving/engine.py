@@ -28,6 +28,15 @@ from backend.serving.simulator import simulate
 class EngineConfig(ServingSettings):
     real_rates: int = setting(1, min=0, max=6, help="extra rates served for real on the load curve (each with half the held-out requests)")
 
+    cost_drivers = ("held_out_requests", "profile_requests", "real_rates", "sweep_requests")
+
+    def estimate(self):
+        """Besides the calibration: each held-out request decoded alone (one model call per token, about twice a
+        served request), the extra real rates, the Triton paged kernel in the interpreter (~10 s), 9 simulated rates."""
+        extra = self.real_rates * max(2, self.held_out_requests // 2)
+        return self.serving_cost(2 * self.held_out_requests + extra, 9 * self.sweep_requests + extra + self.held_out_requests,
+                                 seconds=10.0)
+
 
 def run(config: EngineConfig, ctx) -> Result:
     model, cal = config.calibrate(lambda f, m: ctx.progress(0.5 * f, m))

@@ -34,6 +34,14 @@ KNOBS = {  # the flipped value of each knob, for the side-by-side
 class SimulateConfig(ServingSettings):
     n_requests: int = setting(10_000, min=10, max=1_000_000, help="requests in the simulated trace")
 
+    cost_drivers = ("n_requests", "sweep_requests", "held_out_requests", "profile_requests")
+
+    def estimate(self):
+        """The big trace, its first 500 again together and step by step (the slow way: 5 s allowed), 11 load-curve
+        points and 7 knob runs of sweep_requests each."""
+        return self.serving_cost(0, self.n_requests + 2 * min(self.n_requests, 500) + 18 * self.sweep_requests
+                                 + self.held_out_requests, seconds=5.0)
+
 
 def run(config: SimulateConfig, ctx) -> Result:
     _, cal = config.calibrate(lambda f, m: ctx.progress(0.3 * f, m))
