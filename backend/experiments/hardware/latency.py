@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from backend.config import Config, setting
+from backend.config import Config, cost, setting
 from backend.experiments import define
 from backend.hardware.latency import LINE, cache_levels, chase_latency, littles_law, read_bandwidth
 from backend.memory.devices import DEVICES, dram
@@ -34,6 +34,23 @@ class LatencyConfig(Config):
                                     help="assumed device-memory load latency for the GPU presets (a model input)")
     request_bytes: int = setting(16, min=1, max=256, help="bytes one thread's request moves (seed: x and y of ax+b, fp64)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="the random chase order")
+
+    cost_drivers = ("steps", "max_mib", "spacing")
+
+    def estimate(self):
+        """Per working-set size: a chase buffer of that size with its random order, chased for max(steps, lines) loads
+        (five times after a warming lap if the cycle is no longer than steps, else twice), each load a cache miss at
+        worst (150 ns on the loaded box, DRAM ~100 ns); then read over and over, at least 32 MiB six times."""
+        largest, sizes, size = self.max_mib << 20, [], 4096
+        while size <= largest:
+            sizes.append(size)
+            size *= self.spacing
+        loads = 0
+        for nbytes in sizes:
+            lines, steps = max(2, nbytes // 64), max(self.steps, nbytes // 64)
+            loads += lines + 5 * steps if lines <= self.steps else 2 * steps
+        reads = sum(6 * max(32 << 20, nbytes) for nbytes in sizes)
+        return cost(data_bytes=3 * largest, moved_bytes=reads + 3 * sum(sizes), ops=len(sizes) * 50 + 2000, seconds=loads * 150e-9)
 
 
 def run(config: LatencyConfig, ctx) -> Result:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from backend.config import Config, ConfigError, setting
+from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
 from backend.memory.devices import DEVICES, dram
@@ -51,6 +51,18 @@ class GemmConfig(Config):
     device: str = setting("A100 (80 GB SXM)", choices=tuple(DEVICES), help="preset for the execution model and rooflines")
     sweep_sizes: str = setting("64,96", help="square sizes for the tile-shape sweep, comma-separated (16..4096; empty: no sweep)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
+
+    cost_drivers = ("m", "n", "k", "sweep_sizes")
+
+    def estimate(self):
+        """Triton's interpreter dominates on a CPU: ~60 ms a program-step measured under load (the main GEMM, the
+        seed's 5x5 and the sweep), besides fp64 and same-dtype torch references for C."""
+        steps = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k) + 1
+        steps += sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in self.sizes() for bm, bn in SWEEP_TILES)
+        if torch.cuda.is_available():
+            steps = 0
+        elements = self.m * self.k + self.k * self.n + self.m * self.n + 3 * max(self.sizes(), default=0) ** 2
+        return cost(data_bytes=elements * 8 * 4, flops=3 * 2 * self.m * self.n * self.k, ops=steps * 600 + 3000)
 
     def sizes(self) -> list[int]:
         return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
