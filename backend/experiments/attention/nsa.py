@@ -59,7 +59,7 @@ class NSAConfig(Config):
         passes += [pass_bytes(length, 1, self.top_n) for length in self.sizes()]
         programs = n * self.kv_heads * self.top_n if self.impl == "triton" else 0
         dense = 4 * 4 * self.heads * n * n
-        return cost(data_bytes=max(passes) + dense, flops=sum(passes) * d // 2 + dense * d // 4, moved_bytes=3 * (sum(passes) + dense),
+        return cost(data_bytes=3 * max(passes) // 2 + dense, flops=sum(passes) * d // 2 + dense * d // 4, moved_bytes=3 * (sum(passes) + dense),
                     ops=n * 30 + 64 * n // self.sel_block + programs * 100 + 5000)
 
     def gathered(self, n: int, groups: int) -> int:

@@ -36,7 +36,7 @@ class EPConfig(Config):
         n, d, f = self.world_size, self.d_model, self.d_ff
         weights = (self.experts + 1) * 2 * d * f + d * self.experts
         rows = self.tokens * self.top_k * max(1.0, self.capacity_factor)
-        return cost(data_bytes=n * (4 * weights + rows * (2 * d + f) * 4) * 8,
+        return cost(data_bytes=n * (4 * weights + rows * (2 * d + f) * 2) * 8,
                     flops=(n + 1) * 6 * rows * 2 * d * f, ops=2 * n * (self.experts + 2 * n) * 60, ranks=n)
 
     def check(self) -> None:
