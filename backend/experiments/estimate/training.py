@@ -94,7 +94,7 @@ def measure(c: TrainingEstimateConfig) -> tuple[dict, list[Check], list[dict]]:
 def zero_memory(c: TrainingEstimateConfig) -> tuple[list[dict], Check]:
     """A real ZeRO-1 bf16 run's memory per rank against the per-rank formula for its ψ."""
     result = experiments.run("parallel.zero", **ZERO_RUN)
-    psi = result.metrics["parameter_bytes_bf16"] // 2
+    psi = result.metrics["parameter_bytes"] // 2  # in the compute dtype, bf16: 2 bytes a parameter
     want = memory_per_rank(psi, 2, 1)
     names = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states"}
     rows = [{"rank": r["rank"], "category": names[r["category"]], "measured_bytes": r["measured_bytes"],
