@@ -3,16 +3,10 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
-from backend.comm.spawn import free_port
-from tests.conftest import REPO, processes_in_group
+from tests.browser.streamlit_server import streamlit_app
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -33,35 +27,9 @@ def _require_browser():
 
 @contextlib.contextmanager
 def streamlit_server(data_dir):
-    """`streamlit run app.py` on a free port with its own run store; every process it started ends with it."""
     _require_browser()
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
-         "--browser.gatherUsageStats", "false"],
-        cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data_dir)}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            pytest.fail("streamlit did not start within 60 s")
+    with streamlit_app(data_dir) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert processes_in_group(proc.pid) == []
 
 
 @pytest.fixture(scope="module")

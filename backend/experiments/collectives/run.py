@@ -46,7 +46,7 @@ class CollectivesConfig(Config):
         (ours and gloo's built-in) moves about twice the buffer per rank."""
         size = self.numel * (4 if self.dtype == "float32" else 2)
         n = self.world_size
-        return cost(data_bytes=n * (n + 8) * size, moved_bytes=2 * (self.iters + 2) * 2 * n * size,
+        return cost(data_bytes=n * (n + 12) * size, moved_bytes=2 * (self.iters + 2) * 2 * n * size,
                     ops=2 * (self.iters + 2) * n * 2 * n * 300, ranks=n)
 
     def check(self) -> None:

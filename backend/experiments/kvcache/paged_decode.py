@@ -41,7 +41,7 @@ class PagedDecodeConfig(Config):
         blocks = -(-(self.prompt_len + 20 + self.new_tokens) // self.block_size)
         steps = self.sequences * (self.new_tokens + 1)
         pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
-        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 150 + 1500) + self.sequences * self.prompt_len * 60)
+        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 250 + 2500) + self.sequences * self.prompt_len * 60)
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
