@@ -186,11 +186,14 @@ def test_bad_serve_inputs(values, field):
     assert info.value.field == field
 
 
-def test_csv_trace_with_negative_lengths_is_rejected(tmp_path):
-    path = tmp_path / "trace.csv"
-    path.write_text("arrival,prompt_len,output_len\n0,10,5\n3,-2,5\n")
+def test_csv_trace_with_negative_lengths_is_rejected():
+    from backend import uploads
+
+    folder = uploads.traces_dir()  # a trace is named by upload hash or as a file in the data folder's traces/
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "negative.csv").write_text("arrival,prompt_len,output_len\n0,10,5\n3,-2,5\n")
     with pytest.raises(ConfigError, match="trace: line 3"):
-        experiments.get("kvcache.serve").make_config({"trace": str(path)})
+        experiments.get("kvcache.serve").make_config({"trace": "negative.csv"})
     with pytest.raises(ValueError):
         read_csv_trace("arrival,prompt_len,output_len\n")
 

@@ -153,6 +153,9 @@ def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     return payload
 
 
+MIN_TIMED_ACTION_US = 500  # below this, one action's CPU time is mostly Python overhead and scheduler jitter
+
+
 def replayed(compute: list[dict], num_stages: int) -> list[dict]:
     """Each rank's actions replayed on a core of its own from their measured CPU times: F(s, mb) waits for F(s-1, mb)
     (its input activation), a backward of (s, mb) for the backward of (s+1, mb) (its output gradient)."""
@@ -276,7 +279,10 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                      f"{100 * model:.1f} % from {plan.bubble_formula}.")
     notes.append(f"Stages differ in cost by {100 * imbalance:.0f} % (the last computes the loss, the first no input gradient), "
                  f"so the lighter stages also wait for the busiest: {100 * mean_replayed:.1f} % idle on average in the replay.")
-    if plan.makespan_fn:
+    if plan.makespan_fn and mean_action < MIN_TIMED_ACTION_US:
+        notes.append(f"Actions average {mean_action:.0f} µs of CPU, too short to time against the clock's jitter, so the "
+                     f"replayed bubble is shown but not checked (a larger hidden size makes each action longer).")
+    elif plan.makespan_fn:
         # The textbook formula assumes equal stages. With each stage's measured forward and backward cost per
         # micro-batch (f_s, b_s), F-then-B takes Σf + (m-1)·max f + Σb + (m-1)·max b and 1F1B, alternating,
         # Σ(f+b) + (m-1)·max(f+b); the busiest stage idles the rest. Equal stages give (p-1)/(m+p-1) again.
