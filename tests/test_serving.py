@@ -3,8 +3,10 @@ attention path equals the Triton kernel, the simulator replays the engine's sche
 equal single steps, the cost-model fit recovers a known answer, fidelity on a small held-out trace,
 and bad settings."""
 import dataclasses
+import os
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -136,6 +138,8 @@ def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
     assert fit.rmse >= np.sqrt(np.mean((X @ free - steps["time"]) ** 2)) - 1e-12  # the constraint costs fit, never gains it
 
 
+@pytest.mark.skipif(os.environ.get("CI") == "true", reason="timing-dependent (step CPU times on a shared machine): "
+                    "bench/serving.py holds the fidelity figure; CI runs no timed tests")
 def test_fidelity_on_a_small_held_out_trace(model):
     """Tolerance: the issue's 5%, or twice the engine's own run-to-run spread on the same trace when the
     machine is too busy for 5% (bench/serving.py records the full figure and the machine's load)."""

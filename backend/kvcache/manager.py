@@ -105,6 +105,14 @@ class KVCacheManager:
         old, num_blocks = seq.num_tokens, -(-num_tokens // bs)
         if num_tokens <= old:
             return []
+        if num_tokens == old + 1 and old % bs and seq.table[-1].ref_count == 1:
+            # One decode token into the last block's free slot, owned by this sequence alone: the step a
+            # serving loop takes most, kept to a few operations (no allocation, no copy).
+            seq.table[-1].num_tokens += 1
+            seq.num_tokens = num_tokens
+            if self.prefix_caching and num_tokens % bs == 0:
+                self._hash_full_blocks(seq, num_tokens, tokens)
+            return []
         copy_on_write = old % bs != 0 and seq.table[-1].ref_count > 1
         need = num_blocks - len(seq.table) + copy_on_write
         if need > self.pool.num_free:
@@ -123,12 +131,17 @@ class KVCacheManager:
         for i in range(old // bs, len(seq.table)):
             seq.table[i].num_tokens = min(bs, num_tokens - i * bs)
         if self.prefix_caching:
-            for i in range(len(seq.hashes), num_tokens // bs):
-                h = hash((seq.hashes[-1] if seq.hashes else None, tuple(tokens[i * bs:(i + 1) * bs])))
-                seq.hashes.append(h)
-                self.pool.register(seq.table[i], h)
+            self._hash_full_blocks(seq, num_tokens, tokens)
         seq.num_tokens = num_tokens
         return copies
+
+    def _hash_full_blocks(self, seq: Sequence, num_tokens: int, tokens: TokenIds) -> None:
+        """Register every block that `num_tokens` fills, under the hash chain of its tokens (the prefix cache)."""
+        bs = self.block_size
+        for i in range(len(seq.hashes), num_tokens // bs):
+            h = hash((seq.hashes[-1] if seq.hashes else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            seq.hashes.append(h)
+            self.pool.register(seq.table[i], h)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (parallel sampling, beam search) until one writes."""
