@@ -8,8 +8,9 @@ from pages.navigation_guard import route_through_app  # noqa: E402  (after set_p
 route_through_app()
 from pages import ui  # noqa: E402
 from pages.catalog import SECTIONS  # noqa: E402
+from pages.sign_in import sign_in  # noqa: E402
 
-if not ui.sign_in():  # bound beyond localhost: the server's token, or st.login when configured
+if not sign_in():  # bound beyond localhost: the server's token, or st.login when configured
     st.stop()
 
 navigation = st.navigation({

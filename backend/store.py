@@ -25,12 +25,19 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import socket
 import sqlite3
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
+
+RUN_ID = re.compile(r"[0-9a-f]{12}")  # what _insert makes; anything else from a link is not a run id
+
+
+def is_run_id(text: str) -> bool:
+    return bool(RUN_ID.fullmatch(text))
 
 FINAL = ("succeeded", "failed", "cancelled")
 ACTIVE = ("queued", "running")

@@ -4,7 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Collectives, step by step")
 
@@ -65,7 +65,7 @@ def render(result: dict, rec) -> None:
         color=alt.Color("measure:N"), yOffset="measure:N",
         tooltip=["algorithm", "measure", alt.Tooltip("GBps:Q", format=".4f"), alt.Tooltip("time_us:Q", format=",.0f", title="µs")],
     ).properties(height=140), width="stretch")
-    ui.run_timeline(rec, title="Measured timeline of the checked call: each comm bar is one step")
+    timeline.run_timeline(rec, title="Measured timeline of the checked call: each comm bar is one step")
 
 
 ui.experiment_page(

@@ -4,7 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Collective bandwidth")
 
@@ -39,7 +39,7 @@ def render(result: dict, rec) -> None:
     st.altair_chart(spread, width="stretch")
     with st.expander("Table"):
         st.dataframe(table, hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")
+    timeline.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")
 
 
 ui.experiment_page(

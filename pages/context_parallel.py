@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Context parallel: ring attention")
 
@@ -46,7 +46,7 @@ def render(result: dict, rec) -> None:
         row=alt.Row("rank:N"), tooltip=["rank", "what", "time", alt.Tooltip("us:Q", format=".0f")]).properties(height=alt.Step(14), width=500))
     st.caption("hidden: the transfer ran while the rank computed on the previous block; blocked: the rank waited for it.")
     st.dataframe(pd.DataFrame(t["work"]), hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="Per-rank timeline: attention compute beside the K/V transfers in flight")
+    timeline.run_timeline(rec, title="Per-rank timeline: attention compute beside the K/V transfers in flight")
 
 
 ui.experiment_page(

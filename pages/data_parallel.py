@@ -4,7 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Data parallel & ZeRO")
 
@@ -34,7 +34,7 @@ def render_ps(result: dict, rec) -> None:
             x=alt.X("update:O", title="update"), y=alt.Y("staleness:Q", title="staleness (updates)"), color="worker:N",
             tooltip=["update", "worker", "staleness"]).properties(height=260, title="Staleness of each applied gradient"), width="stretch")
     st.dataframe(pd.DataFrame(result["tables"]["volume"]), hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="Per-rank timeline: the server's receive, update, send")
+    timeline.run_timeline(rec, title="Per-rank timeline: the server's receive, update, send")
 
 
 def render(result: dict, rec) -> None:
@@ -56,7 +56,7 @@ def render(result: dict, rec) -> None:
         st.dataframe(volume, hide_index=True, width="stretch")
     for note in result.get("notes", []):
         st.caption(note)
-    ui.run_timeline(rec, title="Per-rank timeline: compute and communication")
+    timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
     st.subheader("Compare strategies on these settings")
     base = {k: rec.config[k] for k in BASE}

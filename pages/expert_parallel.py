@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Expert parallel")
 
@@ -44,7 +44,7 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:O", title="rank"), y=alt.Y("rows computed:Q", title="rows its experts computed"), color="expert:N",
         tooltip=["rank", "expert", "rows computed"]).properties(height=240, title="Work per rank"), width="stretch")
     st.dataframe(experts, hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="Per-rank timeline: routing, all-to-alls, experts")
+    timeline.run_timeline(rec, title="Per-rank timeline: routing, all-to-alls, experts")
 
 
 ui.experiment_page(

@@ -5,7 +5,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Autograd & fusion")
 
@@ -66,7 +66,7 @@ def render(result: dict, rec) -> None:
             st.code(sources[pick]["source"], language="python")
             st.download_button("Download all generated kernels (.py)", "\n\n".join(s["source"] for s in t["sources"]),
                                file_name=f"{rec.id}-kernels.py")
-        ui.run_timeline(rec, title="The fused program's launches, in order (wall time on this machine)")
+        timeline.run_timeline(rec, title="The fused program's launches, in order (wall time on this machine)")
     with passes:
         left, right = st.columns(2)
         with left:

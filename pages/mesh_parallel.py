@@ -6,7 +6,7 @@ import streamlit as st
 
 from backend.experiments.parallel.mesh import PRESETS
 from backend.graph.dot import to_dot
-from pages import ui
+from pages import timeline, ui
 
 st.title("3D parallel")
 DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e"}
@@ -45,7 +45,7 @@ def render(result: dict, rec) -> None:
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title="Memory per rank"), width="stretch")
     st.dataframe(pd.DataFrame(t["ranks"]), hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives")
+    timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives")
 
 
 for name, preset in PRESETS.items():

@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from pages import ui
+from pages.markup import escape
 
 st.title("Paged attention: the KV cache as pages")
 st.page_link("pages/serving.py", label="Latency, throughput and a simulator: the Serving page runs the tiny LLaMA on these pages",
@@ -85,7 +86,7 @@ def trace_upload() -> None:
     try:
         digest = uploads.save_trace(file.getvalue(), ui.store().root)
     except ValueError as err:
-        st.error(ui.escape(f"trace: {err}"))
+        st.error(escape(f"trace: {err}"))
         return
     if st.query_params.get("trace") != digest:
         st.query_params["trace"] = digest

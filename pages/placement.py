@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Placing a graph on devices")
 
@@ -28,7 +28,7 @@ def render(result: dict, rec) -> None:
                      column_config={"bytes": st.column_config.NumberColumn("bytes (B)", format="%d")})
         st.dataframe(pd.DataFrame(t["per_rank"]), hide_index=True, width="stretch",
                      column_config={"compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f")})
-    ui.run_timeline(rec, title="Per-rank timeline: compute, send, recv")
+    timeline.run_timeline(rec, title="Per-rank timeline: compute, send, recv")
 
 
 ui.experiment_page("graph.placement", render,

@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from backend import experiments
-from pages import ui
+from pages import timeline, ui
 
 st.title("Runs")
 
@@ -22,7 +22,7 @@ if run_id:
             left, right = st.columns(2)
             left.json(rec.config)  # st.json shows values as data, never as Markdown
             right.json(rec.result()["metrics"])
-        ui.run_timeline(rec, title="Trace timeline")
+        timeline.run_timeline(rec, title="Trace timeline")
     st.stop()
 
 names = [e.name for e in experiments.all_experiments()]

@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import timeline, ui
 
 st.title("Tensor & sequence parallel")
 
@@ -75,7 +75,7 @@ def render(result: dict, rec) -> None:
     st.dataframe(pd.DataFrame(t["dtensor"]), hide_index=True, width="stretch")
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
     st.dataframe(pd.DataFrame(t["tp_vs_pp"]), hide_index=True, width="stretch")
-    ui.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")
+    timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")
 
 
 ui.experiment_page(

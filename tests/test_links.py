@@ -57,7 +57,7 @@ def test_a_markdown_run_id_is_refused_as_text(page, param):
 
 
 def test_escape_leaves_no_markdown_to_act_on():
-    from pages.ui import escape
+    from pages.markup import escape
 
     assert escape(HOSTILE) == r"\[click\](http\://evil.example/x)\!\[img\](http\://evil.example/i.png)"
     assert escape("see www.evil.example, `code`, $x$, <b>") == r"see www\.evil.example, \`code\`, \$x\$, \<b\>"

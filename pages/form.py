@@ -1,0 +1,60 @@
+"""The settings form every experiment page shows, built from its Config's fields: each setting's widget, its
+allowed range in the help, filled from the URL (validated on the server), else the opened run, else defaults."""
+from __future__ import annotations
+
+import math
+
+import streamlit as st
+
+from backend import experiments
+from backend.config import ConfigError
+from pages.markup import escape
+
+
+def url_settings(exp: experiments.Experiment) -> tuple[dict, ConfigError | None]:
+    """Settings carried by the URL, validated on the server like any other input."""
+    names = {f.name for f in exp.config_cls.fields()}
+    raw = {k: st.query_params[k] for k in st.query_params if k in names}
+    try:
+        return {k: v for k, v in exp.make_config(raw).to_dict().items() if k in raw}, None
+    except ConfigError as err:
+        return {}, err
+
+
+def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dict | None:
+    """A form built from the Config's fields, filled from the URL's settings, else the shown run's, else defaults;
+    returns raw values when submitted, else None."""
+    from_url, url_error = url_settings(exp)
+    if url_error:
+        st.error(f"The link's settings were not used. {escape(url_error)}")
+    defaults = {**exp.config_cls().to_dict(), **(shown or {})}
+    with st.form(f"settings-{exp.name}"):
+        cols = st.columns(3)
+        values = {}
+        for i, f in enumerate(exp.config_cls.fields()):
+            meta, t = f.metadata, exp.config_cls.field_type(f)
+            initial = from_url.get(f.name, defaults[f.name])
+            label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
+            key = f"{exp.name}.{f.name}"
+            with cols[i % 3]:
+                if meta.get("choices"):
+                    choices = list(meta["choices"])
+                    values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
+                elif t is bool:
+                    values[f.name] = st.checkbox(label, value=initial, help=helptext, key=key)
+                elif t is int:
+                    values[f.name] = st.number_input(label, value=initial, step=1, help=helptext, key=key)
+                elif t is float:
+                    values[f.name] = st.number_input(label, value=float(initial), step=float_step(initial, meta), format="%g",
+                                                     help=helptext, key=key)
+                else:
+                    values[f.name] = st.text_input(label, value=initial, help=helptext, key=key)
+        submitted = st.form_submit_button("Run", type="primary")
+    return values if submitted else None
+
+
+def float_step(value: float, meta: dict) -> float:
+    """A step one decade below the value's leading digit (0.003 steps by 0.001), so a small value is shown and
+    nudged at its own scale, never rounded to 0.00."""
+    scale = abs(value) or abs(meta.get("max") or 1.0)
+    return 10.0 ** math.floor(math.log10(scale)) if scale > 0 else 0.01
