@@ -64,8 +64,6 @@ def render(result: dict, rec) -> None:
     right.altair_chart(log_curve(pd.DataFrame(t["policy_evaluation"]), "update", "max |V_k+1 − V_k|"), width="stretch")
     st.markdown("**Policy iteration**: evaluate exactly (linear solve), act greedily, repeat until nothing changes.")
     st.dataframe(pd.DataFrame(t["policy_iteration"]), hide_index=True, width="stretch")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("rl.bellman", render,

@@ -26,8 +26,6 @@ def render(result: dict, rec) -> None:
     cols[3].metric("ratio to built-in", f"{m['busbw_ratio_vs_builtin']:.2f}×")
     if cfg["op"] == "all_reduce" and cfg["algo"] == "ring":
         st.markdown(RING_FORMULAS)
-    for note in result.get("notes", []):
-        st.info(note)
 
     holdings = pd.DataFrame(tables["holdings"])
     if not holdings.empty:

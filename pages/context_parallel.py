@@ -15,8 +15,6 @@ def render(result: dict, rec) -> None:
                    help="1.00: every rank attends to as many (query, key) pairs as the others")
     cols[1].metric("forward compute, slowest ÷ mean", f"{m['forward compute ms, max / mean over ranks']:.2f}")
     cols[2].metric("one K/V block", f"{m['K/V block bytes']:,} B")
-    for note in result.get("notes", []):
-        st.info(note)
 
     layout = pd.DataFrame(t["layout"])
     st.altair_chart(alt.Chart(layout).mark_tick(thickness=3).encode(

@@ -22,8 +22,6 @@ def memory_chart(rows: pd.DataFrame, x: str, title: str) -> alt.Chart:
 
 
 def render_ps(result: dict, rec) -> None:
-    for note in result.get("notes", []):
-        st.info(note)
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(pd.DataFrame(result["tables"]["eval"])).mark_line(point=True).encode(
         x=alt.X("update:Q", title="server update"), y=alt.Y("loss:Q", title="held-out loss", scale=alt.Scale(zero=False))
@@ -54,8 +52,6 @@ def render(result: dict, rec) -> None:
     if not volume.empty:
         st.subheader("Bytes sent per rank per step")
         st.dataframe(volume, hide_index=True, width="stretch")
-    for note in result.get("notes", []):
-        st.caption(note)
     timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
     st.subheader("Compare strategies on these settings")

@@ -15,8 +15,6 @@ def render(result: dict, rec) -> None:
                    help="(token, expert) pairs over an expert's capacity ceil(cf·T·k/E) on their rank")
     cols[1].metric("drop rate", f"{100 * m['drop rate']:.1f} %")
     cols[2].metric("load imbalance", f"{m['max / mean rows per rank']:.2f}", help="rows computed: busiest rank ÷ mean")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     st.subheader("Routing: tokens per expert, from each rank")
     experts = pd.DataFrame(t["experts"])

@@ -75,8 +75,6 @@ def render(result: dict, rec) -> None:
     st.markdown(f"After both blocks: m = {final['m']:.0f}, l = {final['l']:.6f} (closed form e⁻³ + e⁻² + e⁻¹ + e⁰ = "
                 f"{final['l_closed_form']:.6f}); softmax = {', '.join(f'{v:.5f}' for v in final['softmax'])} "
                 f"(torch.softmax: {', '.join(f'{v:.5f}' for v in final['reference_softmax'])}).")
-    for note in result.get("notes", []):
-        st.info(note)
 
 
 ui.experiment_page(

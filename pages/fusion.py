@@ -36,8 +36,6 @@ def render(result: dict, rec) -> None:
     cols[1].metric("memory arena", _bytes(m["arena_bytes"]), help="intermediate buffers at their planned offsets")
     cols[2].metric("lower bound", _bytes(m["lower_bound_bytes"]), help="most bytes live at any one step")
     cols[3].metric("without reuse", _bytes(m["no_reuse_bytes"]), help="every intermediate buffer in its own memory")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     graphs, kernels, passes, memory = st.tabs(["Graphs", "Kernels and source", "Passes and why-not", "Memory plan"])
     with graphs:

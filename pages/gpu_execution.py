@@ -126,8 +126,6 @@ def render(result: dict, rec) -> None:
     st.dataframe(pd.DataFrame(tables["tensor_core_shapes"]), hide_index=True, width="stretch")
     st.caption("A tensor core multiplies 4x4 by 4x4 and adds per cycle; CUDA groups them into a warp-wide 16x16x16 "
                "WMMA instruction, which is why tl.dot needs tiles of at least 16 on each side.")
-    for note in result.get("notes", []):
-        st.info(note)
 
 
 ui.experiment_page(

@@ -62,8 +62,6 @@ def render(result: dict, rec) -> None:
         right.altair_chart(alt.Chart(speed).mark_line().encode(
             x=alt.X("context:Q", title="context (tokens)"), y=alt.Y("cache_bytes_read:Q", title="cache bytes read per token (B)"),
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("cache_bytes_read:Q", format=",")]).properties(height=260), width="stretch")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     st.subheader("MLA dataflow for one token (cached tensors in orange)")
     mode = st.radio("form", ["absorbed", "naive"], horizontal=True, key=f"mla-mode-{rec.id}")

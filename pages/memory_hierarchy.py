@@ -113,8 +113,6 @@ def render_measured(result: dict, rec) -> None:
     st.markdown("**GPU presets** (model: the assumed latency x the datasheet bandwidth; threads of one request each, "
                 "beside the threads the chip can keep resident):")
     st.dataframe(pd.DataFrame(tables["gpu_littles_law"]), hide_index=True, width="stretch")
-    for note in result.get("notes", []):
-        st.info(note)
 
 
 VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,

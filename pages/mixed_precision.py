@@ -51,8 +51,6 @@ def render(result: dict, rec) -> None:
     st.altair_chart((bars + rules + scaled).properties(height=280), width="stretch")
     st.caption(f"{m['share_below_fp16_subnormal']:.1%} of the nonzero elements lie below 2⁻²⁴ and become 0 in FP16. "
                f"Green: with the static scale 2^{cfg['static_scale_log2']} everything right of this line survives.")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("numerics.mixed_precision", render,

@@ -47,8 +47,6 @@ def render(result: dict, rec) -> None:
         st.markdown(f"**{step['step']}** · shape {tuple(step['shape'])}")
         st.code(step["code"], language="python")
         st.dataframe(pd.DataFrame(step["values"]), width="stretch")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("moe.routing", render,

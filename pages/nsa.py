@@ -71,8 +71,6 @@ def render(result: dict, rec) -> None:
         st.dataframe(sweep[["seq_len", "nsa_mean", "full_mean", "nsa_last", "full_last", "nsa_over_full_last"]],
                      hide_index=True, width="stretch")
     st.caption("Mean gate per branch: " + ", ".join(f"{b} {m[f'gate_mean.{b}']:.3f}" for b in BRANCHES))
-    for note in result.get("notes", []):
-        st.info(note)
 
 
 ui.experiment_page(

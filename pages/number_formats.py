@@ -77,8 +77,6 @@ def render(result: dict, rec) -> None:
         st.markdown(f"Model: a plain FP16 sum of a constant v stops at the first 2^k whose half-gap 2^(k−11) is at least v: "
                     f"**{stall:g}** predicted; measured **{result['metrics']['fp16_plain_sum']:g}**. Kahan's compensation "
                     "carries the lost low part and reaches the exact sum to within FP16's own rounding of it.")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("numerics.formats", render,

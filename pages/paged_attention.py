@@ -22,8 +22,6 @@ def render(result: dict, rec) -> None:
                    help="paged vs contiguous, same memory")
     cols[3].metric("preemptions / swaps", f"{m['preemptions']} / {m['swaps']}")
     cols[4].metric("prefix hit rate", f"{100 * m['prefix_hit_rate']:.1f} %", help=f"{m['prefix_hit_tokens']:,} prompt tokens reused")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     waste = pd.DataFrame(result["tables"]["waste"])
     st.subheader("Where the KV memory goes")

@@ -59,8 +59,6 @@ def summary(m: dict) -> None:
 def render(result: dict, rec) -> None:
     m = result["metrics"]
     summary(m)
-    for note in result.get("notes", []):
-        st.info(note)
     title = f"{m['schedule']}: p={m['p']}, m={m['m']}" + (f", v={m['v']}" if m["v"] > 1 else "")
     for which, label in TIMELINES.items():
         st.altair_chart(gantt(result, which, f"{label} — {title}"), width="stretch")

@@ -76,8 +76,6 @@ def render_engine(result: dict, rec) -> None:
     cols[1].metric("throughput", f"{m['real.throughput_tok_s']:.0f} tok/s", f"{100 * m['error.throughput_tok_s']:+.1f}% simulated", delta_color="off")
     cols[2].metric("median TTFT", f"{1e3 * m['real.ttft_p50']:.1f} ms", f"{100 * m['error.ttft_p50']:+.1f}% simulated", delta_color="off")
     cols[3].metric("median TPOT", f"{1e3 * m['real.tpot_p50']:.1f} ms", f"{100 * m['error.tpot_p50']:+.1f}% simulated", delta_color="off")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     st.subheader("Every request, through time")
     gantt = pd.DataFrame(t["gantt"])

@@ -48,8 +48,6 @@ def render(result: dict, rec) -> None:
         tooltip=["pair", "source", alt.Tooltip("probability:Q", format=".4f")]).properties(height=280), width="stretch")
     st.caption(f"Pearson's chi-square over {cfg['test_samples']} sequences, cells expected below 5 pooled; the test rejects "
                "at p < 0.001. Expected: the target's exact p(x1)·p(x2|x1) from its own logits.")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("decoding.speculative", render,

@@ -36,8 +36,6 @@ def render(result: dict, rec) -> None:
     cols[1].metric("MLP forward bytes per rank per layer (TP)", f"{m['TP MLP forward bytes per rank per layer']:,} B",
                    help="one ring all-reduce of b·s·h float64 values: 2(t-1)/t of them leave each rank")
     cols[2].metric("same with SP (all-gather + reduce-scatter)", f"{m['TP + SP MLP forward bytes per rank per layer']:,} B")
-    for note in result.get("notes", []):
-        st.caption(note)
 
     st.subheader("Each rank's shard of every weight")
     shards = pd.DataFrame(t["shards"])

@@ -104,8 +104,6 @@ def render(result: dict, rec) -> None:
         tooltip=["model", "source", alt.Tooltip("days:Q", format=",.1f")]).properties(height=200), width="stretch")
     st.caption("The table's rows imply very different utilisations (a few TFLOP/s for the small models, close to the V100's "
                "peak for GPT-3): they come from different setups, not from one formula. The disagreement is shown, not fitted.")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 pipeline_overview()

@@ -146,6 +146,8 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
         st.error(f"Run {rec.id} succeeded but its result file is missing ({rec.result_path}).")
         return
     _checks(result)
+    for note in result.get("notes", []):  # what the run says about its own figures, on every page alike
+        st.info(escape(note), icon=":material/info:")
     if render:
         render(result, rec)
     _downloads(rec)

@@ -19,8 +19,6 @@ def render(result: dict, rec) -> None:
         x=alt.X("step:Q", title="optimizer step"), y=alt.Y("loss:Q", title="training loss (nats/token)", scale=alt.Scale(zero=False)),
         color="variant:N", tooltip=["variant", "step", alt.Tooltip("loss:Q", format=".3f")]) + floor).properties(height=320), width="stretch")
     st.dataframe(rows, hide_index=True, width="stretch")
-    for note in result.get("notes", []):
-        st.caption(note)
 
 
 ui.experiment_page("attention.variants_train", render,
