@@ -241,6 +241,11 @@ class RunStore:
             self._reap(db, db.execute("SELECT * FROM runs WHERE status='running'").fetchall())
             return [_record(r) for r in db.execute(query, args).fetchall()]
 
+    def counts(self) -> dict[str, int]:
+        """Runs per experiment, counted by the database (the Overview's figures), without loading any record."""
+        with self._connect() as db:
+            return dict(db.execute("SELECT experiment, COUNT(*) FROM runs GROUP BY experiment").fetchall())
+
     # --- liveness --------------------------------------------------------------------------------
     def beat(self, run_id: str) -> bool:
         """The leader's heartbeat; returns whether a cancel was requested (the leader then stops the run)."""

@@ -86,3 +86,10 @@ def test_cancel_is_a_flag_the_leader_reads_with_its_heartbeat(tmp_path):
     queued, _ = store.submit("demo", {"q": 1}, "q", timeout_s=60, code_version="v")
     store.request_cancel(queued, by="bo")
     assert store.get(queued).status == "cancelled" and store.get(queued).error == "cancelled by bo before it started"
+
+
+def test_counts_per_experiment(tmp_path):
+    store = RunStore(tmp_path)
+    for name in ("a", "a", "b"):
+        store.create(name, {}, f"{name}-{len(store.list())}", status="succeeded")
+    assert store.counts() == {"a": 2, "b": 1}
