@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import contextvars
 import math
 from typing import Any, ClassVar, Mapping
 
@@ -27,6 +28,7 @@ RANK_START_S = 15.0        # seconds to start one spawned rank (its imports) on 
 FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
 BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
 OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
+_SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 DYNAMO_IMPORT_S = 35.0     # a process's first torch.optim optimizer or FlopCounterMode imports torch._dynamo: 9-23 s measured loaded
 
 
@@ -190,6 +192,27 @@ class Config:
                 if best is not None else f"lower {', '.join(self.cost_drivers)} together")
         raise ConfigError(name, f"{getattr(self, name)!r}: this run {need}, and no single setting brings it "
                                 f"within ({hint})")
+
+    def too_costly(self, drivers: tuple[str, ...], what: str) -> ConfigError:
+        """The refusal of a cost rule in check() (an interpreter's step count, a gather's size): names the first of
+        `drivers` that can be lowered to fit, and its largest fitting value, as check_budget() does for the budget."""
+        if _SEARCHING.get():
+            return ConfigError(drivers[0], what)
+        token = _SEARCHING.set(True)
+        try:
+            for name in drivers:
+                best = self._largest_fitting(name)
+                if best is not None:
+                    return ConfigError(name, f"{getattr(self, name)!r}: {what} (allowed with the other settings as they "
+                                             f"are: {name} = {best})")
+            name = drivers[0]
+            defaults = {f.name: f.default for f in self.fields() if f.name != name and getattr(self, f.name) != f.default}
+            best = dataclasses.replace(self, **defaults)._largest_fitting(name)
+            hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
+                    if best is not None else f"lower {', '.join(drivers)}")
+            return ConfigError(name, f"{getattr(self, name)!r}: {what} ({hint})")
+        finally:
+            _SEARCHING.reset(token)
 
     def _largest_fitting(self, name: str):
         """The largest value of one setting (others unchanged) that fits the budget, or None. Assumes the cost

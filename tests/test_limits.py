@@ -104,3 +104,16 @@ def test_every_experiment_estimates_its_cost_from_named_settings():
         assert cls.cost_drivers and set(cls.cost_drivers) <= names, f"{exp.name}: cost_drivers {cls.cost_drivers} must name its settings"
         default = cls().estimate()
         assert default.memory_bytes > 0 and default.seconds > 0, f"{exp.name}: its defaults' estimate is {default}"
+
+
+def test_every_refusal_from_the_maxima_says_what_fits(monkeypatch):
+    """bench/limits.py's walk: every numeric setting at its maximum, then lowered to the value each refusal names,
+    reaches accepted settings for every experiment; a refusal that names no fitting value would stop it."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from limits import largest_accepted  # bench/limits.py, not backend.limits
+
+    from backend import experiments
+
+    for exp in experiments.all_experiments():
+        config = exp.make_config(largest_accepted(exp))
+        assert config.estimate().memory_bytes <= limits.memory_budget(), exp.name

@@ -84,8 +84,9 @@ class NSAConfig(Config):
         if any(not 64 <= s <= 8192 for s in sizes):
             raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 64..8192")
         if self.gathered(self.seq_len, self.kv_heads) > GATHER_BUDGET:
-            raise ConfigError("seq_len", f"{self.seq_len} gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these "
-                                         f"kv_heads, top_n, sel_block, window and head_dim (allowed: <= {GATHER_BUDGET:,})")
+            raise self.too_costly(("seq_len", "top_n", "window"),
+                                  f"gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these kv_heads, top_n, "
+                                  f"sel_block, window and head_dim, over the {GATHER_BUDGET:,} a run may gather")
         if sizes and self.gathered(max(sizes), 1) > GATHER_BUDGET:
             raise ConfigError("sweep_sizes", f"N={max(sizes)} gathers {self.gathered(max(sizes), 1):,} K elements per group "
                                              f"(allowed: <= {GATHER_BUDGET:,}; use shorter sizes or fewer selected tokens)")

@@ -85,9 +85,10 @@ class GemmConfig(Config):
             return
         main = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k)
         if main > INTERPRETER_STEPS // 2:
-            raise ConfigError("m", f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x{self.block_k} tiles is "
-                                   f"{main:,} program-steps, too slow for Triton's interpreter (allowed: <= {INTERPRETER_STEPS // 2:,}; "
-                                   "use smaller m, n, k or larger tiles)")
+            raise self.too_costly(("m", "n", "k"), f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x"
+                                                   f"{self.block_k} tiles is {main:,} program-steps, over the "
+                                                   f"{INTERPRETER_STEPS // 2:,} Triton's interpreter runs in time; "
+                                                   "larger tiles help too")
         sweep = sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in sizes for bm, bn in SWEEP_TILES)
         if main + sweep > INTERPRETER_STEPS:
             raise ConfigError("sweep_sizes", f"the sweep is {sweep:,} program-steps in Triton's interpreter "

@@ -1,0 +1,59 @@
+"""Every experiment's defaults, and every choice of each choice or bool setting with the rest at defaults, pass
+their checks or are refused with one message naming a setting and what it allows (issue #19).
+
+Parametrised from the registry, so a new experiment or a new choice is covered by itself. Each case runs in-process
+the way the job leader runs it (distributed experiments spawn their ranks). The experiments whose topic tests
+already sweep them with tests/sweep.py's one_at_a_time (asserting more than `passed`) are not run twice; a test below
+checks that each of them is still swept there.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from backend import experiments
+from backend.config import ConfigError
+from tests.sweep import one_at_a_time
+
+# experiment -> the topic test that sweeps it with one_at_a_time(<its Config class>)
+SWEPT_BY_TOPIC_TEST = {
+    "decoding.speculative": "test_speculative.py",
+    "estimate.training": "test_estimate.py",
+    "moe.routing": "test_moe.py",
+    "numerics.formats": "test_numerics.py",
+    "numerics.mixed_precision": "test_numerics.py",
+    "rl.bellman": "test_bellman.py",
+}
+
+
+def _cases():
+    for exp in experiments.all_experiments():
+        if exp.name in SWEPT_BY_TOPIC_TEST:
+            continue
+        for change in one_at_a_time(exp.config_cls):
+            label = ",".join(f"{k}={v}" for k, v in change.items()) or "defaults"
+            yield pytest.param(exp.name, change, id=f"{exp.name}[{label}]")
+
+
+@pytest.mark.parametrize("name, change", list(_cases()))
+def test_setting_passes_its_checks_or_is_refused_by_name(name, change):
+    exp = experiments.get(name)
+    try:
+        config = exp.make_config(change)
+    except ConfigError as err:
+        assert change, f"the defaults of {name} are refused: {err}"
+        assert err.field in {f.name for f in exp.config_cls.fields()}, f"the refusal names no setting: {err}"
+        assert "allowed" in str(err), f"the refusal does not say what is allowed: {err}"
+        return
+    result = exp.run(config)
+    failed = [f"{c.name}: {c.error} > {c.tolerance}" for c in result.checks if not c.passed]
+    assert result.checks and not failed, failed
+
+
+@pytest.mark.parametrize("name, test_file", SWEPT_BY_TOPIC_TEST.items())
+def test_experiments_left_out_above_are_swept_by_their_topic_test(name, test_file):
+    config_cls = experiments.get(name).config_cls.__name__
+    source = (Path(__file__).parent / test_file).read_text()
+    assert re.search(rf"one_at_a_time\({config_cls}\b", source), f"{test_file} no longer sweeps {name}"
