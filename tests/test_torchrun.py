@@ -41,3 +41,37 @@ def test_torchrun_runs_the_experiment(name, tmp_path):
     from backend.store import RunStore
 
     assert RunStore().get(report["run_id"]).origin == "torchrun"
+
+
+def test_sigterm_to_torchrun_records_a_final_state_and_leaves_no_process(tmp_path):
+    """A supervisor stopping a torchrun run (SIGTERM to the agent, which forwards it to every rank): rank 0's leader
+    records "cancelled" with the signal, and no rank process outlives the agent."""
+    import signal
+    import time
+
+    from backend.store import RunStore
+    from tests.conftest import processes_in_group
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "EXPLORER_DATA_DIR": str(tmp_path)}
+    agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "backend.launch", "comm.selftest",
+                              "--set", "fault=hang", "--timeout", "100"], cwd=REPO, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = RunStore(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (running := store.list(experiment="comm.selftest", statuses=("running",))):
+            assert time.monotonic() < deadline and agent.poll() is None, "the run never started"
+            time.sleep(0.2)
+        time.sleep(2)  # both ranks are in the hanging collective by now
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        stopped = time.monotonic()
+        while processes_in_group(agent.pid) and time.monotonic() - stopped < 5:
+            time.sleep(0.1)
+        assert processes_in_group(agent.pid) == [], "a rank outlived torchrun"
+        final = store.get(running[0].id)
+        assert final.status == "cancelled" and "stopped by SIGTERM" in final.error, (final.status, final.error)
+    finally:
+        if processes_in_group(agent.pid):
+            os.killpg(agent.pid, signal.SIGKILL)
