@@ -10,6 +10,7 @@ import streamlit.components.v1 as components
 
 from backend import auth
 from backend.store import data_dir
+from pages import markup
 
 
 def _oidc() -> bool:
@@ -74,6 +75,13 @@ def current_user() -> str:
     if _oidc() and st.user.is_logged_in:
         return st.user.get("email") or st.user.get("name") or "signed-in user"
     return "token holder" if exposed() else getpass.getuser()
+
+
+def who_is_signed_in() -> None:
+    """The sidebar's line on who launches runs from this browser, with sign-out where there is a session to end."""
+    st.caption(f"Signed in as {markup.escape(current_user())}" + (" (admin)" if _oidc() and is_admin() else ""))
+    if _oidc() and st.user.is_logged_in:
+        st.button("Sign out", on_click=st.logout, key="sign-out")
 
 
 def is_admin() -> bool:

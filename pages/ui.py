@@ -24,7 +24,7 @@ from backend.store import ACTIVE, FINAL, RunRecord, RunStore, is_run_id
 from pages.form import settings_form
 from pages.markup import escape
 from pages.navigation_guard import route_through_app
-from pages.sign_in import current_user, is_admin
+from pages.sign_in import current_user, is_admin, who_is_signed_in
 
 route_through_app()  # pages import this module first, so a page run alone reroutes through app.py
 
@@ -71,6 +71,7 @@ def sidebar() -> None:
         st.caption("Device")
         st.markdown(f"**{info['name']}** · torch {info['torch']}  \nTriton {info['triton']} · {info['triton_mode']}")
         _queue()
+        who_is_signed_in()
 
 
 @st.fragment(run_every=2.0)

@@ -110,3 +110,26 @@ def test_a_trace_over_the_caps_is_refused_with_the_limit(tmp_path, data, message
 def test_a_trace_name_is_never_a_path(tmp_path, name):
     with pytest.raises(ValueError, match="is not a trace name"):
         uploads.load_trace(name, tmp_path)
+
+
+OIDC = {"redirect_uri": "http://localhost:8501/oauth2callback", "cookie_secret": "test-only", "client_id": "explorer",
+        "client_secret": "test-only", "server_metadata_url": "https://idp.example/.well-known/openid-configuration"}
+
+
+@pytest.mark.parametrize("signed_in", [False, True])
+def test_oidc_sign_in_gates_the_app_and_names_the_user(signed_in, monkeypatch):
+    """With an [auth] section (st.login, OIDC), a visitor who is not signed in sees only the sign-in button; a signed-in
+    user sees the app and their runs are recorded under their email. The identity provider is not contacted here:
+    AppTest seeds st.user as Streamlit does after the provider's callback."""
+    monkeypatch.setenv("EXPLORER_ADMINS", "ada@example.org")
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
+    at.secrets["auth"] = OIDC
+    at.user = {"is_logged_in": True, "email": "ada@example.org"} if signed_in else {"is_logged_in": False}
+    at.run()
+    assert not at.exception, at.exception
+    labels = [b.label for b in at.button]
+    if signed_in:
+        assert "Sign in" not in labels and "Sign out" in labels
+        assert any(c.value == "Signed in as ada@example.org (admin)" for c in at.sidebar.caption)
+    else:
+        assert labels == ["Sign in"] and [t.value for t in at.title] == ["Sign in"]  # nothing of the app
