@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import os
 import re
 import time
 from typing import Callable
@@ -107,6 +108,13 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
             return
         kept = {k: st.query_params[k] for k in page_params if k in st.query_params}
         st.query_params.from_dict({**kept, **{k: str(v) for k, v in values.items()}, "run": run_id})
+    elif run_id is None and _opens_on_the_default_run() and not any(f.name in st.query_params for f in exp.config_cls.fields()):
+        try:  # a first visit: the run of the defaults, found by its digest if it exists, else started now
+            run_id = runner().submit(name, {}, owner=current_user())
+        except ConfigError as err:  # the defaults over this server's budget (a small EXPLORER_RUN_MEMORY_GIB)
+            st.error(escape(str(err)))
+            return
+        st.query_params["run"] = run_id
     if run_id:
         show_run(run_id, render)
     else:
@@ -114,6 +122,12 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
         latest = store().list(experiment=name, statuses=("succeeded",), limit=1)
         if latest:
             st.caption(f"Or open the latest run of {name}: [{latest[0].id}](?run={latest[0].id})")
+
+
+def _opens_on_the_default_run() -> bool:
+    """A topic page opens on a result: its defaults' run. EXPLORER_OPEN_ON_DEFAULT_RUN=0 turns that off (the tests
+    that draw every page without starting runs)."""
+    return os.environ.get("EXPLORER_OPEN_ON_DEFAULT_RUN", "1") != "0"
 
 
 def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = None) -> None:

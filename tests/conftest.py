@@ -11,6 +11,8 @@ sys.path.insert(0, str(REPO))
 # Every test session gets its own run store unless one is given.
 os.environ.setdefault("EXPLORER_DATA_DIR", tempfile.mkdtemp(prefix="explorer-test-"))
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+# Pages open on their defaults' run (started on a first visit); tests that draw pages start the runs they need.
+os.environ.setdefault("EXPLORER_OPEN_ON_DEFAULT_RUN", "0")
 
 
 def processes_in_group(pgid: int) -> list[int]:

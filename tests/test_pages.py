@@ -2,6 +2,7 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from backend import experiments
 from pages.catalog import SECTIONS
 from tests.conftest import REPO
 
@@ -113,3 +114,23 @@ def test_data_parallel_comparison_after_a_parameter_server_run():
     at = _app("pages/data_parallel.py", strategy="parallel.zero", run=rid)
     assert not at.exception, at.exception
     assert at.radio[0].value.startswith("ZeRO")
+
+
+def test_a_topic_page_opens_on_its_defaults_run(monkeypatch):
+    """A first visit starts the defaults' run (or finds it by its digest) and the page shows it, no click needed."""
+    import time
+
+    from backend.store import FINAL, RunStore
+
+    monkeypatch.setenv("EXPLORER_OPEN_ON_DEFAULT_RUN", "1")
+    first = _app("pages/autograd.py")
+    assert not first.exception, first.exception
+    run_id = first.query_params["run"]
+    store = RunStore()
+    deadline = time.monotonic() + 120
+    while store.get(run_id).status not in FINAL and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert store.get(run_id).status == "succeeded" and store.get(run_id).config == experiments.get("graph.autodiff").config_cls().to_dict()
+    again = _app("pages/autograd.py")  # another visitor: the same run, found by its digest, already drawn
+    assert again.query_params["run"] == run_id
+    assert any("checks against independent references passed" in s.value for s in again.success)
