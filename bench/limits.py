@@ -5,7 +5,9 @@ server's budget (EXPLORER_RUN_MEMORY_GIB, EXPLORER_JOB_TIMEOUT_S). Writes bench/
 "Largest accepted": every numeric setting at its maximum, then, while validate() refuses, the setting its
 message names lowered to the largest value it says fits. Each run is `python -m backend run` (the job
 leader, as the server starts it); memory is the resident anonymous memory of its whole process tree,
-sampled every 50 ms, the same sum the leader enforces.
+sampled every 50 ms, the same sum the leader enforces. Each row also has the run's CPU seconds (the leader and
+every rank it waited for) and the load average when it started: wall time on a shared 2-core box depends on the
+load, CPU time does not.
 
     nice python bench/limits.py [--only NAME,...] [--defaults]
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,19 +57,26 @@ def largest_accepted(exp) -> dict:
 
 def measure(name: str, config: dict, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "backend", "run", name, "--config-json", json.dumps(config), "--json"]
-    start = time.monotonic()
+    start, load = time.monotonic(), os.getloadavg()[0]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    peak = 0
-    while proc.poll() is None:
+    peak, out = 0, []
+    threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True).start()
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:  # the usage of the leader and every rank it waited for
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            break
         peak = max(peak, limits.tree_memory(proc.pid))
         time.sleep(0.05)
         if time.monotonic() - start > timeout_s + 60:
             proc.kill()
     wall = time.monotonic() - start
-    lines = proc.stdout.read().strip().splitlines()
+    time.sleep(0.2)
+    lines = "".join(out).strip().splitlines()
     report = json.loads(lines[-1]) if lines else {}
     return {"status": report.get("status", f"exit {proc.returncode}"), "error": report.get("error"),
             "passed": report.get("passed"), "peak_bytes": peak, "process_wall_s": round(wall, 2),
+            "process_cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "load_average": round(load, 1),
             "run_wall_s": report.get("wall_s")}
 
 
@@ -90,7 +101,8 @@ def main() -> None:
                "within_budget": est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()}
         rows.append(row)
         print(f"{exp.name:24s} peak {got['peak_bytes'] / 2**30:5.2f} GiB (est {est.memory_bytes / 2**30:5.2f})  "
-              f"run {got['run_wall_s']} s (est {est.seconds:6.1f})  {got['status']}", flush=True)
+              f"run {got['run_wall_s']} s (est {est.seconds:6.1f}; CPU {got['process_cpu_s']} s, load "
+              f"{got['load_average']})  {got['status']}", flush=True)
     out = {"device": describe()["name"], "memory_budget_bytes": limits.memory_budget(),
            "time_budget_s": limits.time_budget(), "mode": "defaults" if args.defaults else "largest accepted",
            "all_covered": all(r["memory_covered"] and r["time_covered"] for r in rows), "rows": rows}
