@@ -3,6 +3,7 @@ GEMMs; and two probes that measure this machine (a streaming copy and a matmul).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,16 @@ def gemm_intensity(m: int, n: int, k: int, elem: int) -> float:
 def attention_intensity(n: int, d: int, elem: int, hbm_bytes: float, causal: bool = False) -> float:
     flops = 4 * n * n * d * (0.5 if causal else 1.0)
     return flops / hbm_bytes
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (Linux sysfs); 32 MiB where the machine does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
 
 
 def probe_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
