@@ -15,6 +15,9 @@ Each micro-batch's mean loss is weighted by its share of the global batch's toke
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
 the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
+
+Expert parallel is not a dimension here: the tiny LLaMA's feed-forward is one dense SwiGLU, so an ep dimension
+would need an MoE variant of the reference model first; parallel.ep runs the MoE layer on its own.
 """
 from __future__ import annotations
 
