@@ -9,6 +9,7 @@ so `sent_bytes` is what this rank really put on the wire, and every call is one 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -105,20 +106,34 @@ def gloo_bytes(op: str, numel: int, n: int, item: int) -> int:
 
 class WrittenBytes:
     """Bytes this process handed to write system calls inside a `with` block, and how many calls (Linux's
-    /proc/self/io wchar and syscw). On a rank that writes no file meanwhile that is what gloo put on its sockets:
-    every message's payload and its GLOO_PREAMBLE, so `payload` = bytes - calls x GLOO_PREAMBLE. None where there
-    is no /proc (then nothing is measured, and nothing claimed)."""
+    /proc/self/io wchar and syscw), less what its other Python threads wrote meanwhile (a run leader's heartbeat
+    to the store, a result queue's feeder: /proc/self/task/TID/io). What remains is this thread's and gloo's own
+    C++ threads': on a rank that writes no file meanwhile, what gloo put on its sockets, every message's payload
+    and its GLOO_PREAMBLE, so `payload` = bytes - calls x GLOO_PREAMBLE. None where there is no /proc (then
+    nothing is measured, and nothing claimed)."""
 
     def __init__(self):
         self.bytes = self.calls = self.payload = None
 
     @staticmethod
-    def _read():
+    def _io(path: str) -> tuple[int, int]:
+        fields = dict(line.split(": ") for line in open(path).read().splitlines())
+        return int(fields["wchar"]), int(fields["syscw"])
+
+    @classmethod
+    def _read(cls):
         try:
-            fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+            written, calls = cls._io("/proc/self/io")
+            for t in threading.enumerate():
+                if t is not threading.current_thread() and t.native_id is not None:
+                    try:
+                        other = cls._io(f"/proc/self/task/{t.native_id}/io")
+                    except OSError:  # the thread ended between the listing and the read
+                        continue
+                    written, calls = written - other[0], calls - other[1]
         except OSError:
             return None
-        return int(fields["wchar"]), int(fields["syscw"])
+        return written, calls
 
     def __enter__(self):
         self._start = self._read()
@@ -129,4 +144,3 @@ class WrittenBytes:
         if self._start and end:
             self.bytes, self.calls = end[0] - self._start[0], end[1] - self._start[1]
             self.payload = self.bytes - self.calls * GLOO_PREAMBLE
-
