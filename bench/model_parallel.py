@@ -1,5 +1,6 @@
 """Benchmark: step time, bytes sent and memory per rank for tensor (and sequence), expert and context parallel
-at 2 and 4 ranks, and the mesh at 2, 4 and seed 002's 8 ranks. Writes bench/results/model_parallel.json.
+at 2 and 4 ranks (with DTensor's bytes beside ours for tensor parallel), and the mesh at 2, 4 (with and without
+a context-parallel dimension) and seed 002's 8 ranks. Writes bench/results/model_parallel.json.
 
     python bench/model_parallel.py
 """
@@ -52,7 +53,8 @@ def per_rank(name: str, result, world: int) -> list[dict]:
 
 def main() -> None:
     cases = [(name, world, {}) for world in (2, 4) for name in ("parallel.tp", "parallel.ep", "parallel.cp")]
-    cases += [("parallel.mesh", 2, {"tp": 2, "pp": 1}), ("parallel.mesh", 4, {"tp": 2, "pp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2})]
+    cases += [("parallel.mesh", 2, {"tp": 2, "pp": 1}), ("parallel.mesh", 4, {"tp": 2, "pp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2}),
+              ("parallel.mesh", 4, {"tp": 2, "pp": 1, "cp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2, "cp": 2})]
     cases += [("parallel.mesh", 8, dict(preset)) for preset in PRESETS.values()]
     rows = []
     for name, world, extra in cases:
@@ -63,6 +65,9 @@ def main() -> None:
         result = experiments.run(name, **settings)
         rows.append({"experiment": name, "settings": settings, "passed": result.passed, "wall_s": round(time.time() - started, 2),
                      "rank0_step_ms": step_ms(name, result), "per_rank": per_rank(name, result, world)})
+        if name == "parallel.tp":  # DTensor's bytes on the same layers, written to rank 0's sockets, beside ours
+            rows[-1]["dtensor_vs_ours_bytes"] = [{k: r[k] for k in ("layer", "dtensor_bytes_written", "ours_bytes_written")}
+                                                 for r in result.tables["dtensor"]]
         print(json.dumps(rows[-1])[:300], flush=True)
     out = {"benchmark": "model_parallel", "device": describe(), "code_version": experiments.code_version(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,

@@ -70,7 +70,19 @@ def render(result: dict, rec) -> None:
         worked_examples(t["worked_examples"])
 
     st.subheader("DTensor (parallelize_module) on the same layers")
-    st.dataframe(pd.DataFrame(t["dtensor"]), hide_index=True, width="stretch")
+    peer = pd.DataFrame(t["dtensor"])
+    if peer["dtensor_bytes_written"].notna().all():
+        sent = pd.DataFrame([{"layer": r["layer"], "side": side, "bytes": r[f"{key}_bytes_written"], "model": r[f"{key}_bytes_model"]}
+                             for r in t["dtensor"] for side, key in (("DTensor on gloo", "dtensor"), ("ours", "ours"))])
+        st.altair_chart(alt.Chart(sent).mark_bar().encode(
+            x=alt.X("bytes:Q", title="bytes rank 0 wrote to its sockets, forward + backward (measured, B)"),
+            y=alt.Y("side:N", title=None), color=alt.Color("side:N", legend=None), row=alt.Row("layer:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
+            tooltip=["layer", "side", alt.Tooltip("bytes:Q", format=","), alt.Tooltip("model:Q", format=",", title="model (B)")]
+        ).properties(height=alt.Step(22), width=420))
+        st.caption("Measured from /proc/self/io (bytes handed to write calls, less gloo's 48 B message preamble), beside "
+                   "the model of the collectives each side issued (the tooltip). Every DTensor collective, with its size, "
+                   "is in the run's dtensor_collectives table.")
+    st.dataframe(peer, hide_index=True, width="stretch")
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
     st.dataframe(pd.DataFrame(t["tp_vs_pp"]), hide_index=True, width="stretch")
     timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")

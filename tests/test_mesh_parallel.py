@@ -1,4 +1,6 @@
-"""3D parallel: every factorisation of 4 ranks into pp x dp x tp trains the tiny LLaMA like one process."""
+"""3D parallel: every factorisation of 4 ranks into pp x dp x cp x tp trains the tiny LLaMA like one process."""
+import itertools
+import math
 import multiprocessing
 
 import pytest
@@ -8,9 +10,12 @@ from backend.config import ConfigError
 from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import PRESETS, MeshConfig
+from backend.parallel.wire import ring_bytes
 
-FACTORISATIONS = [(1, 1), (4, 1), (1, 4), (2, 1), (1, 2), (2, 2)]  # (tp, pp); dp = 4 / (tp x pp)
-BASE = dict(world_size=4, batch=8, seq=4, d_model=16, n_heads=4, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=2)
+DIMS = ("pp", "dp", "cp", "tp")
+FACTORISATIONS = [f for f in itertools.product((1, 2, 4), repeat=4) if math.prod(f) == 4]  # (pp, dp, cp, tp): 10 of them
+# GQA (8 query heads, 4 KV heads) so tp and the ring both split grouped heads; seq 8 divides into cp=4's 8 zigzag chunks
+BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=2)
 
 
 def _all(rank, world, configs, ctx):
@@ -19,24 +24,61 @@ def _all(rank, world, configs, ctx):
 
 @pytest.fixture(scope="module")
 def runs():
-    configs = [MeshConfig(tp=tp, pp=pp, **BASE).validate() for tp, pp in FACTORISATIONS]
+    configs = [MeshConfig(pp=pp, cp=cp, tp=tp, **BASE).validate() for pp, _, cp, tp in FACTORISATIONS]
     per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=600))
     assert multiprocessing.active_children() == []
     return [(cfg, [per_rank[r][i] for r in range(4)]) for i, cfg in enumerate(configs)]
 
 
 def test_every_factorisation_of_four_ranks_equals_one_process(runs):
-    assert sorted((c.pp, c.dp, c.tp) for c, _ in runs) == sorted([(1, 4, 1), (1, 1, 4), (4, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)])
+    assert len(runs) == 10 and {(c.pp, c.dp, c.cp, c.tp) for c, _ in runs} == set(FACTORISATIONS)
     for cfg, payloads in runs:
         result = mesh.combine(cfg, payloads)
-        assert result.passed, ((cfg.pp, cfg.dp, cfg.tp), [(c.name, c.error) for c in result.checks if not c.passed])
+        assert result.passed, ((cfg.pp, cfg.dp, cfg.cp, cfg.tp), [(c.name, c.error) for c in result.checks if not c.passed])
         assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
+        sent = {k: sum(p["bytes"][k] for p in payloads) for k in payloads[0]["bytes"]}
+        used = {"tp": cfg.tp, "pp": cfg.pp, "cp ring": cfg.cp, "dp gradients": cfg.dp, "cp gradients": cfg.cp}
+        assert {k for k, v in sent.items() if v} == {k for k, n in used.items() if n > 1}  # each dimension talks, only it
 
 
 def test_groups_follow_the_mesh(runs):
     cfg, payloads = next((c, p) for c, p in runs if (c.tp, c.pp) == (2, 2))
     groups = {g["dimension"]: g["ranks"] for g in mesh.combine(cfg, payloads).tables["groups"] if g["group"] == 0}
     assert groups == {"tp": [0, 1], "pp": [0, 2]}  # tensor parallel innermost: neighbouring ranks
+    cfg, payloads = next((c, p) for c, p in runs if (c.cp, c.dp) == (2, 2))
+    groups = {g["dimension"]: g["ranks"] for g in mesh.combine(cfg, payloads).tables["groups"] if g["group"] == 0}
+    assert groups == {"cp": [0, 1], "dp": [0, 2]}
+
+
+def test_context_parallel_ranks_hold_zigzag_positions_and_ring_the_kv(runs):
+    cfg, payloads = next((c, p) for c, p in runs if c.cp == 4)
+    result = mesh.combine(cfg, payloads)
+    assert [r["cp"] for r in result.tables["ranks"]] == [0, 1, 2, 3]
+    ring = [e for p in payloads for e in p["trace"]["events"] if e["name"].startswith("K/V block")]
+    assert len(ring) == 4 * cfg.steps * cfg.microbatches * cfg.layers * 2 * (cfg.cp - 1)  # forward and backward
+
+
+def test_a_wrong_shard_fails(runs):
+    cfg, payloads = next((c, p) for c, p in runs if c.tp == 4)
+    name = next(k for k in payloads[0]["params"] if "w13" in k)
+    payloads[0]["params"][name], payloads[1]["params"][name] = payloads[1]["params"][name], payloads[0]["params"][name]
+    assert not mesh.combine(cfg, payloads).passed
+
+
+def test_a_wrong_ring_byte_count_fails(runs):
+    cfg, payloads = next((c, p) for c, p in runs if c.cp == 2 and c.tp == 2)
+    payloads[0]["bytes"]["cp ring"] += 8
+    assert not mesh.combine(cfg, payloads).passed
+
+
+def test_ring_bytes_of_uneven_chunks_add_up():
+    """Chunks that do not divide evenly (torch.tensor_split): per-rank shares differ, and sum to the ring's total."""
+    for numel, n in ((10, 4), (7, 3), (6, 4)):
+        shares = [ring_bytes("all_reduce", numel, n, 8, j) for j in range(n)]
+        assert sum(shares) == 2 * (n - 1) * numel * 8 and len(set(shares)) > 1
+        assert sum(ring_bytes("reduce_scatter", numel, n, 8, j) for j in range(n)) == (n - 1) * numel * 8
+    with pytest.raises(ValueError):
+        ring_bytes("all_reduce", 10, 4, 8)
 
 
 def test_a_wrong_shard_fails(runs):
@@ -56,6 +98,8 @@ def test_seed_002_preset_is_valid():
     ({"world_size": "4", "tp": "3", "pp": "1"}, "tp"), ({"world_size": "4", "tp": "1", "pp": "4", "layers": "6"}, "layers"),
     ({"world_size": "4", "tp": "4", "pp": "1", "n_kv_heads": "2"}, "n_kv_heads"),
     ({"world_size": "8", "tp": "1", "pp": "1", "batch": "4"}, "batch"),
+    ({"world_size": "4", "tp": "1", "pp": "1", "cp": "4", "seq": "12"}, "seq"),
+    ({"world_size": "4", "tp": "2", "pp": "1", "cp": "4"}, "tp"),
 ])
 def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:

@@ -6,7 +6,7 @@ from tests.conftest import REPO
 
 PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel.py": ("parallel.ep", {}),
          "pages/context_parallel.py": ("parallel.cp", {"seq": "64"}),
-         "pages/mesh_parallel.py": ("parallel.mesh", {"world_size": "2", "pp": "2", "tp": "1", "layers": "2", "steps": "2"})}
+         "pages/mesh_parallel.py": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "cp": "2", "layers": "2", "steps": "2"})}
 
 
 def _app(page, **params):

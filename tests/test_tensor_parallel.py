@@ -49,6 +49,22 @@ def test_sequence_parallel_moves_the_same_bytes_and_saves_memory(run):
     assert held["TP + SP"] < held["TP"] < held["one rank"]
 
 
+def test_dtensor_bytes_measured_on_the_sockets(run):
+    """DTensor's bytes, read from /proc/self/io, equal gloo's volumes for what it issued; at t ranks its MLP moves
+    3 all-reduces of b·s·h (gate and up input gradients apart) where ours moves 2; a byte off fails the check."""
+    cfg, payloads, result = run
+    n, bsh = cfg.world_size, cfg.batch * cfg.seq * cfg.d_model
+    mlp = {r["layer"]: r for r in result.tables["dtensor"]}["MLP: Colwise, Rowwise"]
+    ring = 2 * (n - 1) * bsh // n * 8
+    assert (mlp["dtensor_bytes_written"], mlp["ours_bytes_written"]) == (3 * ring, 2 * ring)
+    issued = [c for c in result.tables["dtensor_collectives"] if c["rank"] == 0 and c["layer"].startswith("block")]
+    assert {c["op"] for c in issued} == {"all_gather", "reduce_scatter", "all_reduce"}
+    row = payloads[1]["dtensor"]["block: SequenceParallel norms, Colwise, Rowwise"]
+    row["dtensor_written_payload"] += 8
+    assert not tp.combine(cfg, payloads).passed
+    row["dtensor_written_payload"] -= 8
+
+
 def test_the_mlp_all_reduce_is_b_s_h(run):
     cfg, payloads, result = run
     n, bsh = cfg.world_size, cfg.batch * cfg.seq * cfg.d_model

@@ -10,6 +10,10 @@ Causal masking uses global positions. With a contiguous split rank 0 has nothing
 the last rank attends to everything; the zigzag split (rank r holds chunks r and 2n-1-r of 2n) gives every
 rank the same number of unmasked scores. Backward is the same ring in reverse roles: K/V blocks travel again,
 and each block's dK/dV accumulator travels with it, one step behind, and finally home.
+
+With GQA (fewer K/V heads than query heads) the ring carries the K/V heads only; each is repeated over its
+group of query heads inside the block computation, and its gradient summed back over the group.
+`SequenceShard` is what a model needs to run this inside its attention (backend/parallel/mesh_train.py).
 """
 from __future__ import annotations
 
@@ -76,6 +80,16 @@ def _visible(pos_q, pos_k, causal) -> bool:
     return not causal or bool(pos_k.min() <= pos_q.max())
 
 
+def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """(2, b, kv_heads, s, d) -> (2, b, kv_heads * group, s, d): each K/V head serves `group` query heads."""
+    return kv.repeat_interleave(group, 2) if group > 1 else kv
+
+
+def _fold(dkv: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of _repeat: sum over each K/V head's group."""
+    return dkv.unflatten(2, (-1, group)).sum(3) if group > 1 else dkv
+
+
 class RingAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, pos, ring, causal, steps_log):
@@ -84,44 +98,47 @@ class RingAttention(Function):
         all_pos = [pos[(r - i) % n] for i in range(n)]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
-        kv = torch.stack([k, v])
+        own = kv = torch.stack([k, v])
+        group = q.shape[1] // k.shape[1]
         for i in range(n):
             handle = ring.start(kv, i, f"K/V block of rank {(r - i - 1) % n} in") if i < n - 1 else None
             src = (r - i) % n
             with ring.tracer.span("compute", f"attend to block of rank {src}", step=i):
                 if _visible(pos[r], all_pos[i], causal):
-                    o_i, lse_i, _ = block_attention(q, kv[0], kv[1], pos[r], all_pos[i], causal, scale)
+                    k_i, v_i = _repeat(kv, group)
+                    o_i, lse_i, _ = block_attention(q, k_i, v_i, pos[r], all_pos[i], causal, scale)
                     out, lse = merge(out, lse, o_i, lse_i)
             last = lse[0, 0, -1].item()  # the running log-sum-exp of this rank's last query (batch 0, head 0)
             steps_log.append({"step": i, "block_of_rank": src, "computed": _visible(pos[r], all_pos[i], causal),
                               "running_lse_last_query": last if math.isfinite(last) else None})
             if handle:
                 kv = ring.finish(handle)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, own, out, lse)  # K and V as one stacked tensor: the block this rank sends first
         ctx.args = (pos, ring, causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         pos, ring, causal, scale = ctx.args
         n, r = ring.n, ring.index
         delta = (grad_out * out).sum(-1)
         dq = torch.zeros_like(q)
-        kv, acc, acc_handle = torch.stack([k, v]), None, None
+        acc, acc_handle, group = None, None, q.shape[1] // kv.shape[2]
         for i in range(n):
             src = (r - i) % n
             handle = ring.start(kv, n + i, f"K/V block of rank {(r - i - 1) % n} in (backward)") if i < n - 1 else None
             contrib = torch.zeros_like(kv)
             with ring.tracer.span("compute", f"backward on block of rank {src}", step=i):
                 if _visible(pos[r], pos[src], causal):
-                    s = q @ kv[0].transpose(-1, -2) * scale
+                    k_i, v_i = _repeat(kv, group)
+                    s = q @ k_i.transpose(-1, -2) * scale
                     if causal:
                         s = s.masked_fill(pos[src][None, :] > pos[r][:, None], float("-inf"))
                     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)       # the final softmax, recomputed per block
-                    ds = p * (grad_out @ kv[1].transpose(-1, -2) - delta[..., None])
-                    dq += ds @ kv[0] * scale
-                    contrib = torch.stack([ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ grad_out])
+                    ds = p * (grad_out @ v_i.transpose(-1, -2) - delta[..., None])
+                    dq += ds @ k_i * scale
+                    contrib = _fold(torch.stack([ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ grad_out]), group)
             acc = contrib if acc_handle is None else ring.finish(acc_handle) + contrib
             # this block's dK/dV goes on to the next rank (after the last step: home to its owner)
             acc_handle = ring.start(acc, 2 * n + i, f"dK/dV of rank {src}'s block out")
@@ -129,3 +146,18 @@ class RingAttention(Function):
                 kv = ring.finish(handle)
         home = ring.finish(acc_handle)
         return dq, home[0], home[1], None, None, None, None
+
+
+class SequenceShard:
+    """This rank's share of every sequence under context parallel: its global positions (zigzag split, so causal
+    work is equal per rank), and ring attention over the cp group for a model's attention to call."""
+
+    def __init__(self, seq: int, index: int, n: int, ranks: list[int], tracer):
+        self.all = [positions(seq, j, n, "zigzag") for j in range(n)]
+        self.mine = self.all[index]
+        self.ring = Ring(index, n, ranks, tracer)
+        self.steps: list[dict] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries (b, heads, s/n, d) to every rank's keys and values."""
+        return RingAttention.apply(q, k, v, self.all, self.ring, True, self.steps)

@@ -1,27 +1,36 @@
-"""3D parallel: the tiny LLaMA trained on a pp x dp x tp mesh (seed 002: "pipeline, then tensor, then data
-parallel, together").
+"""3D (and 4D) parallel: the tiny LLaMA trained on a pp x dp x cp x tp mesh (seed 002: "pipeline, then tensor,
+then data parallel, together"; context parallel as a fourth dimension).
 
 Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embedding on the first stage, the
 head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
-(backend/parallel/tp.py), and trains on data-parallel slice mesh.index("dp") of every step's batch:
+(backend/parallel/tp.py), trains on data-parallel slice mesh.index("dp") of every step's batch, and within
+each sequence on context-parallel shard mesh.index("cp") of the positions (zigzag, backend/parallel/cp.py):
   forward   micro-batch by micro-batch (GPipe: all forwards, then all backwards), activations sent to the
-            same (dp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces
-  backward  input gradients sent back stage to stage
-  sync      the gradients all-reduced over dp (one flat ring all-reduce), then Adam on the local shard
+            same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
+            attention the K/V blocks of the other positions coming round the cp ring
+  backward  input gradients sent back stage to stage (and dK/dV round the ring)
+  sync      the gradients all-reduced over dp, then over cp (one flat ring all-reduce each; Megatron-LM runs
+            one over the merged dp x cp group, the same sum), then Adam on the local shard
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
-over micro-batches and dp ranks are those of one process on the whole batch, and Adam, elementwise, updates
-each shard exactly as it updates those elements of the full tensor.
+over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
+updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
+the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
+
+Expert parallel is not a dimension here: the tiny LLaMA's feed-forward is one dense SwiGLU, so an ep dimension
+would need an MoE variant of the reference model first; parallel.ep runs the MoE layer on its own.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.sp import SavedActivations
 from backend.parallel.tp import TPDecoder
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
+from backend.parallel.workload import Adam, flat_params, load_flat
 from backend.trace import Tracer
 
 
@@ -58,13 +67,27 @@ class Pipe:
         return out
 
 
+def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
+    """Ring all-reduce of the flat gradient vector over one mesh dimension (zero-padded to equal chunks)."""
+    if wire.n == 1:
+        return flat
+    padded = torch.zeros(-(-flat.numel() // wire.n) * wire.n, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    return wire.all_reduce(padded, "backward", what)[:flat.numel()]
+
+
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
-    mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, tp=config.tp)
+    mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, tp=config.tp)
     tracer = Tracer(rank)
-    tp, dp = Wire.along(mesh, "tp", tracer), Wire.along(mesh, "dp", tracer)
+    tp, dp, cp = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp"))
+    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), tracer) if config.cp > 1 else None
+    columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
+    local_seq = config.seq // config.cp
     stage, stages = mesh.index("pp"), mesh.size("pp")
     model = TPDecoder(reference_model(config), tp, stage=stage, stages=stages)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    params = list(model.parameters())
+    weights = flat_params(model)
+    adam, m, v = Adam(config.lr), torch.zeros_like(weights), torch.zeros_like(weights)
     pipe = Pipe(mesh, tracer)
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     losses, activation_bytes = [], 0
@@ -72,16 +95,17 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     for step in range(config.steps):
         mine = tokens(config).tensor_split(config.dp)[mesh.index("dp")]
         saved, total = [], 0.0
-        memory = SavedActivations(model.parameters())
+        memory = SavedActivations(params)
         for j, mb in enumerate(mine.tensor_split(config.microbatches)):
-            shape = (mb.shape[0], config.seq, config.d_model)
+            inputs, targets = mb[:, :-1][:, columns], mb[:, 1:][:, columns]
+            shape = (mb.shape[0], local_seq, config.d_model)
             with tracer.span("compute", f"F{j}", kind="F", mb=j):
-                x = model.embed(mb[:, :-1]) if model.first else pipe.recv(shape, stage - 1, 2 * j, f"activation {j}").requires_grad_()
+                x = model.embed(inputs) if model.first else pipe.recv(shape, stage - 1, 2 * j, f"activation {j}").requires_grad_()
                 with memory:
-                    y = model.run_blocks(x)
+                    y = model.run_blocks(x, shard)
                 if model.last:
-                    loss, _ = model.head_loss(y, mb[:, 1:])
-                    y = loss * (mb[:, 1:].numel() / global_tokens)  # this micro-batch's share of the global mean
+                    loss, _ = model.head_loss(y, targets)
+                    y = loss * (targets.numel() / global_tokens)  # this micro-batch's share of the global mean
                     total += y.item()
             if not model.last:
                 pipe.send(y.detach(), stage + 1, 2 * j, f"activation {j}")
@@ -94,30 +118,25 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
                 y.backward() if model.last else y.backward(pipe.recv(shape, stage + 1, 2 * j + 1, f"gradient {j}"))
             if not model.first:
                 pipe.send(x.grad, stage - 1, 2 * j + 1, f"gradient {j}")
-        params = list(model.parameters())
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        padded = torch.zeros(-(-flat.numel() // config.dp) * config.dp, dtype=flat.dtype)  # even ring chunks
-        padded[:flat.numel()] = flat
-        summed = dp.all_reduce(padded, "backward", "data-parallel gradients")[:flat.numel()]
-        offset = 0
-        for p in params:
-            p.grad.copy_(summed[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        grads = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = sum_gradients(cp, sum_gradients(dp, grads, "data-parallel gradients"), "context-parallel gradients")
         with tracer.span("compute", f"adam {step}", kind="optimizer"):
-            opt.step()
-            opt.zero_grad()
+            adam.update(weights, grads, m, v)
+            load_flat(model, weights)
+            model.zero_grad(set_to_none=True)
         reported = torch.tensor([total], dtype=torch.float64)
-        if config.dp > 1:
-            dist.all_reduce(reported, group=mesh.group("dp"))  # reporting only: the step's loss on the last stage
+        for dim in ("dp", "cp"):  # reporting only: the step's loss, on the last stage
+            if mesh.size(dim) > 1:
+                dist.all_reduce(reported, group=mesh.group(dim))
         losses.append(reported.item())
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
-    n_params = sum(p.numel() for p in model.parameters())
-    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "tp")}, "last_stage": model.last,
+    n_params = weights.numel()
+    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "tp")}, "last_stage": model.last,
             "losses": losses, "params": {k: p.detach().numpy().copy() for k, p in model.named_parameters()},
             "sources": model.sources(),
             "memory": {"parameters": n_params * 8, "gradients": n_params * 8, "optimizer states": 2 * n_params * 8,
                        "activations": activation_bytes},
-            "bytes": {"tp": tp.sent_bytes, "pp": pipe.sent, "dp": dp.sent_bytes}, "flat_numel": flat.numel(),
-            "layers_here": len(model.blocks), "mesh": mesh.describe(), "trace": tracer.payload()}
-
+            "bytes": {"tp": tp.sent_bytes, "pp": pipe.sent, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
+                      "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes},
+            "flat_numel": n_params, "layers_here": len(model.blocks), "mesh": mesh.describe(), "trace": tracer.payload()}

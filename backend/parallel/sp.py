@@ -53,21 +53,28 @@ class ReduceScatterToSP(Function):
         return ctx.wire.all_gather(grad, SEQ, "backward", ctx.name), None, None
 
 
-def activation_elements(b: int, s: int, h: int, heads: int, q_dim: int, d_ff: int, t: int, sp: bool) -> dict[str, float]:
+def activation_elements(b: int, s: int, h: int, heads: int, q_dim: int, d_ff: int, t: int, sp: bool,
+                        ring_kv_dim: int | None = None) -> dict[str, float]:
     """Elements one block of our decoder saves for backward on one rank (tensor-parallel degree t).
 
     RMSNorm (composed of elementwise ops): its input x, x·rsqrt and its output (read by the next linear): 3sbh,
       plus rsqrt itself, sb; two norms per block. Replicated under TP; split by t under SP.
     Attention (heads split): q and k after RoPE for QKᵀ, v for PV (k and v repeated over their GQA group), the
       softmax output a·s²·b, and the output projection's input: 4·sb·q_dim + a·s²·b, all split by t.
+    With ring attention (context parallel; s is then this rank's positions, `ring_kv_dim` the K/V width) the
+      scores are never kept: q, the stacked K and V (not repeated), the output and its log-sum-exp, and the output
+      projection's input: 3·sb·q_dim + 2·sb·kv_dim + a·s·b, split by t.
     SwiGLU: gate and up outputs, silu(gate), silu(gate)·up: 4·sb·d_ff, split by t.
     """
     norm_split = t if sp else 1
-    return {"norms (x, x·rsqrt, output)": 2 * 3 * s * b * h / norm_split,
-            "norm rsqrt": 2 * s * b / norm_split,
-            "attention q, k, v, output-projection input": 4 * s * b * q_dim / t,
-            "softmax output (a·s²·b)": heads * s * s * b / t,
-            "SwiGLU gate, up, silu, product": 4 * s * b * d_ff / t}
+    norms = {"norms (x, x·rsqrt, output)": 2 * 3 * s * b * h / norm_split, "norm rsqrt": 2 * s * b / norm_split}
+    if ring_kv_dim is None:
+        attention = {"attention q, k, v, output-projection input": 4 * s * b * q_dim / t,
+                     "softmax output (a·s²·b)": heads * s * s * b / t}
+    else:
+        attention = {"ring attention q, stacked K/V, output, output-projection input": (3 * q_dim + 2 * ring_kv_dim) * s * b / t,
+                     "log-sum-exp (a·s·b)": heads * s * b / t}
+    return {**norms, **attention, "SwiGLU gate, up, silu, product": 4 * s * b * d_ff / t}
 
 
 def korthikanti_bytes(b: int, s: int, h: int, heads: int, t: int, sp: bool) -> float:

@@ -107,12 +107,16 @@ class TPAttention(nn.Module):
                                          wire, sp, "attention")
         self.wo = RowParallelLinear(state, [(prefix + "wo.weight", q)], wire, sp, "attention")
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, shard=None):
+        """x: (b, s, h). With `shard` (context parallel, backend/parallel/cp.py) x holds this rank's positions of
+        each sequence and the other positions' keys and values come round the cp ring."""
         qkv = self.wqkv(x)
         b, s = qkv.shape[:2]
         q, k, v = qkv.split([self.heads * self.d_head, self.kv_heads * self.d_head, self.kv_heads * self.d_head], -1)
         q, k, v = (t.view(b, s, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if shard is not None:
+            return self.wo(shard.attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
@@ -191,8 +195,8 @@ class TPBlock(nn.Module):
         self.attn = TPAttention(state, p + "attn.", shape, wire, sp, r, n)
         self.ffn = TPSwiGLU(state, p + "ffn.", shape, wire, sp, r, n)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, shard=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, shard)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -223,11 +227,14 @@ class TPDecoder(nn.Module):
             x = self.run_blocks(x)
         return self.head_loss(x, tokens[:, 1:])
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1] * (self.wire.n if self.sp else 1)
-        cos, sin = rope_angles(torch.arange(seq), self.shape.d_head, dtype=x.dtype)
+    def run_blocks(self, x: torch.Tensor, shard=None) -> torch.Tensor:
+        """The blocks on x; with a context-parallel `shard` x holds the positions shard.mine of each sequence."""
+        if shard is not None and self.sp:
+            raise ValueError("sequence parallel and context parallel together are not built")
+        positions = shard.mine if shard is not None else torch.arange(x.shape[1] * (self.wire.n if self.sp else 1))
+        cos, sin = rope_angles(positions, self.shape.d_head, dtype=x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, shard)
         return x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor):

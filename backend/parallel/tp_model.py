@@ -6,11 +6,12 @@ The reference for all of it is the single-process TinyDecoder (backend/models/ll
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.attention.rope import rope_angles
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.parallel.tp import sum_norm_grads
-from backend.parallel.wire import ring_bytes
+from backend.parallel.wire import WrittenBytes, gloo_bytes, ring_bytes
 
 
 def reference_model(config) -> TinyDecoder:
@@ -25,29 +26,37 @@ def tokens(config) -> torch.Tensor:
     return torch.randint(0, config.vocab, (config.batch, config.seq + 1), generator=g)
 
 
-def expected_collectives(config, n: int, sp: bool) -> list[dict]:
-    """Every collective of one forward and backward on one rank: (phase, op, name, numel), in the order run."""
-    nh, tokens_, h = config.batch * config.seq * config.d_model, config.batch * config.seq, config.d_model
+def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, seq: int | None = None,
+                         layers: int | None = None, first: bool = True, last: bool = True, index: int = 0) -> list[dict]:
+    """Every collective of one forward and backward on rank `index` of n: (phase, op, name, numel, sent_bytes), in
+    the order run. By default the whole model on config's batch; a pipeline stage gives its `layers`, whether it is
+    the `first` (embedding) and `last` (head, loss), and its micro-batch's `batch` and (context-parallel) `seq`."""
+    b, s, L = batch or config.batch, seq or config.seq, config.layers if layers is None else layers
+    nh, tokens_, h = b * s * config.d_model, b * s, config.d_model
     rows = []
 
     def add(phase, op, name, numel):
         rows.append({"phase": phase, "op": op, "name": name, "numel": numel})
     if sp:
-        add("forward", "reduce_scatter", "embedding", nh)
-        for _ in range(config.layers):
+        if first:
+            add("forward", "reduce_scatter", "embedding", nh)
+        for _ in range(L):
             for name in ("attention", "mlp"):
                 add("forward", "all_gather", name, nh // n)
                 add("forward", "reduce_scatter", name, nh)
-        add("forward", "all_gather", "head", nh // n)
+        if last:
+            add("forward", "all_gather", "head", nh // n)
     else:
-        add("forward", "all_reduce", "embedding", nh)
-        for _ in range(config.layers):
+        if first:
+            add("forward", "all_reduce", "embedding", nh)
+        for _ in range(L):
             add("forward", "all_reduce", "attention", nh)
             add("forward", "all_reduce", "mlp", nh)
-    add("forward", "all_gather", "cross entropy: max", tokens_)
-    add("forward", "all_reduce", "cross entropy: target logit", tokens_)
-    add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
-    for name in ["head"] + ["mlp", "attention"] * config.layers:
+    if last:
+        add("forward", "all_gather", "cross entropy: max", tokens_)
+        add("forward", "all_reduce", "cross entropy: target logit", tokens_)
+        add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
+    for name in ["head"] * last + ["mlp", "attention"] * L:
         if sp:
             if name != "head":
                 add("backward", "all_gather", name, nh // n)  # g' backward
@@ -56,13 +65,44 @@ def expected_collectives(config, n: int, sp: bool) -> list[dict]:
         else:
             add("backward", "all_reduce", name, nh)
     if sp:
-        add("backward", "all_gather", "embedding", nh // n)
-        for _ in range(2 * config.layers + 1):
+        if first:
+            add("backward", "all_gather", "embedding", nh // n)
+        for _ in range(2 * L + last):
             add("backward", "all_reduce", "norm weight gradients", h)
     item = 8  # float64
     for r in rows:
-        r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, item)
+        r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, item, index)
     return rows
+
+
+class DTensorCollectives(TorchDispatchMode):
+    """A dispatch mode that sees the functional collectives DTensor lowers its redistributions to (below DTensor,
+    on plain tensors), recording each one's op and input size and what gloo sends for it on one of n ranks."""
+
+    OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.rows = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor  # imported by then: the caller built DTensors
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower itself first, then see what it issues
+        name = func._overloadpacket.__name__
+        if func.namespace in ("_c10d_functional", "c10d_functional") and name in self.OPS:
+            t, op = args[0], self.OPS[name]
+            self.rows.append({"op": op, "numel": t.numel(), "model_bytes": gloo_bytes(op, t.numel(), self.n, t.element_size())})
+        return func(*args, **(kwargs or {}))
+
+    def counts(self) -> dict[str, int]:
+        """Calls per op under torch's names, as CommDebugMode.get_comm_counts reports them."""
+        torch_name = {v: k for k, v in self.OPS.items()}
+        out: dict[str, int] = {}
+        for r in self.rows:
+            out[torch_name[r["op"]]] = out.get(torch_name[r["op"]], 0) + 1
+        return out
 
 
 def worked_examples(wire) -> list[dict]:
@@ -97,11 +137,13 @@ def worked_examples(wire) -> list[dict]:
                    "row_activation_error": (act_row - torch.tanh(exact)).abs().max().item()}
 
 
-def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:
+def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:
     """PyTorch's own tensor parallel on layer 0 of the same reference, compared output for output and gradient for
     gradient with our TPBlocks (`ours_tp`, `ours_sp`): parallelize_module with ColwiseParallel and RowwiseParallel
     on the MLP and on the attention, and on the whole block with SequenceParallel norms (Megatron-SP's layout).
-    CommDebugMode counts the collectives DTensor issued."""
+    Bytes: DTensorCollectives records every collective DTensor issues with its size (CommDebugMode, torch's own
+    counter, must agree on the counts), gloo_bytes models what gloo sends for them, and WrittenBytes measures what
+    each side really wrote to its sockets, DTensor's through gloo's collectives and ours through gloo's send/recv."""
     import copy
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -137,24 +179,36 @@ def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, sp_wire, x: torch.Ten
         attn = peer.attn if hasattr(peer, "attn") else peer if hasattr(peer, "n_kv_heads") else None
         if attn is not None:
             attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n  # each rank's module sees its heads only
-        mine = ours_sp if "Sequence" in name else ours_tp
+        mine, wire = (ours_sp, sp_wire) if "Sequence" in name else (ours_tp, tp_wire)
+
+        def peer_step(xp):
+            out = call_peer(peer, xp)
+            out.sum().backward()
+            # DTensor leaves a replicated norm weight's gradient Partial (a pending sum over the sequence shards)
+            return out, {k: (g.grad.redistribute(placements=[Replicate()]) if isinstance(g.grad.placements[0], Partial) else g.grad).to_local()
+                         for k, g in peer.named_parameters()}
+        peer_step(x.clone().requires_grad_())  # once unmeasured: a collective's first use sets up more than its message
+        peer.zero_grad(set_to_none=True)
         xp, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with CommDebugMode() as comm:
-            out_peer = call_peer(peer, xp)
-            out_peer.sum().backward()
-        out_mine = call_mine(xo)
-        out_mine.sum().backward()
-        if mine is ours_sp:
-            sum_norm_grads(mine, sp_wire)
-        grads = dict(peer.named_parameters())
-        # DTensor leaves a replicated norm weight's gradient Partial (a pending sum over the sequence shards)
-        local = {k: (g.grad.redistribute(placements=[Replicate()]) if isinstance(g.grad.placements[0], Partial) else g.grad).to_local()
-                 for k, g in grads.items()}
+        with CommDebugMode() as comm, DTensorCollectives(n) as issued, WrittenBytes() as peer_wire:
+            out_peer, local = peer_step(xp)
+        logged = len(wire.log)
+        with WrittenBytes() as our_wire:
+            out_mine = call_mine(xo)
+            out_mine.sum().backward()
+            if mine is ours_sp:
+                sum_norm_grads(mine, sp_wire)
         peer_flat = torch.cat([local[k + ".weight"].reshape(-1) for k in order])
         mine_flat = torch.cat([p.grad.reshape(-1) for p in mine.parameters() if p.grad is not None])
+        counted = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items() if v}
         rows[name] = {"output_error": (out_peer - out_mine).abs().max().item(),
                       "input_grad_error": (xp.grad - xo.grad).abs().max().item(),
                       "weight_grad_error": (peer_flat - mine_flat).abs().max().item(),
-                      "dtensor_collectives": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}}
+                      "dtensor_collectives": counted,
+                      "dtensor_issued": issued.rows, "recorder_agrees": issued.counts() == counted,
+                      "dtensor_model_bytes": sum(r["model_bytes"] for r in issued.rows),
+                      "dtensor_written_bytes": peer_wire.bytes, "dtensor_written_payload": peer_wire.payload,
+                      "ours_model_bytes": sum(r["sent_bytes"] for r in wire.log[logged:]),
+                      "ours_written_bytes": our_wire.bytes, "ours_written_payload": our_wire.payload}
         mine.zero_grad(set_to_none=True)
     return rows

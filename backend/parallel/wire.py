@@ -9,21 +9,30 @@ so `sent_bytes` is what this rank really put on the wire, and every call is one 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
-from backend.comm.collectives import Spec, all_gather_ring, all_reduce_ring, all_to_all_direct, reduce_scatter_ring
+from backend.comm.collectives import Spec, all_gather_ring, chunk_sizes, all_reduce_ring, all_to_all_direct, reduce_scatter_ring
 from backend.comm.p2p import P2P
 
 
-def ring_bytes(op: str, numel: int, n: int, item: int) -> int:
+def ring_bytes(op: str, numel: int, n: int, item: int, index: int | None = None) -> int:
     """What one rank sends in our algorithms: all-reduce 2(n-1)/n and reduce-scatter (n-1)/n of the input's
-    `numel` (which must divide by n, so every chunk is equal); all-gather (n-1) times its own `numel`."""
+    `numel`; all-gather (n-1) times its own `numel`. When numel does not divide by n the chunks differ (torch's
+    tensor_split) and so does each rank's share: give the rank's `index`. Rank j's ring reduce-scatter sends
+    every chunk but (j+1) % n (all-reduce) or j (reduce-scatter alone), the all-reduce's all-gather every chunk
+    but (j+2) % n (backend/comm/collectives.py)."""
     if op == "all_gather":
         return (n - 1) * numel * item
-    if numel % n:
-        raise ValueError(f"the byte model assumes {numel} elements divide by {n}")
-    return {"all_reduce": 2, "reduce_scatter": 1}[op] * (n - 1) * (numel // n) * item
+    if numel % n == 0:
+        return {"all_reduce": 2, "reduce_scatter": 1}[op] * (n - 1) * (numel // n) * item
+    if index is None:
+        raise ValueError(f"{numel} elements do not divide by {n}: the byte model needs the rank's index")
+    sizes = chunk_sizes(numel, n)
+    if op == "reduce_scatter":
+        return (numel - sizes[index]) * item
+    return (2 * numel - sizes[(index + 1) % n] - sizes[(index + 2) % n]) * item
 
 
 class Wire:
@@ -83,3 +92,55 @@ class Wire:
     @property
     def sent_bytes(self) -> int:
         return self.p2p.bytes_sent
+
+
+GLOO_PREAMBLE = 48  # bytes gloo's TCP transport writes ahead of every message (Op::Preamble: six 8-byte fields)
+
+
+def gloo_bytes(op: str, numel: int, n: int, item: int) -> int:
+    """What one rank sends in gloo's own collectives, as measured by WrittenBytes (tests/test_tensor_parallel.py):
+    a ring all-reduce and all-gather, the same volumes as ours; but no reduce-scatter of its own: ProcessGroupGloo
+    all-reduces the whole input and keeps its slice, so a reduce-scatter costs an all-reduce."""
+    return ring_bytes("all_reduce" if op == "reduce_scatter" else op, numel, n, item)
+
+
+class WrittenBytes:
+    """Bytes this process handed to write system calls inside a `with` block, and how many calls (Linux's
+    /proc/self/io wchar and syscw), less what its other Python threads wrote meanwhile (a run leader's heartbeat
+    to the store, a result queue's feeder: /proc/self/task/TID/io). What remains is this thread's and gloo's own
+    C++ threads': on a rank that writes no file meanwhile, what gloo put on its sockets, every message's payload
+    and its GLOO_PREAMBLE, so `payload` = bytes - calls x GLOO_PREAMBLE. None where there is no /proc (then
+    nothing is measured, and nothing claimed)."""
+
+    def __init__(self):
+        self.bytes = self.calls = self.payload = None
+
+    @staticmethod
+    def _io(path: str) -> tuple[int, int]:
+        fields = dict(line.split(": ") for line in open(path).read().splitlines())
+        return int(fields["wchar"]), int(fields["syscw"])
+
+    @classmethod
+    def _read(cls):
+        try:
+            written, calls = cls._io("/proc/self/io")
+            for t in threading.enumerate():
+                if t is not threading.current_thread() and t.native_id is not None:
+                    try:
+                        other = cls._io(f"/proc/self/task/{t.native_id}/io")
+                    except OSError:  # the thread ended between the listing and the read
+                        continue
+                    written, calls = written - other[0], calls - other[1]
+        except OSError:
+            return None
+        return written, calls
+
+    def __enter__(self):
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc):
+        end = self._read()
+        if self._start and end:
+            self.bytes, self.calls = end[0] - self._start[0], end[1] - self._start[1]
+            self.payload = self.bytes - self.calls * GLOO_PREAMBLE
