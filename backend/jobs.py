@@ -206,15 +206,19 @@ class Leader:
         os._exit(code)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """SIGKILL the job's process group (leader, rank fork server, ranks) and wait until every member is gone."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    end = time.monotonic() + wait_s
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         pass
+    while limits.group_members(proc.pid) and time.monotonic() < end:
+        time.sleep(0.02)
 
 
 def log_tail(store: RunStore, run_id: str, lines: int = 15) -> str:

@@ -79,12 +79,18 @@ def time_message(timeout_s: float) -> str:
 
 
 # --- the process tree of a job --------------------------------------------------------------------
-def _stat(pid: int) -> tuple[str, int] | None:
+def _stat(pid: int) -> tuple[str, int, int] | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return fields[0], int(fields[1])  # state, parent pid
+    return fields[0], int(fields[1]), int(fields[2])  # state, parent pid, process group
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and (st := _stat(int(e.name))) and st[0] != "Z" and st[2] == pgid]
 
 
 def descendants(root: int) -> list[int]:

@@ -17,17 +17,9 @@ os.environ.setdefault("EXPLORER_OPEN_ON_DEFAULT_RUN", "0")
 
 def processes_in_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is pgid."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            found.append(int(stat.parent.name))
-    return found
+    from backend.limits import group_members
+
+    return group_members(pgid)
 
 
 @pytest.fixture
