@@ -69,8 +69,8 @@ class PipelineConfig(Config):
                                         f"(p·v; allowed: a multiple of {self.num_stages})")
         if plan.interleaved:
             if self.microbatches < self.world_size:
-                raise ConfigError("microbatches", f"{self.microbatches} is fewer than world_size={self.world_size}; "
-                                                  "an interleaved schedule needs m >= p")
+                raise ConfigError("microbatches", f"{self.microbatches} is fewer than world_size={self.world_size} "
+                                                  f"(allowed with an interleaved schedule: >= {self.world_size})")
             rounds = max(1, self.microbatches // self.world_size)
             if self.microbatches % rounds:
                 raise ConfigError("microbatches", f"{self.microbatches} is not a multiple of its {rounds} rounds (m // p); "
@@ -78,9 +78,11 @@ class PipelineConfig(Config):
         if self.batch % m:
             raise ConfigError("batch", f"{self.batch} does not split into {m} equal micro-batches (allowed: a multiple of microbatches)")
         if self.vertical_sync and not plan.asynchronous:
-            raise ConfigError("vertical_sync", f"vertical sync is for asynchronous schedules ({_names('asynchronous')}), not {self.schedule}")
+            raise ConfigError("vertical_sync", f"vertical sync is for asynchronous schedules, not {self.schedule} "
+                                               f"(allowed: true with schedule {_names('asynchronous')}; false otherwise)")
         if self.recompute and not plan.supports_recompute:
-            raise ConfigError("recompute", f"recomputation is built for {_names('supports_recompute')}, not {self.schedule}")
+            raise ConfigError("recompute", f"recomputation is built for other schedules, not {self.schedule} "
+                                           f"(allowed: true with schedule {_names('supports_recompute')}; false otherwise)")
 
 
 def _names(flag: str) -> str:
