@@ -53,8 +53,9 @@ class ServingSettings(Config):
         """The model, and the simulator calibrated against it on these settings (see calibrate.py)."""
         torch.set_num_threads(1)
         model = tiny_llama(self.seed)
-        return model, calibrate(model, self.scheduler_config(), self.trace(self.profile_requests, self.seed + 1000),
-                                self.trace(self.held_out_requests, self.seed), progress)
+        half = self.profile_requests // 2
+        profiles = [self.trace(half, self.seed + 1000), self.trace(self.profile_requests - half, self.seed + 1001, 2 * self.rate)]
+        return model, calibrate(model, self.scheduler_config(), profiles, self.trace(self.held_out_requests, self.seed), progress)
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
