@@ -166,8 +166,8 @@ class Scheduler:
         starts = self.computed[rids]
         ends = starts + takes
         samples = ends == self.known[rids]
-        decode = (takes == 1) & samples & (self.generated[rids] > 0)
-        step = Step(index, now, rids, starts, takes, samples, ops, int(takes.sum() - decode.sum()), int(decode.sum()),
+        decodes = int(np.count_nonzero((takes == 1) & samples & (self.generated[rids] > 0)))
+        step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
                     int((-(-ends // bs)).sum()))
         first = rids[np.isnan(self.first_scheduled[rids])]
         self.first_scheduled[first] = now
@@ -278,7 +278,8 @@ class Scheduler:
             for rid in done.tolist():
                 self.m.free(rid)
                 self.held[rid] = 0
-            self.running = self.running[~np.isin(self.running, done)]
+            run = self.running
+            self.running = run[self.generated[run] < self.trace.output_len[run]]
         self.log.add(step.start, seconds, len(rids), step.prefill_tokens, step.decode_tokens, step.kv_blocks,
                      len(self.running), len(self.waiting), len(self.swapped))
         if self.record_batches:
@@ -315,7 +316,9 @@ class Scheduler:
             decodes = active[:, :k].sum(0)
             kv = (blocks[:, :k] * active[:, :k]).sum(0)
             times = executor.decode_times(index, decodes, kv)
-            clock = np.cumsum(np.concatenate(([now], times)))[1:]  # summed in order, as one step at a time would
+            clock = np.empty(len(times) + 1)
+            clock[0], clock[1:] = now, times
+            clock = np.cumsum(clock)[1:]  # summed in order, as one step at a time would
             if not self.waiting and self.next_arrival < self.n:  # stop at the step that ends at or after it
                 k = min(k, int(np.searchsorted(clock, self.trace.arrival[self.next_arrival])) + 1)
             if k < horizon or horizon == longest:
@@ -325,28 +328,33 @@ class Scheduler:
         self.known[run] += taken  # first: the manager reads the new tokens' ids to hash the blocks they fill
         # The manager's calls in the steps' order: in each step, a block taken (or filled, with prefix caching)
         # by each running request in running order, then the requests that finished in it freed.
-        after = computed[:, None] + np.arange(1, k + 1)
-        grows = ((after - 1) % bs == 0) | ((after % bs == 0) if c.prefix_caching else False)
-        grows &= active[:, :k]
-        g_step, g_req = np.nonzero(grows.T)
-        done = np.flatnonzero(left <= k)
-        order = np.lexsort((np.concatenate([g_req, done]), np.repeat((0, 1), (len(g_req), len(done))),
-                            np.concatenate([g_step, left[done] - 1])))
-        requests = np.concatenate([g_req, done])[order].tolist()
-        tokens = np.concatenate([after[g_req, g_step], np.zeros(len(done), np.int64)])[order].tolist()
-        for i, (rid, grow) in enumerate(zip(run[requests].tolist(), np.less(order, len(g_req)).tolist())):
-            if grow:
-                m.grow(rid, tokens[i], SequenceTokens(self, rid))
-                self.held[rid] = len(m.seqs[rid].table)
-            else:
+        # (step, 0 = grow / 1 = free, request): a block taken where a step's token starts one, or (prefix
+        # caching) filled where it ends one; a finish frees after that step's growth. Few per run: a Python list.
+        events = []
+        for i, (start, steps) in enumerate(zip(computed.tolist(), taken.tolist())):
+            events += [(t, 0, i) for t in range(-start % bs, steps, bs)]        # token start + t + 1 opens a block
+            if c.prefix_caching and bs > 1:
+                events += [(t, 0, i) for t in range((-start - 1) % bs, steps, bs)]  # ... or fills one
+            if steps == left[i]:
+                events.append((steps - 1, 1, i))
+        events.sort()
+        rids, starts_of = run.tolist(), computed.tolist()
+        for t, finished, i in events:
+            rid = rids[i]
+            if finished:
                 m.free(rid)
                 self.held[rid] = 0
+            else:
+                m.grow(rid, starts_of[i] + t + 1, SequenceTokens(self, rid))
+                self.held[rid] = len(m.seqs[rid].table)
         self.computed[run] += taken
         self.generated[run] += taken
+        done = left <= k
         self.finish[run[done]] = clock[left[done] - 1]
         self.running = run[left > k]
-        starts = np.concatenate(([now], clock[:-1]))
-        running = decodes - np.bincount(left[done] - 1, minlength=k)  # still running after each step
+        starts = np.empty(k)
+        starts[0], starts[1:] = now, clock[:-1]
+        running = decodes - np.bincount(np.minimum(left, k + 1) - 1, minlength=k + 1)[:k]  # still running after each step
         waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
         if self.waiting:
             waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)

@@ -147,7 +147,8 @@ class CostModelExecutor:
         every step has decode tokens)."""
         c0, cp, cd, ckv, cps, cds = self.coef
         mean = c0 + cd * decode_tokens + ckv * kv_blocks + cds
-        noise = self.noise.take(np.arange(index, index + len(kv_blocks)), mode="wrap")
+        start, n = index % NOISE_TABLE, len(kv_blocks)
+        noise = self.noise[start:start + n] if start + n <= NOISE_TABLE else self.noise.take(np.arange(start, start + n), mode="wrap")
         return np.maximum(mean + noise, self.floor)
 
 
