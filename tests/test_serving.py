@@ -141,20 +141,20 @@ def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
 def test_fidelity_on_a_small_held_out_trace(model):
     """Not skipped in CI: the engines run interleaved (each sees the same machine), and the tolerances are
     stated from what a trace this small allows on a shared 2-core machine: medians and throughput within 20%
-    (or three times the engine's own run-to-run spread, if wider), the p90s (the 3rd largest of 24 requests)
-    within 35%. Measured at load 12: errors up to 15% and 23%, and the engine differing from itself by up to
-    21% on a median. bench/serving.py holds the full figure on 160-request traces. A simulator whose steps
-    are 50% too slow fails the median bound, so the test still tells a right model from a wrong one."""
+    (or twice the engine's own run-to-run spread, as the run's check, if wider), the p90s (the 3rd largest of
+    24 requests) within 35%. Measured at load 12: errors up to 15% and 23%, and the engine differing from
+    itself by up to 21% on a median. bench/serving.py holds the full figure on 160-request traces. A simulator
+    whose steps take twice as long fails the median bound, so the test tells a right model from a wrong one."""
     cal = calibrate(model, SchedulerConfig(), [sharegpt_like(12, 8.0, 1000), sharegpt_like(12, 16.0, 1001)],
                     sharegpt_like(24, 8.0, 0))
     spread = max(abs(v) for v in cal.repeat.values())
     central = ("ttft_p50", "tpot_p50", "throughput_tok_s")
-    bound = max(0.20, 3 * spread)
+    bound = max(0.20, 2 * spread)
     assert bound < 0.75, cal.repeat  # the engine repeats itself well enough for the test to mean something
     assert max(abs(cal.fidelity[k]) for k in central) <= bound, (cal.fidelity, cal.repeat)
-    assert max(abs(cal.fidelity[k]) for k in ("ttft_p90", "tpot_p90")) <= max(0.35, 3 * spread), (cal.fidelity, cal.repeat)
+    assert max(abs(cal.fidelity[k]) for k in ("ttft_p90", "tpot_p90")) <= max(0.35, 2 * spread), (cal.fidelity, cal.repeat)
     assert cal.checks()[1].passed  # the replayed schedule
-    slow = dataclasses.replace(cal.cost, **{t: 1.5 * getattr(cal.cost, t) for t in TERMS})
+    slow = dataclasses.replace(cal.cost, **{t: 2 * getattr(cal.cost, t) for t in TERMS})
     wrong = fidelity(cal.real_summary, latency_summary(simulate(cal.real.trace, cal.real.config, slow)))
     assert max(abs(wrong[k]) for k in central) > bound, (wrong, cal.repeat)
 
@@ -206,3 +206,37 @@ def test_a_request_that_never_fits_is_reported_not_looped_on():
     trace = dataclasses.replace(small(n=2), prompt_len=np.array([60, 10]), output_len=np.array([6, 6]))
     with pytest.raises(RuntimeError, match="never be scheduled"):
         simulate(trace, SchedulerConfig(num_blocks=4, block_size=16), COST)
+
+
+UPLOADED = "arrival,prompt_len,output_len,prefix_id,prefix_len\n0,40,6,0,32\n25,20,5,-1,0\n10,36,4,0,32\n"
+
+
+def test_an_uploaded_trace_is_served_and_simulated(model, tmp_path, monkeypatch):
+    """Uploaded as the kvcache page's traces are (BOM-tolerant, capped, named by content hash); arrivals in ms."""
+    from backend import uploads
+
+    monkeypatch.setenv("EXPLORER_DATA_DIR", str(tmp_path))
+    digest = uploads.save_trace(("\ufeff" + UPLOADED).encode())
+    config = experiments.get("serving.simulate").make_config({"trace": digest, "prefix_caching": "true"})
+    trace = config.requests(10, seed=0)
+    assert trace.arrival.tolist() == [0.0, 0.010, 0.025] and trace.prompt_len.tolist() == [40, 36, 20]  # in arrival order
+    assert trace.prompt(0)[:32] == trace.prompt(1)[:32] != trace.prompt(2)[:32]  # the shared prefix
+    served = serve(model, trace, config.scheduler_config())
+    assert token_mismatches(model, served) == [] and served.m.stats.prefix_hit_tokens == 32
+    assert np.array_equal(simulate(trace, config.scheduler_config(), COST).generated, trace.output_len)
+
+
+@pytest.mark.parametrize("csv, message", [
+    ("arrival,prompt_len,output_len\n0,200,100\n", "300 tokens, prompt and output (allowed: prompt_len + output_len <= 256"),
+    (None, "no uploaded trace has this hash"),
+])
+def test_a_bad_uploaded_trace_names_the_trace_field(tmp_path, monkeypatch, csv, message):
+    from backend import uploads
+
+    monkeypatch.setenv("EXPLORER_DATA_DIR", str(tmp_path))
+    digest = uploads.save_trace(csv.encode()) if csv else "0" * 64
+    with pytest.raises(ConfigError) as info:
+        experiments.get("serving.engine").make_config({"trace": digest})
+    assert info.value.field == "trace" and message in str(info.value)
+    with pytest.raises(ConfigError, match="is not a trace name"):
+        experiments.get("serving.simulate").make_config({"trace": "/etc/passwd"})

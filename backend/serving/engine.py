@@ -88,21 +88,24 @@ def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=TorchPag
     return Scheduler(trace, config, record_batches).run(ModelExecutor(model, config, attention), progress)
 
 
-def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None) -> list[Scheduler]:
+def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None, start_round: list[int] | None = None) -> list[Scheduler]:
     """Several engines, each with its own trace, config and KV pool, stepped in turn: one step of each, then
     the next round. Each measures only its own steps (its thread's CPU time while it runs), so every engine
     sees the same machine: on a shared one, the speed drifts by tens of percent over seconds (other people's
     work in the caches and memory bus), and runs made one after the other would each get a different machine.
-    runs: (trace, config, record_batches) per engine."""
+    runs: (trace, config, record_batches) per engine; start_round: the round each engine joins (0: at once)."""
     scheds = [Scheduler(trace, config, record) for trace, config, record in runs]
-    live = [s.steps(ModelExecutor(model, s.config)) for s in scheds]
-    total, done = sum(len(s.trace) for s in scheds), 0
-    while live:
+    waiting = sorted(zip(start_round or [0] * len(runs), range(len(runs))))
+    live, rounds, total = [], 0, sum(len(s.trace) for s in scheds)
+    while live or waiting:
+        while waiting and waiting[0][0] <= rounds:
+            s = scheds[waiting.pop(0)[1]]
+            live.append(s.steps(ModelExecutor(model, s.config)))
         for it in list(live):
             if next(it, None) is None:
                 live.remove(it)
-        done += 1
-        if progress and done % 200 == 0:
+        rounds += 1
+        if progress and rounds % 200 == 0:
             progress(sum(int(np.isfinite(s.finish).sum()) for s in scheds) / total)
     return scheds
 
