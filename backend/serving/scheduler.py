@@ -157,10 +157,13 @@ class Scheduler:
             takes, preempted = self._take_running(ops, now)
             if c.chunked_prefill and not preempted and not self.swapped:
                 admitted = self._admit(c.token_budget - int(takes.sum()), now)
-        rids = np.concatenate([self.running[:len(takes)], np.array([a[0] for a in admitted], np.int64)])
-        takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
-        picked = takes > 0
-        rids, takes = rids[picked], takes[picked]
+        rids = self.running[:len(takes)]
+        if admitted:
+            rids = np.concatenate([rids, np.array([a[0] for a in admitted], np.int64)])
+            takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
+        if not takes.all():
+            picked = takes > 0
+            rids, takes = rids[picked], takes[picked]
         if len(rids) == 0 and not ops:
             return None  # nothing to run: the caller waits for the next arrival
         starts = self.computed[rids]
@@ -185,19 +188,21 @@ class Scheduler:
         preempted = False
         while True:
             run = self.running
-            need = self.known[run] - self.computed[run]
-            if c.chunked_prefill:
+            computed = self.computed[run]
+            need = self.known[run] - computed
+            takes = need
+            if c.chunked_prefill and need.sum() > c.token_budget:  # the budget runs out: later requests get less
                 takes = np.minimum(np.maximum(c.token_budget - (np.cumsum(need) - need), 0), need)
-            else:
-                takes = need
-            ends = self.computed[run] + takes
+            ends = computed + takes
             new_blocks = -(-ends // bs) - self.held[run]
-            if int(new_blocks.sum()) <= m.pool.num_free:
+            if new_blocks.sum() <= m.pool.num_free:
                 break
             self._preempt(int(run[-1]), ops, now)
             preempted = True
-        fills = (ends // bs > self.computed[run] // bs) if c.prefix_caching else np.zeros(len(run), bool)
-        for i in np.flatnonzero((new_blocks > 0) | fills):  # the manager hears only of new or filled blocks
+        grows = new_blocks > 0
+        if c.prefix_caching:
+            grows |= ends // bs > computed // bs  # fills a block
+        for i in np.flatnonzero(grows):  # the manager hears only of new or filled blocks
             rid = int(run[i])
             m.grow(rid, int(ends[i]), SequenceTokens(self, rid))
             self.held[rid] = len(m.seqs[rid].table)
