@@ -240,3 +240,11 @@ def test_a_bad_uploaded_trace_names_the_trace_field(tmp_path, monkeypatch, csv, 
     assert info.value.field == "trace" and message in str(info.value)
     with pytest.raises(ConfigError, match="is not a trace name"):
         experiments.get("serving.simulate").make_config({"trace": "/etc/passwd"})
+
+
+def test_the_page_draws_a_default_engine_run_with_every_check_passed():
+    """The defaults pass their checks (fidelity included: its yardstick is the engine's own spread) and the page draws."""
+    from tests.sweep import render_recorded
+
+    at = render_recorded("pages/serving.py", "serving.engine")
+    assert any("benchmark's sizes" in m.value for m in at.markdown)
