@@ -146,13 +146,13 @@ if shown and shown.experiment != view:
     st.query_params.pop("run")
 st.query_params["view"] = view
 form.trace_upload(view, "milliseconds")
-big = {**BIG, **({"n_requests": 100_000} if view == "serving.simulate" else {})}
+big = BIG[view.removeprefix("serving.")]
 ui.experiment_page(
     view, render_engine if view == "serving.engine" else render_simulate, page_params=("view",),
     intro="Requests arrive in real time; each step is one forward of the tiny LLaMA over the whole running batch "
           "(prefill chunks and decode tokens), its KV in paged blocks. The simulator runs the same scheduler on a cost "
           "model fitted to the engine's own steps, and is judged on a trace the fit never saw. "
           "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 15 s); "
-          f"[the benchmark's sizes]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
-          "take a few minutes and predict to a few percent instead of about ten.",
+          f"[a bigger run]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
+          "takes a minute or two and measures the fidelity on more requests (bench/serving.py: 160 per trace).",
 )

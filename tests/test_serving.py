@@ -247,4 +247,12 @@ def test_the_page_draws_a_default_engine_run_with_every_check_passed():
     from tests.sweep import render_recorded
 
     at = render_recorded("pages/serving.py", "serving.engine")
-    assert any("benchmark's sizes" in m.value for m in at.markdown)
+    assert any("a bigger run" in m.value for m in at.markdown)
+
+
+@pytest.mark.parametrize("view", ["engine", "simulate"])
+def test_the_bigger_run_linked_from_the_page_fits_the_servers_budget(view):
+    from backend.serving.settings import BIG
+
+    config = experiments.get(f"serving.{view}").make_config({k: str(v) for k, v in BIG[view].items()})  # validate() included
+    assert config.estimate().seconds > experiments.get(f"serving.{view}").make_config({}).estimate().seconds
