@@ -11,7 +11,8 @@ All these engines run interleaved, one step each in turn (`serve_interleaved`): 
 the speed drifts by ±10-30% over seconds, and runs made one after the other would each meet a
 different machine. The repeat joins REPEAT_LAG rounds late: the same machine, but not the same moments,
 so its difference from the first run includes the drift's path, which no prediction can know (started
-together, the two runs shared it and differed by only 2-6%, an yardstick too kind to the engine).
+together, the two runs shared that path and differed by only 2-6%: the engine's repeatability with the
+drift taken out, not what a prediction of one run is up against).
 """
 from __future__ import annotations
 

@@ -331,10 +331,9 @@ class Scheduler:
         times, clock, decodes, kv = times[:k], clock[:k], decodes[:k], kv[:k]
         taken = np.minimum(left, k)
         self.known[run] += taken  # first: the manager reads the new tokens' ids to hash the blocks they fill
-        # The manager's calls in the steps' order: in each step, a block taken (or filled, with prefix caching)
-        # by each running request in running order, then the requests that finished in it freed.
-        # (step, 0 = grow / 1 = free, request): a block taken where a step's token starts one, or (prefix
-        # caching) filled where it ends one; a finish frees after that step's growth. Few per run: a Python list.
+        # The manager's calls in the steps' order, as (step, 0 = grow / 1 = free, request): in each step a block
+        # taken where a request's token starts one (or, with prefix caching, filled where it ends one), in
+        # running order, then the requests that finished in it freed. Few per run: a Python list.
         events = []
         for i, (start, steps) in enumerate(zip(computed.tolist(), taken.tolist())):
             events += [(t, 0, i) for t in range(-start % bs, steps, bs)]        # token start + t + 1 opens a block
