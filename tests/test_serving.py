@@ -177,6 +177,9 @@ def test_cost_model_noise_keeps_the_residuals_distribution_and_drift():
     assert np.corrcoef(table[:-1], table[1:])[0, 1] == pytest.approx(0.6 * 0.9, abs=0.08)
     flat = CostModel.fit({**steps, "time": steps["time"] - noise + 1e-3 * rng.standard_normal(4000)})
     assert flat.drift_share < 0.1  # independent noise shows no drift
+    steps["time"][123] += 0.17  # one 170 ms stall (the machine's, seen in a profile) stays one step's worth of noise
+    stalled = CostModel.fit(steps).noise_table()
+    assert stalled.max() < 0.01 and abs(stalled.mean() - table.mean()) < 1e-4
 
 
 @pytest.mark.parametrize("name, values, field", [
