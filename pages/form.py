@@ -58,3 +58,26 @@ def float_step(value: float, meta: dict) -> float:
     nudged at its own scale, never rounded to 0.00."""
     scale = abs(value) or abs(meta.get("max") or 1.0)
     return 10.0 ** math.floor(math.log10(scale)) if scale > 0 else 0.01
+
+
+def trace_upload(experiment: str, arrival_unit: str) -> None:
+    """Your own request trace: checked and stored on the server under its content hash, which the run's `trace`
+    setting (and so the link) carries. Nothing on the server is read from a link."""
+    from backend import uploads
+    from pages.ui import store
+
+    file = st.file_uploader(f"Your request trace (CSV: arrival in {arrival_unit}, prompt_len, output_len[, prefix_id, prefix_len])",
+                            type="csv", max_upload_size=1, key="trace-upload",
+                            help=f"at most {uploads.MAX_BYTES // 1024} KiB, {uploads.MAX_ROWS:,} rows, "
+                                 f"arrivals up to {uploads.MAX_ARRIVAL:,} {arrival_unit}")
+    if file is None:
+        return
+    try:
+        digest = uploads.save_trace(file.getvalue(), store().root)
+    except ValueError as err:
+        st.error(escape(f"trace: {err}"))
+        return
+    if st.query_params.get("trace") != digest:
+        st.query_params["trace"] = digest
+        st.session_state[f"{experiment}.trace"] = digest  # the form's trace field
+    st.caption(f"Uploaded: the runs below use trace `{digest[:12]}…` while it is selected.")

@@ -3,8 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
-from pages.markup import escape
+from pages import form, ui
 
 st.title("Paged attention: the KV cache as pages")
 st.page_link("pages/serving.py", label="Latency, throughput and a simulator: the Serving page runs the tiny LLaMA on these pages",
@@ -69,30 +68,7 @@ def render(result: dict, rec) -> None:
             st.dataframe(events, hide_index=True, width="stretch")
 
 
-def trace_upload() -> None:
-    """Your own trace: checked and stored on the server under its content hash, which the run's `trace` setting
-    (and so the link) carries. Nothing on the server is read from a link."""
-    from backend import uploads
-    from backend.config import ConfigError
-
-    file = st.file_uploader("Your request trace (CSV: arrival, prompt_len, output_len[, prefix_id, prefix_len])",
-                            type="csv", max_upload_size=1, key="trace-upload",
-                            help=f"at most {uploads.MAX_BYTES // 1024} KiB, {uploads.MAX_ROWS:,} rows, "
-                                 f"arrivals up to step {uploads.MAX_ARRIVAL:,}")
-    if file is None:
-        return
-    try:
-        digest = uploads.save_trace(file.getvalue(), ui.store().root)
-    except ValueError as err:
-        st.error(escape(f"trace: {err}"))
-        return
-    if st.query_params.get("trace") != digest:
-        st.query_params["trace"] = digest
-        st.session_state["kvcache.serve.trace"] = digest  # the form's trace field
-    st.caption(f"Uploaded: the runs below use trace `{digest[:12]}…` while it is selected.")
-
-
-trace_upload()
+form.trace_upload("kvcache.serve", "scheduler steps")
 ui.experiment_page(
     "kvcache.serve", render,
     intro="Continuous batching over a ShareGPT-like request trace (or your CSV), once with KV in fixed-size pages "

@@ -1,9 +1,12 @@
 """Serving: the tiny LLaMA under continuous batching, measured, beside the simulator calibrated from it."""
+from urllib.parse import urlencode
+
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from backend.serving.settings import BIG
+from pages import form, ui
 
 st.title("Serving: a real engine and its simulator")
 
@@ -136,14 +139,20 @@ def render_simulate(result: dict, rec) -> None:
 
 run_id = st.query_params.get("run")
 shown = ui.store().get(run_id) if run_id else None
-default = shown.experiment if shown and shown.experiment in VIEWS else "serving.engine"
+asked = st.query_params.get("view")
+default = shown.experiment if shown and shown.experiment in VIEWS else asked if asked in VIEWS else "serving.engine"
 view = st.segmented_control("View", list(VIEWS), default=default, format_func=VIEWS.get, key="serving-view") or default
 if shown and shown.experiment != view:
     st.query_params.pop("run")
+st.query_params["view"] = view
+form.trace_upload(view, "milliseconds")
+big = BIG[view.removeprefix("serving.")]
 ui.experiment_page(
-    view, render_engine if view == "serving.engine" else render_simulate,
+    view, render_engine if view == "serving.engine" else render_simulate, page_params=("view",),
     intro="Requests arrive in real time; each step is one forward of the tiny LLaMA over the whole running batch "
           "(prefill chunks and decode tokens), its KV in paged blocks. The simulator runs the same scheduler on a cost "
           "model fitted to the engine's own steps, and is judged on a trace the fit never saw. "
-          "The memory side of paging is on [Paged attention](paged_attention).",
+          "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 15 s); "
+          f"[a bigger run]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
+          "takes a minute or two and measures the fidelity on more requests (bench/serving.py: 160 per trace).",
 )

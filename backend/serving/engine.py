@@ -52,6 +52,15 @@ class ModelExecutor:
         self.model, self.attention = model, attention
         self.store = KVTensorStore(s.n_layers, config.num_blocks, config.block_size, s.n_kv_heads, s.d_head,
                                    dtype=model.embed.weight.dtype)
+        self.warm_up(config.block_size)
+
+    @torch.no_grad()
+    def warm_up(self, bs: int) -> None:
+        """One throwaway step (a prefill chunk and a decode), so the first measured step does not pay for torch's
+        first calls. It writes K/V into blocks 0 and 1, which any request writes again before reading."""
+        tables, seq, pos = torch.tensor([[0], [1]]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, min(bs - 1, 3)])
+        forward_batch(self.model, self.store, torch.zeros(3, dtype=torch.long), pos, tables[seq, 0] * bs + pos,
+                      torch.tensor([1, 2]), self.attention(tables, seq, pos, bs))
 
     @torch.no_grad()
     def execute(self, step: Step, sched: Scheduler):
@@ -77,6 +86,28 @@ class ModelExecutor:
 def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=TorchPagedAttention,
           record_batches: bool = False, progress=None) -> Scheduler:
     return Scheduler(trace, config, record_batches).run(ModelExecutor(model, config, attention), progress)
+
+
+def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None, start_round: list[int] | None = None) -> list[Scheduler]:
+    """Several engines, each with its own trace, config and KV pool, stepped in turn: one step of each, then
+    the next round. Each measures only its own steps (its thread's CPU time while it runs), so every engine
+    sees the same machine: on a shared one, the speed drifts by tens of percent over seconds (other people's
+    work in the caches and memory bus), and runs made one after the other would each get a different machine.
+    runs: (trace, config, record_batches) per engine; start_round: the round each engine joins (0: at once)."""
+    scheds = [Scheduler(trace, config, record) for trace, config, record in runs]
+    waiting = sorted(zip(start_round or [0] * len(runs), range(len(runs))))
+    live, rounds, total = [], 0, sum(len(s.trace) for s in scheds)
+    while live or waiting:
+        while waiting and waiting[0][0] <= rounds:
+            s = scheds[waiting.pop(0)[1]]
+            live.append(s.steps(ModelExecutor(model, s.config)))
+        for it in list(live):
+            if next(it, None) is None:
+                live.remove(it)
+        rounds += 1
+        if progress and rounds % 200 == 0:
+            progress(sum(int(np.isfinite(s.finish).sum()) for s in scheds) / total)
+    return scheds
 
 
 @torch.no_grad()

@@ -59,4 +59,6 @@ def cost_rows(cost: CostModel) -> list[dict]:
     return [{"term": "per step", "coefficient_us": 1e6 * cost.intercept},
             {"term": "per prefill token", "coefficient_us": 1e6 * cost.per_prefill_token},
             {"term": "per decode token", "coefficient_us": 1e6 * cost.per_decode_token},
-            {"term": "per KV block read", "coefficient_us": 1e6 * cost.per_kv_block}]
+            {"term": "per KV block read", "coefficient_us": 1e6 * cost.per_kv_block},
+            {"term": "per step with prefill", "coefficient_us": 1e6 * cost.per_prefill_step},
+            {"term": "per step with decodes", "coefficient_us": 1e6 * cost.per_decode_step}]

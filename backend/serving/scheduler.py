@@ -157,17 +157,20 @@ class Scheduler:
             takes, preempted = self._take_running(ops, now)
             if c.chunked_prefill and not preempted and not self.swapped:
                 admitted = self._admit(c.token_budget - int(takes.sum()), now)
-        rids = np.concatenate([self.running[:len(takes)], np.array([a[0] for a in admitted], np.int64)])
-        takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
-        picked = takes > 0
-        rids, takes = rids[picked], takes[picked]
+        rids = self.running[:len(takes)]
+        if admitted:
+            rids = np.concatenate([rids, np.array([a[0] for a in admitted], np.int64)])
+            takes = np.concatenate([takes, np.array([a[2] for a in admitted], np.int64)])
+        if not takes.all():
+            picked = takes > 0
+            rids, takes = rids[picked], takes[picked]
         if len(rids) == 0 and not ops:
             return None  # nothing to run: the caller waits for the next arrival
         starts = self.computed[rids]
         ends = starts + takes
         samples = ends == self.known[rids]
-        decode = (takes == 1) & samples & (self.generated[rids] > 0)
-        step = Step(index, now, rids, starts, takes, samples, ops, int(takes.sum() - decode.sum()), int(decode.sum()),
+        decodes = int(np.count_nonzero((takes == 1) & samples & (self.generated[rids] > 0)))
+        step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
                     int((-(-ends // bs)).sum()))
         first = rids[np.isnan(self.first_scheduled[rids])]
         self.first_scheduled[first] = now
@@ -185,19 +188,21 @@ class Scheduler:
         preempted = False
         while True:
             run = self.running
-            need = self.known[run] - self.computed[run]
-            if c.chunked_prefill:
+            computed = self.computed[run]
+            need = self.known[run] - computed
+            takes = need
+            if c.chunked_prefill and need.sum() > c.token_budget:  # the budget runs out: later requests get less
                 takes = np.minimum(np.maximum(c.token_budget - (np.cumsum(need) - need), 0), need)
-            else:
-                takes = need
-            ends = self.computed[run] + takes
+            ends = computed + takes
             new_blocks = -(-ends // bs) - self.held[run]
-            if int(new_blocks.sum()) <= m.pool.num_free:
+            if new_blocks.sum() <= m.pool.num_free:
                 break
             self._preempt(int(run[-1]), ops, now)
             preempted = True
-        fills = (ends // bs > self.computed[run] // bs) if c.prefix_caching else np.zeros(len(run), bool)
-        for i in np.flatnonzero((new_blocks > 0) | fills):  # the manager hears only of new or filled blocks
+        grows = new_blocks > 0
+        if c.prefix_caching:
+            grows |= ends // bs > computed // bs  # fills a block
+        for i in np.flatnonzero(grows):  # the manager hears only of new or filled blocks
             rid = int(run[i])
             m.grow(rid, int(ends[i]), SequenceTokens(self, rid))
             self.held[rid] = len(m.seqs[rid].table)
@@ -278,7 +283,8 @@ class Scheduler:
             for rid in done.tolist():
                 self.m.free(rid)
                 self.held[rid] = 0
-            self.running = self.running[~np.isin(self.running, done)]
+            run = self.running
+            self.running = run[self.generated[run] < self.trace.output_len[run]]
         self.log.add(step.start, seconds, len(rids), step.prefill_tokens, step.decode_tokens, step.kv_blocks,
                      len(self.running), len(self.waiting), len(self.swapped))
         if self.record_batches:
@@ -287,27 +293,34 @@ class Scheduler:
     # --- a run of decode steps at once ----------------------------------------------------------------
     def decode_run(self, executor, now: float, index: int, cap: int = 1024) -> tuple[float, int]:
         """When every running request is decoding and nothing can join (no request waits, or the batch is
-        full, and none is swapped out), the coming steps differ only in the KV blocks they read, until a
-        request finishes, one arrives, or the pool would run short. Take them together: the same steps
-        with the same times (summed in the same order), booked in one go. Returns (now, steps taken), 0
-        steps if the state is not such a run; a test holds it to the step-by-step schedule."""
+        full, and none is swapped out), the coming steps differ only in which requests are still running
+        and the KV blocks they read, until one arrives, a finishing request makes room for one waiting, or
+        the pool might run short (counted without the blocks finishing requests give back, so never
+        wrongly). Take them together: the same steps with the same times (summed in the same order), the
+        manager told of each block taken, filled or freed in the order the steps would. Returns (now,
+        steps taken), 0 steps if the state is not such a run; a test holds it to the step-by-step schedule."""
         c, m, bs = self.config, self.m, self.config.block_size
         run = self.running
         if not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget:
             return now, 0
-        computed = self.computed[run]
-        if ((self.known[run] - computed != 1) | (self.generated[run] == 0)).any():
+        computed, generated = self.computed[run], self.generated[run]
+        if ((self.known[run] - computed != 1) | (generated == 0)).any():
             return now, 0
-        left = self.trace.output_len[run] - self.generated[run]
-        longest = int(min(left.min(), cap))
+        left = self.trace.output_len[run] - generated  # request i decodes in steps 1 .. left[i], then finishes
+        longest = int(min(left.min() if self.waiting else left.max(), cap))  # a finish lets a waiting one in
+        held, free = self.held[run][:, None], m.pool.num_free
         for horizon in (min(64, longest), longest):  # a short look first: an arrival usually ends the run soon
-            blocks = -(-(computed[:, None] + np.arange(1, horizon + 1)) // bs)   # (running, step): blocks after it
-            fits = (blocks - self.held[run][:, None]).sum(0) <= m.pool.num_free
-            k = horizon if fits.all() else int(np.argmin(fits))
+            step = np.arange(1, horizon + 1)
+            active = step <= left[:, None]                                   # (running, step)
+            ends = computed[:, None] + np.minimum(step, left[:, None])        # tokens computed after the step
+            blocks = -(-ends // bs)
+            fits = (blocks - held).sum(0) <= free
+            k = horizon if fits[-1] else int(np.argmin(fits))                # blocks only grow: fits is monotone
             if k == 0:
                 return now, 0
-            kv = blocks[:, :k].sum(0)
-            times = executor.decode_times(index, len(run), kv)
+            decodes = active[:, :k].sum(0)
+            kv = (blocks[:, :k] * active[:, :k]).sum(0)
+            times = executor.decode_times(index, decodes, kv)
             clock = np.empty(len(times) + 1)
             clock[0], clock[1:] = now, times
             clock = np.cumsum(clock)[1:]  # summed in order, as one step at a time would
@@ -315,71 +328,89 @@ class Scheduler:
                 k = min(k, int(np.searchsorted(clock, self.trace.arrival[self.next_arrival])) + 1)
             if k < horizon or horizon == longest:
                 break
-        times, clock, kv = times[:k], clock[:k], kv[:k]
-        # Book as the steps would have, in the same order (step, then running order): a block taken at
-        # each step that starts one, and with prefix caching one call at each step that fills one.
-        self.known[run] += k  # first: the manager reads the new tokens' ids to hash the blocks they fill
-        after = computed[:, None] + np.arange(1, k + 1)
-        events = (after - 1) % bs == 0
-        if c.prefix_caching:
-            events |= after % bs == 0
-        for t, i in zip(*np.nonzero(events.T)):
-            rid = int(run[i])
-            m.grow(rid, int(after[i, t]), SequenceTokens(self, rid))
-            self.held[rid] = len(m.seqs[rid].table)
-        self.computed[run] += k
-        self.generated[run] += k
-        done = run[left == k]
-        self.finish[done] = clock[-1]
-        for rid in done.tolist():
-            m.free(rid)
-            self.held[rid] = 0
-        self.running = run[left != k]
+        times, clock, decodes, kv = times[:k], clock[:k], decodes[:k], kv[:k]
+        taken = np.minimum(left, k)
+        self.known[run] += taken  # first: the manager reads the new tokens' ids to hash the blocks they fill
+        # The manager's calls in the steps' order, as (step, 0 = grow / 1 = free, request): in each step a block
+        # taken where a request's token starts one (or, with prefix caching, filled where it ends one), in
+        # running order, then the requests that finished in it freed. Few per run: a Python list.
+        events = []
+        for i, (start, steps) in enumerate(zip(computed.tolist(), taken.tolist())):
+            events += [(t, 0, i) for t in range(-start % bs, steps, bs)]        # token start + t + 1 opens a block
+            if c.prefix_caching and bs > 1:
+                events += [(t, 0, i) for t in range((-start - 1) % bs, steps, bs)]  # ... or fills one
+            if steps == left[i]:
+                events.append((steps - 1, 1, i))
+        events.sort()
+        rids, starts_of = run.tolist(), computed.tolist()
+        for t, finished, i in events:
+            rid = rids[i]
+            if finished:
+                m.free(rid)
+                self.held[rid] = 0
+            else:
+                m.grow(rid, starts_of[i] + t + 1, SequenceTokens(self, rid))
+                self.held[rid] = len(m.seqs[rid].table)
+        self.computed[run] += taken
+        self.generated[run] += taken
+        done = left <= k
+        self.finish[run[done]] = clock[left[done] - 1]
+        self.running = run[left > k]
         starts = np.empty(k)
         starts[0], starts[1:] = now, clock[:-1]
+        running = decodes - np.bincount(np.minimum(left, k + 1) - 1, minlength=k + 1)[:k]  # still running after each step
         waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
         if self.waiting:
             waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
-        n, running = len(run), np.full(k, len(run))
-        running[-1] = len(self.running)
-        self.log.extend(starts, times, n, 0, n, kv, running, waiting, 0)
+        self.log.extend(starts, times, decodes, 0, decodes, kv, running, waiting, 0)
         return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------
     def run(self, executor, progress=None, max_steps: int = 50_000_000) -> "Scheduler":
-        """Steps until every request finished. `executor.execute(step, scheduler)` returns (seconds or None,
-        sampled tokens or None); None seconds means 'as long as it took': this thread's CPU time since the
-        last step. CPU time, not wall time: on a shared machine wall time also counts other people's work;
-        on a dedicated one (one thread per step, no waiting on I/O) the two agree."""
+        """Steps until every request finished (see `steps`)."""
+        next_progress = 2000
+        for index in self.steps(executor, max_steps):
+            if progress and index >= next_progress:
+                progress(int(np.isfinite(self.finish).sum()) / self.n)
+                next_progress = index + 2000
+        return self
+
+    def steps(self, executor, max_steps: int = 50_000_000):
+        """The loop, one step (or one decode run) per iteration; yields the steps taken so far. Several
+        engines can be stepped in turn (`engine.serve_interleaved`): each measures only its own steps.
+        `executor.execute(step, scheduler)` returns (seconds or None, sampled tokens or None); None seconds
+        means 'as long as it took': this thread's CPU time for the step, from the end of the previous one
+        (its bookkeeping) through scheduling and the forward. CPU time, not wall time: on a shared machine
+        wall time also counts other people's work; on a dedicated core (one thread per step, no waiting on
+        I/O) the two agree. Requests arrive on the same clock, and idle time until an arrival is skipped."""
         measured = getattr(executor, "measured", False)  # the engine: time is what a step took
         clock = time.thread_time if measured else float  # float(): 0.0, no system call for the simulator
-        now, stamp, index, n = 0.0, clock(), 0, self.n
+        now, index, n, carried = 0.0, 0, self.n, 0.0
         runs = hasattr(executor, "decode_times") and not self.record_batches
-        next_progress = 2000
         while self.next_arrival < n or len(self.running) or self.waiting or self.swapped:
-            if progress and index >= next_progress:
-                progress(int(np.isfinite(self.finish).sum()) / n)
-                next_progress = index + 2000
+            resumed = clock()
             if runs:
                 self._intake(now)
                 now, k = self.decode_run(executor, now, index)
                 if k:
                     index += k
+                    yield index
                     continue
             step = self.schedule(now, index)
             if step is None:
                 if self.next_arrival >= n:
                     raise RuntimeError(f"requests {list(self.waiting)[:5]} can never be scheduled")
                 now = max(now, float(self.trace.arrival[self.next_arrival]))  # idle until the next arrival
-                stamp = clock()
+                carried = 0.0
                 continue
             seconds, tokens = executor.execute(step, self)
             if seconds is None:
-                t = clock()
-                seconds, stamp = t - stamp, t
+                seconds = carried + clock() - resumed
             now += seconds
+            done = clock()
             self.complete(step, seconds, tokens)
+            carried = clock() - done  # booking this step's results is part of the next one's time
             index += 1
             if index > max_steps:
                 raise RuntimeError("the schedule did not finish")
-        return self
+            yield index

@@ -1,10 +1,24 @@
 """The simulator: the engine's scheduler, with the model replaced by a cost model of a step's time.
 
     step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
+                   + c_pp · [the step has prefill tokens] + c_dp · [the step has decode tokens] + noise
 
-fitted by (non-negative) least squares to the steps of a profiling run of the real engine (the fit's error is
-reported). `ReplayExecutor` feeds back a run's measured step times instead: given those, the simulator
-must reproduce the engine's schedule step for step, which is what shows it is the same scheduler.
+The two indicator terms are the fixed costs of the engine's two attention paths (padded SDPA for prefill
+chunks, the gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the
+batch), which a step pays once for each path it uses; without them a step that mixes both is
+under-predicted by a third. The coefficients are fitted by (non-negative) least squares to the steps of
+profiling runs of the real engine (the fit's error is reported).
+
+The noise is the fit's own residuals, which on a shared machine are neither small (±15% per step) nor
+independent: the machine's speed drifts over tens of steps (other people's work in the caches and
+memory bus), so a request's steps tend to be slow together, which widens the spread of TPOT and TTFT
+across requests (the p90s) well beyond what independent noise gives. The model keeps the residuals'
+distribution (64 quantiles) and their autocorrelation (a share of slow drift with a per-step persistence,
+fitted at lags 1 and 10: an AR(1) drift plus independent noise), and draws a deterministic sequence with
+both. Step i takes entry i mod 65,536, so a decode run taken in one go (`decode_times`) draws exactly what
+its steps would one at a time. `ReplayExecutor` feeds back a run's measured step times instead: given
+those, the simulator must reproduce the engine's schedule step for step, which is what shows it is the
+same scheduler.
 """
 from __future__ import annotations
 
@@ -16,7 +30,31 @@ import numpy as np
 from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
 from backend.serving.workload import Trace
 
-FEATURES = ("prefill_tokens", "decode_tokens", "kv_blocks")
+TERMS = ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "per_prefill_step", "per_decode_step")
+NOISE_QUANTILES = 64   # residual quantiles kept: the noise's shape, small enough for a run's metrics
+NOISE_TABLE = 1 << 16  # step i draws entry i mod this: a lookup, as cheap one step at a time as for a whole run
+DRIFT_LAG = 10         # the second lag the drift's autocorrelation is fitted at (the first is 1)
+
+
+def features(prefill_tokens, decode_tokens, kv_blocks) -> list:
+    """One column per term of TERMS (scalars or arrays)."""
+    p, d = np.asarray(prefill_tokens), np.asarray(decode_tokens)
+    return [np.ones_like(p, dtype=np.float64), p, d, np.asarray(kv_blocks), (p > 0).astype(np.float64), (d > 0).astype(np.float64)]
+
+
+def drift(residual_runs: list[np.ndarray]) -> tuple[float, float]:
+    """(share, persistence) of a slow AR(1) drift under independent noise, whose autocorrelation at lag l is
+    share · persistence^l: solved from the residuals' autocorrelation at lags 1 and DRIFT_LAG (each run on
+    its own, pooled). (0, 0) when the residuals show none."""
+    def acf(lag):
+        pairs = [(r[:-lag] - r.mean(), r[lag:] - r.mean()) for r in residual_runs if len(r) > lag + 2]
+        den = sum(float(a @ a + b @ b) / 2 for a, b in pairs)
+        return sum(float(a @ b) for a, b in pairs) / den if den > 0 else 0.0
+    near, far = acf(1), acf(DRIFT_LAG)
+    if near <= 0 or far <= 0:
+        return 0.0, 0.0
+    persistence = min((far / near) ** (1 / (DRIFT_LAG - 1)), 0.999)
+    return min(near / persistence, 1.0), persistence
 
 
 @dataclass(frozen=True)
@@ -25,17 +63,25 @@ class CostModel:
     per_prefill_token: float
     per_decode_token: float
     per_kv_block: float
+    per_prefill_step: float = 0.0   # once per step with prefill tokens
+    per_decode_step: float = 0.0    # once per step with decode tokens
+    noise: tuple = ()           # residual quantiles (seconds) at (i + 0.5) / 64; () for none
+    drift_share: float = 0.0    # of the noise's variance, the slow part
+    drift_persistence: float = 0.0  # its autocorrelation from one step to the next
     rmse: float = 0.0           # of the fit, seconds
     mape: float = 0.0           # mean |relative error| of the fit
     r2: float = 0.0
     steps: int = 0
 
     @classmethod
-    def fit(cls, steps: dict[str, np.ndarray]) -> "CostModel":
+    def fit(cls, runs: dict | list[dict], noise: bool = True) -> "CostModel":
         """Least squares with every coefficient >= 0 (each term is a cost; decode tokens and KV blocks rise
         together, and a free fit trades them against each other, one going negative). Exact: the best
-        unconstrained fit over each subset of the terms, kept if non-negative. steps: a StepLog table."""
-        X = np.column_stack([np.ones(len(steps["time"]))] + [steps[f] for f in FEATURES])
+        unconstrained fit over each subset of the terms, kept if non-negative. runs: StepLog tables, one per
+        profiling run (or one table)."""
+        runs = [runs] if isinstance(runs, dict) else runs
+        steps = {k: np.concatenate([r[k] for r in runs]) for k in ("prefill_tokens", "decode_tokens", "kv_blocks", "time")}
+        X = np.column_stack(features(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"]))
         y = steps["time"]
         best, coef = np.inf, np.zeros(X.shape[1])
         for subset in itertools.product((False, True), repeat=X.shape[1]):
@@ -47,15 +93,41 @@ class CostModel:
             if (c >= 0).all() and residual < best:
                 best, coef = residual, np.zeros(X.shape[1])
                 coef[cols] = c
-        pred = X @ coef
-        resid = y - pred
+        resid = y - X @ coef
         r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
-        return cls(*map(float, coef), rmse=float(np.sqrt(np.mean(resid ** 2))),
+        # Each quantile stands for 1/64 of the steps (midpoints: a lone 170 ms stall among 4,000 steps is not
+        # stretched over the top 1/64), and the drift is measured on residuals clipped to their 1st-99th percentiles.
+        centred = resid - resid.mean()
+        shape = tuple(map(float, np.quantile(centred, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES))) if noise else ()
+        clipped = np.clip(centred, *np.quantile(centred, [0.01, 0.99]))
+        share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1])) if noise else (0.0, 0.0)
+        return cls(*map(float, coef), noise=shape, drift_share=share, drift_persistence=persistence,
+                   rmse=float(np.sqrt(np.mean(resid ** 2))),
                    mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y))
 
+    def coefficients(self) -> np.ndarray:
+        return np.array([getattr(self, t) for t in TERMS])
+
     def predict(self, prefill_tokens, decode_tokens, kv_blocks):
-        return (self.intercept + self.per_prefill_token * prefill_tokens + self.per_decode_token * decode_tokens
-                + self.per_kv_block * kv_blocks)
+        """The mean step time (no noise)."""
+        c = self.coefficients()
+        return sum(ci * f for ci, f in zip(c, features(prefill_tokens, decode_tokens, kv_blocks)))
+
+    def noise_table(self, seed: int = 0) -> np.ndarray:
+        """Each step's noise, by step index mod NOISE_TABLE: a Gaussian AR(1) drift plus independent noise in
+        the fitted shares, mapped through its ranks onto the residual quantiles (so the values have the
+        residuals' distribution, and about their autocorrelation)."""
+        if not self.noise:
+            return np.zeros(NOISE_TABLE)
+        rng, phi = np.random.default_rng(seed), self.drift_persistence
+        shocks, slow = rng.standard_normal(NOISE_TABLE) * np.sqrt(1 - phi ** 2), np.empty(NOISE_TABLE)
+        level = rng.standard_normal()
+        for i, shock in enumerate(shocks.tolist()):
+            level = phi * level + shock
+            slow[i] = level
+        z = np.sqrt(self.drift_share) * slow + np.sqrt(1 - self.drift_share) * rng.standard_normal(NOISE_TABLE)
+        u = (np.argsort(np.argsort(z)) + 0.5) / NOISE_TABLE
+        return np.interp(u, (np.arange(len(self.noise)) + 0.5) / len(self.noise), self.noise)  # flat beyond the ends
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,13 +136,24 @@ class CostModel:
 class CostModelExecutor:
     def __init__(self, cost: CostModel):
         self.cost = cost
+        self.coef = tuple(map(float, cost.coefficients()))  # plain floats: `execute` runs once per step
+        self.noise = cost.noise_table()
+        self.floor = 0.1 * cost.intercept or 1e-6  # a noisy step still takes some time
 
     def execute(self, step: Step, sched: Scheduler):
-        return float(self.cost.predict(step.prefill_tokens, step.decode_tokens, step.kv_blocks)), None
+        c0, cp, cd, ckv, cps, cds = self.coef
+        p, d = step.prefill_tokens, step.decode_tokens
+        mean = c0 + cp * p + cd * d + ckv * step.kv_blocks + (cps if p else 0.0) + (cds if d else 0.0)
+        return max(mean + float(self.noise[step.index % NOISE_TABLE]), self.floor), None
 
-    def decode_times(self, index: int, decode_tokens: int, kv_blocks: np.ndarray) -> np.ndarray:
-        """Times of a run of decode-only steps (the same arithmetic as `execute`, elementwise)."""
-        return self.cost.predict(0, decode_tokens, kv_blocks)
+    def decode_times(self, index: int, decode_tokens: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
+        """Times of a run of decode-only steps from step `index` (the same arithmetic as `execute`, elementwise;
+        every step has decode tokens)."""
+        c0, cp, cd, ckv, cps, cds = self.coef
+        mean = c0 + cd * decode_tokens + ckv * kv_blocks + cds
+        start, n = index % NOISE_TABLE, len(kv_blocks)
+        noise = self.noise[start:start + n] if start + n <= NOISE_TABLE else self.noise.take(np.arange(start, start + n), mode="wrap")
+        return np.maximum(mean + noise, self.floor)
 
 
 class ReplayExecutor:
@@ -80,7 +163,7 @@ class ReplayExecutor:
     def execute(self, step: Step, sched: Scheduler):
         return self.step_times[step.index], None
 
-    def decode_times(self, index: int, decode_tokens: int, kv_blocks: np.ndarray) -> np.ndarray:
+    def decode_times(self, index: int, decode_tokens: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
         return np.asarray(self.step_times[index:index + len(kv_blocks)], dtype=np.float64)
 
 

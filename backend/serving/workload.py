@@ -39,6 +39,14 @@ class Trace:
         return Trace(self.arrival[:n], self.prompt_len[:n], self.output_len[:n], self.prefix_id[:n], self.prefix_len[:n], self.vocab)
 
 
+def from_requests(requests, arrival_unit_s: float, vocab: int = 256) -> Trace:
+    """A Trace from parsed CSV rows (backend.kvcache.serving.Request), in arrival order; arrivals times the unit."""
+    rows = sorted(requests, key=lambda r: r.arrival)
+    column = lambda name, dtype: np.array([getattr(r, name) for r in rows], dtype)  # noqa: E731
+    return Trace(column("arrival", np.float64) * arrival_unit_s, column("prompt_len", np.int64), column("output_len", np.int64),
+                 column("prefix_id", np.int64), column("prefix_len", np.int64), vocab)
+
+
 def _lognormal(rng, median: float, sigma: float, n: int, lo: int, hi: int) -> np.ndarray:
     return np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), lo, hi)
 

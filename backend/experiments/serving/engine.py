@@ -26,7 +26,8 @@ from backend.serving.simulator import simulate
 
 @dataclasses.dataclass
 class EngineConfig(ServingSettings):
-    real_rates: int = setting(1, min=0, max=6, help="extra rates served for real on the load curve (each with half the held-out requests)")
+    real_rates: int = setting(0, min=0, max=6, help="extra rates served for real on the load curve (each with half the held-out requests), "
+                                                 "besides the held-out run at the set rate")
 
     cost_drivers = ("held_out_requests", "profile_requests", "real_rates", "sweep_requests")
 
@@ -58,10 +59,11 @@ def run(config: EngineConfig, ctx) -> Result:
     rates = config.rate * np.geomspace(0.25, 4, 9)
     load = []
     for rate in rates:
-        load.append(load_row(simulate(config.trace(config.sweep_requests, config.seed + 1, rate), sched_config, cost), rate, "simulated"))
+        load.append(load_row(simulate(config.synthetic(config.sweep_requests, config.seed + 1, rate), sched_config, cost), rate, "simulated"))
+    load += [load_row(real, config.rate, "real"), load_row(cal.simulated, config.rate, "simulated, same trace")]
     for rate in config.rate * np.geomspace(2, 0.5, config.real_rates):  # the busier side first
         ctx.progress(0.8, f"the engine at {rate:.1f} requests/s")
-        trace = config.trace(max(2, config.held_out_requests // 2), config.seed + 2, rate)
+        trace = config.synthetic(max(2, config.held_out_requests // 2), config.seed + 2, rate)
         load.append(load_row(serve(model, trace, sched_config), rate, "real"))
         load.append(load_row(simulate(trace, sched_config, cost), rate, "simulated, same trace"))
 

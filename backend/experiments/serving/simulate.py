@@ -32,7 +32,7 @@ KNOBS = {  # the flipped value of each knob, for the side-by-side
 
 @dataclasses.dataclass
 class SimulateConfig(ServingSettings):
-    n_requests: int = setting(10_000, min=10, max=1_000_000, help="requests in the simulated trace")
+    n_requests: int = setting(5_000, min=10, max=1_000_000, help="requests in the simulated trace")
 
     cost_drivers = ("n_requests", "sweep_requests", "held_out_requests", "profile_requests")
 
@@ -47,8 +47,8 @@ def run(config: SimulateConfig, ctx) -> Result:
     _, cal = config.calibrate(lambda f, m: ctx.progress(0.3 * f, m))
     cost, sched_config = cal.cost, config.scheduler_config()
 
-    ctx.progress(0.3, f"simulating {config.n_requests:,} requests")
-    trace = config.trace(config.n_requests, config.seed + 1)
+    trace = config.requests(config.n_requests, config.seed + 1)  # the uploaded trace's first n_requests, if one is set
+    ctx.progress(0.3, f"simulating {len(trace):,} requests")
     start = time.perf_counter()
     big = simulate(trace, sched_config, cost, progress=lambda f: ctx.progress(0.3 + 0.4 * f, "simulating"))
     seconds = time.perf_counter() - start
@@ -58,8 +58,8 @@ def run(config: SimulateConfig, ctx) -> Result:
     runs_gap = int(np.sum(fast.finish != slow.finish) + np.sum(fast.first_token != slow.first_token) + abs(len(fast.log) - len(slow.log)))
 
     ctx.progress(0.7, "load curve")
-    sweep = config.trace(config.sweep_requests, config.seed + 2)
-    load = [load_row(simulate(config.trace(config.sweep_requests, config.seed + 2, rate), sched_config, cost), rate, "simulated")
+    sweep = config.synthetic(config.sweep_requests, config.seed + 2)
+    load = [load_row(simulate(config.synthetic(config.sweep_requests, config.seed + 2, rate), sched_config, cost), rate, "simulated")
             for rate in config.rate * np.geomspace(0.25, 8, 11)]
     ctx.progress(0.85, "knobs, one at a time")
     knobs = [dict(load_row(simulate(sweep, sched_config, cost), config.rate, "as set"), knob="(as set)", setting="")]
@@ -82,11 +82,11 @@ def run(config: SimulateConfig, ctx) -> Result:
               reference="the trace's output lengths"),
     ]
     metrics = {**cal.metrics(), **{f"scale.{k}": v for k, v in summary.items()},
-               "simulation_seconds": seconds, "simulated_requests_per_second": config.n_requests / seconds, "knee_rate": knee(load)}
+               "simulation_seconds": seconds, "simulated_requests_per_second": len(trace) / seconds, "knee_rate": knee(load)}
     sample = np.linspace(0, len(trace) - 1, min(len(trace), 3000)).astype(int)
     latency = [row for row in latency_rows(big, "simulated") if row["request"] in set(sample.tolist())]
-    notes = [cal.note(), f"{config.n_requests:,} requests ({len(big.log):,} steps) simulated in {seconds:.1f} s "
-             f"({config.n_requests / seconds:,.0f} requests/s of simulation)."]
+    notes = [cal.note(), f"{len(trace):,} requests ({len(big.log):,} steps) simulated in {seconds:.1f} s "
+             f"({len(trace) / seconds:,.0f} requests/s of simulation)."]
     return Result(metrics=metrics, checks=checks, notes=notes,
                   tables={"load": load, "knobs": knobs, "latency": latency + latency_rows(cal.real, "real (held-out)")
                           + latency_rows(cal.simulated, "simulated (held-out)"),
