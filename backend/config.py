@@ -60,9 +60,10 @@ def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops
          seconds: float = 0) -> Estimate:
     """A run's estimate from its work: the bytes it holds at its peak (beyond its processes' own), the
     floating-point operations it computes, the bytes it copies or sends, the Python-level steps it takes,
-    the ranks it spawns besides its leader, and any fixed seconds (a compiler, a probe, a deliberate wait)."""
+    the ranks it spawns besides its leader (and their fork server), and any fixed seconds (a compiler, a probe, a deliberate wait)."""
     start = RANK_START_S * ranks / 2
-    return Estimate(int((1 + ranks) * PROCESS_BYTES + data_bytes),
+    processes = 1 + ranks + (1 if ranks else 0)  # the leader, its ranks and the fork server they come from
+    return Estimate(int(processes * PROCESS_BYTES + data_bytes),
                     start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds)
 
 

@@ -6,7 +6,7 @@ server's budget (EXPLORER_RUN_MEMORY_GIB, EXPLORER_JOB_TIMEOUT_S). Writes bench/
 message names lowered to the largest value it says fits. Each run is `python -m backend run` (the job
 leader, as the server starts it); memory is the resident anonymous memory of its whole process tree,
 sampled every 50 ms, the same sum the leader enforces. Each row also has the run's CPU seconds (the leader and
-every rank it waited for) and the load average when it started: wall time on a shared 2-core box depends on the
+its ranks, sampled with the memory) and the load average when it started: wall time on a shared 2-core box depends on the
 load, CPU time does not.
 
     nice python bench/limits.py [--only NAME,...] [--defaults]
@@ -55,28 +55,37 @@ def largest_accepted(exp) -> dict:
     raise RuntimeError(f"{exp.name}: no accepted settings found from the maxima")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(name: str, config: dict, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "backend", "run", name, "--config-json", json.dumps(config), "--json"]
     start, load = time.monotonic(), os.getloadavg()[0]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    peak, out = 0, []
-    threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True).start()
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:  # the usage of the leader and every rank it waited for
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            break
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    peak, cpu = 0, {}  # cpu: the last CPU seconds seen of each process of the tree (ranks are not our children)
+    while proc.poll() is None:
         peak = max(peak, limits.tree_memory(proc.pid))
+        for pid in [proc.pid, *limits.descendants(proc.pid)]:
+            cpu[pid] = max(cpu.get(pid, 0.0), _cpu_seconds(pid))
         time.sleep(0.05)
         if time.monotonic() - start > timeout_s + 60:
             proc.kill()
     wall = time.monotonic() - start
-    time.sleep(0.2)
+    reader.join(timeout=30)  # the rank fork server may hold stdout a moment after the leader ends
     lines = "".join(out).strip().splitlines()
     report = json.loads(lines[-1]) if lines else {}
     return {"status": report.get("status", f"exit {proc.returncode}"), "error": report.get("error"),
             "passed": report.get("passed"), "peak_bytes": peak, "process_wall_s": round(wall, 2),
-            "process_cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "load_average": round(load, 1),
+            "process_cpu_s": round(sum(cpu.values()), 2), "load_average": round(load, 1),
             "run_wall_s": report.get("wall_s")}
 
 

@@ -99,7 +99,7 @@ def test_seed_002_preset_is_valid():
     ({"world_size": "4", "tp": "4", "pp": "1", "n_kv_heads": "2"}, "n_kv_heads"),
     ({"world_size": "8", "tp": "1", "pp": "1", "batch": "4"}, "batch"),
     ({"world_size": "4", "tp": "1", "pp": "1", "cp": "4", "seq": "12"}, "seq"),
-    ({"world_size": "4", "tp": "2", "pp": "1", "cp": "4"}, "tp"),
+    ({"world_size": "4", "tp": "2", "pp": "1", "cp": "4"}, "cp"),
 ])
 def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:

@@ -57,8 +57,14 @@ class MeshConfig(TPConfig):
     def check(self) -> None:
         model_parallel = self.tp * self.pp * self.cp
         if self.world_size % model_parallel:
-            raise ConfigError("tp", f"tp x pp x cp = {model_parallel} does not divide world_size={self.world_size} "
-                                    f"(allowed: tp x pp x cp a divisor of world_size)")
+            # name the largest mesh dimension and the largest value of it that fits beside the other two
+            name = max(("tp", "pp", "cp"), key=lambda d: getattr(self, d))
+            others = model_parallel // getattr(self, name)
+            fits = [v for v in range(getattr(self, name), 0, -1) if self.world_size % (v * others) == 0]
+            hint = (f"allowed with the other settings as they are: {name} = {fits[0]}" if fits
+                    else "allowed: tp x pp x cp a divisor of world_size")
+            raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp = {model_parallel} does not divide "
+                                    f"world_size={self.world_size} ({hint})")
         super().check()
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
