@@ -230,8 +230,8 @@ def _downloads(rec: RunRecord) -> None:
 
 
 def rate(gbps: float) -> str:
-    """A bandwidth with a unit that keeps three significant digits visible."""
-    return f"{gbps:.3g} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.3g} MB/s"
+    """A bandwidth given in GB/s, with the prefix that keeps three significant digits visible (0.05 -> 50 MB/s)."""
+    return si(gbps * 1e9, "B/s")
 
 
 def si(value: float, unit: str = "") -> str:
