@@ -180,9 +180,14 @@ def test_page(app, topic):
         _checks_passed(linked, run_id)
         _settled(linked)
         _no_exception(linked, f"{topic.title}, linked run {run_id}")
+        # The same charts and metric values; on a loaded machine the browser may still be drawing, so wait for them.
+        shown = [(m["label"], m["value"], m["delta"]) for m in metrics]
+        deadline = time.time() + 60
+        while time.time() < deadline and (sum(not c["hidden"] for c in linked.evaluate(CHARTS_JS)) < charts or
+                                          [(m["label"], m["value"], m["delta"]) for m in linked.evaluate(METRICS_JS)] != shown):
+            linked.wait_for_timeout(500)
         assert _charts_drawn(linked, f"{topic.title}, linked run {run_id}") == charts
-        assert [(m["label"], m["value"], m["delta"]) for m in _metrics(linked, f"linked run {run_id}")] == \
-            [(m["label"], m["value"], m["delta"]) for m in metrics]
+        assert [(m["label"], m["value"], m["delta"]) for m in _metrics(linked, f"linked run {run_id}")] == shown
     linked.close()
 
 
