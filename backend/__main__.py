@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     # spawn_ranks enforces a distributed run's time limit itself (after collecting the ranks' stacks);
     # the leader's clock is then only a backstop.
     leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
-                    grace_s=15 if exp.distributed else 0).start()
+                    grace_s=15 if exp.distributed else 0, config=config).start()
     ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, port=port,
                                  echo_progress=not args.json)
     report = experiments.run_recorded(exp, config, ctx, store, run_id, args.out)
     leader.stop()
     if report["status"] == "failed" and limits.is_out_of_memory(report["error"]):
-        report["error"] = limits.memory_message()
+        report["error"] = limits.memory_message(config=config)
         store.update(run_id, error=report["error"])
     if args.json:
         print(json.dumps(report, default=str))

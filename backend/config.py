@@ -161,6 +161,14 @@ class Config:
         """Peak memory and wall time of a run with these settings (experiments override; see cost())."""
         return cost()
 
+    def lower_hint(self) -> str:
+        """What to lower when a run took too long or too much memory: the settings its cost grows with (most
+        influential first), as this run set them."""
+        if not self.cost_drivers:
+            return "choose smaller settings"
+        named = [f"{n} (now {getattr(self, n)!r})" for n in self.cost_drivers]
+        return "lower " + (", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0])
+
     def _fits(self, **change) -> bool:
         candidate = dataclasses.replace(self, **change)
         try:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from backend import experiments, limits
-from backend.config import Config
+from backend.config import Config, ConfigError
 from backend.comm.spawn import free_port
 from backend.store import FINAL, RunRecord, RunStore
 
@@ -148,7 +148,7 @@ class JobRunner:
                 # Record first: once the leader is dead, any reader would record it as simply gone.
                 self.store.finish(run_id, "cancelled" if cancel else "failed",
                                   error="cancelled (its process group was killed)"
-                                  if cancel else limits.time_message(rec.timeout_s))
+                                  if cancel else limits.time_message(rec.timeout_s, _config_of(rec)))
                 _kill_group(proc)
                 del self._procs[run_id]
 
@@ -164,9 +164,9 @@ class Leader:
     """
 
     def __init__(self, store: RunStore, run_id: str, timeout_s: float, memory_bytes: int, log_path: Path,
-                 grace_s: float = 0.0):
+                 grace_s: float = 0.0, config: Config | None = None):
         self.store, self.run_id, self.memory_bytes, self.log_path = store, run_id, memory_bytes, log_path
-        self.timeout_s = timeout_s
+        self.timeout_s, self.config = timeout_s, config
         self.deadline = time.monotonic() + timeout_s + grace_s
         self._done = threading.Event()
 
@@ -192,10 +192,10 @@ class Leader:
                 with open(self.log_path, "a") as log:
                     print(f"--- time limit: stack of the leader (pid {os.getpid()}) ---", file=log, flush=True)
                     faulthandler.dump_traceback(file=log, all_threads=True)
-                self.end("failed", limits.time_message(self.timeout_s), 1)
+                self.end("failed", limits.time_message(self.timeout_s, self.config), 1)
             used = limits.tree_memory(os.getpid())
             if used > self.memory_bytes:
-                self.end("failed", limits.memory_message(used, self.memory_bytes), 1)
+                self.end("failed", limits.memory_message(used, self.memory_bytes, self.config), 1)
 
     def end(self, status: str, message: str, code: int) -> None:
         """Record the final state (unless one is recorded), kill the job's processes, exit now."""
@@ -204,6 +204,14 @@ class Leader:
         limits.kill_tree(os.getpid())
         print(f"run {self.run_id} {status}: {message}", file=sys.stderr, flush=True)
         os._exit(code)
+
+
+def _config_of(rec: RunRecord) -> Config | None:
+    """A stored run's Config (for messages that name its settings); None if it no longer validates."""
+    try:
+        return experiments.get(rec.experiment).make_config(rec.config)
+    except ConfigError:  # an experiment renamed or a setting removed since: the message goes without names
+        return None
 
 
 def _kill_group(proc: subprocess.Popen, wait_s: float = 10.0) -> None:

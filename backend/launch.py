@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
                               timeout_s=args.timeout, code_version=version, origin="torchrun",
                               owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
-        leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt").start()
+        leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
+                        config=config).start()
     else:
         limits.limit_this_process(limits.memory_budget())
         faulthandler.dump_traceback_later(args.timeout + 2, exit=True)  # rank 0's leader records the failure
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         append_log(ctx, f"--- rank {rank} failed ---\n{traceback.format_exc()}")
         if rank == 0:
             leader.stop()
-            message = limits.memory_message() if limits.is_out_of_memory(str(err)) else f"rank 0: {type(err).__name__}: {err}"
+            message = limits.memory_message(config=config) if limits.is_out_of_memory(str(err)) else f"rank 0: {type(err).__name__}: {err}"
             store.finish(run_id, "failed", error=message)
         raise
     finally:

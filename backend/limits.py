@@ -67,15 +67,20 @@ def is_out_of_memory(text: str) -> bool:
     return "MemoryError" in text or "can't allocate memory" in text or "Cannot allocate memory" in text
 
 
-def memory_message(used: int | None = None, limit: int | None = None) -> str:
+def memory_message(used: int | None = None, limit: int | None = None, config=None) -> str:
     used_text = f"the job used {used / GIB:.2f} GiB, " if used else "an allocation failed: "
     return (f"memory limit: {used_text}over the {(limit or memory_budget()) / GIB:g} GiB a run may use "
-            "(EXPLORER_RUN_MEMORY_GIB); choose smaller settings, or ask the server's admin to raise the limit")
+            f"(EXPLORER_RUN_MEMORY_GIB); {_lower(config)}, or ask the server's admin to raise the limit")
 
 
-def time_message(timeout_s: float) -> str:
+def time_message(timeout_s: float, config=None) -> str:
     return (f"time limit: not finished within {timeout_s:g} s (--timeout, at most EXPLORER_JOB_TIMEOUT_S); "
-            "choose smaller settings, or ask the server's admin to raise the limit")
+            f"{_lower(config)}, or ask the server's admin to raise the limit")
+
+
+def _lower(config) -> str:
+    """Which settings to lower (the run's Config names them), else a general word."""
+    return config.lower_hint() if config is not None else "choose smaller settings"
 
 
 # --- the process tree of a job --------------------------------------------------------------------

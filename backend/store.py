@@ -88,6 +88,9 @@ def data_dir() -> Path:
     return Path(cache) / "llm-systems-explorer"
 
 
+PARTIAL = "partial.json"  # a run's results so far, in its folder
+
+
 @dataclasses.dataclass
 class RunRecord:
     id: str
@@ -167,6 +170,24 @@ class RunStore:
         path = self.root / "runs" / run_id
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def write_partial(self, run_id: str, partial: dict) -> None:
+        """What a run has computed so far (metrics, tables, a note), replaced as it goes: kept if the run fails,
+        is stopped by its time or memory limit or is cancelled, and dropped when it succeeds."""
+        path = self.run_dir(run_id) / PARTIAL
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(partial, default=str))
+        tmp.replace(path)
+
+    def partial(self, run_id: str) -> dict | None:
+        path = self.root / "runs" / run_id / PARTIAL
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def drop_partial(self, run_id: str) -> None:
+        (self.root / "runs" / run_id / PARTIAL).unlink(missing_ok=True)
 
     def create(self, experiment: str, config: dict, digest: str, *, status: str = "queued",
                timeout_s: float | None = None, code_version: str = "", origin: str = "", owner: str = "",

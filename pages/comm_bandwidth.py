@@ -9,6 +9,29 @@ from pages import timeline, ui
 st.title("Collective bandwidth")
 
 
+def slowest_rank_chart(per_rank: pd.DataFrame, table: pd.DataFrame, world: int) -> None:
+    """Which rank set t for each call, and by how much it trailed the fastest: a rank that is always the slowest
+    would point at a slow link or a busy core; here every rank's bar is drawn, even one that never was."""
+    slowest = per_rank.loc[per_rank.groupby(["op", "size_bytes"])["time_us"].idxmax()]
+    counts = slowest.groupby(["rank", "op"]).size().reset_index(name="calls")
+    spread = table.assign(spread_pct=100 * table["rank_spread_us"] / table["time_us"])
+    left, right = st.columns(2)
+    left.altair_chart(alt.Chart(counts).mark_bar().encode(
+        x=alt.X("rank:O", scale=alt.Scale(domain=list(range(world))), title="rank", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("sum(calls):Q", title="sizes it was slowest at"), color=alt.Color("op:N", title="collective"),
+        tooltip=["rank", "op", "calls"],
+    ).properties(height=260, title="Which rank set t (the slowest rank's mean)"), width="stretch")
+    right.altair_chart(alt.Chart(spread).mark_line(point=True).encode(
+        x=alt.X("size_bytes:Q", scale=alt.Scale(type="log", base=2), title="message size S (bytes, log₂)"),
+        y=alt.Y("spread_pct:Q", title="spread (% of t)"), color=alt.Color("op:N", title="collective"),
+        tooltip=["op", alt.Tooltip("size_bytes:Q", format=","), alt.Tooltip("spread_pct:Q", format=".1f", title="% of t"),
+                 alt.Tooltip("rank_spread_us:Q", format=",.1f", title="µs")],
+    ).properties(height=260, title="Fastest rank ahead of the slowest"), width="stretch")
+    st.caption("A collective ends when its last rank is done, so the ranks' times differ by how each was scheduled "
+               "and by its part in the algorithm. A rank that is the slowest at most sizes points at a slow link or a "
+               "busy core; a slowest rank that changes from size to size is scheduling noise.")
+
+
 def render(result: dict, rec) -> None:
     table = pd.DataFrame(result["tables"]["bandwidth"])
     world = result["metrics"]["world_size"]
@@ -20,23 +43,19 @@ def render(result: dict, rec) -> None:
     long = table.melt(id_vars=["op", "size_bytes", "time_us"], value_vars=["busbw_GBps", "algbw_GBps"],
                       var_name="measure", value_name="GBps")
     long["measure"] = long["measure"].str.replace("_GBps", "")
-    chart = alt.Chart(long).mark_line(point=True).encode(
-        x=alt.X("size_bytes:Q", scale=alt.Scale(type="log", base=2), title="message size S (bytes, log₂)"),
-        y=alt.Y("GBps:Q", scale=alt.Scale(type="log"), title="bandwidth (GB/s, log)"),
-        color=alt.Color("op:N", title="collective"),
-        strokeDash=alt.StrokeDash("measure:N", title="measure"),
-        tooltip=["op", "measure", alt.Tooltip("size_bytes:Q", format=",", title="S (bytes)"),
-                 alt.Tooltip("GBps:Q", format=".4f", title="GB/s"), alt.Tooltip("time_us:Q", format=",.1f", title="t (µs)")],
-    ).properties(height=380, title="Bandwidth against message size").interactive()
-    st.altair_chart(chart, width="stretch")
-    per_rank = pd.DataFrame(result["tables"]["per_rank"])
-    spread = alt.Chart(per_rank).mark_point().encode(
-        x=alt.X("size_bytes:Q", scale=alt.Scale(type="log", base=2), title="message size S (bytes, log₂)"),
-        y=alt.Y("time_us:Q", scale=alt.Scale(type="log"), title="mean time per call (µs, log)"),
-        color=alt.Color("rank:N"), shape=alt.Shape("op:N"),
-        tooltip=["op", "rank", "size_bytes", alt.Tooltip("time_us:Q", format=",.1f")],
-    ).properties(height=260, title="Per-rank time per call (the slowest rank sets t)")
-    st.altair_chart(spread, width="stretch")
+    x = alt.X("size_bytes:Q", scale=alt.Scale(type="log", base=2), title="message size S (bytes, log₂)")
+    y = alt.Y("GBps:Q", scale=alt.Scale(type="log"), title="bandwidth (GB/s, log)")
+    tooltip = ["op", "measure", alt.Tooltip("size_bytes:Q", format=",", title="S (bytes)"),
+               alt.Tooltip("GBps:Q", format=".4f", title="GB/s"), alt.Tooltip("time_us:Q", format=",.1f", title="t (µs)")]
+    # Lines carry the legends (a dash legend drawn as strokes, not as the points' dots); points only mark the sizes.
+    lines = alt.Chart(long).mark_line().encode(
+        x=x, y=y, color=alt.Color("op:N", title="collective"),
+        strokeDash=alt.StrokeDash("measure:N", title="measure", sort=["busbw", "algbw"],
+                                  legend=alt.Legend(symbolType="stroke", symbolStrokeWidth=2, symbolSize=400)),
+        tooltip=tooltip)
+    points = alt.Chart(long).mark_point(filled=True, size=25).encode(x=x, y=y, color="op:N", tooltip=tooltip)
+    st.altair_chart((lines + points).properties(height=380, title="Bandwidth against message size").interactive(), width="stretch")
+    slowest_rank_chart(pd.DataFrame(result["tables"]["per_rank"]), table, world)
     with st.expander("Table"):
         st.dataframe(table, hide_index=True, width="stretch")
     timeline.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")

@@ -5,13 +5,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import timeline, ui
+from pages import graph_view, timeline, ui
 
 st.title("Autograd & fusion")
-
-
-def _bytes(n) -> str:
-    return f"{n:,} B"
 
 
 def render(result: dict, rec) -> None:
@@ -19,34 +15,34 @@ def render(result: dict, rec) -> None:
     cols = st.columns(4)
     cols[0].metric("kernels launched", f"{m['kernels_unfused']} → {m['kernels_fused']}",
                    help="one kernel per op (no passes) → the fused program; both ran. Library calls (matmuls) included.")
-    cols[1].metric("generated Triton kernels", f"{m['generated_forward']} fwd + {m['generated_backward']} bwd",
-                   help=f"plus {m['extern_kernels']} library calls")
+    cols[1].metric("Triton kernels, fwd + bwd", f"{m['generated_forward']} + {m['generated_backward']}",
+                   help=f"generated: {m['generated_forward']} forward, {m['generated_backward']} backward; "
+                        f"plus {m['extern_kernels']} library calls")
     if "inductor_forward_kernels" in m:
-        cols[2].metric("TorchInductor kernels", f"{m['inductor_forward_kernels']} fwd + {m['inductor_backward_kernels']} bwd",
+        cols[2].metric("Inductor kernels, fwd + bwd", f"{m['inductor_forward_kernels']} + {m['inductor_backward_kernels']}",
                        help=f"measured: {m['inductor_backend']}, plus {m['inductor_extern_calls']} library calls")
     else:
-        cols[2].metric("TorchInductor kernels", "not run", help="tick 'inductor' in the settings to compile and count them")
-    cols[3].metric("bytes touched by generated kernels", f"{m['bytes_unfused']:,} → {m['bytes_fused']:,} B",
-                   help=f"distinct bytes each kernel read or wrote, counted by the kernels. Graph inputs and outputs once: "
-                        f"{m['ideal_unique_bytes']:,} B; library calls (modelled): {m['extern_modelled_bytes']:,} B")
+        cols[2].metric("Inductor kernels, fwd + bwd", "not run", help="tick 'inductor' in the settings to compile and count them")
+    ui.before_after(cols[3], "bytes the kernels touched", m["bytes_unfused"], m["bytes_fused"], "B",
+                    help=f"distinct bytes each generated kernel read or wrote, counted by the kernels: "
+                         f"{m['bytes_unfused']:,} B one kernel per op → {m['bytes_fused']:,} B fused. Graph inputs and "
+                         f"outputs once: {m['ideal_unique_bytes']:,} B; library calls (modelled): {m['extern_modelled_bytes']:,} B")
     cols = st.columns(4)
     if "saved_bytes_naive" in m:
-        cols[0].metric("kept for the backward", f"{m['saved_bytes_naive']:,} → {m['saved_bytes_min_cut']:,} B",
-                       help="forward values the backward reads: every one it uses → the min cut (recompute the rest)")
-    cols[1].metric("memory arena", _bytes(m["arena_bytes"]), help="intermediate buffers at their planned offsets")
-    cols[2].metric("lower bound", _bytes(m["lower_bound_bytes"]), help="most bytes live at any one step")
-    cols[3].metric("without reuse", _bytes(m["no_reuse_bytes"]), help="every intermediate buffer in its own memory")
+        ui.before_after(cols[0], "kept for the backward", m["saved_bytes_naive"], m["saved_bytes_min_cut"], "B",
+                        help=f"forward values the backward reads: every one it uses ({m['saved_bytes_naive']:,} B) → "
+                             f"the min cut ({m['saved_bytes_min_cut']:,} B; the rest is recomputed)")
+    cols[1].metric("memory arena", ui.si(m["arena_bytes"], "B"), help=f"{m['arena_bytes']:,} B: intermediate buffers at their planned offsets")
+    cols[2].metric("lower bound", ui.si(m["lower_bound_bytes"], "B"), help=f"{m['lower_bound_bytes']:,} B: most bytes live at any one step")
+    cols[3].metric("without reuse", ui.si(m["no_reuse_bytes"], "B"), help=f"{m['no_reuse_bytes']:,} B: every intermediate buffer in its own memory")
 
     graphs, kernels, passes, memory = st.tabs(["Graphs", "Kernels and source", "Passes and why-not", "Memory plan"])
     with graphs:
         st.caption("Blue pointwise, red reduction, green library call, grey view; dashed boxes are fused kernels; "
                    "dashed nodes are values read from the other phase (what the forward saved).")
-        dots = t["graph_dot"]
-        panes = st.columns(len(dots))
-        for pane, d in zip(panes, dots):
-            with pane:
-                st.markdown(f"**{d['phase'].capitalize()}**")
-                st.graphviz_chart(d["dot"])
+        for d in t["graph_dot"]:  # one under the other, each full width: a backward graph has dozens of nodes
+            st.markdown(f"**{d['phase'].capitalize()}**")
+            graph_view.graph(d["dot"])
         if t.get("saved"):
             st.caption("Saved between forward and backward after the min cut")
             st.dataframe(pd.DataFrame(t["saved"]), hide_index=True)
@@ -65,18 +61,15 @@ def render(result: dict, rec) -> None:
             st.download_button("Download all generated kernels (.py)", "\n\n".join(s["source"] for s in t["sources"]),
                                file_name=f"{rec.id}-kernels.py")
         timeline.run_timeline(rec, title="The fused program's launches, in order (wall time on this machine)")
-    with passes:
-        left, right = st.columns(2)
-        with left:
-            st.subheader("What the passes did")
-            st.dataframe(pd.DataFrame(t["log"]), hide_index=True, width="stretch")
-        with right:
-            st.subheader("Why these did not fuse")
-            why = pd.DataFrame(t["why_not"])
-            if why.empty:
-                st.info("Every candidate pair fused.")
-            else:
-                st.dataframe(why, hide_index=True, width="stretch")
+    with passes:  # one table under the other, full width: both hold sentences
+        st.subheader("What the passes did")
+        st.dataframe(pd.DataFrame(t["log"]), hide_index=True, width="stretch")
+        st.subheader("Why these did not fuse")
+        why = pd.DataFrame(t["why_not"])
+        if why.empty:
+            st.info("Every candidate pair fused.")
+        else:
+            st.dataframe(why, hide_index=True, width="stretch")
     with memory:
         live = pd.DataFrame(t["memory_over_time"])
         plan = pd.DataFrame(t["memory_plan"])

@@ -12,12 +12,13 @@ st.title("GPU execution model")
 def _hierarchy(h: dict, cfg: dict) -> None:
     st.subheader("Grid → programs → warps → threads")
     cols = st.columns(5)
-    cols[0].metric("programs (thread blocks)", f"{h['programs']:,}", help=f"grid {h['grid'][0]} x {h['grid'][1]} tiles of C")
+    cols[0].metric("programs", f"{h['programs']:,}", help=f"thread blocks: a grid of {h['grid'][0]} x {h['grid'][1]} tiles of C")
     cols[1].metric("warps per program", h["warps_per_program"])
     cols[2].metric("threads per program", h["threads_per_program"], help="warps x 32 threads, in lockstep within a warp (SIMT)")
     cols[3].metric("C elements per thread", f"{h['outputs_per_thread']:g}")
-    cols[4].metric("waves on " + cfg["device"], h["waves"] if h["waves"] is not None else "—",
-                   help=f"{h['programs_per_sm']} programs fit per SM (limited by {h['limited_by']}) x {h['sms']} SMs (model)")
+    cols[4].metric("waves", h["waves"] if h["waves"] is not None else "—",
+                   help=f"on {cfg['device']}: {h['programs_per_sm']} programs fit per SM (limited by {h['limited_by']}) "
+                        f"x {h['sms']} SMs (model)")
     warps = h["programs"] * h["warps_per_program"]
     levels = pd.DataFrame([
         {"level": "grid (the launch)", "in this GEMM": 1, "each does": f"C = A @ B as {h['grid'][0]} x {h['grid'][1]} tiles"},
@@ -109,7 +110,8 @@ def _intensity(result: dict) -> None:
 def render(result: dict, rec) -> None:
     m, tables, cfg = result["metrics"], result["tables"], rec.config
     cols = st.columns(4)
-    cols[0].metric("GEMM", f"{cfg['m']}x{cfg['k']} @ {cfg['k']}x{cfg['n']}", help=f"{cfg['dtype']} on {m['device']}")
+    cols[0].metric("GEMM, M×N×K", f"{cfg['m']}×{cfg['n']}×{cfg['k']}",
+                   help=f"C ({cfg['m']}x{cfg['n']}) = A ({cfg['m']}x{cfg['k']}) @ B ({cfg['k']}x{cfg['n']}), {cfg['dtype']} on {m['device']}")
     cols[1].metric("bytes counted", f"{m['bytes_A'] + m['bytes_B'] + m['bytes_C']:,}", help="A + B loads and C stores, inside the kernel")
     cols[2].metric("intensity", f"{m['intensity_flop_per_byte']:.2f} FLOP/B")
     cols[3].metric("loads per multiply-add", f"{m['loads_per_mac']:.4f}")

@@ -15,10 +15,12 @@ STATE_COLORS = alt.Scale(domain=["used", "cached, free", "free"], range=["#1f6fd
 def render(result: dict, rec) -> None:
     m = result["metrics"]
     cols = st.columns(5)
-    cols[0].metric("KV memory holding tokens, paged", f"{100 * m['utilization.paged']:.1f} %")
-    cols[1].metric("… contiguous", f"{100 * m['utilization.contiguous']:.1f} %")
-    cols[2].metric("max concurrent sequences", f"{m['max_running.paged']} vs {m['max_running.contiguous']}",
-                   help="paged vs contiguous, same memory")
+    cols[0].metric("KV used, paged", f"{100 * m['utilization.paged']:.1f} %",
+                   help="share of the KV memory holding tokens, with pages allocated as tokens arrive")
+    cols[1].metric("KV used, contiguous", f"{100 * m['utilization.contiguous']:.1f} %",
+                   help="share of the same KV memory holding tokens, with each sequence's maximum length reserved")
+    cols[2].metric("most sequences", f"{m['max_running.paged']} vs {m['max_running.contiguous']}",
+                   help="the most sequences running at once: paged vs contiguous, in the same memory")
     cols[3].metric("preemptions / swaps", f"{m['preemptions']} / {m['swaps']}")
     cols[4].metric("prefix hit rate", f"{100 * m['prefix_hit_rate']:.1f} %", help=f"{m['prefix_hit_tokens']:,} prompt tokens reused")
 

@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from pages import timeline, ui
+from pages import graph_view, timeline, ui
 
 st.title("Placing a graph on devices")
 
@@ -14,18 +14,21 @@ def render(result: dict, rec) -> None:
     cols[0].metric("ranks", m["ranks"], help="processes on gloo")
     cols[1].metric("ops per rank", " / ".join(map(str, m["ops_per_rank"])))
     cols[2].metric("send/recv pairs", m["transfers"], help=f"{m['bytes_moved']:,} B moved in all")
-    cols[3].metric("makespan, modelled → measured", f"{m['modelled_makespan_ms']:.2f} → {m['measured_makespan_ms']:.2f} ms",
-                   help="the placement's model (the settings' rates) against the run on this machine")
+    cols[3].metric("makespan, measured", f"{m['measured_makespan_ms']:.3g} ms", f"modelled {m['modelled_makespan_ms']:.3g} ms",
+                   delta_color="off", delta_arrow="off",
+                   help=f"the run on this machine ({m['measured_makespan_ms']:.2f} ms) against the placement's model from "
+                        f"the settings' rates ({m['modelled_makespan_ms']:.2f} ms)")
     st.caption("Colour is the rank; red dashed edges cross ranks and became a send on one rank and a recv on the other.")
-    st.graphviz_chart(t["graph_dot"][0]["dot"])
+    graph_view.graph(t["graph_dot"][0]["dot"])
+    st.subheader("Why each op went where it did")  # full width: the reasons are sentences
+    st.dataframe(pd.DataFrame(t["placement"]), hide_index=True, width="stretch")
     left, right = st.columns(2)
     with left:
-        st.subheader("Why each op went where it did")
-        st.dataframe(pd.DataFrame(t["placement"]), hide_index=True, width="stretch")
-    with right:
         st.subheader("Transfers")
         st.dataframe(pd.DataFrame(t["transfers"]), hide_index=True, width="stretch",
                      column_config={"bytes": st.column_config.NumberColumn("bytes (B)", format="%d")})
+    with right:
+        st.subheader("Per rank")
         st.dataframe(pd.DataFrame(t["per_rank"]), hide_index=True, width="stretch",
                      column_config={"compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f")})
     timeline.run_timeline(rec, title="Per-rank timeline: compute, send, recv")

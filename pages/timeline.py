@@ -11,8 +11,14 @@ import streamlit as st
 from backend.store import RunRecord
 from backend.trace import KINDS
 
-KIND_COLORS = alt.Scale(domain=list(KINDS), range=["#1f6fd1", "#e4572e", "#76b041", "#8e44ad", "#7f8c8d",
-                                                   "#f2a541", "#f7d08a", "#17a2b8", "#2c3e50", "#bdc3c7"])
+KIND_COLORS = dict(zip(KINDS, ["#1f6fd1", "#e4572e", "#76b041", "#8e44ad", "#7f8c8d",
+                               "#f2a541", "#f7d08a", "#17a2b8", "#2c3e50", "#bdc3c7"]))
+
+
+def kind_scale(kinds) -> alt.Scale:
+    """The kinds present, each in its own colour on every page; the legend lists only what the chart shows."""
+    present = [k for k in KIND_COLORS if k in set(kinds)] + sorted(set(kinds) - set(KIND_COLORS))
+    return alt.Scale(domain=present, range=[KIND_COLORS.get(k, "#999999") for k in present])
 
 
 def run_timeline(rec: RunRecord, title: str) -> None:
@@ -46,7 +52,7 @@ def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None
         x=alt.X("start_ms:Q", title="time since ranks aligned (ms)"),
         x2="end_ms:Q",
         y=alt.Y("lane:N", title=None, sort=alt.EncodingSortField("row", op="min")),
-        color=alt.Color("kind:N", title="kind", scale=KIND_COLORS, legend=alt.Legend(orient="top", columns=5)),
+        color=alt.Color("kind:N", title="kind", scale=kind_scale(df["kind"]), legend=alt.Legend(orient="top", columns=5)),
         tooltip=["lane", "name", "kind", alt.Tooltip("start_ms:Q", format=".3f", title="start (ms)"),
                  alt.Tooltip("dur_us:Q", format=".1f", title="duration (µs)"), "args"],
     ).properties(height=alt.Step(22)).interactive(bind_y=False)

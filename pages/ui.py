@@ -150,11 +150,7 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
         return
     _header(rec)
     if rec.status != "succeeded":
-        st.error(escape(rec.error or rec.status))
-        log = log_tail(store(), rec.id, lines=200)
-        if log:
-            with st.expander("Log: every rank's traceback and, after a time limit, its stack"):
-                st.code(log, language=None)
+        _stopped(rec)
         return
     result = rec.result()
     if result is None:
@@ -166,6 +162,30 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
     if render:
         render(result, rec)
     _downloads(rec)
+
+
+def _stopped(rec: RunRecord) -> None:
+    """A run that failed, hit a limit or was cancelled: why (the message names the settings to lower), how far
+    it got, what it had computed by then, and every rank's log."""
+    st.error(escape(rec.error or rec.status))
+    if rec.progress > 0:
+        st.progress(rec.progress, text=f"Stopped at {rec.progress:.0%}: {escape(rec.progress_msg or '')} · "
+                                       f"after {rec.duration_s or 0:.0f} s")
+    partial = store().partial(rec.id)
+    if partial:
+        st.subheader("Results so far")
+        st.caption(escape(partial.get("note", "")))
+        if partial.get("metrics"):
+            st.dataframe(pd.DataFrame([{"metric": k, "value": str(v)} for k, v in partial["metrics"].items()]),
+                         hide_index=True)
+        for name, rows in partial.get("tables", {}).items():
+            if rows:
+                st.markdown(f"**{escape(name)}**")
+                st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    log = log_tail(store(), rec.id, lines=200)
+    if log:
+        with st.expander("Log: every rank's traceback and, after a time limit, its stack", expanded=not partial):
+            st.code(log, language=None)
 
 
 def _header(rec: RunRecord) -> None:
@@ -225,5 +245,21 @@ def _downloads(rec: RunRecord) -> None:
 
 
 def rate(gbps: float) -> str:
-    """A bandwidth with a unit that keeps three significant digits visible."""
-    return f"{gbps:.3g} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.3g} MB/s"
+    """A bandwidth given in GB/s, with the prefix that keeps three significant digits visible (0.05 -> 50 MB/s)."""
+    return si(gbps * 1e9, "B/s")
+
+
+def si(value: float, unit: str = "") -> str:
+    """A number with an SI prefix and three significant digits (28,352 B -> 28.4 kB): short enough for a metric."""
+    value = float(value)
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".strip()
+
+
+def before_after(column, label: str, before: float, after: float, unit: str = "", help: str | None = None) -> None:
+    """A metric that went from `before` to `after`: the new value, and the change beside it (green when it fell),
+    so the value stays short enough never to be cut."""
+    change = f"{100 * (after - before) / before:+.0f} % from {si(before, unit)}" if before else f"from {si(before, unit)}"
+    column.metric(label, si(after, unit), change, delta_color="inverse", help=help)

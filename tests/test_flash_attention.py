@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import backend.attention.flash as flash_module
 from backend import experiments
-from backend.attention.flash import online_softmax_example, sram_budget, tiled_attention
+from backend.attention.flash import online_softmax_example, online_softmax_seed_error, sram_budget, tiled_attention
 from backend.config import ConfigError
 from backend.memory.devices import ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity
@@ -72,6 +73,28 @@ def test_online_softmax_example_reproduces_the_seed():
     final = steps[-1]
     assert final["l"] == pytest.approx(math.exp(-3) + math.exp(-2) + math.exp(-1) + 1)
     assert final["softmax"] == pytest.approx(final["reference_softmax"])
+    error, _ = online_softmax_seed_error(steps)
+    assert error < 1e-15
+
+
+def _update_without_rescale(m, l, acc, scores, values):
+    """A wrong online softmax: folds a block in under the new max without rescaling what came before."""
+    m_new = torch.maximum(m, scores.max(dim=-1).values)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l + p.sum(-1), acc + p @ values, p, torch.ones_like(m)
+
+
+def test_the_online_softmax_run_check_fails_when_the_update_is_wrong(monkeypatch):
+    """The run's seed-000 check is the one that catches a broken update (the kernels do not use it)."""
+    name = "seed 000's online-softmax example"
+    ok = experiments.run("attention.flash", seq_len=16, heads=1, block_m=16, block_n=16, backward=False)
+    assert [c.passed for c in ok.checks if c.name.startswith(name)] == [True]
+    monkeypatch.setattr(flash_module, "online_softmax_update", _update_without_rescale)
+    error, detail = online_softmax_seed_error(online_softmax_example())
+    assert error > 0.1 and "differ: e^(m(x1) - m(x)), f(x), l(x)" in detail
+    broken = experiments.run("attention.flash", seq_len=16, heads=1, block_m=16, block_n=16, backward=False)
+    assert [c.name for c in broken.checks if not c.passed] == [c.name for c in broken.checks if c.name.startswith(name)]
+    assert len([c for c in broken.checks if not c.passed]) == 1
 
 
 def test_sram_budget_follows_seed_003():

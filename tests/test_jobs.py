@@ -36,6 +36,7 @@ def test_job_succeeds_and_identical_config_is_deduplicated(runner):
     rec = runner.wait(first, 120)
     assert rec.status == "succeeded", rec.error
     assert rec.result()["checks"][0]["passed"]
+    assert runner.store.partial(first) is None  # the sizes it recorded as it went gave way to the whole result
     assert runner.submit("comm.bandwidth", SMALL) == first  # stored run reused
     _assert_cleaned_up(rec)
 
@@ -67,6 +68,38 @@ def test_hanging_rank_is_named_and_its_stack_logged(runner):
     assert 'selftest.py", line' in hung and "in rank_main" in hung and "distributed_c10d" not in hung
     assert time.time() - start < 20 + 40
     _assert_cleaned_up(rec)
+    # What a stopped run keeps: the settings to lower, how far it got, what it had computed, its log.
+    assert "lower world_size (now 3)" in rec.error
+    assert rec.progress == 0.5 and rec.progress_msg == "rank 0 in the all-reduce, waiting for every rank"
+    assert runner.store.partial(rid)["metrics"] == {"rank 0 input": 0.0}
+
+
+def test_a_cancelled_sweep_keeps_the_sizes_it_finished(runner, monkeypatch):
+    """comm.bandwidth records rank 0's time per finished size as it goes; a stopped run keeps them."""
+    monkeypatch.setenv("EXPLORER_JOB_TIMEOUT_S", "3600")  # the sweep is long on purpose; it is cancelled midway
+    long_sweep = {"world_size": "2", "ops": "all_reduce", "min_bytes": "1024", "max_bytes": str(64 << 20), "iters": "100"}
+    rid = runner.submit("comm.bandwidth", long_sweep, timeout_s=600)
+    deadline = time.time() + 120
+    while len((runner.store.partial(rid) or {}).get("tables", {}).get("rank 0 times", [])) < 2:
+        assert time.time() < deadline and runner.store.get(rid).status in ("queued", "running")
+        time.sleep(0.2)
+    runner.cancel(rid)
+    rec = runner.wait(rid, 30)
+    assert rec.status == "cancelled" and 0 < rec.progress < 1
+    rows = runner.store.partial(rid)["tables"]["rank 0 times"]
+    assert [r["size_bytes"] for r in rows[:2]] == [1024, 2048] and all(r["time_us"] > 0 for r in rows)
+    assert (runner.store.run_dir(rid) / "log.txt").exists()
+    _assert_cleaned_up(rec)
+
+
+def test_time_and_memory_messages_name_the_settings_to_lower():
+    from backend import experiments, limits
+
+    config = experiments.get("pipeline.run").make_config({"hidden": "256"})
+    assert "lower batch (now 128), hidden (now 256), layers (now 8), microbatches (now 8) or world_size (now 4)" \
+        in limits.time_message(60, config)
+    assert "lower batch (now 128)" in limits.memory_message(5 << 30, 4 << 30, config)
+    assert "choose smaller settings" in limits.time_message(60)
 
 
 def test_two_runs_at_once_get_different_ports(runner):

@@ -134,3 +134,27 @@ def test_a_topic_page_opens_on_its_defaults_run(monkeypatch):
     again = _app("pages/autograd.py")  # another visitor: the same run, found by its digest, already drawn
     assert again.query_params["run"] == run_id
     assert any("checks against independent references passed" in s.value for s in again.success)
+
+
+def test_a_stopped_run_shows_why_how_far_what_it_had_and_its_log():
+    """What the page draws from a run the time limit stopped: the message naming the settings to lower, the
+    progress it reached, its results so far and its log."""
+    from backend import experiments, limits
+    from backend.store import RunStore
+
+    exp = experiments.get("attention.variants_train")
+    config = exp.make_config({})
+    store = RunStore()
+    rid = store.create(exp.name, config.to_dict(), "pages-stopped", status="running")
+    store.update(rid, progress=0.4, progress_msg="mqa step 20")
+    store.write_partial(rid, {"note": "Training curves so far.", "metrics": {"entropy_rate_nats": 1.4},
+                              "tables": {"curves": [{"variant": "mha", "step": 0, "loss": 2.9}]}})
+    (store.run_dir(rid) / "log.txt").write_text("--- time limit: stack of the leader ---\n")
+    store.finish(rid, "failed", error=limits.time_message(120, config))
+    at = _app("pages/variants_train.py", run=rid)
+    assert not at.exception, at.exception
+    assert any("lower steps (now" in e.value for e in at.error), [e.value for e in at.error]
+    assert any("Results so far" in s.value for s in at.subheader)
+    assert any("Training curves so far." in c.value for c in at.caption)
+    assert len(at.dataframe) == 2  # the metrics and the curves
+    assert any("stack of the leader" in c.value for c in at.code)

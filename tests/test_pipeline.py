@@ -8,7 +8,7 @@ from backend.config import ConfigError
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel.pp.executor import run_rank
-from backend.experiments.pipeline.run import PipelineConfig, combine, run_rank_with_peer
+from backend.experiments.pipeline.run import PipelineConfig, combine, pipedream_seed_example, run_rank_with_peer
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 
 
@@ -22,9 +22,9 @@ def _configs(p):
     out += [PipelineConfig(schedule="gpipe", microbatches=4, recompute=True, **small),
             PipelineConfig(schedule="1f1b", microbatches=4, recompute=True, **small),
             PipelineConfig(schedule="interleaved_1f1b", microbatches=4, virtual_stages=2, **small),
-            PipelineConfig(schedule="pipedream", microbatches=4, **small),
-            PipelineConfig(schedule="pipedream", microbatches=4, weight_stashing=False, **small),
-            PipelineConfig(schedule="pipedream", microbatches=4, vertical_sync=True, **small)]
+            PipelineConfig(schedule="pipedream", microbatches=8, **small),  # m >= 5: seed 000's example at p = 4
+            PipelineConfig(schedule="pipedream", microbatches=8, weight_stashing=False, **small),
+            PipelineConfig(schedule="pipedream", microbatches=8, vertical_sync=True, **small)]
     return [c.validate() for c in out]
 
 
@@ -66,6 +66,27 @@ def test_pipedream_stashing_consistency(matrix):
     if no_stash[0].world_size > 1:
         assert any(v["forward_version"] != v["backward_version"] for v in versions)
         assert max(e["relative_error"] for pl in no_stash[1] for e in pl["grad_errors"]) > 0
+
+
+def test_pipedream_reproduces_seed_000s_weight_versions(matrix):
+    """At 4 ranks each PipeDream variant's run checks micro-batch 5's versions against the seed's figures; versions
+    from another variant, or counted one update late, fail that check."""
+    runs = [(c, p) for c, p in matrix if c.schedule == "pipedream"]
+    if runs[0][0].world_size != 4:
+        assert all(pipedream_seed_example(c, [v for pl in p for v in pl["versions"]]) is None for c, p in runs)
+        return
+    versions = {(c.weight_stashing, c.vertical_sync): [v for pl in p for v in pl["versions"]] for c, p in runs}
+    for config, payloads in runs:
+        check = next(c for c in combine(config, payloads).checks if c.name.startswith("seed 000's PipeDream"))
+        assert check.passed, check.detail
+    stash, no_stash, vsync = (c for c, _ in runs)
+    assert not pipedream_seed_example(stash, versions[(False, False)]).passed  # backward on newer weights
+    assert not pipedream_seed_example(vsync, versions[(True, False)]).passed   # device 2 on its own newest version
+    assert not pipedream_seed_example(no_stash, versions[(True, False)]).passed
+    late = [dict(v, backward_version=v["backward_version"] + 1, forward_version=v["forward_version"] + 1)
+            for v in versions[(True, False)]]
+    check = pipedream_seed_example(stash, late)
+    assert not check.passed and "device 1 forward: version 2 (seed: 1)" in check.detail
 
 
 def test_a_wrong_gradient_fails_the_check(matrix):

@@ -19,7 +19,20 @@ def online_softmax_update(m, l, acc, scores, values):
     return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ values, p, alpha
 
 
-def online_softmax_example(blocks=((1.0, 2.0), (3.0, 4.0))) -> list[dict]:
+# Seed 000 (FlashAttention, tiling: "举例：分为2块计算, x1 = [1,2], x2 = [3,4]"), its figures as it writes them, each
+# e^k given by its exponent k: the running max after each block, each block's f under that max, the factor
+# e^(m(x1) - m(x)) that rescales the first block, and the whole f(x) and l(x).
+SEED_000_ONLINE_SOFTMAX = {
+    "blocks": ((1.0, 2.0), (3.0, 4.0)),
+    "m": (2.0, 4.0),                                  # m(x1) = 2, then m(x) = max(m(x1), m(x2)) = 4
+    "f_block_exponents": ((-1, 0), (-1, 0)),          # f(x1) = [e^-1, e^0], f(x2) = [e^-1, e^0]
+    "rescale_exponent": -2,                           # e^(m(x1) - m(x)) = e^-2
+    "f_exponents": (-3, -2, -1, 0),                   # f(x) = [e^-2 (e^-1, e^0), e^0 (e^-1, e^0)]
+    "l_exponents": (-3, -2, -1, 0),                   # l(x) = e^-3 + e^-2 + e^-1 + e^0
+}
+
+
+def online_softmax_example(blocks=SEED_000_ONLINE_SOFTMAX["blocks"]) -> list[dict]:
     """Seed 000's example: softmax of [1, 2, 3, 4] in blocks [1, 2] and [3, 4], step by step.
     Values are the identity, so acc is the unnormalised softmax f(x) itself."""
     x = torch.tensor([v for b in blocks for v in b], dtype=torch.float64)
@@ -37,10 +50,26 @@ def online_softmax_example(blocks=((1.0, 2.0), (3.0, 4.0))) -> list[dict]:
                       "f_block": p[0].tolist(), "l": float(l), "f_so_far": acc[0].tolist()})
         start += len(b)
     softmax = (acc[0] / l).tolist()
-    steps.append({"block": "final", "m": float(m), "l": float(l), "softmax": softmax,
+    steps.append({"block": "final", "m": float(m), "l": float(l), "f": acc[0].tolist(), "softmax": softmax,
                   "reference_softmax": torch.softmax(x, 0).tolist(),
                   "l_closed_form": sum(math.exp(v - 4.0) for v in x.tolist())})
     return steps
+
+
+def online_softmax_seed_error(steps: list[dict], tolerance: float = 1e-12) -> tuple[float, str]:
+    """The largest difference between the run's worked example and seed 000's figures (and torch.softmax), and
+    which figures disagree by more than the tolerance."""
+    seed, final = SEED_000_ONLINE_SOFTMAX, steps[-1]
+    exp = lambda ks: [math.exp(k) for k in ks]  # noqa: E731
+    pairs = [(f"m after block {i + 1}", [s["m"]], [seed["m"][i]]) for i, s in enumerate(steps[:-1])]
+    pairs += [(f"f(x{i + 1})", s["f_block"], exp(seed["f_block_exponents"][i])) for i, s in enumerate(steps[:-1])]
+    pairs += [("e^(m(x1) - m(x))", [steps[1]["rescale_exp(m_old-m)"]], exp([seed["rescale_exponent"]])),
+              ("f(x)", final["f"], exp(seed["f_exponents"])), ("l(x)", [final["l"]], [sum(exp(seed["l_exponents"]))]),
+              ("softmax against torch.softmax", final["softmax"], final["reference_softmax"])]
+    errors = [(max(abs(a - b) for a, b in zip(mine, theirs)) if len(mine) == len(theirs) else math.inf, name)
+              for name, mine, theirs in pairs]
+    wrong = [name for error, name in errors if not error <= tolerance]
+    return max(error for error, _ in errors), f"{len(pairs)} figures compared" + (f"; differ: {', '.join(wrong)}" if wrong else "")
 
 
 def tiled_attention(q, k, v, causal=False, block_m=64, block_n=64, on_step=None):

@@ -169,7 +169,7 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
                 if any(r not in payloads and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
                     raise _root_cause(results, procs, {}, ctx)
                 if time.monotonic() > deadline:
-                    raise _timeout(procs, payloads, stacks, ctx)
+                    raise _timeout(procs, payloads, stacks, ctx, config)
                 continue
             if kind == "err":
                 raise _root_cause(results, procs, {rank: data}, ctx)
@@ -189,7 +189,7 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx) -> list:
     return [payloads[r] for r in range(world_size)]
 
 
-def _timeout(procs, payloads: dict, stacks: Path, ctx, grace_s: float = 2.0) -> RunTimeout:
+def _timeout(procs, payloads: dict, stacks: Path, ctx, config=None, grace_s: float = 2.0) -> RunTimeout:
     """Ask every unfinished rank for its Python stack, log them, and name the ranks that had not reached
     the collective the others are blocked in (a rank blocked in one is waiting for those)."""
     pending = [r for r, p in enumerate(procs) if r not in payloads and p.is_alive()]
@@ -226,7 +226,7 @@ def _timeout(procs, payloads: dict, stacks: Path, ctx, grace_s: float = 2.0) -> 
         what = f"ranks {starting} had not started their run (process start-up alone took the time)"
     from backend.limits import time_message
 
-    return RunTimeout(f"{time_message(ctx.timeout_s)}: {what}; each rank's stack is in the run's log.txt")
+    return RunTimeout(f"{time_message(ctx.timeout_s, config)}: {what}; each rank's stack is in the run's log.txt")
 
 
 def _main_stack(dump: str) -> list[str]:

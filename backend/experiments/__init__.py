@@ -52,6 +52,15 @@ class RunContext:
         if self.echo_progress:
             print(f"[{fraction:6.1%}] {message}", file=sys.stderr, flush=True)
 
+    def partial(self, note: str, metrics: dict | None = None, tables: dict | None = None) -> None:
+        """Record what the run has computed so far, so a run stopped by a limit or a fault still shows it.
+        Call from one process only (rank 0 in a distributed run); each call replaces the last."""
+        if self.run_id and self.store_root:
+            from backend.store import RunStore
+
+            RunStore(self.store_root).write_partial(self.run_id, {"note": note, "metrics": metrics or {},
+                                                                  "tables": tables or {}})
+
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
@@ -158,6 +167,7 @@ def run_recorded(exp: Experiment, config: Config, ctx: RunContext, store, run_id
     header["wall_s"] = round(time.time() - started, 3)
     artifacts = write_artifacts(exp, result, out_dir, header)
     store.finish(run_id, "succeeded", result_path=artifacts["result"], trace_path=artifacts["trace"], progress=1.0)
+    store.drop_partial(run_id)  # the whole result replaces it
     report = {**header, "status": "succeeded", **result.to_dict(), "passed": result.passed, "artifacts": artifacts}
     report.pop("tables")
     return report

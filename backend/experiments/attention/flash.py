@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from backend.attention.flash import io_model, online_softmax_example, sram_budget, tiled_attention
+from backend.attention.flash import io_model, online_softmax_example, online_softmax_seed_error, sram_budget, tiled_attention
 from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.result import Check, Result
@@ -146,6 +146,10 @@ def run(config: FlashConfig, ctx) -> Result:
                         detail=f"{len(seeded)} steps compared (the seed's Br = d case)" if len(seeded) > 1 else
                                "Bc < d here, so Br = Bc and the seed's Br = d expressions do not apply beyond step 1"))
     tables["online_softmax_example"] = online_softmax_example()
+    error, detail = online_softmax_seed_error(tables["online_softmax_example"])
+    checks.append(Check("seed 000's online-softmax example: the tiled update gives the seed's m, f, rescale and l",
+                        error, 1e-12, reference="seed 000, FlashAttention tiling example (x1 = [1, 2], x2 = [3, 4]); "
+                                                "torch.softmax for the normalised result", detail=detail))
     if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
         steps = []
         tiled_attention(q32[0, 0], k32[0, 0], v32[0, 0], config.causal, config.block_m, config.block_n,

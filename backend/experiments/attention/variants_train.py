@@ -65,6 +65,9 @@ def run(config: TrainConfig, ctx) -> Result:
             curves.append({"variant": variant, "step": step, "loss": loss.item()})
             if step % 10 == 0:
                 ctx.progress((i + step / config.steps) / len(VARIANTS), f"{variant} step {step}")
+                ctx.partial(f"Training curves so far, to {variant} step {step}; held-out losses of the variants "
+                            "that finished.", metrics={"entropy_rate_nats": corpus.entropy_rate},
+                            tables={"curves": curves, "variants": rows})
         with torch.no_grad():
             logits = torch.stack([model(seq[:-1]) for seq in held_out])
             nll = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab), held_out[:, 1:].reshape(-1), reduction="none")

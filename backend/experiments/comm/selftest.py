@@ -46,6 +46,10 @@ def rank_main(rank: int, world: int, config: SelftestConfig, ctx) -> dict:
         if config.fault == "hang":
             time.sleep(10_000)
     x = torch.tensor([float(rank)])
+    if rank == 0:  # what a stopped run still shows: how far it got, and what it had
+        ctx.progress(0.5, "rank 0 in the all-reduce, waiting for every rank")
+        ctx.partial("Rank 0 reached the all-reduce with its input; a rank that did not is named in the error.",
+                    metrics={"rank 0 input": x.item()})
     with tracer.span("collective", "all_reduce"):
         dist.all_reduce(x)
     return {"sum": x.item(), "trace": tracer.payload()}

@@ -155,6 +155,32 @@ def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     return payload
 
 
+# Seed 000 (PipeDream, 问题解析), four machines: micro-batch 5's weight versions, a version being the number of
+# backwards a stage has applied. Device 1 runs micro-batch 5's forward on version 1 (after micro-batch 1's backward)
+# and, without stashing, its backward on version 4 (after 1-4), with stashing on version 1 again; device 2 runs the
+# forward on version 2 (after 1-2), with vertical sync on version 1.
+SEED_000_PIPEDREAM = {"world_size": 4, "microbatch": 5, "device1_forward": 1,
+                      "device1_backward": {True: 1, False: 4}, "device2_forward": {True: 1, False: 2}}
+
+
+def pipedream_seed_example(config, versions: list[dict]) -> Check | None:
+    """Seed 000's PipeDream example compared with the versions this run recorded (None where the run is not the
+    seed's picture: 4 machines, at least 5 micro-batches)."""
+    seed = SEED_000_PIPEDREAM
+    if config.world_size != seed["world_size"] or config.microbatches < seed["microbatch"]:
+        return None
+    mb = seed["microbatch"] - 1  # the seed counts micro-batches from 1
+    row = {v["stage"]: v for v in versions if v["mb"] == mb}
+    figures = [("device 1 forward", row[0]["forward_version"], seed["device1_forward"]),
+               ("device 1 backward", row[0].get("backward_version"), seed["device1_backward"][config.weight_stashing]),
+               ("device 2 forward", row[1]["forward_version"], seed["device2_forward"][config.vertical_sync])]
+    return Check("seed 000's PipeDream example: micro-batch 5's weight versions on devices 1 and 2",
+                 sum(ours != theirs for _, ours, theirs in figures), 0,
+                 reference=f"seed 000, PipeDream weight stashing and vertical sync (4 machines; stashing "
+                           f"{'on' if config.weight_stashing else 'off'}, vertical sync {'on' if config.vertical_sync else 'off'})",
+                 detail="; ".join(f"{what}: version {ours} (seed: {theirs})" for what, ours, theirs in figures))
+
+
 MIN_TIMED_ACTION_US = 500  # below this, one action's CPU time is mostly Python overhead and scheduler jitter
 
 
@@ -254,6 +280,12 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
         else:
             notes.append(f"Without vertical sync, {spread} of {len(by_mb)} micro-batches ran on different weight versions "
                          "on different stages.")
+        seed_check = pipedream_seed_example(config, versions)
+        if seed_check:
+            checks.append(seed_check)
+        else:
+            notes.append("Seed 000's PipeDream example (micro-batch 5's weight versions) is drawn for 4 machines and at "
+                         "least 5 micro-batches: set world_size 4 and microbatches ≥ 5 to have it checked.")
     gantt = [{"rank": e["rank"], "lane": e["lane"], "name": e["name"], "kind": e["args"].get("kind", e["lane"]),
               "mb": e["args"].get("mb"), "stage": e["args"].get("stage"),
               "start_ms": (e["ts"] - start) / 1e3, "end_ms": (e["ts"] + e["dur"] - start) / 1e3} for e in events]

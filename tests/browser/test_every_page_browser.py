@@ -1,0 +1,272 @@
+"""Every page of the catalog in real Chromium, as a first-time user meets it, on one server, one page after another.
+
+For each page: it renders with no exception; pressing Run with the default settings gives a run whose checks all pass;
+every chart is drawn (vega-embed's SVG or canvas, with marks in it); no metric value or label is cut off at a
+1280-px-wide window; a link to the run (?run=ID) reproduces it (same header, same checks, same metric values); and a
+screenshot of the whole page goes to tests/browser/screenshots/ (git-ignored), with each default run's time in
+timings.json beside them. A page's default run is not skipped when it is slow: its time is recorded.
+"""
+import contextlib
+import json
+import re
+import time
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from pages.catalog import SECTIONS
+from tests.browser.streamlit_server import streamlit_app
+from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+
+SCREENSHOTS = Path(__file__).parent / "screenshots"
+VIEWPORT = {"width": 1280, "height": 900}  # the issue's default window: metrics must fit at this width
+RUN_TIMEOUT_MS = 240_000  # the server's job time limit (120 s) plus the queue and the page's redraw, with margin
+TOPICS = [t for topics in SECTIONS.values() for t in topics]
+# Pages that run something first; the Overview and Runs pages last, when there are runs to count and list.
+ORDER = [t for t in TOPICS if t.experiments] + [t for t in TOPICS if not t.experiments]
+
+# Every metric's label, value and delta: is any of its parts cut (content wider than its box)? Streamlit 1.67
+# truncates each with `overflow: hidden; text-overflow: ellipsis` on the Markdown container inside it.
+METRICS_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-testid=stMetric]')].map(m => {
+  const cut = el => !!el && [el, ...el.querySelectorAll('*')].some(e => e.scrollWidth > e.clientWidth + 1
+                                                                     && getComputedStyle(e).overflowX !== 'visible');
+  const label = m.querySelector('[data-testid=stMetricLabel]'), value = m.querySelector('[data-testid=stMetricValue]');
+  const delta = m.querySelector('[data-testid=stMetricDelta]');
+  return {label: label ? label.innerText.trim() : '', value: value ? value.innerText.trim() : '',
+          delta: delta ? delta.innerText.trim() : '', label_cut: cut(label), value_cut: cut(value), delta_cut: cut(delta)};
+})"""
+# Every Altair chart: drawn when vega-embed has put an SVG or a canvas with a size in it, and the SVG has marks.
+CHARTS_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-testid=stVegaLiteChart]')].map(c => {
+  const svg = c.querySelector('svg.marks'), canvas = c.querySelector('canvas');
+  const drawn = svg ? svg.querySelectorAll('.role-mark').length > 0 && svg.getBoundingClientRect().width > 0
+                    : !!canvas && canvas.width > 0 && canvas.height > 0;
+  return {drawn, hidden: c.getBoundingClientRect().width === 0};
+})"""
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """One server and one browser for every page, as a user would walk through them."""
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    SCREENSHOTS.mkdir(exist_ok=True)
+    for old in [SCREENSHOTS / "failures.txt", *SCREENSHOTS.glob("*-FAILED.png")]:
+        old.unlink(missing_ok=True)
+    timings = {}
+    with streamlit_app(tmp_path_factory.mktemp("every-page-data")) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield url, browser, timings
+        browser.close()
+
+
+def _open(browser, url: str):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport=VIEWPORT)
+    page.goto(url)
+    expect(page.locator("[data-testid=stMain] h1").first).to_be_visible(timeout=60_000)
+    return page
+
+
+def _settled(page, timeout_s: float = 90) -> None:
+    """Wait until the page's script run is over and drawn: stApp carries the script's state, the browser draws the
+    elements after it (a second later on a loaded machine), and the sidebar's queue refreshes every few seconds,
+    so the state must read notRunning with the same elements on the page for 1.5 s."""
+    deadline, quiet, last = time.time() + timeout_s, 0, None
+    while quiet < 5 and time.time() < deadline:
+        page.wait_for_timeout(300)
+        state = page.locator("[data-testid=stApp]").get_attribute("data-test-script-state")
+        shown = page.evaluate("() => document.querySelectorAll('[data-testid=stMain] [data-testid=stElementContainer]').length")
+        quiet = quiet + 1 if state == "notRunning" and shown == last else 0
+        last = shown
+    assert quiet >= 5, f"the page script still runs after {timeout_s:.0f} s"
+
+
+def _no_exception(page, where: str) -> None:
+    exceptions = page.locator("[data-testid=stException]")
+    assert exceptions.count() == 0, f"{where}: {exceptions.first.inner_text()[:2000]}"
+
+
+def _finished_run(page) -> str:
+    """Wait for the run shown on the page to reach a final state; its id."""
+    from playwright.sync_api import expect
+
+    final = page.locator("[data-testid=stHeading]").filter(has_text=re.compile(r"Run \w{12} · .* · (succeeded|failed|cancelled)"))
+    refused = page.locator("[data-testid=stAlertContentError]")  # settings refused: no run at all
+    expect(final.or_(refused).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
+    if not final.count():
+        pytest.fail(f"the settings were refused: {' | '.join(refused.all_inner_texts())}")
+    header = final.first.inner_text()
+    run_id = re.search(r"Run (\w{12})", header).group(1)
+    if "succeeded" not in header:
+        errors = " | ".join(page.locator("[data-testid=stAlertContentError]").all_inner_texts())
+        pytest.fail(f"run {run_id} did not succeed: {header} {errors}")
+    return run_id
+
+
+def _checks_passed(page, run_id: str) -> None:
+    from playwright.sync_api import expect
+
+    verdict = page.get_by_text(re.compile(r"checks? against independent references (passed|failed)"))
+    expect(verdict.first).to_be_visible(timeout=60_000)
+    text = verdict.first.inner_text()
+    assert "passed" in text, f"run {run_id}: {text}"
+
+
+def _charts_drawn(page, where: str) -> int:
+    """Every visible chart drawn (charts in a closed tab or expander have no width and are not judged)."""
+    deadline = time.time() + 30
+    while True:
+        charts = [c for c in page.evaluate(CHARTS_JS) if not c["hidden"]]
+        if all(c["drawn"] for c in charts) or time.time() > deadline:
+            break
+        page.wait_for_timeout(500)
+    undrawn = sum(not c["drawn"] for c in charts)
+    assert undrawn == 0, f"{where}: {undrawn} of {len(charts)} charts not drawn"
+    return len(charts)
+
+
+def _metrics(page, where: str) -> list[dict]:
+    metrics = page.evaluate(METRICS_JS)
+    cut = [f"{m['label']!r} = {m['value']!r} ({', '.join(part for part in ('label', 'value', 'delta') if m[part + '_cut'])} cut)"
+           for m in metrics if m["label_cut"] or m["value_cut"] or m["delta_cut"]]
+    assert not cut, f"{where}: metrics cut off at {VIEWPORT['width']} px: {'; '.join(cut)}"
+    return metrics
+
+
+def _screenshot(page, name: str) -> None:
+    """The whole page: Streamlit scrolls its main block, not the document, so the window is made as tall as it."""
+    height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": min(max(height, VIEWPORT["height"]), 20_000)})
+    page.wait_for_timeout(500)
+    page.screenshot(path=SCREENSHOTS / f"{name}.png")
+    page.set_viewport_size(VIEWPORT)
+
+
+def _timed(timings: dict, what: str, run_id: str, started: float) -> None:
+    """Seconds from pressing Run to the run's final header, written as they come (timings.json)."""
+    timings[what] = {"run": run_id, "seconds_to_result": round(time.time() - started, 1)}
+    (SCREENSHOTS / "timings.json").write_text(json.dumps(timings, indent=1))
+
+
+@contextlib.contextmanager
+def _kept_if_failed(page, name: str):
+    """On a failure, the page as it was (name-FAILED.png) and the message (failures.txt) beside the screenshots, as
+    they happen: a long walk over every page is read there, not only in pytest's summary at the end."""
+    try:
+        yield
+    except BaseException as err:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=SCREENSHOTS / f"{name}-FAILED.png")
+        with open(SCREENSHOTS / "failures.txt", "a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {name}: {type(err).__name__}: {str(err)[:3000]}\n")
+        raise
+
+
+@pytest.mark.parametrize("topic", ORDER, ids=[t.url_path for t in ORDER])
+def test_page(app, topic):
+    from playwright.sync_api import expect
+
+    url, browser, timings = app
+    page = _open(browser, f"{url}/{topic.url_path}")
+    with _kept_if_failed(page, topic.url_path):
+        run_id, charts, metrics = _default_run(page, topic, timings)
+    page.close()
+    if run_id is None:
+        return
+    # A link to the run reproduces it: the same run, checks, metrics and charts, from the URL alone.
+    linked = _open(browser, f"{url}/{topic.url_path}?run={run_id}")
+    with _kept_if_failed(linked, f"{topic.url_path}-linked"):
+        expect(linked.locator("[data-testid=stHeading]").filter(has_text=f"Run {run_id}").first).to_be_visible(timeout=60_000)
+        _checks_passed(linked, run_id)
+        _settled(linked)
+        _no_exception(linked, f"{topic.title}, linked run {run_id}")
+        # The same charts and metric values; on a loaded machine the browser may still be drawing, so wait for them.
+        shown = [(m["label"], m["value"], m["delta"]) for m in metrics]
+        deadline = time.time() + 60
+        while time.time() < deadline and (sum(not c["hidden"] for c in linked.evaluate(CHARTS_JS)) < charts or
+                                          [(m["label"], m["value"], m["delta"]) for m in linked.evaluate(METRICS_JS)] != shown):
+            linked.wait_for_timeout(500)
+        assert _charts_drawn(linked, f"{topic.title}, linked run {run_id}") == charts
+        assert [(m["label"], m["value"], m["delta"]) for m in _metrics(linked, f"linked run {run_id}")] == shown
+    linked.close()
+
+
+def _default_run(page, topic, timings: dict) -> tuple[str | None, int, list[dict]]:
+    """The page as it opens, then Run at the defaults: the run's id, its charts and metrics (None for a page
+    that runs nothing)."""
+    _settled(page)
+    _no_exception(page, topic.title)
+    if not topic.experiments:
+        _charts_drawn(page, topic.title)
+        _metrics(page, topic.title)
+        _screenshot(page, topic.url_path)
+        return None, 0, []
+    started = time.time()
+    page.locator("[data-testid=stFormSubmitButton] button").first.click()
+    run_id = _finished_run(page)
+    _timed(timings, topic.url_path, run_id, started)
+    _checks_passed(page, run_id)
+    _settled(page)
+    _no_exception(page, f"{topic.title}, run {run_id}")
+    charts = _charts_drawn(page, f"{topic.title}, run {run_id}")
+    metrics = _metrics(page, f"{topic.title}, run {run_id}")
+    _screenshot(page, topic.url_path)
+    return run_id, charts, metrics
+
+
+# One choice of each page changed through its form (the rest at defaults), to a value that runs in seconds. Pages
+# whose experiments have no choice or boolean setting (tensor, expert and 3D parallel, variants in training,
+# speculative sampling, mixed precision) are not listed.
+NON_DEFAULT = {
+    "collectives": ("algo", "tree"), "comm_bandwidth": ("dtype", "float16"), "data_parallel": ("mode", "async"),
+    "pipeline": ("schedule", "gpipe"), "context_parallel": ("split", "contiguous"), "kv_cache": ("variant", "mla"),
+    "flash_attention": ("impl", "naive"), "nsa": ("kv_heads", "2"), "autograd": ("expression", "softmax"),
+    "fusion": ("model", "mlp"), "placement": ("model", "mlp"), "memory_hierarchy": ("block", "32"),
+    "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "serving": ("policy", "fcfs"),
+    "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
+    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"),
+}
+
+
+def _choose(page, field: str, value) -> None:
+    """Set one setting of the form as a user does: open its select box and pick, or tick its box."""
+    from playwright.sync_api import expect
+
+    if isinstance(value, bool):
+        box = page.locator("[data-testid=stCheckbox]").filter(has_text=field).first
+        if box.locator("input").is_checked() != value:
+            box.locator("label").first.click()
+        expect(box.locator("input")).to_be_checked(checked=value)
+        return
+    select = page.locator("[data-testid=stSelectbox]").filter(has=page.get_by_role("combobox", name=field, exact=True))
+    select.get_by_role("button", name="Open").click()
+    page.get_by_role("option", name=str(value), exact=True).click()
+    expect(select.get_by_role("combobox")).to_have_value(str(value))
+
+
+@pytest.mark.parametrize("url_path", list(NON_DEFAULT))
+def test_a_non_default_choice_runs(app, url_path):
+    url, browser, timings = app
+    field, value = NON_DEFAULT[url_path]
+    page = _open(browser, f"{url}/{url_path}")
+    with _kept_if_failed(page, f"{url_path}-{field}"):
+        _non_default_run(page, url_path, field, value, timings)
+    page.close()
+
+
+def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> None:
+    _settled(page)
+    _choose(page, field, value)
+    started = time.time()
+    page.locator("[data-testid=stFormSubmitButton] button").first.click()
+    run_id = _finished_run(page)
+    _timed(timings, f"{url_path} ({field}={value})", run_id, started)
+    _checks_passed(page, run_id)
+    _settled(page)
+    _no_exception(page, f"{url_path} with {field}={value}, run {run_id}")
+    assert parse_qs(urlparse(page.url).query)[field] == [str(value)]  # the run's link carries the choice
+    _charts_drawn(page, f"{url_path} with {field}={value}")
+    _metrics(page, f"{url_path} with {field}={value}")
