@@ -89,6 +89,11 @@ def measure(name: str, config: dict, timeout_s: float) -> dict:
             "run_wall_s": report.get("wall_s")}
 
 
+def _covered(row: dict) -> bool:
+    """Measured within its estimate, in a run that ran to its end (whether its checks passed is reported beside)."""
+    return row["memory_covered"] and row["time_covered"] and row["status"] == "succeeded"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", help="comma-separated experiment names")
@@ -104,9 +109,8 @@ def main() -> None:
         row = {"experiment": exp.name, "config": config, "estimate_bytes": est.memory_bytes,
                "estimate_s": round(est.seconds, 2), **got,
                "memory_covered": est.memory_bytes >= got["peak_bytes"],
-               # a run stopped by the time limit ran past its estimate (which is within the limit)
-               "time_covered": est.seconds >= (got["run_wall_s"] if got["run_wall_s"] is not None else
-                                               limits.time_budget() if "time limit" in (got["error"] or "") else 0),
+               # a run that ended without a report (killed by a limit, crashed) is not covered: its time is unknown
+               "time_covered": got["run_wall_s"] is not None and est.seconds >= got["run_wall_s"],
                "within_budget": est.memory_bytes <= limits.memory_budget() and est.seconds <= limits.time_budget()}
         rows.append(row)
         print(f"{exp.name:24s} peak {got['peak_bytes'] / 2**30:5.2f} GiB (est {est.memory_bytes / 2**30:5.2f})  "
@@ -114,12 +118,12 @@ def main() -> None:
               f"{got['load_average']})  {got['status']}", flush=True)
     out = {"device": describe()["name"], "memory_budget_bytes": limits.memory_budget(),
            "time_budget_s": limits.time_budget(), "mode": "defaults" if args.defaults else "largest accepted",
-           "all_covered": all(r["memory_covered"] and r["time_covered"] for r in rows), "rows": rows}
+           "all_covered": all(_covered(r) for r in rows), "rows": rows}
     path = ROOT / "bench" / "results" / ("limits_defaults.json" if args.defaults else "limits.json")
     if args.only and path.exists():  # re-measured experiments replace their rows; the others stay
         kept = [r for r in json.loads(path.read_text())["rows"] if r["experiment"] not in {r["experiment"] for r in rows}]
         out["rows"] = sorted(kept + rows, key=lambda r: r["experiment"])
-        out["all_covered"] = all(r["memory_covered"] and r["time_covered"] for r in out["rows"])
+        out["all_covered"] = all(_covered(r) for r in out["rows"])
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
 
