@@ -37,12 +37,12 @@ class PagedDecodeConfig(Config):
 
     def estimate(self):
         """Each decode step runs the paged kernel in Triton's interpreter over every block of every sequence and
-        head, and a token-by-token reference; the pool holds num_blocks blocks per layer. Calibrated on an idle
-        2-core box: 2 x 94 tokens took over 120 s (114 s of CPU) against 110 s estimated with 250/2,500."""
-        blocks = -(-(self.prompt_len + 20 + self.new_tokens) // self.block_size)
-        steps = self.sequences * (self.new_tokens + 1)
+        head, and a token-by-token reference over the whole context: a step's cost grows with the square of the
+        context length. Calibrated on this 2-core box with 1.5x margin: 2 sequences x 6 tokens took 21 s of CPU,
+        x 12 tokens 51 s (a linear per-step model gave 25 and 46 s, and its largest accepted run passed 120 s)."""
+        lengths = range(self.prompt_len + 20, self.prompt_len + 21 + self.new_tokens)
         pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
-        return cost(data_bytes=2 * pool, ops=steps * (self.n_heads * blocks * 400 + 4000) + self.sequences * self.prompt_len * 60)
+        return cost(data_bytes=2 * pool, seconds=5 + 0.0019 * self.sequences * (self.n_heads / 4) * sum(n * n for n in lengths))
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
