@@ -153,7 +153,8 @@ def test_fidelity_on_a_small_held_out_trace(model):
     assert bound < 0.75, cal.repeat  # the engine repeats itself well enough for the test to mean something
     assert max(abs(cal.fidelity[k]) for k in central) <= bound, (cal.fidelity, cal.repeat)
     assert max(abs(cal.fidelity[k]) for k in ("ttft_p90", "tpot_p90")) <= max(0.35, 2 * spread), (cal.fidelity, cal.repeat)
-    assert cal.checks()[1].passed  # the replayed schedule
+    assert cal.checks()[0].passed  # the replayed schedule
+    assert "Fidelity, simulated vs real" in cal.fidelity_note() and cal.tolerance() >= 0.103  # reported on every run
     slow = dataclasses.replace(cal.cost, **{t: 2 * getattr(cal.cost, t) for t in TERMS})
     wrong = fidelity(cal.real_summary, latency_summary(simulate(cal.real.trace, cal.real.config, slow)))
     assert max(abs(wrong[k]) for k in central) > bound, (wrong, cal.repeat)

@@ -81,7 +81,7 @@ def run(config: EngineConfig, ctx) -> Result:
     ]
     metrics = {**cal.metrics(), "prefix_hit_rate": real.m.stats.prefix_hit_tokens / max(1, real.m.stats.prefix_queried_tokens),
                "knee_rate": knee([r for r in load if r["source"] == "simulated"]), "attention": "batched torch (CPU)"}
-    notes = [cal.note()]
+    notes = [cal.note(), cal.fidelity_note()]
     tables = {"gantt": gantt_rows(real, limit=200), "latency": latency_rows(real, "real") + latency_rows(cal.simulated, "simulated"),
               "steps": step_rows(real, cost), "load": load, "cost_model": cost_rows(cost), "token_gaps": token_gap_rows(real)}
     return Result(metrics=metrics, checks=checks, notes=notes, tables=tables)
