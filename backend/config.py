@@ -186,25 +186,14 @@ class Config:
         need = (f"needs about {est.memory_bytes / limits.GIB:.1f} GiB and {est.seconds:.0f} s, over the server's "
                 f"budget of {limits.memory_budget() / limits.GIB:g} GiB (EXPLORER_RUN_MEMORY_GIB) and "
                 f"{limits.time_budget():g} s (EXPLORER_JOB_TIMEOUT_S) per run")
-        for name in self.cost_drivers:
-            best = self._largest_fitting(name)
-            if best is not None:
-                raise ConfigError(name, f"{getattr(self, name)!r}: this run {need} (allowed with the other "
-                                        f"settings as they are: {name} = {best})")
         if not self.cost_drivers:
             raise ConfigError("settings", f"this run {need}")
-        # No one setting is enough: say how far the main one may go with the other settings back at their defaults.
-        name = self.cost_drivers[0]
-        defaults = {f.name: f.default for f in self.fields() if f.name != name and getattr(self, f.name) != f.default}
-        best = dataclasses.replace(self, **defaults)._largest_fitting(name)
-        hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
-                if best is not None else f"lower {', '.join(self.cost_drivers)} together")
-        raise ConfigError(name, f"{getattr(self, name)!r}: this run {need}, and no single setting brings it "
-                                f"within ({hint})")
+        raise self.too_costly(self.cost_drivers, f"this run {need}")
 
     def too_costly(self, drivers: tuple[str, ...], what: str) -> ConfigError:
-        """The refusal of a cost rule in check() (an interpreter's step count, a gather's size): names the first of
-        `drivers` that can be lowered to fit, and its largest fitting value, as check_budget() does for the budget."""
+        """The refusal of a run that costs too much (the server's budget, or a cost rule in check() such as an
+        interpreter's step count): names the first of `drivers` that can be lowered to fit and its largest fitting
+        value; if no single one is enough, how far the first may go with the other settings back at their defaults."""
         if _SEARCHING.get():
             return ConfigError(drivers[0], what)
         token = _SEARCHING.set(True)
@@ -219,7 +208,7 @@ class Config:
             best = dataclasses.replace(self, **defaults)._largest_fitting(name)
             hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
                     if best is not None else f"lower {', '.join(drivers)}")
-            return ConfigError(name, f"{getattr(self, name)!r}: {what} ({hint})")
+            return ConfigError(name, f"{getattr(self, name)!r}: {what}, and no single setting brings it within ({hint})")
         finally:
             _SEARCHING.reset(token)
 

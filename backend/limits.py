@@ -92,6 +92,15 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[2])  # state, parent pid, process group
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of process group `pgid`."""
     return [int(e.name) for e in Path("/proc").iterdir()

@@ -55,15 +55,6 @@ def largest_accepted(exp) -> dict:
     raise RuntimeError(f"{exp.name}: no accepted settings found from the maxima")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(name: str, config: dict, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "backend", "run", name, "--config-json", json.dumps(config), "--json"]
     start, load = time.monotonic(), os.getloadavg()[0]
@@ -75,7 +66,7 @@ def measure(name: str, config: dict, timeout_s: float) -> dict:
     while proc.poll() is None:
         peak = max(peak, limits.tree_memory(proc.pid))
         for pid in [proc.pid, *limits.descendants(proc.pid)]:
-            cpu[pid] = max(cpu.get(pid, 0.0), _cpu_seconds(pid))
+            cpu[pid] = max(cpu.get(pid, 0.0), limits.cpu_seconds(pid))
         time.sleep(0.05)
         if time.monotonic() - start > timeout_s + 60:
             proc.kill()

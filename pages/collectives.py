@@ -4,7 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import timeline, ui
+from pages import timeline, ui, units
 
 st.title("Collectives, step by step")
 
@@ -21,8 +21,8 @@ def render(result: dict, rec) -> None:
     n = m["world_size"]
     cols = st.columns(4)
     cols[0].metric("time per call", f"{m['time_us']:,.0f} µs", help="slowest rank's median over the timed calls")
-    cols[1].metric("busbw", ui.rate(m["busbw_GBps"]), help="nccl-tests bus bandwidth")
-    cols[2].metric("gloo built-in busbw", ui.rate(m["builtin_busbw_GBps"]), help="same inputs, same run")
+    cols[1].metric("busbw", units.rate(m["busbw_GBps"]), help="nccl-tests bus bandwidth")
+    cols[2].metric("gloo built-in busbw", units.rate(m["builtin_busbw_GBps"]), help="same inputs, same run")
     cols[3].metric("ratio to built-in", f"{m['busbw_ratio_vs_builtin']:.2f}×")
     if cfg["op"] == "all_reduce" and cfg["algo"] == "ring":
         st.markdown(RING_FORMULAS)

@@ -5,7 +5,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import graph_view, timeline, ui
+from pages import graph_view, timeline, ui, units
 
 st.title("Autograd & fusion")
 
@@ -23,18 +23,18 @@ def render(result: dict, rec) -> None:
                        help=f"measured: {m['inductor_backend']}, plus {m['inductor_extern_calls']} library calls")
     else:
         cols[2].metric("Inductor kernels, fwd + bwd", "not run", help="tick 'inductor' in the settings to compile and count them")
-    ui.before_after(cols[3], "bytes the kernels touched", m["bytes_unfused"], m["bytes_fused"], "B",
+    units.before_after(cols[3], "bytes the kernels touched", m["bytes_unfused"], m["bytes_fused"], "B",
                     help=f"distinct bytes each generated kernel read or wrote, counted by the kernels: "
                          f"{m['bytes_unfused']:,} B one kernel per op → {m['bytes_fused']:,} B fused. Graph inputs and "
                          f"outputs once: {m['ideal_unique_bytes']:,} B; library calls (modelled): {m['extern_modelled_bytes']:,} B")
     cols = st.columns(4)
     if "saved_bytes_naive" in m:
-        ui.before_after(cols[0], "kept for the backward", m["saved_bytes_naive"], m["saved_bytes_min_cut"], "B",
+        units.before_after(cols[0], "kept for the backward", m["saved_bytes_naive"], m["saved_bytes_min_cut"], "B",
                         help=f"forward values the backward reads: every one it uses ({m['saved_bytes_naive']:,} B) → "
                              f"the min cut ({m['saved_bytes_min_cut']:,} B; the rest is recomputed)")
-    cols[1].metric("memory arena", ui.si(m["arena_bytes"], "B"), help=f"{m['arena_bytes']:,} B: intermediate buffers at their planned offsets")
-    cols[2].metric("lower bound", ui.si(m["lower_bound_bytes"], "B"), help=f"{m['lower_bound_bytes']:,} B: most bytes live at any one step")
-    cols[3].metric("without reuse", ui.si(m["no_reuse_bytes"], "B"), help=f"{m['no_reuse_bytes']:,} B: every intermediate buffer in its own memory")
+    cols[1].metric("memory arena", units.si(m["arena_bytes"], "B"), help=f"{m['arena_bytes']:,} B: intermediate buffers at their planned offsets")
+    cols[2].metric("lower bound", units.si(m["lower_bound_bytes"], "B"), help=f"{m['lower_bound_bytes']:,} B: most bytes live at any one step")
+    cols[3].metric("without reuse", units.si(m["no_reuse_bytes"], "B"), help=f"{m['no_reuse_bytes']:,} B: every intermediate buffer in its own memory")
 
     graphs, kernels, passes, memory = st.tabs(["Graphs", "Kernels and source", "Passes and why-not", "Memory plan"])
     with graphs:

@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from backend.memory.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traffic, ops_per_datum
-from pages import ui
+from pages import ui, units
 
 st.title("GPU memory hierarchy and the roofline")
 
@@ -66,8 +66,8 @@ def render_measured(result: dict, rec) -> None:
     cols = st.columns(4)
     cols[0].metric("L1 load latency", f"{m['l1_latency_ns']:.2f} ns", help="pointer chase in the smallest working set")
     cols[1].metric("largest working set", f"{m['largest_latency_ns']:.0f} ns", help="pointer chase past the last cache")
-    cols[2].metric("peak read bandwidth", ui.rate(m["peak_read_GBps"]))
-    cols[3].metric("DRAM-size read bandwidth", ui.rate(m["largest_read_GBps"]))
+    cols[2].metric("peak read bandwidth", units.rate(m["peak_read_GBps"]))
+    cols[3].metric("DRAM-size read bandwidth", units.rate(m["largest_read_GBps"]))
     probes = pd.DataFrame(tables["probes"])
     caches = pd.DataFrame(tables["caches"])
     rules = alt.Chart(caches).mark_rule(strokeDash=[4, 3], color="gray").encode(

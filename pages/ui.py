@@ -242,24 +242,3 @@ def _downloads(rec: RunRecord) -> None:
     with cols[2]:
         st.caption(f"Link to this run: add `?run={rec.id}` to this page's address. "
                    f"Code version {rec.code_version} · {rec.duration_s or 0:.1f} s.")
-
-
-def rate(gbps: float) -> str:
-    """A bandwidth given in GB/s, with the prefix that keeps three significant digits visible (0.05 -> 50 MB/s)."""
-    return si(gbps * 1e9, "B/s")
-
-
-def si(value: float, unit: str = "") -> str:
-    """A number with an SI prefix and three significant digits (28,352 B -> 28.4 kB): short enough for a metric."""
-    value = float(value)
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".strip()
-
-
-def before_after(column, label: str, before: float, after: float, unit: str = "", help: str | None = None) -> None:
-    """A metric that went from `before` to `after`: the new value, and the change beside it (green when it fell),
-    so the value stays short enough never to be cut."""
-    change = f"{100 * (after - before) / before:+.0f} % from {si(before, unit)}" if before else f"from {si(before, unit)}"
-    column.metric(label, si(after, unit), change, delta_color="inverse", help=help)

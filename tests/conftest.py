@@ -14,12 +14,7 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 # Pages open on their defaults' run (started on a first visit); tests that draw pages start the runs they need.
 os.environ.setdefault("EXPLORER_OPEN_ON_DEFAULT_RUN", "0")
 
-
-def processes_in_group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is pgid."""
-    from backend.limits import group_members
-
-    return group_members(pgid)
+from backend.limits import group_members as processes_in_group  # noqa: E402,F401  (the tests' name for it)
 
 
 @pytest.fixture
