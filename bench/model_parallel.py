@@ -1,6 +1,6 @@
 """Benchmark: step time, bytes sent and memory per rank for tensor (and sequence), expert and context parallel
 at 2 and 4 ranks (with DTensor's bytes beside ours for tensor parallel), and the mesh at 2, 4 (with and without
-a context-parallel dimension) and seed 002's 8 ranks. Writes bench/results/model_parallel.json.
+a context-parallel dimension), its presets (seed 002's 8 ranks, 3D on 8, MoE over ep) and pp x ep x tp on 8. Writes bench/results/model_parallel.json.
 
     python bench/model_parallel.py
 """
@@ -55,7 +55,8 @@ def main() -> None:
     cases = [(name, world, {}) for world in (2, 4) for name in ("parallel.tp", "parallel.ep", "parallel.cp")]
     cases += [("parallel.mesh", 2, {"tp": 2, "pp": 1}), ("parallel.mesh", 4, {"tp": 2, "pp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2}),
               ("parallel.mesh", 4, {"tp": 2, "pp": 1, "cp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2, "cp": 2})]
-    cases += [("parallel.mesh", 8, dict(preset)) for preset in PRESETS.values()]
+    cases += [("parallel.mesh", preset.get("world_size", 4), dict(preset)) for preset in PRESETS.values()]
+    cases += [("parallel.mesh", 8, {"pp": 2, "tp": 2, "ep": 2, "experts": 4, "batch": 8})]  # four dimensions at once
     rows = []
     for name, world, extra in cases:
         settings = {"world_size": world, **extra}

@@ -1,4 +1,4 @@
-"""3D parallel: the tiny LLaMA trained on a pp x dp x cp x tp mesh of gloo ranks."""
+"""3D parallel: the tiny LLaMA (dense or MoE) trained on a pp x dp x cp x ep x tp mesh of gloo ranks."""
 import altair as alt
 import networkx as nx
 import pandas as pd
@@ -9,13 +9,14 @@ from backend.graph.dot import to_dot
 from pages import timeline, ui
 
 st.title("3D parallel")
-DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6"}
+DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6", "ep": "#d4a017"}
 
 
 def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
     g = nx.DiGraph()
     for r in ranks:
-        g.add_node(r["rank"], label=f"rank {r['rank']}\npp {r['pp']} · dp {r['dp']} · cp {r['cp']} · tp {r['tp']}\n{r['layers']} blocks")
+        coords = " · ".join(f"{d} {r[d]}" for d in DIM_COLORS if d in r)
+        g.add_node(r["rank"], label=f"rank {r['rank']}\n{coords}\n{r['layers']} blocks")
     for grp in groups:
         members = grp["ranks"]
         for a, b in zip(members, members[1:]):
@@ -25,15 +26,17 @@ def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
 
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
-    cols = st.columns(5)
+    cols = st.columns(6)
     cols[0].metric("pipeline stages pp", m["pp"])
     cols[1].metric("data-parallel dp", m["dp"])
     cols[2].metric("context-parallel cp", m["cp"])
-    cols[3].metric("tensor-parallel tp", m["tp"])
-    cols[4].metric("final loss", f"{m['final_loss']:.4f}")
+    cols[3].metric("expert-parallel ep", m.get("ep", 1), help=f"{m.get('experts', 0)} routed experts per block (0: dense)")
+    cols[4].metric("tensor-parallel tp", m["tp"])
+    cols[5].metric("final loss", f"{m['final_loss']:.4f}")
     st.caption("Edges join the ranks of each process group: tp (blue) all-reduce activations inside a layer, pp (red) "
                "send activations and gradients between stages, cp (purple) pass keys and values round a ring inside "
-               "each attention and sum gradients, dp (green) all-reduce gradients.")
+               "each attention and sum gradients, ep (gold) send each token to its experts' rank and back (all-to-all), "
+               "dp (green) all-reduce gradients.")
     st.graphviz_chart(mesh_graph(t["ranks"], t["groups"]))
     left, right = st.columns(2)
     loss = pd.DataFrame(t["loss"])
@@ -47,6 +50,12 @@ def render(result: dict, rec) -> None:
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title="Memory per rank"), width="stretch")
     st.dataframe(pd.DataFrame(t["ranks"]), hide_index=True, width="stretch")
+    if t.get("experts"):
+        experts = pd.DataFrame(t["experts"]).groupby(["rank", "expert"], as_index=False)["rows computed"].sum()
+        st.altair_chart(alt.Chart(experts).mark_bar().encode(
+            x=alt.X("rank:O", title="rank"), y=alt.Y("rows computed:Q", title="token assignments computed (whole run)"),
+            color="expert:N", tooltip=["rank", "expert", "rows computed"]).properties(
+            height=220, title="MoE: which rank computes which expert, and how many tokens reached it"), width="stretch")
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
@@ -56,7 +65,9 @@ for name, preset in PRESETS.items():
         st.rerun()
 ui.experiment_page(
     "parallel.mesh", render,
-    intro="Ranks laid out on a pp x dp x cp x tp mesh (tensor parallel innermost). Each rank holds one pipeline stage's "
+    intro="Ranks laid out on a pp x dp x cp x ep x tp mesh (tensor parallel innermost). Each rank holds one pipeline stage's "
           "tensor-parallel shard and trains on its data-parallel slice of the batch and, with cp > 1, its zigzag share "
           "of every sequence's positions (ring attention, as on the Context parallel page); GPipe micro-batches flow "
-          "stage to stage. Losses and every final weight are checked against one process training on the whole batch.")
+          "stage to stage. With experts > 0 every feed-forward is an MoE layer whose experts are split over the ep "
+          "ranks (as on the Expert parallel page, dropless). Losses and every final weight are checked against one "
+          "process training on the whole batch.")

@@ -9,7 +9,7 @@ from backend.config import ConfigError
 from backend.experiments import RunContext
 from backend.experiments.parallel import ep
 from backend.experiments.parallel.ep import EPConfig
-from backend.parallel.ep import capacity, route
+from backend.models.moe import capacity_topk, expert_capacity
 
 
 @pytest.mark.parametrize("world, extra", [(2, {}), (3, {"experts": 6, "tokens": 50}), (4, {"capacity_factor": 0.5})])
@@ -36,15 +36,16 @@ def test_expert_parallel_equals_one_process(world, extra):
 
 def test_routing_keeps_first_choices_first():
     logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 0.0, 4.0], [0.0, 5.0, 4.0]], dtype=torch.float64)
-    token, expert, gate, routed = route(logits, k=2, cap=2)
-    assert routed.tolist() == [2, 2, 2]
-    kept = sorted(zip(expert.tolist(), token.tolist()))
-    assert kept == [(0, 0), (0, 1), (1, 0), (1, 2), (2, 1), (2, 2)]
-    token, expert, gate, routed = route(logits, k=2, cap=1)
-    # expert 0: tokens 0 and 1 both chose it first; token 0 wins by order. expert 1: token 2's first choice
-    # beats token 0's second. expert 2: token 1's second choice beats token 2's second by order.
-    assert sorted(zip(expert.tolist(), token.tolist())) == [(0, 0), (1, 2), (2, 1)]
-    assert capacity(64, 2, 4, 1.0) == 32 and capacity(10, 1, 4, 1.0) == 3
+
+    def kept(capacity_factor):
+        r = capacity_topk(logits, 2, capacity_factor)
+        return sorted((e, t) for (t, _), e in zip(r.kept.nonzero().tolist(), r.indices[r.kept].tolist()))
+    assert kept(1.0) == [(0, 0), (0, 1), (1, 0), (1, 2), (2, 1), (2, 2)]  # capacity 2: nothing dropped
+    # capacity 1. expert 0: tokens 0 and 1 both chose it first; token 0 wins by order. expert 1: token 2's first
+    # choice beats token 0's second. expert 2: token 1's second choice beats token 2's second by order.
+    assert kept(0.5) == [(0, 0), (1, 2), (2, 1)]
+    assert kept(None) == kept(1.0)
+    assert expert_capacity(64, 2, 4, 1.0) == 32 and expert_capacity(10, 1, 4, 1.0) == 3
 
 
 @pytest.mark.parametrize("values, field", [

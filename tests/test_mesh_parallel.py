@@ -1,4 +1,5 @@
-"""3D parallel: every factorisation of 4 ranks into pp x dp x cp x tp trains the tiny LLaMA like one process."""
+"""3D parallel: every factorisation of 4 ranks into pp x dp x cp x tp trains the tiny LLaMA like one process, and
+the MoE variant on every factorisation with an ep dimension (plus MoE under tp, where each tp rank runs it alike)."""
 import itertools
 import math
 import multiprocessing
@@ -12,8 +13,10 @@ from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import PRESETS, MeshConfig
 from backend.parallel.wire import ring_bytes
 
-DIMS = ("pp", "dp", "cp", "tp")
-FACTORISATIONS = [f for f in itertools.product((1, 2, 4), repeat=4) if math.prod(f) == 4]  # (pp, dp, cp, tp): 10 of them
+DIMS = ("pp", "dp", "cp", "ep", "tp")
+ALL = [dict(zip(DIMS, f)) for f in itertools.product((1, 2, 4), repeat=5) if math.prod(f) == 4]  # 15
+FACTORISATIONS = [f for f in ALL if f["ep"] == 1]                            # dense: the 10 without ep
+MOE = [f for f in ALL if f["ep"] > 1] + [dict(pp=2, dp=1, cp=1, ep=1, tp=2)]  # MoE: the 5 with ep, and one under tp
 # GQA (8 query heads, 4 KV heads) so tp and the ring both split grouped heads; seq 8 divides into cp=4's 8 zigzag chunks
 BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=2)
 
@@ -24,21 +27,34 @@ def _all(rank, world, configs, ctx):
 
 @pytest.fixture(scope="module")
 def runs():
-    configs = [MeshConfig(pp=pp, cp=cp, tp=tp, **BASE).validate() for pp, _, cp, tp in FACTORISATIONS]
-    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=600))
+    configs = [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], **BASE).validate() for f in FACTORISATIONS]
+    configs += [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], ep=f["ep"], experts=4, **BASE).validate() for f in MOE]
+    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=900))
     assert multiprocessing.active_children() == []
     return [(cfg, [per_rank[r][i] for r in range(4)]) for i, cfg in enumerate(configs)]
 
 
 def test_every_factorisation_of_four_ranks_equals_one_process(runs):
-    assert len(runs) == 10 and {(c.pp, c.dp, c.cp, c.tp) for c, _ in runs} == set(FACTORISATIONS)
+    shapes = [{d: getattr(c, d) for d in DIMS} for c, _ in runs]
+    assert len(runs) == 16 and all(f in shapes for f in ALL)
     for cfg, payloads in runs:
         result = mesh.combine(cfg, payloads)
-        assert result.passed, ((cfg.pp, cfg.dp, cfg.cp, cfg.tp), [(c.name, c.error) for c in result.checks if not c.passed])
+        assert result.passed, ((cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.tp), [(c.name, c.error) for c in result.checks if not c.passed])
         assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
         sent = {k: sum(p["bytes"][k] for p in payloads) for k in payloads[0]["bytes"]}
-        used = {"tp": cfg.tp, "pp": cfg.pp, "cp ring": cfg.cp, "dp gradients": cfg.dp, "cp gradients": cfg.cp}
+        used = {"tp": cfg.tp, "pp": cfg.pp, "cp ring": cfg.cp, "dp gradients": cfg.dp, "cp gradients": cfg.cp,
+                "ep all-to-all": cfg.ep, "ep gradients": cfg.ep}
         assert {k for k, v in sent.items() if v} == {k for k, n in used.items() if n > 1}  # each dimension talks, only it
+
+
+def test_experts_live_on_their_ep_rank_and_a_wrong_routing_fails(runs):
+    cfg, payloads = next((c, p) for c, p in runs if c.ep == 4)
+    result = mesh.combine(cfg, payloads)
+    assert {(r["rank"], r["expert"]) for r in result.tables["experts"]} == {(r, r) for r in range(4)}  # 4 experts, 1 each
+    assert sum(r["rows computed"] for r in result.tables["experts"]) == cfg.steps * cfg.batch * cfg.seq * cfg.layers * cfg.top_k
+    payloads[1]["moe"][0]["kept"][0] += 1
+    checks = {c.name: c for c in mesh.combine(cfg, payloads).checks}
+    assert not checks["every MoE call routed each expert the assignments the reference routed those tokens"].passed
 
 
 def test_groups_follow_the_mesh(runs):
@@ -81,17 +97,22 @@ def test_ring_bytes_of_uneven_chunks_add_up():
         ring_bytes("all_reduce", 10, 4, 8)
 
 
-def test_a_wrong_shard_fails(runs):
-    cfg, payloads = next((c, p) for c, p in runs if c.tp == 4)
-    name = next(k for k in payloads[0]["params"] if "w13" in k)
-    payloads[0]["params"][name], payloads[1]["params"][name] = payloads[1]["params"][name], payloads[0]["params"][name]
-    assert not mesh.combine(cfg, payloads).passed
+def test_three_dimensions_on_eight_ranks():
+    """pp 2 x dp 2 x tp 2: every dimension live at once, 8 processes."""
+    cfg = MeshConfig.from_dict({k: str(v) for k, v in PRESETS["3D on 8 ranks: pp 2 x dp 2 x tp 2"].items()})
+    payloads = spawn_ranks(mesh.run_rank, 8, cfg, RunContext(timeout_s=300))
+    assert multiprocessing.active_children() == []
+    result = mesh.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert {g["dimension"] for g in result.tables["groups"]} == {"pp", "dp", "tp"}
+    assert all(r["tp bytes sent"] and r["pp bytes sent"] and r["dp gradients bytes sent"] for r in result.tables["ranks"])
 
 
-def test_seed_002_preset_is_valid():
-    (preset,) = PRESETS.values()
-    cfg = MeshConfig.from_dict({k: str(v) for k, v in preset.items()})
-    assert (cfg.pp, cfg.dp, cfg.tp) == (4, 2, 1)
+def test_presets_are_valid():
+    shapes = [{d: getattr(MeshConfig.from_dict({k: str(v) for k, v in preset.items()}), d) for d in DIMS}
+              for preset in PRESETS.values()]
+    assert shapes == [dict(pp=4, dp=2, cp=1, ep=1, tp=1), dict(pp=2, dp=2, cp=1, ep=1, tp=2),
+                      dict(pp=2, dp=1, cp=1, ep=2, tp=1)]
 
 
 @pytest.mark.parametrize("values, field", [
@@ -100,6 +121,8 @@ def test_seed_002_preset_is_valid():
     ({"world_size": "8", "tp": "1", "pp": "1", "batch": "4"}, "batch"),
     ({"world_size": "4", "tp": "1", "pp": "1", "cp": "4", "seq": "12"}, "seq"),
     ({"world_size": "4", "tp": "2", "pp": "1", "cp": "4"}, "cp"),
+    ({"world_size": "4", "tp": "1", "ep": "2"}, "ep"), ({"world_size": "4", "tp": "1", "ep": "2", "experts": "3"}, "experts"),
+    ({"experts": "2", "top_k": "3"}, "top_k"),
 ])
 def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:

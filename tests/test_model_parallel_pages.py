@@ -6,7 +6,9 @@ from tests.conftest import REPO
 
 PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel.py": ("parallel.ep", {}),
          "pages/context_parallel.py": ("parallel.cp", {"seq": "64"}),
-         "pages/mesh_parallel.py": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "cp": "2", "layers": "2", "steps": "2"})}
+         "pages/mesh_parallel.py": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "cp": "2", "layers": "2", "steps": "2"}),
+         "pages/mesh_parallel.py#moe": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "ep": "2", "experts": "2",
+                                                          "layers": "2", "steps": "2"})}
 
 
 def _app(page, **params):
@@ -19,7 +21,8 @@ def _app(page, **params):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_page_renders_empty_and_with_a_run(page):
-    at = _app(page)
+    path = page.split("#")[0]
+    at = _app(path)
     assert not at.exception, at.exception
     from backend import experiments
     from backend.store import RunStore
@@ -31,6 +34,6 @@ def test_page_renders_empty_and_with_a_run(page):
     rid = store.create(exp.name, config.to_dict(), "pages-mp", status="running")
     report = experiments.run_recorded(exp, config, experiments.RunContext(timeout_s=300), store, rid)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
-    at = _app(page, run=rid)
+    at = _app(path, run=rid)
     assert not at.exception, at.exception
     assert any("checks against independent references passed" in s.value for s in at.success)

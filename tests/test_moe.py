@@ -65,7 +65,7 @@ def test_switch_drops_exactly_the_overflow():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(40, 4, generator=g, dtype=torch.float64) + torch.tensor([1.0, 0, 0, -1], dtype=torch.float64)
     r = moe.switch_top1(logits, 1.0)
-    cap = moe.switch_capacity(40, 4, 1.0)
+    cap = moe.expert_capacity(40, 1, 4, 1.0)
     chosen = torch.bincount(r.indices.flatten(), minlength=4)
     assert int((~r.kept).sum()) == int((chosen - cap).clamp(min=0).sum())
     assert int(r.load(4).max()) <= cap

@@ -27,6 +27,9 @@ class ModelShape:
     d_ff: int = 128
     variant: str = "mha"  # mha | mqa | gqa | mla
     mla_mode: str = "absorbed"
+    n_experts: int = 0    # > 0: every feed-forward is an MoE layer (backend/models/moe.py), dropless top_k routing
+    top_k: int = 2
+    n_shared: int = 1     # shared experts every token passes through (DeepSeek), each d_ff wide
 
 
 class RMSNorm(nn.Module):
@@ -55,11 +58,19 @@ def make_attention(s: ModelShape) -> nn.Module:
     return GroupedQueryAttention(s.d_model, s.n_heads, kv, s.d_head)
 
 
+def make_ffn(s: ModelShape) -> nn.Module:
+    if s.n_experts:
+        from backend.models.moe import MoELayer  # moe builds its experts from SwiGLU above
+
+        return MoELayer(s.d_model, s.d_ff, s.n_experts, s.n_shared, s.top_k)
+    return SwiGLU(s.d_model, s.d_ff)
+
+
 class Block(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(s.d_model), make_attention(s)
-        self.ffn_norm, self.ffn = RMSNorm(s.d_model), SwiGLU(s.d_model, s.d_ff)
+        self.ffn_norm, self.ffn = RMSNorm(s.d_model), make_ffn(s)
 
     def forward(self, x, start, cache):
         x = x + self.attn(self.attn_norm(x), start, cache)

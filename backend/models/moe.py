@@ -38,19 +38,30 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
     return Routing(indices, weights, torch.ones_like(indices, dtype=torch.bool), probs)
 
 
-def switch_capacity(tokens: int, n_experts: int, capacity_factor: float) -> int:
-    return math.ceil(capacity_factor * tokens / n_experts)
+def expert_capacity(tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
+    """GShard's per-group capacity: ceil(cf · T · k / E) assignments per expert (Switch's, with k = 1)."""
+    return math.ceil(capacity_factor * tokens * k / n_experts)
+
+
+def capacity_topk(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routing:
+    """GShard: each token's k most probable experts, weighted by their probabilities (not renormalised); an expert
+    takes at most expert_capacity(...) assignments, every token's first choice before any second choice, then in
+    token order, and drops the rest (the token keeps its other experts). capacity_factor None: nothing dropped."""
+    probs = logits.softmax(dim=-1)
+    weights, indices = torch.topk(probs, k, dim=-1)
+    if capacity_factor is None:
+        return Routing(indices, weights, torch.ones_like(indices, dtype=torch.bool), probs)
+    one_hot = torch.zeros(k, *probs.shape, dtype=torch.long).scatter_(2, indices.T.unsqueeze(-1), 1)  # (k, T, E)
+    arrival = one_hot.flatten(0, 1).cumsum(dim=0).view_as(one_hot)  # choice-major, then token order
+    position = (arrival * one_hot).sum(dim=-1).T - 1                # (T, k): place in its expert's queue
+    kept = position < expert_capacity(logits.shape[0], k, logits.shape[1], capacity_factor)
+    return Routing(indices, weights, kept, probs)
 
 
 def switch_top1(logits: torch.Tensor, capacity_factor: float) -> Routing:
     """Switch Transformer: each token to its most probable expert, weighted by that probability; an expert takes
     at most capacity = ceil(cf · tokens / experts) tokens, in token order, and drops the rest (they skip the layer)."""
-    probs = logits.softmax(dim=-1)
-    weights, indices = torch.topk(probs, 1, dim=-1)
-    one_hot = torch.zeros_like(probs, dtype=torch.long).scatter_(1, indices, 1)
-    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1, keepdim=True) - 1  # arrival order at its expert
-    kept = position < switch_capacity(logits.shape[0], logits.shape[1], capacity_factor)
-    return Routing(indices, weights, kept, probs)
+    return capacity_topk(logits, 1, capacity_factor)
 
 
 def deepseek_v3(logits: torch.Tensor, bias: torch.Tensor, k: int, n_groups: int, topk_groups: int,
@@ -84,13 +95,23 @@ def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Te
 
 
 class MoELayer(nn.Module):
-    """Routed SwiGLU experts plus shared SwiGLU experts that every token passes through."""
+    """Routed SwiGLU experts plus shared SwiGLU experts that every token passes through. Called without a routing,
+    it routes itself: GShard's top_k with capacity_factor (None: dropless), over whatever tokens it is given."""
 
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, n_shared: int):
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, n_shared: int, top_k: int = 2,
+                 capacity_factor: float | None = None):
         super().__init__()
+        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.routing_log: list[torch.Tensor] | None = None  # set to a list to record every call's expert choices
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(d_model, d_ff) for _ in range(n_experts))
         self.shared = SwiGLU(d_model, d_ff * n_shared) if n_shared else None
+
+    def route(self, x: torch.Tensor) -> Routing:
+        routing = capacity_topk(self.router(x), self.top_k, self.capacity_factor)
+        if self.routing_log is not None:
+            self.routing_log.append(routing.indices)
+        return routing
 
     def routed(self, x: torch.Tensor, routing: Routing, experts: range | None = None) -> torch.Tensor:
         """Σ over the chosen (and kept) experts in `experts` of weight · expert(x), for every token."""
@@ -103,6 +124,9 @@ class MoELayer(nn.Module):
             y.index_add_(0, token, self.experts[e](x[token]) * routing.weights[token, slot, None])
         return y
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+        """x: (tokens, d), or (..., d) when the layer routes itself."""
+        if routing is None:
+            return self(x.reshape(-1, x.shape[-1]), self.route(x.reshape(-1, x.shape[-1]))).view_as(x)
         y = self.routed(x, routing)
         return y + self.shared(x) if self.shared is not None else y

@@ -1,5 +1,5 @@
-"""3D (and 4D) parallel: the tiny LLaMA trained on a pp x dp x cp x tp mesh (seed 002: "pipeline, then tensor,
-then data parallel, together"; context parallel as a fourth dimension).
+"""3D (and 4D, 5D) parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (seed 002: "pipeline, then
+tensor, then data parallel, together"; context and expert parallel as further dimensions).
 
 Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embedding on the first stage, the
 head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
@@ -16,8 +16,11 @@ over micro-batches, dp and cp ranks are those of one process on the whole batch,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
 the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
 
-Expert parallel is not a dimension here: the tiny LLaMA's feed-forward is one dense SwiGLU, so an ep dimension
-would need an MoE variant of the reference model first; parallel.ep runs the MoE layer on its own.
+With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
+are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
+everything else (each trains on its own slice of the batch, split over dp x ep), and their tokens reach the
+experts by all-to-all. An expert's gradient already sums every ep rank's tokens (the all-to-all's backward brought
+them), so only the replicated weights are summed over ep; all are summed over dp and cp.
 """
 from __future__ import annotations
 
@@ -39,14 +42,18 @@ def reference_training(config) -> dict:
     same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it."""
     model = reference_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    losses = []
+    losses, routing = [], []
     for step in range(config.steps):
+        for b in model.blocks:
+            b.ffn.routing_log = [] if hasattr(b.ffn, "routing_log") else None
         opt.zero_grad()
         loss = model.loss(tokens(config))
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}}
+        if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
+            routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
+    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}, "routing": routing}
 
 
 class Pipe:
@@ -77,15 +84,18 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
-    mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, tp=config.tp)
+    mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
     tracer = Tracer(rank)
-    tp, dp, cp = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp"))
+    tp, dp, cp, ep = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), tracer) if config.cp > 1 else None
     columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
     local_seq = config.seq // config.cp
     stage, stages = mesh.index("pp"), mesh.size("pp")
-    model = TPDecoder(reference_model(config), tp, stage=stage, stages=stages)
+    model = TPDecoder(reference_model(config), tp, stage=stage, stages=stages, ep_wire=ep)
     params = list(model.parameters())
+    experts = {id(p) for b in model.blocks for e in getattr(b.ffn, "experts", []) for p in e.parameters()}
+    replicated_over_ep = torch.tensor([id(p) not in experts for p in params]).repeat_interleave(
+        torch.tensor([p.numel() for p in params]))
     weights = flat_params(model)
     adam, m, v = Adam(config.lr), torch.zeros_like(weights), torch.zeros_like(weights)
     pipe = Pipe(mesh, tracer)
@@ -93,7 +103,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     losses, activation_bytes = [], 0
     global_tokens = config.batch * config.seq
     for step in range(config.steps):
-        mine = tokens(config).tensor_split(config.dp)[mesh.index("dp")]
+        mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
         saved, total = [], 0.0
         memory = SavedActivations(params)
         for j, mb in enumerate(mine.tensor_split(config.microbatches)):
@@ -120,23 +130,30 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
                 pipe.send(x.grad, stage - 1, 2 * j + 1, f"gradient {j}")
         grads = torch.cat([p.grad.reshape(-1) for p in params])
         grads = sum_gradients(cp, sum_gradients(dp, grads, "data-parallel gradients"), "context-parallel gradients")
+        if ep.n > 1:
+            grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
         with tracer.span("compute", f"adam {step}", kind="optimizer"):
             adam.update(weights, grads, m, v)
             load_flat(model, weights)
             model.zero_grad(set_to_none=True)
         reported = torch.tensor([total], dtype=torch.float64)
-        for dim in ("dp", "cp"):  # reporting only: the step's loss, on the last stage
+        for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
             if mesh.size(dim) > 1:
                 dist.all_reduce(reported, group=mesh.group(dim))
         losses.append(reported.item())
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     n_params = weights.numel()
-    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "tp")}, "last_stage": model.last,
+    moe = [b.ffn.stats for b in model.blocks if hasattr(b.ffn, "stats")]
+    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": model.last,
             "losses": losses, "params": {k: p.detach().numpy().copy() for k, p in model.named_parameters()},
             "sources": model.sources(),
             "memory": {"parameters": n_params * 8, "gradients": n_params * 8, "optimizer states": 2 * n_params * 8,
                        "activations": activation_bytes},
             "bytes": {"tp": tp.sent_bytes, "pp": pipe.sent, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
-                      "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes},
+                      "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes,
+                      "ep all-to-all": sum(r["sent_bytes"] for r in ep.log if r["name"] in ("dispatch", "combine", "counts")),
+                      "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")},
+            "moe": [dict(s_, layer=i) for i, calls in enumerate(moe) for s_ in calls],
+            "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": n_params, "layers_here": len(model.blocks), "mesh": mesh.describe(), "trace": tracer.payload()}

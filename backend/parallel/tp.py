@@ -12,7 +12,8 @@ all-reduces of b·s numbers (max, target logit, sum of exponentials), never gath
 
 `TPDecoder` builds rank r's shards from the single-process TinyDecoder's weights; `sources` says where every
 local parameter came from, so the reference's gradients can be cut the same way for the check.
-With `sp` the norm regions are sequence shards (backend/parallel/sp.py).
+With `sp` the norm regions are sequence shards (backend/parallel/sp.py); MoE feed-forwards (n_experts > 0) are
+split by expert over an ep wire (backend/parallel/ep.py) and run alike on every tp rank.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch.autograd import Function
 
 from backend.attention.rope import apply_rope, rope_angles
 from backend.models.llama import RMSNorm, TinyDecoder
+from backend.parallel.ep import ExpertParallelMoE
 from backend.parallel.sp import GatherLinear, ReduceScatterToSP
 
 
@@ -188,12 +190,20 @@ class VocabParallelCrossEntropy(Function):
 
 
 class TPBlock(nn.Module):
-    def __init__(self, state, i, shape, wire, sp, r, n):
+    def __init__(self, state, i, shape, wire, sp, r, n, moe=None, ep_wire=None):
         super().__init__()
         p = f"blocks.{i}."
         self.attn_norm, self.ffn_norm = ReplicatedNorm(state, p + "attn_norm.weight"), ReplicatedNorm(state, p + "ffn_norm.weight")
         self.attn = TPAttention(state, p + "attn.", shape, wire, sp, r, n)
-        self.ffn = TPSwiGLU(state, p + "ffn.", shape, wire, sp, r, n)
+        if moe is None:
+            self.ffn = TPSwiGLU(state, p + "ffn.", shape, wire, sp, r, n)
+        else:
+            # An MoE feed-forward is split by expert over ep ranks, not by columns over tp: its input (after the
+            # attention's all-reduce) is whole on every tp rank, so each computes it alike and no tp collective runs.
+            if sp:
+                raise ValueError("sequence parallel with MoE blocks is not built")
+            self.ffn = ExpertParallelMoE(moe, ep_wire)
+            self.ffn.shard_sources = self.ffn.sources(p + "ffn.")
 
     def forward(self, x, cos, sin, shard=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, shard)
@@ -205,7 +215,7 @@ class TPDecoder(nn.Module):
     With stages > 1 it is pipeline stage `stage`: its share of the blocks, the embedding on the first stage,
     the final norm, head and loss on the last."""
 
-    def __init__(self, reference: TinyDecoder, wire, sp: bool = False, stage: int = 0, stages: int = 1):
+    def __init__(self, reference: TinyDecoder, wire, sp: bool = False, stage: int = 0, stages: int = 1, ep_wire=None):
         super().__init__()
         s, r, n = reference.shape, wire.index, wire.n
         state = {k: v.detach() for k, v in reference.state_dict().items()}
@@ -214,7 +224,8 @@ class TPDecoder(nn.Module):
         if self.first:
             self.embed = VocabParallelEmbedding(state, s.vocab, wire, sp, r, n)
         layers = part(s.n_layers, stage, stages)
-        self.blocks = nn.ModuleList(TPBlock(state, i, s, wire, sp, r, n) for i in range(layers.start, layers.stop))
+        moe = [b.ffn if s.n_experts else None for b in reference.blocks]
+        self.blocks = nn.ModuleList(TPBlock(state, i, s, wire, sp, r, n, moe[i], ep_wire) for i in range(layers.start, layers.stop))
         if self.last:
             self.norm = ReplicatedNorm(state, "norm.weight")
             self.head = ColumnParallelLinear(state, [("head.weight", self.vocab_rows)], wire, sp, "head")

@@ -17,7 +17,8 @@ from backend.parallel.wire import WrittenBytes, gloo_bytes, ring_bytes
 def reference_model(config) -> TinyDecoder:
     torch.manual_seed(config.seed)
     shape = ModelShape(vocab=config.vocab, d_model=config.d_model, n_layers=config.layers, n_heads=config.n_heads,
-                       n_kv_heads=config.n_kv_heads, d_head=config.d_head, d_ff=config.d_ff, variant="gqa")
+                       n_kv_heads=config.n_kv_heads, d_head=config.d_head, d_ff=config.d_ff, variant="gqa",
+                       n_experts=getattr(config, "experts", 0), top_k=getattr(config, "top_k", 2))
     return TinyDecoder(shape).double()
 
 
@@ -27,10 +28,12 @@ def tokens(config) -> torch.Tensor:
 
 
 def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, seq: int | None = None,
-                         layers: int | None = None, first: bool = True, last: bool = True, index: int = 0) -> list[dict]:
+                         layers: int | None = None, first: bool = True, last: bool = True, index: int = 0,
+                         dense_ffn: bool = True) -> list[dict]:
     """Every collective of one forward and backward on rank `index` of n: (phase, op, name, numel, sent_bytes), in
     the order run. By default the whole model on config's batch; a pipeline stage gives its `layers`, whether it is
-    the `first` (embedding) and `last` (head, loss), and its micro-batch's `batch` and (context-parallel) `seq`."""
+    the `first` (embedding) and `last` (head, loss), and its micro-batch's `batch` and (context-parallel) `seq`.
+    Without `dense_ffn` (MoE blocks, run alike on every tp rank) the MLP's two all-reduces are absent."""
     b, s, L = batch or config.batch, seq or config.seq, config.layers if layers is None else layers
     nh, tokens_, h = b * s * config.d_model, b * s, config.d_model
     rows = []
@@ -51,12 +54,13 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
             add("forward", "all_reduce", "embedding", nh)
         for _ in range(L):
             add("forward", "all_reduce", "attention", nh)
-            add("forward", "all_reduce", "mlp", nh)
+            if dense_ffn:
+                add("forward", "all_reduce", "mlp", nh)
     if last:
         add("forward", "all_gather", "cross entropy: max", tokens_)
         add("forward", "all_reduce", "cross entropy: target logit", tokens_)
         add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
-    for name in ["head"] * last + ["mlp", "attention"] * L:
+    for name in ["head"] * last + (["mlp", "attention"] if dense_ffn else ["attention"]) * L:
         if sp:
             if name != "head":
                 add("backward", "all_gather", name, nh // n)  # g' backward

@@ -127,7 +127,7 @@ def run(config: RoutingConfig, ctx) -> Result:
             if step < c.bias_steps:
                 bias = moe.update_bias(bias, load, c.bias_rate)
 
-        capacity = moe.switch_capacity(c.tokens, c.n_experts, c.capacity_factor)
+        capacity = moe.expert_capacity(c.tokens, 1, c.n_experts, c.capacity_factor)
         routers = {
             "softmax top-k": (moe.softmax_topk(logits, c.top_k, c.renormalize), ref.softmax_topk(rows, c.top_k, c.renormalize), None),
             "Switch top-1": (moe.switch_top1(logits, c.capacity_factor), ref.switch_top1(rows, capacity), None),

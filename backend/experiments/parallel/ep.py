@@ -7,7 +7,8 @@ import torch
 
 from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
-from backend.parallel.ep import MoE
+from backend.models.moe import MoELayer, expert_capacity
+from backend.parallel.ep import ExpertParallelMoE, grouped_reference
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
@@ -22,7 +23,7 @@ class EPConfig(Config):
     world_size: int = setting(2, min=2, max=8, help="expert-parallel ranks (each also holds a slice of the tokens)")
     tokens: int = setting(64, min=2, max=4096, help="tokens in the global batch (split over the ranks, unevenly if need be)")
     d_model: int = setting(16, min=2, max=512, help="hidden size")
-    d_ff: int = setting(32, min=2, max=2048, help="each expert's hidden size")
+    d_ff: int = setting(32, min=2, max=2048, help="each expert's hidden size (SwiGLU)")
     experts: int = setting(4, min=1, max=64, help="routed experts E (split over the ranks)")
     top_k: int = setting(2, min=1, max=8, help="experts per token")
     capacity_factor: float = setting(1.0, min=0.1, max=16.0, help="an expert takes at most ceil(cf·T·k/E) of a rank's T tokens")
@@ -34,10 +35,10 @@ class EPConfig(Config):
         """Every rank builds the whole layer twice (its reference, then its own experts kept) in float64 and runs the
         reference on all tokens, forward and backward; expert buffers hold up to capacity_factor·tokens·top_k rows."""
         n, d, f = self.world_size, self.d_model, self.d_ff
-        weights = (self.experts + 1) * 2 * d * f + d * self.experts
+        weights = (self.experts + 1) * 3 * d * f + d * self.experts  # SwiGLU experts: gate, up, down
         rows = self.tokens * self.top_k * max(1.0, self.capacity_factor)
-        return cost(data_bytes=n * (4 * weights + rows * (2 * d + f) * 2) * 8,
-                    flops=(n + 1) * 6 * rows * 2 * d * f, ops=2 * n * (self.experts + 2 * n) * 60, ranks=n)
+        return cost(data_bytes=n * (4 * weights + rows * (2 * d + 4 * f) * 2) * 8,
+                    flops=(n + 1) * 6 * rows * 3 * d * f, ops=2 * n * (self.experts + 2 * n) * 60, ranks=n)
 
     def check(self) -> None:
         if self.experts % self.world_size:
@@ -48,8 +49,9 @@ class EPConfig(Config):
             raise ConfigError("tokens", f"{self.tokens} is fewer than world_size={self.world_size} (allowed: >= world_size)")
 
 
-def _model(c: EPConfig) -> MoE:
-    return MoE(c.d_model, c.d_ff, c.experts, c.top_k, c.capacity_factor, c.seed)
+def _model(c: EPConfig) -> MoELayer:
+    torch.manual_seed(c.seed)
+    return MoELayer(c.d_model, c.d_ff, c.experts, n_shared=1, top_k=c.top_k, capacity_factor=c.capacity_factor).double()
 
 
 def _data(c: EPConfig):
@@ -62,29 +64,29 @@ def run_rank(rank, world, config: EPConfig, ctx):
     x_all, target = _data(config)
     x_all.requires_grad_()  # as if earlier layers produced it: the dispatch's backward runs too
     reference = _model(config)
-    ref_y, ref_stats = reference(x_all, Wire.alone(rank, Tracer(rank)), groups=world)
+    ref_y, ref_stats = grouped_reference(reference, x_all, groups=world)
     (((ref_y - target) ** 2).sum() / config.tokens).backward()
 
     wire = Wire.along(mesh, "ep", tracer)
-    model = _model(config)
-    model.keep_only(rank, world)
+    model = ExpertParallelMoE(_model(config), wire)
     x = x_all.detach().tensor_split(world)[rank].requires_grad_()
     t = target.tensor_split(world)[rank]
     ctx.progress(0.3, "dispatch, experts, combine")
     with tracer.span("compute", "MoE forward", kind="forward"), SavedActivations(model.parameters()) as saved:
-        y, (stats,) = model(x, wire)
+        y = model(x)
         loss = ((y - t) ** 2).sum() / config.tokens
     with tracer.span("compute", "MoE backward", kind="backward"):
         loss.backward()
-    for p in list(model.router.parameters()) + list(model.shared.parameters()):  # replicated: sum over the ranks' tokens
+    for p in model.replicated_parameters():  # replicated: sum over the ranks' tokens
         p.grad = wire.all_reduce(p.grad, "backward", "router and shared-expert gradients")
     ref_slice = ref_y.tensor_split(world)[rank]
-    pairs = [(p, q) for m, r in ((model.router, reference.router), (model.shared, reference.shared)) for p, q in zip(m.parameters(), r.parameters())]
-    pairs += [(p, q) for j, e in enumerate(model.experts) for p, q in zip(e.parameters(), reference.experts[model.first + j].parameters())]
-    return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(),
-            "grad_error": max((p.grad - q.grad).abs().max().item() for p, q in pairs),
+    reference_params, sources = dict(reference.named_parameters()), model.sources("")
+    grad_error = max((p.grad - reference_params[sources[name][1][0][0]].grad).abs().max().item()
+                     for name, p in model.named_parameters())
+    return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(), "grad_error": grad_error,
             "input_grad_error": (x.grad - x_all.grad.tensor_split(world)[rank]).abs().max().item(),
-            "stats": stats, "activation_bytes": saved.bytes, "reference_stats": ref_stats[rank], "log": wire.log, "trace": tracer.payload()}
+            "stats": model.stats[0], "activation_bytes": saved.bytes, "reference_stats": ref_stats[rank], "log": wire.log,
+            "trace": tracer.payload()}
 
 
 def combine(config: EPConfig, payloads) -> Result:
@@ -96,6 +98,8 @@ def combine(config: EPConfig, payloads) -> Result:
               Check("input gradients (through both all-to-alls' backward) equal one process's",
                     max(p["input_grad_error"] for p in payloads), TOL, reference="single-process autograd")]
     # drops, counted independently: an expert routed r assignments with capacity C drops max(0, r - C)
+    for p in payloads:
+        p["stats"]["capacity"] = expert_capacity(p["stats"]["tokens"], config.top_k, config.experts, config.capacity_factor)
     drop_err = max(sum(abs(d - max(0, r - p["stats"]["capacity"])) for d, r in zip(p["stats"]["dropped"], p["reference_stats"]["routed"]))
                    for p in payloads)
     checks.append(Check("dropped assignments equal Σ max(0, routed − capacity) per expert", drop_err, 0,

@@ -1,4 +1,5 @@
-"""parallel.mesh: the tiny LLaMA trained on a pp x dp x cp x tp mesh, against one process on the whole batch."""
+"""parallel.mesh: the tiny LLaMA (dense, or MoE) trained on a pp x dp x cp x ep x tp mesh, against one process on the
+whole batch."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,26 +9,35 @@ import torch
 from backend.config import DYNAMO_IMPORT_S, OP_S, ConfigError, setting
 from backend.experiments import define
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
-from backend.parallel.mesh import DeviceMesh
+from backend.parallel.cp import positions
+from backend.parallel.ep import moe_activation_elements
+from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_train import reference_training, train_rank
 from backend.parallel.sp import activation_elements
-from backend.parallel.tp import cut
+from backend.parallel.tp import cut, part
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
 from backend.result import Check, Result
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
 # Seed 002's picture: 8 GPUs as two 4-stage pipelines with data parallel between them.
-PRESETS = {"seed 002: two 4-stage pipelines, data parallel between (8 ranks)": {"world_size": 8, "pp": 4, "tp": 1, "layers": 4}}
+PRESETS = {"seed 002: two 4-stage pipelines, data parallel between (8 ranks)": {"world_size": 8, "pp": 4, "tp": 1, "layers": 4},
+           "3D on 8 ranks: pp 2 x dp 2 x tp 2": {"world_size": 8, "pp": 2, "tp": 2},
+           "MoE: experts over ep 2, pipeline 2 (4 ranks)": {"pp": 2, "tp": 1, "ep": 2, "experts": 4}}
 
 
 @dataclasses.dataclass
 class MeshConfig(TPConfig):
-    world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x tp")
+    world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x ep x tp")
     tp: int = setting(2, min=1, max=8, help="tensor-parallel degree (innermost: neighbouring ranks)")
-    pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp)")
+    pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp x ep)")
     cp: int = setting(1, min=1, max=8, help="context-parallel degree: each sequence's positions split over cp ranks "
                                             "(zigzag), keys and values passed round a ring")
+    ep: int = setting(1, min=1, max=8, help="expert-parallel degree: the MoE experts split over ep ranks, which "
+                                            "also split the batch (needs experts > 0)")
+    experts: int = setting(0, min=0, max=16, help="routed experts per MoE feed-forward (0: dense SwiGLU); each as wide "
+                                                  "as d_ff, plus one shared expert")
+    top_k: int = setting(2, min=1, max=4, help="experts per token (dropless routing)")
     microbatches: int = setting(2, min=1, max=16, help="micro-batches per step per data-parallel rank (GPipe)")
     batch: int = setting(4, min=1, max=64, help="sequences in the global batch")
     seq: int = setting(8, min=2, max=256, help="tokens per sequence")
@@ -35,7 +45,7 @@ class MeshConfig(TPConfig):
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
 
-    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches")
+    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
@@ -52,18 +62,24 @@ class MeshConfig(TPConfig):
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.cp)
+        return self.world_size // (self.tp * self.pp * self.cp * self.ep)
 
     def check(self) -> None:
-        model_parallel = self.tp * self.pp * self.cp
+        if self.ep > 1 and not self.experts:
+            raise ConfigError("ep", f"{self.ep}: expert parallel needs MoE blocks (allowed: 1 while experts = 0)")
+        if self.experts and self.experts % self.ep:
+            raise ConfigError("experts", f"{self.experts} does not divide by ep={self.ep} (allowed: a multiple of {self.ep})")
+        if self.experts and self.top_k > self.experts:
+            raise ConfigError("top_k", f"{self.top_k} is more than experts={self.experts} (allowed: 1..{self.experts})")
+        model_parallel = self.tp * self.pp * self.cp * self.ep
         if self.world_size % model_parallel:
-            # name the largest mesh dimension and the largest value of it that fits beside the other two
-            name = max(("tp", "pp", "cp"), key=lambda d: getattr(self, d))
+            # name the largest mesh dimension and the largest value of it that fits beside the others
+            name = max(("tp", "pp", "cp", "ep"), key=lambda d: getattr(self, d))
             others = model_parallel // getattr(self, name)
             fits = [v for v in range(getattr(self, name), 0, -1) if self.world_size % (v * others) == 0]
             hint = (f"allowed with the other settings as they are: {name} = {fits[0]}" if fits
-                    else "allowed: tp x pp x cp a divisor of world_size")
-            raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp = {model_parallel} does not divide "
+                    else "allowed: tp x pp x cp x ep a divisor of world_size")
+            raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
         if self.cp > 1 and self.seq % (2 * self.cp):
@@ -71,23 +87,30 @@ class MeshConfig(TPConfig):
                                      f"(allowed: a multiple of {2 * self.cp})")
         if self.layers % self.pp:
             raise ConfigError("layers", f"{self.layers} does not divide into pp={self.pp} stages (allowed: a multiple of {self.pp})")
-        if self.batch < self.dp * self.microbatches:
-            raise ConfigError("batch", f"{self.batch} sequences cannot give dp={self.dp} ranks {self.microbatches} micro-batches "
-                                       f"each (allowed: >= {self.dp * self.microbatches})")
+        slices = self.dp * self.ep  # the batch is split over dp x ep ranks, then into micro-batches
+        if self.batch < slices:
+            raise ConfigError("batch", f"{self.batch} sequences cannot give dp x ep = {slices} ranks one each "
+                                       f"(allowed: >= {slices})")
+        if self.batch < slices * self.microbatches:
+            raise ConfigError("microbatches", f"{self.microbatches}: {self.batch} sequences over dp x ep = {slices} ranks "
+                                              f"give each {self.batch // slices} (allowed with the other settings as they "
+                                              f"are: microbatches = {self.batch // slices})")
 
 
 def run_rank(rank, world, config: MeshConfig, ctx):
     return train_rank(rank, world, config, ctx.progress)
 
 
-def _microbatch_sizes(config: MeshConfig, dp_index: int) -> list[int]:
-    return [len(s) for s in torch.arange(config.batch).tensor_split(config.dp)[dp_index].tensor_split(config.microbatches)]
+def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
+    """Sequences per micro-batch on the rank at `coords`: the batch split over dp x ep, then into micro-batches."""
+    mine = torch.arange(config.batch).tensor_split(config.dp * config.ep)[coords["dp"] * config.ep + coords["ep"]]
+    return [len(s) for s in mine.tensor_split(config.microbatches)]
 
 
-def predicted_bytes(config: MeshConfig, payload: dict) -> dict[str, int]:
+def predicted_bytes(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
-    sizes = _microbatch_sizes(config, payload["coords"]["dp"])
+    sizes = _microbatch_sizes(config, payload["coords"])
     stage = payload["coords"]["pp"]
     act = sum(b * s * h * 8 for b in sizes)  # one activation (or its gradient) per micro-batch
     kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * 8 for b in sizes)
@@ -97,21 +120,71 @@ def predicted_bytes(config: MeshConfig, payload: dict) -> dict[str, int]:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
     tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1
              for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=payload["layers_here"],
-                                           first=stage == 0, last=stage == config.pp - 1, index=payload["coords"]["tp"]))
+                                           first=stage == 0, last=stage == config.pp - 1, index=payload["coords"]["tp"],
+                                           dense_ffn=not config.experts))
     return {"tp": steps * tp, "pp": steps * act * ((stage < config.pp - 1) + (stage > 0)),
             # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
             "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
-            "dp gradients": gradients(config.dp), "cp gradients": gradients(config.cp)}
+            "dp gradients": gradients(config.dp), "cp gradients": gradients(config.cp),
+            "ep all-to-all": sum(all_to_all_bytes(config, rows, payload["coords"]) for rows in expert_rows(config, routing, payload)),
+            "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
+                                               config.ep, 8) if config.ep > 1 else 0}
 
 
-def activation_formula(config: MeshConfig, payload: dict) -> float:
-    """sp.activation_elements x the blocks on this stage x micro-batches (+ RoPE's tables), in bytes."""
+def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
+    """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
+    assignments each ep peer routes to each expert: a tensor (ep, experts)."""
+    if not config.experts:
+        return []
+    layers = part(config.layers, payload["coords"]["pp"], config.pp)
+    columns = positions(config.seq, payload["coords"]["cp"], config.cp, "zigzag") if config.cp > 1 else slice(None)
+    out = []
+    for step in range(config.steps):
+        for mb in range(config.microbatches):
+            for layer in range(layers.start, layers.stop):
+                rows = []
+                for e in range(config.ep):
+                    seqs = torch.arange(config.batch).tensor_split(config.dp * config.ep)[payload["coords"]["dp"] * config.ep + e]
+                    chosen = routing[step][layer][seqs.tensor_split(config.microbatches)[mb]][:, columns]
+                    rows.append(torch.bincount(chosen.flatten(), minlength=config.experts))
+                out.append(torch.stack(rows))
+    return out
+
+
+def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> int:
+    """One MoE call's all-to-all bytes from ep rank coords["ep"]: the per-expert counts ((ep-1) messages of E/ep
+    numbers), then forward dispatch (its rows for other ranks' experts), combine (other ranks' rows for its experts,
+    returned), and their backwards again: 2 (out + in) rows of d_model float64."""
+    n, per, me = config.ep, config.experts // config.ep, coords["ep"]
+    if n == 1:
+        return 0
+    mine = slice(me * per, (me + 1) * per)
+    out_rows = int(rows[me].sum() - rows[me, mine].sum())
+    in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
+    return (n - 1) * per * 8 + 2 * (out_rows + in_rows) * config.d_model * 8
+
+
+def activation_formula(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> float:
+    """sp.activation_elements x the blocks on this stage x micro-batches (+ RoPE's tables), in bytes. An MoE block's
+    feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its experts computed in
+    the first step (the one measured) taken from the reference's routing."""
     s = config.seq // config.cp
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
-    per_block = lambda b: sum(activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,  # noqa: E731
-                                                  config.d_ff, config.tp, False, ring).values())
-    return sum(payload["layers_here"] * per_block(b) + s * config.d_head
-               for b in _microbatch_sizes(config, payload["coords"]["dp"])) * 8
+    elements = 0.0
+    first_step = expert_rows(config, routing, payload)[:config.microbatches * payload["layers_here"]]
+    per = config.experts // config.ep
+    mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
+    for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
+        block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
+                                    config.d_ff, config.tp, False, ring)
+        elements += s * config.d_head
+        for layer in range(payload["layers_here"]):
+            if config.experts:
+                block["SwiGLU gate, up, silu, product"] = sum(moe_activation_elements(
+                    b * s, int(first_step[j * payload["layers_here"] + layer][:, mine].sum()), config.d_model, config.d_ff,
+                    config.experts, config.top_k, 1).values())
+            elements += sum(block.values())
+    return elements * 8
 
 
 def combine(config: MeshConfig, payloads) -> Result:
@@ -129,40 +202,61 @@ def combine(config: MeshConfig, payloads) -> Result:
               Check("every step's loss equals the reference", loss_err, TOL, reference="one process"),
               Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
     for p in payloads:
-        model = predicted_bytes(config, p)
+        model = predicted_bytes(config, p, ref["routing"])
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
                                       "forward and gradients backward per micro-batch per stage boundary; CP: per layer 3cp-2 "
-                                      "K/V-sized ring messages; 2(k-1)/k of the gradient vector over dp and cp"))
+                                      "K/V-sized ring messages; 2(k-1)/k of the gradient vector over dp and cp; EP: the "
+                                      "rows the reference routes to other ranks' experts, there and back, forward and backward"))
+    if config.experts:
+        checks.append(Check("every MoE call routed each expert the assignments the reference routed those tokens",
+                            sum(routing_mismatches(config, p, ref["routing"]) for p in payloads), 0,
+                            reference="the one-process model's top-k choices for this rank's sequences and positions"))
     memory = []
     for p in payloads:
-        formula = activation_formula(config, p)
+        formula = activation_formula(config, p, ref["routing"])
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
     acts = [r for r in memory if r["category"] == "activations"]
     checks.append(Check("activations held at GPipe's peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
-                        reference="sp.activation_elements x layers on the stage x micro-batches (+ RoPE tables)"))
-    label = " ".join(f"{d}={v}" for d, v in (("pp", config.pp), ("dp", config.dp), ("cp", config.cp), ("tp", config.tp)))
+                        reference="sp.activation_elements x layers on the stage x micro-batches (+ RoPE tables); "
+                                  "MoE blocks: ep.moe_activation_elements with the reference's routing"))
+    label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {"pp": config.pp, "dp": config.dp, "cp": config.cp, "tp": config.tp, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "experts": config.experts, "steps": config.steps,
                "final_loss": last["losses"][-1]}
+    experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
+               for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
-                                                          "groups": _groups(config)},
+                                                          "groups": _groups(config), "experts": experts},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
+def routing_mismatches(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> int:
+    """Assignments (per call, per expert) this rank routed differently from the reference."""
+    layers_here = payload["layers_here"]
+    calls = [c for c in payload["moe"]]
+    mine = {}  # (call index in step-mb-layer order) -> kept per expert
+    for j, c in enumerate(calls):
+        layer, nth = c["layer"], sum(1 for d in calls[:j] if d["layer"] == c["layer"])
+        mine[nth * layers_here + layer] = torch.tensor(c["kept"])
+    expected = expert_rows(config, routing, payload)
+    return sum(int((mine[i] - rows[payload["coords"]["ep"]]).abs().sum()) for i, rows in enumerate(expected))
+
+
 def _groups(config) -> list[dict]:
-    shape = DeviceMesh.layout(config.world_size, pp=config.pp, dp=config.dp, cp=config.cp, tp=config.tp)
-    return [{"dimension": d, "group": i, "ranks": ranks} for d in ("pp", "dp", "cp", "tp") if shape[d] > 1
+    shape = DeviceMesh.layout(config.world_size, **{d: getattr(config, d) for d in DIMS})
+    return [{"dimension": d, "group": i, "ranks": ranks} for d in DIMS if shape[d] > 1
             for i, ranks in enumerate(DeviceMesh.lines(shape, d))]
 
 
-EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x tp mesh (GPipe stages, TP "
-                    "shards, ring attention over sequence shards, DP all-reduce), equal to one process on the whole batch",
+EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (GPipe stages, "
+                    "TP shards, ring attention over sequence shards, MoE experts over ep, DP all-reduce), equal to one "
+                    "process on the whole batch",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))

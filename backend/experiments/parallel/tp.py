@@ -65,14 +65,19 @@ class TPConfig(Config):
 
 def decoder_cost(c: TPConfig, processes: int, passes: int, seconds: float = 0.0):
     """`processes` processes (the ranks, or the ranks and the leader) each holding the float64 tiny LLaMA of c's shape
-    with its gradients and copies, and running `passes` forward-backward passes of it on the whole batch."""
+    with its gradients and copies, and running `passes` forward-backward passes of it on the whole batch. MoE blocks
+    (c.experts > 0) hold experts + 1 feed-forwards, of which each token runs top_k + 1, one Python loop step each."""
     h, L, tokens = c.d_model, c.layers, c.batch * c.seq
-    params = L * (h * (c.n_heads + 2 * c.n_kv_heads) * c.d_head + c.n_heads * c.d_head * h + 3 * h * c.d_ff) + 2 * c.vocab * h
-    activations = tokens * L * (6 * h + 4 * c.n_heads * c.d_head + 3 * c.d_ff) + c.batch * c.n_heads * c.seq ** 2 * L * 3 + tokens * c.vocab * 3
+    experts = getattr(c, "experts", 0)
+    held, active = (experts + 1, c.top_k + 1) if experts else (1, 1)
+    attention = h * (c.n_heads + 2 * c.n_kv_heads) * c.d_head + c.n_heads * c.d_head * h
+    params = L * (attention + 3 * h * c.d_ff * held + h * experts) + 2 * c.vocab * h
+    computed = L * (attention + 3 * h * c.d_ff * active) + 2 * c.vocab * h
+    activations = tokens * L * (6 * h + 4 * c.n_heads * c.d_head + 3 * c.d_ff * active) + c.batch * c.n_heads * c.seq ** 2 * L * 3 + tokens * c.vocab * 3
     return cost(data_bytes=processes * (6 * params + 2 * activations) * 8,
-                flops=processes * passes * tokens * (6 * params + 12 * L * c.seq * c.n_heads * c.d_head),
-                moved_bytes=processes * passes * activations * 8 * 4, ops=processes * passes * L * 400, ranks=c.world_size,
-                seconds=seconds)
+                flops=processes * passes * tokens * (6 * computed + 12 * L * c.seq * c.n_heads * c.d_head),
+                moved_bytes=processes * passes * activations * 8 * 4, ops=processes * passes * L * (400 + 60 * experts),
+                ranks=c.world_size, seconds=seconds)
 
 
 def _step(reference, config, wire, sp):
