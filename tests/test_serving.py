@@ -13,7 +13,7 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
 from backend.serving.calibrate import calibrate, replay_mismatches
-from backend.serving.engine import serve, tiny_llama, token_mismatches
+from backend.serving.engine import serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig
 from backend.serving.simulator import TERMS, CostModel, ReplayExecutor, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
@@ -181,6 +181,24 @@ def test_cost_model_noise_keeps_the_residuals_distribution_and_drift():
     steps["time"][123] += 0.17  # one 170 ms stall (the machine's, seen in a profile) stays one step's worth of noise
     stalled = CostModel.fit(steps).noise_table()
     assert stalled.max() < 0.01 and abs(stalled.mean() - table.mean()) < 1e-4
+    # A paced profile steps in bursts (20 rounds of every 50): paired by rounds, the drift's persistence per round is
+    # still found; paired by step index it would read lower (a step after a pause is further from the one before).
+    taken = np.concatenate([np.arange(start, start + 20) for start in range(0, 4000, 50)])
+    paced = CostModel.fit({k: v[taken] for k, v in steps.items()}, rounds=[taken])
+    assert paced.drift_persistence == pytest.approx(0.9, abs=0.05) and paced.drift_share == pytest.approx(0.6, abs=0.2)
+
+
+def test_a_paced_engine_spreads_its_steps_over_its_leads_rounds(model):
+    """The profile keeps pace with the held-out run (calibrate's use): its steps meet the machine of the whole run,
+    not only of its first rounds, and its tokens are still the model's."""
+    lead, short = small(3, 32, 20.0), small(4, 4, 20.0)
+    config = SchedulerConfig(token_budget=64)
+    free, paced, led = serve_interleaved(model, [(short, config, False), (short, config, False), (lead, config, False)],
+                                         pace_with=[None, 2, None])
+    end = led.rounds[-1]
+    assert free.rounds == list(range(len(free.rounds))) and free.rounds[-1] < end / 2  # run at once: done early
+    assert paced.rounds[-1] > 0.8 * end  # paced: to near the lead's end
+    assert token_mismatches(model, paced) == []
 
 
 @pytest.mark.parametrize("name, values, field", [

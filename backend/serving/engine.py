@@ -17,6 +17,7 @@ from backend.kvcache.tensor_store import KVTensorStore
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.serving.attention import TorchPagedAttention
 from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
+from backend.serving.simulator import DRIFT_LAG
 
 MODEL_SHAPE = ModelShape(vocab=256, d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, d_head=16, d_ff=384, variant="gqa")
 
@@ -88,22 +89,48 @@ def serve(model: TinyDecoder, trace, config: SchedulerConfig, attention=TorchPag
     return Scheduler(trace, config, record_batches).run(ModelExecutor(model, config, attention), progress)
 
 
-def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None, start_round: list[int] | None = None) -> list[Scheduler]:
+PACE_BURST = 2 * DRIFT_LAG  # rounds a pacing engine steps in a row: its drift's autocorrelation is measured within them
+
+
+def work_done(sched: Scheduler) -> float:
+    """The share of its trace's tokens an engine has computed (the last output token of each is sampled, not computed)."""
+    t = sched.trace
+    return float(sched.computed.sum()) / float((t.prompt_len + t.output_len - 1).sum())
+
+
+def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None, start_round: list[int] | None = None,
+                      pace_with: list[int | None] | None = None) -> list[Scheduler]:
     """Several engines, each with its own trace, config and KV pool, stepped in turn: one step of each, then
     the next round. Each measures only its own steps (its thread's CPU time while it runs), so every engine
     sees the same machine: on a shared one, the speed drifts by tens of percent over seconds (other people's
     work in the caches and memory bus), and runs made one after the other would each get a different machine.
-    runs: (trace, config, record_batches) per engine; start_round: the round each engine joins (0: at once)."""
+    runs: (trace, config, record_batches) per engine; start_round: the round each engine joins (0: at once).
+    pace_with: per engine, None, or the engine it keeps pace with: it steps in bursts of PACE_BURST rounds,
+    each begun only while it is not ahead of that engine in work_done, so a short run's steps are spread over
+    a longer one's rounds and meet the machine of all of them (run at once, they met only its first quarter).
+    Each engine's `rounds`: the round of each of its steps."""
     scheds = [Scheduler(trace, config, record) for trace, config, record in runs]
+    pace_with = pace_with or [None] * len(runs)
     waiting = sorted(zip(start_round or [0] * len(runs), range(len(runs))))
-    live, rounds, total = [], 0, sum(len(s.trace) for s in scheds)
+    live, rounds, total = {}, 0, sum(len(s.trace) for s in scheds)
+    burst_left = [0] * len(runs)
+    for s in scheds:
+        s.rounds = []
     while live or waiting:
         while waiting and waiting[0][0] <= rounds:
-            s = scheds[waiting.pop(0)[1]]
-            live.append(s.steps(ModelExecutor(model, s.config)))
-        for it in list(live):
+            i = waiting.pop(0)[1]
+            live[i] = scheds[i].steps(ModelExecutor(model, scheds[i].config))
+        for i, it in list(live.items()):
+            lead = pace_with[i]
+            if lead is not None and not burst_left[i]:
+                if lead in live and work_done(scheds[i]) > work_done(scheds[lead]):
+                    continue  # ahead of its lead: sits this round out
+                burst_left[i] = PACE_BURST
+            burst_left[i] -= 1
             if next(it, None) is None:
-                live.remove(it)
+                del live[i]
+            else:
+                scheds[i].rounds.append(rounds)
         rounds += 1
         if progress and rounds % 200 == 0:
             progress(sum(int(np.isfinite(s.finish).sum()) for s in scheds) / total)

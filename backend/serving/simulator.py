@@ -42,14 +42,29 @@ def features(prefill_tokens, decode_tokens, kv_blocks) -> list:
     return [np.ones_like(p, dtype=np.float64), p, d, np.asarray(kv_blocks), (p > 0).astype(np.float64), (d > 0).astype(np.float64)]
 
 
-def drift(residual_runs: list[np.ndarray]) -> tuple[float, float]:
+def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float]:
     """(share, persistence) of a slow AR(1) drift under independent noise, whose autocorrelation at lag l is
     share · persistence^l: solved from the residuals' autocorrelation at lags 1 and DRIFT_LAG (each run on
-    its own, pooled). (0, 0) when the residuals show none."""
+    its own, pooled). round_runs: each run's steps' rounds, for an engine that sat rounds out (steps are
+    paired by rounds apart: the drift is the machine's, per round); None: one step a round. (0, 0) when the
+    residuals show none."""
+    def on_rounds(r, rounds):  # the run's residuals by round, NaN where it did not step
+        rounds = np.arange(len(r)) if rounds is None else np.asarray(rounds) - rounds[0]
+        dense = np.full(int(rounds[-1]) + 1 if len(r) else 0, np.nan)
+        dense[rounds] = r - r.mean()
+        return dense
+
+    runs = [on_rounds(r, t) for r, t in zip(residual_runs, round_runs or [None] * len(residual_runs))]
+
     def acf(lag):
-        pairs = [(r[:-lag] - r.mean(), r[lag:] - r.mean()) for r in residual_runs if len(r) > lag + 2]
-        den = sum(float(a @ a + b @ b) / 2 for a, b in pairs)
-        return sum(float(a @ b) for a, b in pairs) / den if den > 0 else 0.0
+        num = den = 0.0
+        for d in runs:
+            if len(d) > lag + 2:
+                a, b = d[:-lag], d[lag:]
+                both = ~np.isnan(a) & ~np.isnan(b)  # both steps taken
+                a, b = a[both], b[both]
+                num, den = num + float(a @ b), den + float(a @ a + b @ b) / 2
+        return num / den if den > 0 else 0.0
     near, far = acf(1), acf(DRIFT_LAG)
     if near <= 0 or far <= 0:
         return 0.0, 0.0
@@ -74,11 +89,11 @@ class CostModel:
     steps: int = 0
 
     @classmethod
-    def fit(cls, runs: dict | list[dict], noise: bool = True) -> "CostModel":
+    def fit(cls, runs: dict | list[dict], noise: bool = True, rounds: list | None = None) -> "CostModel":
         """Least squares with every coefficient >= 0 (each term is a cost; decode tokens and KV blocks rise
         together, and a free fit trades them against each other, one going negative). Exact: the best
         unconstrained fit over each subset of the terms, kept if non-negative. runs: StepLog tables, one per
-        profiling run (or one table)."""
+        profiling run (or one table); rounds: each run's steps' rounds, if it sat some out (see `drift`)."""
         runs = [runs] if isinstance(runs, dict) else runs
         steps = {k: np.concatenate([r[k] for r in runs]) for k in ("prefill_tokens", "decode_tokens", "kv_blocks", "time")}
         X = np.column_stack(features(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"]))
@@ -100,7 +115,7 @@ class CostModel:
         centred = resid - resid.mean()
         shape = tuple(map(float, np.quantile(centred, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES))) if noise else ()
         clipped = np.clip(centred, *np.quantile(centred, [0.01, 0.99]))
-        share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1])) if noise else (0.0, 0.0)
+        share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0, 0.0)
         return cls(*map(float, coef), noise=shape, drift_share=share, drift_persistence=persistence,
                    rmse=float(np.sqrt(np.mean(resid ** 2))),
                    mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y))
