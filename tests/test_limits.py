@@ -54,7 +54,7 @@ def _cli(*args, **env):
 
 
 def test_a_single_process_cli_run_is_held_to_its_time_limit_with_its_stack_logged():
-    out = _cli("attention.variants_train", "--set", "steps=60", "--timeout", "10")
+    out = _cli("attention.variants_train", "--set", "steps=60", "--set", "batch=8", "--timeout", "10")
     assert out.returncode == 1
     rec = RunStore().list(experiment="attention.variants_train", limit=1)[0]
     assert rec.status == "failed" and rec.error.startswith("time limit: not finished within 10 s"), rec.error

@@ -24,8 +24,8 @@ VARIANTS = ("mha", "mqa", "gqa", "mla")
 
 @dataclasses.dataclass
 class TrainConfig(Config):
-    steps: int = setting(60, min=1, max=500, help="optimizer steps per variant")
-    batch: int = setting(8, min=1, max=64, help="sequences per step")
+    steps: int = setting(30, min=1, max=500, help="optimizer steps per variant")
+    batch: int = setting(4, min=1, max=64, help="sequences per step")
     seq_len: int = setting(32, min=8, max=128, help="tokens per sequence")
     vocab: int = setting(16, min=4, max=64, help="vocabulary of the Markov chain")
     lr: float = setting(3e-3, min=1e-5, max=1e-1, help="AdamW learning rate")
