@@ -27,12 +27,13 @@ def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
     cols = st.columns(6)
-    cols[0].metric("pipeline stages pp", m["pp"])
-    cols[1].metric("data-parallel dp", m["dp"])
-    cols[2].metric("context-parallel cp", m["cp"])
-    cols[3].metric("expert-parallel ep", m.get("ep", 1), help=f"{m.get('experts', 0)} routed experts per block (0: dense)")
-    cols[4].metric("tensor-parallel tp", m["tp"])
-    cols[5].metric("final loss", f"{m['final_loss']:.4f}")
+    cols[0].metric("pipeline pp", m["pp"], help="pipeline stages")
+    cols[1].metric("data dp", m["dp"], help="data-parallel ranks")
+    cols[2].metric("context cp", m["cp"], help="context-parallel ranks (ring attention)")
+    cols[3].metric("expert ep", m.get("ep", 1), help=f"expert-parallel ranks; {m.get('experts', 0)} routed experts per "
+                                                     "block (0: dense feed-forwards)")
+    cols[4].metric("tensor tp", m["tp"], help="tensor-parallel ranks")
+    cols[5].metric("final loss", f"{m['final_loss']:.4f}", help="cross entropy, nats per token")
     st.caption("Edges join the ranks of each process group: tp (blue) all-reduce activations inside a layer, pp (red) "
                "send activations and gradients between stages, cp (purple) pass keys and values round a ring inside "
                "each attention and sum gradients, ep (gold) send each token to its experts' rank and back (all-to-all), "

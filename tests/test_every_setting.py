@@ -6,7 +6,8 @@ the way the job leader runs it (distributed experiments spawn their ranks). A ca
 more: the checks that compare measured timings (the pipeline's replayed bubble, 5 points) can miss by the noise of a
 shared 2-core box (5.6 points once in about 30 runs); a defect fails both runs. The experiments whose topic tests
 already sweep them with tests/sweep.py's one_at_a_time (asserting more than `passed`) are not run twice; a test below
-checks that each of them is still swept there.
+checks that each of them is still swept there. Neither are the runs the every-page browser walk makes through the
+pages (each page's defaults and one choice), while it is on: a test below checks they are real cases of this sweep.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from backend import experiments
 from backend.config import ConfigError
+from tests.browser import every_page
 from tests.sweep import one_at_a_time
 
 # experiment -> the topic test that sweeps it with one_at_a_time(<its Config class>)
@@ -35,12 +37,14 @@ DELIBERATE_FAILURES = {"comm.selftest": ("fault",)}
 
 
 def _cases():
+    walked = every_page.covered_runs() if every_page.enabled() else set()
     for exp in experiments.all_experiments():
         if exp.name in SWEPT_BY_TOPIC_TEST:
             continue
         for change in one_at_a_time(exp.config_cls, skip=DELIBERATE_FAILURES.get(exp.name, ())):
             label = ",".join(f"{k}={v}" for k, v in change.items()) or "defaults"
-            yield pytest.param(exp.name, change, id=f"{exp.name}[{label}]")
+            if (exp.name, label) not in walked:  # the browser walk runs these through their pages, checks included
+                yield pytest.param(exp.name, change, id=f"{exp.name}[{label}]")
 
 
 @pytest.mark.parametrize("name, change", list(_cases()))
@@ -66,3 +70,10 @@ def test_experiments_left_out_above_are_swept_by_their_topic_test(name, test_fil
     config_cls = experiments.get(name).config_cls.__name__
     source = (Path(__file__).parent / test_file).read_text()
     assert re.search(rf"one_at_a_time\({config_cls}\b", source), f"{test_file} no longer sweeps {name}"
+
+
+def test_the_browser_walk_runs_cases_of_this_sweep():
+    """What the walk covers is named as this sweep names its cases, so nothing drops out of both."""
+    every = {(exp.name, ",".join(f"{k}={v}" for k, v in change.items()) or "defaults")
+             for exp in experiments.all_experiments() for change in one_at_a_time(exp.config_cls)}
+    assert every_page.covered_runs() <= every, every_page.covered_runs() - every

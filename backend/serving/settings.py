@@ -41,8 +41,8 @@ class ServingSettings(Config):
     prefix_caching: bool = setting(False, help="reuse the KV of cached full prompt blocks")
     preemption: str = setting("recompute", choices=("recompute", "swap"), help="when blocks run out, drop the newest request's KV and recompute it later, or swap it to CPU memory")
     seed: int = setting(0, min=0, max=2**31 - 1, help="model weights and traces")
-    profile_requests: int = setting(16, min=4, max=400, help="requests the real engine serves to fit the cost model (half at the rate, half at twice it)")
-    held_out_requests: int = setting(20, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
+    profile_requests: int = setting(12, min=4, max=400, help="requests the real engine serves to fit the cost model (half at the rate, half at twice it)")
+    held_out_requests: int = setting(16, min=2, max=400, help="requests the real engine serves (twice) to measure the simulator's fidelity")
     sweep_requests: int = setting(200, min=10, max=100_000, help="simulated requests per point of the load curve (and per knob)")
 
     def serving_cost(self, real: float, simulated: float, seconds: float = 0.0):

@@ -4,15 +4,14 @@ For each page: it renders with no exception; pressing Run with the default setti
 every chart is drawn (vega-embed's SVG or canvas, with marks in it); no metric value or label is cut off at a
 1280-px-wide window; a link to the run (?run=ID) reproduces it (same header, same checks, same metric values); and a
 screenshot of the whole page goes to tests/browser/screenshots/ (git-ignored), with each default run's time in
-timings.json beside them. A page's default run is not skipped when it is slow: its time is recorded.
+timings.json beside them. A page's default run is not skipped when it is slow: its time is recorded. Then one
+non-default choice per page (every_page.NON_DEFAULT) is made through the form and run.
 
-Opt-in (EXPLORER_BROWSER_EVERY_PAGE=1): it ran to 45 minutes at load 7-13 and has not yet had one clean pass of the
-whole file, so it is not yet part of `make test`, whose budget is 30 minutes; test_app_browser.py and
-test_token_browser.py run there.
+Part of `make test` (about 16 minutes on a quiet 2-core box); EXPLORER_BROWSER_EVERY_PAGE=0 leaves it out. The runs it
+makes are left out of tests/test_every_setting.py while it is on (every_page.covered_runs).
 """
 import contextlib
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -20,19 +19,16 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from pages.catalog import SECTIONS
+from tests.browser import every_page
+from tests.browser.every_page import NON_DEFAULT, ORDER
 from tests.browser.streamlit_server import streamlit_app
 from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
 
-pytestmark = pytest.mark.skipif(os.environ.get("EXPLORER_BROWSER_EVERY_PAGE") != "1",
-                                reason="opt-in: EXPLORER_BROWSER_EVERY_PAGE=1 (about 45 min on a loaded 2-core box)")
+pytestmark = pytest.mark.skipif(not every_page.enabled(), reason="EXPLORER_BROWSER_EVERY_PAGE=0")
 
 SCREENSHOTS = Path(__file__).parent / "screenshots"
 VIEWPORT = {"width": 1280, "height": 900}  # the issue's default window: metrics must fit at this width
 RUN_TIMEOUT_MS = 240_000  # the server's job time limit (120 s) plus the queue and the page's redraw, with margin
-TOPICS = [t for topics in SECTIONS.values() for t in topics]
-# Pages that run something first; the Overview and Runs pages last, when there are runs to count and list.
-ORDER = [t for t in TOPICS if t.experiments] + [t for t in TOPICS if not t.experiments]
 
 # Every metric's label, value and delta: is any of its parts cut (content wider than its box)? Streamlit 1.67
 # truncates each with `overflow: hidden; text-overflow: ellipsis` on the Markdown container inside it.
@@ -223,20 +219,6 @@ def _default_run(page, topic, timings: dict) -> tuple[str | None, int, list[dict
     metrics = _metrics(page, f"{topic.title}, run {run_id}")
     _screenshot(page, topic.url_path)
     return run_id, charts, metrics
-
-
-# One choice of each page changed through its form (the rest at defaults), to a value that runs in seconds. Pages
-# whose experiments have no choice or boolean setting (tensor, expert and 3D parallel, variants in training,
-# speculative sampling, mixed precision) are not listed.
-NON_DEFAULT = {
-    "collectives": ("algo", "tree"), "comm_bandwidth": ("dtype", "float16"), "data_parallel": ("mode", "async"),
-    "pipeline": ("schedule", "gpipe"), "context_parallel": ("split", "contiguous"), "kv_cache": ("variant", "mla"),
-    "flash_attention": ("impl", "naive"), "nsa": ("kv_heads", "2"), "autograd": ("expression", "softmax"),
-    "fusion": ("model", "mlp"), "placement": ("model", "mlp"), "memory_hierarchy": ("block", "32"),
-    "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "serving": ("policy", "fcfs"),
-    "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
-    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"),
-}
 
 
 def _choose(page, field: str, value) -> None:
