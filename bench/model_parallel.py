@@ -7,6 +7,7 @@ a context-parallel dimension), its presets (seed 002's 8 ranks, 3D on 8, MoE ove
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ def main() -> None:
     cases += [("parallel.mesh", 2, {"tp": 2, "pp": 1}), ("parallel.mesh", 4, {"tp": 2, "pp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2}),
               ("parallel.mesh", 4, {"tp": 2, "pp": 1, "cp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2, "cp": 2})]
     cases += [("parallel.mesh", preset.get("world_size", 4), dict(preset)) for preset in PRESETS.values()]
-    cases += [("parallel.mesh", 8, {"pp": 2, "tp": 2, "ep": 2, "experts": 4, "batch": 8})]  # four dimensions at once
+    cases += [("parallel.mesh", 8, {"pp": 2, "tp": 2, "ep": 2, "experts": 4, "batch": 8, "d_model": 16})]  # four dimensions at once
     rows = []
     for name, world, extra in cases:
         settings = {"world_size": world, **extra}
@@ -72,7 +73,8 @@ def main() -> None:
         print(json.dumps(rows[-1])[:300], flush=True)
     out = {"benchmark": "model_parallel", "device": describe(), "code_version": experiments.code_version(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-           "note": "2-core CPU shared with other helpers' work, so times are noisy; ranks are processes on gloo. rank0_step_ms: "
+           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
+           "note": "2-core CPU (the load average says what else ran), so times are noisy; ranks are processes on gloo. rank0_step_ms: "
                    "rank 0's forward + backward spans (tp per mode, ep), its traced ring forward + backward (cp), its traced "
                    "training / steps (mesh, whose steps include GPipe, the dp all-reduce and Adam)."}
     (Path(__file__).parent / "results" / "model_parallel.json").write_text(json.dumps(out, indent=1))
