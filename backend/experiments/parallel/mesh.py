@@ -240,12 +240,11 @@ def combine(config: MeshConfig, payloads) -> Result:
 
 def routing_mismatches(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> int:
     """Assignments (per call, per expert) this rank routed differently from the reference."""
-    layers_here = payload["layers_here"]
-    calls = [c for c in payload["moe"]]
-    mine = {}  # (call index in step-mb-layer order) -> kept per expert
+    layers_here, calls = payload["layers_here"], payload["moe"]
+    mine = {}  # call index in expert_rows' (step, micro-batch, block) order -> assignments kept per expert
     for j, c in enumerate(calls):
-        layer, nth = c["layer"], sum(1 for d in calls[:j] if d["layer"] == c["layer"])
-        mine[nth * layers_here + layer] = torch.tensor(c["kept"])
+        nth = sum(1 for d in calls[:j] if d["layer"] == c["layer"])  # this block's nth call: step x micro-batches + mb
+        mine[nth * layers_here + c["layer"]] = torch.tensor(c["kept"])
     expected = expert_rows(config, routing, payload)
     return sum(int((mine[i] - rows[payload["coords"]["ep"]]).abs().sum()) for i, rows in enumerate(expected))
 
