@@ -48,13 +48,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def signal_on_parent_death(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send this process `sig` when its parent ends (Linux's PR_SET_PDEATHSIG; elsewhere nothing).
+    Safe in a subprocess's preexec_fn."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def die_with_leader(leader_pid: int) -> None:
     """End this rank when the run's leader ends, even by `kill -9`. A rank's parent is the fork server, which
     stays up while any rank holds its pipe, so the parent-death signal alone would wait for it; a thread watching
     the leader's pidfd ends the rank at once, and the fork server follows when its last rank is gone."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal_on_parent_death()
     try:
         leader = os.pidfd_open(leader_pid)
     except ProcessLookupError:  # the leader ended before this rank started

@@ -44,8 +44,9 @@ def reference_training(config) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     losses, routing = [], []
     for step in range(config.steps):
-        for b in model.blocks:
-            b.ffn.routing_log = [] if hasattr(b.ffn, "routing_log") else None
+        if config.experts:
+            for b in model.blocks:
+                b.ffn.routing_log = []  # this step's choices, one entry per sequence
         opt.zero_grad()
         loss = model.loss(tokens(config))
         loss.backward()

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from backend.comm.spawn import free_port
+from backend.comm.spawn import free_port, signal_on_parent_death
 from tests.conftest import REPO, processes_in_group
 
 
@@ -22,6 +22,8 @@ def streamlit_app(data_dir, *args: str, env: dict | None = None):
          "--browser.gatherUsageStats", "false", *args],
         cwd=REPO, env={**os.environ, "EXPLORER_DATA_DIR": str(data_dir), **(env or {})}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # a pytest killed by a signal runs no fixture teardown: the server must not outlive it
+        preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60

@@ -107,7 +107,7 @@ def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
     return [len(s) for s in mine.tensor_split(config.microbatches)]
 
 
-def predicted_bytes(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> dict[str, int]:
+def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
     sizes = _microbatch_sizes(config, payload["coords"])
@@ -126,7 +126,7 @@ def predicted_bytes(config: MeshConfig, payload: dict, routing: list[torch.Tenso
             # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
             "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
             "dp gradients": gradients(config.dp), "cp gradients": gradients(config.cp),
-            "ep all-to-all": sum(all_to_all_bytes(config, rows, payload["coords"]) for rows in expert_rows(config, routing, payload)),
+            "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
                                                config.ep, 8) if config.ep > 1 else 0}
 
@@ -164,14 +164,14 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     return (n - 1) * per * 8 + 2 * (out_rows + in_rows) * config.d_model * 8
 
 
-def activation_formula(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> float:
+def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> float:
     """sp.activation_elements x the blocks on this stage x micro-batches (+ RoPE's tables), in bytes. An MoE block's
     feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its experts computed in
     the first step (the one measured) taken from the reference's routing."""
     s = config.seq // config.cp
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
     elements = 0.0
-    first_step = expert_rows(config, routing, payload)[:config.microbatches * payload["layers_here"]]
+    first_step = rows[:config.microbatches * payload["layers_here"]]
     per = config.experts // config.ep
     mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
@@ -201,8 +201,9 @@ def combine(config: MeshConfig, payloads) -> Result:
                     reference="TinyDecoder, float64, torch.optim.Adam, one process"),
               Check("every step's loss equals the reference", loss_err, TOL, reference="one process"),
               Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
+    rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
     for p in payloads:
-        model = predicted_bytes(config, p, ref["routing"])
+        model = predicted_bytes(config, p, rows[p["rank"]])
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
@@ -211,11 +212,11 @@ def combine(config: MeshConfig, payloads) -> Result:
                                       "rows the reference routes to other ranks' experts, there and back, forward and backward"))
     if config.experts:
         checks.append(Check("every MoE call routed each expert the assignments the reference routed those tokens",
-                            sum(routing_mismatches(config, p, ref["routing"]) for p in payloads), 0,
+                            sum(routing_mismatches(p, rows[p["rank"]]) for p in payloads), 0,
                             reference="the one-process model's top-k choices for this rank's sequences and positions"))
     memory = []
     for p in payloads:
-        formula = activation_formula(config, p, ref["routing"])
+        formula = activation_formula(config, p, rows[p["rank"]])
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
@@ -238,14 +239,13 @@ def combine(config: MeshConfig, payloads) -> Result:
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
-def routing_mismatches(config: MeshConfig, payload: dict, routing: list[torch.Tensor]) -> int:
-    """Assignments (per call, per expert) this rank routed differently from the reference."""
+def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:
+    """Assignments (per call, per expert) this rank routed differently from the reference (`expected`: expert_rows)."""
     layers_here, calls = payload["layers_here"], payload["moe"]
     mine = {}  # call index in expert_rows' (step, micro-batch, block) order -> assignments kept per expert
     for j, c in enumerate(calls):
         nth = sum(1 for d in calls[:j] if d["layer"] == c["layer"])  # this block's nth call: step x micro-batches + mb
         mine[nth * layers_here + c["layer"]] = torch.tensor(c["kept"])
-    expected = expert_rows(config, routing, payload)
     return sum(int((mine[i] - rows[payload["coords"]["ep"]]).abs().sum()) for i, rows in enumerate(expected))
 
 

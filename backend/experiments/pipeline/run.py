@@ -9,6 +9,8 @@ PipeDream's forward and backward weight versions.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import dataclasses
 import os
 from types import SimpleNamespace
@@ -196,11 +198,11 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
     """Each rank's actions replayed on a core of its own from their measured CPU times: F(s, mb) waits for F(s-1, mb)
     (its input activation), a backward of (s, mb) for the backward of (s+1, mb) (its output gradient)."""
     ordered = sorted(compute, key=lambda e: (e["rank"], e["ts"]))
-    where, index = {}, {}
-    for e in ordered:
-        index[id(e)] = (e["rank"], sum(1 for o in ordered if o["rank"] == e["rank"] and o["ts"] < e["ts"]))
+    where, done_on_rank = {}, defaultdict(int)
+    for e in ordered:  # each action's key in replay: (rank, its place in the rank's order)
         phase = "F" if e["args"]["kind"] == "F" else ("W" if e["args"]["kind"] == "W" else "B")
-        where[(phase, e["args"]["stage"], e["args"]["mb"])] = index[id(e)]
+        where[(phase, e["args"]["stage"], e["args"]["mb"])] = (e["rank"], done_on_rank[e["rank"]])
+        done_on_rank[e["rank"]] += 1
 
     def depends_on(e):
         kind, s, mb = e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]
@@ -212,25 +214,12 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
     return replay(ordered, depends_on)
 
 
-def typical_action_cost(action: dict, compute: list[dict]) -> float:
-    """The median CPU time of this rank's actions of the same kind and stage (over micro-batches)."""
-    same = sorted(e["cpu_us"] for e in compute if e["rank"] == action["rank"]
-                  and e["args"]["kind"] == action["args"]["kind"] and e["args"]["stage"] == action["args"]["stage"])
-    return same[len(same) // 2]
-
-
-def typical_costs(compute: list[dict], p: int) -> tuple[list[float], list[float]]:
-    """Each rank's median forward and backward (B, or I + W) CPU time per micro-batch, summed over its stages."""
-    f, b = [0.0] * p, [0.0] * p
-    for r in range(p):
-        for kind, stage in {(e["args"]["kind"], e["args"]["stage"]) for e in compute if e["rank"] == r}:
-            cost = typical_action_cost(next(e for e in compute if e["rank"] == r and e["args"]["kind"] == kind
-                                            and e["args"]["stage"] == stage), compute) / 1e3
-            if kind == "F":
-                f[r] += cost
-            else:
-                b[r] += cost
-    return f, b
+def median_costs(compute: list[dict]) -> dict[tuple, float]:
+    """The median CPU time (µs) of each rank's actions of one kind and stage, over micro-batches: {(rank, kind, stage)}."""
+    costs: dict[tuple, list[float]] = {}
+    for e in compute:
+        costs.setdefault((e["rank"], e["args"]["kind"], e["args"]["stage"]), []).append(e["cpu_us"])
+    return {key: sorted(c)[len(c) // 2] for key, c in costs.items()}
 
 
 def bubbles(compute: list[dict], p: int) -> tuple[float, dict[int, float]]:
@@ -355,8 +344,12 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
         # One action's CPU time jitters (cache misses and preemption on a shared core), and a max-plus replay turns
         # jitter into extra idle time, so the check replays the recorded order with each rank's typical (median)
         # cost per micro-batch: that tests the schedule itself. The replay of every measured cost is shown beside it.
-        f, b = typical_costs(compute, p)
-        typical = replayed([{**e, "cpu_us": typical_action_cost(e, compute)} for e in compute], config.num_stages)
+        median = median_costs(compute)
+        typical = replayed([{**e, "cpu_us": median[e["rank"], e["args"]["kind"], e["args"]["stage"]]} for e in compute],
+                           config.num_stages)
+        # each rank's forward and backward (B, or I + W) per micro-batch in ms, summed over its stages
+        f = [sum(c for (r, kind, _), c in median.items() if r == rank and kind == "F") / 1e3 for rank in range(p)]
+        b = [sum(c for (r, kind, _), c in median.items() if r == rank and kind != "F") / 1e3 for rank in range(p)]
         typical_bubble = bubbles(typical, p)[1]
         busiest = max(range(p), key=lambda r: f[r] + b[r])
         predicted = 1 - m * (f[busiest] + b[busiest]) / plan.makespan_fn(f, b, m)
