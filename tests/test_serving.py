@@ -13,7 +13,7 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
 from backend.serving.calibrate import BENCH_WORST_ERROR, calibrate, replay_mismatches
-from backend.serving.engine import serve, serve_interleaved, tiny_llama, token_mismatches
+from backend.serving.engine import ModelExecutor, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig
 from backend.serving.simulator import TERMS, CostModel, ReplayExecutor, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
@@ -106,6 +106,26 @@ def test_decode_runs_equal_the_step_by_step_schedule(config, trace):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert fast.m.stats == slow.m.stats
     fast.m.check_invariants()
+
+
+def test_swap_steps_are_charged_the_measured_copy_cost_per_block(model):
+    config = SchedulerConfig(chunked_prefill=False, num_blocks=48, preemption="swap")
+    trace = sharegpt_like(300, 30.0, 3)
+    exact = dataclasses.replace(COST, noise=(), per_swapped_block=2e-3)  # no noise: each step's time is its mean
+    sched = simulate(trace, config, exact, step_by_step=True)
+    log = sched.log.table()
+    swaps = [e["blocks"] for e in sched.m.events if e["op"] in ("swap-out", "swap-in")]
+    assert swaps and log["swapped_blocks"].sum() == sum(swaps)  # every block copied, out or in, is counted once
+    predicted = exact.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"], log["swapped_blocks"])
+    assert np.allclose(log["time"], predicted, rtol=1e-12)
+    free = exact.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"])
+    assert np.allclose(log["time"] - free, 2e-3 * log["swapped_blocks"])
+    per_block = ModelExecutor(model, config).swap_seconds_per_block()
+    assert 0 < per_block < 1e-3  # a 16 KiB block copied in RAM: microseconds, on the engine's clock
+    steps = dict(log, time=free + per_block * log["swapped_blocks"])  # the fit takes the measured copies off
+    fit = CostModel.fit(steps, noise=False, per_swapped_block=per_block)
+    assert fit.per_swapped_block == per_block and fit.rmse < 1e-12
+    assert np.allclose(fit.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"]), free, rtol=1e-9)
 
 
 def test_cost_model_fit_recovers_a_known_answer():

@@ -71,6 +71,7 @@ class Experiment:
     rank_fn: Callable[[int, int, Config, RunContext], Any] | None = None
     combine: Callable[[Config, list[Any]], Result] | None = None
     lanes: tuple[str, ...] = DEFAULT_LANES
+    preload: tuple[str, ...] = ()  # modules every rank imports: the fork server imports them once for all ranks
 
     @property
     def distributed(self) -> bool:
@@ -85,7 +86,7 @@ class Experiment:
         if self.distributed:
             from backend.comm.spawn import spawn_ranks
 
-            payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx)
+            payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx, self.preload)
             return self.combine(config, payloads)
         return self.run_fn(config, ctx)
 

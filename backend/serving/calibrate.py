@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.result import Check
-from backend.serving.engine import serve_interleaved
+from backend.serving.engine import ModelExecutor, serve_interleaved
 from backend.serving.scheduler import Scheduler, SchedulerConfig
-from backend.serving.simulator import CostModel, ReplayExecutor, fidelity, latency_summary, simulate
+from backend.serving.simulator import CostModel, ReplayExecutor, expected_summary, fidelity, latency_summary, simulate
 from backend.serving.workload import Trace
 
 
@@ -89,7 +89,8 @@ class Calibration:
         return (f"Cost model, fitted to {c.steps} profiled steps: step = {1e3 * c.intercept:.2f} ms + "
                 f"{1e6 * c.per_prefill_token:.1f} µs/prefill token + {1e6 * c.per_decode_token:.1f} µs/decode token + "
                 f"{1e6 * c.per_kv_block:.1f} µs/KV block read + {1e3 * c.per_prefill_step:.2f} ms if it prefills + "
-                f"{1e3 * c.per_decode_step:.2f} ms if it decodes (R² {c.r2:.3f}, mean |error| {100 * c.mape:.1f}% per step; "
+                f"{1e3 * c.per_decode_step:.2f} ms if it decodes + {1e6 * c.per_swapped_block:.2f} µs per KV block swapped "
+                f"out or in (measured by copying blocks, not fitted) (R² {c.r2:.3f}, mean |error| {100 * c.mape:.1f}% per step; "
                 f"noise: the residuals, {100 * c.drift_share:.0f}% of their variance a drift kept "
                 f"{c.drift_persistence:.2f} from step to step). Engine times are its thread's CPU time (what it would "
                 "take on a core of its own), so other processes on a shared machine do not count; requests arrive on "
@@ -104,10 +105,11 @@ def calibrate(model, config: SchedulerConfig, profile_traces: list[Trace], held_
     *profiles, real, again = serve_interleaved(model, [(t, config, False) for t in profile_traces]
                                                + [(held_out, config, True), (held_out, config, False)], progress=lambda f: say(f, "serving"),
                                                start_round=[0] * n + [0, REPEAT_LAG], pace_with=[n] * n + [None, None])
-    cost = CostModel.fit([s.log.table() for s in profiles], rounds=[s.rounds for s in profiles])
+    swap = ModelExecutor(model, config).swap_seconds_per_block()
+    cost = CostModel.fit([s.log.table() for s in profiles], rounds=[s.rounds for s in profiles], per_swapped_block=swap)
     again = latency_summary(again)
-    simulated = simulate(held_out, config, cost)
-    real_summary, sim_summary = latency_summary(real), latency_summary(simulated)
+    simulated = simulate(held_out, config, cost)  # one draw of the noise: the run drawn on the page
+    real_summary, sim_summary = latency_summary(real), expected_summary(held_out, config, cost)
     return Calibration(cost, real, simulated, fidelity(real_summary, sim_summary), fidelity(real_summary, again),
                        real_summary, sim_summary)
 

@@ -9,6 +9,8 @@ with its contiguous cache) is an independent reference: the engine's tokens must
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -62,6 +64,19 @@ class ModelExecutor:
         tables, seq, pos = torch.tensor([[0], [1]]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, min(bs - 1, 3)])
         forward_batch(self.model, self.store, torch.zeros(3, dtype=torch.long), pos, tables[seq, 0] * bs + pos,
                       torch.tensor([1, 2]), self.attention(tables, seq, pos, bs))
+
+    @torch.no_grad()
+    def swap_seconds_per_block(self, blocks: int = 8, repeats: int = 15) -> float:
+        """What one KV block's copy to CPU memory, or back, takes: the median over `repeats` round trips of
+        `blocks` blocks through this pool's own store (on this thread's CPU clock, like a step). The copies are
+        those `execute` makes for a swap (on a GPU they would cross PCIe; here they stay in RAM)."""
+        ids, times = list(range(min(blocks, self.store.kv.shape[1]))), []
+        for _ in range(repeats):
+            start = time.thread_time()
+            self.store.swap_out(-1, ids)
+            self.store.swap_in(-1, ids)
+            times.append(time.thread_time() - start)
+        return float(np.median(times)) / (2 * len(ids))
 
     @torch.no_grad()
     def execute(self, step: Step, sched: Scheduler):

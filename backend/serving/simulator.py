@@ -1,13 +1,16 @@
 """The simulator: the engine's scheduler, with the model replaced by a cost model of a step's time.
 
     step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
-                   + c_pp · [the step has prefill tokens] + c_dp · [the step has decode tokens] + noise
+                   + c_pp · [the step has prefill tokens] + c_dp · [the step has decode tokens]
+                   + c_swap · KV blocks swapped out or in + noise
 
 The two indicator terms are the fixed costs of the engine's two attention paths (padded SDPA for prefill
 chunks, the gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the
 batch), which a step pays once for each path it uses; without them a step that mixes both is
 under-predicted by a third. The coefficients are fitted by (non-negative) least squares to the steps of
-profiling runs of the real engine (the fit's error is reported).
+profiling runs of the real engine (the fit's error is reported). c_swap is measured, not fitted: the
+engine times copies of its own KV blocks to CPU memory and back (`ModelExecutor.swap_seconds_per_block`),
+since a profile at the default pool size never preempts and a fit would have no swaps to see.
 
 The noise is the fit's own residuals, which on a shared machine are neither small (±15% per step) nor
 independent: the machine's speed drifts over tens of steps (other people's work in the caches and
@@ -80,6 +83,7 @@ class CostModel:
     per_kv_block: float
     per_prefill_step: float = 0.0   # once per step with prefill tokens
     per_decode_step: float = 0.0    # once per step with decode tokens
+    per_swapped_block: float = 0.0  # per KV block copied to CPU memory or back (measured, not fitted)
     noise: tuple = ()           # residual quantiles (seconds) at (i + 0.5) / 64; () for none
     drift_share: float = 0.0    # of the noise's variance, the slow part
     drift_persistence: float = 0.0  # its autocorrelation from one step to the next
@@ -89,15 +93,18 @@ class CostModel:
     steps: int = 0
 
     @classmethod
-    def fit(cls, runs: dict | list[dict], noise: bool = True, rounds: list | None = None) -> "CostModel":
+    def fit(cls, runs: dict | list[dict], noise: bool = True, rounds: list | None = None,
+            per_swapped_block: float = 0.0) -> "CostModel":
         """Least squares with every coefficient >= 0 (each term is a cost; decode tokens and KV blocks rise
         together, and a free fit trades them against each other, one going negative). Exact: the best
         unconstrained fit over each subset of the terms, kept if non-negative. runs: StepLog tables, one per
-        profiling run (or one table); rounds: each run's steps' rounds, if it sat some out (see `drift`)."""
+        profiling run (or one table); rounds: each run's steps' rounds, if it sat some out (see `drift`);
+        per_swapped_block: the measured cost of a swap copy, taken off each step's time before the fit."""
         runs = [runs] if isinstance(runs, dict) else runs
         steps = {k: np.concatenate([r[k] for r in runs]) for k in ("prefill_tokens", "decode_tokens", "kv_blocks", "time")}
+        swapped = np.concatenate([r.get("swapped_blocks", np.zeros(len(r["time"]))) for r in runs])
         X = np.column_stack(features(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"]))
-        y = steps["time"]
+        y = steps["time"] - per_swapped_block * swapped
         best, coef = np.inf, np.zeros(X.shape[1])
         for subset in itertools.product((False, True), repeat=X.shape[1]):
             cols = np.flatnonzero(subset)
@@ -116,17 +123,18 @@ class CostModel:
         shape = tuple(map(float, np.quantile(centred, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES))) if noise else ()
         clipped = np.clip(centred, *np.quantile(centred, [0.01, 0.99]))
         share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0, 0.0)
-        return cls(*map(float, coef), noise=shape, drift_share=share, drift_persistence=persistence,
+        return cls(*map(float, coef), per_swapped_block=float(per_swapped_block), noise=shape, drift_share=share, drift_persistence=persistence,
                    rmse=float(np.sqrt(np.mean(resid ** 2))),
                    mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y))
 
     def coefficients(self) -> np.ndarray:
         return np.array([getattr(self, t) for t in TERMS])
 
-    def predict(self, prefill_tokens, decode_tokens, kv_blocks):
+    def predict(self, prefill_tokens, decode_tokens, kv_blocks, swapped_blocks=0):
         """The mean step time (no noise)."""
         c = self.coefficients()
-        return sum(ci * f for ci, f in zip(c, features(prefill_tokens, decode_tokens, kv_blocks)))
+        return (sum(ci * f for ci, f in zip(c, features(prefill_tokens, decode_tokens, kv_blocks)))
+                + self.per_swapped_block * np.asarray(swapped_blocks))
 
     def noise_table(self, seed: int = 0) -> np.ndarray:
         """Each step's noise, by step index mod NOISE_TABLE: a Gaussian AR(1) drift plus independent noise in
@@ -149,16 +157,19 @@ class CostModel:
 
 
 class CostModelExecutor:
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, noise_seed: int = 0):
         self.cost = cost
         self.coef = tuple(map(float, cost.coefficients()))  # plain floats: `execute` runs once per step
-        self.noise = cost.noise_table()
+        self.per_swapped_block = float(cost.per_swapped_block)
+        self.noise = cost.noise_table(noise_seed)
         self.floor = 0.1 * cost.intercept or 1e-6  # a noisy step still takes some time
 
     def execute(self, step: Step, sched: Scheduler):
         c0, cp, cd, ckv, cps, cds = self.coef
         p, d = step.prefill_tokens, step.decode_tokens
         mean = c0 + cp * p + cd * d + ckv * step.kv_blocks + (cps if p else 0.0) + (cds if d else 0.0)
+        if step.swapped_blocks:
+            mean += self.per_swapped_block * step.swapped_blocks
         return max(mean + float(self.noise[step.index % NOISE_TABLE]), self.floor), None
 
     def decode_times(self, index: int, decode_tokens: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
@@ -182,9 +193,23 @@ class ReplayExecutor:
         return np.asarray(self.step_times[index:index + len(kv_blocks)], dtype=np.float64)
 
 
-def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, step_by_step=False) -> Scheduler:
-    """step_by_step: no decode runs taken together (and each step's batch recorded)."""
-    return Scheduler(trace, config, record_batches=step_by_step).run(CostModelExecutor(cost), progress)
+def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, step_by_step=False,
+             noise_seed: int = 0) -> Scheduler:
+    """step_by_step: no decode runs taken together (and each step's batch recorded). noise_seed: which draw of
+    the cost model's noise the steps take."""
+    return Scheduler(trace, config, record_batches=step_by_step).run(CostModelExecutor(cost, noise_seed), progress)
+
+
+PREDICTION_DRAWS = 8
+
+
+def expected_summary(trace: Trace, config: SchedulerConfig, cost: CostModel, draws: int = PREDICTION_DRAWS) -> dict:
+    """The simulator's prediction of a trace's latency figures: each figure's mean over `draws` draws of the
+    noise. One draw is one possible run; its p90 of 160 requests moves by up to 13% from draw to draw
+    (bench/results/serving.json), which is the simulator's sampling noise, not its error. The mean of 8
+    cuts that by about sqrt(8)."""
+    runs = [latency_summary(simulate(trace, config, cost, noise_seed=seed)) for seed in range(draws)]
+    return {k: runs[0][k] if k == "requests" else float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
 
 def latency_summary(sched: Scheduler) -> dict:

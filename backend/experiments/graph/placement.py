@@ -117,4 +117,5 @@ def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
 
 EXPERIMENT = define(__name__, PlacementConfig,
          "split a graph across ranks by earliest finish time, insert send/recv, run on gloo, compare with one process",
-         rank_fn=run_rank, combine=combine, lanes=("compute", "send", "recv"))
+         rank_fn=run_rank, combine=combine, lanes=("compute", "send", "recv"),
+         preload=("torch._inductor",))  # make_fx imports it (2 s) on first capture

@@ -21,4 +21,5 @@ def run_rank(rank, world, config: FSDPConfig, ctx):
 
 
 EXPERIMENT = define(__name__, FSDPConfig, "PyTorch FSDP2 (fully_shard per layer) on the same workload: the peer of our ZeRO-3",
-                    rank_fn=run_rank, combine=combine, lanes=("compute",))
+                    rank_fn=run_rank, combine=combine, lanes=("compute",),
+                    preload=("torch.distributed.fsdp",))

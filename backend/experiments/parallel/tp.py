@@ -280,4 +280,5 @@ def combine(config: TPConfig, payloads) -> Result:
 
 EXPERIMENT = define(__name__, TPConfig, "tensor and sequence parallel on the tiny LLaMA: shards, f/g collectives with bytes, "
                     "activation memory vs Korthikanti, the seed's 2x2 examples, DTensor as the peer",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
+                    preload=("torch.distributed.tensor.parallel",))

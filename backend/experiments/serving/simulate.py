@@ -83,8 +83,8 @@ def run(config: SimulateConfig, ctx) -> Result:
     ]
     metrics = {**cal.metrics(), **{f"scale.{k}": v for k, v in summary.items()},
                "simulation_seconds": seconds, "simulated_requests_per_second": len(trace) / seconds, "knee_rate": knee(load)}
-    sample = np.linspace(0, len(trace) - 1, min(len(trace), 3000)).astype(int)
-    latency = [row for row in latency_rows(big, "simulated") if row["request"] in set(sample.tolist())]
+    sample = set(np.linspace(0, len(trace) - 1, min(len(trace), 3000)).astype(int).tolist())
+    latency = [row for row in latency_rows(big, "simulated") if row["request"] in sample]
     notes = [cal.note(), cal.fidelity_note(), f"{len(trace):,} requests ({len(big.log):,} steps) simulated in {seconds:.1f} s "
              f"({len(trace) / seconds:,.0f} requests/s of simulation)."]
     return Result(metrics=metrics, checks=checks, notes=notes,
