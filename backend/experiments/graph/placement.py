@@ -65,20 +65,36 @@ def graph_and_plan(config: PlacementConfig):
 def run_rank(rank: int, world: int, config: PlacementConfig, ctx) -> dict:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    g, inputs, rank_of, _, plan, _ = graph_and_plan(config)
+    g, inputs, rank_of, log, plan, modelled = graph_and_plan(config)
     tracer = Tracer(rank)
     tracer.align(dist.barrier)
     out = execute(g, rank_of, plan, rank, inputs, tracer)
     dist.barrier()
-    return {"rank": rank, "trace": tracer.payload(), **out}
+    payload = {"rank": rank, "trace": tracer.payload(), **out}
+    if rank == 0:  # the graph's facts, and the one-process reference, from here: the leader never captures (2 s of imports)
+        payload["graph"] = graph_facts(g, inputs, rank_of, log, plan, modelled, out["outputs"])
+    return payload
+
+
+def graph_facts(g, inputs, rank_of, log, plan, modelled, gathered) -> dict:
+    """What the result shows of the graph: the reference error of the gathered outputs (the same aten graph
+    evaluated whole, in one process), the placement log, the transfer plan and the coloured graph."""
+    ref = evaluate(g, inputs)
+    err = max(float(np.abs(a - ref[o].detach().numpy()).max()) for a, o in zip(gathered, g.graph["outputs"]))
+    dot_graph = g.copy()
+    for n, node in list(ir.items(dot_graph)):  # graphviz attributes beside the node
+        dot_graph.nodes[n].update(label=f"{n}\n{node.op} · rank {rank_of[n]}", fillcolor=RANK_COLOR[rank_of[n] % len(RANK_COLOR)],
+                                  tooltip=f"rank {rank_of[n]}, {node.bytes:,} B")
+    for a, b, e in dot_graph.edges(data=True):
+        if rank_of[a] != rank_of[b]:
+            e.update(color="#d62728", style="dashed", label=f"send/recv {ir.get(g, a).bytes:,} B")
+    return {"error": err, "rank_of": dict(rank_of), "log": log, "plan": plan, "modelled": modelled,
+            "ops": sum(1 for _, node in ir.items(g) if node.kind != "input"), "dot": to_dot(dot_graph, rankdir="TB")}
 
 
 def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
-    torch.set_num_threads(1)
-    g, inputs, rank_of, log, plan, modelled = graph_and_plan(config)
-    ref = evaluate(g, inputs)
-    got = payloads[0]["outputs"]
-    err = max(float(np.abs(a - ref[o].detach().numpy()).max()) for a, o in zip(got, g.graph["outputs"]))
+    facts = payloads[0]["graph"]
+    rank_of, plan, err = facts["rank_of"], facts["plan"], facts["error"]
     sent = {t["tag"]: t for pl in payloads for t in pl["log"] if t["event"] == "send"}
     recv = {t["tag"]: t for pl in payloads for t in pl["log"] if t["event"] == "recv"}
     missing = [t["tag"] for t in plan if t["tag"] not in sent or t["tag"] not in recv]
@@ -97,19 +113,12 @@ def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
               detail=f"missing tags: {missing[:5]}"),
         Check("every rank computed only the ops placed on it", len(wrong_rank), 0, reference="the placement"),
     ]
-    dot_graph = g.copy()
-    for n, node in list(ir.items(dot_graph)):  # graphviz attributes beside the node
-        dot_graph.nodes[n].update(label=f"{n}\n{node.op} · rank {rank_of[n]}", fillcolor=RANK_COLOR[rank_of[n] % len(RANK_COLOR)],
-                                  tooltip=f"rank {rank_of[n]}, {node.bytes:,} B")
-    for a, b, e in dot_graph.edges(data=True):
-        if rank_of[a] != rank_of[b]:
-            e.update(color="#d62728", style="dashed", label=f"send/recv {ir.get(g, a).bytes:,} B")
     return Result(
-        metrics={"ranks": config.world_size, "ops": sum(1 for _, node in ir.items(g) if node.kind != "input"),
+        metrics={"ranks": config.world_size, "ops": facts["ops"],
                  "transfers": len(plan), "bytes_moved": sum(t["bytes"] for t in plan),
-                 "modelled_makespan_ms": modelled * 1e3, "measured_makespan_ms": end_us / 1e3,
+                 "modelled_makespan_ms": facts["modelled"] * 1e3, "measured_makespan_ms": end_us / 1e3,
                  "ops_per_rank": [r["ops"] for r in per_rank]},
-        tables={"placement": log, "transfers": plan, "per_rank": per_rank, "graph_dot": [{"dot": to_dot(dot_graph, rankdir="TB")}],
+        tables={"placement": facts["log"], "transfers": plan, "per_rank": per_rank, "graph_dot": [{"dot": facts["dot"]}],
                 "log": [t for pl in payloads for t in pl["log"]]},
         checks=checks, trace_events=[e for pl in payloads for e in pl["trace"]["events"]],
         notes=["Placement uses the modelled rates in the settings; the run measures real time on gloo (CPU processes)."])
