@@ -49,7 +49,7 @@ class GemmConfig(Config):
     num_warps: int = setting(4, choices=(1, 2, 4, 8), help="warps per program (the execution model; a launch setting on a GPU)")
     dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
     device: str = setting("A100 (80 GB SXM)", choices=tuple(DEVICES), help="preset for the execution model and rooflines")
-    sweep_sizes: str = setting("64,96", help="square sizes for the tile-shape sweep, comma-separated (16..4096; empty: no sweep)")
+    sweep_sizes: str = setting("48,64", help="square sizes for the tile-shape sweep, comma-separated (16..4096; empty: no sweep)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
 
     cost_drivers = ("m", "n", "k", "sweep_sizes")
@@ -92,7 +92,7 @@ class GemmConfig(Config):
         sweep = sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in sizes for bm, bn in SWEEP_TILES)
         if main + sweep > INTERPRETER_STEPS:
             raise ConfigError("sweep_sizes", f"the sweep is {sweep:,} program-steps in Triton's interpreter "
-                                             f"(allowed: <= {INTERPRETER_STEPS - main:,} beside the main GEMM; e.g. 64,96)")
+                                             f"(allowed: <= {INTERPRETER_STEPS - main:,} beside the main GEMM; e.g. 48,64)")
 
 
 def _counted(a, b, block_m, block_n, block_k, group_m, num_warps=4, order=None):
