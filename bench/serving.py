@@ -6,9 +6,10 @@ median and p90 TTFT and TPOT and throughput within 5% of the real engine on held
 The cost model is fitted once, to three profiling runs of the engine (other seeds: ShareGPT-like at 8 and
 16 requests/s, shared prefixes with prefix caching), and used for all. The engine serves each held-out
 trace twice: how far it differs from itself is the noise a prediction of it is up against on this shared
-machine (the load averages are recorded). All nine engine runs are interleaved step by step, so they
-meet the same machine; each repeat joins 100 rounds late, so it does not share the first run's moments. The simulator's own spread (its figures under four other noise seeds) is
-recorded beside its error. `--quick` skips 1M.
+machine (the load averages are recorded). All nine engine runs are interleaved step by step and keep pace with
+the longest, so they meet the same machine; each repeat joins 100 rounds late, so it does not share the first run's
+moments. The prediction is the simulator's mean over 8 draws of its noise; how far one draw strays from it (four
+other seeds) is recorded beside the error. `--quick` skips 1M.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
-from backend.serving.engine import serve_interleaved, tiny_llama  # noqa: E402
+from backend.serving.engine import ModelExecutor, serve_interleaved, tiny_llama  # noqa: E402
 from backend.serving.calibrate import REPEAT_LAG  # noqa: E402
 from backend.serving.scheduler import SchedulerConfig  # noqa: E402
 from backend.serving.simulator import FIDELITY_KEYS, CostModel, expected_summary, fidelity, latency_summary, simulate  # noqa: E402
@@ -48,11 +49,15 @@ def main(quick: bool) -> None:
     t0, cpu0 = time.perf_counter(), time.process_time()
     runs = PROFILES + [run for run in HELD_OUT.values() for _ in range(2)]
     lag = [0] * len(PROFILES) + [0, REPEAT_LAG] * len(HELD_OUT)  # each repeat joins late: same machine, other moments
-    # the profiles keep pace with the first held-out run, so their steps span the held-out runs, not their start
-    pace = [len(PROFILES)] * len(PROFILES) + [None] * (2 * len(HELD_OUT))
+    # every run keeps pace with the first held-out run (the longest: the lowest rate), so all their steps span the
+    # same rounds and meet the same machine; run at once, the busier traces finished in the first half of its rounds
+    lead = len(PROFILES)
+    pace = [None if i == lead else lead for i in range(len(runs))]
     scheds = serve_interleaved(model, [(trace, config, False) for trace, config in runs], start_round=lag, pace_with=pace)
     engine_wall, engine_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    cost = CostModel.fit([s.log.table() for s in scheds[:len(PROFILES)]])
+    swap = ModelExecutor(model, CONFIG).swap_seconds_per_block()  # measured, as calibration does
+    cost = CostModel.fit([s.log.table() for s in scheds[:len(PROFILES)]], rounds=[s.rounds for s in scheds[:len(PROFILES)]],
+                         per_swapped_block=swap)
     print(f"{len(runs)} engine runs of {N} requests interleaved in {engine_wall:.0f} s wall, {engine_cpu:.0f} s CPU; cost model: {cost}")
     held_out = []
     for i, (name, (trace, config)) in enumerate(HELD_OUT.items()):

@@ -62,7 +62,8 @@ def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
                 f"R² {m['cost.r2']:.3f}, RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%.")
     left, right = st.columns([1, 2])
     left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
-                   column_config={"coefficient_us": st.column_config.NumberColumn("µs", format="%.1f")})
+                   column_config={"coefficient_us": st.column_config.NumberColumn(
+                       "µs", format="%.3g", help="microseconds each unit of the term adds to a step")})
     top = float(max(steps["time_ms"].max(), steps["predicted_ms"].max()))
     diagonal = alt.Chart(pd.DataFrame({"a": [0, top], "b": [0, top]})).mark_line(color="grey", strokeDash=[3, 3]).encode(x="a:Q", y="b:Q")
     right.altair_chart((alt.Chart(steps).mark_circle(size=18, opacity=0.5).encode(

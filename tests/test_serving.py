@@ -128,15 +128,25 @@ def test_swap_steps_are_charged_the_measured_copy_cost_per_block(model):
     assert np.allclose(fit.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"]), free, rtol=1e-9)
 
 
+def test_prefill_chunks_count_the_causal_pairs_they_attend_over():
+    trace = dataclasses.replace(small(n=1), prompt_len=np.array([40]), output_len=np.array([3]))
+    log = simulate(trace, SchedulerConfig(token_budget=16), COST, step_by_step=True).log.table()
+    # chunks 0-16, 16-32, 32-40: query j attends to keys 0..j; then two decodes, which attend over KV blocks instead
+    assert log["prefill_pairs"].tolist() == [16 * 17 / 2, (32 * 33 - 16 * 17) / 2, (40 * 41 - 32 * 33) / 2, 0, 0]
+    assert log["prefill_tokens"].tolist() == [16, 16, 8, 0, 0]
+
+
 def test_cost_model_fit_recovers_a_known_answer():
     rng = np.random.default_rng(0)
     n = 400
     steps = {"prefill_tokens": rng.integers(0, 256, n).astype(float), "decode_tokens": rng.integers(0, 32, n).astype(float),
              "kv_blocks": rng.integers(0, 200, n).astype(float)}
-    truth = CostModel(0.004, 5e-5, 3e-4, 1e-5)
-    steps["time"] = truth.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"])
+    steps["prefill_pairs"] = steps["prefill_tokens"] * rng.integers(1, 256, n)  # chunks at various context lengths
+    truth = CostModel(0.004, 5e-5, 3e-4, 1e-5, per_prefill_pair=2e-9)
+    steps["time"] = truth.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"],
+                                  prefill_pairs=steps["prefill_pairs"])
     exact = CostModel.fit(steps)
-    for name in ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block"):
+    for name in ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "per_prefill_pair"):
         assert getattr(exact, name) == pytest.approx(getattr(truth, name), rel=1e-9)
     assert exact.r2 == pytest.approx(1.0) and exact.rmse < 1e-12
     steps["time"] = steps["time"] * rng.normal(1, 0.02, n)  # 2% noise: still close, and the error is reported
@@ -178,6 +188,15 @@ def test_fidelity_on_a_small_held_out_trace(model):
     slow = dataclasses.replace(cal.cost, **{t: 2 * getattr(cal.cost, t) for t in TERMS})
     wrong = fidelity(cal.real_summary, latency_summary(simulate(cal.real.trace, cal.real.config, slow)))
     assert max(abs(wrong[k]) for k in central) > bound, (wrong, cal.repeat)
+
+
+def test_the_tolerance_basis_is_the_benchmarks_committed_worst_figure():
+    import json
+    from pathlib import Path
+
+    bench = json.loads((Path(__file__).parent.parent / "bench" / "results" / "serving.json").read_text())
+    assert {f["requests"] for f in bench["fidelity"]} == {160}
+    assert BENCH_WORST_ERROR == pytest.approx(max(f["worst"] for f in bench["fidelity"]), abs=5e-4)
 
 
 def test_cost_model_noise_keeps_the_residuals_distribution_and_drift():

@@ -35,7 +35,7 @@ def token_gap_rows(sched: Scheduler) -> list[dict]:
 
 def step_rows(sched: Scheduler, cost: CostModel, limit: int = 3000) -> list[dict]:
     log = sched.log.table()
-    predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"], log["swapped_blocks"])
+    predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"], log["swapped_blocks"], log["prefill_pairs"])
     stride = max(1, len(log["time"]) // limit)
     return [{"step": i, "start": float(log["start"][i]), "end": float(log["start"][i] + log["time"][i]), "time_ms": 1e3 * float(log["time"][i]),
              "predicted_ms": 1e3 * float(predicted[i]), **{k: int(log[k][i]) for k in
@@ -62,4 +62,5 @@ def cost_rows(cost: CostModel) -> list[dict]:
             {"term": "per KV block read", "coefficient_us": 1e6 * cost.per_kv_block},
             {"term": "per step with prefill", "coefficient_us": 1e6 * cost.per_prefill_step},
             {"term": "per step with decodes", "coefficient_us": 1e6 * cost.per_decode_step},
+            {"term": "per (query, key) pair of prefill attention", "coefficient_us": 1e6 * cost.per_prefill_pair},
             {"term": "per KV block swapped out or in (measured)", "coefficient_us": 1e6 * cost.per_swapped_block}]

@@ -56,12 +56,13 @@ class Step:
     decode_tokens: int = 0
     kv_blocks: int = 0                                    # blocks attention reads
     swapped_blocks: int = 0                               # blocks copied out to CPU memory or back in
+    prefill_pairs: int = 0                                # (query, key) pairs prefill chunks attend over, causal
 
 
 class StepLog:
     """One row per step: single steps are kept as tuples, runs of steps as blocks, joined on demand."""
     COLUMNS = ("start", "time", "requests", "prefill_tokens", "decode_tokens", "kv_blocks", "running", "waiting", "swapped",
-               "swapped_blocks")
+               "swapped_blocks", "prefill_pairs")
 
     def __init__(self):
         self.blocks: list[np.ndarray] = []
@@ -171,9 +172,11 @@ class Scheduler:
         starts = self.computed[rids]
         ends = starts + takes
         samples = ends == self.known[rids]
-        decodes = int(np.count_nonzero((takes == 1) & samples & (self.generated[rids] > 0)))
+        is_decode = (takes == 1) & samples & (self.generated[rids] > 0)
+        decodes = int(np.count_nonzero(is_decode))
+        a, b = starts[~is_decode], ends[~is_decode]  # query j of a chunk attends to keys 0..j: (b(b+1) - a(a+1)) / 2 pairs
         step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
-                    int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops))
+                    int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops), int((b * (b + 1) - a * (a + 1)).sum()) // 2)
         first = rids[np.isnan(self.first_scheduled[rids])]
         self.first_scheduled[first] = now
         return step
@@ -288,7 +291,8 @@ class Scheduler:
             run = self.running
             self.running = run[self.generated[run] < self.trace.output_len[run]]
         self.log.add(step.start, seconds, len(rids), step.prefill_tokens, step.decode_tokens, step.kv_blocks,
-                     len(self.running), len(self.waiting), len(self.swapped), step.swapped_blocks)
+                     len(self.running), len(self.waiting), len(self.swapped), step.swapped_blocks,
+                     step.prefill_pairs)
         if self.record_batches:
             self.batches.append((rids, step.takes))
 
@@ -364,7 +368,7 @@ class Scheduler:
         waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
         if self.waiting:
             waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
-        self.log.extend(starts, times, decodes, 0, decodes, kv, running, waiting, 0, 0)
+        self.log.extend(starts, times, decodes, 0, decodes, kv, running, waiting, 0, 0, 0)
         return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Every page of the catalog in real Chromium, as a first-time user meets it, on one server, one page after another.
 
-For each page: it renders with no exception; pressing Run with the default settings gives a run whose checks all pass;
+For each page: it renders with no exception; it opens on its default settings' run, whose checks all pass, and pressing
+Run at the defaults shows that same run;
 every chart is drawn (vega-embed's SVG or canvas, with marks in it); no metric value or label is cut off at a
 1280-px-wide window; a link to the run (?run=ID) reproduces it (same header, same checks, same metric values); and a
 screenshot of the whole page goes to tests/browser/screenshots/ (git-ignored), with each default run's time in
-timings.json beside them. A page's default run is not skipped when it is slow: its time is recorded. Then one
+timings.json beside them (from opening the page to the run's result, what a first-time user waits; the run starts
+on the visit). A page's default run is not skipped when it is slow: its time is recorded. Then one
 non-default choice per page (every_page.NON_DEFAULT) is made through the form and run.
 
 Part of `make test` (about 16 minutes on a quiet 2-core box); EXPLORER_BROWSER_EVERY_PAGE=0 leaves it out. The runs it
@@ -59,7 +61,9 @@ def app(tmp_path_factory):
     for old in [SCREENSHOTS / "failures.txt", *SCREENSHOTS.glob("*-FAILED.png")]:
         old.unlink(missing_ok=True)
     timings = {}
-    with streamlit_app(tmp_path_factory.mktemp("every-page-data")) as url, sync_playwright() as p:
+    # as a user meets the pages: each opens on its defaults' run, started by the first visit (the other tests turn it off)
+    with streamlit_app(tmp_path_factory.mktemp("every-page-data"), env={"EXPLORER_OPEN_ON_DEFAULT_RUN": "1"}) as url, \
+            sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield url, browser, timings
         browser.close()
@@ -140,13 +144,15 @@ def _metrics(page, where: str) -> list[dict]:
     return metrics
 
 
-def _screenshot(page, name: str) -> None:
-    """The whole page: Streamlit scrolls its main block, not the document, so the window is made as tall as it."""
+def _screenshot(page, name: str, restore: bool = True) -> None:
+    """The whole page: Streamlit scrolls its main block, not the document, so the window is made as tall as it
+    (and, with restore, set back: every chart is drawn again at each size)."""
     height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
     page.set_viewport_size({"width": VIEWPORT["width"], "height": min(max(height, VIEWPORT["height"]), 20_000)})
     page.wait_for_timeout(500)
     page.screenshot(path=SCREENSHOTS / f"{name}.png")
-    page.set_viewport_size(VIEWPORT)
+    if restore:
+        page.set_viewport_size(VIEWPORT)
 
 
 def _timed(timings: dict, what: str, run_id: str, started: float) -> None:
@@ -174,9 +180,10 @@ def test_page(app, topic):
     from playwright.sync_api import expect
 
     url, browser, timings = app
+    opened = time.time()
     page = _open(browser, f"{url}/{topic.url_path}")
     with _kept_if_failed(page, topic.url_path):
-        run_id, charts, metrics = _default_run(page, topic, timings)
+        run_id, charts, metrics = _default_run(page, topic, timings, opened)
     page.close()
     if run_id is None:
         return
@@ -198,26 +205,29 @@ def test_page(app, topic):
     linked.close()
 
 
-def _default_run(page, topic, timings: dict) -> tuple[str | None, int, list[dict]]:
-    """The page as it opens, then Run at the defaults: the run's id, its charts and metrics (None for a page
-    that runs nothing)."""
-    _settled(page)
-    _no_exception(page, topic.title)
+def _default_run(page, topic, timings: dict, opened: float) -> tuple[str | None, int, list[dict]]:
+    """The page as it opens, on its defaults' run (started by the visit): the run's id, its charts and metrics (None
+    for a page that runs nothing). Pressing Run at the defaults then shows the same run (found by its digest)."""
     if not topic.experiments:
+        _settled(page)
+        _no_exception(page, topic.title)
         _charts_drawn(page, topic.title)
         _metrics(page, topic.title)
         _screenshot(page, topic.url_path)
         return None, 0, []
-    started = time.time()
-    page.locator("[data-testid=stFormSubmitButton] button").first.click()
-    run_id = _finished_run(page)
-    _timed(timings, topic.url_path, run_id, started)
+    run_id = _finished_run(page)  # nothing pressed: a first visit starts the default run
+    _timed(timings, topic.url_path, run_id, opened)
     _checks_passed(page, run_id)
     _settled(page)
+    page.locator("[data-testid=stFormSubmitButton] button").first.click()
+    _settled(page)
+    linked = parse_qs(urlparse(page.url).query).get("run")
+    assert linked == [run_id] and _finished_run(page) == run_id, f"Run at the defaults gave run {linked}, not {run_id}"
+    _checks_passed(page, run_id)
     _no_exception(page, f"{topic.title}, run {run_id}")
     charts = _charts_drawn(page, f"{topic.title}, run {run_id}")
     metrics = _metrics(page, f"{topic.title}, run {run_id}")
-    _screenshot(page, topic.url_path)
+    _screenshot(page, topic.url_path, restore=False)  # the page is closed next
     return run_id, charts, metrics
 
 
