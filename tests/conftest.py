@@ -20,14 +20,6 @@ os.environ.setdefault("EXPLORER_OPEN_ON_DEFAULT_RUN", "0")
 from backend.limits import group_members as processes_in_group  # noqa: E402,F401  (the tests' name for it)
 
 
-def pytest_collection_modifyitems(items):
-    """`make test` runs on two workers (pytest-xdist, --dist loadgroup): the browser tests stay on one, in order
-    (the every-page walk shares one server and its runs from page to page), the rest are shared out."""
-    for item in items:
-        if "tests/browser/" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("browser"))
-
-
 @pytest.fixture
 def store(tmp_path):
     from backend.store import RunStore
