@@ -97,11 +97,12 @@ def _no_exception(page, where: str) -> None:
     assert exceptions.count() == 0, f"{where}: {exceptions.first.inner_text()[:2000]}"
 
 
-def _finished_run(page) -> str:
-    """Wait for the run shown on the page to reach a final state; its id."""
+def _finished_run(page, run_id: str | None = None) -> str:
+    """Wait for the run shown on the page (or the run `run_id`) to reach a final state; its id."""
     from playwright.sync_api import expect
 
-    final = page.locator("[data-testid=stHeading]").filter(has_text=re.compile(r"Run \w{12} · .* · (succeeded|failed|cancelled)"))
+    which = re.escape(run_id) if run_id else r"\w{12}"
+    final = page.locator("[data-testid=stHeading]").filter(has_text=re.compile(rf"Run {which} · .* · (succeeded|failed|cancelled)"))
     refused = page.locator("[data-testid=stAlertContentError]")  # settings refused: no run at all
     expect(final.or_(refused).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
     if not final.count():
@@ -260,9 +261,13 @@ def test_a_non_default_choice_runs(app, url_path):
 def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> None:
     _settled(page)
     _choose(page, field, value)
+    shown = parse_qs(urlparse(page.url).query).get("run")  # the page opened on its defaults' run
     started = time.time()
     page.locator("[data-testid=stFormSubmitButton] button").first.click()
-    run_id = _finished_run(page)
+    # the new run's id reaches the URL when it is submitted; until then the defaults' run is still on the page
+    page.wait_for_url(lambda u: "run" in parse_qs(urlparse(u).query) and parse_qs(urlparse(u).query)["run"] != shown,
+                      timeout=60_000)
+    run_id = _finished_run(page, parse_qs(urlparse(page.url).query)["run"][0])
     _timed(timings, f"{url_path} ({field}={value})", run_id, started)
     _checks_passed(page, run_id)
     _settled(page)
