@@ -98,15 +98,14 @@ def zoomable(dot: str, max_height: int = 900) -> alt.LayerChart:
 
 
 def graph(dot: str, height: int = 640) -> None:
-    g, _ = parse_dot(dot)
-    nodes = g.number_of_nodes()
+    nodes = len(NODE.findall(dot))  # counted without building the graph: most drawings are small
     if nodes <= SMALL:
         st.graphviz_chart(dot)
         return
     zoom, drawing = st.tabs([f"Zoomable ({nodes} nodes)", "Graphviz drawing"])
     with zoom:
         st.caption("Scroll to zoom, drag to pan, double-click to reset; hover a node for its op, shape and bytes. "
-                   "Inputs at the top, each node one layer below its deepest input.")
+                   "Data flows down: each node sits one layer below its deepest input.")
         st.altair_chart(zoomable(dot), width="stretch")
     with drawing:
         st.caption("Graphviz's own layout, full size: scroll inside the box; the fullscreen button (top right of the "
