@@ -10,6 +10,10 @@ runs only while fewer than its cap of job runs are running in the store, so the 
 processes. A claimed run is started as `python -m backend run NAME --run-id ID` in its own process
 group with a free rendezvous port, its output appended to the run's log.txt.
 
+A run does not wait for its leader's start-up: the runner keeps one leader warm (`Standby`: torch, every
+experiment and the ranks' fork server already imported), started only while a job slot is free, and hands it
+the next claimed run's command line; a cold `python -m backend run` starts only when none is ready.
+
 That process is the run's leader. `Leader` (used by the CLI and by torchrun's rank 0) writes its
 heartbeat every half second, reads the cancel flag with it, holds the job to its time and memory
 limits, and records a final state when it is stopped by a signal. So cancel works from any process,
@@ -35,6 +39,7 @@ from backend.comm.spawn import free_port
 from backend.store import FINAL, RunRecord, RunStore
 
 DEFAULT_MAX_JOBS = int(os.environ.get("EXPLORER_MAX_JOBS", 1))
+WARM_LEADER = os.environ.get("EXPLORER_WARM_LEADER", "1") != "0"
 BEAT_S = 0.5  # heartbeat and cancel poll period: cancel acts within a second
 
 
@@ -44,11 +49,12 @@ class NotAllowed(PermissionError):
 
 class JobRunner:
     def __init__(self, store: RunStore | None = None, max_jobs: int = DEFAULT_MAX_JOBS,
-                 timeout_s: float | None = None, poll_s: float = 0.1):
+                 timeout_s: float | None = None, poll_s: float = 0.1, warm: bool = WARM_LEADER):
         self.store = store or RunStore()
-        self.max_jobs, self.poll_s = max_jobs, poll_s
+        self.max_jobs, self.poll_s, self.warm = max_jobs, poll_s, warm
         self.timeout_s = timeout_s or limits.time_budget()
         self._procs: dict[str, subprocess.Popen] = {}
+        self._standby: Standby | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="job-dispatcher", daemon=True)
@@ -95,6 +101,9 @@ class JobRunner:
                 self.store.finish(run_id, "cancelled", error="job runner shut down")
                 _kill_group(proc)
             self._procs.clear()
+            if self._standby:
+                _kill_group(self._standby.proc)
+                self._standby = None
 
     # --- dispatcher ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -111,18 +120,30 @@ class JobRunner:
                 self._watch(run_id, proc)
             while len(self._procs) < self.max_jobs and (rec := self.store.claim_next(self.max_jobs)):
                 self._procs[rec.id] = self._start(rec)
+            # Warm the next leader only while a slot is free in the whole store: its imports (several seconds of
+            # CPU) must not slow a running job down.
+            if (self.warm and self._standby is None and len(self._procs) < self.max_jobs
+                    and len(self.store.list(statuses=("running",))) < self.max_jobs):
+                self._standby = Standby(self._env())
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "EXPLORER_DATA_DIR": str(self.store.root), "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(experiments.REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                **extra}
 
     def _start(self, rec: RunRecord) -> subprocess.Popen:
         port = free_port()
-        log = open(self.store.run_dir(rec.id) / "log.txt", "ab")  # append: ranks write their stacks here too
-        env = {**os.environ, "EXPLORER_PORT": str(port), "EXPLORER_DATA_DIR": str(self.store.root),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(experiments.REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "backend", "run", rec.experiment, "--run-id", rec.id,
-               "--config-json", json.dumps(rec.config), "--timeout", str(rec.timeout_s), "--json"]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=experiments.REPO_ROOT, start_new_session=True)
-        log.close()
+        log_path = self.store.run_dir(rec.id) / "log.txt"  # appended to: ranks write their stacks here too
+        env = self._env(EXPLORER_PORT=str(port))
+        args = ["run", rec.experiment, "--run-id", rec.id, "--config-json", json.dumps(rec.config),
+                "--timeout", str(rec.timeout_s), "--json"]
+        standby, self._standby = self._standby, None
+        proc = standby.lead(args, env, log_path) if standby else None
+        if proc is None:  # none warm (or its code is stale): a leader started cold
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "backend", *args], stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, cwd=experiments.REPO_ROOT,
+                                        start_new_session=True)
         self.store.update(rec.id, pid=proc.pid, port=port)
         return proc
 
@@ -151,6 +172,55 @@ class JobRunner:
                                   if cancel else limits.time_message(rec.timeout_s, _config_of(rec)))
                 _kill_group(proc)
                 del self._procs[run_id]
+
+
+class Standby:
+    """A run's leader started before its run: `python -m backend standby` imports torch and every experiment,
+    starts the ranks' fork server with every experiment's preload, and waits on stdin for one line, the command
+    line of the run it will lead (then it is that run's leader: the same process group, log and limits as a
+    cold one). A run then skips the leader's and the fork server's start-up, about 5 s of CPU. It ends at EOF,
+    so a standby never outlives the server that started it; one started before the code changed is not used."""
+
+    def __init__(self, env: dict[str, str]):
+        self.version = experiments.code_version()
+        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                     cwd=experiments.REPO_ROOT, start_new_session=True)
+
+    def lead(self, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+        """Hand it a run (`python -m backend` arguments); None, and it is ended, if it can no longer take one."""
+        if self.proc.poll() is None and experiments.code_version() == self.version:
+            try:
+                self.proc.stdin.write(json.dumps({"args": args, "env": env, "log": str(log_path)}).encode() + b"\n")
+                self.proc.stdin.close()
+                return self.proc
+            except OSError:  # it died between the check and the write
+                pass
+        _kill_group(self.proc, wait_s=1.0)
+        return None
+
+
+def standby_main() -> int:
+    """The standby process (see Standby)."""
+    import multiprocessing.forkserver
+
+    from backend.__main__ import main
+    from backend.comm.spawn import rank_processes
+
+    limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
+    rank_processes(tuple(sorted({m for e in experiments.all_experiments() for m in e.preload})))
+    multiprocessing.forkserver.ensure_running()
+    line = sys.stdin.readline()
+    if not line:  # the runner closed: no run for this one
+        return 0
+    job = json.loads(line)
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return main(job["args"])
 
 
 class Leader:

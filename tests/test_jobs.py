@@ -324,3 +324,33 @@ def test_only_the_owner_or_an_admin_cancels(store):
     other = r.submit("comm.selftest", {"world_size": "2"}, owner="ana@team")
     r.cancel(other, by="admin@team", admin=True)
     assert store.get(other).status == "cancelled"
+
+
+def test_a_warm_leader_takes_the_next_run_and_a_stale_one_is_not_used(store, monkeypatch):
+    from backend import experiments
+    from backend.jobs import JobRunner
+
+    r = JobRunner(store, max_jobs=1, poll_s=0.05, warm=True)
+    try:
+        deadline = time.monotonic() + 10
+        while r._standby is None and time.monotonic() < deadline:  # started at once: no run holds the slot
+            time.sleep(0.05)
+        warm = r._standby.proc.pid
+        rec = r.wait(r.submit("comm.bandwidth", SMALL), 120)
+        assert rec.status == "succeeded", rec.error
+        assert rec.pid == warm  # the warm process led the run, in its own process group, as a cold one does
+        log = (store.run_dir(rec.id) / "log.txt").read_text()
+        assert f'"run_id": "{rec.id}"' in log  # its report went to the run's log, not the standby's output
+        _assert_cleaned_up(rec)
+        deadline = time.monotonic() + 10
+        while r._standby is None and time.monotonic() < deadline:  # the next one is warmed once the slot is free
+            time.sleep(0.05)
+        stale = r._standby.proc.pid
+        assert stale != warm
+        monkeypatch.setattr(experiments, "code_version", lambda: "edited-code")  # the sources changed since it started
+        rec = r.wait(r.submit("comm.bandwidth", {**SMALL, "iters": "2"}), 120)
+        assert rec.status == "succeeded", rec.error
+        assert rec.pid != stale and processes_in_group(stale) == []  # ended, and a cold leader ran the new code
+    finally:
+        r.close()
+    assert r._standby is None and processes_in_group(stale) == []

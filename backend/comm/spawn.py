@@ -129,6 +129,12 @@ def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results, leader_pi
     die_with_leader(leader_pid)
     os.environ.clear()  # the leader's environment now, not the fork server's from when it started
     os.environ.update(environ)
+    log = run_log(ctx)
+    if log:  # the leader's log, not the fork server's output (a warm leader's fork server started before its run)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     import torch.distributed as dist
 
     stack_file = open(stack_path, "w")

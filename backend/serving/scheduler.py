@@ -65,7 +65,7 @@ class StepLog:
                "swapped_blocks", "prefill_pairs")
 
     def __init__(self):
-        self.blocks: list[np.ndarray] = []
+        self.blocks: list[np.ndarray] = []  # (columns, steps): a column's values are contiguous
         self.rows: list[tuple] = []
         self.count = 0
 
@@ -77,15 +77,15 @@ class StepLog:
     def extend(self, *columns) -> None:
         """Several steps: one array (or scalar) per column, in COLUMNS order; the first sets the length."""
         self._flush()
-        block = np.empty((len(columns[0]), len(self.COLUMNS)))
+        block = np.empty((len(self.COLUMNS), len(columns[0])))
         for i, column in enumerate(columns):
-            block[:, i] = column
+            block[i] = column
         self.blocks.append(block)
-        self.count += len(block)
+        self.count += block.shape[1]
 
     def _flush(self) -> None:
         if self.rows:
-            self.blocks.append(np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)))
+            self.blocks.append(np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)).T)
             self.rows = []
 
     def __len__(self) -> int:
@@ -93,9 +93,9 @@ class StepLog:
 
     def table(self) -> dict[str, np.ndarray]:
         self._flush()
-        joined = np.concatenate(self.blocks) if self.blocks else np.zeros((0, len(self.COLUMNS)))
+        joined = np.concatenate(self.blocks, axis=1) if self.blocks else np.zeros((len(self.COLUMNS), 0))
         self.blocks = [joined]
-        return {name: joined[:, i] for i, name in enumerate(self.COLUMNS)}
+        return dict(zip(self.COLUMNS, joined))
 
 
 class SequenceTokens:
@@ -174,9 +174,11 @@ class Scheduler:
         samples = ends == self.known[rids]
         is_decode = (takes == 1) & samples & (self.generated[rids] > 0)
         decodes = int(np.count_nonzero(is_decode))
-        a, b = starts[~is_decode], ends[~is_decode]  # query j of a chunk attends to keys 0..j: (b(b+1) - a(a+1)) / 2 pairs
+        # Query j of a row a..b attends to keys 0..j: (b(b+1) - a(a+1)) / 2 pairs over the prefill rows, summed over
+        # every row less a decode row's b (its a = b - 1): no masked copies on the path every step takes.
+        pairs = (int((ends * (ends + 1) - starts * (starts + 1)).sum()) // 2 - int(ends[is_decode].sum())) if decodes < len(rids) else 0
         step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
-                    int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops), int((b * (b + 1) - a * (a + 1)).sum()) // 2)
+                    int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops), pairs)
         first = rids[np.isnan(self.first_scheduled[rids])]
         self.first_scheduled[first] = now
         return step
