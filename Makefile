@@ -20,8 +20,10 @@ install-dev: $(BIN)/python
 app: install
 	$(BIN)/streamlit run app.py --server.port $(PORT) --server.address localhost --browser.gatherUsageStats false
 
+# Two workers (each test file on one, in order), then the tests marked serial alone: their figures need a quiet machine.
 test: install-dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 bench: install
 	$(BIN)/python bench/comm_bandwidth.py

@@ -55,9 +55,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv == ["standby"]:  # a job runner's warm leader (backend.jobs.Standby), not a user's command
+    if argv[:1] == ["standby"]:  # a job runner's warm leader (backend.jobs.Standby), not a user's command
         from backend.jobs import standby_main
-        return standby_main()
+        return standby_main(argv[1:])
     args = _parser().parse_args(argv)
     from backend import experiments
     from backend.store import RunStore

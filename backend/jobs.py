@@ -183,7 +183,8 @@ class Standby:
 
     def __init__(self, env: dict[str, str]):
         self.version = experiments.code_version()
-        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby"], stdin=subprocess.PIPE,
+        preload = sorted({m for e in experiments.all_experiments() for m in e.preload})
+        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby", *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                      cwd=experiments.REPO_ROOT, start_new_session=True)
 
@@ -200,16 +201,18 @@ class Standby:
         return None
 
 
-def standby_main() -> int:
-    """The standby process (see Standby)."""
+def standby_main(preload: list[str]) -> int:
+    """The standby process (see Standby); `preload`: every experiment's modules for the ranks' fork server."""
     import multiprocessing.forkserver
 
-    from backend.__main__ import main
     from backend.comm.spawn import rank_processes
 
     limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
-    rank_processes(tuple(sorted({m for e in experiments.all_experiments() for m in e.preload})))
-    multiprocessing.forkserver.ensure_running()
+    rank_processes(tuple(preload))
+    multiprocessing.forkserver.ensure_running()  # it imports on the other core while this process imports the rest
+    experiments.all_experiments()
+    from backend.__main__ import main
+
     line = sys.stdin.readline()
     if not line:  # the runner closed: no run for this one
         return 0

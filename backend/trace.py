@@ -1,8 +1,8 @@
 """Per-rank event recorder and Chrome trace export.
 
-Each rank records spans on named lanes (compute, send, recv, ...) with a monotonic clock whose
-zero is taken right after a barrier, so ranks share a time origin to within the barrier's exit
-skew. Export is Chrome trace JSON: "X" complete events with pid = rank and tid = lane, plus "M"
+Each rank records spans on named lanes (compute, send, recv, ...) with the monotonic clock, its
+zero taken right after a barrier: ranks on one machine share one origin exactly (the same clock), ranks
+on different machines to within the barrier's exit skew. Export is Chrome trace JSON: "X" complete events with pid = rank and tid = lane, plus "M"
 metadata events naming and ordering processes and threads, which Perfetto and chrome://tracing open.
 """
 from __future__ import annotations
@@ -35,6 +35,17 @@ def kind_of(event: dict[str, Any]) -> str:
     return next((kind for prefix, kind in _KIND_OF_NAME if name.startswith(prefix)), "compute")
 
 
+def _machine() -> str:
+    """Which kernel's monotonic clock this process reads: the boot's id on Linux, else host and process (unshared)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import os
+        import socket
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+
 class Tracer:
     def __init__(self, rank: int = 0):
         self.rank = rank
@@ -44,10 +55,19 @@ class Tracer:
         self.bytes_recv: dict[str, int] = defaultdict(int)
 
     def align(self, barrier) -> None:
-        """Set the time origin right after `barrier()` returns on every rank (twice, to settle stragglers)."""
+        """Set the time origin right after `barrier()` returns on every rank (twice, to settle stragglers). Ranks on
+        one machine then take the earliest of their readings: they all read the machine's monotonic clock, so their
+        times compare exactly however the OS schedules them (a rank descheduled on leaving the barrier would
+        otherwise start its clock late). Across machines each keeps its own, to within the barrier's exit skew."""
         barrier()
         barrier()
         self.t0_ns = time.perf_counter_ns()
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            readings = [None] * dist.get_world_size()
+            dist.all_gather_object(readings, (_machine(), self.t0_ns))
+            self.t0_ns = min(t0 for machine, t0 in readings if machine == _machine())
 
     def now_us(self) -> float:
         return (time.perf_counter_ns() - self.t0_ns) / 1e3

@@ -5,8 +5,10 @@ Targets (issue 18): 100k requests simulated in <= 30 s and 1M in <= 5 min on 2 c
 median and p90 TTFT and TPOT and throughput within 5% of the real engine on held-out traces.
 The cost model is fitted once, to three profiling runs of the engine (other seeds: ShareGPT-like at 8 and
 16 requests/s, shared prefixes with prefix caching), and used for all. The engine serves each held-out
-trace twice: how far it differs from itself is the noise a prediction of it is up against on this shared
-machine (the load averages are recorded). All nine engine runs are interleaved step by step and keep pace with
+trace (320 requests) twice: how far it differs from itself is the noise a prediction of it is up against on this
+shared machine (the load averages are recorded). The error is reported against its first run (the target) and
+against the mean of its two runs (the engine's figure with half its own noise, as the prediction is the simulator's
+mean). All nine engine runs are interleaved step by step and keep pace with
 the longest, so they meet the same machine; each repeat joins 100 rounds late, so it does not share the first run's
 moments. The prediction is the simulator's mean over 8 draws of its noise; how far one draw strays from it (four
 other seeds) is recorded beside the error. `--quick` skips 1M.
@@ -26,19 +28,22 @@ import torch  # noqa: E402
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.serving.engine import ModelExecutor, serve_interleaved, tiny_llama  # noqa: E402
-from backend.serving.calibrate import REPEAT_LAG  # noqa: E402
+from backend.serving.calibrate import BENCH_REQUESTS, REPEAT_LAG  # noqa: E402
 from backend.serving.scheduler import SchedulerConfig  # noqa: E402
 from backend.serving.simulator import FIDELITY_KEYS, CostModel, expected_summary, fidelity, latency_summary, simulate  # noqa: E402
 from backend.serving.workload import shared_prefix, sharegpt_like  # noqa: E402
 
 CONFIG = SchedulerConfig()  # the experiments' defaults
 CACHING = SchedulerConfig(prefix_caching=True)
-N = 160  # requests per engine run
+N = 160  # requests per profiling run
+# Requests per held-out run: a p90 over n requests carries sampling noise shrinking as 1/sqrt(n); at 160 the engine
+# differed from its own repeat by up to 7.5% on one figure, so 5% was not measurable there.
+N_HELD_OUT = BENCH_REQUESTS
 PROFILES = [(sharegpt_like(N, 8.0, 1000), CONFIG), (sharegpt_like(N, 16.0, 1001), CONFIG), (shared_prefix(N, 8.0, 1002), CACHING)]
 HELD_OUT = {  # name: (trace, scheduler config)
-    "sharegpt, 8 req/s": (sharegpt_like(N, 8.0, 0), CONFIG),
-    "sharegpt, 16 req/s": (sharegpt_like(N, 16.0, 1), CONFIG),
-    "shared prefix, 8 req/s, prefix caching": (shared_prefix(N, 8.0, 2), CACHING),
+    "sharegpt, 8 req/s": (sharegpt_like(N_HELD_OUT, 8.0, 0), CONFIG),
+    "sharegpt, 16 req/s": (sharegpt_like(N_HELD_OUT, 16.0, 1), CONFIG),
+    "shared prefix, 8 req/s, prefix caching": (shared_prefix(N_HELD_OUT, 8.0, 2), CACHING),
 }
 
 
@@ -64,11 +69,15 @@ def main(quick: bool) -> None:
         real, again = (latency_summary(s) for s in scheds[len(PROFILES) + 2 * i:len(PROFILES) + 2 * i + 2])
         sim = expected_summary(trace, config, cost)  # the mean of 8 noise draws: the prediction, not one sample of it
         errors, repeat = fidelity(real, sim), fidelity(real, again)
+        both = {k: (real[k] + again[k]) / 2 for k in FIDELITY_KEYS}  # the engine's figure with its own noise halved
+        errors_vs_both = fidelity(both, sim)
         others = []
         for seed in range(100, 104):  # single draws (other seeds than the prediction's), against the prediction: the spread one draw would have had
             others.append(fidelity(sim, latency_summary(simulate(trace, config, cost, noise_seed=seed))))
         held_out.append({"trace": name, "requests": len(trace), "real": real, "real_again": again, "simulated": sim,
                          "error": errors, "engine_vs_itself": repeat, "worst": max(abs(errors[k]) for k in FIDELITY_KEYS),
+                         "error_vs_mean_of_both_engine_runs": errors_vs_both,
+                         "worst_vs_mean_of_both_engine_runs": max(abs(errors_vs_both[k]) for k in FIDELITY_KEYS),
                          "engine_spread": max(abs(repeat[k]) for k in FIDELITY_KEYS),
                          "one_draw_vs_prediction": {k: max(abs(o[k]) for o in others) for k in FIDELITY_KEYS}})
         print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (engine vs itself {100 * repeat[k]:+.1f}%)" for k, v in errors.items()))
@@ -85,10 +94,11 @@ def main(quick: bool) -> None:
     out = {"benchmark": "serving", "device": describe(), "code_version": experiments.code_version(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
-           "engine_runs": {"runs": len(runs), "requests_each": N, "wall_s": engine_wall, "cpu_s": engine_cpu},
+           "engine_runs": {"runs": len(runs), "profile_requests": N, "held_out_requests": N_HELD_OUT, "wall_s": engine_wall, "cpu_s": engine_cpu},
            "cost_model": cost.as_dict(), "fidelity": held_out, "speed": speed,
            "targets": {"fidelity within 5% (every figure, every held-out trace)": all(h["worst"] <= 0.05 for h in held_out),
                        "fidelity within twice the engine's own run-to-run spread": all(h["worst"] <= 2 * h["engine_spread"] for h in held_out),
+                       "fidelity within 5% of the mean of the engine's two runs": all(h["worst_vs_mean_of_both_engine_runs"] <= 0.05 for h in held_out),
                        "100k requests <= 30 s of CPU": by_n[100_000]["cpu_s"] <= 30,
                        **({"1M requests <= 300 s of CPU": by_n[1_000_000]["cpu_s"] <= 300} if 1_000_000 in by_n else {})},
            "notes": "Engine step times are the engine thread's CPU time (robust to other processes, not to their cache "

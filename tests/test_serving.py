@@ -12,7 +12,7 @@ import torch
 from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
-from backend.serving.calibrate import BENCH_WORST_ERROR, calibrate, replay_mismatches
+from backend.serving.calibrate import BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
 from backend.serving.engine import ModelExecutor, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig
 from backend.serving.simulator import TERMS, CostModel, ReplayExecutor, fidelity, latency_summary, simulate
@@ -168,6 +168,7 @@ def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
     assert fit.rmse >= np.sqrt(np.mean((X @ free - steps["time"]) ** 2)) - 1e-12  # the constraint costs fit, never gains it
 
 
+@pytest.mark.serial  # the engine's own repeat is the yardstick: another test's ranks on the same 2 cores blur it
 def test_fidelity_on_a_small_held_out_trace(model):
     """Not skipped in CI: the engines run interleaved (each sees the same machine), and the tolerances are
     stated from what a trace this small allows on a shared 2-core machine: medians and throughput within 20%
@@ -195,7 +196,7 @@ def test_the_tolerance_basis_is_the_benchmarks_committed_worst_figure():
     from pathlib import Path
 
     bench = json.loads((Path(__file__).parent.parent / "bench" / "results" / "serving.json").read_text())
-    assert {f["requests"] for f in bench["fidelity"]} == {160}
+    assert {f["requests"] for f in bench["fidelity"]} == {BENCH_REQUESTS}
     assert BENCH_WORST_ERROR == pytest.approx(max(f["worst"] for f in bench["fidelity"]), abs=5e-4)
 
 
