@@ -37,7 +37,7 @@ from backend.serving.simulator import CostModel, ReplayExecutor, expected_summar
 from backend.serving.workload import Trace
 
 
-BENCH_REQUESTS, BENCH_WORST_ERROR = 320, 0.0529  # bench/serving.py's held-out traces and its worst figure on them (5.29%)
+BENCH_REQUESTS, BENCH_WORST_ERROR = 320, 0.0685  # bench/serving.py's held-out traces and its worst figure on them (6.85%)
 REPEAT_LAG = 100  # rounds (about a second); the drift's autocorrelation is gone after about 30 steps
 
 
@@ -53,8 +53,8 @@ class Calibration:
 
     def tolerance(self) -> float:
         """What a prediction of this trace can be held to: the worst error the benchmark measured on BENCH_REQUESTS-request
-        held-out traces (5.3%, bench/results/serving.json), widened as 1/sqrt(requests) for a smaller trace (a
-        median or p90 of n requests carries sampling noise that shrinks as 1/sqrt(n): 23% at 16), or twice the
+        held-out traces (6.9%, bench/results/serving.json), widened as 1/sqrt(requests) for a smaller trace (a
+        median or p90 of n requests carries sampling noise that shrinks as 1/sqrt(n): 31% at 16), or twice the
         engine's own run-to-run spread if that is wider. The 5% target is reported beside (fidelity_target_met)."""
         floor = BENCH_WORST_ERROR * max(1.0, (BENCH_REQUESTS / self.real_summary["requests"]) ** 0.5)
         return max(floor, 2 * max(abs(v) for v in self.repeat.values()))
