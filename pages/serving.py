@@ -5,6 +5,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from backend.serving.calibrate import BENCH_REQUESTS
 from backend.serving.settings import BIG
 from pages import form, ui
 
@@ -155,5 +156,5 @@ ui.experiment_page(
           "model fitted to the engine's own steps, and is judged on a trace the fit never saw. "
           "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 15 s); "
           f"[a bigger run]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
-          "takes a minute or two and measures the fidelity on more requests (bench/serving.py: 160 per trace).",
+          f"takes a minute or two and measures the fidelity on more requests (bench/serving.py: {BENCH_REQUESTS} per held-out trace).",
 )
