@@ -154,7 +154,7 @@ ui.experiment_page(
     intro="Requests arrive in real time; each step is one forward of the tiny LLaMA over the whole running batch "
           "(prefill chunks and decode tokens), its KV in paged blocks. The simulator runs the same scheduler on a cost "
           "model fitted to the engine's own steps, and is judged on a trace the fit never saw. "
-          "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 15 s); "
+          "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 10 s); "
           f"[a bigger run]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
           f"takes a minute or two and measures the fidelity on more requests (bench/serving.py: {BENCH_REQUESTS} per held-out trace).",
 )
