@@ -205,7 +205,7 @@ def standby_main(preload: list[str]) -> int:
     """The standby process (see Standby); `preload`: every experiment's modules for the ranks' fork server."""
     import multiprocessing.forkserver
 
-    from backend.comm.spawn import rank_processes
+    from backend.comm.spawn import output_to, rank_processes
 
     limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
     rank_processes(tuple(preload))
@@ -217,10 +217,7 @@ def standby_main(preload: list[str]) -> int:
     if not line:  # the runner closed: no run for this one
         return 0
     job = json.loads(line)
-    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    output_to(job["log"])
     os.environ.clear()
     os.environ.update(job["env"])
     return main(job["args"])

@@ -8,6 +8,8 @@ metadata events naming and ordering processes and threads, which Perfetto and ch
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from collections import defaultdict
 from typing import Any, Iterable
@@ -41,8 +43,6 @@ def _machine() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
-        import os
-        import socket
         return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -65,9 +65,9 @@ class Tracer:
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_world_size() > 1:
-            readings = [None] * dist.get_world_size()
-            dist.all_gather_object(readings, (_machine(), self.t0_ns))
-            self.t0_ns = min(t0 for machine, t0 in readings if machine == _machine())
+            here, readings = _machine(), [None] * dist.get_world_size()
+            dist.all_gather_object(readings, (here, self.t0_ns))
+            self.t0_ns = min(t0 for machine, t0 in readings if machine == here)
 
     def now_us(self) -> float:
         return (time.perf_counter_ns() - self.t0_ns) / 1e3

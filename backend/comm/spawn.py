@@ -83,6 +83,14 @@ def rank_processes(preload: tuple[str, ...] = ()):
     return ctx
 
 
+def output_to(path) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at the end of `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def run_log(ctx) -> Path | None:
     """The run's log.txt in the store, or None for an unrecorded run (then stderr is its log)."""
     if ctx.run_id and ctx.store_root:
@@ -131,10 +139,7 @@ def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results, leader_pi
     os.environ.update(environ)
     log = run_log(ctx)
     if log:  # the leader's log, not the fork server's output (a warm leader's fork server started before its run)
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        output_to(log)
     import torch.distributed as dist
 
     stack_file = open(stack_path, "w")

@@ -175,7 +175,7 @@ class Scheduler:
         is_decode = (takes == 1) & samples & (self.generated[rids] > 0)
         decodes = int(np.count_nonzero(is_decode))
         # Query j of a row a..b attends to keys 0..j: (b(b+1) - a(a+1)) / 2 pairs over the prefill rows, summed over
-        # every row less a decode row's b (its a = b - 1): no masked copies on the path every step takes.
+        # every row less a decode row's b (its a = b - 1): one masked sum, not two masked copies, on every step's path.
         pairs = (int((ends * (ends + 1) - starts * (starts + 1)).sum()) // 2 - int(ends[is_decode].sum())) if decodes < len(rids) else 0
         step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
                     int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops), pairs)
