@@ -1,6 +1,5 @@
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,16 @@ SMALL = {"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduc
 
 
 def _port_free(port: int) -> bool:
-    """Nothing listens on it any more (SO_REUSEADDR: sockets in TIME_WAIT do not count, as for TCPStore)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """Nothing listens on it any more. Read from the kernel's socket tables rather than by binding: with two test
+    workers, another job's outgoing connection may hold the same number as its ephemeral local port."""
+    LISTEN = "0A"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                    return False
+    return True
 
 
 def _assert_cleaned_up(rec):
