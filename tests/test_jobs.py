@@ -30,6 +30,17 @@ def _assert_cleaned_up(rec):
     assert _port_free(rec.port)
 
 
+def test_a_free_port_is_drawn_below_the_ephemeral_range():
+    """Rank 0 binds the port after the leader picks it; no outgoing connection can be handed it in between."""
+    from backend.comm.spawn import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(10000 <= p < ephemeral_low for p in ports), ports
+    assert all(_port_free(p) for p in ports)
+
+
 def test_job_succeeds_and_identical_config_is_deduplicated(runner):
     first = runner.submit("comm.bandwidth", SMALL)
     again = runner.submit("comm.bandwidth", dict(SMALL))

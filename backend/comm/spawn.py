@@ -16,6 +16,7 @@ import datetime
 import faulthandler
 import os
 import queue
+import random
 import re
 import select
 import signal
@@ -42,10 +43,23 @@ class RunTimeout(TimeoutError):
 
 
 def free_port() -> int:
-    """A TCP port free right now on loopback (the OS picks it); never a fixed one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now on loopback; never a fixed one. Drawn below the kernel's ephemeral range: the port
+    is bound later, by rank 0, and in between any process's outgoing connection (gloo opens many) may be handed an
+    ephemeral number, never one from below the range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    candidates = random.sample(range(10000, ephemeral_low), 64) if ephemeral_low > 10000 + 64 else []
+    for port in candidates + [0]:  # 0: the OS picks (no such range known, or all 64 taken)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on loopback")
 
 
 def signal_on_parent_death(sig: int = signal.SIGKILL) -> None:
