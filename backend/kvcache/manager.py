@@ -97,8 +97,9 @@ class KVCacheManager:
         self.grow(seq_id, num_tokens, tokens)
         return hit_tokens
 
-    def grow(self, seq_id: int, num_tokens: int, tokens: TokenIds) -> list[tuple[int, int]]:
-        """Book slots up to `num_tokens` (tokens[i] is the id at position i, read to hash blocks that fill).
+    def grow(self, seq_id: int, num_tokens: int, tokens: TokenIds | None) -> list[tuple[int, int]]:
+        """Book slots up to `num_tokens` (tokens[i] is the id at position i, read to hash blocks that fill; None
+        without prefix caching, which hashes nothing).
         Returns the block copies (src, dst) the store must make first: a shared partial block is copied
         before it is written (copy-on-write). Raises MemoryError, changing nothing, if blocks run out."""
         seq, bs = self.seqs[seq_id], self.block_size

@@ -148,7 +148,7 @@ def serve_interleaved(model: TinyDecoder, runs: list[tuple], progress=None, star
                 scheds[i].rounds.append(rounds)
         rounds += 1
         if progress and rounds % 200 == 0:
-            progress(sum(int(np.isfinite(s.finish).sum()) for s in scheds) / total)
+            progress(sum(s.finished for s in scheds) / total)
     return scheds
 
 

@@ -59,41 +59,75 @@ class Step:
     prefill_pairs: int = 0                                # (query, key) pairs prefill chunks attend over, causal
 
 
+STEP_NUMBERS = np.arange(1, 65)  # a decode run's first look ahead (decode_run): made once
+
+
 class StepLog:
-    """One row per step: single steps are kept as tuples, runs of steps as blocks, joined on demand."""
+    """One row per step. Single steps are kept as tuples and decode runs as their arrays, both joined into one
+    array every FLUSH_EVERY entries: a run is logged in one append, and the columns it shares with every other
+    run are built once per join (a million requests' runs, one by one, cost more than the runs themselves)."""
     COLUMNS = ("start", "time", "requests", "prefill_tokens", "decode_tokens", "kv_blocks", "running", "waiting", "swapped",
                "swapped_blocks", "prefill_pairs")
+    FLUSH_EVERY = 4096
 
     def __init__(self):
-        self.blocks: list[np.ndarray] = []  # (columns, steps): a column's values are contiguous
-        self.rows: list[tuple] = []
+        self.blocks: list[np.ndarray] = []  # joined: (columns, steps), a column's values contiguous
+        self.rows: list[tuple] = []         # single steps since the last join
+        self.runs: list[tuple] = []         # decode runs since the last join: (rows before it, now, times, clock, decodes, kv, waiting)
         self.count = 0
 
     def add(self, *row) -> None:
         """One step: values in COLUMNS order."""
         self.rows.append(row)
         self.count += 1
+        if len(self.rows) >= self.FLUSH_EVERY:
+            self._flush()
 
-    def extend(self, *columns) -> None:
-        """Several steps: one array (or scalar) per column, in COLUMNS order; the first sets the length."""
-        self._flush()
-        block = np.empty((len(self.COLUMNS), len(columns[0])))
-        for i, column in enumerate(columns):
-            block[i] = column
-        self.blocks.append(block)
-        self.count += block.shape[1]
+    def decode_run(self, now: float, times, clock, decodes, kv, running_after: int, waiting=0) -> None:
+        """k decode-only steps from `now`: their times, end times (clock), decode tokens and KV blocks; the requests
+        still running after the last (after step i < k - 1 those decoding in step i + 1); waiting: a scalar or per step."""
+        self.runs.append((len(self.rows), now, times, clock, decodes, kv, running_after, waiting))
+        self.count += len(times)
+        if len(self.runs) >= self.FLUSH_EVERY:
+            self._flush()
 
     def _flush(self) -> None:
-        if self.rows:
-            self.blocks.append(np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)).T)
+        rows = np.array(self.rows, dtype=np.float64).reshape(-1, len(self.COLUMNS)).T
+        if not self.runs:
+            self.blocks.append(rows)
             self.rows = []
+            return
+        before, nows, times, clocks, decodes, kvs, running_after, waiting = zip(*self.runs)
+        lengths = np.fromiter(map(len, times), np.int64, len(times))
+        first = np.cumsum(lengths) - lengths                      # each run's first step among the runs' steps
+        last = first + lengths - 1
+        runs = np.zeros((len(self.COLUMNS), int(lengths.sum())))
+        col = {name: runs[i] for i, name in enumerate(self.COLUMNS)}
+        col["time"][:] = np.concatenate(times)
+        clock = np.concatenate(clocks)
+        col["start"][1:] = clock[:-1]                             # a step starts where the one before it ended ...
+        col["start"][first] = nows                                # ... or where its run began
+        col["requests"][:] = col["decode_tokens"][:] = np.concatenate(decodes)
+        col["kv_blocks"][:] = np.concatenate(kvs)
+        col["running"][:-1] = col["decode_tokens"][1:]            # those still running decode in the next step ...
+        col["running"][last] = running_after                      # ... but after a run's last, those left
+        col["waiting"][:] = np.concatenate([np.broadcast_to(w, n) for w, n in zip(waiting, lengths.tolist())]) if any(
+            not np.isscalar(w) or w for w in waiting) else 0
+        # Interleave: run j's steps follow the single steps logged before it.
+        at = np.repeat(np.asarray(before) + first, lengths) + (np.arange(len(clock)) - np.repeat(first, lengths))
+        joined = np.empty((len(self.COLUMNS), rows.shape[1] + len(clock)))
+        is_run = np.zeros(joined.shape[1], bool)
+        is_run[at] = True
+        joined[:, at], joined[:, ~is_run] = runs, rows
+        self.blocks.append(joined)
+        self.rows, self.runs = [], []
 
     def __len__(self) -> int:
         return self.count
 
     def table(self) -> dict[str, np.ndarray]:
         self._flush()
-        joined = np.concatenate(self.blocks, axis=1) if self.blocks else np.zeros((len(self.COLUMNS), 0))
+        joined = np.concatenate(self.blocks, axis=1)
         self.blocks = [joined]
         return dict(zip(self.COLUMNS, joined))
 
@@ -125,6 +159,7 @@ class Scheduler:
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.preemptions = np.zeros(n, np.int64)
+        self.finished = 0                               # requests done (np.isfinite(self.finish).sum(), kept count of)
         self.outputs: dict[int, list[int]] = {}         # sampled token ids, when the executor gives them
         self.token_times: dict[int, list[float]] = {}
         self.preempted_spans: list[tuple[int, float, float]] = []  # (rid, out, back)
@@ -177,7 +212,7 @@ class Scheduler:
         # Query j of a row a..b attends to keys 0..j: (b(b+1) - a(a+1)) / 2 pairs over the prefill rows, summed over
         # every row less a decode row's b (its a = b - 1): one masked sum, not two masked copies, on every step's path.
         pairs = (int((ends * (ends + 1) - starts * (starts + 1)).sum()) // 2 - int(ends[is_decode].sum())) if decodes < len(rids) else 0
-        step = Step(index, now, rids, starts, takes, samples, ops, int(ends.sum() - starts.sum()) - decodes, decodes,
+        step = Step(index, now, rids, starts, takes, samples, ops, int(takes.sum()) - decodes, decodes,
                     int((-(-ends // bs)).sum()), sum(len(ids) for _, _, ids in ops), pairs)
         first = rids[np.isnan(self.first_scheduled[rids])]
         self.first_scheduled[first] = now
@@ -209,9 +244,9 @@ class Scheduler:
         grows = new_blocks > 0
         if c.prefix_caching:
             grows |= ends // bs > computed // bs  # fills a block
-        for i in np.flatnonzero(grows):  # the manager hears only of new or filled blocks
+        for i in np.flatnonzero(grows).tolist():  # the manager hears only of new or filled blocks
             rid = int(run[i])
-            m.grow(rid, int(ends[i]), SequenceTokens(self, rid))
+            m.grow(rid, int(ends[i]), SequenceTokens(self, rid) if c.prefix_caching else None)  # token ids: for hashes only
             self.held[rid] = len(m.seqs[rid].table)
         return takes, preempted
 
@@ -287,6 +322,7 @@ class Scheduler:
         done = sampled[self.generated[sampled] >= self.trace.output_len[sampled]]
         if len(done):
             self.finish[done] = end
+            self.finished += len(done)
             for rid in done.tolist():
                 self.m.free(rid)
                 self.held[rid] = 0
@@ -316,13 +352,13 @@ class Scheduler:
             return now, 0
         left = self.trace.output_len[run] - generated  # request i decodes in steps 1 .. left[i], then finishes
         longest = int(min(left.min() if self.waiting else left.max(), cap))  # a finish lets a waiting one in
-        held, free = self.held[run][:, None], m.pool.num_free
+        room = m.pool.num_free + int(self.held[run].sum())  # blocks the running requests may hold in all
         for horizon in (min(64, longest), longest):  # a short look first: an arrival usually ends the run soon
-            step = np.arange(1, horizon + 1)
+            step = STEP_NUMBERS[:horizon] if horizon <= len(STEP_NUMBERS) else np.arange(1, horizon + 1)
             active = step <= left[:, None]                                   # (running, step)
             ends = computed[:, None] + np.minimum(step, left[:, None])        # tokens computed after the step
             blocks = -(-ends // bs)
-            fits = (blocks - held).sum(0) <= free
+            fits = blocks.sum(0) <= room
             k = horizon if fits[-1] else int(np.argmin(fits))                # blocks only grow: fits is monotone
             if k == 0:
                 return now, 0
@@ -339,13 +375,39 @@ class Scheduler:
         times, clock, decodes, kv = times[:k], clock[:k], decodes[:k], kv[:k]
         taken = np.minimum(left, k)
         self.known[run] += taken  # first: the manager reads the new tokens' ids to hash the blocks they fill
-        # The manager's calls in the steps' order, as (step, 0 = grow / 1 = free, request): in each step a block
-        # taken where a request's token starts one (or, with prefix caching, filled where it ends one), in
-        # running order, then the requests that finished in it freed. Few per run: a Python list.
-        events = []
+        if c.prefix_caching:
+            self._book_run_in_step_order(run, computed, taken, left)
+        else:  # blocks are only counted (no hash can find them): each request's blocks at once, then the finished freed
+            for rid, end, grows in zip(run.tolist(), (computed + taken).tolist(), (-(-(computed + taken) // bs) > self.held[run]).tolist()):
+                if grows:
+                    m.grow(rid, end, None)
+                    self.held[rid] = len(m.seqs[rid].table)
+            for rid in run[taken == left].tolist():
+                m.free(rid)
+                self.held[rid] = 0
+        self.computed[run] += taken
+        self.generated[run] += taken
+        done = left <= k
+        self.finish[run[done]] = clock[left[done] - 1]
+        self.finished += int(np.count_nonzero(done))
+        self.running = run[left > k]
+        waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
+        if self.waiting:
+            starts = np.empty(k)
+            starts[0], starts[1:] = now, clock[:-1]
+            waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
+        self.log.decode_run(now, times, clock, decodes, kv, len(self.running), waiting)
+        return float(clock[-1]), k
+
+    def _book_run_in_step_order(self, run, computed, taken, left) -> None:
+        """The manager's calls of a decode run in the steps' order (with prefix caching, which blocks a hash finds
+        and which free block is evicted first depend on it): in each step a block taken where a request's token
+        starts one, or filled where it ends one, in running order, then the requests that finished in it freed."""
+        m, bs = self.m, self.config.block_size
+        events = []  # (step, 0 = grow / 1 = free, request); few per run: a Python list
         for i, (start, steps) in enumerate(zip(computed.tolist(), taken.tolist())):
             events += [(t, 0, i) for t in range(-start % bs, steps, bs)]        # token start + t + 1 opens a block
-            if c.prefix_caching and bs > 1:
+            if bs > 1:
                 events += [(t, 0, i) for t in range((-start - 1) % bs, steps, bs)]  # ... or fills one
             if steps == left[i]:
                 events.append((steps - 1, 1, i))
@@ -359,19 +421,6 @@ class Scheduler:
             else:
                 m.grow(rid, starts_of[i] + t + 1, SequenceTokens(self, rid))
                 self.held[rid] = len(m.seqs[rid].table)
-        self.computed[run] += taken
-        self.generated[run] += taken
-        done = left <= k
-        self.finish[run[done]] = clock[left[done] - 1]
-        self.running = run[left > k]
-        starts = np.empty(k)
-        starts[0], starts[1:] = now, clock[:-1]
-        running = decodes - np.bincount(np.minimum(left, k + 1) - 1, minlength=k + 1)[:k]  # still running after each step
-        waiting = 0  # a run stops at the first arrival unless requests already wait (then more queue behind them)
-        if self.waiting:
-            waiting = len(self.waiting) + np.maximum(np.searchsorted(self.trace.arrival, starts, side="right") - self.next_arrival, 0)
-        self.log.extend(starts, times, decodes, 0, decodes, kv, running, waiting, 0, 0, 0)
-        return float(clock[-1]), k
 
     # --- the loop ----------------------------------------------------------------------------------------
     def run(self, executor, progress=None, max_steps: int = 50_000_000) -> "Scheduler":
@@ -379,7 +428,7 @@ class Scheduler:
         next_progress = 2000
         for index in self.steps(executor, max_steps):
             if progress and index >= next_progress:
-                progress(int(np.isfinite(self.finish).sum()) / self.n)
+                progress(self.finished / self.n)
                 next_progress = index + 2000
         return self
 
