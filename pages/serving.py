@@ -25,7 +25,10 @@ def fidelity_table(m: dict, real: str, simulated: str) -> None:
         "repeat": st.column_config.NumberColumn("real vs real (a second run)", format="percent",
                                                 help="the engine serving the same trace again: its own reproducibility")})
     target = "meets the 5% target on every figure" if m["fidelity_target_met"] else "misses the 5% target on at least one figure"
-    st.caption(f"The simulator {target} of this trace. Times are CPU time of the engine's "
+    step = m.get("cost_model_step_error")  # runs stored before it was measured lack it
+    where = ("" if step is None else f" The cost model's mean step time on this run's own steps is off by {100 * step:+.1f}%; the "
+             "rest of the error is the path the machine's speed took during the run, which the simulator draws but cannot know.")
+    st.caption(f"The simulator {target} of this trace.{where} Times are CPU time of the engine's "
                "thread; a busy shared machine still slows it through caches and memory bandwidth, which the second column shows.")
 
 

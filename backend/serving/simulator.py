@@ -211,9 +211,9 @@ PREDICTION_DRAWS = 8
 
 def expected_summary(trace: Trace, config: SchedulerConfig, cost: CostModel, draws: int = PREDICTION_DRAWS) -> dict:
     """The simulator's prediction of a trace's latency figures: each figure's mean over `draws` draws of the
-    noise. One draw is one possible run; its p90 of 160 requests moves by up to 13% from draw to draw
-    (bench/results/serving.json), which is the simulator's sampling noise, not its error. The mean of 8
-    cuts that by about sqrt(8)."""
+    noise. One draw is one possible run; its medians and p90s of 320 requests stray up to 8% from the mean
+    (bench/results/serving.json, one_draw_vs_prediction), which is the simulator's sampling noise, not its
+    error. The mean of 8 cuts that by about sqrt(8)."""
     runs = [latency_summary(simulate(trace, config, cost, noise_seed=seed)) for seed in range(draws)]
     return {k: runs[0][k] if k == "requests" else float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
