@@ -13,7 +13,7 @@ error on the held-out run's own steps, and the simulator driven by the held-out 
 step time less the model's mean, step by step), which must give back the engine's figures: then what is left is
 the noise path alone. All engine runs are interleaved step by step and keep pace with the longest, so they meet the
 same machine; repeat i joins i * 100 rounds late, so no two share their moments. The prediction is the simulator's
-mean over 8 draws of its noise; how far one draw strays from it (four other seeds) is recorded beside the error.
+mean over 32 draws of its noise; how far one draw strays from it (four other seeds) is recorded beside the error.
 `--quick` skips 1M.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(quick: bool) -> None:
         engine = scheds[len(PROFILES) + ENGINE_REPEATS * i:len(PROFILES) + ENGINE_REPEATS * (i + 1)]
         reals = [latency_summary(s) for s in engine]
         real = reals[0]
-        sim = expected_summary(trace, config, cost)  # the mean of 8 noise draws: the prediction, not one sample of it
+        sim = expected_summary(trace, config, cost)  # the mean of 32 noise draws: the prediction, not one sample of it
         errors = fidelity(real, sim)
         repeats = [fidelity(real, again) for again in reals[1:]]
         mean = {k: float(np.mean([r[k] for r in reals])) for k in FIDELITY_KEYS}

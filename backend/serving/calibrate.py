@@ -21,7 +21,7 @@ settings): that, not preemption, made the error swing (no default run preempted,
 they step in bursts spread over the whole held-out run, and the fit meets the machine it meets. Pacing moves
 no engine's clock (each counts only its own steps' CPU time), only the moments its steps meet.
 
-The prediction compared is the simulator's mean over 8 draws of its noise (`expected_summary`): one draw is
+The prediction compared is the simulator's mean over 32 draws of its noise (`expected_summary`): one draw is
 one possible run, whose medians and p90s over 320 requests stray up to 8% from the mean.
 """
 from __future__ import annotations

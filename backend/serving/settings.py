@@ -12,6 +12,7 @@ from backend.models.llama import TinyDecoder
 from backend.serving.calibrate import Calibration, calibrate
 from backend.serving.engine import tiny_llama
 from backend.serving.scheduler import SchedulerConfig
+from backend.serving.simulator import PREDICTION_DRAWS
 from backend.serving.workload import WORKLOADS, Trace, from_requests
 from backend.uploads import load_trace
 
@@ -48,8 +49,9 @@ class ServingSettings(Config):
 
     def serving_cost(self, real: float, simulated: float, seconds: float = 0.0):
         """A run serving `real` requests with the tiny LLaMA and `simulating` more: its calibration (profile, and the
-        held-out requests twice) comes on top."""
+        held-out requests twice; the simulator on them once drawn and once per draw of its prediction) comes on top."""
         real += self.profile_requests + 2 * self.held_out_requests
+        simulated += (1 + PREDICTION_DRAWS) * self.held_out_requests
         return cost(data_bytes=simulated * 2000 + real * 50_000, seconds=real * REAL_REQUEST_S + simulated * SIMULATED_REQUEST_S + seconds)
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -35,8 +35,7 @@ class EngineConfig(ServingSettings):
         """Besides the calibration: each held-out request decoded alone (one model call per token, about twice a
         served request), the extra real rates, the Triton paged kernel in the interpreter (~10 s), 9 simulated rates."""
         extra = self.real_rates * max(2, self.held_out_requests // 2)
-        return self.serving_cost(2 * self.held_out_requests + extra, 9 * self.sweep_requests + extra + self.held_out_requests,
-                                 seconds=10.0)
+        return self.serving_cost(2 * self.held_out_requests + extra, 9 * self.sweep_requests + extra, seconds=10.0)
 
 
 def run(config: EngineConfig, ctx) -> Result:

@@ -39,8 +39,7 @@ class SimulateConfig(ServingSettings):
     def estimate(self):
         """The big trace, its first 500 again together and step by step (the slow way: 5 s allowed), 11 load-curve
         points and 7 knob runs of sweep_requests each."""
-        return self.serving_cost(0, self.n_requests + 2 * min(self.n_requests, 500) + 18 * self.sweep_requests
-                                 + self.held_out_requests, seconds=5.0)
+        return self.serving_cost(0, self.n_requests + 2 * min(self.n_requests, 500) + 18 * self.sweep_requests, seconds=5.0)
 
 
 def run(config: SimulateConfig, ctx) -> Result:
