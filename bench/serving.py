@@ -6,7 +6,7 @@ median and p90 TTFT and TPOT and throughput within 5% of the real engine on held
 The cost model is fitted once, to three profiling runs of the engine (other seeds: ShareGPT-like at 8 and
 16 requests/s, shared prefixes with prefix caching), and used for all. The engine serves each held-out trace (320
 requests) ENGINE_REPEATS times: on this shared machine one run is one path of the machine's speed (its steps are
-±25% slow or fast together for a hundred steps), and its latency figures move with that path. The error is reported
+about 25% slow or fast together over tens of steps), and its latency figures move with that path. The error is reported
 against the first run (the target as written) and against the mean of all runs (the engine's expected figure, with
 the standard error of that mean). Two figures say where the error comes from: the cost model's mean step-time
 error on the held-out run's own steps, and the simulator driven by the held-out run's own noise path (the measured
@@ -34,7 +34,7 @@ from backend.device import describe  # noqa: E402
 from backend.serving.engine import ModelExecutor, serve_interleaved, tiny_llama  # noqa: E402
 from backend.serving.calibrate import BENCH_REQUESTS, REPEAT_LAG  # noqa: E402
 from backend.serving.scheduler import SchedulerConfig  # noqa: E402
-from backend.serving.simulator import NOISE_TABLE, FIDELITY_KEYS, CostModel, expected_summary, fidelity, latency_summary, simulate  # noqa: E402
+from backend.serving.simulator import FIDELITY_KEYS, CostModel, expected_summary, fidelity, latency_summary, simulate  # noqa: E402
 from backend.serving.workload import shared_prefix, sharegpt_like  # noqa: E402
 
 CONFIG = SchedulerConfig()  # the experiments' defaults
@@ -50,17 +50,6 @@ HELD_OUT = {  # name: (trace, scheduler config)
     "sharegpt, 16 req/s": (sharegpt_like(N_HELD_OUT, 16.0, 1), CONFIG),
     "shared prefix, 8 req/s, prefix caching": (shared_prefix(N_HELD_OUT, 8.0, 2), CACHING),
 }
-
-
-def own_noise_path_summary(trace, config, cost: CostModel, residuals: np.ndarray) -> dict:
-    """The simulator with a given noise path (step i takes residuals[i]) instead of a drawn one."""
-    table = np.resize(residuals, NOISE_TABLE)
-
-    class OwnPath(CostModel):
-        def noise_table(self, seed: int = 0) -> np.ndarray:
-            return table
-
-    return latency_summary(simulate(trace, config, OwnPath(**cost.as_dict())))
 
 
 def main(quick: bool) -> None:
@@ -93,9 +82,7 @@ def main(quick: bool) -> None:
         sem = {k: float(np.std([r[k] for r in reals], ddof=1) / np.sqrt(len(reals)) / mean[k]) for k in FIDELITY_KEYS}
         errors_vs_mean = fidelity(mean, sim)
         steps = engine[0].log.table()
-        predicted = cost.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"], steps["swapped_blocks"],
-                                 steps["prefill_pairs"])
-        own_path = own_noise_path_summary(trace, config, cost, steps["time"] - predicted)
+        own_path = latency_summary(simulate(trace, config, cost, noise_path=steps["time"] - cost.predict_steps(steps)))
         others = []
         for seed in range(100, 104):  # single draws (other seeds than the prediction's), against the prediction: the spread one draw would have had
             others.append(fidelity(sim, latency_summary(simulate(trace, config, cost, noise_seed=seed))))
@@ -106,7 +93,7 @@ def main(quick: bool) -> None:
                          "engine_mean": mean, "engine_mean_standard_error": sem,
                          "error_vs_engine_mean": errors_vs_mean,
                          "worst_vs_engine_mean": max(abs(errors_vs_mean[k]) for k in FIDELITY_KEYS),
-                         "cost_model_step_error": float(predicted.mean() / steps["time"].mean() - 1),
+                         "cost_model_step_error": cost.step_error(steps),
                          "error_given_the_runs_own_noise_path": fidelity(real, own_path),
                          "one_draw_vs_prediction": {k: max(abs(o[k]) for o in others) for k in FIDELITY_KEYS}})
         print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (vs the mean of {len(reals)} runs {100 * errors_vs_mean[k]:+.1f}% "

@@ -109,6 +109,18 @@ def test_decode_runs_equal_the_step_by_step_schedule(config, trace, monkeypatch)
     fast.m.check_invariants()
 
 
+def test_a_runs_own_noise_path_gives_its_figures_back():
+    """bench/serving.py's decomposition: fed a run's residuals (step time less the model's mean) as its noise, the
+    simulator retakes that run's steps, decode runs included, and so its latencies."""
+    trace = sharegpt_like(300, 10.0, 7)
+    drawn = simulate(trace, SchedulerConfig(), COST, noise_seed=3)
+    steps = drawn.log.table()
+    residuals = steps["time"] - COST.predict_steps(steps)
+    again = simulate(trace, SchedulerConfig(), COST, noise_path=residuals)
+    assert len(again.log) == len(drawn.log) and np.allclose(again.finish, drawn.finish, rtol=1e-9)
+    assert COST.step_error(steps) == pytest.approx(-residuals.mean() / steps["time"].mean())
+
+
 def test_swap_steps_are_charged_the_measured_copy_cost_per_block(model):
     config = SchedulerConfig(chunked_prefill=False, num_blocks=48, preemption="swap")
     trace = sharegpt_like(300, 30.0, 3)

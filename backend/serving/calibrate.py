@@ -27,6 +27,7 @@ one possible run, whose medians and p90s over 320 requests stray up to 8% from t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -70,16 +71,14 @@ class Calibration:
         return [Check("the simulator replaying the engine's step times makes the same batches", replay_mismatches(self.real), 0,
                       reference="the engine's recorded batches, step by step", detail=f"{len(self.real.batches)} steps compared")]
 
+    @cached_property
     def step_error(self) -> float:
         """The cost model's error on the held-out run's own steps: its mean predicted step time against the mean
         measured one. What is left of the latency error beyond this is the path the machine's speed took during the
         run (on the 2-core box, steps about 25% slow or fast together over tens of steps), which a prediction draws
         but cannot know: given the run's own residuals as its noise, the simulator gives the run's figures back
         (bench/serving.py, error_given_the_runs_own_noise_path)."""
-        steps = self.real.log.table()
-        predicted = self.cost.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"], steps["swapped_blocks"],
-                                      steps["prefill_pairs"])
-        return float(predicted.mean() / steps["time"].mean() - 1)
+        return self.cost.step_error(self.real.log.table())
 
     def fidelity_note(self) -> str:
         worst = max(abs(v) for v in self.fidelity.values())
@@ -90,7 +89,7 @@ class Calibration:
             f"spread of {100 * BENCH_ENGINE_SPREAD:.1f}% there, widened as 1/sqrt(requests); or twice this run's engine spread)")
         return (f"Fidelity, simulated vs real on the held-out trace: worst {100 * worst:.1f}%, {verdict}; the target is "
                 f"5%. {figures}. The cost model's mean step time on the held-out run's own steps is off by "
-                f"{100 * self.step_error():+.1f}%; the rest is the path the machine's speed took during the run, which the "
+                f"{100 * self.step_error:+.1f}%; the rest is the path the machine's speed took during the run, which the "
                 "simulator draws but cannot know.")
 
     def metrics(self) -> dict:
@@ -100,7 +99,7 @@ class Calibration:
                 **{f"error.{k}": v for k, v in self.fidelity.items()}, **{f"repeat.{k}": v for k, v in self.repeat.items()},
                 "fidelity_target_met": max(abs(v) for v in self.fidelity.values()) <= 0.05,
                 "fidelity_within_noise": max(abs(v) for v in self.fidelity.values()) <= self.tolerance(),
-                "fidelity_tolerance": self.tolerance(), "cost_model_step_error": self.step_error(),
+                "fidelity_tolerance": self.tolerance(), "cost_model_step_error": self.step_error,
                 **{f"cost.{k}": v for k, v in c.as_dict().items() if k != "noise"}}
 
     def note(self) -> str:

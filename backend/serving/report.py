@@ -35,7 +35,7 @@ def token_gap_rows(sched: Scheduler) -> list[dict]:
 
 def step_rows(sched: Scheduler, cost: CostModel, limit: int = 3000) -> list[dict]:
     log = sched.log.table()
-    predicted = cost.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"], log["swapped_blocks"], log["prefill_pairs"])
+    predicted = cost.predict_steps(log)
     stride = max(1, len(log["time"]) // limit)
     return [{"step": i, "start": float(log["start"][i]), "end": float(log["start"][i] + log["time"][i]), "time_ms": 1e3 * float(log["time"][i]),
              "predicted_ms": 1e3 * float(predicted[i]), **{k: int(log[k][i]) for k in

@@ -378,7 +378,8 @@ class Scheduler:
         if c.prefix_caching:
             self._book_run_in_step_order(run, computed, taken, left)
         else:  # blocks are only counted (no hash can find them): each request's blocks at once, then the finished freed
-            for rid, end, grows in zip(run.tolist(), (computed + taken).tolist(), (-(-(computed + taken) // bs) > self.held[run]).tolist()):
+            ends = computed + taken
+            for rid, end, grows in zip(run.tolist(), ends.tolist(), (-(-ends // bs) > self.held[run]).tolist()):
                 if grows:
                     m.grow(rid, end, None)
                     self.held[rid] = len(m.seqs[rid].table)

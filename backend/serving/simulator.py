@@ -142,6 +142,15 @@ class CostModel:
         return (sum(ci * f for ci, f in zip(c, features(prefill_tokens, decode_tokens, kv_blocks, prefill_pairs)))
                 + self.per_swapped_block * np.asarray(swapped_blocks))
 
+    def predict_steps(self, steps: dict) -> np.ndarray:
+        """The mean time of each step of a StepLog table."""
+        return self.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"], steps["swapped_blocks"],
+                            steps["prefill_pairs"])
+
+    def step_error(self, steps: dict) -> float:
+        """Relative error of the mean predicted step time against the mean measured one, over a StepLog table."""
+        return float(self.predict_steps(steps).mean() / steps["time"].mean() - 1)
+
     def noise_table(self, seed: int = 0) -> np.ndarray:
         """Each step's noise, by step index mod NOISE_TABLE: a Gaussian AR(1) drift plus independent noise in
         the fitted shares, mapped through its ranks onto the residual quantiles (so the values have the
@@ -163,11 +172,11 @@ class CostModel:
 
 
 class CostModelExecutor:
-    def __init__(self, cost: CostModel, noise_seed: int = 0):
+    def __init__(self, cost: CostModel, noise_seed: int = 0, noise_path: np.ndarray | None = None):
         self.cost = cost
         self.coef = tuple(map(float, cost.coefficients()))  # plain floats: `execute` runs once per step
         self.per_swapped_block = float(cost.per_swapped_block)
-        self.noise = cost.noise_table(noise_seed)
+        self.noise = cost.noise_table(noise_seed) if noise_path is None else np.resize(np.asarray(noise_path, np.float64), NOISE_TABLE)
         self.floor = 0.1 * cost.intercept or 1e-6  # a noisy step still takes some time
 
     def execute(self, step: Step, sched: Scheduler):
@@ -200,10 +209,12 @@ class ReplayExecutor:
 
 
 def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, step_by_step=False,
-             noise_seed: int = 0) -> Scheduler:
+             noise_seed: int = 0, noise_path: np.ndarray | None = None) -> Scheduler:
     """step_by_step: no decode runs taken together (and each step's batch recorded). noise_seed: which draw of
-    the cost model's noise the steps take."""
-    return Scheduler(trace, config, record_batches=step_by_step).run(CostModelExecutor(cost, noise_seed), progress)
+    the cost model's noise the steps take; noise_path: a given noise instead (step i takes noise_path[i], e.g. a
+    measured run's residuals)."""
+    executor = CostModelExecutor(cost, noise_seed, noise_path)
+    return Scheduler(trace, config, record_batches=step_by_step).run(executor, progress)
 
 
 PREDICTION_DRAWS = 32
