@@ -41,6 +41,10 @@ from backend.store import FINAL, RunRecord, RunStore
 DEFAULT_MAX_JOBS = int(os.environ.get("EXPLORER_MAX_JOBS", 1))
 WARM_LEADER = os.environ.get("EXPLORER_WARM_LEADER", "1") != "0"
 BEAT_S = 0.5  # heartbeat and cancel poll period: cancel acts within a second
+# The runner ends a run itself this long past its time limit, counted from its claim. The leader holds the limit
+# from its own start, after its imports (seconds on a loaded machine; a cold leader imports torch), and a
+# distributed one waits 15 s more for spawn_ranks to collect the ranks' stacks: the runner must not come first.
+BACKSTOP_S = 60.0
 
 
 class NotAllowed(PermissionError):
@@ -49,9 +53,10 @@ class NotAllowed(PermissionError):
 
 class JobRunner:
     def __init__(self, store: RunStore | None = None, max_jobs: int = DEFAULT_MAX_JOBS,
-                 timeout_s: float | None = None, poll_s: float = 0.1, warm: bool = WARM_LEADER):
+                 timeout_s: float | None = None, poll_s: float = 0.1, warm: bool = WARM_LEADER,
+                 backstop_s: float = BACKSTOP_S):
         self.store = store or RunStore()
-        self.max_jobs, self.poll_s, self.warm = max_jobs, poll_s, warm
+        self.max_jobs, self.poll_s, self.warm, self.backstop_s = max_jobs, poll_s, warm, backstop_s
         self.timeout_s = timeout_s or limits.time_budget()
         self._procs: dict[str, subprocess.Popen] = {}
         self._standby: Standby | None = None
@@ -159,7 +164,7 @@ class JobRunner:
         rec = self.store.get(run_id)
         if rec.status in FINAL:  # the leader recorded its end and is exiting
             return
-        overdue = rec.started and time.time() - rec.started > (rec.timeout_s or self.timeout_s) + 15
+        overdue = rec.started and time.time() - rec.started > (rec.timeout_s or self.timeout_s) + self.backstop_s
         if overdue or cancel:
             # The leader acts on both itself within a second; still running after that, it is stuck or
             # has not started yet (importing torch can take seconds), and the runner ends it instead.

@@ -78,7 +78,7 @@ def test_hanging_rank_is_named_and_its_stack_logged(runner):
     log = (runner.store.run_dir(rid) / "log.txt").read_text()
     hung = log.split("--- rank 1: Python stack")[1].split("--- rank 2")[0]
     assert 'selftest.py", line' in hung and "in rank_main" in hung and "distributed_c10d" not in hung
-    assert time.time() - start < 20 + 40
+    assert time.time() - start < 20 + 60  # the diagnosis comes before the runner's backstop
     _assert_cleaned_up(rec)
     # What a stopped run keeps: the settings to lower, how far it got, what it had computed, its log.
     assert "lower world_size (now 3)" in rec.error
@@ -86,17 +86,35 @@ def test_hanging_rank_is_named_and_its_stack_logged(runner):
     assert runner.store.partial(rid)["metrics"] == {"rank 0 input": 0.0}
 
 
+def test_a_leader_that_stopped_obeying_is_ended_by_the_runner(store):
+    """The leader holds the time limit itself; one that cannot (frozen here by SIGSTOP) is ended by the runner,
+    backstop_s past the limit: its run is recorded failed with the time message and its process group killed."""
+    from backend.jobs import JobRunner
+
+    runner = JobRunner(store, backstop_s=2.0, warm=False)
+    try:
+        rid = runner.submit("comm.selftest", {"world_size": "2", "fault": "hang", "fault_rank": "1"}, timeout_s=15)
+        rec = _wait_for_ranks(store, 2, rid)
+        os.killpg(rec.pid, signal.SIGSTOP)
+        rec = runner.wait(rid, 60)
+        assert rec.status == "failed" and "time limit: not finished within 15 s" in rec.error, rec.error
+        assert "had not reached the collective" not in rec.error  # the runner's words, not the frozen leader's
+        _assert_cleaned_up(rec)
+    finally:
+        runner.close()
+
+
 def test_a_cancelled_sweep_keeps_the_sizes_it_finished(runner, monkeypatch):
     """comm.bandwidth records rank 0's time per finished size as it goes; a stopped run keeps them."""
     monkeypatch.setenv("EXPLORER_JOB_TIMEOUT_S", "3600")  # the sweep is long on purpose; it is cancelled midway
     long_sweep = {"world_size": "2", "ops": "all_reduce", "min_bytes": "1024", "max_bytes": str(64 << 20), "iters": "100"}
     rid = runner.submit("comm.bandwidth", long_sweep, timeout_s=600)
-    deadline = time.time() + 120
+    deadline = time.time() + 240
     while len((runner.store.partial(rid) or {}).get("tables", {}).get("rank 0 times", [])) < 2:
         assert time.time() < deadline and runner.store.get(rid).status in ("queued", "running")
         time.sleep(0.2)
     runner.cancel(rid)
-    rec = runner.wait(rid, 30)
+    rec = runner.wait(rid, 60)
     assert rec.status == "cancelled" and 0 < rec.progress < 1
     rows = runner.store.partial(rid)["tables"]["rank 0 times"]
     assert [r["size_bytes"] for r in rows[:2]] == [1024, 2048] and all(r["time_us"] > 0 for r in rows)
@@ -288,10 +306,11 @@ def test_stopped_cli_run_is_never_left_running_nor_its_ranks(store, how):
             os.kill(cli.pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         stopped = time.monotonic()
         cli.wait(timeout=10)
-        while processes_in_group(cli.pid) and time.monotonic() - stopped < 5:
+        # the ranks' fork server sees its leader gone and the ranks their parent gone: seconds on a loaded machine
+        while processes_in_group(cli.pid) and time.monotonic() - stopped < 30:
             time.sleep(0.1)
         assert processes_in_group(cli.pid) == [], "a rank outlived its leader"
-        while store.get(rec.id).status == "running" and time.monotonic() - stopped < 10:
+        while store.get(rec.id).status == "running" and time.monotonic() - stopped < 30:
             time.sleep(0.2)
         final = store.get(rec.id)
         assert final.status == ("failed" if how == "sigkill" else "cancelled")

@@ -222,7 +222,7 @@ def spawn_ranks(rank_fn, world_size: int, config, ctx, preload: tuple[str, ...] 
     return [payloads[r] for r in range(world_size)]
 
 
-def _timeout(procs, payloads: dict, stacks: Path, ctx, config=None, grace_s: float = 2.0) -> RunTimeout:
+def _timeout(procs, payloads: dict, stacks: Path, ctx, config=None, grace_s: float = 5.0) -> RunTimeout:
     """Ask every unfinished rank for its Python stack, log them, and name the ranks that had not reached
     the collective the others are blocked in (a rank blocked in one is waiting for those)."""
     pending = [r for r, p in enumerate(procs) if r not in payloads and p.is_alive()]
