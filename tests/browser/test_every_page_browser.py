@@ -24,7 +24,7 @@ import pytest
 from tests.browser import every_page
 from tests.browser.every_page import NON_DEFAULT, ORDER
 from tests.browser.streamlit_server import streamlit_app
-from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _require_browser
 
 pytestmark = pytest.mark.skipif(not every_page.enabled(), reason="EXPLORER_BROWSER_EVERY_PAGE=0")
 
@@ -35,7 +35,6 @@ VIEWPORT = {"width": 1280, "height": 900}  # the issue's default window: metrics
 # CPU is shared (steal time up to 30%) beside the other test worker, a 14-s run has taken over 120 s.
 JOB_TIMEOUT_S = 300
 RUN_TIMEOUT_MS = (JOB_TIMEOUT_S + 120) * 1000  # the limit plus the queue and the page's redraw, with margin
-NAVIGATION_TIMEOUT_MS = 90_000
 
 # Every metric's label, value and delta: is any of its parts cut (content wider than its box)? Streamlit 1.67
 # truncates each with `overflow: hidden; text-overflow: ellipsis` on the Markdown container inside it.
@@ -83,10 +82,10 @@ def _page(browser, url: str, name: str):
     from playwright.sync_api import expect
 
     page = browser.new_page(viewport=VIEWPORT)
-    page.set_default_navigation_timeout(NAVIGATION_TIMEOUT_MS)
+    page.set_default_navigation_timeout(UI_TIMEOUT_MS)
     try:
         page.goto(url)
-        expect(page.locator("[data-testid=stMain] h1").first).to_be_visible(timeout=NAVIGATION_TIMEOUT_MS)
+        expect(page.locator("[data-testid=stMain] h1").first).to_be_visible(timeout=UI_TIMEOUT_MS)
         yield page
     except BaseException as err:
         with contextlib.suppress(Exception):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from tests.browser.streamlit_server import streamlit_app
-from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _require_browser
 
 TOKEN = "t0k3n-for-this-test-only"
 
@@ -24,16 +24,18 @@ def test_token_flow(exposed_server):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         stranger = browser.new_page()
+        stranger.set_default_timeout(UI_TIMEOUT_MS)
         stranger.goto(f"{exposed_server}/runs")
-        expect(stranger.get_by_role("heading", name="Sign in")).to_be_visible(timeout=30_000)
+        expect(stranger.get_by_role("heading", name="Sign in")).to_be_visible(timeout=UI_TIMEOUT_MS)
         expect(stranger.get_by_text("Job queue")).to_have_count(0)  # nothing of the app without the token
         stranger.goto(f"{exposed_server}/?token=wrong")
-        expect(stranger.get_by_text("That token is not this server's.")).to_be_visible(timeout=30_000)
+        expect(stranger.get_by_text("That token is not this server's.")).to_be_visible(timeout=UI_TIMEOUT_MS)
 
         context = browser.new_context()
         member = context.new_page()
+        member.set_default_timeout(UI_TIMEOUT_MS)
         member.goto(f"{exposed_server}/?token={TOKEN}")
-        expect(member.get_by_text("Job queue")).to_be_visible(timeout=30_000)
+        expect(member.get_by_text("Job queue")).to_be_visible(timeout=UI_TIMEOUT_MS)
         deadline = time.time() + 10
         while "token=" in member.url and time.time() < deadline:
             time.sleep(0.1)
@@ -44,12 +46,15 @@ def test_token_flow(exposed_server):
         cookie = next(c for c in context.cookies() if c["name"] == "explorer_auth")
         assert TOKEN not in cookie["value"]
         again = context.new_page()  # a later visit: the cookie is enough
+        again.set_default_timeout(UI_TIMEOUT_MS)
         again.goto(f"{exposed_server}/runs")
-        expect(again.get_by_role("heading", name="Runs")).to_be_visible(timeout=30_000)
+        expect(again.get_by_role("heading", name="Runs")).to_be_visible(timeout=UI_TIMEOUT_MS)
 
         pasted = browser.new_page()  # or paste the token into the form
+
+        pasted.set_default_timeout(UI_TIMEOUT_MS)
         pasted.goto(exposed_server)
         pasted.get_by_label("Token").fill(TOKEN)
         pasted.get_by_role("button", name="Sign in").click()
-        expect(pasted.get_by_text("Job queue")).to_be_visible(timeout=30_000)
+        expect(pasted.get_by_text("Job queue")).to_be_visible(timeout=UI_TIMEOUT_MS)
         browser.close()
