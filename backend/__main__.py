@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from backend.comm.spawn import free_port
-    from backend.jobs import Leader
+    from backend.jobs import DIAGNOSIS_GRACE_S, Leader
 
     port = int(os.environ["EXPLORER_PORT"]) if os.environ.get("EXPLORER_PORT") else free_port()
     if args.run_id:  # queued by a job runner, which claimed it
@@ -109,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout, code_version=experiments.code_version(), origin="cli",
             owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
         store.update(run_id, port=port)
-    # spawn_ranks enforces a distributed run's time limit itself (after collecting the ranks' stacks);
-    # the leader's clock is then only a backstop.
     leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
-                    grace_s=15 if exp.distributed else 0, config=config).start()
+                    grace_s=DIAGNOSIS_GRACE_S if exp.distributed else 0, config=config).start()
     ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, port=port,
                                  echo_progress=not args.json)
     report = experiments.run_recorded(exp, config, ctx, store, run_id, args.out)

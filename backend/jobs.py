@@ -41,9 +41,12 @@ from backend.store import FINAL, RunRecord, RunStore
 DEFAULT_MAX_JOBS = int(os.environ.get("EXPLORER_MAX_JOBS", 1))
 WARM_LEADER = os.environ.get("EXPLORER_WARM_LEADER", "1") != "0"
 BEAT_S = 0.5  # heartbeat and cancel poll period: cancel acts within a second
+# A distributed run's leader holds its time limit this much later: spawn_ranks enforces the limit itself, first
+# collecting each rank's stack, and the leader's clock is then only a backstop.
+DIAGNOSIS_GRACE_S = 15.0
 # The runner ends a run itself this long past its time limit, counted from its claim. The leader holds the limit
-# from its own start, after its imports (seconds on a loaded machine; a cold leader imports torch), and a
-# distributed one waits 15 s more for spawn_ranks to collect the ranks' stacks: the runner must not come first.
+# from its own start, after its imports (seconds on a loaded machine; a cold leader imports torch), plus
+# DIAGNOSIS_GRACE_S for a distributed run: the runner must not come first.
 BACKSTOP_S = 60.0
 
 

@@ -11,9 +11,16 @@ from tests.browser.streamlit_server import streamlit_app
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-# How long a page may take to load or show an element: generous, since a CI host's CPU may be shared (steal time up
-# to 30%) while the other test worker runs multi-rank jobs. A page that works shows up within seconds.
+# How long a page may take to load or show an element: generous, since a CI host's CPU may be shared (steal time
+# up to 77% in 10-s windows here) while the other test worker runs multi-rank jobs. A working page shows in seconds.
 UI_TIMEOUT_MS = 90_000
+
+
+def new_page(owner, **options):
+    """A page of a browser or a browser context, whose loads and actions wait up to UI_TIMEOUT_MS."""
+    page = owner.new_page(**options)
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    return page
 
 
 def _require_browser():
@@ -48,8 +55,7 @@ def test_a_deep_link_as_a_fresh_servers_first_request_goes_through_app_py(tmp_pa
 
     with streamlit_server(tmp_path) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(UI_TIMEOUT_MS)
+        page = new_page(browser, viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/pipeline?schedule=gpipe")
         expect(page.get_by_role("heading", name="Pipeline parallel")).to_be_visible(timeout=UI_TIMEOUT_MS)
         expect(page.get_by_text("Job queue")).to_be_visible()  # app.py's sidebar: the router ran
@@ -63,8 +69,7 @@ def test_launch_bandwidth_run_see_chart_download_trace(server, tmp_path):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
-        page.set_default_timeout(UI_TIMEOUT_MS)
+        page = new_page(browser, viewport={"width": 1400, "height": 1000}, accept_downloads=True)
         # A deep link carries the settings; the server validates them like any other input.
         page.goto(f"{server}/comm_bandwidth?world_size=2&max_bytes=4096&iters=2&ops=all_reduce,all_gather")
         expect(page.get_by_role("heading", name="Collective bandwidth")).to_be_visible(timeout=UI_TIMEOUT_MS)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from tests.browser.streamlit_server import streamlit_app
-from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _require_browser
+from tests.browser.test_app_browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _require_browser, new_page
 
 TOKEN = "t0k3n-for-this-test-only"
 
@@ -23,8 +23,7 @@ def test_token_flow(exposed_server):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        stranger = browser.new_page()
-        stranger.set_default_timeout(UI_TIMEOUT_MS)
+        stranger = new_page(browser)
         stranger.goto(f"{exposed_server}/runs")
         expect(stranger.get_by_role("heading", name="Sign in")).to_be_visible(timeout=UI_TIMEOUT_MS)
         expect(stranger.get_by_text("Job queue")).to_have_count(0)  # nothing of the app without the token
@@ -32,8 +31,7 @@ def test_token_flow(exposed_server):
         expect(stranger.get_by_text("That token is not this server's.")).to_be_visible(timeout=UI_TIMEOUT_MS)
 
         context = browser.new_context()
-        member = context.new_page()
-        member.set_default_timeout(UI_TIMEOUT_MS)
+        member = new_page(context)
         member.goto(f"{exposed_server}/?token={TOKEN}")
         expect(member.get_by_text("Job queue")).to_be_visible(timeout=UI_TIMEOUT_MS)
         deadline = time.time() + 10
@@ -45,14 +43,11 @@ def test_token_flow(exposed_server):
             time.sleep(0.1)
         cookie = next(c for c in context.cookies() if c["name"] == "explorer_auth")
         assert TOKEN not in cookie["value"]
-        again = context.new_page()  # a later visit: the cookie is enough
-        again.set_default_timeout(UI_TIMEOUT_MS)
+        again = new_page(context)  # a later visit: the cookie is enough
         again.goto(f"{exposed_server}/runs")
         expect(again.get_by_role("heading", name="Runs")).to_be_visible(timeout=UI_TIMEOUT_MS)
 
-        pasted = browser.new_page()  # or paste the token into the form
-
-        pasted.set_default_timeout(UI_TIMEOUT_MS)
+        pasted = new_page(browser)  # or paste the token into the form
         pasted.goto(exposed_server)
         pasted.get_by_label("Token").fill(TOKEN)
         pasted.get_by_role("button", name="Sign in").click()
