@@ -138,8 +138,7 @@ class RunStore:
         self.root = Path(root) if root else data_dir()
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = self.root / "runs.sqlite"
-        with self._connect() as db:
-            db.execute("PRAGMA journal_mode=WAL")
+        self._use_write_ahead_log()
         with self._transaction() as db:  # one writer at a time: many processes may open a new store at once
             for statement in SCHEMA.split(";"):
                 db.execute(statement)
@@ -153,6 +152,22 @@ class RunStore:
                        " WHERE newer.digest=runs.digest AND newer.origin='jobs' AND newer.status IN ('queued','running')"
                        " AND newer.created > runs.created)", (time.time(),))
             db.execute(LIVE_INDEX)
+
+    def _use_write_ahead_log(self, patience_s: float = 30.0) -> None:
+        """Readers never wait for the writer. Switching a new database to WAL upgrades a shared lock to an exclusive
+        one, for which SQLite does not wait (waiting could deadlock): two processes opening a new store at once (the
+        ranks of a torchrun) got "database is locked" at once. So the switch is retried here."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                with self._connect() as db:
+                    if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                        db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:

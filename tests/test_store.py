@@ -35,6 +35,23 @@ def test_writer_killed_mid_write_leaves_store_intact(tmp_path):
     assert len(reopened.list(experiment="writer", limit=100_000)) > 0
 
 
+def test_a_new_store_opened_while_another_process_writes_waits_for_it(tmp_path):
+    """Ranks of a torchrun open one new store at once: switching it to WAL while another connection writes was
+    refused at once ("database is locked", rank 1 of a CI run died of it); it must wait for the writer."""
+    import sqlite3
+    import threading
+
+    writer = sqlite3.connect(tmp_path / "runs.sqlite", isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE other (x)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO other VALUES (1)")
+    threading.Timer(0.5, lambda: writer.execute("COMMIT")).start()
+    store = RunStore(tmp_path)
+    writer.close()
+    assert store.create("x", {}, "d")
+    assert sqlite3.connect(tmp_path / "runs.sqlite").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
 def test_claim_is_exclusive_and_finish_is_first_writer_wins(tmp_path):
     store = RunStore(tmp_path)
     rid = store.create("demo", {}, "d", status="queued")

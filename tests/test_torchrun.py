@@ -1,6 +1,7 @@
 """Every distributed experiment runs under torchrun (the cluster path) on 2 ranks, with its checks passing."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,12 @@ def _torchrun(name: str, out: Path, sets: list[str]) -> subprocess.CompletedProc
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
 
 
+def _failure(out: subprocess.CompletedProcess) -> str:
+    """Every rank's own lines first (torchrun's summary names only the first rank to fail), then the tail."""
+    own = [line for line in out.stderr.splitlines() if re.match(r"\[rank\d+\]", line)]
+    return "\n".join(own[-80:]) + "\n--- tail ---\n" + out.stderr[-2000:]
+
+
 def test_every_distributed_experiment_is_listed():
     assert {"comm.bandwidth", "pipeline.run", "parallel.zero"} <= set(DISTRIBUTED)
 
@@ -32,7 +39,7 @@ def test_every_distributed_experiment_is_listed():
 @pytest.mark.parametrize("name", DISTRIBUTED)
 def test_torchrun_runs_the_experiment(name, tmp_path):
     out = _torchrun(name, tmp_path, QUICK.get(name, []))
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, _failure(out)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["config"]["world_size"] == 2  # taken from torchrun's WORLD_SIZE
     assert report["status"] == "succeeded" and report["passed"], [c for c in report["checks"] if not c["passed"]]
