@@ -52,6 +52,47 @@ HELD_OUT = {  # name: (trace, scheduler config)
 }
 
 
+class HostSteal:
+    """The share of this virtual machine's CPU time the host gave to others (steal, from /proc/stat), sampled every
+    `every` seconds in a thread: what made one engine run's steps slower than another's, recorded beside them."""
+
+    def __init__(self, every: float = 5.0):
+        import threading
+
+        self.every, self.samples, self._stop = every, [], threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _counters() -> tuple[int, int] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return fields[7], sum(fields)  # steal, all
+
+    def _sample(self) -> None:
+        last = self._counters()
+        while last and not self._stop.wait(self.every):
+            now = self._counters()
+            self.samples.append(100 * (now[0] - last[0]) / max(now[1] - last[1], 1))
+            last = now
+
+    def __enter__(self) -> "HostSteal":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"note": "no /proc/stat here: not measured"}
+        q = np.percentile(self.samples, [50, 90, 100])
+        return {"every_s": self.every, "median_percent": round(float(q[0]), 1), "p90_percent": round(float(q[1]), 1),
+                "max_percent": round(float(q[2]), 1), "samples": [round(v, 1) for v in self.samples]}
+
+
 def main(quick: bool) -> None:
     torch.set_num_threads(1)
     model = tiny_llama(0)
@@ -64,7 +105,8 @@ def main(quick: bool) -> None:
     # same rounds and meet the same machine; run at once, the busier traces finished in the first half of its rounds
     lead = len(PROFILES)
     pace = [None if i == lead else lead for i in range(len(runs))]
-    scheds = serve_interleaved(model, [(trace, config, False) for trace, config in runs], start_round=lag, pace_with=pace)
+    with HostSteal() as engine_steal:
+        scheds = serve_interleaved(model, [(trace, config, False) for trace, config in runs], start_round=lag, pace_with=pace)
     engine_wall, engine_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     swap = ModelExecutor(model, CONFIG).swap_seconds_per_block()  # measured, as calibration does
     cost = CostModel.fit([s.log.table() for s in scheds[:len(PROFILES)]], rounds=[s.rounds for s in scheds[:len(PROFILES)]],
@@ -102,24 +144,26 @@ def main(quick: bool) -> None:
     for n in (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000):
         trace = sharegpt_like(n, 8.0, 3)
         start, cpu = time.perf_counter(), time.process_time()
-        sched = simulate(trace, CONFIG, cost)
+        with HostSteal() as steal:
+            sched = simulate(trace, CONFIG, cost)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         speed.append({"requests": n, "steps": len(sched.log), "wall_s": wall, "cpu_s": cpu,
-                      "requests_per_s": n / wall, "summary": latency_summary(sched)})
+                      "requests_per_s": n / wall, "host_steal": steal.summary(), "summary": latency_summary(sched)})
         print(f"{n:,} requests, {len(sched.log):,} steps: {wall:.1f} s wall, {cpu:.1f} s CPU ({n / wall:,.0f} requests/s)")
     by_n = {row["requests"]: row for row in speed}
     out = {"benchmark": "serving", "device": describe(), "code_version": experiments.code_version(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
            "engine_runs": {"runs": len(runs), "profile_requests": N, "held_out_requests": N_HELD_OUT, "runs_per_held_out_trace": ENGINE_REPEATS,
-                           "wall_s": engine_wall, "cpu_s": engine_cpu},
+                           "wall_s": engine_wall, "cpu_s": engine_cpu, "host_steal": engine_steal.summary()},
            "cost_model": cost.as_dict(), "fidelity": held_out, "speed": speed,
            "targets": {"fidelity within 5% of the engine's first run (every figure, every held-out trace)": all(h["worst"] <= 0.05 for h in held_out),
                        f"fidelity within 5% of the mean of the engine's {ENGINE_REPEATS} runs": all(h["worst_vs_engine_mean"] <= 0.05 for h in held_out),
                        "100k requests <= 30 s of CPU": by_n[100_000]["cpu_s"] <= 30,
                        **({"1M requests <= 300 s of CPU": by_n[1_000_000]["cpu_s"] <= 300} if 1_000_000 in by_n else {})},
            "notes": "Engine step times are the engine thread's CPU time (robust to other processes, not to their cache "
-                    "and memory-bandwidth pressure); the load averages say how busy the shared 2-core machine was. The "
+                    "and memory-bandwidth pressure); the load averages say how busy the shared 2-core machine was, host_steal how much of "
+                    "its CPU the host gave to other machines (per 5 s). The "
                     f"engine runs were interleaved step by step and paced; repeat i of a held-out trace joined {REPEAT_LAG} * i "
                     "rounds late, so its spread includes the path of the machine's slow drift, which the simulator cannot know "
                     "either (it draws its own). error_given_the_runs_own_noise_path: the simulator with the run's measured "

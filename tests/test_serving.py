@@ -100,7 +100,16 @@ COST = CostModel(0.0040, 9.8e-5, 3.1e-4, 2e-5, 2.5e-3, 3e-3, noise=tuple(np.lins
 ])
 def test_decode_runs_equal_the_step_by_step_schedule(config, trace, monkeypatch):
     monkeypatch.setattr(StepLog, "FLUSH_EVERY", 5)  # the log joins its steps and runs often: their order must survive it
+    in_runs, decode_run = [], Scheduler.decode_run
+
+    def counted(*args, **kwargs):
+        now, steps = decode_run(*args, **kwargs)
+        in_runs.append(steps)
+        return now, steps
+
+    monkeypatch.setattr(Scheduler, "decode_run", counted)
     fast, slow = simulate(trace, config, COST), simulate(trace, config, COST, step_by_step=True)
+    assert sum(in_runs) >= 50  # runs were taken (else the two are trivially equal)
     assert len(fast.log) == len(slow.log)
     assert np.array_equal(fast.first_token, slow.first_token) and np.array_equal(fast.finish, slow.finish)
     a, b = fast.log.table(), slow.log.table()

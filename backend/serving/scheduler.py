@@ -165,6 +165,7 @@ class Scheduler:
         self.preempted_spans: list[tuple[int, float, float]] = []  # (rid, out, back)
         self._out_since: dict[int, float] = {}
         self.running = np.zeros(0, np.int64)            # admission order: the last is preempted first
+        self.mid_prefill = True                         # a request of the last step computed without sampling
         self.waiting: deque[int] = deque()
         self.swapped: deque[int] = deque()
         self.next_arrival = 0
@@ -310,6 +311,9 @@ class Scheduler:
     def complete(self, step: Step, seconds: float, tokens: np.ndarray | None) -> None:
         """The step took `seconds`; `tokens` are the sampled ids of the requests with step.samples set."""
         rids, end = step.rids, step.start + seconds
+        # A request that computed without sampling (a prefill chunk) has more than one token to compute: no decode
+        # run can start after this step (decode_run's first, cheap test; half of its calls end there).
+        self.mid_prefill = not step.samples.all()
         self.computed[rids] += step.takes
         sampled = rids[step.samples]
         self.generated[sampled] += 1
@@ -345,7 +349,8 @@ class Scheduler:
         steps taken), 0 steps if the state is not such a run; a test holds it to the step-by-step schedule."""
         c, m, bs = self.config, self.m, self.config.block_size
         run = self.running
-        if not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch) or len(run) > c.token_budget:
+        if (self.mid_prefill or not len(run) or self.swapped or (self.waiting and len(run) < c.max_batch)
+                or len(run) > c.token_budget):
             return now, 0
         computed, generated = self.computed[run], self.generated[run]
         if ((self.known[run] - computed != 1) | (generated == 0)).any():
