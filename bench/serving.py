@@ -72,10 +72,12 @@ class HostSteal:
 
     def _sample(self) -> None:
         last = self._counters()
-        while last and not self._stop.wait(self.every):
+        while last:
+            stopped = self._stop.wait(self.every)
             now = self._counters()
-            self.samples.append(100 * (now[0] - last[0]) / max(now[1] - last[1], 1))
-            last = now
+            if now[1] > last[1]:  # the last window is shorter when stopped: a run under 5 s still gets its one sample
+                self.samples.append(100 * (now[0] - last[0]) / (now[1] - last[1]))
+            last = None if stopped else now
 
     def __enter__(self) -> "HostSteal":
         self._thread.start()
