@@ -110,9 +110,9 @@ def main(quick: bool) -> None:
     with HostSteal() as engine_steal:
         scheds = serve_interleaved(model, [(trace, config, False) for trace, config in runs], start_round=lag, pace_with=pace)
     engine_wall, engine_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    swap = ModelExecutor(model, CONFIG).swap_seconds_per_block()  # measured, as calibration does
+    probe = ModelExecutor(model, CONFIG)  # swap copies and designed steps measured, as calibration does
     cost = CostModel.fit([s.log.table() for s in scheds[:len(PROFILES)]], rounds=[s.rounds for s in scheds[:len(PROFILES)]],
-                         per_swapped_block=swap)
+                         per_swapped_block=probe.swap_seconds_per_block(), designed=probe.designed_steps(CONFIG))
     print(f"{len(runs)} engine runs interleaved in {engine_wall:.0f} s wall, {engine_cpu:.0f} s CPU; cost model: {cost}")
     held_out = []
     for i, (name, (trace, config)) in enumerate(HELD_OUT.items()):

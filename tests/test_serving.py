@@ -15,7 +15,7 @@ from backend.serving import attention
 from backend.serving.calibrate import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
 from backend.serving.engine import ModelExecutor, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
-from backend.serving.simulator import TERMS, CostModel, ReplayExecutor, fidelity, latency_summary, simulate
+from backend.serving.simulator import TERMS, CostModel, CostModelExecutor, ReplayExecutor, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
 
 
@@ -150,12 +150,28 @@ def test_swap_steps_are_charged_the_measured_copy_cost_per_block(model):
     assert np.allclose(fit.predict(log["prefill_tokens"], log["decode_tokens"], log["kv_blocks"]), free, rtol=1e-9)
 
 
-def test_prefill_chunks_count_the_causal_pairs_they_attend_over():
+def test_prefill_chunks_count_the_pairs_their_attention_scores():
     trace = dataclasses.replace(small(n=1), prompt_len=np.array([40]), output_len=np.array([3]))
     log = simulate(trace, SchedulerConfig(token_budget=16), COST, step_by_step=True).log.table()
-    # chunks 0-16, 16-32, 32-40: query j attends to keys 0..j; then two decodes, which attend over KV blocks instead
-    assert log["prefill_pairs"].tolist() == [16 * 17 / 2, (32 * 33 - 16 * 17) / 2, (40 * 41 - 32 * 33) / 2, 0, 0]
+    # chunks 0-16, 16-32, 32-40 of 16-token blocks: each chunk's queries against its context in whole blocks (16, 32,
+    # 48 keys), masked or not; then two decodes, which attend over KV blocks instead
+    assert log["prefill_pairs"].tolist() == [16 * 16, 16 * 32, 8 * 48, 0, 0]
     assert log["prefill_tokens"].tolist() == [16, 16, 8, 0, 0]
+    # Two chunks in one step: both padded to the longer chunk and to the wider context.
+    two = dataclasses.replace(small(n=2), arrival=np.array([0.0, 0.0]), prompt_len=np.array([20, 7]), output_len=np.array([2, 2]))
+    first = simulate(two, SchedulerConfig(block_size=4), COST, step_by_step=True).log.table()
+    assert first["prefill_pairs"][0] == 2 * 20 * 20 and first["prefill_tokens"][0] == 27
+
+
+def test_the_engines_prefill_attention_scores_the_pairs_the_step_counts():
+    """The count is the engine's own work: its chunk SDPA's score matrix has exactly that many entries."""
+    q, pool, tables, seq, pos = attention.mixed_batch(block_size=4)  # chunks of 7 and 4 tokens, to positions 6 and 12
+    paged = attention.TorchPagedAttention(tables, seq, pos, 4)
+    assert tables.shape[1] * 4 == 16 and paged.mask.numel() == 2 * 7 * 16  # 2 chunks x 7 queries x 4 blocks of keys
+    wide = torch.cat([tables, tables[:, :2]], 1)  # a batch whose longest sequence is longer than any chunk's reach
+    assert attention.TorchPagedAttention(wide, seq, pos, 4).mask.numel() == 2 * 7 * 16
+    assert torch.allclose(attention.TorchPagedAttention(wide, seq, pos, 4)(q, pool),
+                          attention.paged_attention_reference(q, pool, tables, seq, pos), atol=1e-5)
 
 
 def test_cost_model_fit_recovers_a_known_answer():
@@ -175,6 +191,44 @@ def test_cost_model_fit_recovers_a_known_answer():
     noisy = CostModel.fit(steps)
     assert noisy.per_prefill_token == pytest.approx(truth.per_prefill_token, rel=0.05)
     assert 0.005 < noisy.mape < 0.04
+
+
+def test_designed_steps_split_what_the_runs_move_together():
+    """In the runs every decode token reads three KV blocks, so the runs alone cannot split a step's cost between
+    the two; designed steps (their own offset: they skip the scheduler's bookkeeping) settle it, and only the runs'
+    steps make the fit's error and noise."""
+    rng = np.random.default_rng(1)
+    truth = CostModel(0.004, 5e-5, 3e-4, 2e-5, per_prefill_pair=1e-8)
+    decode = rng.integers(1, 16, 300).astype(float)
+    runs = {"prefill_tokens": np.zeros(300), "decode_tokens": decode, "kv_blocks": 3 * decode, "prefill_pairs": np.zeros(300)}
+    runs["time"] = truth.predict(0, decode, 3 * decode) + rng.normal(0, 1e-4, 300)
+    grid = np.array([(b, b * n) for b in (1, 4, 16) for n in (1, 8)] * 3, dtype=float)
+    designed = {"prefill_tokens": np.zeros(len(grid)), "decode_tokens": grid[:, 0], "kv_blocks": grid[:, 1],
+                "prefill_pairs": np.zeros(len(grid))}
+    designed["time"] = truth.predict(0, grid[:, 0], grid[:, 1]) - 0.001  # 1 ms less: no bookkeeping
+    alone, split = CostModel.fit(runs), CostModel.fit(runs, designed=designed)
+    assert abs(alone.per_kv_block / truth.per_kv_block - 1) > 0.5  # without them the split is arbitrary
+    assert alone.per_decode_token + 3 * alone.per_kv_block == pytest.approx(truth.per_decode_token + 3 * truth.per_kv_block, rel=0.05)
+    assert split.per_decode_token == pytest.approx(truth.per_decode_token, rel=0.02)
+    assert split.per_kv_block == pytest.approx(truth.per_kv_block, rel=0.05)
+    assert split.intercept + split.per_decode_step == pytest.approx(truth.intercept, rel=0.02)  # the offset stays out
+    assert split.steps == 300 and split.rmse == pytest.approx(1e-4, rel=0.1)  # the runs' fit error, not the grid's
+
+
+def test_designed_steps_are_counted_as_the_scheduler_counts_a_step(model):
+    """A designed step's features are those the scheduler would log for that batch: the same simulator terms."""
+    config = SchedulerConfig(block_size=16, num_blocks=40, max_batch=8, token_budget=64)
+    rows = ModelExecutor(model, config).designed_steps(config, repeats=1)
+    decode, chunk = rows["decode_tokens"] > 0, rows["prefill_tokens"] > 0
+    assert (decode ^ chunk).all() and (rows["time"] > 0).all() and rows["decode_tokens"].max() <= 8
+    assert rows["kv_blocks"].max() <= 40 and rows["prefill_tokens"].max() <= 64
+    for tokens, kv, pairs in zip(rows["prefill_tokens"][chunk], rows["kv_blocks"][chunk], rows["prefill_pairs"][chunk]):
+        cached = (kv * 16 - tokens) // 16 * 16  # the designed chunks start at a block boundary
+        trace = dataclasses.replace(small(n=1), prompt_len=np.array([int(cached + tokens)]), output_len=np.array([1]))
+        sched = Scheduler(trace, dataclasses.replace(config, token_budget=int(max(cached, tokens))), record_batches=True)
+        sched.run(CostModelExecutor(COST))
+        log = sched.log.table()
+        assert (log["prefill_tokens"][-1], log["kv_blocks"][-1], log["prefill_pairs"][-1]) == (tokens, kv, pairs)
 
 
 def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():

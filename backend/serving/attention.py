@@ -19,7 +19,9 @@ class TorchPagedAttention:
     Decodes (one query per sequence) read exactly their own blocks, no padding, with a softmax per
     sequence over the concatenated slots: their cost follows the KV blocks read, as a paged kernel's
     does. Prefill chunks (several queries per sequence, few sequences) pad the queries per sequence and
-    make one SDPA call with a causal-by-position mask. A sequence's queries must be contiguous, in order."""
+    make one SDPA call with a causal-by-position mask: it scores every chunk's queries (padded to the longest
+    chunk) against the chunks' widest context (in whole blocks), masked or not, about twice a new prompt's
+    causal pairs. A sequence's queries must be contiguous, in order."""
 
     def __init__(self, tables, seq, pos, block_size):
         """tables: (S, max_blocks) long; seq, pos: (N,) long: each query's sequence and position."""
@@ -38,7 +40,9 @@ class TorchPagedAttention:
             index = torch.unique(seq[self.chunk_rows])
             local = torch.full((len(tables),), -1, dtype=torch.long)
             local[index] = torch.arange(len(index))
-            self.chunk_tables, self.chunk_seq = tables[index], local[seq[self.chunk_rows]]
+            # Only the blocks the chunks reach: the batch's tables are as wide as its longest sequence, often a decode.
+            reach = int(-(-(int(pos[self.chunk_rows].max()) + 1) // block_size))
+            self.chunk_tables, self.chunk_seq = tables[index, :reach], local[seq[self.chunk_rows]]
             n = torch.bincount(self.chunk_seq, minlength=len(index))
             self.chunk_row = torch.arange(len(self.chunk_seq)) - (torch.cumsum(n, 0) - n)[self.chunk_seq]
             q_pos = torch.zeros(len(index), int(n.max()), dtype=torch.long)          # padding rows see position 0

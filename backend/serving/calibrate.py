@@ -2,7 +2,8 @@
 
 1. Profile: the real engine serves profiling traces (the settings' rate and twice it, so the fit sees
    bigger batches and more prefill than one trace gives); every step's (prefill tokens, decode tokens,
-   KV blocks, time) is a sample. 2. Fit the cost model to those steps by least squares. 3. Fidelity: the
+   KV blocks, time) is a sample. 2. Fit the cost model to those steps by least squares, with designed steps
+   beside them (`ModelExecutor.designed_steps`: terms a trace moves together, varied on their own). 3. Fidelity: the
    engine serves a held-out trace (another seed), the simulator predicts the same trace, and the latency
    figures are compared. The engine serves the held-out trace twice: how far its own two runs differ is
    the yardstick a prediction of it can be held to. The same scheduler code runs on both sides.
@@ -124,8 +125,9 @@ def calibrate(model, config: SchedulerConfig, profile_traces: list[Trace], held_
     *profiles, real, again = serve_interleaved(model, [(t, config, False) for t in profile_traces]
                                                + [(held_out, config, True), (held_out, config, False)], progress=lambda f: say(f, "serving"),
                                                start_round=[0] * n + [0, REPEAT_LAG], pace_with=[n] * n + [None, n])
-    swap = ModelExecutor(model, config).swap_seconds_per_block()
-    cost = CostModel.fit([s.log.table() for s in profiles], rounds=[s.rounds for s in profiles], per_swapped_block=swap)
+    probe = ModelExecutor(model, config)
+    cost = CostModel.fit([s.log.table() for s in profiles], rounds=[s.rounds for s in profiles],
+                         per_swapped_block=probe.swap_seconds_per_block(), designed=probe.designed_steps(config))
     again = latency_summary(again)
     simulated = simulate(held_out, config, cost)  # one draw of the noise: the run drawn on the page
     real_summary, sim_summary = latency_summary(real), expected_summary(held_out, config, cost)

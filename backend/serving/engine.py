@@ -79,6 +79,42 @@ class ModelExecutor:
         return float(np.median(times)) / (2 * len(ids))
 
     @torch.no_grad()
+    def designed_steps(self, config: SchedulerConfig, repeats: int = 5) -> dict | None:
+        """Steps the profiles cannot tell apart, measured one by one: in a trace's steps decode tokens and the KV
+        blocks they read rise together, and so do a chunk's tokens and the pairs its attention scores, so a fit to
+        those steps may trade one cost for the other (fits to single runs put a KV block at 5-120 µs). Here they
+        move on their own: decode batches of 1-16 requests with 1-8 blocks each, and one prefill chunk of 16-256
+        tokens after 0 or 256 cached ones, each timed `repeats` times on this thread's CPU clock through the same
+        forward and attention as a step. Their features are a StepLog table's (the step leaves the pool's
+        contents meaningless: each call writes K/V before it reads them)."""
+        bs, pool = config.block_size, self.store.kv.shape[1]
+        shapes = [(b, n, 0, 0) for b in (1, 4, 8, 16) for n in (1, 4, 8) if b <= config.max_batch and b * n <= pool]
+        shapes += [(0, 0, chunk, cached) for chunk in (16, 64, 128, 256) for cached in (0, 256)
+                   if chunk <= config.token_budget and -(-(chunk + cached) // bs) <= pool]
+        rows = []
+        for decodes, blocks, chunk, cached in shapes:
+            if decodes:  # request i holds blocks i*blocks .. and decodes its last slot
+                tables = torch.arange(decodes * blocks).view(decodes, blocks)
+                seq, pos = torch.arange(decodes), torch.full((decodes,), blocks * bs - 1)
+                kv, pairs = decodes * blocks, 0
+            else:
+                width = -(-(chunk + cached) // bs)
+                tables, seq, pos = torch.arange(width)[None], torch.zeros(chunk, dtype=torch.long), torch.arange(cached, cached + chunk)
+                kv, pairs = width, chunk * width * bs
+            slots = tables[seq, pos // bs] * bs + pos % bs
+            sampled = torch.arange(len(tables)) if decodes else torch.tensor([chunk - 1])
+            for _ in range(repeats):
+                start = time.thread_time()
+                forward_batch(self.model, self.store, torch.zeros(len(seq), dtype=torch.long), pos, slots, sampled,
+                              self.attention(tables, seq, pos, bs)).argmax(-1)
+                rows.append((chunk, decodes, kv, pairs, time.thread_time() - start))
+        if not rows:  # a pool or budget too small for any of them
+            return None
+        table = dict(zip(("prefill_tokens", "decode_tokens", "kv_blocks", "prefill_pairs", "time"), np.array(rows, dtype=np.float64).T))
+        table["swapped_blocks"] = np.zeros(len(rows))
+        return table
+
+    @torch.no_grad()
     def execute(self, step: Step, sched: Scheduler):
         for op, rid, block_ids in step.block_ops:
             (self.store.swap_out if op == "swap_out" else self.store.swap_in)(rid, block_ids)

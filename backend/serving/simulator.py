@@ -2,16 +2,17 @@
 
     step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
                    + c_pp · [the step has prefill tokens] + c_dp · [the step has decode tokens]
-                   + c_qk · (query, key) pairs of prefill attention + c_swap · KV blocks swapped out or in + noise
+                   + c_qk · (query, key) pairs prefill attention scores + c_swap · KV blocks swapped out or in + noise
 
 The two indicator terms are the fixed costs of the engine's two attention paths (padded SDPA for prefill
 chunks, the gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the
 batch), which a step pays once for each path it uses; without them a step that mixes both is
-under-predicted by a third. A prefill chunk's attention grows with its tokens times their context (query j
-attends to keys 0..j): at the tiny model's width it costs about as much as the chunk's projections and MLP, so
+under-predicted by a third. A prefill chunk's attention grows with its tokens times their context (the pairs
+its padded SDPA scores, see TorchPagedAttention): at the tiny model's width it costs about as much as the chunk's projections and MLP, so
 a linear term alone under-predicts long chunks, and the decodes batched with them wait longer than the
 simulator said (the p90 TPOT at 16 requests/s came out 7-12% low). The coefficients are fitted by (non-negative) least squares to the steps of
-profiling runs of the real engine (the fit's error is reported). c_swap is measured, not fitted: the
+profiling runs of the real engine (the fit's error is reported), beside designed steps in which the terms a trace
+moves together (decode tokens and KV blocks, chunk tokens and pairs) vary on their own. c_swap is measured, not fitted: the
 engine times copies of its own KV blocks to CPU memory and back (`ModelExecutor.swap_seconds_per_block`),
 since a profile at the default pool size never preempts and a fit would have no swaps to see.
 
@@ -100,27 +101,36 @@ class CostModel:
 
     @classmethod
     def fit(cls, runs: dict | list[dict], noise: bool = True, rounds: list | None = None,
-            per_swapped_block: float = 0.0) -> "CostModel":
+            per_swapped_block: float = 0.0, designed: dict | None = None) -> "CostModel":
         """Least squares with every coefficient >= 0 (each term is a cost; decode tokens and KV blocks rise
         together, and a free fit trades them against each other, one going negative). Exact: the best
         unconstrained fit over each subset of the terms, kept if non-negative. runs: StepLog tables, one per
         profiling run (or one table); rounds: each run's steps' rounds, if it sat some out (see `drift`);
-        per_swapped_block: the measured cost of a swap copy, taken off each step's time before the fit."""
+        per_swapped_block: the measured cost of a swap copy, taken off each step's time before the fit;
+        designed: steps whose terms move on their own (`ModelExecutor.designed_steps`), fitted with the runs'
+        but with an offset of their own (they skip the scheduler's bookkeeping and meet the machine at another
+        moment): they settle how the cost splits between terms the runs move together, and nothing else. The
+        fit's error and the noise are the runs' alone."""
         runs = [runs] if isinstance(runs, dict) else runs
-        steps = {k: np.concatenate([r[k] for r in runs]) for k in ("prefill_tokens", "decode_tokens", "kv_blocks", "time")}
-        swapped, pairs = (np.concatenate([r.get(k, np.zeros(len(r["time"]))) for r in runs]) for k in ("swapped_blocks", "prefill_pairs"))
+        tables = runs + ([designed] if designed is not None else [])
+        steps = {k: np.concatenate([r[k] for r in tables]) for k in ("prefill_tokens", "decode_tokens", "kv_blocks", "time")}
+        swapped, pairs = (np.concatenate([r.get(k, np.zeros(len(r["time"]))) for r in tables]) for k in ("swapped_blocks", "prefill_pairs"))
         X = np.column_stack(features(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"], pairs))
         y = steps["time"] - per_swapped_block * swapped
+        in_runs = sum(len(r["time"]) for r in runs)
+        offset = (np.arange(len(y)) >= in_runs).astype(np.float64)[:, None] if designed is not None else np.zeros((len(y), 0))
         best, coef = np.inf, np.zeros(X.shape[1])
         for subset in itertools.product((False, True), repeat=X.shape[1]):
             cols = np.flatnonzero(subset)
             if not len(cols):
                 continue
-            c = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
-            residual = float(((X[:, cols] @ c - y) ** 2).sum())
-            if (c >= 0).all() and residual < best:
+            A = np.column_stack([X[:, cols], offset])
+            c = np.linalg.lstsq(A, y, rcond=None)[0]
+            residual = float(((A @ c - y) ** 2).sum())
+            if (c[:len(cols)] >= 0).all() and residual < best:
                 best, coef = residual, np.zeros(X.shape[1])
-                coef[cols] = c
+                coef[cols] = c[:len(cols)]
+        X, y = X[:in_runs], y[:in_runs]
         resid = y - X @ coef
         r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
         # Each quantile stands for 1/64 of the steps (midpoints: a lone 170 ms stall among 4,000 steps is not
