@@ -63,9 +63,10 @@ def load_curve(load: pd.DataFrame, knee) -> None:
 
 def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
     st.markdown(f"Fitted by least squares to **{m['cost.steps']:.0f}** profiled steps of the real engine: "
-                f"R² {m['cost.r2']:.3f}, RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%. "
-                "Beside them, designed steps (decode batches and prefill chunks whose tokens, KV blocks and attention "
-                "pairs vary on their own) settle how a step's cost splits between terms that rise together in a trace.")
+                f"R² {m['cost.r2']:.3f}, RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%."
+                + (f" Beside them, **{m['cost.designed_steps']:.0f}** designed steps (decode batches and prefill chunks whose "
+                   "tokens, KV blocks and attention pairs vary on their own) settle how a step's cost splits between terms "
+                   "that rise together in a trace." if m.get("cost.designed_steps") else ""))
     left, right = st.columns([1, 2])
     left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
                    column_config={"coefficient_us": st.column_config.NumberColumn(

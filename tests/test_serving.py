@@ -212,7 +212,7 @@ def test_designed_steps_split_what_the_runs_move_together():
     assert split.per_decode_token == pytest.approx(truth.per_decode_token, rel=0.02)
     assert split.per_kv_block == pytest.approx(truth.per_kv_block, rel=0.05)
     assert split.intercept + split.per_decode_step == pytest.approx(truth.intercept, rel=0.02)  # the offset stays out
-    assert split.steps == 300 and split.rmse == pytest.approx(1e-4, rel=0.1)  # the runs' fit error, not the grid's
+    assert split.steps == 300 and split.designed_steps == len(grid) and split.rmse == pytest.approx(1e-4, rel=0.1)  # the runs' fit error, not the grid's
 
 
 def test_designed_steps_are_counted_as_the_scheduler_counts_a_step(model):

@@ -18,7 +18,7 @@ from backend.attention.rope import apply_rope, rope_angles
 from backend.kvcache.tensor_store import KVTensorStore
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.serving.attention import TorchPagedAttention
-from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
+from backend.serving.scheduler import Scheduler, SchedulerConfig, Step, scored_prefill_pairs
 from backend.serving.simulator import DRIFT_LAG
 
 MODEL_SHAPE = ModelShape(vocab=256, d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, d_head=16, d_ff=384, variant="gqa")
@@ -100,7 +100,7 @@ class ModelExecutor:
             else:
                 width = -(-(chunk + cached) // bs)
                 tables, seq, pos = torch.arange(width)[None], torch.zeros(chunk, dtype=torch.long), torch.arange(cached, cached + chunk)
-                kv, pairs = width, chunk * width * bs
+                kv, pairs = width, scored_prefill_pairs(np.array([chunk]), np.array([chunk + cached]), bs)
             slots = tables[seq, pos // bs] * bs + pos % bs
             sampled = torch.arange(len(tables)) if decodes else torch.tensor([chunk - 1])
             for _ in range(repeats):
@@ -110,9 +110,7 @@ class ModelExecutor:
                 rows.append((chunk, decodes, kv, pairs, time.thread_time() - start))
         if not rows:  # a pool or budget too small for any of them
             return None
-        table = dict(zip(("prefill_tokens", "decode_tokens", "kv_blocks", "prefill_pairs", "time"), np.array(rows, dtype=np.float64).T))
-        table["swapped_blocks"] = np.zeros(len(rows))
-        return table
+        return dict(zip(("prefill_tokens", "decode_tokens", "kv_blocks", "prefill_pairs", "time"), np.array(rows, dtype=np.float64).T))
 
     @torch.no_grad()
     def execute(self, step: Step, sched: Scheduler):

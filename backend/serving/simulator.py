@@ -97,7 +97,8 @@ class CostModel:
     rmse: float = 0.0           # of the fit, seconds
     mape: float = 0.0           # mean |relative error| of the fit
     r2: float = 0.0
-    steps: int = 0
+    steps: int = 0              # the runs' steps fitted
+    designed_steps: int = 0     # designed steps beside them (ModelExecutor.designed_steps)
 
     @classmethod
     def fit(cls, runs: dict | list[dict], noise: bool = True, rounds: list | None = None,
@@ -141,7 +142,8 @@ class CostModel:
         share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0, 0.0)
         return cls(*map(float, coef), per_swapped_block=float(per_swapped_block), noise=shape, drift_share=share, drift_persistence=persistence,
                    rmse=float(np.sqrt(np.mean(resid ** 2))),
-                   mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y))
+                   mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y),
+                   designed_steps=0 if designed is None else len(designed["time"]))
 
     def coefficients(self) -> np.ndarray:
         return np.array([getattr(self, t) for t in TERMS])
