@@ -10,7 +10,7 @@ about 25% slow or fast together over tens of steps), and its latency figures mov
 against the first run (the target as written) and against the mean of all runs (the engine's expected figure, with
 the standard error of that mean). Two figures say where the error comes from: the cost model's mean step-time
 error on the held-out run's own steps, and the simulator driven by the held-out run's own noise path (the measured
-step time less the model's mean, step by step), which must give back the engine's figures: then what is left is
+step time over the model's mean, step by step), which must give back the engine's figures: then what is left is
 the noise path alone. All engine runs are interleaved step by step and keep pace with the longest, so they meet the
 same machine; repeat i joins i * 100 rounds late, so no two share their moments. The prediction is the simulator's
 mean over 32 draws of its noise; how far one draw strays from it (four other seeds) is recorded beside the error.
@@ -126,7 +126,7 @@ def main(quick: bool) -> None:
         sem = {k: float(np.std([r[k] for r in reals], ddof=1) / np.sqrt(len(reals)) / mean[k]) for k in FIDELITY_KEYS}
         errors_vs_mean = fidelity(mean, sim)
         steps = engine[0].log.table()
-        own_path = latency_summary(simulate(trace, config, cost, noise_path=steps["time"] - cost.predict_steps(steps)))
+        own_path = latency_summary(simulate(trace, config, cost, noise_path=cost.relative_residuals(steps)))
         others = []
         for seed in range(100, 104):  # single draws (other seeds than the prediction's), against the prediction: the spread one draw would have had
             others.append(fidelity(sim, latency_summary(simulate(trace, config, cost, noise_seed=seed))))

@@ -16,12 +16,17 @@ moves together (decode tokens and KV blocks, chunk tokens and pairs) vary on the
 engine times copies of its own KV blocks to CPU memory and back (`ModelExecutor.swap_seconds_per_block`),
 since a profile at the default pool size never preempts and a fit would have no swaps to see.
 
-The noise is the fit's own residuals, which on a shared machine are neither small (±15% per step) nor
+The noise is the fit's own residuals, relative to the step's predicted time: a step's spread grows with its length
+(on the 2-core box the residuals' standard deviation was 21-23% of the predicted time for steps predicted at 4.5,
+5.7, 9.4 and 12.8 ms, and their median 6-9% below it), so a long prefill step is slowed or sped up in proportion,
+as a machine running at another speed would. Added in seconds, the same noise for every step, long steps came out
+too narrow and their median too high (the TTFT p50, set by a prompt's one prefill step, came out 1-7% high in every
+run). The residuals are neither small (about ±20% per step) nor
 independent: the machine's speed drifts over tens of steps (other people's work in the caches and
 memory bus), so a request's steps tend to be slow together, which widens the spread of TPOT and TTFT
-across requests (the p90s) well beyond what independent noise gives. The model keeps the residuals'
-distribution (64 quantiles) and their autocorrelation (a share of slow drift with a per-step persistence,
-fitted at lags 1 and 10: an AR(1) drift plus independent noise), and draws a deterministic sequence with
+across requests (the p90s) well beyond what independent noise gives. The model keeps the relative residuals'
+distribution (64 quantiles) and their autocorrelation (two AR(1) drifts, one fading within tens of steps and one
+over seconds, plus independent noise, fitted at lags 1 to 80: see `drift`), and draws a deterministic sequence with
 both. Step i takes entry i mod 65,536, so a decode run taken in one go (`decode_times`) draws exactly what
 its steps would one at a time. `ReplayExecutor` feeds back a run's measured step times instead: given
 those, the simulator must reproduce the engine's schedule step for step, which is what shows it is the
@@ -41,7 +46,10 @@ TERMS = ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "
          "per_prefill_pair")
 NOISE_QUANTILES = 64   # residual quantiles kept: the noise's shape, small enough for a run's metrics
 NOISE_TABLE = 1 << 16  # step i draws entry i mod this: a lookup, as cheap one step at a time as for a whole run
-DRIFT_LAG = 10         # the second lag the drift's autocorrelation is fitted at (the first is 1)
+DRIFT_LAG = 10         # a lag within which the fast drift's autocorrelation has mostly gone
+DRIFT_LAGS = (1, 2, 3, 5, 10, 20, 40, 80)     # the lags the drifts are fitted at (rounds)
+FAST_PERSISTENCE = np.linspace(0.05, 0.98, 94)  # the grids the two drifts' persistences are searched on
+SLOW_PERSISTENCE = 1 - np.geomspace(1e-3, 0.1, 41)
 
 
 def features(prefill_tokens, decode_tokens, kv_blocks, prefill_pairs=0) -> list:
@@ -51,12 +59,16 @@ def features(prefill_tokens, decode_tokens, kv_blocks, prefill_pairs=0) -> list:
             np.broadcast_to(np.asarray(prefill_pairs, dtype=np.float64), p.shape)]
 
 
-def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float]:
-    """(share, persistence) of a slow AR(1) drift under independent noise, whose autocorrelation at lag l is
-    share · persistence^l: solved from the residuals' autocorrelation at lags 1 and DRIFT_LAG (each run on
-    its own, pooled). round_runs: each run's steps' rounds, for an engine that sat rounds out (steps are
-    paired by rounds apart: the drift is the machine's, per round); None: one step a round. (0, 0) when the
-    residuals show none."""
+def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float, float, float]:
+    """(share, persistence, slow share, slow persistence) of two AR(1) drifts under independent noise, whose
+    autocorrelation at lag l is share · persistence^l + slow share · slow persistence^l: fitted by least squares
+    (shares >= 0, summing to at most 1) to the residuals' autocorrelation at DRIFT_LAGS (each run on its own,
+    pooled). Two, because the machine's speed moves on two time scales: on the 2-core box the autocorrelation fell
+    from 0.58 at lag 1 to 0.36 at lag 5 and then only to 0.2 at 20 and 0.15 at 80 (seconds), which one AR(1) fitted at
+    lags 1 and 10 put at 0.12 and 0: requests served a few seconds apart met machines of different speed, and the p90s
+    across them came out narrow. round_runs: each run's steps' rounds, for an engine that sat rounds out (steps are
+    paired by rounds apart: the drift is the machine's, per round); None: one step a round. Zeros when the residuals
+    show none."""
     def on_rounds(r, rounds):  # the run's residuals by round, NaN where it did not step
         rounds = np.arange(len(r)) if rounds is None else np.asarray(rounds) - rounds[0]
         dense = np.full(int(rounds[-1]) + 1 if len(r) else 0, np.nan)
@@ -74,11 +86,21 @@ def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tu
                 a, b = a[both], b[both]
                 num, den = num + float(a @ b), den + float(a @ a + b @ b) / 2
         return num / den if den > 0 else 0.0
-    near, far = acf(1), acf(DRIFT_LAG)
-    if near <= 0 or far <= 0:
-        return 0.0, 0.0
-    persistence = min((far / near) ** (1 / (DRIFT_LAG - 1)), 0.999)
-    return min(near / persistence, 1.0), persistence
+    observed = np.array([acf(lag) for lag in DRIFT_LAGS])
+    if observed[0] <= 0:
+        return 0.0, 0.0, 0.0, 0.0
+    lags, best, fitted = np.array(DRIFT_LAGS, np.float64), np.inf, (0.0, 0.0, 0.0, 0.0)
+    for fast in FAST_PERSISTENCE:
+        for slow in SLOW_PERSISTENCE[SLOW_PERSISTENCE > fast]:
+            A = np.column_stack([fast ** lags, slow ** lags])
+            candidates = [np.linalg.lstsq(A, observed, rcond=None)[0]]  # both, or one alone (non-negative least squares in 2-D)
+            candidates += [np.array([max(float(A[:, j] @ observed) / float(A[:, j] @ A[:, j]), 0.0) * (j == k) for k in range(2)]) for j in range(2)]
+            for shares in candidates:
+                if (shares >= 0).all() and shares.sum() <= 1:
+                    error = float(((A @ shares - observed) ** 2).sum())
+                    if error < best:
+                        best, fitted = error, (float(shares[0]), float(fast) * (shares[0] > 0), float(shares[1]), float(slow) * (shares[1] > 0))
+    return fitted
 
 
 @dataclass(frozen=True)
@@ -91,9 +113,11 @@ class CostModel:
     per_decode_step: float = 0.0    # once per step with decode tokens
     per_prefill_pair: float = 0.0   # per (query, key) pair of prefill attention
     per_swapped_block: float = 0.0  # per KV block copied to CPU memory or back (measured, not fitted)
-    noise: tuple = ()           # residual quantiles (seconds) at (i + 0.5) / 64; () for none
-    drift_share: float = 0.0    # of the noise's variance, the slow part
+    noise: tuple = ()           # quantiles of residual / predicted time at (i + 0.5) / 64; () for none
+    drift_share: float = 0.0    # of the noise's variance, a drift's part
     drift_persistence: float = 0.0  # its autocorrelation from one step to the next
+    slow_drift_share: float = 0.0   # and a slower drift's (see `drift`)
+    slow_drift_persistence: float = 0.0
     rmse: float = 0.0           # of the fit, seconds
     mape: float = 0.0           # mean |relative error| of the fit
     r2: float = 0.0
@@ -132,15 +156,19 @@ class CostModel:
                 best, coef = residual, np.zeros(X.shape[1])
                 coef[cols] = c[:len(cols)]
         X, y = X[:in_runs], y[:in_runs]
-        resid = y - X @ coef
+        mean = X @ coef
+        resid = y - mean
         r2 = 1 - float(resid @ resid) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
-        # Each quantile stands for 1/64 of the steps (midpoints: a lone 170 ms stall among 4,000 steps is not
-        # stretched over the top 1/64), and the drift is measured on residuals clipped to their 1st-99th percentiles.
-        centred = resid - resid.mean()
+        # Relative to the predicted time (see the module's note), centred so a step's mean stays the prediction. Each
+        # quantile stands for 1/64 of the steps (midpoints: a lone 170 ms stall among 4,000 steps is not stretched
+        # over the top 1/64), and the drift is measured on residuals clipped to their 1st-99th percentiles.
+        relative = resid / np.maximum(mean, 1e-9)
+        centred = relative - relative.mean()
         shape = tuple(map(float, np.quantile(centred, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES))) if noise else ()
         clipped = np.clip(centred, *np.quantile(centred, [0.01, 0.99]))
-        share, persistence = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0, 0.0)
-        return cls(*map(float, coef), per_swapped_block=float(per_swapped_block), noise=shape, drift_share=share, drift_persistence=persistence,
+        drifts = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0,) * 4
+        return cls(*map(float, coef), per_swapped_block=float(per_swapped_block), noise=shape, drift_share=drifts[0],
+                   drift_persistence=drifts[1], slow_drift_share=drifts[2], slow_drift_persistence=drifts[3],
                    rmse=float(np.sqrt(np.mean(resid ** 2))),
                    mape=float(np.mean(np.abs(resid) / y)), r2=r2, steps=len(y),
                    designed_steps=0 if designed is None else len(designed["time"]))
@@ -159,28 +187,51 @@ class CostModel:
         return self.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"], steps["swapped_blocks"],
                             steps["prefill_pairs"])
 
+    def autocorrelation(self, lags) -> np.ndarray:
+        """The noise's autocorrelation at these lags (steps), as fitted: the two drifts' parts."""
+        lags = np.asarray(lags, np.float64)
+        return self.drift_share * self.drift_persistence ** lags + self.slow_drift_share * self.slow_drift_persistence ** lags
+
+    def relative_residuals(self, steps: dict) -> np.ndarray:
+        """Each step's measured time over its predicted mean, less 1: the noise path that retakes a run's steps."""
+        return steps["time"] / self.predict_steps(steps) - 1
+
     def step_error(self, steps: dict) -> float:
         """Relative error of the mean predicted step time against the mean measured one, over a StepLog table."""
         return float(self.predict_steps(steps).mean() / steps["time"].mean() - 1)
 
     def noise_table(self, seed: int = 0) -> np.ndarray:
-        """Each step's noise, by step index mod NOISE_TABLE: a Gaussian AR(1) drift plus independent noise in
-        the fitted shares, mapped through its ranks onto the residual quantiles (so the values have the
-        residuals' distribution, and about their autocorrelation)."""
+        """Each step's noise relative to its predicted time, by step index mod NOISE_TABLE: two Gaussian AR(1)
+        drifts plus independent noise in the fitted shares, mapped through its ranks onto the residual quantiles (so
+        the values have the relative residuals' distribution, and about their autocorrelation)."""
         if not self.noise:
             return np.zeros(NOISE_TABLE)
-        rng, phi = np.random.default_rng(seed), self.drift_persistence
-        shocks, slow = rng.standard_normal(NOISE_TABLE) * np.sqrt(1 - phi ** 2), np.empty(NOISE_TABLE)
-        level = rng.standard_normal()
-        for i, shock in enumerate(shocks.tolist()):
-            level = phi * level + shock
-            slow[i] = level
-        z = np.sqrt(self.drift_share) * slow + np.sqrt(1 - self.drift_share) * rng.standard_normal(NOISE_TABLE)
+        rng = np.random.default_rng(seed)
+        z = np.sqrt(max(0.0, 1 - self.drift_share - self.slow_drift_share)) * rng.standard_normal(NOISE_TABLE)
+        for share, phi in ((self.drift_share, self.drift_persistence), (self.slow_drift_share, self.slow_drift_persistence)):
+            if share > 0:
+                z += np.sqrt(share) * ar1(rng, phi, NOISE_TABLE)
         u = (np.argsort(np.argsort(z)) + 0.5) / NOISE_TABLE
         return np.interp(u, (np.arange(len(self.noise)) + 0.5) / len(self.noise), self.noise)  # flat beyond the ends
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def ar1(rng: np.random.Generator, phi: float, n: int, block: int = 256) -> np.ndarray:
+    """n steps of a unit-variance AR(1) process with persistence phi: within blocks of `block` steps as one matrix
+    product (x_i = phi^(i+1) x_start + sum over j <= i of phi^(i-j) shock_j), carried from block to block in a
+    loop over blocks (a loop over 65,536 steps took 25 ms, a table per noise draw)."""
+    blocks = -(-n // block)
+    shocks = (rng.standard_normal(blocks * block) * np.sqrt(1 - phi ** 2)).reshape(blocks, block)
+    i = np.arange(block)
+    within = shocks @ np.tril(phi ** np.maximum(i[:, None] - i[None, :], 0)).T  # each block from a zero start
+    start, grow = rng.standard_normal(), phi ** (i + 1)
+    out = np.empty((blocks, block))
+    for b in range(blocks):
+        out[b] = grow * start + within[b]
+        start = out[b, -1]
+    return out.ravel()[:n]
 
 
 class CostModelExecutor:
@@ -197,7 +248,7 @@ class CostModelExecutor:
         mean = c0 + cp * p + cd * d + ckv * step.kv_blocks + (cps if p else 0.0) + (cds if d else 0.0) + cqk * step.prefill_pairs
         if step.swapped_blocks:
             mean += self.per_swapped_block * step.swapped_blocks
-        return max(mean + float(self.noise[step.index % NOISE_TABLE]), self.floor), None
+        return max(mean * (1.0 + float(self.noise[step.index % NOISE_TABLE])), self.floor), None
 
     def decode_times(self, index: int, decode_tokens: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
         """Times of a run of decode-only steps from step `index` (the same arithmetic as `execute`, elementwise;
@@ -206,7 +257,7 @@ class CostModelExecutor:
         mean = c0 + cd * decode_tokens + ckv * kv_blocks + cds
         start, n = index % NOISE_TABLE, len(kv_blocks)
         noise = self.noise[start:start + n] if start + n <= NOISE_TABLE else self.noise.take(np.arange(start, start + n), mode="wrap")
-        return np.maximum(mean + noise, self.floor)
+        return np.maximum(mean * (1.0 + noise), self.floor)
 
 
 class ReplayExecutor:
@@ -223,8 +274,8 @@ class ReplayExecutor:
 def simulate(trace: Trace, config: SchedulerConfig, cost: CostModel, progress=None, step_by_step=False,
              noise_seed: int = 0, noise_path: np.ndarray | None = None) -> Scheduler:
     """step_by_step: no decode runs taken together (and each step's batch recorded). noise_seed: which draw of
-    the cost model's noise the steps take; noise_path: a given noise instead (step i takes noise_path[i], e.g. a
-    measured run's residuals)."""
+    the cost model's noise the steps take; noise_path: a given noise instead (step i takes its predicted time times
+    1 + noise_path[i], e.g. a measured run's `relative_residuals`)."""
     executor = CostModelExecutor(cost, noise_seed, noise_path)
     return Scheduler(trace, config, record_batches=step_by_step).run(executor, progress)
 
