@@ -15,7 +15,7 @@ from backend.serving import attention
 from backend.serving.calibrate import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
 from backend.serving.engine import ModelExecutor, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
-from backend.serving.simulator import TERMS, CostModel, CostModelExecutor, ReplayExecutor, fidelity, latency_summary, simulate
+from backend.serving.simulator import TERMS, CostModel, CostModelExecutor, ReplayExecutor, features, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
 
 
@@ -180,11 +180,11 @@ def test_cost_model_fit_recovers_a_known_answer():
     steps = {"prefill_tokens": rng.integers(0, 256, n).astype(float), "decode_tokens": rng.integers(0, 32, n).astype(float),
              "kv_blocks": rng.integers(0, 200, n).astype(float)}
     steps["prefill_pairs"] = steps["prefill_tokens"] * rng.integers(1, 256, n)  # chunks at various context lengths
-    truth = CostModel(0.004, 5e-5, 3e-4, 1e-5, per_prefill_pair=2e-9)
+    truth = CostModel(0.004, 5e-5, 3e-4, 1e-5, per_prefill_pair=2e-9, per_batched_decode_step=3e-4)
     steps["time"] = truth.predict(steps["prefill_tokens"], steps["decode_tokens"], steps["kv_blocks"],
                                   prefill_pairs=steps["prefill_pairs"])
     exact = CostModel.fit(steps)
-    for name in ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "per_prefill_pair"):
+    for name in ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "per_prefill_pair", "per_batched_decode_step"):
         assert getattr(exact, name) == pytest.approx(getattr(truth, name), rel=1e-9)
     assert exact.r2 == pytest.approx(1.0) and exact.rmse < 1e-12
     steps["time"] = steps["time"] * rng.normal(1, 0.02, n)  # 2% noise: still close, and the error is reported
@@ -237,7 +237,7 @@ def test_cost_model_coefficients_stay_non_negative_when_terms_move_together():
     kv = decode * 5 + rng.normal(0, 0.5, 300)  # KV blocks follow the decode count: a free fit trades one against the other
     steps = {"prefill_tokens": np.zeros(300), "decode_tokens": decode, "kv_blocks": kv,
              "time": 0.005 + 4e-4 * decode + rng.normal(0, 2e-4, 300)}
-    X = np.column_stack([np.ones(300), decode, kv])
+    X = np.column_stack(features(steps["prefill_tokens"], decode, kv))  # every term, unconstrained
     free = np.linalg.lstsq(X, steps["time"], rcond=None)[0]
     fit = CostModel.fit(steps)
     assert min(fit.intercept, fit.per_prefill_token, fit.per_decode_token, fit.per_kv_block) >= 0

@@ -79,19 +79,23 @@ class ModelExecutor:
         return float(np.median(times)) / (2 * len(ids))
 
     @torch.no_grad()
-    def designed_steps(self, config: SchedulerConfig, repeats: int = 5) -> dict | None:
+    def designed_steps(self, config: SchedulerConfig, repeats: int = 20) -> dict | None:
         """Steps the profiles cannot tell apart, measured one by one: in a trace's steps decode tokens and the KV
         blocks they read rise together, and so do a chunk's tokens and the pairs its attention scores, so a fit to
         those steps may trade one cost for the other (fits to single runs put a KV block at 5-120 µs). Here they
         move on their own: decode batches of 1-16 requests with 1-8 blocks each, and one prefill chunk of 16-256
         tokens after 0 or 256 cached ones, each timed `repeats` times on this thread's CPU clock through the same
-        forward and attention as a step. Their features are a StepLog table's (the step leaves the pool's
-        contents meaningless: each call writes K/V before it reads them)."""
+        forward and attention as a step, the shapes taken in turn in every round (a shape's repeats back to back
+        met one moment of the machine's drift, and with 5 of them a shape's mean was off by about 9%). Their
+        features are a StepLog table's (the step leaves the pool's contents meaningless: each call writes K/V
+        before it reads them)."""
         bs, pool = config.block_size, self.store.kv.shape[1]
         shapes = [(b, n, 0, 0) for b in (1, 4, 8, 16) for n in (1, 4, 8) if b <= config.max_batch and b * n <= pool]
         shapes += [(0, 0, chunk, cached) for chunk in (16, 64, 128, 256) for cached in (0, 256)
                    if chunk <= config.token_budget and -(-(chunk + cached) // bs) <= pool]
-        rows = []
+        if not shapes:  # a pool or budget too small for any of them
+            return None
+        steps = []
         for decodes, blocks, chunk, cached in shapes:
             if decodes:  # request i holds blocks i*blocks .. and decodes its last slot
                 tables = torch.arange(decodes * blocks).view(decodes, blocks)
@@ -103,13 +107,14 @@ class ModelExecutor:
                 kv, pairs = width, scored_prefill_pairs(np.array([chunk]), np.array([chunk + cached]), bs)
             slots = tables[seq, pos // bs] * bs + pos % bs
             sampled = torch.arange(len(tables)) if decodes else torch.tensor([chunk - 1])
-            for _ in range(repeats):
+            steps.append(((chunk, decodes, kv, pairs), (tables, seq, pos, slots, sampled)))
+        rows = []
+        for _ in range(repeats):
+            for row, (tables, seq, pos, slots, sampled) in steps:
                 start = time.thread_time()
                 forward_batch(self.model, self.store, torch.zeros(len(seq), dtype=torch.long), pos, slots, sampled,
                               self.attention(tables, seq, pos, bs)).argmax(-1)
-                rows.append((chunk, decodes, kv, pairs, time.thread_time() - start))
-        if not rows:  # a pool or budget too small for any of them
-            return None
+                rows.append((*row, time.thread_time() - start))
         return dict(zip(("prefill_tokens", "decode_tokens", "kv_blocks", "prefill_pairs", "time"), np.array(rows, dtype=np.float64).T))
 
     @torch.no_grad()

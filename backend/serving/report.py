@@ -63,4 +63,5 @@ def cost_rows(cost: CostModel) -> list[dict]:
             {"term": "per step with prefill", "coefficient_us": 1e6 * cost.per_prefill_step},
             {"term": "per step with decodes", "coefficient_us": 1e6 * cost.per_decode_step},
             {"term": "per (query, key) pair of prefill attention", "coefficient_us": 1e6 * cost.per_prefill_pair},
+            {"term": "per step with two or more decodes", "coefficient_us": 1e6 * cost.per_batched_decode_step},
             {"term": "per KV block swapped out or in (measured)", "coefficient_us": 1e6 * cost.per_swapped_block}]

@@ -1,13 +1,17 @@
 """The simulator: the engine's scheduler, with the model replaced by a cost model of a step's time.
 
-    step time = c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
+    step time = (c0 + c_p · prefill tokens + c_d · decode tokens + c_kv · KV blocks read
                    + c_pp · [the step has prefill tokens] + c_dp · [the step has decode tokens]
-                   + c_qk · (query, key) pairs prefill attention scores + c_swap · KV blocks swapped out or in + noise
+                   + c_qk · (query, key) pairs prefill attention scores + c_bd · [the step has 2+ decode tokens]
+                   + c_swap · KV blocks swapped out or in) · (1 + noise)
 
 The two indicator terms are the fixed costs of the engine's two attention paths (padded SDPA for prefill
 chunks, the gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the
 batch), which a step pays once for each path it uses; without them a step that mixes both is
-under-predicted by a third. A prefill chunk's attention grows with its tokens times their context (the pairs
+under-predicted by a third. The third, c_bd, is the step from one decode to two: a lone decode's matrix
+products are matrix-vector products, and the second decode cost 0.3 ms where each later one cost about 0.15 ms
+(a linear term over-predicted lone decodes by 1-4% and pairs and triples by 1-2%, and a fit to low-load steps
+over-predicted a busier trace's by up to 14% on the p90 TPOT; with the term, up to 9%). A prefill chunk's attention grows with its tokens times their context (the pairs
 its padded SDPA scores, see TorchPagedAttention): at the tiny model's width it costs about as much as the chunk's projections and MLP, so
 a linear term alone under-predicts long chunks, and the decodes batched with them wait longer than the
 simulator said (the p90 TPOT at 16 requests/s came out 7-12% low). The coefficients are fitted by (non-negative) least squares to the steps of
@@ -43,7 +47,7 @@ from backend.serving.scheduler import Scheduler, SchedulerConfig, Step
 from backend.serving.workload import Trace
 
 TERMS = ("intercept", "per_prefill_token", "per_decode_token", "per_kv_block", "per_prefill_step", "per_decode_step",
-         "per_prefill_pair")
+         "per_prefill_pair", "per_batched_decode_step")
 NOISE_QUANTILES = 64   # residual quantiles kept: the noise's shape, small enough for a run's metrics
 NOISE_TABLE = 1 << 16  # step i draws entry i mod this: a lookup, as cheap one step at a time as for a whole run
 DRIFT_LAG = 10         # a lag within which the fast drift's autocorrelation has mostly gone
@@ -56,7 +60,7 @@ def features(prefill_tokens, decode_tokens, kv_blocks, prefill_pairs=0) -> list:
     """One column per term of TERMS (scalars or arrays)."""
     p, d = np.asarray(prefill_tokens), np.asarray(decode_tokens)
     return [np.ones_like(p, dtype=np.float64), p, d, np.asarray(kv_blocks), (p > 0).astype(np.float64), (d > 0).astype(np.float64),
-            np.broadcast_to(np.asarray(prefill_pairs, dtype=np.float64), p.shape)]
+            np.broadcast_to(np.asarray(prefill_pairs, dtype=np.float64), p.shape), (d > 1).astype(np.float64)]
 
 
 def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float, float, float]:
@@ -112,6 +116,7 @@ class CostModel:
     per_prefill_step: float = 0.0   # once per step with prefill tokens
     per_decode_step: float = 0.0    # once per step with decode tokens
     per_prefill_pair: float = 0.0   # per (query, key) pair of prefill attention
+    per_batched_decode_step: float = 0.0  # once per step with two or more decode tokens
     per_swapped_block: float = 0.0  # per KV block copied to CPU memory or back (measured, not fitted)
     noise: tuple = ()           # quantiles of residual / predicted time at (i + 0.5) / 64; () for none
     drift_share: float = 0.0    # of the noise's variance, a drift's part
@@ -243,9 +248,10 @@ class CostModelExecutor:
         self.floor = 0.1 * cost.intercept or 1e-6  # a noisy step still takes some time
 
     def execute(self, step: Step, sched: Scheduler):
-        c0, cp, cd, ckv, cps, cds, cqk = self.coef
+        c0, cp, cd, ckv, cps, cds, cqk, cbd = self.coef
         p, d = step.prefill_tokens, step.decode_tokens
-        mean = c0 + cp * p + cd * d + ckv * step.kv_blocks + (cps if p else 0.0) + (cds if d else 0.0) + cqk * step.prefill_pairs
+        mean = (c0 + cp * p + cd * d + ckv * step.kv_blocks + (cps if p else 0.0) + (cds if d else 0.0) + cqk * step.prefill_pairs
+                + (cbd if d > 1 else 0.0))
         if step.swapped_blocks:
             mean += self.per_swapped_block * step.swapped_blocks
         return max(mean * (1.0 + float(self.noise[step.index % NOISE_TABLE])), self.floor), None
@@ -253,8 +259,8 @@ class CostModelExecutor:
     def decode_times(self, index: int, decode_tokens: np.ndarray, kv_blocks: np.ndarray) -> np.ndarray:
         """Times of a run of decode-only steps from step `index` (the same arithmetic as `execute`, elementwise;
         every step has decode tokens)."""
-        c0, cp, cd, ckv, cps, cds, _ = self.coef
-        mean = c0 + cd * decode_tokens + ckv * kv_blocks + cds
+        c0, cp, cd, ckv, cps, cds, _, cbd = self.coef
+        mean = c0 + cd * decode_tokens + ckv * kv_blocks + cds + cbd * (decode_tokens > 1)
         start, n = index % NOISE_TABLE, len(kv_blocks)
         noise = self.noise[start:start + n] if start + n <= NOISE_TABLE else self.noise.take(np.arange(start, start + n), mode="wrap")
         return np.maximum(mean * (1.0 + noise), self.floor)
