@@ -66,7 +66,12 @@ def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
                 f"R² {m['cost.r2']:.3f}, RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%."
                 + (f" Beside them, **{m['cost.designed_steps']:.0f}** designed steps (decode batches and prefill chunks whose "
                    "tokens, KV blocks and attention pairs vary on their own) settle how a step's cost splits between terms "
-                   "that rise together in a trace." if m.get("cost.designed_steps") else ""))
+                   "that rise together in a trace." if m.get("cost.designed_steps") else "")
+                + (f" The simulator draws each step's noise from the residuals relative to the step's predicted time (their "
+                   f"spread grows with the step): {100 * m['cost.drift_share']:.0f}% of their variance a drift that fades "
+                   f"over tens of steps (kept {m['cost.drift_persistence']:.2f} from one to the next) and "
+                   f"{100 * m['cost.slow_drift_share']:.0f}% a slower one ({m['cost.slow_drift_persistence']:.3f})."
+                   if "cost.slow_drift_share" in m else ""))
     left, right = st.columns([1, 2])
     left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
                    column_config={"coefficient_us": st.column_config.NumberColumn(
