@@ -67,11 +67,18 @@ def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
                 + (f" Beside them, **{m['cost.designed_steps']:.0f}** designed steps (decode batches and prefill chunks whose "
                    "tokens, KV blocks and attention pairs vary on their own) settle how a step's cost splits between terms "
                    "that rise together in a trace." if m.get("cost.designed_steps") else "")
-                + (f" The simulator draws each step's noise from the residuals relative to the step's predicted time (their "
-                   f"spread grows with the step): {100 * m['cost.drift_share']:.0f}% of their variance a drift that fades "
-                   f"over tens of steps (kept {m['cost.drift_persistence']:.2f} from one to the next) and "
-                   f"{100 * m['cost.slow_drift_share']:.0f}% a slower one ({m['cost.slow_drift_persistence']:.3f})."
-                   if "cost.slow_drift_share" in m else ""))
+                + noise_sentence(m))
+
+
+def noise_sentence(m: dict) -> str:
+    """How the simulator draws its noise, from the fit's drift metrics (absent in runs of older code: then nothing)."""
+    if "cost.slow_drift_share" not in m:
+        return ""
+    drifts = [f"{100 * m[f'cost.{name}_share']:.0f}% of their variance a {kind} kept {m[f'cost.{name}_persistence']:.3g} from one "
+              "step to the next" for name, kind in (("drift", "drift"), ("slow_drift", "slower drift"))
+              if m[f"cost.{name}_share"] > 0]
+    return (" The simulator draws each step's noise from the residuals relative to the step's predicted time (their spread "
+            "grows with the step)" + (": " + " and ".join(drifts) if drifts else ", independent from step to step") + ".")
     left, right = st.columns([1, 2])
     left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
                    column_config={"coefficient_us": st.column_config.NumberColumn(
