@@ -14,6 +14,7 @@ step time over the model's mean, step by step), which must give back the engine'
 the noise path alone. All engine runs are interleaved step by step and keep pace with the longest, so they meet the
 same machine; repeat i joins i * 100 rounds late, so no two share their moments. The prediction is the simulator's
 mean over 32 draws of its noise; how far one draw strays from it (four other seeds) is recorded beside the error.
+`noise` holds what the simulator's noise model rests on, measured on the held-out runs' steps (`noise_evidence`).
 `--quick` skips 1M.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ from backend.device import describe  # noqa: E402
 from backend.serving.engine import ModelExecutor, serve_interleaved, tiny_llama  # noqa: E402
 from backend.serving.calibrate import BENCH_REQUESTS, REPEAT_LAG  # noqa: E402
 from backend.serving.scheduler import SchedulerConfig  # noqa: E402
-from backend.serving.simulator import FIDELITY_KEYS, CostModel, expected_summary, fidelity, latency_summary, simulate  # noqa: E402
+from backend.serving.simulator import (DRIFT_LAGS, FIDELITY_KEYS, CostModel, autocorrelation, clip_tails, expected_summary,  # noqa: E402
+                                      fidelity, latency_summary, simulate)
 from backend.serving.workload import shared_prefix, sharegpt_like  # noqa: E402
 
 CONFIG = SchedulerConfig()  # the experiments' defaults
@@ -95,6 +97,47 @@ class HostSteal:
                 "max_percent": round(float(q[2]), 1), "samples": [round(v, 1) for v in self.samples]}
 
 
+def noise_evidence(cost: CostModel, tables: list[dict], rounds: list[list[int]]) -> dict:
+    """What the simulator's noise model rests on, measured on the held-out runs' steps (not those it was fitted to):
+    the residuals' spread against the step's predicted time (relative noise: their ratio stays put), their
+    autocorrelation by rounds beside the fitted drifts', how much engines stepping in the same round share it (the
+    machine's speed, not a model misfit), and decode-only steps by batch size against the cost model (the
+    batched-decode term)."""
+    pred = np.concatenate([cost.predict_steps(t) for t in tables])
+    time_ = np.concatenate([t["time"] for t in tables])
+    edges = np.quantile(pred, [0, 0.5, 0.8, 0.95, 0.99, 1])
+    spread = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (pred >= lo) & (pred <= hi)
+        r = time_[m] - pred[m]
+        spread.append({"predicted_ms": 1e3 * float(pred[m].mean()), "steps": int(m.sum()), "residual_sd_ms": 1e3 * float(r.std()),
+                       "sd_over_predicted": float(r.std() / pred[m].mean()), "median_over_predicted": float(np.median(r / pred[m]))})
+    relative = [cost.relative_residuals(t) for t in tables]
+    pooled = np.concatenate(relative)
+    clipped = np.split(clip_tails(pooled - pooled.mean()), np.cumsum([len(r) for r in relative])[:-1])
+    dense = np.full((len(tables), max(r[-1] for r in rounds) + 1), np.nan)
+    for i, (r, at) in enumerate(zip(clipped, rounds)):
+        dense[i, at] = r - r.mean()
+    same_round = []
+    for i in range(len(tables)):
+        for j in range(i + 1, len(tables)):
+            both = ~np.isnan(dense[i]) & ~np.isnan(dense[j])
+            same_round.append(float(np.corrcoef(dense[i, both], dense[j, both])[0, 1]))
+    decodes, prefill = [], np.concatenate([t["prefill_tokens"] for t in tables])
+    count = np.concatenate([t["decode_tokens"] for t in tables])
+    for d in range(1, 9):
+        m = (prefill == 0) & (count == d)
+        if m.any():
+            decodes.append({"decodes": d, "steps": int(m.sum()), "measured_ms": 1e3 * float(time_[m].mean()),
+                            "predicted_ms": 1e3 * float(pred[m].mean())})
+    return {"spread_by_predicted_step": spread,
+            "autocorrelation": {"lags_rounds": list(DRIFT_LAGS), "measured": autocorrelation(clipped, rounds).tolist(),
+                                "fitted": cost.autocorrelation(DRIFT_LAGS).tolist()},
+            "same_round_correlation_between_engines": {"median": float(np.median(same_round)), "min": float(np.min(same_round)),
+                                                       "max": float(np.max(same_round)), "pairs": len(same_round)},
+            "decode_only_steps": decodes}
+
+
 def main(quick: bool) -> None:
     torch.set_num_threads(1)
     model = tiny_llama(0)
@@ -142,6 +185,11 @@ def main(quick: bool) -> None:
                          "one_draw_vs_prediction": {k: max(abs(o[k]) for o in others) for k in FIDELITY_KEYS}})
         print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (vs the mean of {len(reals)} runs {100 * errors_vs_mean[k]:+.1f}% "
                                       f"± {100 * sem[k]:.1f})" for k, v in errors.items()))
+    held_scheds = scheds[len(PROFILES):]
+    noise = noise_evidence(cost, [s.log.table() for s in held_scheds], [s.rounds for s in held_scheds])
+    print("noise: sd/predicted by predicted step " + ", ".join(f"{b['predicted_ms']:.1f} ms {100 * b['sd_over_predicted']:.0f}%" for b in noise["spread_by_predicted_step"])
+          + "; autocorrelation measured " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["measured"])
+          + " fitted " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["fitted"]))
     speed = []
     for n in (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000):
         trace = sharegpt_like(n, 8.0, 3)
@@ -158,7 +206,7 @@ def main(quick: bool) -> None:
            "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
            "engine_runs": {"runs": len(runs), "profile_requests": N, "held_out_requests": N_HELD_OUT, "runs_per_held_out_trace": ENGINE_REPEATS,
                            "wall_s": engine_wall, "cpu_s": engine_cpu, "host_steal": engine_steal.summary()},
-           "cost_model": cost.as_dict(), "fidelity": held_out, "speed": speed,
+           "cost_model": cost.as_dict(), "fidelity": held_out, "noise": noise, "speed": speed,
            "targets": {"fidelity within 5% of the engine's first run (every figure, every held-out trace)": all(h["worst"] <= 0.05 for h in held_out),
                        f"fidelity within 5% of the mean of the engine's {ENGINE_REPEATS} runs": all(h["worst_vs_engine_mean"] <= 0.05 for h in held_out),
                        "100k requests <= 30 s of CPU": by_n[100_000]["cpu_s"] <= 30,

@@ -63,22 +63,23 @@ def features(prefill_tokens, decode_tokens, kv_blocks, prefill_pairs=0) -> list:
             np.broadcast_to(np.asarray(prefill_pairs, dtype=np.float64), p.shape), (d > 1).astype(np.float64)]
 
 
-def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float, float, float]:
-    """(share, persistence, slow share, slow persistence) of two AR(1) drifts under independent noise, whose
-    autocorrelation at lag l is share · persistence^l + slow share · slow persistence^l: fitted by least squares
-    (shares >= 0, summing to at most 1) to the residuals' autocorrelation at DRIFT_LAGS (each run on its own,
-    pooled). Two, because the machine's speed moves on two time scales: on the 2-core box the autocorrelation fell
-    from 0.58 at lag 1 to 0.36 at lag 5 and then only to 0.2 at 20 and 0.15 at 80 (seconds), which one AR(1) fitted at
-    lags 1 and 10 put at 0.12 and 0: requests served a few seconds apart met machines of different speed, and the p90s
-    across them came out narrow. round_runs: each run's steps' rounds, for an engine that sat rounds out (steps are
-    paired by rounds apart: the drift is the machine's, per round); None: one step a round. Zeros when the residuals
-    show none."""
-    def on_rounds(r, rounds):  # the run's residuals by round, NaN where it did not step
-        rounds = np.arange(len(r)) if rounds is None else np.asarray(rounds) - rounds[0]
-        dense = np.full(int(rounds[-1]) + 1 if len(r) else 0, np.nan)
-        dense[rounds] = r - r.mean()
-        return dense
+def clip_tails(x: np.ndarray) -> np.ndarray:
+    """x clipped to its 1st-99th percentiles: the drift is measured without the machine's rare long stalls."""
+    return np.clip(x, *np.quantile(x, [0.01, 0.99]))
 
+
+def on_rounds(residuals: np.ndarray, rounds=None) -> np.ndarray:
+    """A run's residuals (less their mean) by round, NaN where it did not step; rounds: its steps' rounds (None: one
+    step a round)."""
+    rounds = np.arange(len(residuals)) if rounds is None else np.asarray(rounds) - rounds[0]
+    dense = np.full(int(rounds[-1]) + 1 if len(residuals) else 0, np.nan)
+    dense[rounds] = residuals - residuals.mean()
+    return dense
+
+
+def autocorrelation(residual_runs: list[np.ndarray], round_runs: list | None = None, lags=DRIFT_LAGS) -> np.ndarray:
+    """The residuals' autocorrelation at `lags` rounds, each run on its own (steps paired by rounds apart, both
+    taken), pooled over runs."""
     runs = [on_rounds(r, t) for r, t in zip(residual_runs, round_runs or [None] * len(residual_runs))]
 
     def acf(lag):
@@ -86,11 +87,23 @@ def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tu
         for d in runs:
             if len(d) > lag + 2:
                 a, b = d[:-lag], d[lag:]
-                both = ~np.isnan(a) & ~np.isnan(b)  # both steps taken
+                both = ~np.isnan(a) & ~np.isnan(b)
                 a, b = a[both], b[both]
                 num, den = num + float(a @ b), den + float(a @ a + b @ b) / 2
         return num / den if den > 0 else 0.0
-    observed = np.array([acf(lag) for lag in DRIFT_LAGS])
+    return np.array([acf(lag) for lag in lags])
+
+
+def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tuple[float, float, float, float]:
+    """(share, persistence, slow share, slow persistence) of two AR(1) drifts under independent noise, whose
+    autocorrelation at lag l is share · persistence^l + slow share · slow persistence^l: fitted by least squares
+    (shares >= 0, summing to at most 1) to the residuals' `autocorrelation` at DRIFT_LAGS. Two, because the
+    machine's speed moves on two time scales: on the 2-core box the autocorrelation fell from 0.58 at lag 1 to 0.36
+    at lag 5 and then only to 0.2 at 20 and 0.15 at 80 (seconds), which one AR(1) fitted at lags 1 and 10 put at 0.12
+    and 0: requests served a few seconds apart met machines of different speed, and the p90s across them came out
+    narrow (bench/results/serving.json, noise). round_runs: each run's steps' rounds, for an engine that sat rounds
+    out (the drift is the machine's, per round); None: one step a round. Zeros when the residuals show none."""
+    observed = autocorrelation(residual_runs, round_runs)
     if observed[0] <= 0:
         return 0.0, 0.0, 0.0, 0.0
     lags, best, fitted = np.array(DRIFT_LAGS, np.float64), np.inf, (0.0, 0.0, 0.0, 0.0)
@@ -170,7 +183,7 @@ class CostModel:
         relative = resid / np.maximum(mean, 1e-9)
         centred = relative - relative.mean()
         shape = tuple(map(float, np.quantile(centred, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES))) if noise else ()
-        clipped = np.clip(centred, *np.quantile(centred, [0.01, 0.99]))
+        clipped = clip_tails(centred)
         drifts = drift(np.split(clipped, np.cumsum([len(r["time"]) for r in runs])[:-1]), rounds) if noise else (0.0,) * 4
         return cls(*map(float, coef), per_swapped_block=float(per_swapped_block), noise=shape, drift_share=drifts[0],
                    drift_persistence=drifts[1], slow_drift_share=drifts[2], slow_drift_persistence=drifts[3],
