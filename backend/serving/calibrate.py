@@ -40,7 +40,7 @@ from backend.serving.workload import Trace
 
 
 # bench/serving.py's held-out traces, its worst error on them and the engine's widest difference from its own repeat there
-BENCH_REQUESTS, BENCH_WORST_ERROR, BENCH_ENGINE_SPREAD = 320, 0.0534, 0.0735
+BENCH_REQUESTS, BENCH_WORST_ERROR, BENCH_ENGINE_SPREAD = 320, 0.0358, 0.0441
 REPEAT_LAG = 100  # rounds (about a second); the drift's autocorrelation is gone after about 30 steps
 
 
