@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from backend.serving.calibrate import BENCH_REQUESTS
+from backend.serving.report import cost_model_summary
 from backend.serving.settings import BIG
 from pages import form, ui
 
@@ -62,23 +63,7 @@ def load_curve(load: pd.DataFrame, knee) -> None:
 
 
 def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
-    st.markdown(f"Fitted by least squares to **{m['cost.steps']:.0f}** profiled steps of the real engine: "
-                f"R² {m['cost.r2']:.3f}, RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%."
-                + (f" Beside them, **{m['cost.designed_steps']:.0f}** designed steps (decode batches and prefill chunks whose "
-                   "tokens, KV blocks and attention pairs vary on their own) settle how a step's cost splits between terms "
-                   "that rise together in a trace." if m.get("cost.designed_steps") else "")
-                + noise_sentence(m))
-
-
-def noise_sentence(m: dict) -> str:
-    """How the simulator draws its noise, from the fit's drift metrics (absent in runs of older code: then nothing)."""
-    if "cost.slow_drift_share" not in m:
-        return ""
-    drifts = [f"{100 * m[f'cost.{name}_share']:.0f}% of their variance a {kind} kept {m[f'cost.{name}_persistence']:.3g} from one "
-              "step to the next" for name, kind in (("drift", "drift"), ("slow_drift", "slower drift"))
-              if m[f"cost.{name}_share"] > 0]
-    return (" The simulator draws each step's noise from the residuals relative to the step's predicted time (their spread "
-            "grows with the step)" + (": " + " and ".join(drifts) if drifts else ", independent from step to step") + ".")
+    st.markdown(cost_model_summary(m))
     left, right = st.columns([1, 2])
     left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
                    column_config={"coefficient_us": st.column_config.NumberColumn(

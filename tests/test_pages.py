@@ -158,3 +158,17 @@ def test_a_stopped_run_shows_why_how_far_what_it_had_and_its_log():
     assert any("Training curves so far." in c.value for c in at.caption)
     assert len(at.dataframe) == 2  # the metrics and the curves
     assert any("stack of the leader" in c.value for c in at.code)
+
+
+def test_serving_page_draws_the_cost_model_of_an_engine_run():
+    """The engine run's cost model on the page: its paragraph (fit, designed steps, the noise's drifts) and its
+    coefficient table, every term the fit has."""
+    from backend.serving.simulator import TERMS
+
+    rid = _recorded("serving.engine", {})
+    at = _app("pages/serving.py", run=rid)
+    assert not at.exception, at.exception
+    assert any("designed steps" in md.value and "relative to the step's predicted time" in md.value for md in at.markdown)
+    tables = [df.value for df in at.dataframe if "term" in df.value.columns]
+    assert len(tables) == 1 and len(tables[0]) == len(TERMS) + 1  # the fitted terms and the measured swap cost
+    assert "per step with two or more decodes" in set(tables[0]["term"])

@@ -35,7 +35,7 @@ import numpy as np
 from backend.result import Check
 from backend.serving.engine import ModelExecutor, serve_interleaved
 from backend.serving.scheduler import Scheduler, SchedulerConfig
-from backend.serving.simulator import CostModel, ReplayExecutor, expected_summary, fidelity, latency_summary, simulate
+from backend.serving.simulator import CostModel, ReplayExecutor, describe_noise, expected_summary, fidelity, latency_summary, simulate
 from backend.serving.workload import Trace
 
 
@@ -112,9 +112,8 @@ class Calibration:
                 f"two or more + {1e9 * c.per_prefill_pair:.1f} ns per (query, key) pair of "
                 f"prefill attention + {1e6 * c.per_swapped_block:.2f} µs per KV block swapped "
                 f"out or in (measured by copying blocks, not fitted) (R² {c.r2:.3f}, mean |error| {100 * c.mape:.1f}% per step; "
-                f"noise: the residuals relative to the predicted time, {100 * c.drift_share:.0f}% of their variance a drift "
-                f"kept {c.drift_persistence:.2f} from step to step and {100 * c.slow_drift_share:.0f}% a slower one kept "
-                f"{c.slow_drift_persistence:.3f}). Engine times are its thread's CPU time (what it would "
+                f"noise: {describe_noise(c.drift_share, c.drift_persistence, c.slow_drift_share, c.slow_drift_persistence)}). "
+                "Engine times are its thread's CPU time (what it would "
                 "take on a core of its own), so other processes on a shared machine do not count; requests arrive on "
                 "that clock. Profile, held-out and repeat runs were served interleaved, step by step, the profiles "
                 "paced to the held-out run.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.serving.scheduler import Scheduler
-from backend.serving.simulator import CostModel, latency_summary
+from backend.serving.simulator import CostModel, describe_noise, latency_summary
 
 
 def gantt_rows(sched: Scheduler, limit: int = 200) -> list[dict]:
@@ -65,3 +65,18 @@ def cost_rows(cost: CostModel) -> list[dict]:
             {"term": "per (query, key) pair of prefill attention", "coefficient_us": 1e6 * cost.per_prefill_pair},
             {"term": "per step with two or more decodes", "coefficient_us": 1e6 * cost.per_batched_decode_step},
             {"term": "per KV block swapped out or in (measured)", "coefficient_us": 1e6 * cost.per_swapped_block}]
+
+
+def cost_model_summary(m: dict) -> str:
+    """The Serving page's paragraph on the cost model, from a run's metrics: the fit, the designed steps beside it, and
+    how the simulator draws its noise (each part only if the run measured it: runs stored by older code lack some)."""
+    text = (f"Fitted by least squares to **{m['cost.steps']:.0f}** profiled steps of the real engine: R² {m['cost.r2']:.3f}, "
+            f"RMSE {1e3 * m['cost.rmse']:.2f} ms, mean |error| per step {100 * m['cost.mape']:.1f}%.")
+    if m.get("cost.designed_steps"):
+        text += (f" Beside them, **{m['cost.designed_steps']:.0f}** designed steps (decode batches and prefill chunks whose "
+                 "tokens, KV blocks and attention pairs vary on their own) settle how a step's cost splits between terms "
+                 "that rise together in a trace.")
+    if "cost.slow_drift_share" in m:
+        text += " The simulator draws each step's noise from " + describe_noise(
+            *(m[f"cost.{k}"] for k in ("drift_share", "drift_persistence", "slow_drift_share", "slow_drift_persistence"))) + "."
+    return text

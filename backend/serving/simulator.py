@@ -101,9 +101,10 @@ def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tu
     (shares >= 0, summing to at most 1) to the residuals' `autocorrelation` at DRIFT_LAGS. Two, because the
     machine's speed moves on two time scales: on the 2-core box the autocorrelation fell from 0.58 at lag 1 to 0.36
     at lag 5 and then only to 0.21 at 20 and 0.13 at 80 (seconds; 0.31, 0.19, 0.11 and 0.07 on a quieter machine),
-    which one AR(1) fitted at lags 1 and 10 put at 0.12 and 0 at lags 20 and 80: requests served a few seconds apart met machines of different speed, and the p90s across them came out
-    narrow (bench/results/serving.json, noise). round_runs: each run's steps' rounds, for an engine that sat rounds
-    out (the drift is the machine's, per round); None: one step a round. Zeros when the residuals show none."""
+    which one AR(1) fitted at lags 1 and 10 put at 0.12 and 0 at lags 20 and 80: requests served a few seconds apart
+    met machines of different speed, and the p90s across them came out narrow (bench/results/serving.json, noise).
+    round_runs: each run's steps' rounds, for an engine that sat rounds out (the drift is the machine's, per round);
+    None: one step a round. Zeros when the residuals show none."""
     observed = autocorrelation(residual_runs, round_runs)
     if observed[0] <= 0:
         return 0.0, 0.0, 0.0, 0.0
@@ -111,14 +112,26 @@ def drift(residual_runs: list[np.ndarray], round_runs: list | None = None) -> tu
     for fast in FAST_PERSISTENCE:
         for slow in SLOW_PERSISTENCE[SLOW_PERSISTENCE > fast]:
             A = np.column_stack([fast ** lags, slow ** lags])
-            candidates = [np.linalg.lstsq(A, observed, rcond=None)[0]]  # both, or one alone (non-negative least squares in 2-D)
-            candidates += [np.array([max(float(A[:, j] @ observed) / float(A[:, j] @ A[:, j]), 0.0) * (j == k) for k in range(2)]) for j in range(2)]
+            # non-negative least squares in two dimensions: both drifts, or the best of either alone
+            candidates = [np.linalg.lstsq(A, observed, rcond=None)[0]]
+            for j in (0, 1):
+                alone = np.zeros(2)
+                alone[j] = max(float(A[:, j] @ observed) / float(A[:, j] @ A[:, j]), 0.0)
+                candidates.append(alone)
             for shares in candidates:
-                if (shares >= 0).all() and shares.sum() <= 1:
-                    error = float(((A @ shares - observed) ** 2).sum())
-                    if error < best:
-                        best, fitted = error, (float(shares[0]), float(fast) * (shares[0] > 0), float(shares[1]), float(slow) * (shares[1] > 0))
+                error = float(((A @ shares - observed) ** 2).sum())
+                if (shares >= 0).all() and shares.sum() <= 1 and error < best:
+                    best, fitted = error, (float(shares[0]), float(fast) * (shares[0] > 0), float(shares[1]), float(slow) * (shares[1] > 0))
     return fitted
+
+
+def describe_noise(drift_share: float, drift_persistence: float, slow_drift_share: float, slow_drift_persistence: float) -> str:
+    """The noise model in a sentence, naming only the drifts the fit found (the calibration's note, the Serving page)."""
+    drifts = [f"{100 * share:.0f}% of their variance a {kind} kept {phi:.3g} from one step to the next"
+              for share, phi, kind in ((drift_share, drift_persistence, "drift"), (slow_drift_share, slow_drift_persistence, "slower drift"))
+              if share > 0]
+    return ("the residuals relative to the step's predicted time (their spread grows with the step)"
+            + (": " + " and ".join(drifts) if drifts else ", independent from step to step"))
 
 
 @dataclass(frozen=True)
