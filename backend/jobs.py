@@ -26,6 +26,7 @@ import faulthandler
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -153,6 +154,7 @@ class JobRunner:
                                         stdin=subprocess.DEVNULL, env=env, cwd=experiments.REPO_ROOT,
                                         start_new_session=True)
         self.store.update(rec.id, pid=proc.pid, port=port)
+        proc.record, proc.backstop_at = rec, time.monotonic() + (rec.timeout_s or self.timeout_s) + self.backstop_s
         return proc
 
     def _watch(self, run_id: str, proc: subprocess.Popen) -> None:
@@ -163,8 +165,18 @@ class JobRunner:
             del self._procs[run_id]
             self.store.finish(run_id, "failed", error=f"job exited with code {code}: {log_tail(self.store, run_id)}")
             return
-        cancel = self.store.beat(run_id)
-        rec = self.store.get(run_id)
+        try:
+            cancel = self.store.beat(run_id)
+            rec = self.store.get(run_id)
+        except sqlite3.OperationalError as err:
+            # A leader frozen in the middle of a write holds the store's lock: nothing can be recorded until it
+            # is ended, so past its backstop (on this process's clock) it is ended first, then recorded.
+            if "locked" not in str(err) or time.monotonic() < proc.backstop_at:
+                raise
+            _kill_group(proc)
+            self.store.finish(run_id, "failed", error=limits.time_message(proc.record.timeout_s, _config_of(proc.record)))
+            del self._procs[run_id]
+            return
         if rec.status in FINAL:  # the leader recorded its end and is exiting
             return
         overdue = rec.started and time.time() - rec.started > (rec.timeout_s or self.timeout_s) + self.backstop_s

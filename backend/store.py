@@ -306,16 +306,22 @@ class RunStore:
 
     @staticmethod
     def _reap(db: sqlite3.Connection, rows) -> int:
-        """Mark failed each running row among `rows` whose leader is gone; returns how many."""
+        """Mark failed each running row among `rows` whose leader is gone; returns how many. Readers reap in
+        passing: if the store stays locked (a leader frozen in the middle of a write holds the lock until the job
+        runner ends it), the rows are left for a later reader instead of failing the read."""
         now, reaped = time.time(), 0
         for row in rows:
             if row["status"] != "running":
                 continue
             reason = _death(row, now)
             if reason:
-                reaped += db.execute(
-                    "UPDATE runs SET status='failed', error=?, finished=? WHERE id=? AND status='running'",
-                    (reason, now, row["id"])).rowcount
+                try:
+                    reaped += db.execute(
+                        "UPDATE runs SET status='failed', error=?, finished=? WHERE id=? AND status='running'",
+                        (reason, now, row["id"])).rowcount
+                except sqlite3.OperationalError as err:
+                    if "locked" not in str(err) or db.in_transaction:  # inside a caller's transaction: its own
+                        raise
         return reaped
 
     def claim_next(self, cap: int) -> RunRecord | None:
