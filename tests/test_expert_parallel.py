@@ -56,3 +56,22 @@ def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         EPConfig.from_dict(values)
     assert info.value.field == field
+
+
+def test_capacity_is_exact_and_the_drop_check_catches_the_float_rule():
+    """cf 1.1 with 100 tokens per rank, top-1 over 10 experts: capacity ceil(1.1 · 100 / 10) is exactly 11 (the float
+    product 11.000000000000002 rounds up to 12). The run drops to 11; drops computed with the float rule fail the check."""
+    import math
+    cfg = EPConfig(world_size=2, tokens=200, experts=10, top_k=1, capacity_factor=1.1).validate()
+    payloads = spawn_ranks(ep.run_rank, 2, cfg, RunContext(timeout_s=300))
+    result = ep.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert {r["capacity"] for r in result.tables["experts"]} == {11}
+    assert max(r["kept"] for r in result.tables["experts"]) == 11
+    routed = [r for p in payloads for r in p["reference_stats"]["routed"]]
+    assert any(r >= 12 for r in routed)  # an expert where 11 and 12 drop differently
+    for p in payloads:  # what the float rule would have dropped
+        cap = math.ceil(1.1 * p["stats"]["tokens"] / 10)
+        p["stats"]["dropped"] = [max(0, r - cap) for r in p["reference_stats"]["routed"]]
+    failed = [c.name for c in ep.combine(cfg, payloads).checks if not c.passed]
+    assert failed == ["dropped assignments equal Σ max(0, routed − capacity) per expert"]

@@ -104,3 +104,50 @@ def test_bad_inputs_name_the_field(values, field):
 
 def test_page_draws_a_run():
     render_recorded("pages/moe_routing.py", "moe.routing", tokens="16", bias_steps="3")
+
+
+def _float_capacity(tokens, k, n_experts, capacity_factor):
+    """The broken rule: ceil in floating point (1.1 · 100 / 10 = 11.000000000000002 -> 12)."""
+    return math.ceil(capacity_factor * tokens * k / n_experts)
+
+
+def test_capacity_is_exact_over_the_grid():
+    """cf 0.25..3.3 by 0.05, T 4..512, E 2..64: expert_capacity equals the integers-only least C with C·E >= cf·T;
+    the floating-point rule gets 570 of these 1,988,154 wrong (1.1, 100, 10 among them)."""
+    cfs = [round(0.25 + 0.05 * i, 2) for i in range(62)]
+    wrong = old_wrong = 0
+    for cf in cfs:
+        for tokens in range(4, 513):
+            for n in range(2, 65):
+                exact = ref.capacity(tokens, 1, n, cf)
+                wrong += moe.expert_capacity(tokens, 1, n, cf) != exact
+                old_wrong += _float_capacity(tokens, 1, n, cf) != exact
+    assert wrong == 0
+    assert old_wrong == 570
+    assert moe.expert_capacity(100, 1, 10, 1.1) == 11 == ref.capacity(100, 1, 10, 1.1)
+    assert moe.expert_capacity(50, 2, 10, 1.1) == 11 and moe.expert_capacity(101, 1, 10, 1.1) == 12
+
+
+def test_capacity_check_fails_for_the_float_rule(monkeypatch):
+    """cf 1.1, 100 tokens, 10 experts: the exact capacity is 11; the float rule's 12 fails the run's capacity check."""
+    cfg = dict(capacity_factor=1.1, tokens=100, n_experts=10, n_groups=2, bias_steps=0, d_ff=8, top_k=2)
+    good = experiments.run("moe.routing", **cfg)
+    assert good.passed and good.metrics["switch_capacity"] == 11
+    assert "ceil(1.1 · 100 / 10) = 11" in good.notes[0]
+    monkeypatch.setattr(moe, "expert_capacity", _float_capacity)
+    bad = experiments.run("moe.routing", **cfg)
+    failed = [c.name for c in bad.checks if not c.passed]
+    assert "Switch capacity equals the exact ceil(cf · tokens / N)" in failed
+
+
+def test_capacity_topk_renormalises_like_gshard():
+    """GShard's Algorithm 1 divides the top-2 gates by their sum; Switch's single gate stays the probability."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.5, 3.0, 0.1]], dtype=torch.float64)
+    p = logits.softmax(-1)
+    r2 = moe.capacity_topk(logits, 2, None)
+    top = p.topk(2, dim=-1)[0]
+    assert torch.allclose(r2.weights, top / top.sum(-1, keepdim=True), atol=1e-15, rtol=0)
+    assert torch.allclose(r2.weights.sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-15, rtol=0)
+    r1 = moe.switch_top1(logits, 1.0)
+    assert torch.equal(r1.weights[:, 0], p.max(-1)[0])
+    assert torch.allclose(moe.capacity_topk(logits, 2, None, renormalize=False).weights, top, atol=0, rtol=0)

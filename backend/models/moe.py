@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,8 @@ class Routing:
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
-    """Each token's k most probable experts; Mixtral renormalises their k weights to sum to 1, GShard does not."""
+    """Each token's k most probable experts; Mixtral (and GShard's top-2) renormalise their k weights to sum to 1,
+    DeepSeek-V2 and Qwen1.5-MoE (norm_topk_prob = false) keep the softmax probabilities."""
     probs = logits.softmax(dim=-1)
     weights, indices = torch.topk(probs, k, dim=-1)
     if renormalize:
@@ -39,16 +41,23 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
 
 
 def expert_capacity(tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
-    """GShard's per-group capacity: ceil(cf · T · k / E) assignments per expert (Switch's, with k = 1)."""
-    return math.ceil(capacity_factor * tokens * k / n_experts)
+    """GShard's per-group capacity: ceil(cf · T · k / E) assignments per expert (Switch's, with k = 1). Exact: cf is
+    taken as the decimal it was written as (1.1 is 11/10, not the double 1.100000000000000088...), so that a product
+    that is a whole number in decimal (1.1 · 100 / 10 = 11) is not rounded up to the next one by a binary excess."""
+    return math.ceil(Fraction(repr(float(capacity_factor))) * tokens * k / n_experts)
 
 
-def capacity_topk(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routing:
-    """GShard: each token's k most probable experts, weighted by their probabilities (not renormalised); an expert
-    takes at most expert_capacity(...) assignments, every token's first choice before any second choice, then in
-    token order, and drops the rest (the token keeps its other experts). capacity_factor None: nothing dropped."""
+def capacity_topk(logits: torch.Tensor, k: int, capacity_factor: float | None, renormalize: bool = True) -> Routing:
+    """GShard (Algorithm 1): each token's k most probable experts, their gates divided by their sum (renormalize;
+    with k = 1, Switch, the gate stays the probability, else it would be 1 and the router would get no gradient);
+    an expert takes at most expert_capacity(...) assignments, every token's first choice before any second choice,
+    then in token order, and drops the rest (the token keeps its other experts, whose gates are not renormalised
+    again: GShard normalises before the capacity test, fairscale and DeepSpeed over the kept gates).
+    capacity_factor None: nothing dropped."""
     probs = logits.softmax(dim=-1)
     weights, indices = torch.topk(probs, k, dim=-1)
+    if renormalize and k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     if capacity_factor is None:
         return Routing(indices, weights, torch.ones_like(indices, dtype=torch.bool), probs)
     one_hot = torch.zeros(k, *probs.shape, dtype=torch.long).scatter_(2, indices.T.unsqueeze(-1), 1)  # (k, T, E)
@@ -96,7 +105,8 @@ def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Te
 
 class MoELayer(nn.Module):
     """Routed SwiGLU experts plus shared SwiGLU experts that every token passes through. Called without a routing,
-    it routes itself: GShard's top_k with capacity_factor (None: dropless), over whatever tokens it is given."""
+    it routes itself: GShard's top_k (gates renormalised) with capacity_factor (None: dropless), over whatever
+    tokens it is given."""
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, n_shared: int, top_k: int = 2,
                  capacity_factor: float | None = None):

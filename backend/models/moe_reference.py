@@ -5,6 +5,7 @@ Each router returns, per token, {expert: weight} for the experts that process it
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import torch
 
@@ -29,14 +30,21 @@ def softmax_topk(logits: list[list[float]], k: int, renormalize: bool) -> list[d
     return out
 
 
-def switch_top1(logits: list[list[float]], capacity: int) -> list[dict[int, float]]:
-    """Tokens in order; a token whose expert is full gets no expert."""
+def capacity(tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
+    """The least whole C with C · E >= cf · T · k, cf = m / 10^d as written in decimal: integers only, no floats."""
+    m, d = Decimal(repr(float(capacity_factor))).as_integer_ratio()
+    return -(-(m * tokens * k) // (d * n_experts))
+
+
+def switch_top1(logits: list[list[float]], capacity_factor: float) -> list[dict[int, float]]:
+    """Tokens in order; a token whose expert is full (capacity(T, 1, E, cf) taken) gets no expert."""
+    cap = capacity(len(logits), 1, len(logits[0]), capacity_factor)
     taken = [0] * len(logits[0])
     out = []
     for row in logits:
         p = _softmax(row)
         e = max(range(len(p)), key=lambda i: p[i])
-        if taken[e] < capacity:
+        if taken[e] < cap:
             taken[e] += 1
             out.append({e: p[e]})
         else:

@@ -33,7 +33,8 @@ class RoutingConfig(Config):
     topk_groups: int = setting(2, min=1, max=16, help="DeepSeek groups kept per token")
     route_scale: float = setting(2.5, min=0.1, max=10.0, help="DeepSeek weight scale (V3: 2.5)")
     capacity_factor: float = setting(1.25, min=0.25, max=4.0, help="Switch: capacity = ceil(cf · tokens / N)")
-    renormalize: bool = setting(True, help="softmax top-k: renormalise the k weights to sum to 1 (Mixtral) or not (GShard)")
+    renormalize: bool = setting(True, help="softmax top-k: renormalise the k weights to sum to 1 (Mixtral, GShard's top-2) "
+                                           "or keep the softmax probabilities (DeepSeek-V2, Qwen1.5-MoE)")
     n_shared: int = setting(1, min=0, max=2, help="DeepSeek shared experts every token passes through")
     router_skew: float = setting(0.3, min=0.0, max=4.0, help="std of a fixed per-expert logit offset (a router that favours some experts)")
     bias_steps: int = setting(30, min=0, max=300, help="auxiliary-loss-free balancing steps")
@@ -130,13 +131,16 @@ def run(config: RoutingConfig, ctx) -> Result:
         capacity = moe.expert_capacity(c.tokens, 1, c.n_experts, c.capacity_factor)
         routers = {
             "softmax top-k": (moe.softmax_topk(logits, c.top_k, c.renormalize), ref.softmax_topk(rows, c.top_k, c.renormalize), None),
-            "Switch top-1": (moe.switch_top1(logits, c.capacity_factor), ref.switch_top1(rows, capacity), None),
+            "Switch top-1": (moe.switch_top1(logits, c.capacity_factor), ref.switch_top1(rows, c.capacity_factor), None),
             "DeepSeek-V3, bias 0": (moe.deepseek_v3(logits, torch.zeros_like(bias), c.top_k, c.n_groups, c.topk_groups, c.route_scale),
                                     ref.deepseek_v3(rows, [0.0] * c.n_experts, c.top_k, c.n_groups, c.topk_groups, c.route_scale), layer.shared),
             "DeepSeek-V3, balanced bias": (moe.deepseek_v3(logits, bias, c.top_k, c.n_groups, c.topk_groups, c.route_scale),
                                            ref.deepseek_v3(rows, bias.tolist(), c.top_k, c.n_groups, c.topk_groups, c.route_scale), layer.shared),
         }
-        checks, loads, summary = [], [], []
+        exact = ref.capacity(c.tokens, 1, c.n_experts, c.capacity_factor)
+        checks = [Check("Switch capacity equals the exact ceil(cf · tokens / N)", abs(capacity - exact), 0,
+                        reference=f"least whole C with C · N >= cf · tokens, integers only (= {exact})")]
+        loads, summary = [], []
         for i, (name, (routing, want, shared)) in enumerate(routers.items()):
             ctx.progress(0.2 + 0.2 * i, name)
             got = as_routes(routing)

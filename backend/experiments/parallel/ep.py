@@ -7,7 +7,8 @@ import torch
 
 from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
-from backend.models.moe import MoELayer, expert_capacity
+from backend.models import moe_reference
+from backend.models.moe import MoELayer
 from backend.parallel.ep import ExpertParallelMoE, grouped_reference
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations
@@ -97,9 +98,9 @@ def combine(config: EPConfig, payloads) -> Result:
                     reference="single-process autograd"),
               Check("input gradients (through both all-to-alls' backward) equal one process's",
                     max(p["input_grad_error"] for p in payloads), TOL, reference="single-process autograd")]
-    # drops, counted independently: an expert routed r assignments with capacity C drops max(0, r - C)
+    # drops, counted independently: an expert routed r assignments with capacity C (exact, in integers) drops max(0, r - C)
     for p in payloads:
-        p["stats"]["capacity"] = expert_capacity(p["stats"]["tokens"], config.top_k, config.experts, config.capacity_factor)
+        p["stats"]["capacity"] = moe_reference.capacity(p["stats"]["tokens"], config.top_k, config.experts, config.capacity_factor)
     drop_err = max(sum(abs(d - max(0, r - p["stats"]["capacity"])) for d, r in zip(p["stats"]["dropped"], p["reference_stats"]["routed"]))
                    for p in payloads)
     checks.append(Check("dropped assignments equal Σ max(0, routed − capacity) per expert", drop_err, 0,
