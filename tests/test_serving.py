@@ -13,7 +13,8 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
 from backend.serving.calibrate import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
-from backend.serving.engine import ModelExecutor, serve, serve_interleaved, tiny_llama, token_mismatches
+from backend.experiments.serving.engine import LOGITS_TOL
+from backend.serving.engine import ModelExecutor, logits_error, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
 from backend.serving.simulator import TERMS, CostModel, CostModelExecutor, ReplayExecutor, features, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
@@ -445,3 +446,37 @@ def test_the_bigger_run_linked_from_the_page_fits_the_servers_budget(view):
 
     config = experiments.get(f"serving.{view}").make_config({k: str(v) for k, v in BIG[view].items()})  # validate() included
     assert config.estimate().seconds > experiments.get(f"serving.{view}").make_config({}).estimate().seconds
+
+
+class ForgetsTheFirstKey(attention.TorchPagedAttention):
+    """A subtly wrong variant: decodes past position 60 no longer see position 0's key (an evicted attention sink)."""
+
+    def __init__(self, tables, seq, pos, block_size):
+        super().__init__(tables, seq, pos, block_size)
+        if self.decode_rows.any():
+            lens = pos[self.decode_rows] + 1
+            first_slot = torch.zeros_like(self.invalid)
+            first_slot[torch.cumsum(-(-lens // block_size), 0)[:-1] * block_size] = True  # each query's slot of position 0
+            first_slot[0] = True
+            self.invalid = self.invalid | (first_slot & (lens[self.slot_owner] > 60))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_sampled_logits_row_equals_a_full_recompute(model, policy):
+    """The engine's logits (paged KV, batched, preempted and resumed) against one causal forward of the request's
+    whole sequence without a cache: float32 differences of about 1e-6, every sampled row compared."""
+    config, trace, _ = POLICIES[policy]
+    sched = serve(model, trace, config, record_batches=True)
+    err, rows = logits_error(model, sched)
+    assert rows == int(trace.output_len.sum())
+    assert err < LOGITS_TOL
+
+
+def test_logits_check_catches_what_the_token_check_misses(model):
+    """Forgetting one key late in long sequences leaves every greedy token of this trace unchanged (the token check
+    passes) but moves the logits by 0.026, 2,600 times the logits check's tolerance."""
+    sched = serve(model, small(), SchedulerConfig(), attention=ForgetsTheFirstKey, record_batches=True)
+    assert token_mismatches(model, sched) == []
+    assert logits_error(model, sched)[0] > 100 * LOGITS_TOL
+    wrong = serve(model, small(), SchedulerConfig(), attention=WrongTables, record_batches=True)
+    assert logits_error(model, wrong)[0] > 0.1

@@ -4,11 +4,14 @@ The batch's tokens (prefill chunks and decode tokens of every request, back to b
 model as one (N, d) matrix: embedding, then per layer RMSNorm, Q/K/V projections with RoPE at each
 token's own position, K and V written into the paged pool at the slots the manager booked, attention
 over the block tables, the output projection and the SwiGLU MLP; logits only for the rows that
-sample, greedy. The weights are TinyDecoder's, so `greedy_alone` (the same model decoding one request
-with its contiguous cache) is an independent reference: the engine's tokens must equal it.
+sample, greedy. The weights are TinyDecoder's, so the model's own forward is an independent reference:
+every logits row the engine sampled from must equal one causal forward of the request's whole sequence
+without any KV cache (`logits_error`), and its tokens must equal `greedy_alone` (the model decoding one
+request with its contiguous cache).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -135,6 +138,8 @@ class ModelExecutor:
         tokens = torch.tensor([sched.token(int(step.rids[s]), int(p)) for s, p in zip(seq.tolist(), pos.tolist())])
         rows = (torch.cumsum(takes, 0) - 1)[torch.from_numpy(step.samples)]
         logits = forward_batch(self.model, self.store, tokens, pos, slots, rows, self.attention(tables, seq, pos, bs))
+        if sched.record_batches:  # kept by reference, no copy: the step's time is not changed
+            sched.sampled_logits.append((step.rids[step.samples], logits))
         return None, logits.argmax(-1).numpy()
 
 
@@ -201,6 +206,28 @@ def greedy_alone(model: TinyDecoder, prompt: list[int], new_tokens: int) -> list
         if i + 1 < new_tokens:
             logits = model(torch.tensor(out[-1:]), len(prompt) + i, caches)
     return out
+
+
+@torch.no_grad()
+def logits_error(model: TinyDecoder, sched: Scheduler) -> tuple[float, int]:
+    """(largest |engine logits - recomputed logits|, rows compared) over every row the engine sampled from (a run
+    served with record_batches). The reference recomputes each request from scratch: one causal forward of its
+    prompt and the tokens it was served (the last one excepted, which nothing reads), no KV cache, no paging;
+    row prompt_len - 1 + i is what the engine's i-th sample saw. A wrong KV slot, block table, position or
+    a stale cache after a preemption shows up as an error far above float32's ~1e-6."""
+    got: dict[int, list[torch.Tensor]] = {}
+    for rids, logits in sched.sampled_logits:
+        for rid, row in zip(rids.tolist(), logits):
+            got.setdefault(rid, []).append(row)
+    worst, rows = 0.0, 0
+    for rid in range(len(sched.trace)):  # every request, each output token sampled from one recorded row
+        served, prompt, out = got.get(rid, []), sched.trace.prompt(rid), sched.outputs.get(rid, [])
+        if not served or len(served) != len(out) or len(out) != int(sched.trace.output_len[rid]):
+            return math.inf, rows
+        want = model(torch.tensor(prompt + out[:-1]))[len(prompt) - 1:]
+        worst = max(worst, (torch.stack(served) - want).abs().max().item())
+        rows += len(served)
+    return worst, rows
 
 
 def token_mismatches(model: TinyDecoder, sched: Scheduler) -> list[int]:

@@ -183,6 +183,7 @@ class Scheduler:
         self.next_arrival = 0
         self.log = StepLog()
         self.batches: list[tuple[np.ndarray, np.ndarray]] = []
+        self.sampled_logits: list[tuple[np.ndarray, object]] = []  # record_batches, the engine: (rids sampled, their logits) per step
 
     # --- tokens --------------------------------------------------------------------------------------
     def token(self, rid: int, i: int) -> int:
