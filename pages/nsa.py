@@ -31,8 +31,8 @@ def _one_query(result: dict, cfg: dict, rec) -> None:
         color=alt.Color("branch:N", scale=alt.Scale(domain=list(BRANCHES)), legend=None),
         tooltip=["branch", "what", "start", "end"]).properties(height=150), width="stretch")
     st.caption(f"Query {t} (KV group 0): the selected branch reads blocks {row['blocks']} of {cfg['sel_block']} tokens "
-               "(always the first and its own, the rest by compressed score); the compressed branch reads one key per "
-               "block; the window the latest tokens.")
+               f"(always the first and the {cfg.get('local_blocks', 1)} latest, the rest by importance); the compressed branch "
+               "reads one key per block; the window the latest tokens.")
 
 
 def render(result: dict, rec) -> None:
@@ -54,8 +54,9 @@ def render(result: dict, rec) -> None:
         color=alt.Color("importance:Q", scale=alt.Scale(scheme="blues")),
         stroke=alt.condition("datum.selected", alt.value("#e4572e"), alt.value(None)),
         tooltip=["query", "sel_block", alt.Tooltip("importance:Q", format=".3f"), "selected"]).properties(height=360), width="stretch")
-    st.caption("Importance: the compressed attention probabilities summed over the group's heads and over the compressed "
-               "blocks that overlap each selection block. Outlined: the blocks chosen (top-n plus the first and own).")
+    st.caption("Importance (NSA's eq. 9): the compressed attention probabilities summed over the group's heads and over the "
+               "compressed blocks that overlap each selection block, each counted once per stride of it inside the block. "
+               "Outlined: the blocks chosen (the first and the local blocks, then the highest).")
 
     sweep = pd.DataFrame(tables["sweep"])
     if not sweep.empty:

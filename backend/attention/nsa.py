@@ -6,10 +6,12 @@ closely (the top-n blocks the skim scored highest), and read around where you ar
 - compressed: blocks of `cmp_block` keys every `cmp_stride` tokens, each squeezed to one key and one value
   by φ (mean of token + intra-block position embedding, then a linear map); attended causally (a block
   is visible once its last token is).
-- selected: the compressed attention probabilities, summed over the query heads of a GQA group (so a
-  group shares one selection and reads one set of KV blocks, as the seed notes), scored onto blocks of
-  `sel_block` raw tokens (summing the compressed blocks that overlap each), and the top-n visible blocks,
-  always with the first block and the query's own, gathered and attended causally.
+- selected: the paper's rule (Yuan et al. 2025, eqs. 8-11). The compressed attention probabilities p_cmp,
+  summed over the query heads of a GQA group (eq. 10: a group shares one selection and reads one set of KV
+  blocks, as the seed notes), scored onto blocks of `sel_block` raw tokens by eq. 9 (each compressed block
+  that overlaps a selection block counts once per stride-chunk of it inside that block), and the top-n
+  visible blocks (eq. 11), always with the first block and the `local_blocks` latest (the query's own and
+  the one before it in the paper), gathered and attended causally.
 - window: the last `window` tokens.
 - gates: sigmoid of a linear map of the query, one per branch: o = Σ_c g_c · attention_c.
 Everything is gathered: the selected and window branches touch only the rows they index, which is what
@@ -54,22 +56,40 @@ def _attend(q, k, v, visible):
     return torch.einsum("ghnk,gnkd->ghnd", p, v)
 
 
-def select_blocks(p_cmp, n: int, cmp_block: int, cmp_stride: int, sel_block: int, top_n: int):
+def selection_weights(n_cmp: int, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
+    """(n_cmp, n_sel): how often compressed block i is counted for selection block j by NSA's eq. 9,
+    p_slc[j] = Σ_{m < l'/d} Σ_{n < l/d} p_cmp[(l'/d)·j − m − n] (l = cmp_block, d = cmp_stride, l' = sel_block),
+    its index counted from block j's last stride-chunk, (l'/d)(j + 1) − 1 − m − n, so that the sum covers the
+    compressed blocks that overlap block j (counted from its first chunk, as printed, it would score block j
+    with the blocks before it; Lai's NSA Triton reference, transform_score, sums the overlapping ones). The pairs
+    (m, n) that land on block i are its stride-chunks inside block j: the weight is the overlap in tokens / d,
+    1 for a block straddling the edge, l/d for one wholly inside."""
+    starts = torch.arange(n_cmp)[:, None] * cmp_stride
+    sel_starts = torch.arange(n_sel)[None, :] * sel_block
+    inside = torch.minimum(starts + cmp_block, sel_starts + sel_block) - torch.maximum(starts, sel_starts)
+    return (inside.clamp(min=0) // cmp_stride).to(torch.float32)
+
+
+def select_blocks(p_cmp, n: int, cmp_block: int, cmp_stride: int, sel_block: int, top_n: int, local_blocks: int = 2):
     """p_cmp: (G, h, N, n_cmp) compressed attention. Returns the chosen selection blocks (G, N, top_n), which of
-    them are real (G, N, top_n), and the importance per selection block (G, N, n_sel)."""
+    them are real (G, N, top_n), and the importance per selection block (G, N, n_sel): eq. 9 summed over the
+    group's heads (eq. 10); the first block and the `local_blocks` latest forced in, the rest by importance."""
     n_cmp, n_sel = p_cmp.shape[-1], -(-n // sel_block)
-    starts = torch.arange(n_cmp) * cmp_stride
+    if top_n < min(n_sel, 1 + local_blocks):
+        raise ValueError(f"top_n={top_n} cannot hold the first block and {local_blocks} local blocks")
+    weights = selection_weights(n_cmp, cmp_block, cmp_stride, sel_block, n_sel).to(p_cmp.dtype)
+    importance = p_cmp.sum(1) @ weights                         # summed over the group's heads: one choice per group
     sel_starts = torch.arange(n_sel) * sel_block
-    overlap = (starts[:, None] < sel_starts[None, :] + sel_block) & (starts[:, None] + cmp_block > sel_starts[None, :])
-    importance = p_cmp.sum(1) @ overlap.to(p_cmp.dtype)       # summed over the group's heads: one choice per group
     t = torch.arange(n)[:, None]
-    forced = (sel_starts[None, :] == 0) | (sel_starts[None, :] == t // sel_block * sel_block)
+    behind = t // sel_block - torch.arange(n_sel)[None, :]      # blocks between the query's own and block j
+    forced = (sel_starts[None, :] == 0) | ((behind >= 0) & (behind < local_blocks))
     score = importance.masked_fill(forced, float("inf")).masked_fill(sel_starts[None, :] > t, float("-inf"))
     top = score.topk(min(top_n, n_sel), dim=-1)
     return top.indices, top.values > float("-inf"), importance
 
 
-def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top_n=4, window=64, selected_counters=None):
+def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top_n=4, window=64, local_blocks=2,
+                  selected_counters=None):
     """q: (H, N, d); k, v: (G, N, d) with H a multiple of G. Returns o (H, N, d) and what was chosen and read.
     selected_counters (int64[2]): run the selected branch through the Triton kernel, which counts its K and V bytes."""
     H, n, d = q.shape
@@ -84,7 +104,7 @@ def nsa_attention(q, k, v, params, cmp_block=16, cmp_stride=8, sel_block=32, top
     p_cmp = _softmax_visible(qg @ kc[:, None].transpose(-1, -2) / math.sqrt(d), cmp_visible[:, None])  # every query, every block
     o_cmp = p_cmp @ vc[:, None]
 
-    blocks, real, importance = select_blocks(p_cmp, n, cmp_block, cmp_stride, sel_block, top_n)
+    blocks, real, importance = select_blocks(p_cmp, n, cmp_block, cmp_stride, sel_block, top_n, local_blocks)
     tokens = (blocks[..., None] * sel_block + torch.arange(sel_block)).flatten(-2)          # (G, N, top_n·sel_block)
     sel_visible = real.repeat_interleave(sel_block, -1) & (tokens <= t[:, None]) & (tokens < n)
     tokens = tokens.clamp(max=n - 1)

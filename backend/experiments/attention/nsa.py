@@ -2,7 +2,9 @@
 the KV bytes each query reads as the sequence grows.
 
 Checks: the output equals a dense attention (torch SDPA over every key) that applies the same masks, within
-fp32 round-off; every query's selection holds the first block and its own and nothing after it; the KV rows
+fp32 round-off; the blocks selected and their importance equal the paper's eqs. 8-11 computed one query at a
+time in float64 (backend/attention/nsa_reference.py); every query's selection holds the first block and its
+local blocks and nothing after it; the KV rows
 the gathers read equal the closed form per branch; with every block selected, the selected branch is full
 causal attention (SDPA with is_causal). Measured: KV bytes per query (counted from the gather indices) for
 a sweep of sequence lengths beside full attention's.
@@ -14,6 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from backend.attention import nsa_reference
 from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
                                    nsa_attention)
 from backend.config import Config, ConfigError, cost, setting
@@ -23,6 +26,8 @@ from backend.result import Check, Result
 
 TRITON_INTERPRETER_STEPS = 256  # (query, group, block) steps of the selected-block kernel in Triton's interpreter
 GATHER_BUDGET = 2 ** 26         # elements of one gathered K (or V) tensor: groups x N x keys per query x d
+REFERENCE_DOTS = 150_000        # q·K_cmp products the per-query float64 selection reference makes (~1 s): beyond, every k-th query
+IMPORTANCE_TOL = 1e-5           # fp32 sums of at most heads x l/d probabilities against float64
 
 
 @dataclasses.dataclass
@@ -34,7 +39,8 @@ class NSAConfig(Config):
     cmp_block: int = setting(16, choices=(8, 16, 32), help="tokens per compressed block (l)")
     cmp_stride: int = setting(8, choices=(4, 8, 16), help="tokens between compressed blocks (d in the paper)")
     sel_block: int = setting(32, choices=(16, 32, 64), help="tokens per selection block (l')")
-    top_n: int = setting(4, min=1, max=32, help="selected blocks per query (with the first and its own)")
+    top_n: int = setting(4, min=2, max=32, help="selected blocks per query (n, with the first and the local blocks)")
+    local_blocks: int = setting(2, min=1, max=4, help="latest blocks always selected: the query's own and those before it (the paper: 2)")
     window: int = setting(64, min=1, max=2048, help="sliding-window tokens")
     impl: str = setting("torch", choices=("torch", "triton"), help="selected branch: gathered in PyTorch, or the Triton kernel")
     sweep_sizes: str = setting("512,1024,2048,4096", help="sequence lengths for KV bytes per query (64..8192; empty: none)")
@@ -71,6 +77,9 @@ class NSAConfig(Config):
         if self.impl == "triton" and not torch.cuda.is_available() and programs > TRITON_INTERPRETER_STEPS:
             raise ConfigError("seq_len", f"the Triton kernel in the interpreter: seq_len·kv_heads·top_n = {programs:,} block steps is "
                                          f"too slow (allowed: <= {TRITON_INTERPRETER_STEPS}, e.g. seq_len 64 with top_n 4)")
+        if self.top_n < 1 + self.local_blocks:
+            raise ConfigError("top_n", f"{self.top_n} cannot hold the first block and {self.local_blocks} local blocks "
+                                       f"(allowed: {1 + self.local_blocks}..32, or fewer local_blocks)")
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", f"{self.kv_heads} does not divide heads={self.heads} (allowed: a divisor of heads)")
         if self.cmp_stride > self.cmp_block:
@@ -92,30 +101,54 @@ class NSAConfig(Config):
                                              f"(allowed: <= {GATHER_BUDGET:,}; use shorter sizes or fewer selected tokens)")
 
 
+def reference_queries(n: int, heads: int, cmp_stride: int) -> list[int]:
+    """The queries the float64 selection reference checks: all of them, or every k-th (the last always) when their
+    q·K_cmp products (heads x visible compressed blocks, about n/(2 d) per query) would pass REFERENCE_DOTS."""
+    step = max(1, -(-n * heads * (n // cmp_stride) // 2 // REFERENCE_DOTS))
+    return sorted(set(range(0, n, step)) | {n - 1})
+
+
 def run(config: NSAConfig, ctx) -> Result:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(config.seed)
     H, G, n, d = config.heads, config.kv_heads, config.seq_len, config.head_dim
     geometry = dict(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
                     top_n=config.top_n, window=config.window)
+    local = config.local_blocks
     params = make_params(d, config.cmp_block, g)
     inputs = lambda length, groups: (torch.randn(groups * (H // G), length, d, generator=g),  # noqa: E731
                                      torch.randn(groups, length, d, generator=g), torch.randn(groups, length, d, generator=g))
     q, k, v = inputs(n, G)
     ctx.progress(0.05, "NSA")
     counters = torch.zeros(2, dtype=torch.int64) if config.impl == "triton" else None
-    out, chosen = nsa_attention(q, k, v, params, **geometry, selected_counters=counters)
+    out, chosen = nsa_attention(q, k, v, params, **geometry, local_blocks=local, selected_counters=counters)
     ctx.progress(0.25, "masked dense reference")
     ref = masked_dense_reference(q, k, v, chosen, config.sel_block, config.window)
     checks = [Check("NSA equals dense attention with the same masks (fp32 round-off)", (out - ref).abs().max().item(), 1e-5,
                     reference="torch SDPA over every key with boolean masks, same gates")]
 
+    ctx.progress(0.3, "selection, one query at a time in float64")
+    queries = reference_queries(n, H, config.cmp_stride)
+    reference = nsa_reference.select(q, k, params, config.cmp_block, config.cmp_stride, config.sel_block, config.top_n, local, queries)
+    importance_err, differ = nsa_reference.selection_differences(chosen["blocks"], chosen["real"], chosen["importance"], reference,
+                                                                 tie=IMPORTANCE_TOL)
+    sampled = f"{len(queries)} of {n} queries" + ("" if len(queries) == n else f" (every {queries[1]}th)")
+    checks += [Check("selection-block importance equals the paper's eq. 9 over eq. 8's p_cmp, summed over the group's heads",
+                     importance_err, IMPORTANCE_TOL, reference="per-query loop in float64 over the definitions (nsa_reference)",
+                     detail=sampled),
+               Check("the blocks chosen equal the paper's: the first and local blocks, then the top p_slc (eq. 11)", differ, 0,
+                     reference="per-query loop in float64, sorted p_slc", detail=f"{sampled}; queries whose blocks differ beyond a "
+                                                                                 f"{IMPORTANCE_TOL:g} tie")]
+
     t = torch.arange(n)
     blocks, real = chosen["blocks"], chosen["real"]
-    own, first = (blocks == (t // config.sel_block)[None, :, None]) & real, (blocks == 0) & real
+    first = (blocks == 0) & real
+    behind = (t // config.sel_block)[None, :, None] - blocks
+    local_held = ((behind >= 0) & (behind < local) & real).sum(-1)
     after = ((blocks * config.sel_block > t[None, :, None]) & real).sum().item()
-    checks.append(Check("every query's selection holds the first block and its own, and none after it",
-                        (~own.any(-1)).sum().item() + (~first.any(-1)).sum().item() + after, 0, reference="NSA's selection rule"))
+    checks.append(Check(f"every query's selection holds the first block and its {local} latest, and none after it",
+                        (local_held != (t // config.sel_block + 1).clamp(max=local)[None]).sum().item() + (~first.any(-1)).sum().item()
+                        + after, 0, reference="block geometry"))
     closed = closed_form_rows(n, **geometry)
     checks.append(Check("KV rows the gathers read equal the closed form per branch",
                         sum((chosen["kv_rows_read"][b] - closed[b][None]).abs().sum().item() for b in BRANCHES), 0,
@@ -127,7 +160,7 @@ def run(config: NSAConfig, ctx) -> Result:
                             reference="block geometry", detail=f"{counters.sum().item():,} bytes counted"))
     ctx.progress(0.4, "every block selected vs full causal attention")
     n_sel = -(-n // config.sel_block)
-    _, everything = nsa_attention(q, k, v, params, **{**geometry, "top_n": n_sel})
+    _, everything = nsa_attention(q, k, v, params, **{**geometry, "top_n": n_sel}, local_blocks=local)
     full = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 0), v.repeat_interleave(H // G, 0), is_causal=True)
     checks.append(Check("with every block selected, the selected branch is full causal attention",
                         (everything["branch_outputs"]["selected"] - full).abs().max().item(), 1e-5,
@@ -138,7 +171,7 @@ def run(config: NSAConfig, ctx) -> Result:
     sweep = []
     for i, length in enumerate(config.sizes()):
         ctx.progress(0.5 + 0.45 * i / max(1, len(config.sizes())), f"KV bytes per query at N={length}")
-        _, c = nsa_attention(*inputs(length, 1), params, **geometry)  # one KV group: every group reads alike
+        _, c = nsa_attention(*inputs(length, 1), params, **geometry, local_blocks=local)  # one KV group: every group reads alike
         counted = kv_bytes_per_query(c["kv_rows_read"], d, elem)
         sweep.append({"seq_len": length, **counted, "nsa_over_full_last": counted["nsa_last"] / counted["full_last"]})
 
