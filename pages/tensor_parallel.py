@@ -85,6 +85,8 @@ def render(result: dict, rec) -> None:
     st.dataframe(peer, hide_index=True, width="stretch")
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
     st.dataframe(pd.DataFrame(t["tp_vs_pp"]), hide_index=True, width="stretch")
+    st.caption("The pipeline row is a real two-stage cut after layer 0: rank 0 computes the layer and sends its output to "
+               "rank 1 (our p2p send, the bytes also read off rank 0's socket), which finishes the forward to one process's loss.")
     timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")
 
 

@@ -104,3 +104,49 @@ def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         TPConfig.from_dict(values)
     assert info.value.field == field
+
+
+def test_pipeline_boundary_is_a_real_stage_cut(run):
+    """Stage 0 sends layer 0's real output (b x s x h, MK float64 bytes, also on its socket) and stage 1's loss from
+    it equals one process's; a byte off, or the zeros tensor the page used to send, fails."""
+    cfg, payloads, result = run
+    mk = cfg.batch * cfg.seq * cfg.d_model
+    stage0, stage1 = payloads[0]["pp"], payloads[1]["pp"]
+    assert stage0["shape"] == [cfg.batch, cfg.seq, cfg.d_model] and stage0["logged_bytes"] == mk * 8
+    assert stage0["written_payload"] in (None, mk * 8) and stage1["loss_error"] <= TOL
+    assert all(p["pp"]["logged_bytes"] == 0 and p["pp"]["loss"] is None for p in payloads[2:])
+    stage0["logged_bytes"] += 8
+    assert not tp.combine(cfg, payloads).passed
+    stage0["logged_bytes"] -= 8
+
+    from backend.parallel.tp_model import pipeline_boundary, reference_model, tokens
+    from backend.trace import Tracer
+
+    class ZerosArrive:  # stage 1's side with the old payload: an M x K tensor of zeros
+        index, tracer = 1, Tracer(1)
+
+        class p2p:
+            bytes_sent = 0
+
+            @staticmethod
+            def exchange(step, phase, sends=(), recvs=()):
+                for r in recvs:
+                    r.tensor.zero_()
+    reference = reference_model(cfg)
+    wrong = pipeline_boundary(reference, tokens(cfg), ZerosArrive())["loss"]
+    assert abs(wrong - reference.loss(tokens(cfg)).item()) > 1e-3
+
+
+def test_pipeline_send_is_on_the_timeline_where_it_happened(run):
+    """The stage boundary runs right after the TP and TP + SP steps, so its events follow them on each rank's
+    timeline by less than a quarter of the steps' time (it used to come ~0.9 s later, after the DTensor peer,
+    leaving the steps 11% of the axis), and nothing comes after it."""
+    cfg, payloads, result = run
+    for p in payloads[:2]:
+        events = p["trace"]["events"]
+        span = {e["name"]: e for e in events if e["lane"] == "compute" and " step " not in e["name"]}
+        steps_start, steps_end = span["TP forward"]["ts"], span["TP + SP backward"]["ts"] + span["TP + SP backward"]["dur"]
+        pp = [e for e in events if "pipeline send" in e["name"] or e["name"].startswith("PP stage")]
+        assert len(pp) == 2
+        assert min(e["ts"] for e in pp) - steps_end < 0.25 * (steps_end - steps_start)
+        assert max(e["ts"] + e["dur"] for e in events) == max(e["ts"] + e["dur"] for e in pp)

@@ -6,9 +6,11 @@ The reference for all of it is the single-process TinyDecoder (backend/models/ll
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.attention.rope import rope_angles
+from backend.comm.p2p import Transfer
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.parallel.tp import sum_norm_grads
 from backend.parallel.wire import WrittenBytes, gloo_bytes, ring_bytes
@@ -216,3 +218,32 @@ def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: 
                       "ours_written_bytes": our_wire.bytes, "ours_written_payload": our_wire.payload}
         mine.zero_grad(set_to_none=True)
     return rows
+
+
+def pipeline_boundary(reference: TinyDecoder, batch: torch.Tensor, wire) -> dict:
+    """Seed 004's other side, run for real: the model cut into two pipeline stages after layer 0, the layer whose
+    output tensor parallel all-reduces. Stage 0 (wire rank 0) embeds the batch and runs layer 0; what that layer
+    outputs, the (b, s, h) activation, goes to stage 1 (wire rank 1) by our p2p send, the bytes its process wrote
+    to the sockets measured (WrittenBytes); stage 1 runs the other layers and the loss on what arrived, so the
+    loss equals one process's only if the right activation crossed. Other ranks take no part."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    tracer = wire.tracer
+    out = {"stage": wire.index, "written_payload": None, "loss": None, "shape": list(inputs.shape) + [reference.shape.d_model]}
+    with torch.no_grad():
+        if wire.index == 0:
+            with tracer.span("compute", "PP stage 0: embedding, layer 0", kind="forward"):
+                act = torch.stack([reference.blocks[0](reference.embed(seq), 0, None) for seq in inputs])
+            with WrittenBytes() as written:
+                wire.p2p.exchange(0, "pipeline send", sends=[Transfer(act, 1, [0])])
+            out["written_payload"] = written.payload
+        elif wire.index == 1:
+            act = torch.empty(*out["shape"], dtype=torch.float64)
+            wire.p2p.exchange(0, "pipeline send", recvs=[Transfer(act, 0, [0])])
+            with tracer.span("compute", "PP stage 1: layers 1.., loss", kind="forward"):
+                x = act
+                for block in reference.blocks[1:]:
+                    x = torch.stack([block(row, 0, None) for row in x])
+                logits = reference.head(reference.norm(x))
+                out["loss"] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+    out["logged_bytes"] = wire.p2p.bytes_sent
+    return out

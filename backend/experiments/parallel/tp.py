@@ -6,13 +6,13 @@ import math
 
 import torch
 
-from backend.comm.p2p import Transfer
 from backend.config import Config, ConfigError, cost, setting
 from backend.experiments import define
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
 from backend.parallel.tp import TPDecoder
-from backend.parallel.tp_model import dtensor_peer, expected_collectives, reference_model, tokens, worked_examples
+from backend.parallel.tp_model import (dtensor_peer, expected_collectives, pipeline_boundary, reference_model, tokens,
+                                      worked_examples)
 from backend.parallel.wire import Wire, ring_bytes
 from backend.result import Check, Result
 from backend.trace import Tracer
@@ -117,6 +117,9 @@ def run_rank(rank, world, config: TPConfig, ctx):
             "wrong_shard_error": (grads["blocks.0.ffn.down.weight"] - _neighbour_shard(ref_grads, config, wire)).abs().max().item(),
             "log": wire.log, "activation_bytes": act,
             "shards": {k: list(p.shape) for k, p in model.named_parameters()}}
+    ctx.progress(0.75, "the pipeline's stage boundary after layer 0")
+    out["pp"] = pipeline_boundary(reference, batch, Wire.along(mesh, "tp", tracer))  # on the timeline right after the TP steps
+    out["pp"]["loss_error"] = abs(out["pp"]["loss"] - ref_loss.item()) if out["pp"]["loss"] is not None else None
     alone = Wire.alone(rank, Tracer(rank))
     out["activation_bytes_one_rank"] = _step(reference, config, alone, False)[4]
     if world == 2:
@@ -126,7 +129,6 @@ def run_rank(rank, world, config: TPConfig, ctx):
     x = torch.randn(config.batch, config.seq, config.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     out["dtensor"] = dtensor_peer(reference, TPDecoder(reference, peer_tp).blocks[0], TPDecoder(reference, peer_sp, sp=True).blocks[0],
                                   peer_tp, peer_sp, x, world, rank)
-    out["pp_send"] = _pp_send(mesh, tracer, config)
     out["trace"] = tracer.payload()
     return out
 
@@ -136,17 +138,6 @@ def _neighbour_shard(ref_grads, config, wire):
     cols = config.d_ff // wire.n
     j = (wire.index + 1) % wire.n
     return ref_grads["blocks.0.ffn.down.weight"][:, j * cols:(j + 1) * cols]
-
-
-def _pp_send(mesh, tracer, config):
-    """Seed 004's other side: pipeline parallel cut at the same layer sends its M x K output once, stage to stage."""
-    wire = Wire.along(mesh, "tp", tracer)
-    out = torch.zeros(config.batch * config.seq, config.d_model, dtype=torch.float64)
-    if wire.index == 0:
-        wire.p2p.exchange(0, "pipeline send", sends=[Transfer(out, 1, [0])])
-    elif wire.index == 1:
-        wire.p2p.exchange(0, "pipeline send", recvs=[Transfer(out, 0, [0])])
-    return wire.p2p.bytes_sent
 
 
 def combine(config: TPConfig, payloads) -> Result:
@@ -257,13 +248,20 @@ def combine(config: TPConfig, payloads) -> Result:
                         reference="CommDebugMode's counts", detail="ours: one forward, one backward per layer (fused)"))
     mk = b * s * h
     tp_ar = ring_bytes("all_reduce", mk, n, 8)
+    stage0, stage1 = payloads[0]["pp"], payloads[1]["pp"]
     tables["tp_vs_pp"] = [
         {"strategy": "TP: all-reduce of the layer's M x K output", "bytes per rank": tp_ar, "bytes, all ranks": tp_ar * n,
-         "in units of MK": tp_ar * n / (mk * 8)},
-        {"strategy": "PP: send the M x K output to the next stage", "bytes per rank": payloads[0]["pp_send"],
-         "bytes, all ranks": payloads[0]["pp_send"], "in units of MK": payloads[0]["pp_send"] / (mk * 8)}]
-    checks.append(Check("seed 004: the pipeline send of the same layer moves MK", abs(payloads[0]["pp_send"] - mk * 8), 0,
-                        reference="M x K float64 elements"))
+         "in units of MK": tp_ar * n / (mk * 8), "written to the sockets by rank 0": None},
+        {"strategy": f"PP: stage 0 sends layer 0's output ({' x '.join(map(str, stage0['shape']))}) to stage 1",
+         "bytes per rank": stage0["logged_bytes"], "bytes, all ranks": stage0["logged_bytes"],
+         "in units of MK": stage0["logged_bytes"] / (mk * 8), "written to the sockets by rank 0": stage0["written_payload"]}]
+    checks.append(Check("seed 004: the pipeline send of layer 0's output moves MK", abs(stage0["logged_bytes"] - mk * 8), 0,
+                        reference="M x K float64 elements (M = b·s, K = h)"))
+    if stage0["written_payload"] is not None:
+        checks.append(Check("seed 004: the bytes stage 0 wrote to its socket for that send are MK", abs(stage0["written_payload"] - mk * 8), 0,
+                            reference="/proc/self/io (write calls x gloo's 48 B preamble taken off)"))
+    checks.append(Check("the activation that crossed the stage boundary carries on: stage 1's loss equals one process's",
+                        stage1["loss_error"], TOL, reference="the whole TinyDecoder in one process"))
     notes.append(f"Seed 004's 2MK: a ring all-reduce sends 2(t-1)/t MK per rank, 2(t-1)MK in all: "
                  f"{tp_ar * n / (mk * 8):g} MK at t={n}, against MK for the pipeline's send of the same output.")
     notes.append("Sequence parallel moves the same bytes as tensor parallel in forward (an all-gather plus a reduce-scatter "
