@@ -3,7 +3,7 @@ on different ranks.
 
 Every rank holds the router and the shared expert whole, E/n routed experts, and its own slice of the tokens
 (seed 003's "expert and data parallelism"). One layer, on each rank:
-  route     the layer's own router on this rank's T tokens (GShard's top-k; with a capacity factor an expert
+  route     the layer's own router on this rank's T tokens (GShard's top-k, gates renormalised; with a capacity factor an expert
             takes at most ceil(cf · T · k / E) of them, first choices first, and the rest are dropped)
   dispatch  all-to-all: each kept (token, expert) row goes to the rank holding the expert, sorted by expert;
             the per-expert counts go first (a small all-to-all) so every rank knows what it will receive
