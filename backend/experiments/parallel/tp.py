@@ -251,10 +251,10 @@ def combine(config: TPConfig, payloads) -> Result:
     stage0, stage1 = payloads[0]["pp"], payloads[1]["pp"]
     tables["tp_vs_pp"] = [
         {"strategy": "TP: all-reduce of the layer's M x K output", "bytes per rank": tp_ar, "bytes, all ranks": tp_ar * n,
-         "in units of MK": tp_ar * n / (mk * 8), "written to the sockets by rank 0": None},
+         "in units of MK": tp_ar * n / (mk * 8), "socket bytes, rank 0": None},
         {"strategy": f"PP: stage 0 sends layer 0's output ({' x '.join(map(str, stage0['shape']))}) to stage 1",
          "bytes per rank": stage0["logged_bytes"], "bytes, all ranks": stage0["logged_bytes"],
-         "in units of MK": stage0["logged_bytes"] / (mk * 8), "written to the sockets by rank 0": stage0["written_payload"]}]
+         "in units of MK": stage0["logged_bytes"] / (mk * 8), "socket bytes, rank 0": stage0["written_payload"]}]
     checks.append(Check("seed 004: the pipeline send of layer 0's output moves MK", abs(stage0["logged_bytes"] - mk * 8), 0,
                         reference="M x K float64 elements (M = b·s, K = h)"))
     if stage0["written_payload"] is not None:
