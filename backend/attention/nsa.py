@@ -60,10 +60,10 @@ def selection_weights(n_cmp: int, cmp_block: int, cmp_stride: int, sel_block: in
     """(n_cmp, n_sel): how often compressed block i is counted for selection block j by NSA's eq. 9,
     p_slc[j] = Σ_{m < l'/d} Σ_{n < l/d} p_cmp[(l'/d)·j − m − n] (l = cmp_block, d = cmp_stride, l' = sel_block),
     its index counted from block j's last stride-chunk, (l'/d)(j + 1) − 1 − m − n, so that the sum covers the
-    compressed blocks that overlap block j (counted from its first chunk, as printed, it would score block j
+    compressed blocks that overlap block j (counted from its first chunk, as printed, it would score block j mostly
     with the blocks before it; Lai's NSA Triton reference, transform_score, sums the overlapping ones). The pairs
     (m, n) that land on block i are its stride-chunks inside block j: the weight is the overlap in tokens / d,
-    1 for a block straddling the edge, l/d for one wholly inside."""
+    l/d for one wholly inside, less for one straddling an edge."""
     starts = torch.arange(n_cmp)[:, None] * cmp_stride
     sel_starts = torch.arange(n_sel)[None, :] * sel_block
     inside = torch.minimum(starts + cmp_block, sel_starts + sel_block) - torch.maximum(starts, sel_starts)

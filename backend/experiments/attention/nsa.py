@@ -54,7 +54,8 @@ class NSAConfig(Config):
     def estimate(self):
         """Three NSA passes (as set; every block selected, the largest; each sweep size on one group) each hold their
         gathered K and V and the scores of every head over its keys, in fp32; the masked dense reference holds N²
-        scores per head; the heat map and the selection table are Python rows; the Triton kernel ~10 ms a step."""
+        scores per head; the heat map and the selection table are Python rows; the Triton kernel ~10 ms a step; the
+        float64 selection reference one Python q·K_cmp product at a time (about four to an op: 1.2 s for 64k measured)."""
         n, d, per_group = self.seq_len, self.head_dim, self.heads // self.kv_heads
 
         def pass_bytes(length: int, groups: int, top_n: int) -> int:
@@ -66,7 +67,8 @@ class NSAConfig(Config):
         programs = n * self.kv_heads * self.top_n if self.impl == "triton" else 0
         dense = 4 * 4 * self.heads * n * n
         return cost(data_bytes=3 * max(passes) // 2 + dense, flops=sum(passes) * d // 2 + dense * d // 4, moved_bytes=3 * (sum(passes) + dense),
-                    ops=n * 30 + 64 * n // self.sel_block + programs * 100 + 5000)
+                    ops=n * 30 + 64 * n // self.sel_block + programs * 100 + 5000
+                    + min(REFERENCE_DOTS, n * self.heads * (n // self.cmp_stride) // 2) // 4)
 
     def gathered(self, n: int, groups: int) -> int:
         """Elements of the selected and window gathers of K (V is the same again) for n queries."""
