@@ -19,6 +19,7 @@ import torch
 
 from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
+from backend.parallel.pp import recompute
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result
@@ -160,6 +161,9 @@ def torch_peer_refusal(config) -> str | None:
 
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     payload = run_rank(rank, p, config, ctx)
+    if config.recompute:  # the same run without recomputation, on the same ranks: what it costs and what it saves
+        plain = run_rank(rank, p, dataclasses.replace(config, recompute=False), ctx)
+        payload["baseline"] = {k: plain[k] for k in ("trace", "activation_peak_bytes", "executed")}
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
@@ -366,8 +370,14 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                             detail=f"replayed {100 * typical_bubble[busiest]:.1f} % (rank {busiest}), predicted "
                                    f"{100 * predicted:.1f} %, textbook {100 * model:.1f} %; with every action's own "
                                    f"measured cost {100 * pace:.1f} % (rank {bottleneck}): the rest is jitter"))
+    price = []
+    if config.recompute:
+        more_checks, more_metrics, price, more_notes = recompute.price(config, payloads, stage_layers)
+        checks, notes = checks + more_checks, notes + more_notes
+        metrics.update(more_metrics)
     return Result(metrics=metrics, checks=checks, notes=notes,
-                  tables={"gantt": gantt, "stages": per_stage, "live": live, "versions": versions, "grad_errors": errors},
+                  tables={"gantt": gantt, "stages": per_stage, "live": live, "versions": versions, "grad_errors": errors,
+                          "recompute": price},
                   trace_events=events)
 
 
