@@ -69,10 +69,14 @@ def render(result: dict, rec) -> None:
     if "staleness" in result["tables"]:
         render_ps(result, rec)
         return
-    memory = pooled(pd.DataFrame(result["tables"]["memory"]))
+    memory = pd.DataFrame(result["tables"]["memory"])
     memory["rank"] = memory["rank"].map(lambda r: f"rank {r}")
+    offloaded = bool(result["tables"].get("moved"))
+    if offloaded:  # one bar per rank and pool
+        memory["rank"] = memory["rank"] + " · " + memory["pool"]
     left, right = st.columns(2)
-    left.altair_chart(memory_chart(memory, "rank", f"Memory per rank: {result['metrics']['strategy']}"), width="stretch")
+    left.altair_chart(memory_chart(memory, "rank", f"Memory per rank{' and pool' if offloaded else ''}: "
+                                                   f"{result['metrics']['strategy']}"), width="stretch")
     loss = pd.DataFrame(result["tables"]["loss"])
     right.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
         x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss (mean squared error)", scale=alt.Scale(zero=False)),
@@ -82,7 +86,7 @@ def render(result: dict, rec) -> None:
     if not volume.empty:
         st.subheader("Bytes sent per rank per step")
         st.dataframe(volume, hide_index=True, width="stretch")
-    if result["tables"].get("moved"):
+    if offloaded:
         offload_section(result)
     timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
