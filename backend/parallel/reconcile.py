@@ -148,6 +148,9 @@ def combine(config, reports: list[RankReport], peer: str | None = None) -> Resul
              [{"step": i, "loss": l, "run": "reference (1 process)"} for i, l in enumerate(ref["losses"])]
     metrics = {"strategy": label, "world_size": n, "parameter_bytes": first.params.size * precision.item("compute"),
                "psi_padded_bytes": first.psi_bytes, "final_loss": first.losses[-1]}
+    if moved:  # rank 0's, per step
+        metrics.update({f"moved_{d}_bytes_per_step": first.extra["moved"][d] / config.steps for d in ("device_to_host", "host_to_device")})
+        metrics["host_bytes"] = sum(first.host_memory.values())
     if "buckets" in first.extra:
         metrics["buckets_elements"] = first.extra["buckets"]
     notes = []
