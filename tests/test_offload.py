@@ -99,3 +99,14 @@ def test_offload_refuses_stage_3():
     with pytest.raises(ConfigError) as info:
         ZeroConfig.from_dict({"stage": "3", "offload": "true"})
     assert info.value.field == "offload"
+
+
+def test_the_data_parallel_page_draws_the_pools_and_the_bytes_moved():
+    from tests.test_pages import _app, _recorded
+
+    rid = _recorded("parallel.zero", {"world_size": "2", "hidden": "8", "layers": "2", "batch": "8", "steps": "2",
+                                      "stage": "2", "offload": "true"})
+    at = _app("pages/data_parallel.py", strategy="parallel.zero", run=rid)
+    assert not at.exception, at.exception
+    assert any("bytes moved host" in h.value for h in at.subheader)
+    assert len(at.get("vega_lite_chart")) >= 3  # memory per rank and pool, loss, bytes moved

@@ -91,3 +91,15 @@ def test_a_recomputation_that_keeps_the_graph_fails_the_memory_check():
     result = combine(config, payloads)
     assert not _check(result, "peak activation bytes").passed
     assert _check(result, "gradients equal").passed  # the arithmetic is still right: only the memory is not saved
+
+
+def test_the_pipeline_page_draws_the_price():
+    from tests.test_pages import _app, _recorded
+
+    rid = _recorded("pipeline.run", {"schedule": "gpipe", "world_size": "2", "microbatches": "4", "hidden": "16",
+                                     "batch": "8", "layers": "4", "recompute": "true"})
+    at = _app("pages/pipeline.py", run=rid)
+    assert not at.exception, at.exception
+    assert any(h.value == "Recomputation's price" for h in at.subheader)
+    assert {"extra FLOPs (counted)", "peak activations saved"} <= {m.label for m in at.metric}
+    assert len(at.get("vega_lite_chart")) >= 4  # two Gantts, live activations, and the price's memory and time
