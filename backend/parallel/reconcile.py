@@ -142,7 +142,7 @@ def combine(config, reports: list[RankReport], peer: str | None = None) -> Resul
                                         "FSDP2 CPUOffloadPolicy: each padded parameter shard up per all-gather (2 per step), each "
                                         "gradient shard down once"),
                              detail="counted on the copies between the pools" if first.strategy.startswith("zero") else
-                                    "counted on FSDP2's own Tensor.to calls (all_gather_inputs, foreach_reduce)"))
+                                    "counted on FSDP2's own Tensor.to calls (all_gather_inputs, foreach_reduce); on a CPU each returns the tensor itself, so these are the bytes FSDP2 asks to move"))
     label = first.strategy + (" bf16 mixed" if precision.mixed else "")
     curves = [{"step": i, "loss": l, "run": label} for i, l in enumerate(first.losses)] + \
              [{"step": i, "loss": l, "run": "reference (1 process)"} for i, l in enumerate(ref["losses"])]
