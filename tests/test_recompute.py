@@ -103,3 +103,17 @@ def test_the_pipeline_page_draws_the_price():
     assert any(h.value == "Recomputation's price" for h in at.subheader)
     assert {"extra FLOPs (counted)", "peak activations saved"} <= {m.label for m in at.metric}
     assert len(at.get("vega_lite_chart")) >= 4  # two Gantts, live activations, and the price's memory and time
+
+
+def test_a_recomputation_timed_as_two_forwards_fails_the_time_check(runs, monkeypatch):
+    """The time check, on the small runs here too short to time, made active: ratio 1 passes, twice the time fails."""
+    monkeypatch.setattr(recompute, "MIN_TIMED_CPU_MS", 0.0)
+    config, payloads = runs[0]
+    payloads = copy.deepcopy(payloads)
+    for pl in payloads:  # every recomputation exactly as long as the median forward of the run without it
+        forwards = sorted(e["cpu_us"] for e in pl["baseline"]["trace"]["events"] if e["lane"] == "compute" and e["args"]["kind"] == "F")
+        pl["recompute_cpu_us"] = [forwards[len(forwards) // 2]] * len(pl["recompute_cpu_us"])
+    assert _check(combine(config, payloads), "a recomputation takes the time").error < 1e-9
+    for pl in payloads:
+        pl["recompute_cpu_us"] = [2 * t for t in pl["recompute_cpu_us"]]
+    assert not _check(combine(config, payloads), "a recomputation takes the time").passed

@@ -90,7 +90,8 @@ def peak_model(config, layers: int, last: bool, bound: int, recompute: bool) -> 
 
 
 MIN_TIMED_CPU_MS = 50.0  # below this much compute per run, CPU-time ratios are mostly timer and scheduler noise
-TIME_TOLERANCE = 0.30    # relative: two runs on a contended 2-core machine, seconds apart (observed 0.98-1.20)
+TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine at load ~45 (bench/recompute.py: 0.85-1.31);
+                         # recomputing twice (2) or not at all (0) still fails it; the FLOPs are checked exactly
 
 
 def _median(values: list[float]) -> float:
@@ -170,7 +171,7 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                      "makes it longer).")
     else:
         ratio = metrics["recompute_to_forward_time"]
-        checks.append(Check("a recomputation takes the time of one forward (CPU time, within 30 %)", abs(ratio - 1), TIME_TOLERANCE,
+        checks.append(Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1), TIME_TOLERANCE,
                             reference="the same micro-batch's forward in the same run without recomputation (median per rank)",
                             detail=f"recompute ÷ forward {ratio:.2f}; whole run +{100 * overhead:.1f} % CPU time, "
                                    f"F/(F+B) predicts +{100 * predicted:.1f} %, the textbook +33 %"))
