@@ -21,6 +21,36 @@ def memory_chart(rows: pd.DataFrame, x: str, title: str) -> alt.Chart:
     return bars.properties(height=260, title=title)
 
 
+def pooled(rows: pd.DataFrame) -> pd.DataFrame:
+    """Categories the host pool holds (CPU offload) named as such, so a stacked bar tells the pools apart."""
+    if "pool" in rows:
+        rows = rows.assign(category=[f"host · {c}" if p == "host" else c for p, c in zip(rows["pool"], rows["category"])])
+    return rows
+
+
+def offload_section(result: dict) -> None:
+    """Bytes moved host <-> device per step, measured beside the formula, and the memory of each pool."""
+    moved = pd.DataFrame(result["tables"]["moved"])
+    st.subheader("CPU offload: bytes moved host ↔ device per step")
+    st.caption("No accelerator here: device and host are both this CPU's memory, kept as two accounting pools; "
+               "the bytes are those of the copies made between them.")
+    long = moved.melt(id_vars=["rank", "direction"], value_vars=["measured_bytes_per_step", "formula_bytes_per_step"],
+                      var_name="source", value_name="bytes")
+    long["source"] = long["source"].map({"measured_bytes_per_step": "measured", "formula_bytes_per_step": "formula"})
+    long["rank"] = long["rank"].map(lambda r: f"rank {r}")
+    st.altair_chart(alt.Chart(long).mark_bar().encode(
+        x=alt.X("source:N", title=None), xOffset="direction:N", y=alt.Y("bytes:Q", title="bytes per step per rank"),
+        color=alt.Color("direction:N"), column=alt.Column("rank:N", title=None),
+        tooltip=["rank", "direction", "source", alt.Tooltip("bytes:Q", format=",")]).properties(
+        height=220, width=140, title="Moved per step: measured and formula"))
+    with st.expander("The formula"):
+        st.markdown("ZeRO-Offload (Ren et al., 2021) keeps the master weights, Adam's m and v and the Adam step on the "
+                    "host: each step a rank sends its ψ/n gradient shard down (2 bytes/param in fp16, 4 in fp32, 8 here "
+                    "in float64) and receives its updated ψ/n parameter shard in the compute dtype. FSDP2's "
+                    "CPUOffloadPolicy copies every padded parameter shard up before each all-gather (forward, and "
+                    "again in backward) and each gradient shard down once.")
+
+
 def render_ps(result: dict, rec) -> None:
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(pd.DataFrame(result["tables"]["eval"])).mark_line(point=True).encode(
@@ -41,8 +71,12 @@ def render(result: dict, rec) -> None:
         return
     memory = pd.DataFrame(result["tables"]["memory"])
     memory["rank"] = memory["rank"].map(lambda r: f"rank {r}")
+    offloaded = bool(result["tables"].get("moved"))
+    if offloaded:  # one bar per rank and pool
+        memory["rank"] = memory["rank"] + " · " + memory["pool"]
     left, right = st.columns(2)
-    left.altair_chart(memory_chart(memory, "rank", f"Memory per rank: {result['metrics']['strategy']}"), width="stretch")
+    left.altair_chart(memory_chart(memory, "rank", f"Memory per rank{' and pool' if offloaded else ''}: "
+                                                   f"{result['metrics']['strategy']}"), width="stretch")
     loss = pd.DataFrame(result["tables"]["loss"])
     right.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
         x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss (mean squared error)", scale=alt.Scale(zero=False)),
@@ -52,13 +86,16 @@ def render(result: dict, rec) -> None:
     if not volume.empty:
         st.subheader("Bytes sent per rank per step")
         st.dataframe(volume, hide_index=True, width="stretch")
+    if offloaded:
+        offload_section(result)
     timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
     st.subheader("Compare strategies on these settings")
     base = {k: rec.config[k] for k in BASE}
-    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3 and FSDP2 on these settings"):
+    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2 and both with CPU offload on these settings"):
         for name, extra in (("parallel.ddp", {}), ("parallel.zero", {"stage": 1}), ("parallel.zero", {"stage": 2}),
-                            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {})):
+                            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {}),
+                            ("parallel.zero", {"stage": 2, "offload": True}), ("parallel.fsdp", {"offload": True})):
             ui.runner().submit(name, {**base, **extra})
         st.info("Queued; the comparison fills in as they finish (reload).")
     rows = []
@@ -71,7 +108,8 @@ def render(result: dict, rec) -> None:
                     continue
                 rows += [dict(r, run=label) for r in res["tables"]["memory"] if r["rank"] == 0]
     if rows:
-        st.altair_chart(memory_chart(pd.DataFrame(rows), "run", "Rank 0's memory, strategy by strategy"), width="stretch")
+        st.altair_chart(memory_chart(pooled(pd.DataFrame(rows)), "run", "Rank 0's memory, strategy by strategy (host pool labelled)"),
+                        width="stretch")
 
 
 choice = st.radio("strategy", list(STRATEGIES), horizontal=True,

@@ -7,7 +7,8 @@ are synchronised, how the optimizer steps) through a few hooks:
                                     through forward(x), the model itself unless a strategy wraps it
     after_backward(step)            synchronise gradients (all-reduce, reduce-scatter, ...)
     optimizer_step(step)            update what this rank owns (and gather what it needs next step)
-    memory()                        bytes held per category after the first step
+    memory()                        bytes held per category after the first step (on the device)
+    host_memory()                   bytes held per category in the host pool (CPU offload; none by default)
     final_params()                  the full flat parameters (for the check; after the bytes are counted)
 
 Each rank's data is its dp slice of the global batch (`mesh`), and every rank returns a typed RankReport.
@@ -38,6 +39,7 @@ class RankReport:
     precision: str = "fp64"
     trace: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # strategy-specific measurements (bucket sizes, ...)
+    host_memory: dict[str, int] = field(default_factory=dict)  # bytes held in the host pool after the first step (offload)
 
 
 class Strategy:
@@ -79,6 +81,9 @@ class Strategy:
     def memory(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def host_memory(self) -> dict[str, int]:
+        return {}
+
     def sent_bytes(self) -> int | None:
         return None
 
@@ -104,7 +109,7 @@ def train(strategy: Strategy, progress=None) -> RankReport:
     """Run the workload's steps under `strategy`; returns this rank's report."""
     w, mesh, tracer = strategy.workload, strategy.mesh, strategy.tracer
     strategy.setup(make_model(w))
-    losses, memory = [], {}
+    losses, memory, host = [], {}, {}
     for step in range(w.steps):
         x, y = batch(w, step)
         xs, ys = (local_slice(t, mesh.index("dp"), mesh.size("dp")) for t in (x, y))
@@ -118,7 +123,7 @@ def train(strategy: Strategy, progress=None) -> RankReport:
             dist.all_reduce(total, group=mesh.group("dp"))
         losses.append(total.item())
         if step == 0:
-            memory = {**strategy.memory(), "activations": activations}
+            memory, host = {**strategy.memory(), "activations": activations}, strategy.host_memory()
         if progress and mesh.rank == 0:
             progress((step + 1) / w.steps, f"step {step + 1} of {w.steps}")
     sent = strategy.sent_bytes()  # before final_params, whose gather is reporting, not training
@@ -126,4 +131,4 @@ def train(strategy: Strategy, progress=None) -> RankReport:
                       params=strategy.final_params().double().numpy().copy(), memory=memory,
                       psi_bytes=strategy.psi_bytes(), sent_bytes=sent,
                       precision="bf16_mixed" if strategy.precision.mixed else "fp64",
-                      trace=tracer.payload(), extra=strategy.extra())
+                      trace=tracer.payload(), extra=strategy.extra(), host_memory=host)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from backend.config import setting
 from backend.experiments import define
 from backend.parallel.fsdp import FSDP2
 from backend.parallel.loop import start_rank, train
@@ -12,12 +13,12 @@ from backend.parallel.workload import WorkloadConfig
 
 @dataclasses.dataclass
 class FSDPConfig(WorkloadConfig):
-    pass
+    offload: bool = setting(False, help="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and Adam states on the host")
 
 
 def run_rank(rank, world, config: FSDPConfig, ctx):
     mesh, tracer = start_rank(rank, world)
-    return train(FSDP2(config.workload, mesh, tracer), ctx.progress)
+    return train(FSDP2(config.workload, mesh, tracer, offload=config.offload), ctx.progress)
 
 
 EXPERIMENT = define(__name__, FSDPConfig, "PyTorch FSDP2 (fully_shard per layer) on the same workload: the peer of our ZeRO-3",

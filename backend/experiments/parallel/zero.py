@@ -16,16 +16,20 @@ class ZeroConfig(WorkloadConfig):
     stage: int = setting(1, min=1, max=3, help="ZeRO stage: 1 optimizer states, 2 and gradients, 3 and parameters")
     precision: str = setting("fp64", choices=("fp64", "bf16_mixed"),
                              help="fp64 throughout, or bf16 compute with fp32 master weights and Adam states (stages 1, 2)")
+    offload: bool = setting(False, help="ZeRO-Offload (stages 1, 2): master shard, Adam states and the Adam step on the host pool")
 
     def check(self) -> None:
         super().check()
         if self.precision == "bf16_mixed" and self.stage == 3:
             raise ConfigError("precision", "bf16_mixed is built for stages 1 and 2 (allowed with stage=3: fp64)")
+        if self.offload and self.stage == 3:
+            raise ConfigError("offload", "ZeRO-Offload is built on stages 1 and 2 (allowed with stage=3: false)")
 
 
 def run_rank(rank, world, config: ZeroConfig, ctx):
     mesh, tracer = start_rank(rank, world)
-    return train(ZeRO(config.workload, mesh, tracer, PRECISIONS[config.precision], stage=config.stage), ctx.progress)
+    return train(ZeRO(config.workload, mesh, tracer, PRECISIONS[config.precision], stage=config.stage,
+                      offload=config.offload), ctx.progress)
 
 
 EXPERIMENT = define(__name__, ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",

@@ -19,6 +19,7 @@ import torch
 
 from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
+from backend.parallel.pp import recompute
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result
@@ -54,12 +55,14 @@ class PipelineConfig(Config):
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
         more steps on the same ranks: about four training steps of 6·batch·params flops, and every micro-batch's
-        activations held at once (GPipe's worst case) in each."""
+        activations held at once (GPipe's worst case) in each; recomputation adds a third of a step and the run
+        without it."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
+        steps = 4 + 1.5 * self.recompute  # with recomputation, the same run again without it (4/3 of a step each)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
-                    flops=4 * 6 * self.batch * params, moved_bytes=4 * 2 * self.batch * self.hidden * 8 * self.world_size,
-                    ops=4 * self.microbatches * self.num_stages * 60, ranks=self.world_size)
+                    flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
+                    ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size)
 
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)
@@ -160,6 +163,9 @@ def torch_peer_refusal(config) -> str | None:
 
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     payload = run_rank(rank, p, config, ctx)
+    if config.recompute:  # the same run without recomputation, on the same ranks: what it costs and what it saves
+        plain = run_rank(rank, p, dataclasses.replace(config, recompute=False), ctx)
+        payload["baseline"] = {k: plain[k] for k in ("trace", "activation_peak_bytes", "executed")}
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
@@ -366,8 +372,14 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                             detail=f"replayed {100 * typical_bubble[busiest]:.1f} % (rank {busiest}), predicted "
                                    f"{100 * predicted:.1f} %, textbook {100 * model:.1f} %; with every action's own "
                                    f"measured cost {100 * pace:.1f} % (rank {bottleneck}): the rest is jitter"))
+    price = []
+    if config.recompute:
+        more_checks, more_metrics, price, more_notes = recompute.price(config, payloads, stage_layers)
+        checks, notes = checks + more_checks, notes + more_notes
+        metrics.update(more_metrics)
     return Result(metrics=metrics, checks=checks, notes=notes,
-                  tables={"gantt": gantt, "stages": per_stage, "live": live, "versions": versions, "grad_errors": errors},
+                  tables={"gantt": gantt, "stages": per_stage, "live": live, "versions": versions, "grad_errors": errors,
+                          "recompute": price},
                   trace_events=events)
 
 

@@ -11,11 +11,14 @@ its forward used, without it the current ones, and the executor measures how far
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
 
+from backend.parallel.pp.recompute import ActivationMeter, stage_flops
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.trace import Tracer
 
@@ -57,6 +60,8 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             out = module(xs[0].clone().requires_grad_(needs_input_grad))
             out.backward(torch.randn_like(out))
         module.zero_grad(set_to_none=True)
+    flops = {s: stage_flops(module, xs[0], s > 0) for s, module in stages.items()}  # one micro-batch, per stage
+    meter, executed, recompute_cpu_us = ActivationMeter(), {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
     tracer.align(dist.barrier)
     scale = 1.0 / (config.batch * config.hidden)  # loss = mean squared error over the whole batch
     saved: dict[tuple[int, int], dict] = {}
@@ -80,13 +85,16 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             if plan.asynchronous:
                 use = vertical_version(config, p, mb) if config.vertical_sync else version[s]
                 params = {k: v.clone() for k, v in history[s][use].items()}
-            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb):
+            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), \
+                    meter.saving((s, mb), [*module.parameters(), *(params or {}).values()]):
                 if config.recompute:  # keep only the stage input; the backward recomputes the rest
                     with torch.no_grad():
                         out = module(x)
+                    meter.keep((s, mb), x)
                 else:
                     out = functional_call(module, {k: v.requires_grad_() for k, v in params.items()}, (x,)) if params else module(x)
                 loss = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else None
+            executed[s]["F"] += 1
             saved[(s, mb)] = {"x": x, "out": out, "loss": loss, "params": params}
             if plan.asynchronous:
                 versions.append({"stage": s, "mb": mb, "forward_version": use})
@@ -103,9 +111,14 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                     dist.recv(grad_out, (s + 1) % p, tag=_tag(s, mb, True, m))
             with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
                 if config.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
-                    st["out"] = module(st["x"])
-                    if s == S - 1:
-                        st["loss"] = ((st["out"] - ys[mb]) ** 2).sum() * scale
+                    cpu_start = time.thread_time_ns()
+                    with meter.saving((s, mb), module.parameters()):
+                        st["out"] = module(st["x"])
+                        if s == S - 1:
+                            st["loss"] = ((st["out"] - ys[mb]) ** 2).sum() * scale
+                    recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
+                    executed[s]["R"] += 1
+                executed[s]["B"] += 1
                 root, seed_grad = (st["loss"], None) if s == S - 1 else (st["out"], grad_out)
                 if plan.asynchronous:
                     _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S)
@@ -122,6 +135,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             if kind == "B":
                 live -= 1
                 del saved[(s, mb)]
+                meter.free((s, mb))
         elif kind == "W":
             st = saved.pop((s, mb))
             with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
@@ -130,6 +144,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
                 for prm, gr in zip(params, grads):
                     prm.grad = gr if prm.grad is None else prm.grad + gr
             live -= 1
+            meter.free((s, mb))
         timeline.append({"t_us": tracer.now_us(), "live": live})
     for req in pending_sends:
         req.wait()
@@ -139,7 +154,8 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
     # numpy, not tensors: a tensor crosses processes by a shared-memory handle that dies with its rank
     grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in mod.parameters()] for s, mod in stages.items()}
     return {"rank": rank, "trace": tracer.payload(), "peak_live": peak, "timeline": timeline, "grads": grads,
-            "order": [str(a) for a in order], "versions": versions, "grad_errors": grad_errors}
+            "order": [str(a) for a in order], "versions": versions, "grad_errors": grad_errors,
+            "activation_peak_bytes": meter.peak, "executed": executed, "flops": flops, "recompute_cpu_us": recompute_cpu_us}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
