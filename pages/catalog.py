@@ -64,8 +64,8 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Hardware": [
         Topic("pages/memory_hierarchy.py", "GPU memory hierarchy", ":material/memory:",
-              "this CPU's roofline, latency and bandwidth per level measured beside GPU presets",
-              ("memory.roofline", "hardware.latency")),
+              "this CPU's roofline, latency and bandwidth per level measured beside GPU presets; decoding is memory-bound",
+              ("memory.roofline", "hardware.latency", "memory.decode")),
         Topic("pages/gpu_execution.py", "GPU execution model", ":material/developer_board:",
               "a tiled Triton GEMM: grid, warps, threads, traffic counted per tile shape", ("kernels.gemm",)),
     ],
