@@ -84,7 +84,7 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Numerics": [
         Topic("pages/number_formats.py", "Number formats", ":material/decimal_increase:",
-              "bits, ranges, FP16 swamping, Kahan sums", ("numerics.formats",)),
+              "bits, ranges, FP16 swamping, Kahan sums; INT8 weights, W8A8 and KV cache", ("numerics.formats", "numerics.int8")),
         Topic("pages/mixed_precision.py", "Mixed precision & loss scaling", ":material/stacked_line_chart:",
               "fp16 with fp32 master weights: underflow, loss scaling, GradScaler", ("numerics.mixed_precision",)),
     ],
