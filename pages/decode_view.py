@@ -44,6 +44,12 @@ def render(result: dict, rec) -> None:
     st.altair_chart(step_chart(steps).interactive(), width="stretch")
     st.caption(f"d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['context']} tokens in each cache, fp32, one thread. "
                "While the bytes term is the larger, adding sequences costs little: the weights are read once for all of them.")
+    with st.expander("How it is timed, and where the error comes from"):
+        st.markdown("Each step and both probes are timed by the thread's CPU time (one thread), best of a few, so time other "
+                    "processes hold the core is left out; stalls on memory are counted. The bandwidth is a 256 MiB copy's "
+                    "(read + write), which one core's matrix-vector product does not quite reach, and each step also pays "
+                    "PyTorch's dispatch per operator (about 30 per layer): both make small batches slower than predicted. "
+                    "On a shared machine other processes also take memory bandwidth, so the error moves from run to run.")
     st.dataframe(steps[["batch", "measured_s", "wall_s", "predicted_s", "error_pct", "bound", "weight_bytes", "kv_bytes", "flops",
                         "intensity", "tokens_per_s"]], hide_index=True, width="stretch", column_config={
         "measured_s": st.column_config.NumberColumn("measured CPU (s)", format="%.4f"),
