@@ -14,10 +14,12 @@ EXPERIMENT = "memory.decode"
 
 def step_chart(steps: pd.DataFrame, height: int = 280) -> alt.Chart:
     """Measured decode-step time per batch size beside the roofline's prediction and its two terms."""
-    long = steps.melt(id_vars=["batch", "error_pct"], value_vars=["measured_s", "predicted_s", "memory_s", "compute_s"],
-                      var_name="series", value_name="seconds")
-    long["series"] = long["series"].map({"measured_s": "measured (thread CPU time)", "predicted_s": "roofline: max of the two",
-                                         "memory_s": "bytes ÷ copy bandwidth", "compute_s": "FLOPs ÷ matmul rate"})
+    fields = {"measured_s": "measured (thread CPU time)", "predicted_s": "predicted: fixed cost + max of the two",
+              "memory_s": "bytes ÷ copy bandwidth", "compute_s": "FLOPs ÷ matmul rate",
+              "overhead_s": "fixed cost (the step at width 64)"}
+    long = steps.melt(id_vars=["batch", "error_pct"], value_vars=[f for f in fields if f in steps], var_name="series",
+                      value_name="seconds")
+    long["series"] = long["series"].map(fields)
     return alt.Chart(long).mark_line(point=True).encode(
         x=alt.X("batch:Q", scale=alt.Scale(type="log", base=2), title="batch size (sequences per step)"),
         y=alt.Y("seconds:Q", scale=alt.Scale(type="log"), title="one decode step (s)"),
@@ -35,7 +37,7 @@ def render(result: dict, rec) -> None:
     cols[0].metric("weights read per step", units.si(m["weight_MB"] * 1e6, "B"), help=f"{m['params']:,} parameters, fp32")
     cols[1].metric(f"batch {first['batch']}: measured", f"{1e3 * first['measured_s']:.1f} ms",
                    f"{first['error_pct']:+.0f} % vs predicted", delta_color="off",
-                   help=f"predicted {1e3 * first['predicted_s']:.1f} ms = max(bytes ÷ bandwidth, FLOPs ÷ matmul rate)")
+                   help=f"predicted {1e3 * first['predicted_s']:.1f} ms = fixed cost + max(bytes ÷ bandwidth, FLOPs ÷ matmul rate)")
     cols[2].metric("this CPU: copy bandwidth", units.rate(m["cpu_bandwidth_GBps"]), help="the memory.roofline probe, measured in this run")
     cols[3].metric("this CPU: ridge point", f"{m['ridge_point_flops_per_byte']:.1f} FLOP/B",
                    help=f"matmul {m['cpu_matmul_GFLOPs']:.0f} GFLOP/s ÷ bandwidth; {cfg['gpu']}: {m['gpu_ridge_flops_per_byte']:.0f} FLOP/B (fp16)")
@@ -47,14 +49,16 @@ def render(result: dict, rec) -> None:
     with st.expander("How it is timed, and where the error comes from"):
         st.markdown("Each step and both probes are timed by the thread's CPU time (one thread), best of a few, so time other "
                     "processes hold the core is left out; stalls on memory are counted. The bandwidth is a 256 MiB copy's "
-                    "(read + write), which one core's matrix-vector product does not quite reach, and each step also pays "
-                    "PyTorch's dispatch per operator (about 30 per layer): both make small batches slower than predicted. "
+                    "(read + write), which one core's small matrix-vector products need not reach. Each step also pays "
+                    "PyTorch's dispatch of about 30 operators per layer, which no roofline term holds: the prediction adds "
+                    "it as measured on the same step at width 64 (negligible bytes and FLOPs). "
                     "On a shared machine other processes also take memory bandwidth, so the error moves from run to run.")
-    st.dataframe(steps[["batch", "measured_s", "wall_s", "predicted_s", "error_pct", "bound", "weight_bytes", "kv_bytes", "flops",
+    st.dataframe(steps[["batch", "measured_s", "wall_s", "predicted_s", "error_pct", "overhead_s", "bound", "weight_bytes", "kv_bytes", "flops",
                         "intensity", "tokens_per_s"]], hide_index=True, width="stretch", column_config={
         "measured_s": st.column_config.NumberColumn("measured CPU (s)", format="%.4f"),
         "wall_s": st.column_config.NumberColumn("wall (s)", format="%.4f"),
         "predicted_s": st.column_config.NumberColumn("predicted (s)", format="%.4f"),
+        "overhead_s": st.column_config.NumberColumn("fixed cost (s)", format="%.4f"),
         "error_pct": st.column_config.NumberColumn("error", format="%+.0f %%"),
         "weight_bytes": st.column_config.NumberColumn("weight bytes", format="%.3e"),
         "kv_bytes": st.column_config.NumberColumn("KV bytes", format="%.3e"),
