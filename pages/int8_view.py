@@ -20,8 +20,9 @@ def render(result: dict, rec) -> None:
     cols[1].metric("held-out loss, fp32", f"{m['held_out_loss.fp32']:.4f} nats", help=f"entropy-rate floor {m['entropy_rate_nats']:.4f}")
     cols[2].metric("W8A8 loss", f"{m['held_out_loss.w8a8']:.4f} nats", f"{m['held_out_loss.w8a8'] - m['held_out_loss.fp32']:+.4f}",
                    delta_color="inverse")
-    cols[3].metric("INT8 KV cache", f"{m['kv_bytes_per_token.int8']} B/token", f"from {m['kv_bytes_per_token.fp32']} B",
-                   delta_color="off")
+    kv_change = 100 * (m["kv_bytes_per_token.int8"] / m["kv_bytes_per_token.fp32"] - 1)
+    cols[3].metric("INT8 KV cache", f"{m['kv_bytes_per_token.int8']} B/token", f"{kv_change:.0f} % from fp32",
+                   delta_color="inverse", help=f"fp32: {m['kv_bytes_per_token.fp32']} B per token, all layers")
 
     st.subheader("Weights and held-out loss: fp32, weight-only INT8 (W8), INT8 × INT8 → INT32 (W8A8)")
     left, right = st.columns(2)
@@ -53,6 +54,7 @@ def render(result: dict, rec) -> None:
         st.markdown("Weights per output channel j: s_j = max|W_j·| / 127, q = round(W / s_j) in −127..127. Activations per token t "
                     "likewise (W8A8). Y_tj = s_t · s_j · Σ_i qx_ti · qw_ji, the sum in INT32. W8 widens the INT8 weights to float "
                     "before the matmul: it saves the memory (and, in decoding, the bandwidth), not the arithmetic.")
+    st.subheader("An INT8 KV cache: greedy generation against the fp32 cache")
     kv_table(t["kv_cache"])
 
 
@@ -77,8 +79,9 @@ def kv_short() -> None:
         return
     rows = result["tables"]["kv_cache"]
     st.altair_chart(alt.Chart(pd.DataFrame(rows)).mark_bar().encode(
-        x=alt.X("bytes_per_token:Q", title="cache bytes per token, all layers (B)"), y=alt.Y("cache:N", title=None),
-        tooltip=["cache", "bytes_per_token", alt.Tooltip("kl_nats:Q", format=".2e", title="KL to fp32 (nats)")]).properties(height=100),
+        x=alt.X("bytes_per_token:Q", title="cache bytes per token, all layers (B)"),
+        y=alt.Y("cache:N", title=None, axis=alt.Axis(labelLimit=260)),
+        tooltip=["cache", "bytes_per_token", alt.Tooltip("kl_nats:Q", format=".2e", title="KL to fp32 (nats)")]).properties(height=120),
         width="stretch")
     kv_table(rows)
     st.caption(f"K and V stored as INT8 with one fp32 scale per token and head, dequantised as attention reads them; greedy "

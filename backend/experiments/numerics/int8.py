@@ -131,7 +131,7 @@ def kv_cache_rows(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[di
     n_kv, d_h, layers = model.shape.n_kv_heads, model.shape.d_head, model.shape.n_layers
     rows = [{"cache": "fp32", "bytes_per_token": sum(c.bytes_per_token() for c in fp32_caches), "formula": 2 * n_kv * d_h * 4 * layers,
              "max_rel_logit_error": 0.0, "greedy_agreement": 1.0, "kl_nats": 0.0},
-            {"cache": "int8 + fp32 scale per token and head", "bytes_per_token": sum(c.bytes_per_token() for c in int8_caches),
+            {"cache": "int8 (+ fp32 scales)", "bytes_per_token": sum(c.bytes_per_token() for c in int8_caches),
              "formula": (2 * n_kv * d_h * 1 + 2 * n_kv * 4) * layers, "max_rel_logit_error": rel, "greedy_agreement": agree,
              "kl_nats": kl}]
     byte_check = Check("INT8 KV cache bytes per token, read off its tensors = 2·n_kv·d_h·1 + 2·n_kv·4 per layer",
