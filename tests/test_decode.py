@@ -28,7 +28,8 @@ def test_small_run_passes_and_tables_are_complete():
     assert steps[1]["bytes"] < 1.5 * steps[0]["bytes"] and steps[1]["flops"] > 3.9 * steps[0]["flops"]
     place = result.tables["gpu_placement"]
     at1 = [r for r in place if r["phase"] == "decode" and r["batch"] == 1]
-    assert all(r["bound"] == "memory" for r in at1)  # every published model's batch-1 decode is memory-bound
+    assert len(at1) == 4 and all(r["bound"] == "memory" for r in at1)  # every model's batch-1 decode is memory-bound
+    assert [r["tokens_scored"] for r in result.tables["verify_cost"]] == [1, 2, 4, 8]
     assert all(r["bound"] == "compute" for r in place if r["phase"].startswith("prefill"))
 
 

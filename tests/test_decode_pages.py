@@ -48,4 +48,4 @@ def test_short_views_draw_the_latest_runs():
     at = _draw_short_views()
     assert not at.exception, at.exception
     assert len(at.get("vega_lite_chart")) == 4  # three decode views and the INT8 cache
-    assert any("verify γ draft tokens" in c.value or "γ + 1 positions" in c.value for c in at.caption)
+    assert any("checks γ draft tokens" in c.value for c in at.caption)
