@@ -66,7 +66,7 @@ def render(result: dict, rec) -> None:
         "intensity": st.column_config.NumberColumn("FLOP/byte", format="%.2f"),
         "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.0f")})
 
-    st.subheader(f"Published models on the {cfg['gpu']} roofline (model, fp16)")
+    st.subheader(f"Decode and prefill on the {cfg['gpu']} roofline (model, fp16)")
     place = pd.DataFrame(t["gpu_placement"])
     roof = t["roof"][0]
     xs = np.logspace(-0.5, 4, 80)
@@ -83,7 +83,9 @@ def render(result: dict, rec) -> None:
                  alt.Tooltip("resident_GB:Q", format=".1f", title="weights + cache (GB)"), "fits"])
     st.altair_chart((line + points).properties(height=360).interactive(), width="stretch")
     st.caption(f"Each model's decode step at {cfg['gpu_context']} cached tokens and batch 1, 8, 64, 256, and a prefill of "
-               f"{cfg['prompt']} tokens; time = max(FLOPs ÷ peak, bytes ÷ bandwidth) from the datasheet (a model, not measured).")
+               f"{cfg['prompt']} tokens; time = max(FLOPs ÷ peak, bytes ÷ bandwidth) from the datasheet (a model, not measured). "
+               "Batching raises the intensity only while the weights dominate the bytes: each sequence brings its own cache, "
+               "so a model with a large cache per token (Llama 2 7B's MHA) stalls far left of the ridge.")
     st.dataframe(place[["model", "phase", "batch", "intensity", "step_ms", "tokens_per_s", "bound", "weight_bytes", "kv_bytes",
                         "resident_GB", "fits"]], hide_index=True, width="stretch", column_config={
         "intensity": st.column_config.NumberColumn("FLOP/byte", format="%.1f"),
