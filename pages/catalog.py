@@ -64,8 +64,8 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Hardware": [
         Topic("pages/memory_hierarchy.py", "GPU memory hierarchy", ":material/memory:",
-              "this CPU's roofline, latency and bandwidth per level measured beside GPU presets",
-              ("memory.roofline", "hardware.latency")),
+              "this CPU's roofline, latency and bandwidth per level measured beside GPU presets; decoding is memory-bound",
+              ("memory.roofline", "hardware.latency", "memory.decode")),
         Topic("pages/gpu_execution.py", "GPU execution model", ":material/developer_board:",
               "a tiled Triton GEMM: grid, warps, threads, traffic counted per tile shape", ("kernels.gemm",)),
     ],
@@ -84,7 +84,7 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Numerics": [
         Topic("pages/number_formats.py", "Number formats", ":material/decimal_increase:",
-              "bits, ranges, FP16 swamping, Kahan sums", ("numerics.formats",)),
+              "bits, ranges, FP16 swamping, Kahan sums; INT8 weights, W8A8 and KV cache", ("numerics.formats", "numerics.int8")),
         Topic("pages/mixed_precision.py", "Mixed precision & loss scaling", ":material/stacked_line_chart:",
               "fp16 with fp32 master weights: underflow, loss scaling, GradScaler", ("numerics.mixed_precision",)),
     ],

@@ -6,7 +6,7 @@ import streamlit as st
 from backend.experiments.attention.kv_cache import preset_table
 from backend.attention.variants import mla_dataflow
 from backend.graph.dot import to_dot
-from pages import ui
+from pages import decode_view, int8_view, ui
 
 st.title("KV cache: MHA, MQA, GQA, MLA")
 
@@ -78,6 +78,8 @@ def render(result: dict, rec) -> None:
     presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_that_fit": "tokens that fit"})
     st.dataframe(presets, hide_index=True, width="stretch")
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
+    int8_view.kv_short()
+    decode_view.short("kv")
 
 
 ui.experiment_page(

@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from backend.memory.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traffic, ops_per_datum
-from pages import ui, units
+from pages import decode_view, ui, units
 
 st.title("GPU memory hierarchy and the roofline")
 
@@ -121,7 +121,11 @@ VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,
          "This machine's hierarchy, measured": ("hardware.latency", render_measured,
                                                 "Measures load latency (a pointer chase) and read bandwidth at each working-set "
                                                 "size on the machine this server runs on, and applies Little's law to it, to "
-                                                "seed 002's example and to the GPU presets.")}
+                                                "seed 002's example and to the GPU presets."),
+         "Decoding is memory-bound": ("memory.decode", decode_view.render,
+                                      "Times a decode step of a tiny LLaMA whose weights outgrow this CPU's caches at several batch "
+                                      "sizes, beside the roofline's prediction, and places Llama 2 and 3 decode steps and a prefill "
+                                      "on a GPU preset's roofline.")}
 shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
 default = next((view for view, (name, _, _) in VIEWS.items() if shown and shown.experiment == name), next(iter(VIEWS)))
 view = st.segmented_control("view", list(VIEWS), default=default, key="memory-view") or default

@@ -3,9 +3,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import int8_view, ui
 
-st.title("Number formats: FP32, TF32, BF16, FP16, FP8")
+st.title("Number formats: FP32, TF32, BF16, FP16, FP8, INT8")
 
 
 def bit_strip(row: pd.Series) -> pd.DataFrame:
@@ -79,6 +79,16 @@ def render(result: dict, rec) -> None:
                     "carries the lost low part and reaches the exact sum to within FP16's own rounding of it.")
 
 
-ui.experiment_page("numerics.formats", render,
-                   intro="Type numbers: each is stored in every format by torch, its bits read back, and the rounding, "
-                         "decoding and gap re-derived from the formulas with exact rational arithmetic.")
+VIEWS = {"Floating-point formats": ("numerics.formats", render,
+                                    "Type numbers: each is stored in every format by torch, its bits read back, and the rounding, "
+                                    "decoding and gap re-derived from the formulas with exact rational arithmetic."),
+         "INT8 quantisation": ("numerics.int8", int8_view.render,
+                               "Trains the tiny LLaMA, stores its weights in INT8 with per-channel scales, and runs it weight-only "
+                               "and INT8 × INT8 → INT32, and with an INT8 KV cache, against fp32.")}
+shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
+default = next((view for view, (name, _, _) in VIEWS.items() if shown and shown.experiment == name), next(iter(VIEWS)))
+view = st.segmented_control("view", list(VIEWS), default=default, key="formats-view") or default
+name, view_render, intro = VIEWS[view]
+if shown and shown.experiment != name:  # the linked run belongs to the other view
+    del st.query_params["run"]
+ui.experiment_page(name, view_render, intro=intro)

@@ -8,7 +8,7 @@ import streamlit as st
 from backend.serving.calibrate import BENCH_REQUESTS
 from backend.serving.report import cost_model_summary
 from backend.serving.settings import BIG
-from pages import form, ui
+from pages import decode_view, form, ui
 
 st.title("Serving: a real engine and its simulator")
 
@@ -114,6 +114,7 @@ def render_engine(result: dict, rec) -> None:
     cost_model(m, t["cost_model"], steps, "measured (held-out run)")
     st.subheader("Load curve")
     load_curve(pd.DataFrame(t["load"]), m.get("knee_rate"))
+    decode_view.short("batching")
 
 
 def render_simulate(result: dict, rec) -> None:

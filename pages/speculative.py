@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import decode_view, ui
 
 st.title("Speculative sampling")
 
@@ -48,6 +48,7 @@ def render(result: dict, rec) -> None:
         tooltip=["pair", "source", alt.Tooltip("probability:Q", format=".4f")]).properties(height=280), width="stretch")
     st.caption(f"Pearson's chi-square over {cfg['test_samples']} sequences, cells expected below 5 pooled; the test rejects "
                "at p < 0.001. Expected: the target's exact p(x1)·p(x2|x1) from its own logits.")
+    decode_view.short("verify")
 
 
 ui.experiment_page("decoding.speculative", render,
