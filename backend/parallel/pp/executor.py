@@ -11,12 +11,15 @@ its forward used, without it the current ones, and the executor measures how far
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
 
 from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.sp import SavedActivations
 from backend.trace import Tracer
 
 
@@ -45,101 +48,147 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
 
 
+class LinearStage:
+    """Stage s of the pipeline page's model: Linear+tanh layers; the first reads micro-batch mb of x, the last
+    returns the squared error's share of the whole batch's mean (the loss its backward starts from)."""
+
+    def __init__(self, s: int, config, xs, ys):
+        self.index, self.last, self.xs, self.ys = s, s == config.num_stages - 1, xs, ys
+        self.module = make_stage(s, config.hidden, stage_layers(config, s), config.seed)
+        self.scale = 1.0 / (config.batch * config.hidden)
+
+    def input(self, mb: int) -> torch.Tensor:
+        return self.xs[mb].clone()
+
+    def input_like(self, mb: int) -> torch.Tensor:
+        return torch.empty(self.xs[mb].shape, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mb: int, params: dict | None = None) -> torch.Tensor:
+        out = functional_call(self.module, params, (x,)) if params else self.module(x)
+        return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
+
+
 def run_rank(rank: int, p: int, config, ctx) -> dict:
     plan = SCHEDULES[config.schedule]
-    S, m = config.num_stages, plan.microbatches(config.microbatches)
+    m = plan.microbatches(config.microbatches)
     tracer = Tracer(rank)
-    stages = {s: make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(rank, S, p)}
     x_all, y_all = make_batch(config)
     xs, ys = x_all.chunk(m), y_all.chunk(m)
-    for module in stages.values():  # warm up outside the measurement: the first weight-gradient GEMM of a
+    stages = {s: LinearStage(s, config, xs, ys) for s in plan.stages_on(rank, p, config.virtual_stages)}
+    for st in stages.values():  # warm up outside the measurement: the first weight-gradient GEMM of a
         for needs_input_grad in (False, True):  # process costs ~0.4 s of one-time library set-up on this CPU
-            out = module(xs[0].clone().requires_grad_(needs_input_grad))
+            out = st.module(xs[0].clone().requires_grad_(needs_input_grad))
             out.backward(torch.randn_like(out))
-        module.zero_grad(set_to_none=True)
+        st.module.zero_grad(set_to_none=True)
     tracer.align(dist.barrier)
-    scale = 1.0 / (config.batch * config.hidden)  # loss = mean squared error over the whole batch
-    saved: dict[tuple[int, int], dict] = {}
-    pending_sends, live, peak, timeline, versions = [], 0, 0, [], []
-    version = {s: 0 for s in stages}
-    history = {s: {0: {k: v.detach().clone() for k, v in mod.named_parameters()}} for s, mod in stages.items()}  # version -> weights
-    grad_errors = []
     order = plan.actions(p, m, config.virtual_stages)[rank]
-    for action in order:
-        kind, mb, s = action
-        module = stages[s]
-        if kind == "F":
-            if s == 0:
-                x = xs[mb].clone()
-            else:
-                x = torch.empty(xs[mb].shape, dtype=torch.float64)
-                with tracer.span("recv", f"recv act {mb}", stage=s, mb=mb):
-                    dist.recv(x, (s - 1) % p, tag=_tag(s - 1, mb, False, m))
-                x.requires_grad_(True)
-            params = None
-            if plan.asynchronous:
-                use = vertical_version(config, p, mb) if config.vertical_sync else version[s]
-                params = {k: v.clone() for k, v in history[s][use].items()}
-            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb):
-                if config.recompute:  # keep only the stage input; the backward recomputes the rest
-                    with torch.no_grad():
-                        out = module(x)
-                else:
-                    out = functional_call(module, {k: v.requires_grad_() for k, v in params.items()}, (x,)) if params else module(x)
-                loss = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else None
-            saved[(s, mb)] = {"x": x, "out": out, "loss": loss, "params": params}
-            if plan.asynchronous:
-                versions.append({"stage": s, "mb": mb, "forward_version": use})
-            if s < S - 1:
-                pending_sends.append(dist.isend(out.detach().contiguous(), (s + 1) % p, tag=_tag(s, mb, False, m)))
-            live += 1
-            peak = max(peak, live)
-        elif kind in ("B", "I"):
-            st = saved[(s, mb)]
-            grad_out = None
-            if s < S - 1:
-                grad_out = torch.empty(st["out"].shape, dtype=torch.float64)
-                with tracer.span("recv", f"recv grad {mb}", stage=s, mb=mb):
-                    dist.recv(grad_out, (s + 1) % p, tag=_tag(s, mb, True, m))
-            with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
-                if config.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
-                    st["out"] = module(st["x"])
-                    if s == S - 1:
-                        st["loss"] = ((st["out"] - ys[mb]) ** 2).sum() * scale
-                root, seed_grad = (st["loss"], None) if s == S - 1 else (st["out"], grad_out)
-                if plan.asynchronous:
-                    _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S)
-                    history[s][version[s]] = {k: v.detach().clone() for k, v in module.named_parameters()}
-                elif kind == "B":
-                    torch.autograd.backward(root, seed_grad)
-                else:  # I: input gradient only; W later
-                    if s > 0:
-                        (gx,) = torch.autograd.grad(root, [st["x"]], seed_grad, retain_graph=True)
-                        st["x"].grad = gx
-                    st["root"], st["seed_grad"] = root, seed_grad
-            if s > 0:
-                pending_sends.append(dist.isend(st["x"].grad.contiguous(), (s - 1) % p, tag=_tag(s - 1, mb, True, m)))
-            if kind == "B":
-                live -= 1
-                del saved[(s, mb)]
-        elif kind == "W":
-            st = saved.pop((s, mb))
-            with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
-                params = list(module.parameters())
-                grads = torch.autograd.grad(st["root"], params, st["seed_grad"])
-                for prm, gr in zip(params, grads):
-                    prm.grad = gr if prm.grad is None else prm.grad + gr
-            live -= 1
-        timeline.append({"t_us": tracer.now_us(), "live": live})
-    for req in pending_sends:
-        req.wait()
+    walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
+                   pipedream=config if plan.asynchronous else None)
     dist.barrier()
     if rank == 0:
         ctx.progress(0.8, "gathering gradients")
     # numpy, not tensors: a tensor crosses processes by a shared-memory handle that dies with its rank
-    grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in mod.parameters()] for s, mod in stages.items()}
-    return {"rank": rank, "trace": tracer.payload(), "peak_live": peak, "timeline": timeline, "grads": grads,
-            "order": [str(a) for a in order], "versions": versions, "grad_errors": grad_errors}
+    grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in st.module.parameters()]
+             for s, st in stages.items()}
+    return {"rank": rank, "trace": tracer.payload(), "peak_live": walk["peak_live"], "timeline": walk["timeline"],
+            "grads": grads, "order": [str(a) for a in order], "versions": walk["versions"],
+            "grad_errors": walk["grad_errors"]}
+
+
+def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
+            recompute: bool = False, pipedream=None, activations: dict | None = None) -> dict:
+    """Walk one rank's action list for one step over its stages ({stage: object with input, input_like and
+    forward(x, mb) -> output, or on the last stage the loss}); pp_ranks[i] is the global rank of pipeline rank i.
+    F receives its input from the previous stage's rank, runs and sends its output on; B (or I) receives the
+    output's gradient, runs the backward and sends the input's gradient back; W then takes the weight gradients
+    (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
+    from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
+    handed over in memory. `activations`, if given, is filled with {(stage, mb): bytes autograd saved in F}.
+    Returns the last stage's summed loss, the peak of live activations and their timeline."""
+    if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    saved: dict[tuple[int, int], dict] = {}
+    local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
+    pending_sends, live, peak, timeline, versions, grad_errors, loss_sum = [], 0, 0, [], [], [], 0.0
+    version = {s: 0 for s in stages}
+    history = {s: {0: {k: v.detach().clone() for k, v in st.module.named_parameters()}} for s, st in stages.items()} \
+        if pipedream else {}
+
+    def send(t, to_stage, s, mb, grad):
+        to = plan.rank_of(to_stage, p)
+        if to == me:
+            local[(s, mb, grad)] = t.detach()
+        else:
+            pending_sends.append(dist.isend(t.detach().contiguous(), pp_ranks[to], tag=_tag(s, mb, grad, m)))
+
+    def recv(buf, from_stage, s_tag, mb, grad, what):
+        frm = plan.rank_of(from_stage, p)
+        if frm == me:
+            return local.pop((s_tag, mb, grad))
+        with tracer.span("recv", f"recv {what} {mb}", stage=from_stage, mb=mb):
+            dist.recv(buf, pp_ranks[frm], tag=_tag(s_tag, mb, grad, m))
+        return buf
+
+    for action in order:
+        kind, mb, s = action
+        st = stages[s]
+        if kind == "F":
+            x = st.input(mb) if s == 0 else recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
+            params = None
+            if pipedream:
+                use = vertical_version(pipedream, p, mb) if pipedream.vertical_sync else version[s]
+                params = {k: v.clone().requires_grad_() for k, v in history[s][use].items()}
+            counter = SavedActivations(st.module.parameters()) if activations is not None else contextlib.nullcontext()
+            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), counter:
+                if recompute:  # keep only the stage input; the backward recomputes the rest
+                    with torch.no_grad():
+                        out = st.forward(x, mb)
+                else:
+                    out = st.forward(x, mb, params) if params else st.forward(x, mb)
+            if activations is not None:
+                activations[(s, mb)] = counter.bytes
+            if st.last:
+                loss_sum += out.item()
+            saved[(s, mb)] = {"x": x, "out": out, "params": params}
+            if pipedream:
+                versions.append({"stage": s, "mb": mb, "forward_version": use})
+            if not st.last:
+                send(out, s + 1, s, mb, False)
+            live += 1
+            peak = max(peak, live)
+        elif kind in ("B", "I"):
+            sv = saved[(s, mb)]
+            grad_out = None if st.last else recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
+            with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
+                if recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
+                    sv["out"] = st.forward(sv["x"], mb)
+                if pipedream:
+                    _pipedream_backward(pipedream, st, sv, grad_out, s, mb, version, versions, grad_errors)
+                    history[s][version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
+                elif kind == "B":
+                    torch.autograd.backward(sv["out"], grad_out)
+                elif s > 0:  # I: the input gradient, and what W needs kept
+                    _, sv["groups"] = stage_backward_input([sv["out"]], None if grad_out is None else [grad_out],
+                                                           [sv["x"]], st.module.parameters())
+                else:  # the first stage has no input gradient: W runs its whole backward
+                    sv["grad_out"] = grad_out
+            if s > 0:
+                send(sv["x"].grad, s - 1, s - 1, mb, True)
+            if kind == "B":
+                live -= 1
+                del saved[(s, mb)]
+        elif kind == "W":
+            sv = saved.pop((s, mb))
+            with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
+                if s > 0:
+                    stage_backward_weight(st.module.parameters(), sv["groups"])
+                else:
+                    torch.autograd.backward(sv["out"], sv["grad_out"])
+            live -= 1
+        timeline.append({"t_us": tracer.now_us(), "live": live})
+    for req in pending_sends:
+        req.wait()
+    return {"loss": loss_sum, "peak_live": peak, "timeline": timeline, "versions": versions, "grad_errors": grad_errors}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
@@ -153,25 +202,26 @@ def vertical_version(config, p: int, mb: int) -> int:
     raise ValueError(f"micro-batch {mb} has no forward on stage 0")
 
 
-def _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S):
+def _pipedream_backward(config, st, sv, seed_grad, s, mb, version, versions, grad_errors):
     """Backward with the stashed weights (consistent) and, without stashing, with the current ones; SGD update."""
+    module = st.module
     names = [k for k, _ in module.named_parameters()]
-    stashed = st["params"]
-    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([st["x"]] if s > 0 else []), seed_grad)
+    stashed = sv["params"]
+    root = sv["out"]
+    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([sv["x"]] if s > 0 else []), seed_grad)
     g_consistent, gx = consistent[:len(names)], (consistent[-1] if s > 0 else None)
     used = g_consistent
     if not config.weight_stashing:  # recompute the forward on the weights as they are now: what PipeDream without stashing does
         current = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
-        x = st["x"].detach().requires_grad_(s > 0)
-        out = functional_call(module, current, (x,))
-        root2 = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else out
+        x = sv["x"].detach().requires_grad_(s > 0)
+        root2 = st.forward(x, mb, current)
         res = torch.autograd.grad(root2, [current[k] for k in names] + ([x] if s > 0 else []), seed_grad)
         used, gx = res[:len(names)], (res[-1] if s > 0 else None)
         num = sum(((a - b) ** 2).sum() for a, b in zip(used, g_consistent)) ** 0.5
         den = sum((b ** 2).sum() for b in g_consistent) ** 0.5
         grad_errors.append({"stage": s, "mb": mb, "relative_error": float(num / den)})
     if s > 0:
-        st["x"].grad = gx
+        sv["x"].grad = gx
     forward_version = next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
     b_version = forward_version if config.weight_stashing else version[s]
     for v in versions:
