@@ -1,8 +1,11 @@
-"""One executor for every schedule: each rank walks its action list on real gloo ranks.
+"""One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any
+stage objects: the pipeline page's Linear+tanh stages here, the tiny LLaMA's stages of the 3D mesh
+(parallel/mesh_train.py).
 
-Stage s is a stack of Linear+tanh layers (float64, seeded by s); stage s feeds s + 1, which lives on rank
-(s + 1) % p. Forward activations and backward gradients travel by send/recv with a tag per
-(stage, micro-batch, direction), so interleaved stages sharing a pair of ranks never cross. Every action
+On the pipeline page stage s is a stack of Linear+tanh layers (float64, seeded by s); stage s feeds s + 1, on the
+rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back). Forward activations and
+backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so interleaved stages
+sharing a pair of ranks never cross. Every action
 and every send/recv wait is a trace event; the live activations of each rank are counted as actions run.
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
@@ -11,15 +14,12 @@ its forward used, without it the current ones, and the executor measures how far
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
 
 from backend.parallel.pp.schedules import SCHEDULES
-from backend.parallel.sp import SavedActivations
 from backend.trace import Tracer
 
 
@@ -96,20 +96,20 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
-            recompute: bool = False, pipedream=None, activations: dict | None = None) -> dict:
+            recompute: bool = False, pipedream=None) -> dict:
     """Walk one rank's action list for one step over its stages ({stage: object with input, input_like and
     forward(x, mb) -> output, or on the last stage the loss}); pp_ranks[i] is the global rank of pipeline rank i.
     F receives its input from the previous stage's rank, runs and sends its output on; B (or I) receives the
     output's gradient, runs the backward and sends the input's gradient back; W then takes the weight gradients
     (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
     from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
-    handed over in memory. `activations`, if given, is filled with {(stage, mb): bytes autograd saved in F}.
-    Returns the last stage's summed loss, the peak of live activations and their timeline."""
+    handed over in memory. Returns the last stage's summed loss, the peak of live activations and their timeline,
+    and the bytes this rank sent to other pipeline ranks."""
     if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used
         from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
     saved: dict[tuple[int, int], dict] = {}
     local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
-    pending_sends, live, peak, timeline, versions, grad_errors, loss_sum = [], 0, 0, [], [], [], 0.0
+    pending_sends, live, peak, timeline, versions, grad_errors, loss_sum, sent = [], 0, 0, [], [], [], 0.0, [0]
     version = {s: 0 for s in stages}
     history = {s: {0: {k: v.detach().clone() for k, v in st.module.named_parameters()}} for s, st in stages.items()} \
         if pipedream else {}
@@ -120,6 +120,7 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
             local[(s, mb, grad)] = t.detach()
         else:
             pending_sends.append(dist.isend(t.detach().contiguous(), pp_ranks[to], tag=_tag(s, mb, grad, m)))
+            sent[0] += t.numel() * t.element_size()
 
     def recv(buf, from_stage, s_tag, mb, grad, what):
         frm = plan.rank_of(from_stage, p)
@@ -138,15 +139,12 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
             if pipedream:
                 use = vertical_version(pipedream, p, mb) if pipedream.vertical_sync else version[s]
                 params = {k: v.clone().requires_grad_() for k, v in history[s][use].items()}
-            counter = SavedActivations(st.module.parameters()) if activations is not None else contextlib.nullcontext()
-            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), counter:
+            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb):
                 if recompute:  # keep only the stage input; the backward recomputes the rest
                     with torch.no_grad():
                         out = st.forward(x, mb)
                 else:
                     out = st.forward(x, mb, params) if params else st.forward(x, mb)
-            if activations is not None:
-                activations[(s, mb)] = counter.bytes
             if st.last:
                 loss_sum += out.item()
             saved[(s, mb)] = {"x": x, "out": out, "params": params}
@@ -188,7 +186,7 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
         timeline.append({"t_us": tracer.now_us(), "live": live})
     for req in pending_sends:
         req.wait()
-    return {"loss": loss_sum, "peak_live": peak, "timeline": timeline, "versions": versions, "grad_errors": grad_errors}
+    return {"loss": loss_sum, "sent_bytes": sent[0], "peak_live": peak, "timeline": timeline, "versions": versions, "grad_errors": grad_errors}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
