@@ -140,6 +140,7 @@ def _schedule_configs():
     out += [MeshConfig(schedule=name, pp=4, tp=1, **dict(small, layers=8, microbatches=8)) for name in ("zb_v", "dualpipe_v")]
     out += [MeshConfig(schedule="zb_v", pp=2, tp=1, ep=2, experts=4, **small),
             MeshConfig(schedule="dualpipe_v", pp=2, tp=1, cp=2, **dict(small, batch=8))]
+    out += [MeshConfig(schedule="1f1b", pp=2, tp=1, dp_strategy=dp, **dict(small, microbatches=2)) for dp in ("allreduce", "zero1")]
     return [c.validate() for c in out]
 
 
@@ -198,3 +199,22 @@ def test_bad_schedule_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict(values)
     assert info.value.field == field
+
+
+def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
+    """pp 2 x dp 2: ZeRO-1 (parallel/zero.py's shards) passes every check with half the optimizer state of the
+    all-reduce run and the same bytes over dp (2ψ(n-1)/n either way); a rank claiming the whole state fails."""
+    by = {c.dp_strategy: (c, p) for c, p in schedule_runs if c.dp == 2 and c.pp == 2 and c.schedule == "1f1b"}
+    (plain_cfg, plain), (cfg, zero) = by["allreduce"], by["zero1"]
+    assert mesh.combine(cfg, zero).passed
+    assert all(2 * z["memory"]["optimizer states"] == a["memory"]["optimizer states"] for z, a in zip(zero, plain))
+    assert [z["bytes"]["dp gradients"] for z in zero] == [a["bytes"]["dp gradients"] for a in plain]
+    zero[0]["memory"]["optimizer states"] = plain[0]["memory"]["optimizer states"]
+    checks = {c.name: c for c in mesh.combine(cfg, zero).checks}
+    assert not checks["optimizer states per rank equal Adam's two moments of the elements it updates"].passed
+
+
+def test_zero1_needs_data_parallel_ranks():
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.from_dict({"dp_strategy": "zero1"})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
+    assert info.value.field == "dp_strategy" and "allowed" in str(info.value)

@@ -5,12 +5,14 @@ Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embed
 head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
 (backend/parallel/tp.py), trains on data-parallel slice mesh.index("dp") of every step's batch, and within
 each sequence on context-parallel shard mesh.index("cp") of the positions (zigzag, backend/parallel/cp.py):
-  forward   micro-batch by micro-batch (GPipe: all forwards, then all backwards), activations sent to the
+  forward   micro-batch by micro-batch in the pipeline schedule's order (parallel/pp: the one executor, any
+            synchronous schedule; interleaved and V-shaped ones give a rank several stages), activations sent to the
             same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
             attention the K/V blocks of the other positions coming round the cp ring
   backward  input gradients sent back stage to stage (and dK/dV round the ring)
-  sync      the gradients all-reduced over dp, then over cp (one flat ring all-reduce each; Megatron-LM runs
-            one over the merged dp x cp group, the same sum), then Adam on the local shard
+  sync      the gradients all-reduced over cp, then over dp (one flat ring all-reduce each; Megatron-LM runs
+            one over the merged dp x cp group, the same sum), then Adam on the local shard; or (dp_strategy
+            zero1) reduce-scattered over dp, Adam on this dp rank's shard only, the weights all-gathered
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -37,6 +39,7 @@ from backend.parallel.tp import TPDecoder, part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
 from backend.parallel.workload import Adam, flat_params, load_flat
+from backend.parallel.zero import Sharded
 from backend.trace import Tracer
 
 
@@ -119,7 +122,11 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
         torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    adam, m1, v1 = Adam(config.lr), torch.zeros_like(weights), torch.zeros_like(weights)
+    # ZeRO-1 over dp (parallel/zero.py's shards and ring collectives): this dp rank keeps Adam's state only for its
+    # shard of the flat vector, reduce-scatters the gradients, updates its shard and all-gathers the weights
+    zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if config.dp_strategy == "zero1" else None
+    owned = zero.shards[0] if zero else weights
+    adam, m1, v1 = Adam(config.lr), torch.zeros_like(owned), torch.zeros_like(owned)
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     losses, activations, pp_bytes = [], {}, 0
@@ -133,13 +140,21 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer)
         pp_bytes += walk["sent_bytes"]
         grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
-        grads = sum_gradients(cp, sum_gradients(dp, grads, "data-parallel gradients"), "context-parallel gradients")
+        grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:
             grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
+        if zero:
+            with tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
+                grads = zero.reduce_scatter(0, grads)
+        else:
+            grads = sum_gradients(dp, grads, "data-parallel gradients")
         with tracer.span("compute", f"adam {step}", kind="optimizer"):
-            adam.update(weights, grads, m1, v1)
-            load_flat(model, weights)
-            model.zero_grad(set_to_none=True)
+            adam.update(owned, grads, m1, v1)
+        if zero:
+            with tracer.span("collective", f"all-gather weights {step}", kind="collective"):
+                weights = zero.gather(0, torch.float64)
+        load_flat(model, weights)
+        model.zero_grad(set_to_none=True)
         reported = torch.tensor([walk["loss"]], dtype=torch.float64)
         for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
             if mesh.size(dim) > 1:
@@ -154,7 +169,8 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in c.sources().items()},
-            "memory": {"parameters": n_params * 8, "gradients": n_params * 8, "optimizer states": 2 * n_params * 8,
+            "memory": {"parameters": n_params * 8, "gradients": n_params * 8,
+                       "optimizer states": sum(t.numel() * t.element_size() for t in (m1, v1)),
                        "activations": peak_in_flight(order, activations)},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},

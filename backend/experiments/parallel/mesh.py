@@ -44,6 +44,9 @@ class MeshConfig(TPConfig):
     virtual_stages: int = setting(1, min=1, max=4, help="model chunks per pp rank (interleaved_1f1b; zb_v and "
                                                         "dualpipe_v hold 2 in a V)")
     microbatches: int = setting(2, min=1, max=16, help="micro-batches per step per data-parallel rank")
+    dp_strategy: str = setting("allreduce", choices=("allreduce", "zero1"),
+                               help="over dp: all-reduce the gradients, or ZeRO-1 (reduce-scatter, Adam on this rank's "
+                                    "shard, all-gather the weights)")
     batch: int = setting(4, min=1, max=64, help="sequences in the global batch")
     seq: int = setting(8, min=2, max=256, help="tokens per sequence")
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
@@ -99,6 +102,9 @@ class MeshConfig(TPConfig):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
         plan = self.plan
+        if self.dp_strategy == "zero1" and self.dp == 1:
+            raise ConfigError("dp_strategy", f"zero1 shards Adam's state over the dp ranks, and dp = world_size / (tp x pp x "
+                                             f"cp x ep) = 1 here (allowed: allreduce, or zero1 with dp > 1)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -149,6 +155,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
+
+    def zero1(k: int) -> int:  # reduce-scatter the padded gradients, all-gather the padded weights from 1/k shards
+        return steps * (ring_bytes("reduce_scatter", -(-n // k) * k, k, 8) + ring_bytes("all_gather", -(-n // k), k, 8))
     tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
@@ -156,7 +165,8 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
             "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
-            "dp gradients": gradients(config.dp), "cp gradients": gradients(config.cp),
+            "dp gradients": zero1(config.dp) if config.dp_strategy == "zero1" else gradients(config.dp),
+            "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
                                                config.ep, 8) if config.ep > 1 else 0}
@@ -255,6 +265,12 @@ def combine(config: MeshConfig, payloads) -> Result:
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
+    shards = config.dp if config.dp_strategy == "zero1" else 1
+    states = {p["rank"]: 2 * 8 * -(-p["flat_numel"] // shards) for p in payloads}
+    checks.append(Check("optimizer states per rank equal Adam's two moments of the elements it updates",
+                        sum(abs(p["memory"]["optimizer states"] - states[p["rank"]]) for p in payloads), 0,
+                        reference="2 x 8 B x ψ (float64 m and v), ψ the flat parameters on the rank; ZeRO-1 (seed 000): "
+                                  "ψ / dp, the vector padded to a multiple of dp"))
     acts = [r for r in memory if r["category"] == "activations"]
     checks.append(Check(f"activations held at {config.plan.title}'s peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
