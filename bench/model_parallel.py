@@ -60,7 +60,7 @@ def mesh_schedules() -> None:
     from backend.parallel.pp.schedules import SCHEDULES
     cases = [{"schedule": n, **({"virtual_stages": 2} if s.interleaved else {}), **({"microbatches": 4} if s.v_shape else {})}
              for n, s in SCHEDULES.items() if not s.asynchronous]
-    cases += [dict(preset, schedule=n, **({"microbatches": 4, "batch": 8} if n == "zb_v" else {}))
+    cases += [dict(preset, schedule=n, **({"layers": max(preset.get("layers", 4), 2 * preset["pp"])} if n == "zb_v" else {}))
               for preset in PRESETS.values() for n in ("1f1b", "zb_v")]
     rows = []
     for settings in cases:
