@@ -28,7 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     chosen = args.schedules.split(",")
     path = Path(__file__).parent / "results" / "pipeline.json"
-    kept = [r for r in json.loads(path.read_text())["rows"] if r["schedule"] not in chosen] if path.exists() else []
+    last = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    kept = [dict(r, measured=r.get("measured", last.get("when")), code_version=r.get("code_version", last.get("code_version")))
+            for r in last["rows"] if r["schedule"] not in chosen]  # each row says when and on which code it was run
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rows = []
     for schedule in chosen:
         plan = SCHEDULES[schedule]
@@ -44,7 +47,8 @@ def main() -> None:
             rows.append({"schedule": schedule, "p": 4, "m": m, "bubble_wall_clock": mt["bubble_measured"],
                          "bubble_replayed": mt["bubble_replayed"], "bubble_model": mt["bubble_model"],
                          "gap_pp": mt["bubble_gap_pp"], "stage_imbalance": mt["stage_imbalance"],
-                         "mean_action_cpu_ms": mt["mean_action_cpu_ms"],
+                         "mean_action_cpu_ms": mt["mean_action_cpu_ms"], "measured": when,
+                         "code_version": experiments.code_version(),
                          **({"bubble_published_measured_costs": mt["bubble_published_measured_costs"]}
                             if "bubble_published_measured_costs" in mt else {})})
             print(rows[-1])
