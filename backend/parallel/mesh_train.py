@@ -34,7 +34,7 @@ from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.tp import TPDecoder, part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
@@ -70,8 +70,8 @@ class MeshStage:
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
     def __init__(self, chunk: TPDecoder, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int):
-        self.chunk, self.index, self.last, self.shard = chunk, s, s == S - 1, shard
-        self.module = chunk
+        self.chunk = self.module = chunk  # (module: what the executor reads)
+        self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens = d_model, global_tokens
@@ -184,13 +184,6 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
 
 
 def peak_in_flight(order, per_action) -> int:
-    """Peak bytes of activations alive on a rank walking its order: a micro-batch's stage activations live from its F
-    to its B (or its W, which still reads them). per_action: {stage: {mb: bytes}}."""
-    live = peak = 0
-    for kind, mb, s in order:
-        if kind == "F":
-            live += per_action[s][mb]
-        elif kind in ("B", "W"):
-            live -= per_action[s][mb]
-        peak = max(peak, live)
-    return peak
+    """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}."""
+    return live_activations(order, lambda stage, mb: per_action[stage][mb])

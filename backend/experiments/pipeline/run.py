@@ -4,7 +4,8 @@ Measured: every action's start and end on every rank (aligned clocks); bubble pe
 beside the model ((p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)); peak live activations
 per rank against the schedule's bound. Checked: gradients against one process running the whole model on
 the whole batch (float64); each rank's op order against PyTorch's own schedule code
-(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) where PyTorch has one;
+(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and the runtime orders of
+ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one;
 PipeDream's forward and backward weight versions.
 """
 from __future__ import annotations

@@ -193,11 +193,13 @@ def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
     return ops
 
 
-def live_activations(order: list[Action]) -> int:
-    """Peak activations a rank's order keeps: +1 at F, -1 at B or W (I keeps them for its W)."""
+def live_activations(order: list[Action], size=None) -> int:
+    """Peak activations a rank's order keeps: +1 at F, -1 at B or W (I keeps them for its W); with size(stage, mb),
+    the peak of their summed sizes (bytes) instead of their count."""
     live = peak = 0
-    for a in order:
-        live += 1 if a.kind == "F" else (-1 if a.kind in ("B", "W") else 0)
+    for kind, mb, stage in order:
+        held = size(stage, mb) if size else 1
+        live += held if kind == "F" else (-held if kind in ("B", "W") else 0)
         peak = max(peak, live)
     return peak
 
