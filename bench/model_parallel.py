@@ -103,7 +103,7 @@ def main() -> None:
            "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
            "note": "2-core CPU (the load average says what else ran), so times are noisy; ranks are processes on gloo. rank0_step_ms: "
                    "rank 0's forward + backward spans (tp per mode, ep), its traced ring forward + backward (cp), its traced "
-                   "training / steps (mesh, whose steps include GPipe, the dp all-reduce and Adam)."}
+                   "training / steps (mesh, whose steps include its pipeline schedule, the dp all-reduce and Adam)."}
     (Path(__file__).parent / "results" / "model_parallel.json").write_text(json.dumps(out, indent=1))
 
 

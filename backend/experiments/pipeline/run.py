@@ -397,6 +397,6 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
 
 
 EXPERIMENT = define(__name__, PipelineConfig,
-         "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, PipeDream) on gloo ranks: Gantt, bubble, activations",
+         "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, PipeDream) on gloo ranks: Gantt, bubble, activations",
          rank_fn=run_rank_with_peer, combine=combine, lanes=("compute", "recv", "send"),
          preload=("torch.distributed.pipelining",))
