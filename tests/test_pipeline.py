@@ -3,6 +3,8 @@ peak live activations vs the bound, PipeDream's weight versions, bad inputs, no 
 import dataclasses
 import multiprocessing
 
+import torch
+
 import pytest
 
 from backend.config import ConfigError
@@ -226,3 +228,80 @@ def _unit_replay(orders, plan, p) -> float:
                 moved = True
         assert moved, "deadlock"
     return max(t)
+
+
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its calls: a stand-in for a collective inside a stage's backward (TP's f)."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Counted.calls += 1
+        return grad
+
+
+class _Stage:
+    def __init__(self, s, xs, ys):
+        torch.manual_seed(s)
+        self.index, self.last, self.xs, self.ys = s, s == 1, xs, ys
+        self.module = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Tanh(),
+                                          torch.nn.Linear(4, 4, dtype=torch.float64))
+
+    def input(self, mb):
+        return self.xs[mb].clone()
+
+    def input_like(self, mb):
+        return torch.empty_like(self.xs[mb])
+
+    def forward(self, x, mb):
+        out = self.module[2](_Counted.apply(self.module[1](self.module[0](x))))
+        return ((out - self.ys[mb]) ** 2).sum() if self.last else out
+
+
+def _walk(name, m=3):
+    """ZB-V / DualPipe-V on one rank (both chunks there, handed over in memory): the gradients and the counted calls."""
+    from backend.parallel.pp.executor import execute
+    from backend.trace import Tracer
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(m, 2, 4, generator=g, dtype=torch.float64), torch.randn(m, 2, 4, generator=g, dtype=torch.float64)
+    stages = {s: _Stage(s, xs, ys) for s in (0, 1)}
+    plan = SCHEDULES[name]
+    _Counted.calls = 0
+    execute(plan.actions(1, m)[0], plan, stages, [0], 0, 1, m, Tracer(0))
+    calls = _Counted.calls
+    got = [p.grad.clone() for s in (0, 1) for p in stages[s].module.parameters()]
+    ref = {s: _Stage(s, xs, ys) for s in (0, 1)}
+    for mb in range(m):
+        ref[1].forward(ref[0].forward(xs[mb], mb), mb).backward()
+    want = [p.grad for s in (0, 1) for p in ref[s].module.parameters()]
+    return max((a - b).abs().max().item() for a, b in zip(got, want)), calls
+
+
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+def test_split_backward_equals_one_backward_and_w_repeats_no_input_gradient_work(name):
+    """I then W (torch's stage_backward_input / stage_backward_weight) give the full backward's gradients, and the
+    counted node before the weights runs once per stage and micro-batch (2m): a W that reran the backward from the
+    output (the executor before this change) runs it again, and fails (below)."""
+    err, calls = _walk(name, m=2)
+    assert err < 1e-12 and calls == 2 * 2
+
+
+def test_a_w_that_reruns_the_backward_fails(monkeypatch):
+    import torch.distributed.pipelining._backward as B
+
+    def rerun_input(outputs, grads, inputs, weights):
+        (dx,) = torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+        inputs[0].grad = dx
+        return (dx,), [{"outputs": outputs, "grads": grads}]
+
+    def rerun_weight(weights, groups):
+        torch.autograd.backward(groups[0]["outputs"], groups[0]["grads"])  # the whole backward again
+
+    monkeypatch.setattr(B, "stage_backward_input", rerun_input)
+    monkeypatch.setattr(B, "stage_backward_weight", rerun_weight)
+    err, calls = _walk("zb_v", m=2)
+    assert calls > 2 * 2  # the counted node ran again in W
