@@ -3,6 +3,7 @@ at 2 and 4 ranks (with DTensor's bytes beside ours for tensor parallel), and the
 a context-parallel dimension), its presets (seed 002's 8 ranks, 3D on 8, MoE over ep) and pp x ep x tp on 8. Writes bench/results/model_parallel.json.
 
     python bench/model_parallel.py
+    python bench/model_parallel.py --mesh-schedules   # every pipeline schedule on the mesh, and the presets
 """
 from __future__ import annotations
 
@@ -52,7 +53,33 @@ def per_rank(name: str, result, world: int) -> list[dict]:
              **{m["category"]: m["measured_bytes"] for m in t["memory"] if m["rank"] == r["rank"]}} for r in t["ranks"]]
 
 
+def mesh_schedules() -> None:
+    """Every synchronous schedule on the mesh at its defaults (pp 2 x tp 2; interleaved with 2 chunks, DualPipe-V
+    with 4 micro-batches) and each preset under ZB-V and 1F1B: wall time of the whole run (reference included)
+    and rank 0's traced step. Writes bench/results/mesh_schedules.json."""
+    from backend.parallel.pp.schedules import SCHEDULES
+    cases = [{"schedule": n, **({"virtual_stages": 2} if s.interleaved else {}), **({"microbatches": 4} if s.v_shape else {})}
+             for n, s in SCHEDULES.items() if not s.asynchronous]
+    cases += [dict(preset, schedule=n, **({"layers": max(preset.get("layers", 4), 2 * preset["pp"])} if n == "zb_v" else {}))
+              for preset in PRESETS.values() for n in ("1f1b", "zb_v")]
+    rows = []
+    for settings in cases:
+        started = time.time()
+        result = experiments.run("parallel.mesh", **settings)
+        rows.append({"settings": settings, "passed": result.passed, "wall_s": round(time.time() - started, 2),
+                     "rank0_step_ms": step_ms("parallel.mesh", result)})
+        print(json.dumps(rows[-1]), flush=True)
+    out = {"benchmark": "mesh_schedules", "device": describe(), "code_version": experiments.code_version(),
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
+           "note": "2-core CPU shared with other work (the load average says how much), ranks are processes on gloo: "
+                   "wall_s includes the leader's one-process reference and the ranks' start."}
+    (Path(__file__).parent / "results" / "mesh_schedules.json").write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
+    if "--mesh-schedules" in sys.argv:
+        return mesh_schedules()
     cases = [(name, world, {}) for world in (2, 4) for name in ("parallel.tp", "parallel.ep", "parallel.cp")]
     cases += [("parallel.mesh", 2, {"tp": 2, "pp": 1}), ("parallel.mesh", 4, {"tp": 2, "pp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2}),
               ("parallel.mesh", 4, {"tp": 2, "pp": 1, "cp": 2}), ("parallel.mesh", 4, {"tp": 1, "pp": 2, "cp": 2})]
@@ -76,7 +103,7 @@ def main() -> None:
            "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
            "note": "2-core CPU (the load average says what else ran), so times are noisy; ranks are processes on gloo. rank0_step_ms: "
                    "rank 0's forward + backward spans (tp per mode, ep), its traced ring forward + backward (cp), its traced "
-                   "training / steps (mesh, whose steps include GPipe, the dp all-reduce and Adam)."}
+                   "training / steps (mesh, whose steps include its pipeline schedule, the dp all-reduce and Adam)."}
     (Path(__file__).parent / "results" / "model_parallel.json").write_text(json.dumps(out, indent=1))
 
 

@@ -33,7 +33,8 @@ SECTIONS: dict[str, list[Topic]] = {
               "parameter servers, DDP, ZeRO-1/2/3, FSDP2, CPU offload: memory and bytes against 2ψ/2ψ/3ψ",
               ("parallel.dp_ps", "parallel.ddp", "parallel.zero", "parallel.fsdp")),
         Topic("pages/pipeline.py", "Pipeline parallel", ":material/view_timeline:",
-              "GPipe, 1F1B, interleaved, zero bubble, PipeDream: Gantt and bubble; recomputation's price", ("pipeline.run",)),
+              "GPipe, 1F1B, interleaved, zero bubble (H1, V), DualPipe-V, PipeDream: Gantt, bubble, recomputation's price",
+              ("pipeline.run",)),
         Topic("pages/tensor_parallel.py", "Tensor & sequence parallel", ":material/view_column:",
               "column and row splits, Megatron MLP and attention, vocab-parallel loss, SP; DTensor beside ours",
               ("parallel.tp",)),
@@ -42,7 +43,7 @@ SECTIONS: dict[str, list[Topic]] = {
         Topic("pages/context_parallel.py", "Context parallel", ":material/donut_large:",
               "ring attention with the zigzag causal split, merged by log-sum-exp", ("parallel.cp",)),
         Topic("pages/mesh_parallel.py", "3D parallel", ":material/view_in_ar:",
-              "a dp × tp × pp mesh training the tiny LLaMA, against one process", ("parallel.mesh",)),
+              "a dp × tp × pp mesh training the tiny LLaMA on any pipeline schedule, against one process", ("parallel.mesh",)),
     ],
     "Attention": [
         Topic("pages/kv_cache.py", "KV cache: MHA, MQA, GQA, MLA", ":material/database:",

@@ -26,8 +26,9 @@ def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
 
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
-    cols = st.columns(6)
-    cols[0].metric("pipeline pp", m["pp"], help="pipeline stages")
+    cols = st.columns(7)
+    cols[0].metric("pipeline pp", m["pp"], help="pipeline ranks")
+    cols[6].metric("schedule", m.get("schedule", "gpipe"), help="the pipeline schedule over pp, run by the Pipeline page's executor")
     cols[1].metric("data dp", m["dp"], help="data-parallel ranks")
     cols[2].metric("context cp", m["cp"], help="context-parallel ranks (ring attention)")
     cols[3].metric("expert ep", m.get("ep", 1), help=f"expert-parallel ranks; {m.get('experts', 0)} routed experts per "
@@ -68,7 +69,8 @@ ui.experiment_page(
     "parallel.mesh", render,
     intro="Ranks laid out on a pp x dp x cp x ep x tp mesh (tensor parallel innermost). Each rank holds one pipeline stage's "
           "tensor-parallel shard and trains on its data-parallel slice of the batch and, with cp > 1, its zigzag share "
-          "of every sequence's positions (ring attention, as on the Context parallel page); GPipe micro-batches flow "
-          "stage to stage. With experts > 0 every feed-forward is an MoE layer whose experts are split over the ep "
+          "of every sequence's positions (ring attention, as on the Context parallel page); micro-batches flow "
+          "stage to stage in the chosen schedule's order, run by the Pipeline page's executor (interleaved and V-shaped "
+          "schedules give each rank two or more stages). With experts > 0 every feed-forward is an MoE layer whose experts are split over the ep "
           "ranks (as on the Expert parallel page, dropless). Losses and every final weight are checked against one "
           "process training on the whole batch.")

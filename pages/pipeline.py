@@ -54,6 +54,9 @@ def summary(m: dict) -> None:
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
+    if "bubble_published_measured_costs" in m:
+        st.caption(f"Published formula with this run's measured chunk costs: {100 * m['bubble_published_measured_costs']:.1f} % "
+                   f"idle ({SCHEDULES[m['schedule']].published_idle_formula}).")
 
 
 def render(result: dict, rec) -> None:

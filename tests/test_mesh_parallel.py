@@ -128,3 +128,93 @@ def test_bad_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict(values)
     assert info.value.field == field
+
+
+def _schedule_configs():
+    """Every synchronous schedule on pp 2 x tp 2 (interleaved with 2 chunks), the V schedules on pp 4 as well, and
+    ZB-V under MoE x ep and under cp (its ring inside a split backward)."""
+    from backend.parallel.pp.schedules import SCHEDULES
+    small = dict(BASE, microbatches=4)
+    out = [MeshConfig(schedule=name, pp=2, tp=2, virtual_stages=2 if plan.interleaved else 1, **small)
+           for name, plan in SCHEDULES.items() if not plan.asynchronous]
+    out += [MeshConfig(schedule=name, pp=4, tp=1, **dict(small, layers=8, microbatches=8)) for name in ("zb_v", "dualpipe_v")]
+    out += [MeshConfig(schedule="zb_v", pp=2, tp=1, ep=2, experts=4, **small),
+            MeshConfig(schedule="dualpipe_v", pp=2, tp=1, cp=2, **dict(small, batch=8))]
+    out += [MeshConfig(schedule="1f1b", pp=2, tp=1, dp_strategy=dp, **dict(small, microbatches=2)) for dp in ("allreduce", "zero1")]
+    return [c.validate() for c in out]
+
+
+@pytest.fixture(scope="module")
+def schedule_runs():
+    configs = _schedule_configs()
+    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=900))
+    assert multiprocessing.active_children() == []
+    return [(cfg, [per_rank[r][i] for r in range(4)]) for i, cfg in enumerate(configs)]
+
+
+def test_every_schedule_in_the_mesh_equals_one_process(schedule_runs):
+    from backend.parallel.pp.schedules import SCHEDULES
+    assert {c.schedule for c, _ in schedule_runs} == {n for n, s in SCHEDULES.items() if not s.asynchronous}
+    for cfg, payloads in schedule_runs:
+        result = mesh.combine(cfg, payloads)
+        assert result.passed, (cfg.schedule, cfg.pp, [(c.name, c.error) for c in result.checks if not c.passed])
+        plan = cfg.plan
+        for p in payloads:  # each rank ran its own order of the schedule, on the stages the schedule places there
+            assert p["order"] == [str(a) for a in plan.actions(cfg.pp, cfg.microbatches, cfg.virtual_stages)[p["coords"]["pp"]]]
+            assert sorted(p["stages"]) == plan.stages_on(p["coords"]["pp"], cfg.pp, cfg.virtual_stages)
+        if plan.v_shape:  # the first and last stage on pp rank 0: the loss is reported there
+            assert all(p["last_stage"] == (p["coords"]["pp"] == 0) for p in payloads)
+
+
+def test_schedules_differ_in_activations_held(schedule_runs):
+    """GPipe holds every micro-batch at its peak, 1F1B at most pp - r: the measured peaks show it, and a peak
+    counted as if every micro-batch were alive fails the check for 1F1B."""
+    by = {(c.schedule, c.pp): (c, p) for c, p in schedule_runs if c.tp == 2}
+    gpipe = {p["rank"]: p["memory"]["activations"] for p in by["gpipe", 2][1]}
+    cfg, payloads = by["1f1b", 2]
+    f1b = {p["rank"]: p["memory"]["activations"] for p in payloads}
+    assert 2 * f1b[0] == gpipe[0] and 4 * f1b[2] == gpipe[2]  # of 4 equal micro-batches, stage 0 keeps 2, stage 1 one
+    for p in payloads:
+        p["memory"]["activations"] = sum(p["activations"].values())  # all micro-batches alive at once
+    checks = {c.name: c for c in mesh.combine(cfg, payloads).checks}
+    assert not checks["activations held at 1F1B (PipeDream-flush)'s peak within 10 % of the formula"].passed
+
+
+def test_a_v_turn_counted_as_a_message_fails(schedule_runs):
+    """In a V, stage pp-1 hands its output to stage pp on the same rank: no bytes. Counting it fails the byte check."""
+    cfg, payloads = next((c, p) for c, p in schedule_runs if c.schedule == "zb_v" and c.pp == 4)
+    last_rank = next(p for p in payloads if p["coords"]["pp"] == 3)
+    act = sum(b * cfg.seq * cfg.d_model * 8 for b in mesh._microbatch_sizes(cfg, last_rank["coords"]))
+    last_rank["bytes"]["pp"] += cfg.steps * act
+    assert not mesh.combine(cfg, payloads).passed
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"schedule": "dualpipe_v", "microbatches": "2", "batch": "8"}, "microbatches"),
+    ({"schedule": "zb_v", "layers": "2", "tp": "2", "pp": "2"}, "layers"),
+    ({"schedule": "1f1b", "virtual_stages": "2"}, "virtual_stages"),
+    ({"schedule": "pipedream"}, "schedule"),
+])
+def test_bad_schedule_inputs(values, field):
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.from_dict(values)
+    assert info.value.field == field
+
+
+def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
+    """pp 2 x dp 2: ZeRO-1 (parallel/zero.py's shards) passes every check with half the optimizer state of the
+    all-reduce run and the same bytes over dp (2ψ(n-1)/n either way); a rank claiming the whole state fails."""
+    by = {c.dp_strategy: (c, p) for c, p in schedule_runs if c.dp == 2 and c.pp == 2 and c.schedule == "1f1b"}
+    (plain_cfg, plain), (cfg, zero) = by["allreduce"], by["zero1"]
+    assert mesh.combine(cfg, zero).passed
+    assert all(2 * z["memory"]["optimizer states"] == a["memory"]["optimizer states"] for z, a in zip(zero, plain))
+    assert [z["bytes"]["dp gradients"] for z in zero] == [a["bytes"]["dp gradients"] for a in plain]
+    zero[0]["memory"]["optimizer states"] = plain[0]["memory"]["optimizer states"]
+    checks = {c.name: c for c in mesh.combine(cfg, zero).checks}
+    assert not checks["optimizer states per rank equal Adam's two moments of the elements it updates"].passed
+
+
+def test_zero1_needs_data_parallel_ranks():
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.from_dict({"dp_strategy": "zero1"})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
+    assert info.value.field == "dp_strategy" and "allowed" in str(info.value)

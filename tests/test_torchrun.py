@@ -50,6 +50,19 @@ def test_torchrun_runs_the_experiment(name, tmp_path):
     assert RunStore().get(report["run_id"]).origin == "torchrun"
 
 
+@pytest.mark.parametrize("name, sets", [
+    ("pipeline.run", ["schedule=dualpipe_v", "microbatches=4", "hidden=64", "batch=32"]),
+    ("parallel.mesh", ["schedule=zb_v", "pp=2", "tp=1", "batch=4"]),
+])
+def test_torchrun_runs_the_v_schedules(name, sets, tmp_path):
+    """The V-shaped schedules (the last stage beside the first on rank 0) under torchrun, on the pipeline page's model
+    and on the tiny LLaMA's mesh, checks passing."""
+    out = _torchrun(name, tmp_path, sets)
+    assert out.returncode == 0, _failure(out)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["config"]["schedule"] == sets[0].split("=")[1] and report["passed"]
+
+
 def test_sigterm_to_torchrun_records_a_final_state_and_leaves_no_process(tmp_path):
     """A supervisor stopping a torchrun run (SIGTERM to the agent, which forwards it to every rank): rank 0's leader
     records "cancelled" with the signal, and no rank process outlives the agent."""

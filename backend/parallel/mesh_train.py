@@ -5,12 +5,14 @@ Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embed
 head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
 (backend/parallel/tp.py), trains on data-parallel slice mesh.index("dp") of every step's batch, and within
 each sequence on context-parallel shard mesh.index("cp") of the positions (zigzag, backend/parallel/cp.py):
-  forward   micro-batch by micro-batch (GPipe: all forwards, then all backwards), activations sent to the
+  forward   micro-batch by micro-batch in the pipeline schedule's order (parallel/pp: the one executor, any
+            synchronous schedule; interleaved and V-shaped ones give a rank several stages), activations sent to the
             same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
             attention the K/V blocks of the other positions coming round the cp ring
   backward  input gradients sent back stage to stage (and dK/dV round the ring)
-  sync      the gradients all-reduced over dp, then over cp (one flat ring all-reduce each; Megatron-LM runs
-            one over the merged dp x cp group, the same sum), then Adam on the local shard
+  sync      the gradients all-reduced over cp, then over dp (one flat ring all-reduce each; Megatron-LM runs
+            one over the merged dp x cp group, the same sum), then Adam on the local shard; or (dp_strategy
+            zero1) reduce-scattered over dp, Adam on this dp rank's shard only, the weights all-gathered
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -26,14 +28,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.sp import SavedActivations
-from backend.parallel.tp import TPDecoder
+from backend.parallel.pp.executor import execute
+from backend.parallel.pp.schedules import SCHEDULES, live_activations
+from backend.parallel.tp import TPDecoder, part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
 from backend.parallel.workload import Adam, flat_params, load_flat
+from backend.parallel.zero import Sharded
 from backend.trace import Tracer
 
 
@@ -57,22 +63,38 @@ def reference_training(config) -> dict:
     return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}, "routing": routing}
 
 
-class Pipe:
-    """Blocking send/recv to the neighbouring stage of this (dp, tp) coordinate, bytes counted."""
+class MeshStage:
+    """Pipeline stage `s` of S on this rank, for the one executor: the tiny LLaMA's blocks of stage s at this rank's
+    tp shard (the embedding on stage 0, norm, head and loss on stage S-1), run on this rank's micro-batches and cp
+    positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
+    record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
-    def __init__(self, mesh: DeviceMesh, tracer: Tracer):
-        self.ranks, self.stage, self.tracer, self.sent = mesh.ranks("pp"), mesh.index("pp"), tracer, 0
+    def __init__(self, chunk: TPDecoder, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int):
+        self.chunk = self.module = chunk  # (module: what the executor reads)
+        self.index, self.last, self.shard = s, s == S - 1, shard
+        self.inputs = [mb[:, :-1][:, columns] for mb in batches]
+        self.targets = [mb[:, 1:][:, columns] for mb in batches]
+        self.d_model, self.global_tokens = d_model, global_tokens
+        self.activations: dict[int, int] | None = None  # set to a dict to record
 
-    def send(self, t: torch.Tensor, to: int, tag: int, what: str) -> None:
-        with self.tracer.span("comm", f"send {what}", bytes=t.numel() * t.element_size()):
-            dist.send(t.contiguous(), self.ranks[to], tag=tag)
-        self.sent += t.numel() * t.element_size()
+    def input(self, mb: int) -> torch.Tensor:
+        return self.inputs[mb]
 
-    def recv(self, shape, frm: int, tag: int, what: str) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float64)
-        with self.tracer.span("comm", f"recv {what}"):
-            dist.recv(out, self.ranks[frm], tag=tag)
-        return out
+    def input_like(self, mb: int) -> torch.Tensor:
+        return torch.empty((*self.inputs[mb].shape, self.d_model), dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+        if self.chunk.first:
+            x = self.chunk.embed(x)
+        memory = SavedActivations(self.chunk.parameters())
+        with memory:
+            y = self.chunk.run_blocks(x, self.shard)
+        if self.activations is not None:
+            self.activations[mb] = memory.bytes
+        if not self.last:
+            return y
+        loss, _ = self.chunk.head_loss(y, self.targets[mb])
+        return loss * (self.targets[mb].numel() / self.global_tokens)  # this micro-batch's share of the global mean
 
 
 def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
@@ -90,54 +112,50 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     tp, dp, cp, ep = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), tracer) if config.cp > 1 else None
     columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
-    local_seq = config.seq // config.cp
-    stage, stages = mesh.index("pp"), mesh.size("pp")
-    model = TPDecoder(reference_model(config), tp, stage=stage, stages=stages, ep_wire=ep)
+    plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
+    S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
+    reference = reference_model(config)
+    chunks = {s: TPDecoder(reference, tp, stage=s, stages=S, ep_wire=ep) for s in plan.stages_on(me, p, config.virtual_stages)}
+    model = nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})  # every chunk's weights, in stage order
     params = list(model.parameters())
-    experts = {id(p) for b in model.blocks for e in getattr(b.ffn, "experts", []) for p in e.parameters()}
-    replicated_over_ep = torch.tensor([id(p) not in experts for p in params]).repeat_interleave(
-        torch.tensor([p.numel() for p in params]))
+    experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
+    replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
+        torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    adam, m, v = Adam(config.lr), torch.zeros_like(weights), torch.zeros_like(weights)
-    pipe = Pipe(mesh, tracer)
+    # ZeRO-1 over dp (parallel/zero.py's shards and ring collectives): this dp rank keeps Adam's state only for its
+    # shard of the flat vector, reduce-scatters the gradients, updates its shard and all-gathers the weights
+    zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if config.dp_strategy == "zero1" else None
+    owned = zero.shards[0] if zero else weights
+    adam, m1, v1 = Adam(config.lr), torch.zeros_like(owned), torch.zeros_like(owned)
+    order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
-    losses, activation_bytes = [], 0
-    global_tokens = config.batch * config.seq
+    losses, activations, pp_bytes = [], {}, 0
     for step in range(config.steps):
         mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
-        saved, total = [], 0.0
-        memory = SavedActivations(params)
-        for j, mb in enumerate(mine.tensor_split(config.microbatches)):
-            inputs, targets = mb[:, :-1][:, columns], mb[:, 1:][:, columns]
-            shape = (mb.shape[0], local_seq, config.d_model)
-            with tracer.span("compute", f"F{j}", kind="F", mb=j):
-                x = model.embed(inputs) if model.first else pipe.recv(shape, stage - 1, 2 * j, f"activation {j}").requires_grad_()
-                with memory:
-                    y = model.run_blocks(x, shard)
-                if model.last:
-                    loss, _ = model.head_loss(y, targets)
-                    y = loss * (targets.numel() / global_tokens)  # this micro-batch's share of the global mean
-                    total += y.item()
-            if not model.last:
-                pipe.send(y.detach(), stage + 1, 2 * j, f"activation {j}")
-            saved.append((x, y, shape))
+        stages = {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
+                  for s, c in chunks.items()}
         if step == 0:
-            activation_bytes = memory.bytes  # everything GPipe holds at its peak: all micro-batches' blocks
-        for j in reversed(range(len(saved))):
-            x, y, shape = saved[j]
-            with tracer.span("compute", f"B{j}", kind="B", mb=j):
-                y.backward() if model.last else y.backward(pipe.recv(shape, stage + 1, 2 * j + 1, f"gradient {j}"))
-            if not model.first:
-                pipe.send(x.grad, stage - 1, 2 * j + 1, f"gradient {j}")
-        grads = torch.cat([p.grad.reshape(-1) for p in params])
-        grads = sum_gradients(cp, sum_gradients(dp, grads, "data-parallel gradients"), "context-parallel gradients")
+            for s, st in stages.items():
+                st.activations = activations.setdefault(s, {})
+        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer)
+        pp_bytes += walk["sent_bytes"]
+        grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
+        grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:
             grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
+        if zero:
+            with tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
+                grads = zero.reduce_scatter(0, grads)
+        else:
+            grads = sum_gradients(dp, grads, "data-parallel gradients")
         with tracer.span("compute", f"adam {step}", kind="optimizer"):
-            adam.update(weights, grads, m, v)
-            load_flat(model, weights)
-            model.zero_grad(set_to_none=True)
-        reported = torch.tensor([total], dtype=torch.float64)
+            adam.update(owned, grads, m1, v1)
+        if zero:
+            with tracer.span("collective", f"all-gather weights {step}", kind="collective"):
+                weights = zero.gather(0, torch.float64)
+        load_flat(model, weights)
+        model.zero_grad(set_to_none=True)
+        reported = torch.tensor([walk["loss"]], dtype=torch.float64)
         for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
             if mesh.size(dim) > 1:
                 dist.all_reduce(reported, group=mesh.group(dim))
@@ -145,16 +163,27 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     n_params = weights.numel()
-    moe = [b.ffn.stats for b in model.blocks if hasattr(b.ffn, "stats")]
-    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": model.last,
-            "losses": losses, "params": {k: p.detach().numpy().copy() for k, p in model.named_parameters()},
-            "sources": model.sources(),
-            "memory": {"parameters": n_params * 8, "gradients": n_params * 8, "optimizer states": 2 * n_params * 8,
-                       "activations": activation_bytes},
-            "bytes": {"tp": tp.sent_bytes, "pp": pipe.sent, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
+    layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
+    moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
+           for call in getattr(b.ffn, "stats", [])]
+    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
+            "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
+            "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in c.sources().items()},
+            "memory": {"parameters": n_params * 8, "gradients": n_params * 8,
+                       "optimizer states": sum(t.numel() * t.element_size() for t in (m1, v1)),
+                       "activations": peak_in_flight(order, activations)},
+            "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
+            "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
+            "bytes": {"tp": tp.sent_bytes, "pp": pp_bytes, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
                       "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes,
                       "ep all-to-all": sum(r["sent_bytes"] for r in ep.log if r["name"] in ("dispatch", "combine", "counts")),
                       "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")},
-            "moe": [dict(s_, layer=i) for i, calls in enumerate(moe) for s_ in calls],
-            "replicated_over_ep": int(replicated_over_ep.sum()),
-            "flat_numel": n_params, "layers_here": len(model.blocks), "mesh": mesh.describe(), "trace": tracer.payload()}
+            "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
+            "flat_numel": n_params, "layers": sorted(i for ls in layers.values() for i in ls),
+            "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(), "trace": tracer.payload()}
+
+
+def peak_in_flight(order, per_action) -> int:
+    """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}."""
+    return live_activations(order, lambda stage, mb: per_action[stage][mb])

@@ -9,7 +9,7 @@ TOPICS = [t for topics in SECTIONS.values() for t in topics]
 ORDER = [t for t in TOPICS if t.experiments] + [t for t in TOPICS if not t.experiments]
 
 # One choice of each page changed through its form (the rest at defaults), to a value that runs in seconds. Pages
-# whose experiments have no choice or boolean setting (tensor, expert and 3D parallel, variants in training,
+# whose experiments have no choice or boolean setting (tensor and expert parallel, variants in training,
 # speculative sampling, mixed precision) are not listed.
 NON_DEFAULT = {
     "collectives": ("algo", "tree"), "comm_bandwidth": ("dtype", "float16"), "data_parallel": ("mode", "async"),
@@ -18,7 +18,7 @@ NON_DEFAULT = {
     "fusion": ("model", "mlp"), "placement": ("model", "mlp"), "memory_hierarchy": ("block", "32"),
     "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "serving": ("policy", "fcfs"),
     "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
-    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"),
+    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"), "mesh_parallel": ("schedule", "zb_v"),
 }
 
 

@@ -12,9 +12,10 @@ from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.cp import positions
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
-from backend.parallel.mesh_train import reference_training, train_rank
+from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
+from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.sp import activation_elements
-from backend.parallel.tp import cut, part
+from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
 from backend.result import Check, Result
@@ -38,7 +39,14 @@ class MeshConfig(TPConfig):
     experts: int = setting(0, min=0, max=16, help="routed experts per MoE feed-forward (0: dense SwiGLU); each as wide "
                                                   "as d_ff, plus one shared expert")
     top_k: int = setting(2, min=1, max=4, help="experts per token (dropless routing)")
-    microbatches: int = setting(2, min=1, max=16, help="micro-batches per step per data-parallel rank (GPipe)")
+    schedule: str = setting("gpipe", choices=tuple(n for n, s in SCHEDULES.items() if not s.asynchronous),
+                            help="pipeline schedule over the pp dimension, run by the pipeline page's executor")
+    virtual_stages: int = setting(1, min=1, max=4, help="model chunks per pp rank (interleaved_1f1b; zb_v and "
+                                                        "dualpipe_v hold 2 in a V)")
+    microbatches: int = setting(2, min=1, max=16, help="micro-batches per step per data-parallel rank")
+    dp_strategy: str = setting("allreduce", choices=("allreduce", "zero1"),
+                               help="over dp: all-reduce the gradients, or ZeRO-1 (reduce-scatter, Adam on this rank's "
+                                    "shard, all-gather the weights)")
     batch: int = setting(4, min=1, max=64, help="sequences in the global batch")
     seq: int = setting(8, min=2, max=256, help="tokens per sequence")
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
@@ -59,6 +67,14 @@ class MeshConfig(TPConfig):
     @property
     def tp_degree(self):
         return "tp", self.tp
+
+    @property
+    def plan(self):
+        return SCHEDULES[self.schedule]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.plan.chunks(self.virtual_stages)
 
     @property
     def dp(self) -> int:
@@ -85,13 +101,31 @@ class MeshConfig(TPConfig):
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
-        if self.layers % self.pp:
-            raise ConfigError("layers", f"{self.layers} does not divide into pp={self.pp} stages (allowed: a multiple of {self.pp})")
+        plan = self.plan
+        if self.dp_strategy == "zero1" and self.dp == 1:
+            raise ConfigError("dp_strategy", f"zero1 shards Adam's state over the dp ranks, and dp = world_size / (tp x pp x "
+                                             f"cp x ep) = 1 here (allowed: allreduce, or zero1 with dp > 1)")
+        if self.virtual_stages > 1 and not plan.interleaved:
+            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
+                                                f"{self.schedule}: 1)")
+        if self.layers % self.num_stages:
+            raise ConfigError("layers", f"{self.layers} does not divide into {self.num_stages} stages (pp={self.pp} x "
+                                        f"{plan.chunks(self.virtual_stages)} chunks; allowed: a multiple of {self.num_stages})")
+        least = plan.min_microbatches_fn(self.pp) if plan.min_microbatches_fn else 1
+        if plan.interleaved and self.virtual_stages > 1:
+            least = self.pp
+            rounds = max(1, self.microbatches // self.pp)
+            if self.microbatches >= least and self.microbatches % rounds:
+                raise ConfigError("microbatches", f"{self.microbatches} is not a multiple of its {rounds} rounds (m // pp); "
+                                                  "allowed: a multiple of pp, or m with m % (m // pp) == 0")
+        if self.microbatches < least:
+            raise ConfigError("microbatches", f"{self.microbatches}: {plan.title} on pp={self.pp} needs at least {least} "
+                                              f"micro-batches (allowed: >= {least})")
         slices = self.dp * self.ep  # the batch is split over dp x ep ranks, then into micro-batches
         if self.batch < slices:
             raise ConfigError("batch", f"{self.batch} sequences cannot give dp x ep = {slices} ranks one each "
                                        f"(allowed: >= {slices})")
-        if self.batch < slices * self.microbatches:
+        if self.batch < slices * plan.microbatches(self.microbatches):
             raise ConfigError("microbatches", f"{self.microbatches}: {self.batch} sequences over dp x ep = {slices} ranks "
                                               f"give each {self.batch // slices} (allowed with the other settings as they "
                                               f"are: microbatches = {self.batch // slices})")
@@ -104,28 +138,35 @@ def run_rank(rank, world, config: MeshConfig, ctx):
 def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
     """Sequences per micro-batch on the rank at `coords`: the batch split over dp x ep, then into micro-batches."""
     mine = torch.arange(config.batch).tensor_split(config.dp * config.ep)[coords["dp"] * config.ep + coords["ep"]]
-    return [len(s) for s in mine.tensor_split(config.microbatches)]
+    return [len(s) for s in mine.tensor_split(config.plan.microbatches(config.microbatches))]
 
 
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
     sizes = _microbatch_sizes(config, payload["coords"])
-    stage = payload["coords"]["pp"]
+    plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
     act = sum(b * s * h * 8 for b in sizes)  # one activation (or its gradient) per micro-batch
+    # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
+    crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
+                    for st in payload["stages"])
     kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * 8 for b in sizes)
     n = payload["flat_numel"]
 
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
-    tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1
-             for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=payload["layers_here"],
-                                           first=stage == 0, last=stage == config.pp - 1, index=payload["coords"]["tp"],
+
+    def zero1(k: int) -> int:  # reduce-scatter the padded gradients, all-gather the padded weights from 1/k shards
+        return steps * (ring_bytes("reduce_scatter", -(-n // k) * k, k, 8) + ring_bytes("all_gather", -(-n // k), k, 8))
+    tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
+             for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
+                                           first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
                                            dense_ffn=not config.experts))
-    return {"tp": steps * tp, "pp": steps * act * ((stage < config.pp - 1) + (stage > 0)),
+    return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
             "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
-            "dp gradients": gradients(config.dp), "cp gradients": gradients(config.cp),
+            "dp gradients": zero1(config.dp) if config.dp_strategy == "zero1" else gradients(config.dp),
+            "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
                                                config.ep, 8) if config.ep > 1 else 0}
@@ -136,16 +177,16 @@ def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) 
     assignments each ep peer routes to each expert: a tensor (ep, experts)."""
     if not config.experts:
         return []
-    layers = part(config.layers, payload["coords"]["pp"], config.pp)
+    m = config.plan.microbatches(config.microbatches)
     columns = positions(config.seq, payload["coords"]["cp"], config.cp, "zigzag") if config.cp > 1 else slice(None)
     out = []
     for step in range(config.steps):
-        for mb in range(config.microbatches):
-            for layer in range(layers.start, layers.stop):
+        for mb in range(m):
+            for layer in payload["layers"]:
                 rows = []
                 for e in range(config.ep):
                     seqs = torch.arange(config.batch).tensor_split(config.dp * config.ep)[payload["coords"]["dp"] * config.ep + e]
-                    chosen = routing[step][layer][seqs.tensor_split(config.microbatches)[mb]][:, columns]
+                    chosen = routing[step][layer][seqs.tensor_split(m)[mb]][:, columns]
                     rows.append(torch.bincount(chosen.flatten(), minlength=config.experts))
                 out.append(torch.stack(rows))
     return out
@@ -164,27 +205,30 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     return (n - 1) * per * 8 + 2 * (out_rows + in_rows) * config.d_model * 8
 
 
-def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> float:
-    """sp.activation_elements x the blocks on this stage x micro-batches (+ RoPE's tables), in bytes. An MoE block's
-    feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its experts computed in
-    the first step (the one measured) taken from the reference's routing."""
+def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
+    """Bytes each (stage, micro-batch) forward saves on this rank: sp.activation_elements x the stage's blocks (+ RoPE's
+    tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its
+    experts computed in the first step (the one measured) taken from the reference's routing."""
     s = config.seq // config.cp
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
-    elements = 0.0
-    first_step = rows[:config.microbatches * payload["layers_here"]]
+    order = payload["layers"]
+    first_step = rows[:config.plan.microbatches(config.microbatches) * len(order)]
     per = config.experts // config.ep
     mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
+    out = {}
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
                                     config.d_ff, config.tp, False, ring)
-        elements += s * config.d_head
-        for layer in range(payload["layers_here"]):
-            if config.experts:
-                block["SwiGLU gate, up, silu, product"] = sum(moe_activation_elements(
-                    b * s, int(first_step[j * payload["layers_here"] + layer][:, mine].sum()), config.d_model, config.d_ff,
-                    config.experts, config.top_k, 1).values())
-            elements += sum(block.values())
-    return elements * 8
+        for stage, layers in payload["stages"].items():
+            elements = s * config.d_head
+            for layer in layers:
+                if config.experts:
+                    block["SwiGLU gate, up, silu, product"] = sum(moe_activation_elements(
+                        b * s, int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
+                        config.d_ff, config.experts, config.top_k, 1).values())
+                elements += sum(block.values())
+            out[(stage, j)] = elements * 8
+    return out
 
 
 def combine(config: MeshConfig, payloads) -> Result:
@@ -216,21 +260,29 @@ def combine(config: MeshConfig, payloads) -> Result:
                             reference="the one-process model's top-k choices for this rank's sequences and positions"))
     memory = []
     for p in payloads:
-        formula = activation_formula(config, p, rows[p["rank"]])
+        per = activation_formula(config, p, rows[p["rank"]])
+        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
+    shards = config.dp if config.dp_strategy == "zero1" else 1
+    states = {p["rank"]: 2 * 8 * -(-p["flat_numel"] // shards) for p in payloads}
+    checks.append(Check("optimizer states per rank equal Adam's two moments of the elements it updates",
+                        sum(abs(p["memory"]["optimizer states"] - states[p["rank"]]) for p in payloads), 0,
+                        reference="2 x 8 B x ψ (float64 m and v), ψ the flat parameters on the rank; ZeRO-1 (seed 000): "
+                                  "ψ / dp, the vector padded to a multiple of dp"))
     acts = [r for r in memory if r["category"] == "activations"]
-    checks.append(Check("activations held at GPipe's peak within 10 % of the formula",
+    checks.append(Check(f"activations held at {config.plan.title}'s peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
-                        reference="sp.activation_elements x layers on the stage x micro-batches (+ RoPE tables); "
-                                  "MoE blocks: ep.moe_activation_elements with the reference's routing"))
+                        reference="sp.activation_elements x the stage's layers per (stage, micro-batch) (+ RoPE tables), "
+                                  "summed over those alive at each point of the rank's order (F to B or W); MoE blocks: "
+                                  "ep.moe_activation_elements with the reference's routing"))
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {**{d: getattr(config, d) for d in DIMS}, "experts": config.experts, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "experts": config.experts, "steps": config.steps,
                "final_loss": last["losses"][-1]}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
@@ -241,11 +293,11 @@ def combine(config: MeshConfig, payloads) -> Result:
 
 def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:
     """Assignments (per call, per expert) this rank routed differently from the reference (`expected`: expert_rows)."""
-    layers_here, calls = payload["layers_here"], payload["moe"]
+    order, calls = payload["layers"], payload["moe"]
     mine = {}  # call index in expert_rows' (step, micro-batch, block) order -> assignments kept per expert
     for j, c in enumerate(calls):
         nth = sum(1 for d in calls[:j] if d["layer"] == c["layer"])  # this block's nth call: step x micro-batches + mb
-        mine[nth * layers_here + c["layer"]] = torch.tensor(c["kept"])
+        mine[nth * len(order) + order.index(c["layer"])] = torch.tensor(c["kept"])
     return sum(int((mine[i] - rows[payload["coords"]["ep"]]).abs().sum()) for i, rows in enumerate(expected))
 
 
@@ -255,7 +307,8 @@ def _groups(config) -> list[dict]:
             for i, ranks in enumerate(DeviceMesh.lines(shape, d))]
 
 
-EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (GPipe stages, "
-                    "TP shards, ring attention over sequence shards, MoE experts over ep, DP all-reduce), equal to one "
+EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
+                    "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP all-reduce), equal to one "
                     "process on the whole batch",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm", "recv"),
+                    preload=("torch.distributed.pipelining",))  # the split-backward schedules use its I/W (2.6 s to import)

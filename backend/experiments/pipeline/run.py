@@ -4,7 +4,8 @@ Measured: every action's start and end on every rank (aligned clocks); bubble pe
 beside the model ((p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)); peak live activations
 per rank against the schedule's bound. Checked: gradients against one process running the whole model on
 the whole batch (float64); each rank's op order against PyTorch's own schedule code
-(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) where PyTorch has one;
+(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and the runtime orders of
+ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one;
 PipeDream's forward and backward weight versions.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PipelineConfig(Config):
     schedule: str = setting("1f1b", choices=tuple(SCHEDULES), help="pipeline schedule")
     world_size: int = setting(4, min=2, max=8, help="pipeline ranks p (each holds v stages)")
     microbatches: int = setting(8, min=1, max=64, help="micro-batches m per step")
-    virtual_stages: int = setting(1, min=1, max=4, help="model chunks per rank v (interleaved_1f1b)")
+    virtual_stages: int = setting(1, min=1, max=4, help="model chunks per rank v (interleaved_1f1b; zb_v and dualpipe_v hold 2 in a V)")
     layers: int = setting(8, min=1, max=64, help="Linear+tanh layers in the whole model, split evenly over p·v stages")
     hidden: int = setting(512, min=8, max=4096, help="layer width: the compute per action")
     batch: int = setting(128, min=1, max=4096, help="samples per step (split into micro-batches)")
@@ -67,8 +68,13 @@ class PipelineConfig(Config):
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)
         if self.virtual_stages > 1 and not plan.interleaved:
+            held = " (a V-shaped schedule holds its 2 chunks per rank by construction)" if plan.v_shape else ""
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule "
-                                                f"({_names('interleaved')}; allowed with {self.schedule}: 1)")
+                                                f"({_names('interleaved')}; allowed with {self.schedule}: 1){held}")
+        least = plan.min_microbatches_fn(self.world_size) if plan.min_microbatches_fn else 1
+        if self.microbatches < least:
+            raise ConfigError("microbatches", f"{self.microbatches}: {plan.title} needs at least as many micro-batches as "
+                                              f"its {least} stages (allowed with world_size={self.world_size}: >= {least})")
         if self.layers % self.num_stages:
             raise ConfigError("layers", f"{self.layers} layers do not split evenly over {self.num_stages} stages "
                                         f"(p·v; allowed: a multiple of {self.num_stages})")
@@ -108,13 +114,21 @@ def reference_grads(config) -> list[list[torch.Tensor]]:
 
 def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] | None:
     """The op order PyTorch's own schedule code computes for this rank (None where PyTorch's order is not
-    exposed as data: GPipe and 1F1B run their loops inline)."""
+    exposed as data: GPipe and 1F1B run their loops inline). The V-shaped schedules are built whole, on stand-in
+    stages, and their runtime order read back (pipeline_order_with_comms, each overlapped F&B pair as the F then
+    the B its runtime runs); the others from _calculate_single_rank_operations."""
     import torch.distributed.pipelining.schedules as S
 
-    name = SCHEDULES[schedule].torch_order
-    if name is None:
+    plan = SCHEDULES[schedule]
+    if plan.torch_order is None:
         return None
-    cls = getattr(S, name)
+    cls = getattr(S, plan.torch_order)
+    if plan.v_shape:
+        stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=rank, submod=None, stage_index=s)
+                  for s in plan.stages_on(rank, p)]
+        runtime = cls(stages, n_microbatches=m).pipeline_order_with_comms[rank]
+        return [str(a) for action in runtime for a in (action.sub_actions or (action,))
+                if a.computation_type.value in ("F", "I", "B", "W")]
     rounds = max(1, m // p)
     fake = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
                            microbatches_per_round=m // rounds)
@@ -342,6 +356,17 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                      f"{100 * model:.1f} % from {plan.bubble_formula}.")
     notes.append(f"Stages differ in cost by {100 * imbalance:.0f} % (the last computes the loss, the first no input gradient), "
                  f"so the lighter stages also wait for the busiest: {100 * mean_replayed:.1f} % idle on average in the replay.")
+    if plan.published_idle_fn:
+        median = median_costs(compute)
+        kinds = {k: [c for (_, kind, _), c in median.items() if kind == k] for k in ("F", "I", "W", "B")}
+        per = {k: sum(kinds[k]) / len(kinds[k]) for k in ("F", "W")}  # every chunk runs some I and W, and all its F
+        per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
+        idle = plan.published_idle_fn(p, per["F"], per["I"], per["W"])
+        metrics["bubble_published_measured_costs"] = round(idle / (idle + 2 * m * sum(per.values())), 4)
+        notes.append(f"{plan.published_idle_formula}, with this run's median chunk costs (F {per['F'] / 1e3:.2f}, "
+                     f"I {per['I'] / 1e3:.2f}, W {per['W'] / 1e3:.2f} ms): {100 * metrics['bubble_published_measured_costs']:.1f} % "
+                     f"idle, beside {100 * pace:.1f} % replayed. The table's figure assumes the F&B pair overlapped; "
+                     f"run one after the other, this order idles p − 1 chunk-forwards per rank when F = I = W.")
     if plan.makespan_fn and mean_action < MIN_TIMED_ACTION_US:
         notes.append(f"Actions average {mean_action:.0f} µs of CPU, too short to time against the clock's jitter, so the "
                      f"replayed bubble is shown but not checked (a larger hidden size makes each action longer).")
@@ -384,6 +409,6 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
 
 
 EXPERIMENT = define(__name__, PipelineConfig,
-         "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, PipeDream) on gloo ranks: Gantt, bubble, activations",
+         "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, PipeDream) on gloo ranks: Gantt, bubble, activations",
          rank_fn=run_rank_with_peer, combine=combine, lanes=("compute", "recv", "send"),
          preload=("torch.distributed.pipelining",))

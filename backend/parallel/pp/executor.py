@@ -1,8 +1,11 @@
-"""One executor for every schedule: each rank walks its action list on real gloo ranks.
+"""One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any
+stage objects: the pipeline page's Linear+tanh stages here, the tiny LLaMA's stages of the 3D mesh
+(parallel/mesh_train.py).
 
-Stage s is a stack of Linear+tanh layers (float64, seeded by s); stage s feeds s + 1, which lives on rank
-(s + 1) % p. Forward activations and backward gradients travel by send/recv with a tag per
-(stage, micro-batch, direction), so interleaved stages sharing a pair of ranks never cross. Every action
+On the pipeline page stage s is a stack of Linear+tanh layers (float64, seeded by s); stage s feeds s + 1, on the
+rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back). Forward activations and
+backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so interleaved stages
+sharing a pair of ranks never cross. Every action
 and every send/recv wait is a trace event; the live activations of each rank are counted as actions run.
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
@@ -12,6 +15,7 @@ its forward used, without it the current ones, and the executor measures how far
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -48,114 +52,167 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
 
 
+class LinearStage:
+    """Stage s of the pipeline page's model: Linear+tanh layers; the first reads micro-batch mb of x, the last
+    returns the squared error's share of the whole batch's mean (the loss its backward starts from)."""
+
+    def __init__(self, s: int, config, xs, ys):
+        self.index, self.last, self.xs, self.ys = s, s == config.num_stages - 1, xs, ys
+        self.module = make_stage(s, config.hidden, stage_layers(config, s), config.seed)
+        self.scale = 1.0 / (config.batch * config.hidden)
+
+    def input(self, mb: int) -> torch.Tensor:
+        return self.xs[mb].clone()
+
+    def input_like(self, mb: int) -> torch.Tensor:
+        return torch.empty(self.xs[mb].shape, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mb: int, params: dict | None = None) -> torch.Tensor:
+        out = functional_call(self.module, params, (x,)) if params else self.module(x)
+        return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
+
+
 def run_rank(rank: int, p: int, config, ctx) -> dict:
     plan = SCHEDULES[config.schedule]
-    S, m = config.num_stages, plan.microbatches(config.microbatches)
+    m = plan.microbatches(config.microbatches)
     tracer = Tracer(rank)
-    stages = {s: make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(rank, S, p)}
     x_all, y_all = make_batch(config)
     xs, ys = x_all.chunk(m), y_all.chunk(m)
-    for module in stages.values():  # warm up outside the measurement: the first weight-gradient GEMM of a
+    stages = {s: LinearStage(s, config, xs, ys) for s in plan.stages_on(rank, p, config.virtual_stages)}
+    for st in stages.values():  # warm up outside the measurement: the first weight-gradient GEMM of a
         for needs_input_grad in (False, True):  # process costs ~0.4 s of one-time library set-up on this CPU
-            out = module(xs[0].clone().requires_grad_(needs_input_grad))
+            out = st.module(xs[0].clone().requires_grad_(needs_input_grad))
             out.backward(torch.randn_like(out))
-        module.zero_grad(set_to_none=True)
-    flops = {s: stage_flops(module, xs[0], s > 0) for s, module in stages.items()}  # one micro-batch, per stage
-    meter, executed, recompute_cpu_us = ActivationMeter(), {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+        st.module.zero_grad(set_to_none=True)
+    flops = {s: stage_flops(st.module, xs[0], s > 0) for s, st in stages.items()}  # one micro-batch, per stage
+    meter = ActivationMeter()
     tracer.align(dist.barrier)
-    scale = 1.0 / (config.batch * config.hidden)  # loss = mean squared error over the whole batch
-    saved: dict[tuple[int, int], dict] = {}
-    pending_sends, live, peak, timeline, versions = [], 0, 0, [], []
-    version = {s: 0 for s in stages}
-    history = {s: {0: {k: v.detach().clone() for k, v in mod.named_parameters()}} for s, mod in stages.items()}  # version -> weights
-    grad_errors = []
     order = plan.actions(p, m, config.virtual_stages)[rank]
-    for action in order:
-        kind, mb, s = action
-        module = stages[s]
-        if kind == "F":
-            if s == 0:
-                x = xs[mb].clone()
-            else:
-                x = torch.empty(xs[mb].shape, dtype=torch.float64)
-                with tracer.span("recv", f"recv act {mb}", stage=s, mb=mb):
-                    dist.recv(x, (s - 1) % p, tag=_tag(s - 1, mb, False, m))
-                x.requires_grad_(True)
-            params = None
-            if plan.asynchronous:
-                use = vertical_version(config, p, mb) if config.vertical_sync else version[s]
-                params = {k: v.clone() for k, v in history[s][use].items()}
-            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), \
-                    meter.saving((s, mb), [*module.parameters(), *(params or {}).values()]):
-                if config.recompute:  # keep only the stage input; the backward recomputes the rest
-                    with torch.no_grad():
-                        out = module(x)
-                    meter.keep((s, mb), x)
-                else:
-                    out = functional_call(module, {k: v.requires_grad_() for k, v in params.items()}, (x,)) if params else module(x)
-                loss = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else None
-            executed[s]["F"] += 1
-            saved[(s, mb)] = {"x": x, "out": out, "loss": loss, "params": params}
-            if plan.asynchronous:
-                versions.append({"stage": s, "mb": mb, "forward_version": use})
-            if s < S - 1:
-                pending_sends.append(dist.isend(out.detach().contiguous(), (s + 1) % p, tag=_tag(s, mb, False, m)))
-            live += 1
-            peak = max(peak, live)
-        elif kind in ("B", "I"):
-            st = saved[(s, mb)]
-            grad_out = None
-            if s < S - 1:
-                grad_out = torch.empty(st["out"].shape, dtype=torch.float64)
-                with tracer.span("recv", f"recv grad {mb}", stage=s, mb=mb):
-                    dist.recv(grad_out, (s + 1) % p, tag=_tag(s, mb, True, m))
-            with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
-                if config.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
-                    cpu_start = time.thread_time_ns()
-                    with meter.saving((s, mb), module.parameters()):
-                        st["out"] = module(st["x"])
-                        if s == S - 1:
-                            st["loss"] = ((st["out"] - ys[mb]) ** 2).sum() * scale
-                    recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
-                    executed[s]["R"] += 1
-                executed[s]["B"] += 1
-                root, seed_grad = (st["loss"], None) if s == S - 1 else (st["out"], grad_out)
-                if plan.asynchronous:
-                    _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S)
-                    history[s][version[s]] = {k: v.detach().clone() for k, v in module.named_parameters()}
-                elif kind == "B":
-                    torch.autograd.backward(root, seed_grad)
-                else:  # I: input gradient only; W later
-                    if s > 0:
-                        (gx,) = torch.autograd.grad(root, [st["x"]], seed_grad, retain_graph=True)
-                        st["x"].grad = gx
-                    st["root"], st["seed_grad"] = root, seed_grad
-            if s > 0:
-                pending_sends.append(dist.isend(st["x"].grad.contiguous(), (s - 1) % p, tag=_tag(s - 1, mb, True, m)))
-            if kind == "B":
-                live -= 1
-                del saved[(s, mb)]
-                meter.free((s, mb))
-        elif kind == "W":
-            st = saved.pop((s, mb))
-            with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
-                params = list(module.parameters())
-                grads = torch.autograd.grad(st["root"], params, st["seed_grad"])
-                for prm, gr in zip(params, grads):
-                    prm.grad = gr if prm.grad is None else prm.grad + gr
-            live -= 1
-            meter.free((s, mb))
-        timeline.append({"t_us": tracer.now_us(), "live": live})
-    for req in pending_sends:
-        req.wait()
+    walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
+                   pipedream=config if plan.asynchronous else None, meter=meter)
     dist.barrier()
     if rank == 0:
         ctx.progress(0.8, "gathering gradients")
     # numpy, not tensors: a tensor crosses processes by a shared-memory handle that dies with its rank
-    grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in mod.parameters()] for s, mod in stages.items()}
-    return {"rank": rank, "trace": tracer.payload(), "peak_live": peak, "timeline": timeline, "grads": grads,
-            "order": [str(a) for a in order], "versions": versions, "grad_errors": grad_errors,
-            "activation_peak_bytes": meter.peak, "executed": executed, "flops": flops, "recompute_cpu_us": recompute_cpu_us}
+    grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in st.module.parameters()]
+             for s, st in stages.items()}
+    return {"rank": rank, "trace": tracer.payload(), "peak_live": walk["peak_live"], "timeline": walk["timeline"],
+            "grads": grads, "order": [str(a) for a in order], "versions": walk["versions"],
+            "grad_errors": walk["grad_errors"], "activation_peak_bytes": meter.peak, "executed": walk["executed"],
+            "flops": flops, "recompute_cpu_us": walk["recompute_cpu_us"]}
+
+
+def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
+            recompute: bool = False, pipedream=None, meter: ActivationMeter | None = None) -> dict:
+    """Walk one rank's action list for one step over its stages ({stage: object with input, input_like and
+    forward(x, mb) -> output, or on the last stage the loss}); pp_ranks[i] is the global rank of pipeline rank i.
+    F receives its input from the previous stage's rank, runs and sends its output on; B (or I) receives the
+    output's gradient, runs the backward and sends the input's gradient back; W then takes the weight gradients
+    (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
+    from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
+    handed over in memory. Returns the last stage's summed loss, the peak of live activations and their timeline,
+    and the bytes this rank sent to other pipeline ranks; with a meter, the activation bytes autograd saves per
+    (stage, micro-batch), the forwards, recomputations and backwards executed per stage and each recomputation's
+    CPU time (recomputation's price)."""
+    if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    saved: dict[tuple[int, int], dict] = {}
+    local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
+    pending_sends, live, peak, timeline, versions, grad_errors, loss_sum, sent = [], 0, 0, [], [], [], 0.0, [0]
+    version = {s: 0 for s in stages}
+    executed, recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+
+    def saving(key, params=()):
+        return meter.saving(key, [*stages[key[0]].module.parameters(), *params]) if meter else nullcontext()
+    history = {s: {0: {k: v.detach().clone() for k, v in st.module.named_parameters()}} for s, st in stages.items()} \
+        if pipedream else {}
+
+    def send(t, to_stage, s, mb, grad):
+        to = plan.rank_of(to_stage, p)
+        if to == me:
+            local[(s, mb, grad)] = t.detach()
+        else:
+            pending_sends.append(dist.isend(t.detach().contiguous(), pp_ranks[to], tag=_tag(s, mb, grad, m)))
+            sent[0] += t.numel() * t.element_size()
+
+    def recv(buf, from_stage, s_tag, mb, grad, what):
+        frm = plan.rank_of(from_stage, p)
+        if frm == me:
+            return local.pop((s_tag, mb, grad))
+        with tracer.span("recv", f"recv {what} {mb}", stage=from_stage, mb=mb):
+            dist.recv(buf, pp_ranks[frm], tag=_tag(s_tag, mb, grad, m))
+        return buf
+
+    for action in order:
+        kind, mb, s = action
+        st = stages[s]
+        if kind == "F":
+            x = st.input(mb) if s == 0 else recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
+            params = None
+            if pipedream:
+                use = vertical_version(pipedream, p, mb) if pipedream.vertical_sync else version[s]
+                params = {k: v.clone().requires_grad_() for k, v in history[s][use].items()}
+            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), saving((s, mb), (params or {}).values()):
+                if recompute:  # keep only the stage input; the backward recomputes the rest
+                    with torch.no_grad():
+                        out = st.forward(x, mb)
+                    if meter:
+                        meter.keep((s, mb), x)
+                else:
+                    out = st.forward(x, mb, params) if params else st.forward(x, mb)
+            executed[s]["F"] += 1
+            if st.last:
+                loss_sum += out.item()
+            saved[(s, mb)] = {"x": x, "out": out, "params": params}
+            if pipedream:
+                versions.append({"stage": s, "mb": mb, "forward_version": use})
+            if not st.last:
+                send(out, s + 1, s, mb, False)
+            live += 1
+            peak = max(peak, live)
+        elif kind in ("B", "I"):
+            sv = saved[(s, mb)]
+            grad_out = None if st.last else recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
+            with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
+                if recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
+                    cpu_start = time.thread_time_ns()
+                    with saving((s, mb)):
+                        sv["out"] = st.forward(sv["x"], mb)
+                    recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
+                    executed[s]["R"] += 1
+                executed[s]["B"] += 1
+                if pipedream:
+                    _pipedream_backward(pipedream, st, sv, grad_out, s, mb, version, versions, grad_errors)
+                    history[s][version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
+                elif kind == "B":
+                    torch.autograd.backward(sv["out"], grad_out)
+                elif s > 0:  # I: the input gradient, and what W needs kept
+                    _, sv["groups"] = stage_backward_input([sv["out"]], None if grad_out is None else [grad_out],
+                                                           [sv["x"]], st.module.parameters())
+                else:  # the first stage has no input gradient: W runs its whole backward
+                    sv["grad_out"] = grad_out
+            if s > 0:
+                send(sv["x"].grad, s - 1, s - 1, mb, True)
+            if kind == "B":
+                live -= 1
+                del saved[(s, mb)]
+                if meter:
+                    meter.free((s, mb))
+        elif kind == "W":
+            sv = saved.pop((s, mb))
+            with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
+                if s > 0:
+                    stage_backward_weight(st.module.parameters(), sv["groups"])
+                else:
+                    torch.autograd.backward(sv["out"], sv["grad_out"])
+            live -= 1
+            if meter:
+                meter.free((s, mb))
+        timeline.append({"t_us": tracer.now_us(), "live": live})
+    for req in pending_sends:
+        req.wait()
+    return {"loss": loss_sum, "sent_bytes": sent[0], "peak_live": peak, "timeline": timeline, "versions": versions,
+            "grad_errors": grad_errors, "executed": executed, "recompute_cpu_us": recompute_cpu_us}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
@@ -169,25 +226,26 @@ def vertical_version(config, p: int, mb: int) -> int:
     raise ValueError(f"micro-batch {mb} has no forward on stage 0")
 
 
-def _pipedream_backward(config, module, st, root, seed_grad, s, mb, version, versions, grad_errors, ys, scale, S):
+def _pipedream_backward(config, st, sv, seed_grad, s, mb, version, versions, grad_errors):
     """Backward with the stashed weights (consistent) and, without stashing, with the current ones; SGD update."""
+    module = st.module
     names = [k for k, _ in module.named_parameters()]
-    stashed = st["params"]
-    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([st["x"]] if s > 0 else []), seed_grad)
+    stashed = sv["params"]
+    root = sv["out"]
+    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([sv["x"]] if s > 0 else []), seed_grad)
     g_consistent, gx = consistent[:len(names)], (consistent[-1] if s > 0 else None)
     used = g_consistent
     if not config.weight_stashing:  # recompute the forward on the weights as they are now: what PipeDream without stashing does
         current = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
-        x = st["x"].detach().requires_grad_(s > 0)
-        out = functional_call(module, current, (x,))
-        root2 = ((out - ys[mb]) ** 2).sum() * scale if s == S - 1 else out
+        x = sv["x"].detach().requires_grad_(s > 0)
+        root2 = st.forward(x, mb, current)
         res = torch.autograd.grad(root2, [current[k] for k in names] + ([x] if s > 0 else []), seed_grad)
         used, gx = res[:len(names)], (res[-1] if s > 0 else None)
         num = sum(((a - b) ** 2).sum() for a, b in zip(used, g_consistent)) ** 0.5
         den = sum((b ** 2).sum() for b in g_consistent) ** 0.5
         grad_errors.append({"stage": s, "mb": mb, "relative_error": float(num / den)})
     if s > 0:
-        st["x"].grad = gx
+        sv["x"].grad = gx
     forward_version = next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
     b_version = forward_version if config.weight_stashing else version[s]
     for v in versions:

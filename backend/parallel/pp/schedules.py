@@ -2,8 +2,10 @@
 
 An action is (kind, microbatch, stage): F forward; B backward (input and weight gradients); I the
 input-gradient half of a split backward and W its weight-gradient half (zero-bubble). `stage` is the
-virtual stage id; with v virtual stages per rank, rank r holds stages r, r + p, r + 2p, ...
-Sends and receives are implied by the stage graph (stage s feeds s + 1) and added by the executor.
+virtual stage id; with v virtual stages per rank, rank r holds stages r, r + p, r + 2p, ... (looped), and in
+the V-shaped schedules (ZB-V, DualPipe-V) chunk 0 on rank r is stage r and chunk 1 stage 2p - 1 - r, so the
+last stage sits on rank 0 beside the first. Sends and receives are implied by the stage graph (stage s feeds
+s + 1) and added by the executor; a boundary inside one rank (stage p - 1 to p in a V) is no message.
 """
 from __future__ import annotations
 
@@ -90,11 +92,114 @@ def pipedream(p: int, m: int, r: int) -> list[Action]:
     return one_f_one_b(p, m, r)
 
 
-def live_activations(order: list[Action]) -> int:
-    """Peak activations a rank's order keeps: +1 at F, -1 at B or W (I keeps them for its W)."""
+def zb_v(p: int, m: int, r: int) -> list[Action]:
+    """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W. Warm-up
+    2(p-r)-1 forwards of chunk 0, then r pairs F1 F0, then p-r rounds F1 I1 W1; steady rounds F0 I0 W0 F1 I1 W1;
+    cool-down r pairs I0 I1, then p-r pairs I0 W0, then the deferred Ws. Built for max(m, 2p-1) micro-batches and
+    the ones past m dropped, as torch's ScheduleZBVZeroBubble does."""
+    n = max(2 * p - 1, m)
+    c0, c1 = r, 2 * p - 1 - r
+    cnt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    ops: list[Action] = []
+
+    def add(kind, chunk, key=None):
+        key = key or (("F" if kind == "F" else "B") + str(chunk))
+        ops.append(Action(kind, cnt[key], (c0, c1)[chunk]))
+        if kind in ("F", "I"):
+            cnt[key] += 1
+
+    def iw(chunk):  # input gradient, then its weight gradient at once
+        add("I", chunk)
+        ops.append(Action("W", cnt["B%d" % chunk] - 1, (c0, c1)[chunk]))
+
+    for _ in range(2 * (p - r) - 1):
+        add("F", 0)
+    for _ in range(r):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(p - r):
+        add("F", 1)
+        iw(1)
+    while cnt["F1"] < cnt["F0"] or cnt["F0"] < n:
+        if cnt["F0"] < n:
+            add("F", 0)
+        iw(0)
+        add("F", 1)
+        iw(1)
+    w = {0: cnt["B0"], 1: cnt["B1"]}
+    for _ in range(r):
+        add("I", 0)
+        add("I", 1)
+    for _ in range(p - r):
+        add("I", 0)
+        ops.append(Action("W", w[0], c0))
+        w[0] += 1
+    ops += [Action("W", i, c1) for i in range(w[1], cnt["B1"])] + [Action("W", i, c0) for i in range(w[0], cnt["B0"])]
+    return [a for a in ops if a.mb < m]
+
+
+def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
+    """DualPipe-V (DeepSeek-V3's DualPipe cut in half, as torch's ScheduleDualPipeV): two chunks per rank in a V.
+    Warm-up F0 x 2(p-r-1), (F0 F1) x (r+1), (I1 W F1) x (p-r-1); the main phase pairs a forward of one chunk with a
+    full backward of the other (F0 B1, F1 B0: DualPipe overlaps the pair's compute and communication, here they run
+    one after the other); then B1 (F1 B0) x (p-r-1); B1 B0 x (r+1), switching to I (weight gradient deferred) half
+    way; (W I0) x (p-r-1); the deferred Ws. Needs m >= 2p."""
+    c = (r, 2 * p - 1 - r)
+    nxt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    deferred: list[tuple[int, int]] = []  # (stage, mb) whose W waits
+    ops: list[Action] = []
+
+    def add(kind, chunk):
+        key = ("F" if kind == "F" else "B", chunk)
+        ops.append(Action(kind, nxt[key], c[chunk]))
+        if kind == "I":
+            deferred.append((c[chunk], nxt[key]))
+        nxt[key] += 1
+
+    def weight():
+        if deferred:
+            s, mb = deferred.pop(0)
+            ops.append(Action("W", mb, s))
+
+    for _ in range(2 * (p - r - 1)):
+        add("F", 0)
+    for _ in range(r + 1):
+        add("F", 0)
+        add("F", 1)
+    for _ in range(p - r - 1):
+        add("I", 1)
+        weight()
+        add("F", 1)
+    for _ in range(m - 2 * p + r + 1):
+        add("F", 0)
+        add("B", 1)
+        add("F", 1)
+        add("B", 0)
+    for _ in range(p - r - 1):
+        add("B", 1)
+        add("F", 1)
+        add("B", 0)
+    split = False
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        add("I" if split else "B", 1)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        add("I" if split else "B", 0)
+    for _ in range(p - r - 1):
+        weight()
+        add("I" if split else "B", 0)
+    for _ in range(r + 1):
+        weight()
+    return ops
+
+
+def live_activations(order: list[Action], size=None) -> int:
+    """Peak activations a rank's order keeps: +1 at F, -1 at B or W (I keeps them for its W); with size(stage, mb),
+    the peak of their summed sizes (bytes) instead of their count."""
     live = peak = 0
-    for a in order:
-        live += 1 if a.kind == "F" else (-1 if a.kind in ("B", "W") else 0)
+    for kind, mb, stage in order:
+        held = size(stage, mb) if size else 1
+        live += held if kind == "F" else (-held if kind in ("B", "W") else 0)
         peak = max(peak, live)
     return peak
 
@@ -113,6 +218,7 @@ class Schedule:
     bubble_fn: Callable[[int, int, int], float] = _flush_bubble
     bubble_formula: str = "(p−1)/(m+p−1)"
     interleaved: bool = False       # v model chunks per rank
+    v_shape: bool = False           # two chunks per rank in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r
     whole_batch: bool = False       # no micro-batching: the batch runs as one micro-batch
     split_backward: bool = False    # zero bubble: each backward split into I (input grad) and W (weight grad)
     asynchronous: bool = False      # PipeDream: weights updated after every backward, no flush
@@ -122,6 +228,11 @@ class Schedule:
     makespan_fn: Callable[[list, list, int], float] | None = None
     live_bound_fn: Callable[[int, int, int], int] | None = None  # (p, m, r) -> the bound the seed states, if any
     live_bound_source: str = "the peak its order implies"
+    min_microbatches_fn: Callable[[int], int] | None = None  # p -> the fewest micro-batches the order is built for
+    # The published idle time per rank from one chunk's forward F, input-gradient I and weight-gradient W times
+    # (drawn beside the replay with the measured costs; not checked: it assumes the overlap DualPipe relies on)
+    published_idle_fn: Callable[[int, float, float, float], float] | None = None
+    published_idle_formula: str = ""
     torch_peer: str | None = None   # torch.distributed.pipelining class run on the same model as a peer
     torch_order: str | None = None  # torch.distributed.pipelining class whose per-rank order is data to compare
 
@@ -129,7 +240,16 @@ class Schedule:
         return 1 if self.whole_batch else m
 
     def chunks(self, v: int) -> int:
-        return v if self.interleaved else 1
+        return 2 if self.v_shape else (v if self.interleaved else 1)
+
+    def rank_of(self, stage: int, p: int) -> int:
+        """The rank holding a stage: looped (s mod p) or V-shaped (down the ranks, then back up)."""
+        if self.v_shape:
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    def stages_on(self, rank: int, p: int, v: int = 1) -> list[int]:
+        return [s for s in range(p * self.chunks(v)) if self.rank_of(s, p) == rank]
 
     def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
         m = self.microbatches(m)
@@ -142,9 +262,8 @@ class Schedule:
         return self.bubble_fn(p, self.microbatches(m), self.chunks(v))
 
     def live_bound(self, p: int, m: int, r: int, v: int = 1) -> int:
-        if self.live_bound_fn:
-            return self.live_bound_fn(p, self.microbatches(m), r)
-        return live_activations(self.actions(p, m, v)[r])
+        bound = self.live_bound_fn(p, self.microbatches(m), r) if self.live_bound_fn else None
+        return live_activations(self.actions(p, m, v)[r]) if bound is None else bound
 
 
 def _forward_then_backward(f, b, m):  # every forward wave, then every backward wave
@@ -164,6 +283,28 @@ def _p_minus_r(p, m, r):  # seed 000: 1F1B holds at most p - r
     return min(m, p - r)
 
 
+def _zb_v_live(p, m, r):  # zero-bubble paper: ZB-V holds 1F1B's peak, p whole-rank = 2p chunk activations, on every rank
+    return 2 * p if m >= 2 * p - 1 else None  # (fewer micro-batches than the warm-up: the order's own peak)
+
+
+def _dualpipe_v_live(p, m, r):  # DeepSeek-V3 Table 2 / DualPipe: PP + 1 chunk activations per device, PP = 2p stages
+    return 2 * p + 1
+
+
+def _dualpipe_idle(p, f, i, w):
+    """DeepSeek-V3 Table 2's DualPipe(-V) bubble, (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages, B the full backward
+    (I + W) and F&B an overlapped forward-and-backward pair, here run one after the other (F + B)."""
+    b = i + w
+    return (p - 1) * ((f + b) + b - 3 * w)
+
+
+def _v_bubble(p, m, v):
+    """ZB-V and DualPipe-V with F = I = W per chunk: each rank idles p - 1 chunk-forwards in one flushed step (the
+    warm-up staircase before its first F and its mirror after its last W), out of 6m busy (2 chunks x m x F, I, W).
+    The zero-bubble paper's "zero bubble" is this step's steady state, the staircase hidden by the next step."""
+    return (p - 1) / (6 * m + p - 1)
+
+
 SCHEDULES = {s.name: s for s in (
     Schedule("naive", "naive (no micro-batches)", gpipe, bubble_fn=lambda p, m, v: (p - 1) / p, bubble_formula="(p−1)/p",
              whole_batch=True, supports_recompute=True, makespan_fn=_forward_then_backward, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
@@ -177,6 +318,16 @@ SCHEDULES = {s.name: s for s in (
              bubble_formula="(p−1)/(v·m+p−1)", interleaved=True, torch_order="ScheduleInterleaved1F1B"),
     Schedule("zb_h1", "zero bubble H1", zb_h1, bubble_fn=lambda p, m, v: (p - 1) / (3 * m + p - 1),
              bubble_formula="(p−1)/(3m+p−1) with F = I = W", split_backward=True, torch_order="ScheduleInterleavedZeroBubble"),
+    Schedule("zb_v", "ZB-V (zero bubble, V-shaped)", zb_v, bubble_fn=_v_bubble,
+             bubble_formula="(p−1)/(6m+p−1) with F = I = W per chunk", v_shape=True, split_backward=True,
+             live_bound_fn=_zb_v_live, live_bound_source="zero-bubble paper: 1F1B's peak, 2p chunk activations",
+             torch_order="ScheduleZBVZeroBubble"),
+    Schedule("dualpipe_v", "DualPipe-V (DeepSeek-V3)", dualpipe_v, bubble_fn=_v_bubble,
+             bubble_formula="(p−1)/(6m+p−1) with F = I = W per chunk; DeepSeek-V3: (PP/2−1)(F&B+B−3W)", v_shape=True,
+             split_backward=True, live_bound_fn=_dualpipe_v_live,
+             live_bound_source="DeepSeek-V3 Table 2: PP + 1 chunk activations, PP = 2p", torch_order="ScheduleDualPipeV",
+             min_microbatches_fn=lambda p: 2 * p, published_idle_fn=_dualpipe_idle,
+             published_idle_formula="DeepSeek-V3 Table 2: (PP/2−1)(F&B+B−3W), PP = 2p, B = I + W, F&B = F + B unoverlapped"),
     Schedule("pipedream", "PipeDream (async 1F1B)", pipedream, asynchronous=True, live_bound_fn=_p_minus_r,
              live_bound_source="seed 000: p − r"),
 )}
