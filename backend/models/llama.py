@@ -11,6 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backend.attention.variants import GroupedQueryAttention, KVCache, MultiHeadLatentAttention
+from backend.models.layers import RMSNorm, SwiGLU
+from backend.models.moe import MoELayer
 
 
 @dataclass(frozen=True)
@@ -32,25 +34,6 @@ class ModelShape:
     n_shared: int = 1     # shared experts every token passes through (DeepSeek), each d_ff wide
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_ff: int):
-        super().__init__()
-        self.gate, self.up, self.down = (nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_model, d_ff, bias=False),
-                                         nn.Linear(d_ff, d_model, bias=False))
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 def make_attention(s: ModelShape) -> nn.Module:
     if s.variant == "mla":
         return MultiHeadLatentAttention(s.d_model, s.n_heads, s.d_head, s.d_c, s.d_rope, s.d_cq, s.mla_mode == "absorbed")
@@ -60,8 +43,6 @@ def make_attention(s: ModelShape) -> nn.Module:
 
 def make_ffn(s: ModelShape) -> nn.Module:
     if s.n_experts:
-        from backend.models.moe import MoELayer  # moe builds its experts from SwiGLU above
-
         return MoELayer(s.d_model, s.d_ff, s.n_experts, s.n_shared, s.top_k)
     return SwiGLU(s.d_model, s.d_ff)
 

@@ -15,7 +15,7 @@ from fractions import Fraction
 import torch
 import torch.nn as nn
 
-from backend.models.llama import SwiGLU
+from backend.models.layers import SwiGLU
 
 
 @dataclass

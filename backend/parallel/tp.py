@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from backend.attention.rope import apply_rope, rope_angles
-from backend.models.llama import RMSNorm, TinyDecoder
+from backend.models.layers import RMSNorm
+from backend.models.llama import TinyDecoder
 from backend.parallel.ep import ExpertParallelMoE
 from backend.parallel.sp import GatherLinear, ReduceScatterToSP
 
