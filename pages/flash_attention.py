@@ -61,12 +61,15 @@ def render(result: dict, rec) -> None:
         bars = alt.Chart(steps).mark_bar().encode(
             x=alt.X("step:O", title="step of one (K/V tile, Q tile) iteration"), y=alt.Y("live_words:Q", title="words on chip"),
             tooltip=["step", "what", alt.Tooltip("delta_words:Q", format="+,"), alt.Tooltip("live_words:Q", format=","),
-                     alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's expression")])
+                     alt.Tooltip("seed_delta_words:Q", format="+,", title="seed 003's change"),
+                     alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's total")])
         cap = alt.Chart(pd.DataFrame({"M": [words]})).mark_rule(color="#e4572e", strokeDash=[4, 3]).encode(y="M:Q")
         st.altair_chart((bars + cap).properties(height=260), width="stretch")
-        st.dataframe(steps[["step", "what", "delta_words", "live_words", "live_bytes", "seed_live_words"]], hide_index=True, width="stretch")
+        st.dataframe(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_live_words", "live_bytes"]],
+                     hide_index=True, width="stretch")
         st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
-                   "live (step 5) the set can pass M by the Q/O tile, which is why the paper's bound is O(M).")
+                   "live (step 3) the set can pass M, which is why the paper's bound is O(M). Seed 003's figures, where it gives one, "
+                   "sit beside each step.")
 
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]
