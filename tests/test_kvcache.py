@@ -241,7 +241,7 @@ def test_paged_decode_history_follows_the_tables():
 def test_seed_000_numbers_reproduced_by_the_run():
     result = _paged_decode()
     waste = {r["allocator"]: r for r in result.tables["seed_waste"]}
-    assert waste["contiguous (reserve 1,024)"]["slots_reserved"] == 1024 and waste["paged (block 16)"]["slots_reserved"] == 16
+    assert waste["contiguous, 1,024 reserved"]["slots_reserved"] == 1024 and waste["paged, block 16"]["slots_reserved"] == 16
     assert result.metrics["seed_waste.contiguous"] == pytest.approx(1020 / 1024, abs=1e-12)
     after = [r for r in result.tables["seed_cow_tables"] if r["when"] != "C forked from A"]
     assert {r["seq"]: r["physical"] for r in after if r["logical"] == 3} == {0: 3, 2: 5}

@@ -90,14 +90,24 @@ def seed_checks(model, block_size: int, g) -> tuple[list[Check], dict]:
         Check("the copy holds page 3's K/V; page 3 is unchanged by the write", max(cow["copy_gap"], cow["parent_gap"]), 0,
               reference="page 3's K/V read before the fork", detail="max |difference| over the copied slots and the parent's page"),
     ]
-    rows = [{"allocator": "contiguous (reserve 1,024)", "slots_reserved": waste["contiguous_reserved_slots"], "slots_used": SEED_TOKENS,
+    rows = [{"allocator": "contiguous, 1,024 reserved", "slots_reserved": waste["contiguous_reserved_slots"], "slots_used": SEED_TOKENS,
              "bytes_reserved": waste["contiguous_bytes"], "bytes_used": waste["contiguous_used_bytes"], "waste": contiguous_waste},
-            {"allocator": f"paged (block {block_size})", "slots_reserved": waste["paged_reserved_slots"], "slots_used": SEED_TOKENS,
+            {"allocator": f"paged, block {block_size}", "slots_reserved": waste["paged_reserved_slots"], "slots_used": SEED_TOKENS,
              "bytes_reserved": waste["paged_bytes"], "bytes_used": waste["paged_used_bytes"], "waste": paged_waste}]
     cow_rows = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["tables"]]
     cow_pool = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["pool"]]
     return checks, {"seed_waste": rows, "seed_cow_tables": cow_rows, "seed_cow_pool": cow_pool,
                     "waste": {"contiguous": contiguous_waste, "paged": paged_waste}}
+
+
+def thin(history: list[dict], keep: int = 24) -> list[dict]:
+    """At most about `keep` snapshots for the page: the prefill, fork and swap ones, and decode steps evenly spaced
+    (the last always), so a long run's result stays small."""
+    steps = [i for i, h in enumerate(history) if h["label"].startswith("decode step")]
+    chosen = {i for i, h in enumerate(history) if not h["label"].startswith("decode step")}
+    room = max(1, keep - len(chosen))
+    chosen |= set(steps[::-(-len(steps) // room)] + steps[-1:]) if steps else set()
+    return [history[i] for i in sorted(chosen)]
 
 
 def run(config: PagedDecodeConfig, ctx) -> Result:
@@ -154,6 +164,7 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
     ctx.progress(0.9, "seed 000's examples")
     seed, seed_tables = seed_checks(model, config.block_size, g)
     checks += seed
+    history = thin(history)
     top = 1 + max([r["block"] for snap in history for r in snap["pool"] if r["ref_count"]] + [0])
     for snap in history:  # the pool's blocks past the highest ever used stay free throughout: not drawn
         snap["pool"] = snap["pool"][:top]
