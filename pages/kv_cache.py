@@ -93,10 +93,10 @@ def mla_rope(rope: pd.DataFrame, m: dict) -> None:
     rope = rope.assign(relative_error=rope["relative_error"].clip(lower=1e-17))
     st.altair_chart(alt.Chart(rope).mark_line(point=True).encode(
         x=alt.X("query_position:Q", title="query position m (tokens)"),
-        y=alt.Y("relative_error:Q", title="|absorbed − naive| ÷ largest score (floor 1e-17)", scale=alt.Scale(type="log")),
+        y=alt.Y("relative_error:Q", title="relative error (floor 1e-17)", scale=alt.Scale(type="log")),
         color=alt.Color("path:N", title="RoPE on"), tooltip=["path", "query_position", alt.Tooltip("max_abs_error:Q", format=".2e")],
     ).properties(height=240), width="stretch")
-    st.caption("Rotating the cached latents, (R_m c_Q)ᵀ W_merge (R_n c_KV), is not (R_m W^UQ c_Q)ᵀ (R_n W^UK c_KV): matrices do "
+    st.caption("Relative error: the largest |absorbed − naive| score over the keys up to m, ÷ the largest score. Rotating the cached latents, (R_m c_Q)ᵀ W_merge (R_n c_KV), is not (R_m W^UQ c_Q)ᵀ (R_n W^UK c_KV): matrices do "
                "not commute, so the two agree only at position 0. Decoupled RoPE rotates a separate k^R and leaves c_KV plain.")
     with st.expander("The algebra"):
         st.markdown("Naive with RoPE on the keys: c_Qᵀ W^UQᵀ R_(n−m) W^UK c_KV, whose middle depends on n − m, so no single "

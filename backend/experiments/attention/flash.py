@@ -96,6 +96,10 @@ def seed_003_ledger(budget: dict, d: int) -> tuple[Check, str]:
         n = st["step"]
         st["seed_delta_words"] = SEED_003_DELTAS[n](bc, d) if n in SEED_003_DELTAS and (applies or n == 1) else None
         st["seed_live_words"] = SEED_003_TOTALS[n](bc, d) if n in SEED_003_TOTALS and applies else None
+    running = 0  # the seed's own ledger: its printed changes summed, where it prints every one so far
+    for st in budget["steps"]:
+        running = None if running is None or st["seed_delta_words"] is None else running + st["seed_delta_words"]
+        st["seed_ledger_words"] = running
     compared = [st for st in budget["steps"] if st["seed_delta_words"] is not None and (st["step"] != 4 or bc == d)]
     error = sum(abs(st["delta_words"] - st["seed_delta_words"]) for st in compared)
     error += sum(abs(st["live_words"] - st["seed_live_words"]) for st in compared if st["seed_live_words"] is not None)
