@@ -285,3 +285,8 @@ def test_paged_decode_page_draws_a_run():
 
     at = render_recorded("pages/paged_decode.py", "kvcache.paged_decode", sequences="2", prompt_len="18", new_tokens="2")
     assert any("Seed 000" in s.value for s in at.subheader)
+    # a paged_decode run opened on the block-manager page is linked to its own page, not drawn there
+    from tests.test_pages import _app
+
+    other = _app("pages/paged_attention.py", run=at.query_params["run"][0] if isinstance(at.query_params["run"], list) else at.query_params["run"])
+    assert any("paged_decode?run=" in w.value for w in other.warning), [w.value for w in other.warning]
