@@ -105,3 +105,13 @@ def test_kv_cache_page_draws_the_rope_section():
 
     at = render_recorded("pages/kv_cache.py", "attention.kv_cache", variant="mla", context="16", n_layers="1")
     assert any("why RoPE breaks absorption" in s.value for s in at.subheader)
+
+
+def test_mla_origin_check_fails_if_position_0_is_rotated(monkeypatch):
+    from backend.attention import mla_rope
+    from backend.experiments.attention.kv_cache import rope_absorption
+
+    rotate = mla_rope.rotate
+    monkeypatch.setattr(mla_rope, "rotate", lambda x, positions: rotate(x, positions + 1))  # positions counted from 1
+    checks, _, _ = rope_absorption(SMALL)
+    assert not next(c for c in checks if c.name.endswith("at m = n = 0 (R_0 = I)")).passed
