@@ -57,10 +57,6 @@ def test_page_draws_a_run():
 
 
 # --- the seeds' printed figures as run checks (seed 002's 175B example, seed 004's table), and each failing when broken
-    return {c.name.split(":")[0] if c.name.startswith("seed 002") else c.name[:20]: c
-            for c in seed_checks(TrainingEstimateConfig(**settings))}
-
-
 def test_seed_figures_are_run_checks():
     result = experiments.run("estimate.training", measure_seq_len=8)
     names = [c.name for c in result.checks]
