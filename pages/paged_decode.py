@@ -71,7 +71,8 @@ def render(result: dict, rec) -> None:
     with st.expander("The fork and the swap"):
         st.markdown(f"Sequence {fork['child']} forks from sequence {fork['parent']} at {fork['at_tokens']} tokens, sharing "
                     f"{fork['shared_full_blocks']} full block(s) for good and the partial last block until its first write, "
-                    "which copies it (copy-on-write).")
+                    "which copies it (copy-on-write)."
+                    + (f" Sequence {fork['copied_by']} wrote first, so it holds the copy." if fork.get("copied_by") is not None else ""))
         if swap:
             st.markdown(f"At step {swap['step']}, sequence 1's blocks {swap['out']} go to CPU memory and come back into blocks "
                         f"{swap['in']}; its K/V read through the new table differs from before by {swap['kv_gap']:g}.")

@@ -238,6 +238,18 @@ def test_paged_decode_history_follows_the_tables():
     assert [r["physical"] for r in end if r["seq"] == 0][1] != [r["physical"] for r in end if r["seq"] == 2][1]
 
 
+def test_the_first_writer_after_the_fork_holds_the_copy():
+    result = _paged_decode(first_writer="child")  # 18 tokens, block 16: block 1 is the shared partial one
+    assert result.passed, [c for c in result.checks if not c.passed]
+    fork = result.tables["fork"][0]
+    assert fork["copied_by"] == fork["child"] == 2
+    end = result.tables["history"][-1]["tables"]
+    fork_state = result.tables["history"][1]["tables"]
+    parent_block = [r["physical"] for r in fork_state if r["seq"] == 0][1]
+    assert [r["physical"] for r in end if r["seq"] == 0][1] == parent_block  # the parent kept the original block
+    assert [r["physical"] for r in end if r["seq"] == 2][1] != parent_block
+
+
 def test_seed_000_numbers_reproduced_by_the_run():
     result = _paged_decode()
     waste = {r["allocator"]: r for r in result.tables["seed_waste"]}

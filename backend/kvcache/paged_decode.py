@@ -37,10 +37,11 @@ class PagedLayerCache:
 
 
 @torch.no_grad()
-def decode_paged(model, prompts, new_tokens, block_size, num_blocks, fork_and_swap=False):
+def decode_paged(model, prompts, new_tokens, block_size, num_blocks, fork_and_swap=False, child_first=False):
     """Round-robin greedy decoding of all prompts through one paged pool. Returns tokens, logits, manager,
     store, a log of the fork and swap, the history (the pool after the prefill, the fork, the swap and every step) and
-    the swap (step, block ids out and in, and the largest change of its K/V across the round trip)."""
+    the swap (step, block ids out and in, and the largest change of its K/V across the round trip). With
+    child_first, the forked child takes its turn before the others, so it is the one that copies the shared block."""
     s = model.shape
     m = KVCacheManager(num_blocks, block_size, prefix_caching=False)
     store = KVTensorStore(s.n_layers, num_blocks, block_size, s.n_kv_heads, s.d_head)
@@ -73,7 +74,8 @@ def decode_paged(model, prompts, new_tokens, block_size, num_blocks, fork_and_sw
             log.append(f"step {step}: sequence 1 swapped back in")
             swap = {"step": step, "out": out_ids, "in": in_ids, "kv_gap": gap}
             history.append(snapshot(m, step, "sequence 1 swapped back in"))
-        for sid in list(tokens):
+        order = sorted(tokens, key=lambda sid: (not (child_first and fork_and_swap and sid == len(prompts)), sid))
+        for sid in order:
             nxt = int(logits[sid][-1][-1].argmax()) if not (fork_and_swap and sid == len(prompts) and step == 0) \
                 else int(logits[sid][-1][-1].argsort()[-2])  # the child samples differently, so it diverges
             pos = len(tokens[sid])

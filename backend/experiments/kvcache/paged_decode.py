@@ -31,6 +31,8 @@ class PagedDecodeConfig(Config):
     num_blocks: int = setting(64, min=1, max=4096, help="blocks in the pool")
     n_heads: int = setting(4, min=1, max=16, help="query heads")
     n_kv_heads: int = setting(2, min=1, max=16, help="KV heads (GQA)")
+    first_writer: str = setting("parent", choices=("parent", "child"),
+                                help="after the fork, which of the two writes first, and so copies the shared partial block")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and prompts")
 
     cost_drivers = ("new_tokens", "prompt_len", "sequences", "num_blocks")
@@ -120,7 +122,8 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
     prompts = [torch.randint(0, 128, (config.prompt_len + 2 * i + (i % 2) * 5,), generator=g) for i in range(config.sequences)]
     ctx.progress(0.1, "paged decoding")
     tokens, logits, m, store, log, history, swap = decode_paged(model, prompts, config.new_tokens, config.block_size,
-                                                                config.num_blocks, fork_and_swap=True)
+                                                                config.num_blocks, fork_and_swap=True,
+                                                                child_first=config.first_writer == "child")
     ctx.progress(0.6, "contiguous reference")
     gaps, final = [], []
     with torch.no_grad():
@@ -178,7 +181,8 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
         metrics=metrics, checks=checks, notes=log,
         tables={"block_tables": table_rows, "history": history, "logit_gaps": gaps, "final_logits": final,
                 "swap": [swap] if swap else [], "fork": [{"parent": 0, "child": config.sequences, "at_tokens": fork_at,
-                                                          "shared_full_blocks": want_shared}],
+                                                          "shared_full_blocks": want_shared,
+                                                          "copied_by": next((e["seq"] for e in m.events if e["op"] == "copy-on-write"), None)}],
                 **{k: v for k, v in seed_tables.items() if k != "waste"}})
 
 
