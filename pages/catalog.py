@@ -72,7 +72,10 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Serving": [
         Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
-              "continuous batching on a paged block pool: the three wastes", ("kvcache.serve", "kvcache.paged_decode")),
+              "continuous batching on a paged block pool: the three wastes", ("kvcache.serve",)),
+        Topic("pages/paged_decode.py", "Paged attention: the kernel", ":material/view_module:",
+              "real K/V in the block pool through the Triton kernel: tables step by step, fork, swap, seed 000's examples",
+              ("kvcache.paged_decode",)),
         Topic("pages/serving.py", "Serving: engine and simulator", ":material/speed:",
               "a continuous-batching engine on the tiny LLaMA and a simulator calibrated from it: TTFT, TPOT, load curves",
               ("serving.engine", "serving.simulate")),

@@ -58,15 +58,22 @@ def render(result: dict, rec) -> None:
                     f"(this run's kernel tiles: {cfg['block_m']} x {cfg['block_n']}, powers of two for tl.dot). "
                     f"Peak live words {m['sram.peak_words']:,} = {m['sram.peak_words'] / words:.0%} of M.")
         steps = pd.DataFrame(budget)
+        for col in ("seed_delta_words", "seed_ledger_words"):  # runs recorded before the seed's ledger was compared
+            steps[col] = steps[col] if col in steps else None
         bars = alt.Chart(steps).mark_bar().encode(
             x=alt.X("step:O", title="step of one (K/V tile, Q tile) iteration"), y=alt.Y("live_words:Q", title="words on chip"),
             tooltip=["step", "what", alt.Tooltip("delta_words:Q", format="+,"), alt.Tooltip("live_words:Q", format=","),
-                     alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's expression")])
+                     alt.Tooltip("seed_delta_words:Q", format="+,", title="seed 003's change"),
+                     alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's total")])
         cap = alt.Chart(pd.DataFrame({"M": [words]})).mark_rule(color="#e4572e", strokeDash=[4, 3]).encode(y="M:Q")
-        st.altair_chart((bars + cap).properties(height=260), width="stretch")
-        st.dataframe(steps[["step", "what", "delta_words", "live_words", "live_bytes", "seed_live_words"]], hide_index=True, width="stretch")
+        seed_ledger = alt.Chart(steps.dropna(subset=["seed_ledger_words"])).mark_tick(color="black", thickness=2, size=30).encode(
+            x="step:O", y="seed_ledger_words:Q", tooltip=["step", alt.Tooltip("seed_ledger_words:Q", format=",", title="seed 003's running total")])
+        st.altair_chart((bars + cap + seed_ledger).properties(height=260), width="stretch")
+        st.dataframe(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_ledger_words", "live_bytes"]],
+                     hide_index=True, width="stretch")
         st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
-                   "live (step 5) the set can pass M by the Q/O tile, which is why the paper's bound is O(M).")
+                   "live (step 3) the set can pass M, which is why the paper's bound is O(M). Black ticks: seed 003's own running "
+                   "total, its printed changes summed (Br = d only).")
 
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]

@@ -73,6 +73,10 @@ def render(result: dict, rec) -> None:
                          max(64, cfg["n_heads"] * cfg["d_head"] // 2), mode == "absorbed")
     st.graphviz_chart(to_dot(graph, rankdir="TB"))
 
+    rope = pd.DataFrame(tables.get("mla_rope", []))
+    if not rope.empty:
+        mla_rope(rope, result["metrics"])
+
     st.subheader("Published models, by formula (bf16 cache)")
     gpu = st.selectbox("GPU memory for the cache", list(GPUS), index=1)
     presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_that_fit": "tokens that fit"})
@@ -80,6 +84,26 @@ def render(result: dict, rec) -> None:
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
     int8_view.kv_short()
     decode_view.short("kv")
+
+
+def mla_rope(rope: pd.DataFrame, m: dict) -> None:
+    st.subheader("MLA: why RoPE breaks absorption, and decoupled RoPE")
+    left, right = st.columns(2)
+    left.metric("RoPE on the compressed keys", f"{100 * m['mla_rope.compressed_relative_error']:.0f} % error",
+                help="absorbed against naive scores, largest error relative to the largest score, float64")
+    right.metric("decoupled RoPE", f"{m['mla_rope.decoupled_relative_error']:.1e} error", help="the same comparison")
+    rope = rope.assign(relative_error=rope["relative_error"].clip(lower=1e-17))
+    st.altair_chart(alt.Chart(rope).mark_line(point=True).encode(
+        x=alt.X("query_position:Q", title="query position m (tokens)"),
+        y=alt.Y("relative_error:Q", title="relative error (floor 1e-17)", scale=alt.Scale(type="log")),
+        color=alt.Color("path:N", title="RoPE on"), tooltip=["path", "query_position", alt.Tooltip("max_abs_error:Q", format=".2e")],
+    ).properties(height=240), width="stretch")
+    st.caption("Relative error: the largest |absorbed − naive| score over the keys up to m, ÷ the largest score. Rotating the cached latents, (R_m c_Q)ᵀ W_merge (R_n c_KV), is not (R_m W^UQ c_Q)ᵀ (R_n W^UK c_KV): matrices do "
+               "not commute, so the two agree only at position 0. Decoupled RoPE rotates a separate k^R and leaves c_KV plain.")
+    with st.expander("The algebra"):
+        st.markdown("Naive with RoPE on the keys: c_Qᵀ W^UQᵀ R_(n−m) W^UK c_KV, whose middle depends on n − m, so no single "
+                    "W_merge = W^UQᵀ W^UK can be precomputed. Decoupled: q = [W^UQ c_Q; R_m W^QR c_Q], k = [W^UK c_KV; R_n W^KR h]; "
+                    "the absorbed form caches (c_KV, k^R) and scores c_Qᵀ W_merge c_KV + q^R·k^R, the same sum in another order.")
 
 
 ui.experiment_page(

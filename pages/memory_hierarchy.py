@@ -37,6 +37,9 @@ def render(result: dict, rec) -> None:
     st.caption("Lines: presets (dashed, datasheet peaks: a model; each GPU twice, at its fp16 tensor-core peak and its fp32 peak, "
                "e.g. the RTX 4090 at 165.2 and seed 003's 82.58 TFLOP/s) and this CPU (solid, measured). Black: measured runs on "
                "this CPU. Coloured points: where naive and flash attention of the chosen shape would sit on each GPU (model).")
+    if "ridge_4090_fp32_flops_per_byte" in m:
+        st.caption(f"RTX 4090 fp32: its roof turns flat at {m['ridge_4090_fp32_flops_per_byte']:.2f} FLOP/B (found on the roofline); "
+                   "seed 003's 82.58 TFLOPS ÷ 1.01 TB/s gives 81.76, checked in this run's checks.")
 
     st.subheader("The hierarchy, level by level")
     device = st.selectbox("device", list(DEVICES), key=f"dev-{rec.id}")

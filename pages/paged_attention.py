@@ -8,6 +8,8 @@ from pages import form, ui
 st.title("Paged attention: the KV cache as pages")
 st.page_link("pages/serving.py", label="Latency, throughput and a simulator: the Serving page runs the tiny LLaMA on these pages",
              icon=":material/speed:")
+st.page_link("pages/paged_decode.py", label="The tiny decoder's real K/V in these pages, read by the Triton kernel: Paged attention, the kernel",
+             icon=":material/view_module:")
 
 STATE_COLORS = alt.Scale(domain=["used", "cached, free", "free"], range=["#1f6fd1", "#f2a541", "#e6e9ef"])
 

@@ -68,3 +68,50 @@ def test_bad_inputs_name_the_field(values, field):
     with pytest.raises(ConfigError) as info:
         KVCacheConfig.from_dict(values)
     assert info.value.field == field and "allowed" in str(info.value)
+
+
+# --- MLA and RoPE: absorption breaks with RoPE on the compressed keys, holds with decoupled RoPE
+def test_mla_rope_absorption_run_checks():
+    from backend.experiments.attention.kv_cache import rope_absorption
+
+    checks, rows, metrics = rope_absorption(SMALL)
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert metrics["mla_rope.compressed_relative_error"] > 0.1 and metrics["mla_rope.decoupled_relative_error"] < 1e-13
+    assert {r["path"] for r in rows} == {"compressed", "decoupled"}
+
+
+def test_mla_decoupled_check_fails_with_rope_back_on_the_compressed_path(monkeypatch):
+    from backend.attention import mla_rope
+    from backend.experiments.attention.kv_cache import rope_absorption
+
+    plain = mla_rope.compressed_key
+    monkeypatch.setattr(mla_rope, "compressed_key", lambda W, c_kv, pos: mla_rope.rotate(plain(W, c_kv, pos), pos))
+    checks, _, _ = rope_absorption(SMALL)
+    assert not next(c for c in checks if c.name.startswith("mla, decoupled RoPE")).passed
+
+
+def test_mla_compressed_check_fails_if_the_rotation_commuted(monkeypatch):
+    """If rotating the latents were the same as rotating the keys (RoPE a no-op), the 'must depart' check would fail."""
+    from backend.attention import mla_rope
+    from backend.experiments.attention.kv_cache import rope_absorption
+
+    monkeypatch.setattr(mla_rope, "rotate", lambda x, positions: x)
+    checks, _, _ = rope_absorption(SMALL)
+    assert not next(c for c in checks if c.name.startswith("mla, RoPE on the compressed keys: absorbed departs")).passed
+
+
+def test_kv_cache_page_draws_the_rope_section():
+    from tests.sweep import render_recorded
+
+    at = render_recorded("pages/kv_cache.py", "attention.kv_cache", variant="mla", context="16", n_layers="1")
+    assert any("why RoPE breaks absorption" in s.value for s in at.subheader)
+
+
+def test_mla_origin_check_fails_if_position_0_is_rotated(monkeypatch):
+    from backend.attention import mla_rope
+    from backend.experiments.attention.kv_cache import rope_absorption
+
+    rotate = mla_rope.rotate
+    monkeypatch.setattr(mla_rope, "rotate", lambda x, positions: rotate(x, positions + 1))  # positions counted from 1
+    checks, _, _ = rope_absorption(SMALL)
+    assert not next(c for c in checks if c.name.endswith("at m = n = 0 (R_0 = I)")).passed

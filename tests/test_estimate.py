@@ -54,3 +54,40 @@ def test_bad_inputs_name_the_field(values, field):
 
 def test_page_draws_a_run():
     render_recorded("pages/training_estimates.py", "estimate.training", measure_seq_len="8")
+
+
+# --- the seeds' printed figures as run checks (seed 002's 175B example, seed 004's table), and each failing when broken
+def test_seed_figures_are_run_checks():
+    result = experiments.run("estimate.training", measure_seq_len=8)
+    names = [c.name for c in result.checks]
+    assert any("700 GB" in n for n in names) and any("87 cards" in n for n in names)
+    assert any("GPT-3 row" in n for n in names) and any("V100's peak" in n for n in names)
+    assert result.passed, [c for c in result.checks if not c.passed]
+
+
+def test_175b_checks_fail_when_fp32_is_counted_at_two_bytes(monkeypatch):
+    from backend.experiments.estimate import training as exp
+
+    real = exp.seed_175b
+    monkeypatch.setattr(exp, "seed_175b", lambda card: [dict(r, bytes=r["bytes"] / 2 if r["bytes"] else None,
+                                                             cards=r.get("cards", 0) / 2) for r in real(card)])
+    failed = [c.name for c in exp.seed_checks(TrainingEstimateConfig()) if not c.passed]
+    assert any("700 GB" in n for n in failed) and any("87 cards" in n for n in failed)
+
+
+def test_gpt3_check_fails_with_2nd_flops(monkeypatch):
+    from backend.estimate import training as est
+    from backend.experiments.estimate import training as exp
+
+    monkeypatch.setattr(est, "training_flops", lambda params, tokens: 2.0 * params * tokens)  # forward only
+    failed = [c.name for c in exp.seed_checks(TrainingEstimateConfig()) if not c.passed]
+    assert any("GPT-3 row" in n for n in failed)
+
+
+def test_table_check_fails_at_the_v100_fp32_rate(monkeypatch):
+    from backend.estimate import training as est
+    from backend.experiments.estimate import training as exp
+
+    monkeypatch.setitem(est.ACCELERATORS, "V100 (32 GB)", (15.7e12, 32e9))  # fp32 CUDA cores, not tensor cores
+    failed = [c.name for c in exp.seed_checks(TrainingEstimateConfig()) if not c.passed]
+    assert failed == ["seed 004's table: no training time is shorter than 6·N·D at the V100's peak"]

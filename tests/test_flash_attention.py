@@ -102,10 +102,30 @@ def test_sram_budget_follows_seed_003():
     assert b["Bc"] == 200 and b["Br"] == 64            # ⌈M / 4d⌉ and min(that, d)
     d, bc = 64, 200
     assert b["steps"][2]["live_words"] == 3 * bc * d + 2 * d * (d + 1)   # the seed's total after computing S
-    assert b["steps"][-1]["live_words"] == 2 * bc * d                    # K_j and V_j stay for the next Q tile
-    assert b["peak_words"] == b["steps"][4]["live_words"]                # S and P̃ both live
+    assert b["steps"][3]["live_words"] == 2 * bc * d + 2 * d * (d + 1) - (d * d + bc * d) + bc * d  # Q_i, K_j released
+    assert b["steps"][-1]["live_words"] == 0 and len(b["steps"]) == 11  # the seed's eleven steps, all released
+    assert b["peak_words"] == b["steps"][2]["live_words"]                # K, V, Q, O and S all live
     small = sram_budget(48 * 1024, 128, 4)
     assert small["Br"] == small["Bc"] == 24
+
+
+@pytest.mark.parametrize("sram, d, elem, compared", [(100 * 1024, 64, 2, 9), (64 * 1024, 64, 4, 10), (48 * 1024, 128, 4, 1)])
+def test_seed_003_ledger_every_step(sram, d, elem, compared):
+    from backend.experiments.attention.flash import seed_003_ledger
+
+    budget = sram_budget(sram, d, elem)  # Bc = 200, 64 (= d: step 4 compared too), 24 (< d: only step 1 applies)
+    check, note = seed_003_ledger(budget, d)
+    assert check.passed, check
+    assert sum(st["seed_delta_words"] is not None for st in budget["steps"]) - (budget["Bc"] != d and budget["Br"] == d) == compared
+    assert ("step 4" in note) == (budget["Br"] == d and budget["Bc"] != d)
+
+
+def test_seed_003_ledger_fails_when_a_step_is_miscounted():
+    from backend.experiments.attention.flash import seed_003_ledger
+
+    budget = sram_budget(100 * 1024, 64, 2)
+    budget["steps"][7]["delta_words"] -= 2 * budget["Br"]  # forget m_new and l_new at step 8
+    assert not seed_003_ledger(budget, 64)[0].passed
 
 
 def test_roofline_arithmetic_and_seed_ops_per_datum():

@@ -100,3 +100,36 @@ def test_latency_experiment_passes(spacing):
     assert result.tables["levels"][0]["level"] == "L1"
     a100 = next(r for r in result.tables["gpu_littles_law"] if r["device"].startswith("A100"))
     assert a100["bytes_in_flight"] == pytest.approx(500e-9 * 2039e9)
+
+
+# --- seed 003's RTX 4090 figures as run checks of memory.roofline
+def _roofs():
+    from backend.memory.devices import DEVICES, dram
+
+    return [{"device": n, "precision": p, "peak_flops": s["peak_flops"][p], "bandwidth": dram(n)[2]}
+            for n, s in DEVICES.items() for p in ("fp16/bf16 tensor", "fp32")]
+
+
+def test_seed_4090_checks_pass_and_the_ridge_is_found_on_the_roof():
+    from backend.experiments.memory.roofline import seed_4090_checks
+
+    checks, ridge = seed_4090_checks(_roofs())
+    assert all(c.passed for c in checks), checks
+    assert ridge == pytest.approx(82.58 / 1.008, rel=1e-9)  # the preset's own ratio, found by bisection
+
+
+def test_seed_4090_peak_check_fails_on_the_tensor_core_peak(monkeypatch):
+    from backend.experiments.memory.roofline import seed_4090_checks
+    from backend.memory.devices import DEVICES
+
+    monkeypatch.setitem(DEVICES["RTX 4090"]["peak_flops"], "fp32", 165.2e12)  # the fp16 tensor figure drawn as fp32
+    checks, _ = seed_4090_checks(_roofs())
+    assert [c.passed for c in checks] == [False, True, False]
+
+
+def test_seed_4090_ridge_check_fails_with_a_broken_roofline(monkeypatch):
+    from backend.experiments.memory import roofline
+
+    monkeypatch.setattr(roofline, "attainable", lambda peak, bw, ai: min(peak, 2 * bw * ai))  # bandwidth counted twice
+    checks, _ = roofline.seed_4090_checks(_roofs())
+    assert [c.passed for c in checks] == [True, True, False]

@@ -207,3 +207,98 @@ def test_a_sequence_larger_than_the_pool_is_refused_and_leaves_it_consistent():
         m.add(2, list(range(16)))
     m.check_invariants()
     assert sorted(m.seqs) == [0]
+
+
+# --- kvcache.paged_decode: the run's history, seed 000's examples as run checks, and each check failing when its rule breaks
+def _paged_decode(**settings):
+    return experiments.run("kvcache.paged_decode", sequences=2, prompt_len=18, new_tokens=2, **settings)
+
+
+def _check(result, start: str):
+    return next(c for c in result.checks if c.name.startswith(start))
+
+
+def test_paged_decode_history_follows_the_tables():
+    result = _paged_decode()
+    assert result.passed, [c for c in result.checks if not c.passed]
+    history = result.tables["history"]
+    labels = [h["label"] for h in history]
+    assert labels[0] == "prefill" and labels[1].startswith("fork") and "sequence 1 swapped out to CPU" in labels
+    swapped = history[labels.index("sequence 1 swapped out to CPU")]
+    assert swapped["swapped"] == [1] and all(r["seq"] != 1 for r in swapped["tables"])
+    for snap in history:  # every ref count equals the table entries pointing at the block, read back from the snapshot
+        for block in snap["pool"]:
+            assert block["ref_count"] == sum(r["physical"] == block["block"] for r in snap["tables"])
+    fork = history[1]
+    parent = [r["physical"] for r in fork["tables"] if r["seq"] == 0]
+    assert parent == [r["physical"] for r in fork["tables"] if r["seq"] == 2]  # the child shares every block at the fork
+    # 18-token prompt, block 16: the child's first write copies the partial block 1, the full block 0 stays shared
+    end = history[-1]["tables"]
+    assert [r["physical"] for r in end if r["seq"] == 0][0] == [r["physical"] for r in end if r["seq"] == 2][0]
+    assert [r["physical"] for r in end if r["seq"] == 0][1] != [r["physical"] for r in end if r["seq"] == 2][1]
+
+
+def test_the_first_writer_after_the_fork_holds_the_copy():
+    result = _paged_decode(first_writer="child")  # 18 tokens, block 16: block 1 is the shared partial one
+    assert result.passed, [c for c in result.checks if not c.passed]
+    fork = result.tables["fork"][0]
+    assert fork["copied_by"] == fork["child"] == 2
+    end = result.tables["history"][-1]["tables"]
+    fork_state = result.tables["history"][1]["tables"]
+    parent_block = [r["physical"] for r in fork_state if r["seq"] == 0][1]
+    assert [r["physical"] for r in end if r["seq"] == 0][1] == parent_block  # the parent kept the original block
+    assert [r["physical"] for r in end if r["seq"] == 2][1] != parent_block
+
+
+def test_seed_000_numbers_reproduced_by_the_run():
+    result = _paged_decode()
+    waste = {r["allocator"]: r for r in result.tables["seed_waste"]}
+    assert waste["contiguous, 1,024 reserved"]["slots_reserved"] == 1024 and waste["paged, block 16"]["slots_reserved"] == 16
+    assert result.metrics["seed_waste.contiguous"] == pytest.approx(1020 / 1024, abs=1e-12)
+    after = [r for r in result.tables["seed_cow_tables"] if r["when"] != "C forked from A"]
+    assert {r["seq"]: r["physical"] for r in after if r["logical"] == 3} == {0: 3, 2: 5}
+
+
+def test_seed_waste_check_fails_without_a_max_length_reservation(monkeypatch):
+    from backend.models.llama import TinyDecoder
+
+    real = TinyDecoder.new_caches
+    monkeypatch.setattr(TinyDecoder, "new_caches", lambda self, max_len: real(self, min(max_len, 16)))  # reserve 16, not 1,024
+    assert not _check(_paged_decode(), "seed 000: 4 tokens in a 1,024-slot").passed
+
+
+def test_seed_cow_data_check_fails_when_the_copy_is_not_made(monkeypatch):
+    monkeypatch.setattr(KVTensorStore, "copy", lambda self, copies: None)  # the manager books the copy, nobody makes it
+    result = _paged_decode()
+    assert not _check(result, "the copy holds page 3's K/V").passed
+    assert not _check(result, "paged decoding (Triton kernel) equals").passed
+
+
+def test_seed_cow_table_check_fails_when_the_copy_goes_elsewhere(monkeypatch):
+    from backend.kvcache.block_pool import BlockPool
+
+    real = BlockPool.allocate
+
+    def newest_first(self):  # hand out the most recently freed block: the copy lands on page 7, not the seed's 5
+        self.free_queue.move_to_end(next(reversed(self.free_queue)), last=False)
+        return real(self)
+
+    monkeypatch.setattr(BlockPool, "allocate", newest_first)
+    assert not _check(_paged_decode(), "seed 000: a write to a shared page").passed
+
+
+def test_swap_check_fails_when_swap_in_loses_the_data(monkeypatch):
+    monkeypatch.setattr(KVTensorStore, "swap_in", lambda self, key, ids: self.swapped.pop(key).zero_())  # KV lost on the way back
+    assert not _check(_paged_decode(), "swap out to CPU and back in").passed
+
+
+def test_paged_decode_page_draws_a_run():
+    from tests.sweep import render_recorded
+
+    at = render_recorded("pages/paged_decode.py", "kvcache.paged_decode", sequences="2", prompt_len="18", new_tokens="2")
+    assert any("Seed 000" in s.value for s in at.subheader)
+    # a paged_decode run opened on the block-manager page is linked to its own page, not drawn there
+    from tests.test_pages import _app
+
+    other = _app("pages/paged_attention.py", run=at.query_params["run"][0] if isinstance(at.query_params["run"], list) else at.query_params["run"])
+    assert any("paged_decode?run=" in w.value for w in other.warning), [w.value for w in other.warning]

@@ -115,28 +115,28 @@ def io_model(n: int, d: int, elem: int, block_m: int, block_n: int, batch_heads:
 
 def sram_budget(sram_bytes: int, d: int, elem: int) -> dict:
     """Seed 003 / FlashAttention's Algorithm 1: with M words of SRAM, Bc = ⌈M / 4d⌉ (room for the Q, K, V and O
-    tiles) and Br = min(Bc, d); then the words on chip at each step of one (K/V tile, Q tile) iteration.
-    Returns Br, Bc, the steps (what is loaded, computed or released; live words after it), and the seed's
-    expression for the live words where the seed gives one."""
+    tiles) and Br = min(Bc, d); then the words on chip at each of the seed's eleven steps of one (K/V tile, Q tile)
+    iteration, each step's change counted from the tile shapes (Q_i, O_i: Br x d; K_j, V_j: Bc x d; S, P̃: Br x Bc;
+    m, l and their updates: Br each). Returns Br, Bc and the steps (what, change, live words after it)."""
     M = sram_bytes // elem
     bc = math.ceil(M / (4 * d))
     br = min(bc, d)
     steps, live = [], 0
 
-    def step(what, delta, seed=None):
+    def step(what, delta):
         nonlocal live
         live += delta
-        steps.append({"step": len(steps) + 1, "what": what, "delta_words": delta, "live_words": live,
-                      "live_bytes": live * elem, "seed_live_words": seed})
+        steps.append({"step": len(steps) + 1, "what": what, "delta_words": delta, "live_words": live, "live_bytes": live * elem})
 
-    step("load K_j, V_j (Bc x d each)", 2 * bc * d, seed=2 * bc * d)
-    step("load Q_i, O_i (Br x d each) and l_i, m_i (Br each)", 2 * br * d + 2 * br, seed=2 * bc * d + 2 * d * d + 2 * d if br == d else None)
-    step("S = Q_i K_jᵀ (Br x Bc)", br * bc, seed=3 * bc * d + 2 * d * (d + 1) if br == d else None)
-    step("release Q_i (K_j stays for the next Q tile)", -br * d)
+    step("load K_j, V_j (Bc x d each)", 2 * bc * d)
+    step("load Q_i, O_i (Br x d each) and l_i, m_i (Br each)", 2 * br * d + 2 * br)
+    step("S = Q_i K_jᵀ (Br x Bc)", br * bc)
+    step("release Q_i and K_j", -(br * d + bc * d))
     step("m̃ = rowmax(S), P̃ = exp(S - m̃)", br + br * bc)
     step("release S", -br * bc)
     step("l̃ = rowsum(P̃)", br)
     step("m_new, l_new", 2 * br)
-    step("O_i = diag(l_new)⁻¹(diag(l)e^(m-m_new) O_i + e^(m̃-m_new) P̃ V_j), written back; release O_i", -br * d)
-    step("write l_new, m_new; release m̃, l̃, P̃, l, m", -(2 * br + br + br + br * bc + 2 * br))
+    step("O_i = diag(l_new)⁻¹(diag(l)e^(m-m_new) O_i + e^(m̃-m_new) P̃ V_j) in place, stored; release O_i", -br * d)
+    step("store l_new, m_new", -2 * br)
+    step("release the rest: V_j, P̃, m̃, l̃, l_i, m_i", -(bc * d + br * bc + 4 * br))
     return {"sram_words": M, "Br": br, "Bc": bc, "steps": steps, "peak_words": max(s["live_words"] for s in steps)}

@@ -16,7 +16,7 @@ NON_DEFAULT = {
     "pipeline": ("schedule", "gpipe"), "context_parallel": ("split", "contiguous"), "kv_cache": ("variant", "mla"),
     "flash_attention": ("impl", "naive"), "nsa": ("kv_heads", "2"), "autograd": ("expression", "softmax"),
     "fusion": ("model", "mlp"), "placement": ("model", "mlp"), "memory_hierarchy": ("block", "32"),
-    "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "serving": ("policy", "fcfs"),
+    "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "paged_decode": ("first_writer", "child"), "serving": ("policy", "fcfs"),
     "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
     "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"), "mesh_parallel": ("schedule", "zb_v"),
 }

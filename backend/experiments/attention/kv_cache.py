@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from backend.attention.mla_rope import absorption_errors
 from backend.attention.rope import relative_position_error
 from backend.attention.variants import cache_formula_elements
 from backend.config import Config, ConfigError, setting, cost
@@ -140,6 +141,28 @@ def preset_table(gpu_gib: float = 80.0) -> list[dict]:
     return rows
 
 
+def rope_absorption(config: KVCacheConfig) -> tuple[list[Check], list[dict], dict]:
+    """MLA's absorbed scores against the naive ones in float64, with RoPE on the compressed keys (seed 000's attempt,
+    which must fail) and with decoupled RoPE (which must hold to rounding): see backend/attention/mla_rope.py."""
+    even = config.d_c + config.d_c % 2  # seed 000's attempt rotates the latents, so they need an even width
+    e = absorption_errors(T=min(config.context, 64), d_c=even, d_cq=max(even, 16), n_heads=config.n_heads,
+                          d_head=config.d_head, d_rope=config.d_rope, seed=config.seed)
+    comp, dec = e["compressed"], e["decoupled"]
+    checks = [
+        Check("mla, decoupled RoPE: absorbed (caches c_KV, k^R) equals naive, float64", dec["relative"], 1e-12,
+              reference="naive scores [W^UQ c_Q; R_m q^R]·[W^UK c_KV; R_n k^R] per head, float64",
+              detail=f"max |error| {dec['max_abs']:.1e} on scores up to {dec['scale']:.1f}"),
+        Check("mla, RoPE on the compressed keys: absorbed departs from naive (it must)", 1e-2 / max(comp["relative"], 1e-300), 1.0,
+              reference="naive scores (R_m W^UQ c_Q)·(R_n W^UK c_KV) per head, float64",
+              detail=f"error here = 1e-2 / relative error, passes above 1 %: relative error {comp['relative']:.2f} "
+                     f"(max |error| {comp['max_abs']:.1f})"),
+        Check("mla, RoPE on the compressed keys: absorbed equals naive at m = n = 0 (R_0 = I)", comp["at_origin"] / comp["scale"], 1e-12,
+              reference="the same naive score at position 0, where the rotation is the identity"),
+    ]
+    metrics = {"mla_rope.compressed_relative_error": comp["relative"], "mla_rope.decoupled_relative_error": dec["relative"]}
+    return checks, e["rows"], metrics
+
+
 def run(config: KVCacheConfig, ctx) -> Result:
     torch.set_num_threads(1)
     variants = VARIANTS if config.variant == "all" else (config.variant,)
@@ -166,6 +189,10 @@ def run(config: KVCacheConfig, ctx) -> Result:
                          "elements_per_token_per_layer": m["naive_bytes_per_token_per_layer"] / 4, "cache_tensors": "k, v per head"})
     checks.append(Check("RoPE: q_m·k_n depends only on m - n", relative_position_error(config.d_head), 1e-10,
                         reference="the same dot products at shifted positions (float64)"))
+    rope_rows = []
+    if "mla" in variants:
+        rope_checks, rope_rows, rope_metrics = rope_absorption(config)
+        checks += rope_checks
     ctx.progress(len(variants) / (len(variants) + 1), "DeepSeek-V3 proportions")
     ds = deepseek_scaled(config.seed)
     checks.append(Check("DeepSeek-V3 proportions: MLA/MHA cache ratio measured equals 576/32768", abs(ds["ratio"] - 576 / 32768), 1e-12,
@@ -178,8 +205,10 @@ def run(config: KVCacheConfig, ctx) -> Result:
                "deepseek_v3_scaled_measured_elements": {"mla": ds["mla_elements"], "mha": ds["mha_elements"]}}
     for r in rows:
         metrics[f"bytes_per_token_per_layer.{r['variant']}"] = r["bytes_per_token_per_layer"]
+    if rope_rows:
+        metrics.update(rope_metrics)
     return Result(metrics=metrics, checks=checks,
-                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table()}, trace_events=events,
+                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table(), "mla_rope": rope_rows}, trace_events=events,
                   notes=["Timings are for a tiny fp32 model on this machine's CPU; at this size, time per token is "
                          "dominated by per-layer overheads, not by reading the cache."])
 

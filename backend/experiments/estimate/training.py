@@ -104,11 +104,42 @@ def zero_memory(c: TrainingEstimateConfig) -> tuple[list[dict], Check]:
                        detail="ψ from that run (ZeRO pads ψ to a multiple of n)")
 
 
+# Published figures the run's formulas must reproduce: seed 002's 175B example ("参数放内存占用700GB", "~5600GB",
+# "NPU 64G显存需要87张卡"), and GPT-3's training compute, 3.14e23 FLOPs (Brown et al. 2020, "Language Models are
+# Few-Shot Learners", table D.1), for the 175B x 300B tokens of seed 004's last row.
+SEED_002_175B = {"fp32_bytes": 700e9, "training_bytes": 5600e9, "card_bytes": 64e9, "cards": 87}
+GPT3_PAPER_FLOPS = 3.14e23
+
+
+def seed_checks(c: TrainingEstimateConfig) -> list[Check]:
+    """Seed 002's 175B memory example and seed 004's table, as the run computes them, against the printed figures."""
+    rows = {r["quantity"]: r for r in seed_175b(SEED_002_175B["card_bytes"])}
+    fp32, training = rows["fp32 weights (in memory)"]["bytes"], rows["training, 8× the fp32 weights"]["bytes"]
+    cards = next(r["cards"] for r in rows.values() if r["quantity"].startswith("cards of"))
+    table = {r["model"]: r for r in seed_004_rows(c.bytes_per_token, c.mfu)}
+    gpt3 = table["GPT-3"]
+    fastest = max(table.values(), key=lambda r: r["implied_mfu"])
+    return [
+        Check("seed 002: 175B parameters in fp32 take 700 GB", abs(fp32 - SEED_002_175B["fp32_bytes"]) / 1e9, 0,
+              reference="seed 002's printed 700 GB", detail=f"{fp32 / 1e9:,.0f} GB"),
+        Check("seed 002: training at 8x that is ~5,600 GB, 87 cards of 64 GB", abs(training - SEED_002_175B["training_bytes"]) / 1e9
+              + abs(int(cards) - SEED_002_175B["cards"]), 0, reference="seed 002's printed ~5600 GB and 87 cards",
+              detail=f"{training / 1e9:,.0f} GB ÷ 64 GB = {cards:.1f} cards (the seed counts whole cards: 87)"),
+        Check("seed 004's GPT-3 row: 6·N·D for 175B parameters and 300B tokens", abs(gpt3["flops_6nd"] - GPT3_PAPER_FLOPS) / GPT3_PAPER_FLOPS,
+              0.01, reference="GPT-3 paper (Brown et al. 2020), table D.1: 3.14e23 FLOPs",
+              detail=f"{gpt3['flops_6nd']:.3g} FLOPs (relative error)"),
+        Check("seed 004's table: no training time is shorter than 6·N·D at the V100's peak", max(0.0, fastest["implied_mfu"] - 1), 0,
+              reference="seed 004's table 3-1 (3 days, 50 days, 200 days, 90 years on one V100)",
+              detail="implied utilisation " + ", ".join(f"{r['model']} {100 * r['implied_mfu']:.1f}%" for r in table.values())),
+    ]
+
+
 def run(config: TrainingEstimateConfig, ctx) -> Result:
     torch.set_num_threads(1)
     c = config
     ctx.progress(0.1, "measuring the tiny LLaMA")
     measured, checks, memory_rows = measure(c)
+    checks += seed_checks(c)
     zero_rows = []
     if c.zero_run:
         ctx.progress(0.4, "ZeRO-1 run on 2 ranks")

@@ -15,7 +15,7 @@ import torch
 
 from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
-from backend.kvcache.paged_decode import decode_paged
+from backend.kvcache.paged_decode import decode_paged, reservation_waste, seed_copy_on_write
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
@@ -31,6 +31,8 @@ class PagedDecodeConfig(Config):
     num_blocks: int = setting(64, min=1, max=4096, help="blocks in the pool")
     n_heads: int = setting(4, min=1, max=16, help="query heads")
     n_kv_heads: int = setting(2, min=1, max=16, help="KV heads (GQA)")
+    first_writer: str = setting("parent", choices=("parent", "child"),
+                                help="after the fork, which of the two writes first, and so copies the shared partial block")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and prompts")
 
     cost_drivers = ("new_tokens", "prompt_len", "sequences", "num_blocks")
@@ -60,6 +62,56 @@ def _shape(c: PagedDecodeConfig) -> ModelShape:
     return ModelShape(vocab=128, d_model=64, n_layers=2, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, d_head=16, variant="gqa")
 
 
+SEED_MAX_LEN, SEED_TOKENS = 1024, 4        # seed 000: "我爱中国", 4 tokens in a cache reserved for 1,024
+SEED_COW = {"from": 3, "to": 5}             # seed 000: "从页3复制到页5"
+COW_BLOCK_SIZE = 4                          # the copy-on-write example's own page size (a picture-sized pool of 8)
+
+
+def seed_checks(model, block_size: int, g) -> tuple[list[Check], dict]:
+    """Seed 000's worked numbers, reproduced on real caches: the waste of a 1,024-slot reservation holding 4 tokens,
+    and the copy of a shared page 3 to page 5 when one sharer writes."""
+    waste = reservation_waste(model, torch.randint(0, model.shape.vocab, (SEED_TOKENS,), generator=g), SEED_MAX_LEN, block_size)
+    contiguous_waste = 1 - waste["contiguous_used_bytes"] / waste["contiguous_bytes"]
+    paged_waste = 1 - waste["paged_used_bytes"] / waste["paged_bytes"]
+    cow = seed_copy_on_write(model, COW_BLOCK_SIZE)
+    src, dst = cow["copies"][0] if cow["copies"] else (None, None)
+    refs = cow["ref_counts"]
+    wrong = (sum([src != SEED_COW["from"], dst != SEED_COW["to"], cow["parent_table"][-1] != SEED_COW["from"],
+                  cow["child_table"][-1] != SEED_COW["to"], cow["parent_table"][:-1] != cow["child_table"][:-1],
+                  refs[SEED_COW["from"]] != 1, refs[SEED_COW["to"]] != 1]) + sum(refs[b] != 2 for b in cow["parent_table"][:-1]))
+    checks = [
+        Check("seed 000: 4 tokens in a 1,024-slot reservation waste 1,020 slots", abs(contiguous_waste - (SEED_MAX_LEN - SEED_TOKENS) / SEED_MAX_LEN),
+              1e-12, reference="seed 000's example: 1,024 slots reserved, 4 used",
+              detail=f"{waste['contiguous_bytes']:,} B reserved, {waste['contiguous_used_bytes']:,} B hold K/V ({100 * contiguous_waste:.2f}% waste)"),
+        Check("the same 4 tokens in pages hold ceil(4 / block_size) blocks", abs(waste["paged_reserved_slots"] - -(-SEED_TOKENS // block_size) * block_size),
+              0, reference="ceil(4 / block_size) x block_size slots",
+              detail=f"{waste['paged_blocks']} block(s): {waste['paged_bytes']:,} B, {100 * paged_waste:.1f}% of it empty"),
+        Check("seed 000: a write to a shared page copies page 3 to page 5, only the writer's table changes", wrong, 0,
+              reference="seed 000's example: page 3 copied to page 5, the other request still points at page 3",
+              detail=f"copies {cow['copies']}; A {cow['parent_table']}, C {cow['child_table']}"),
+        Check("the copy holds page 3's K/V; page 3 is unchanged by the write", max(cow["copy_gap"], cow["parent_gap"]), 0,
+              reference="page 3's K/V read before the fork", detail="max |difference| over the copied slots and the parent's page"),
+    ]
+    rows = [{"allocator": "contiguous, 1,024 reserved", "slots_reserved": waste["contiguous_reserved_slots"], "slots_used": SEED_TOKENS,
+             "bytes_reserved": waste["contiguous_bytes"], "bytes_used": waste["contiguous_used_bytes"], "waste": contiguous_waste},
+            {"allocator": f"paged, block {block_size}", "slots_reserved": waste["paged_reserved_slots"], "slots_used": SEED_TOKENS,
+             "bytes_reserved": waste["paged_bytes"], "bytes_used": waste["paged_used_bytes"], "waste": paged_waste}]
+    cow_rows = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["tables"]]
+    cow_pool = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["pool"]]
+    return checks, {"seed_waste": rows, "seed_cow_tables": cow_rows, "seed_cow_pool": cow_pool,
+                    "waste": {"contiguous": contiguous_waste, "paged": paged_waste}}
+
+
+def thin(history: list[dict], keep: int = 24) -> list[dict]:
+    """At most about `keep` snapshots for the page: the prefill, fork and swap ones, and decode steps evenly spaced
+    (the last always), so a long run's result stays small."""
+    steps = [i for i, h in enumerate(history) if h["label"].startswith("decode step")]
+    chosen = {i for i, h in enumerate(history) if not h["label"].startswith("decode step")}
+    room = max(1, keep - len(chosen))
+    chosen |= set(steps[::-(-len(steps) // room)] + steps[-1:]) if steps else set()
+    return [history[i] for i in sorted(chosen)]
+
+
 def run(config: PagedDecodeConfig, ctx) -> Result:
     from kernels.paged_attention import paged_decode, paged_decode_reference
 
@@ -69,14 +121,21 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
     g = torch.Generator().manual_seed(config.seed + 1)
     prompts = [torch.randint(0, 128, (config.prompt_len + 2 * i + (i % 2) * 5,), generator=g) for i in range(config.sequences)]
     ctx.progress(0.1, "paged decoding")
-    tokens, logits, m, store, log = decode_paged(model, prompts, config.new_tokens, config.block_size, config.num_blocks, fork_and_swap=True)
+    tokens, logits, m, store, log, history, swap = decode_paged(model, prompts, config.new_tokens, config.block_size,
+                                                                config.num_blocks, fork_and_swap=True,
+                                                                child_first=config.first_writer == "child")
     ctx.progress(0.6, "contiguous reference")
-    worst = 0.0
+    gaps, final = [], []
     with torch.no_grad():
         for sid, toks in tokens.items():
-            worst = max(worst, (model(torch.tensor(toks)) - logits[sid]).abs().max().item())
+            full = model(torch.tensor(toks))
+            diff = (full - logits[sid]).abs().amax(dim=-1)
+            gaps += [{"seq": sid, "position": p, "max_abs_diff": d} for p, d in enumerate(diff.tolist())]
+            final += [{"seq": sid, "token": t, "paged": a, "contiguous": b}
+                      for t, (a, b) in enumerate(zip(logits[sid][-1].tolist(), full[-1].tolist()))]
+    worst = max(r["max_abs_diff"] for r in gaps)
     ctx.progress(0.8, "block size 1")
-    t1, l1, _, _, _ = decode_paged(model, prompts, config.new_tokens, 1, config.num_blocks * config.block_size)
+    t1, l1, *_ = decode_paged(model, prompts, config.new_tokens, 1, config.num_blocks * config.block_size)
     page_gap = max((l1[sid] - logits[sid]).abs().max().item() for sid in t1)
     same_tokens = all(t1[sid] == tokens[sid] for sid in t1)
     # The kernel against gather + SDPA on the final pool, every sequence at once, layer 0.
@@ -101,12 +160,30 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
               0, reference="copy-on-write: the shared partial block is copied once, full blocks stay shared",
               detail=f"{m.stats.cow_copies} copy-on-write, {shared} blocks still shared"),
     ]
+    if swap is not None:
+        checks.append(Check("swap out to CPU and back in: the sequence's K/V unchanged", swap["kv_gap"], 0,
+                            reference="K/V gathered through the block table before the swap-out",
+                            detail=f"blocks {swap['out']} out, {swap['in']} in"))
+    ctx.progress(0.9, "seed 000's examples")
+    seed, seed_tables = seed_checks(model, config.block_size, g)
+    checks += seed
+    history = thin(history)
+    top = 1 + max([r["block"] for snap in history for r in snap["pool"] if r["ref_count"]] + [0])
+    for snap in history:  # the pool's blocks past the highest ever used stay free throughout: not drawn
+        snap["pool"] = snap["pool"][:top]
     table_rows = [{"seq": s, "logical": i, "physical": b.id, "ref_count": b.ref_count, "tokens": b.num_tokens}
                   for s in seqs for i, b in enumerate(m.seqs[s].table)]
+    metrics = {"sequences": len(seqs), "block_size": config.block_size, "blocks_used": m.used_blocks(),
+               "cow_copies": m.stats.cow_copies, "swaps": m.stats.swaps_out, "max_logit_diff": worst,
+               "seed_waste.contiguous": seed_tables["waste"]["contiguous"], "seed_waste.paged": seed_tables["waste"]["paged"],
+               "kernel": "triton " + ("interpreter" if not torch.cuda.is_available() else "native")}
     return Result(
-        metrics={"sequences": len(seqs), "block_size": config.block_size, "blocks_used": m.used_blocks(),
-                 "cow_copies": m.stats.cow_copies, "swaps": m.stats.swaps_out, "kernel": "triton " + ("interpreter" if not torch.cuda.is_available() else "native")},
-        tables={"block_tables": table_rows}, checks=checks, notes=log)
+        metrics=metrics, checks=checks, notes=log,
+        tables={"block_tables": table_rows, "history": history, "logit_gaps": gaps, "final_logits": final,
+                "swap": [swap] if swap else [], "fork": [{"parent": 0, "child": config.sequences, "at_tokens": fork_at,
+                                                          "shared_full_blocks": want_shared,
+                                                          "copied_by": next((e["seq"] for e in m.events if e["op"] == "copy-on-write"), None)}],
+                **{k: v for k, v in seed_tables.items() if k != "waste"}})
 
 
 EXPERIMENT = define(__name__, PagedDecodeConfig,

@@ -53,6 +53,38 @@ class RooflineConfig(Config):
             raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r}: each size must be in 16..2048")
 
 
+# Seed 003's printed figures for the RTX 4090: fp32 "82.58 TFLOPS" and "1.01TB/s" (each good to half a unit in its
+# last printed digit); its roofline's ridge follows from them: 82.58 / 1.01 = 81.76 FLOP per byte.
+SEED_003_4090 = {"peak_flops": (82.58e12, 0.005e12), "bandwidth": (1.01e12, 0.005e12)}
+
+
+def ridge_point(roof: dict) -> float:
+    """Where the roofline turns flat, found on the roofline itself (bisection on attainable(), not peak ÷ bandwidth):
+    the smallest arithmetic intensity at which attainable FLOP/s reach the peak."""
+    lo, hi = 1e-6, 1e9
+    for _ in range(200):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if attainable(roof["peak_flops"], roof["bandwidth"], mid) < roof["peak_flops"] else (lo, mid)
+    return hi
+
+
+def seed_4090_checks(roofs: list[dict]) -> tuple[list[Check], float]:
+    """The 4090 fp32 roof this run draws against seed 003's printed peak and bandwidth, and its ridge point against
+    the ridge of the seed's two figures."""
+    roof = next(r for r in roofs if r["device"] == "RTX 4090" and r["precision"] == "fp32")
+    (peak, peak_tol), (bw, bw_tol) = SEED_003_4090["peak_flops"], SEED_003_4090["bandwidth"]
+    ridge, seed_ridge = ridge_point(roof), peak / bw
+    # the seed's ridge is uncertain by its figures' rounding: relative errors add
+    ridge_tol = peak_tol / peak + bw_tol / bw
+    return [Check("seed 003: RTX 4090 fp32 peak 82.58 TFLOPS", abs(roof["peak_flops"] - peak) / 1e12, peak_tol / 1e12,
+                  reference="seed 003's printed figure (TFLOP/s, to 2 decimals)", detail=f"roof drawn at {roof['peak_flops'] / 1e12:g} TFLOP/s"),
+            Check("seed 003: RTX 4090 memory bandwidth 1.01 TB/s", abs(roof["bandwidth"] - bw) / 1e12, bw_tol / 1e12,
+                  reference="seed 003's printed figure (TB/s, to 2 decimals)", detail=f"roof drawn at {roof['bandwidth'] / 1e12:g} TB/s"),
+            Check("RTX 4090 ridge point: where the fp32 roof turns flat, 82.58 / 1.01 FLOP/B", abs(ridge - seed_ridge) / seed_ridge, ridge_tol,
+                  reference="seed 003's two figures: 81.76 FLOP per byte", detail=f"{ridge:.2f} FLOP/B on the roofline drawn (relative error; "
+                                                                                 "tolerance from the figures' rounding)")], ridge
+
+
 def _time(fn, repeats=3) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -99,7 +131,8 @@ def run(config: RooflineConfig, ctx) -> Result:
             model_points.append({"device": roof["device"], "kernel": kernel, "intensity": ai,
                                  "attainable_flops_per_s": attainable(roof["peak_flops"], roof["bandwidth"], ai)})
     seed = ops_per_datum("A100 (80 GB SXM)")
-    checks = [Check("seed 002: A100 L1 needs about 8 operations per datum", abs(seed["L1 / shared"] - 8) / 8, 0.05,
+    rtx_checks, rtx_ridge = seed_4090_checks(roofs)
+    checks = rtx_checks + [Check("seed 002: A100 L1 needs about 8 operations per datum", abs(seed["L1 / shared"] - 8) / 8, 0.05,
                     reference="seed 002's figure", detail=f"{seed['L1 / shared']:.2f} = 19.5 TFLOP/s ÷ (19,400 GB/s ÷ 8 B)"),
               Check("seed 002: A100 PCIe needs about 6,240 operations per datum", abs(seed["PCIe 4"] - 6240) / 6240, 0.05,
                     reference="seed 002's figure", detail=f"{seed['PCIe 4']:.0f}"),
@@ -116,7 +149,7 @@ def run(config: RooflineConfig, ctx) -> Result:
         "memory; the GPU presets' points are modelled with every byte from HBM."]
     return Result(
         metrics={"cpu_bandwidth_GBps": round(bw / 1e9, 2), "cpu_matmul_GFLOPs": round(peak / 1e9, 2),
-                 "ridge_point_flops_per_byte": round(peak / bw, 2),
+                 "ridge_point_flops_per_byte": round(peak / bw, 2), "ridge_4090_fp32_flops_per_byte": round(rtx_ridge, 2),
                  **{f"io_model.{k}": v for k, v in io.items()}},
         tables={"roofs": roofs, "points": points, "model_points": model_points,
                 "ops_per_datum_a100": [{"level": k, "ops_per_datum": v} for k, v in seed.items()]},
