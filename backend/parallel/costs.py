@@ -71,15 +71,19 @@ def state_bytes(psi: float, n: int, strategy: str, grad_item: int) -> dict[str, 
     return held
 
 
-def live_microbatches(schedule: str, p: int, m: int, v: int) -> int:
-    """Chunk-micro-batches whose activations the first pipeline rank holds at its peak: the schedule's own bound
-    (1F1B min(m, p); interleaved the peak of its order, v·p + p − 1 for m ≥ p...; GPipe m)."""
-    return live_cached(schedule, p, m, v)
-
-
-@functools.lru_cache(maxsize=4096)
-def live_cached(schedule: str, p: int, m: int, v: int) -> int:
-    return schedules.SCHEDULES[schedule].live_bound(p, m, 0, v)
+@functools.lru_cache(maxsize=16384)
+def live_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> int:
+    """Chunk-micro-batches whose activations pipeline rank `rank` holds at its peak: the schedule's own bound
+    (1F1B min(m, p − r); interleaved the peak of its order, v·p + p − 1 on rank 0 for m ≥ p; GPipe m)."""
+    if p == 1:
+        return 1
+    sched = schedules.SCHEDULES[schedule]
+    if sched.live_bound_fn:
+        return sched.live_bound(p, m, rank, v)
+    # Schedule.live_bound's rule for one rank, without building every other rank's order
+    mb = sched.microbatches(m)
+    order = sched.order_fn(p, mb, rank, v) if sched.interleaved else sched.order_fn(p, mb, rank)
+    return schedules.live_activations(order)
 
 
 def activation_bytes_per_layer(m, b: int, s: int, t: int, sp: bool, recompute: str, cp: int = 1) -> dict[str, float]:
@@ -89,10 +93,10 @@ def activation_bytes_per_layer(m, b: int, s: int, t: int, sp: bool, recompute: s
       none 34sbh + 5as²b split by t (SP) or sbh(10 + 24/t + 5as/(ht)); selective drops the 5as²b/t core
       attention; full keeps the layer input 2sbh (/t with SP).
     Other models (bf16, no dropout, FlashAttention: no s² term; its output and fp32 log-sum-exp kept):
-      norms' inputs 2·2sbh; attention: its input 2sbh, q and k 2sb(a·d_qk + kv·d_qk), v 2sb·kv·d_v, output 2sb·a·d_v,
+      none: norms' inputs 2·2sbh; attention input 2sbh, q, k, v, output 2sb(a·d_qk + kv·d_qk + kv·d_v + a·d_v),
       lse 4sba; MLP: input 2sbh, SwiGLU gate, up, silu and product 4·2sbf (MoE: top_k + shared experts' f_e per
-      token, router logits 4sbE). Selective recompute (the core attention recomputed) drops q, k, v's attention
-      copies and the output; full keeps the input. Replicated parts split by t only with SP.
+      token, router logits 4sbE). selective: torchtitan's op-level policy (below). full: the layer input.
+      Replicated parts split by t only with SP; the rest by t.
     """
     s_local = s // cp
     h = m.hidden
@@ -107,14 +111,17 @@ def activation_bytes_per_layer(m, b: int, s: int, t: int, sp: bool, recompute: s
     if recompute == "full":
         return {"layer input": ACT_BYTES * sb * h / split}
     kvh = m.heads if m.mla else m.kv_heads
-    core = ACT_BYTES * sb * (m.heads * m.qk_dim + kvh * (m.qk_dim + m.v_dim)) / t + 4 * sb * m.heads / t
-    out = {"norm inputs": 2 * ACT_BYTES * sb * h / split,
-           "attention input, output projection input": ACT_BYTES * sb * (h / split + m.heads * m.v_dim / t)}
-    if m.experts:
-        width = (m.top_k + m.shared_experts) * m.moe_ffn
-        out["MoE input, router logits, experts' SwiGLU"] = ACT_BYTES * sb * h / split + 4 * sb * m.experts + 4 * ACT_BYTES * sb * width / t
-    else:
-        out["MLP input, SwiGLU gate, up, silu, product"] = ACT_BYTES * sb * (h / split + 4 * m.ffn / t)
-    if recompute == "none":
-        out["core attention (q, k, v, lse)"] = core
-    return out
+    q, k, v = m.heads * m.qk_dim, kvh * m.qk_dim, kvh * m.v_dim
+    o = m.heads * m.v_dim
+    ffn = (m.top_k + m.shared_experts) * m.moe_ffn if m.experts else m.ffn
+    router = 4 * sb * m.experts if m.experts else 0.0
+    lse = 4 * sb * m.heads / t
+    if recompute == "selective":
+        # torchtitan's op-level selective checkpointing: the block input, attention's output and log-sum-exp, and the
+        # output of every other matmul (q, v, the gate w1 and the down projection w2); the rest is recomputed
+        return {"layer input": ACT_BYTES * sb * h / split, "attention output, lse": ACT_BYTES * sb * o / t + lse,
+                "q, v (every other matmul)": ACT_BYTES * sb * (q + v) / t,
+                "w1, w2 outputs (every other matmul)": ACT_BYTES * sb * (ffn / t + h / split) + router}
+    return {"norm inputs": 2 * ACT_BYTES * sb * h / split,
+            "attention input, q, k, v, output, lse, output-projection input": ACT_BYTES * sb * (h / split + (q + k + v + o) / t) + lse,
+            "MLP input, SwiGLU gate, up, silu, product": ACT_BYTES * sb * (h / split + 4 * ffn / t) + router}

@@ -36,6 +36,7 @@ PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
 class Efficiency:
     linear: float = 0.6      # fraction of peak the matmuls reach
     attention: float = 0.4   # fraction of peak attention reaches (FLOPs counted as the full s×s product)
+    memory_overhead: float = 0.0   # bytes the allocator and runtime hold beyond the tensors (cache, fragmentation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _moe_fraction(model: M.ModelSpec) -> float:
     return model.moe_layers / model.layers
 
 
-def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> dict:
+def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency = Efficiency()) -> dict:
     """Bytes per GPU by category on the first and the last pipeline rank; the larger is the plan's."""
     t, L = plan.tp, stage_layers(model, plan)
     c = M.counts(model)
@@ -138,6 +139,8 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> dict:
     b, s = plan.micro_batch, plan.seq_len
     per_layer = costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, plan.recompute, plan.cp)
     layer_act = sum(per_layer.values())
+    rebuilt = sum(costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, "none", plan.cp).values()) \
+        if plan.recompute != "none" else 0.0
     m = microbatches(plan, dp)
     chunk_layers = L / plan.vp
     split = t if plan.sp and t > 1 else 1
@@ -150,7 +153,7 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> dict:
         if expert_psi:
             ex = costs.state_bytes(expert_psi, max(1, n_shard // plan.ep), plan.dp_strategy, plan.grad_bytes)
             held = {k: held[k] + ex[k] for k in held}
-        live = schedules.SCHEDULES[plan.schedule].live_bound(plan.pp, m, rank, plan.vp) if plan.pp > 1 else 1
+        live = costs.live_microbatches(plan.schedule, plan.pp, m, plan.vp, rank)
         acts = layer_act * chunk_layers * live
         edge = 0.0
         if rank == plan.pp - 1:
@@ -162,7 +165,8 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> dict:
             layer_psi = (layer_dense_part + layer_expert_part)
             buffers += layer_psi * (2 * 2 + 4)   # two layers' gathered bf16 weights (prefetch), one layer's fp32 gradients
         out[label] = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
-                      "activations (layers)": acts, "activations (logits)": edge, "communication buffers": buffers,
+                      "activations (layers)": acts, "activations (logits)": edge, "recompute (one layer rebuilt)": rebuilt,
+                      "communication buffers": buffers, "allocator and runtime (fitted)": eff.memory_overhead,
                       "_live": live, "_per_layer": layer_act, "_layers": L}
     worst = max(out, key=lambda k: sum(v for kk, v in out[k].items() if not kk.startswith("_")))
     return {"stage": worst, **out[worst], "_stages": out}
@@ -170,6 +174,17 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> dict:
 
 def total_bytes(mem: dict) -> float:
     return sum(v for k, v in mem.items() if not k.startswith("_") and k != "stage")
+
+
+def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float:
+    """Forward seconds selective recompute repeats: Megatron's (GPT) the core attention; torchtitan's op-level policy
+    (the others) the matmuls it does not save (k, the output projection, the up projection w3), not attention."""
+    if model.gpt:
+        return f_att
+    h, kv = model.hidden, (model.heads if model.mla else model.kv_heads)
+    ffn = (model.top_k + model.shared_experts) * model.moe_ffn if model.experts else model.ffn
+    q, k, v, o = h * model.heads * model.qk_dim, h * kv * model.qk_dim, h * kv * model.v_dim, model.heads * model.v_dim * h
+    return f_lin * (k + o + h * ffn) / (q + k + v + o + 3 * h * ffn)
 
 
 def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency) -> dict:
@@ -186,7 +201,7 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
     f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear)
     f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention)
-    recompute_f = {"none": 0.0, "selective": f_att, "full": f_lin + f_att}[plan.recompute]
+    recompute_f = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
     # tensor parallel: exposed
     tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
     moe_frac = _moe_fraction(model)
@@ -260,8 +275,7 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
         dp_exposed = max(0.0, grad_part - v * B) + (dp_comm - grad_part)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * psi / (dp if strategy != "ddp" else 1) / cluster.gpu.hbm_bw
     total = pipe + dp_exposed + optimizer
-    compute = m * (v * (F - (tp_s + cp_s + ep_s) / 3 - p2p + B - 2 * (tp_s + cp_s + ep_s) / 3 - p2p) + 3 * head_f) if p > 1 else \
-        m * (3 * (f_lin + f_att) + recompute_f + 3 * head_f)
+    compute = m * (v * (3 * (f_lin + f_att)) + 3 * head_f)
     exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
     bubble = max(0.0, pipe - busy)
     return {"step_s": total, "compute_s": compute, "recompute_s": m * v * recompute_f, "bubble_s": bubble,
@@ -270,10 +284,11 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
             "recompute_flops_fraction": recompute_f / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
 
 
-def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0) -> dict:
+def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0,
+             mem: dict | None = None) -> dict:
     """Every figure of one plan (raises ConfigError for a plan that does not divide)."""
     dp = validate(model, cluster, plan)
-    mem = memory(model, cluster, plan, dp)
+    mem = mem or memory(model, cluster, plan, dp, eff)
     st = step(model, cluster, plan, dp, eff)
     tokens = plan.global_batch * plan.seq_len
     flops_model = M.training_flops_per_token(model, plan.seq_len)["total"] * tokens
