@@ -34,9 +34,23 @@ PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    linear: float = 0.6      # fraction of peak the matmuls reach
-    attention: float = 0.4   # fraction of peak attention reaches (FLOPs counted as the full s×s product)
-    memory_overhead: float = 0.0   # bytes the allocator and runtime hold beyond the tensors (cache, fragmentation)
+    """The fitted constants: the fraction of peak matmuls reach on each GPU family, attention's efficiency as a
+    fixed ratio of it (FLOPs counted as the full s×s product), and the allocator's overhead in bytes."""
+    ampere: float = 0.6
+    hopper: float = 0.6
+    attention_ratio: float = 0.5
+    memory_overhead: float = 0.0
+
+    def linear(self, gpu) -> float:
+        return self.ampere if family(gpu) == "ampere" else self.hopper
+
+    def attention(self, gpu) -> float:
+        return self.attention_ratio * self.linear(gpu)
+
+
+def family(gpu) -> str:
+    """A100s are Ampere; H100, H800 and H200 Hopper; B200 (no published row to fit yet) takes Hopper's constants."""
+    return "ampere" if gpu.name.startswith("A100") else "hopper"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +213,8 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     layer_att = per_tok["attention"] / model.layers
     chunk_layers = stage_layers(model, plan) / plan.vp
     # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
-    f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear)
-    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention)
+    f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
+    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
     recompute_f = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
     # tensor parallel: exposed
     tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
@@ -224,7 +238,7 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     p2p = (act / pp_bw + pp_lat) if plan.pp > 1 else 0.0
     F = f_lin + f_att + (tp_s + cp_s + ep_s) / 3 + p2p
     B = 2 * (f_lin + f_att) + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
-    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear)
+    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
     sched = schedules.SCHEDULES[plan.schedule]
     v, p = plan.vp, plan.pp
     if p == 1:

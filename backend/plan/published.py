@@ -4,7 +4,7 @@ Analytic memory rows (exact formulas, to the last printed digit): Korthikanti et
 (Rajbhandari et al. 2020), Fig. 1. Measured rows: torchtitan's H100 benchmark (docs/performance.md, Table 1 and its
 128-GPU run), the Llama 3 paper's 405B pre-training, Narayanan et al. 2021's GPT-3 175B on 1,024 A100s.
 
-The constants (matmul efficiency, attention efficiency, the allocator's overhead) are fitted ONLY on the rows
+The constants (matmul efficiency on Ampere and on Hopper, attention's ratio to it, the allocator's overhead) are fitted ONLY on the rows
 marked "calibration"; every "validation" row is predicted with those constants and its error reported apart.
 """
 from __future__ import annotations
@@ -76,8 +76,16 @@ _L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1,
 _NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140 TFLOP/s per GPU (recompute counted), 300B tokens"
 
 
-def _tt(nodes: int) -> Plan:
-    return Plan(tp=1, dp_strategy="fsdp", micro_batch=2, global_batch=2 * 8 * nodes, seq_len=8192, recompute="selective", grad_bytes=2)
+_TTA = "torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB; Llama 3 at seq 8192, Llama 2 at 4096"
+
+
+def _tt(nodes: int, micro: int = 2, seq: int = 8192, recompute: str = "selective") -> Plan:
+    return Plan(tp=1, dp_strategy="fsdp", micro_batch=micro, global_batch=micro * 8 * nodes, seq_len=seq, recompute=recompute, grad_bytes=2)
+
+
+_CAL_H100 = "torchtitan 8B, 8 H100: tokens/s/GPU"
+_CAL_A100 = "torchtitan Llama 3 8B, 64 A100: tokens/s/GPU"
+_CAL_GPT3 = "GPT-3 175B, 1,024 A100: TFLOP/s per GPU"
 
 
 _L3_PLAN = Plan(tp=8, pp=16, vp=2, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
@@ -85,14 +93,21 @@ _L3_PLAN = Plan(tp=8, pp=16, vp=2, schedule="interleaved_1f1b", dp_strategy="zer
 _NR_PLAN = Plan(tp=8, pp=16, dp_strategy="ddp", micro_batch=1, global_batch=1536, seq_len=2048, recompute="full", grad_bytes=4)
 
 ROWS = [
-    Row("torchtitan 8B, 8 GPUs: tokens/s/GPU", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
-    Row("torchtitan 8B, 8 GPUs: memory", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "memory_gib", 82.4, 0.05, _TT),
+    Row(_CAL_H100, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
+    Row("torchtitan 8B, 8 H100: memory", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "memory_gib", 82.4, 0.05, _TT),
     Row("Llama 3 405B: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
-    Row("torchtitan 8B, 128 GPUs: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
-    Row("torchtitan 8B, 128 GPUs: memory", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "memory_gib", 67.0, 0.05, _TT),
+    Row("torchtitan 8B, 128 H100: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
+    Row("torchtitan 8B, 128 H100: memory", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "memory_gib", 67.0, 0.05, _TT),
     Row("Llama 3 405B: BF16 MFU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
-    Row("GPT-3 175B, 1,024 A100: TFLOP/s per GPU", "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
+    Row(_CAL_GPT3, "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
     Row("GPT-3 175B, 1,024 A100: days for 300B tokens", "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "train_days", 34, 0.10, _NR, 300e9),
+    Row(_CAL_A100, "calibration", "llama-3-8b", "A100 80GB SXM", 8, _tt(8, 1), "tokens_per_s_per_gpu", 2973, 0.10, _TTA + "; bs 1, selective op AC"),
+    Row("torchtitan Llama 3 70B, 64 A100: tokens/s/GPU", "validation", "llama-3-70b", "A100 80GB SXM", 8, _tt(8, 1, 8192, "full"),
+        "tokens_per_s_per_gpu", 331, 0.10, _TTA + "; bs 1, full AC"),
+    Row("torchtitan Llama 2 13B, 64 A100: tokens/s/GPU", "validation", "llama-2-13b", "A100 80GB SXM", 8, _tt(8, 2, 4096, "none"),
+        "tokens_per_s_per_gpu", 2162, 0.10, _TTA + "; bs 2, no AC"),
+    Row("torchtitan Llama 2 70B, 64 A100: tokens/s/GPU", "validation", "llama-2-70b", "A100 80GB SXM", 8, _tt(8, 2, 4096, "full"),
+        "tokens_per_s_per_gpu", 353, 0.10, _TTA + "; bs 2, full AC"),
 ]
 
 
@@ -115,18 +130,20 @@ def _bisect(f, lo: float, hi: float, steps: int = 40) -> float:
 
 @functools.lru_cache(maxsize=1)
 def fit() -> Efficiency:
-    """The constants from the calibration rows only. The two time rows fix the two efficiencies: for a matmul
-    efficiency, the attention efficiency that makes the first row exact (throughput rises with each efficiency), then
-    the matmul efficiency that makes the second exact; the allocator overhead is the calibration memory row's
-    shortfall."""
-    time_rows = [r for r in ROWS if r.role == "calibration" and r.quantity in ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu")]
-    first, second = time_rows[0], time_rows[1]
+    """The constants from the calibration rows only, each row made exact in turn (throughput rises with every
+    efficiency, so each is a one-dimensional root): for an attention ratio, Ampere's matmul efficiency from the GPT-3
+    row (little attention at s = 2,048); the ratio from the A100 torchtitan row (much attention at s = 8,192); then
+    Hopper's matmul efficiency from the H100 torchtitan row; the allocator overhead as the memory row's shortfall."""
+    cal = {r.name: r for r in ROWS if r.role == "calibration"}
+    gpt3, a100, h100 = cal[_CAL_GPT3], cal[_CAL_A100], cal[_CAL_H100]
 
-    def attention_for(lin: float) -> float:
-        return _bisect(lambda a: predict_row(first, Efficiency(lin, a)) / first.published - 1, 0.01, 1.0, 30)
+    def ampere_for(ratio: float) -> float:
+        return _bisect(lambda x: predict_row(gpt3, Efficiency(ampere=x, attention_ratio=ratio)) / gpt3.published - 1, 0.05, 1.0, 30)
 
-    lin = _bisect(lambda x: predict_row(second, Efficiency(x, attention_for(x))) / second.published - 1, 0.05, 1.0, 30)
-    eff = Efficiency(lin, attention_for(lin))
+    ratio = _bisect(lambda r: predict_row(a100, Efficiency(ampere=ampere_for(r), attention_ratio=r)) / a100.published - 1, 0.05, 3.0, 25)
+    ampere = ampere_for(ratio)
+    hopper = _bisect(lambda x: predict_row(h100, Efficiency(ampere, x, ratio)) / h100.published - 1, 0.05, 1.0, 30)
+    eff = Efficiency(ampere, hopper, ratio)
     mem_rows = [r for r in ROWS if r.role == "calibration" and r.quantity == "memory_gib"]
     overhead = sum((r.published - predict_row(r, eff)) * GiB for r in mem_rows) / len(mem_rows)
     return dataclasses.replace(eff, memory_overhead=max(0.0, overhead))

@@ -97,7 +97,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                **{f"exposed_{k}_s": v for k, v in t["exposed_s"].items()}, "optimizer_s": t["optimizer_s"],
                "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "model_tflops_per_gpu": r["model_tflops_per_gpu"],
                "mfu": r["mfu"], "train_days": r["train_days"], "gpu_hours": r["gpu_hours"],
-               "efficiency_linear": eff.linear, "efficiency_attention": eff.attention,
+               "efficiency_linear": eff.linear(cl.gpu), "efficiency_attention": eff.attention(cl.gpu),
                "allocator_overhead_gib": eff.memory_overhead / GiB,
                "worst_calibration_error": max(abs(x["error"]) for x in rows if x["role"] == "calibration"),
                "worst_validation_error": max(abs(x["error"]) for x in rows if x["role"] == "validation")}
@@ -110,8 +110,8 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                 + [{"part": f"exposed {k} communication", "seconds": v} for k, v in t["exposed_s"].items()],
                 "gantt": bars, "links": links, "published_exact": exact, "published": rows},
         checks=checks,
-        notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear:.3f} of peak, attention "
-               f"{eff.attention:.3f}, allocator {eff.memory_overhead / GiB:.1f} GiB); validation rows are predicted with them."])
+        notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
+               f"attention {eff.attention(cl.gpu):.3f}, allocator {eff.memory_overhead / GiB:.1f} GiB); validation rows are predicted with them."])
 
 
 EXPERIMENT = define(__name__, PlanTrainingConfig,
