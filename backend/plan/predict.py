@@ -83,17 +83,17 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
         if g % getattr(plan, name):
             raise ConfigError(name, f"{getattr(plan, name)} does not divide the {g} GPUs (allowed: a divisor of {g})")
     if g % (plan.tp * plan.cp * plan.pp):
-        raise ConfigError("pp", f"tp × cp × pp = {plan.tp * plan.cp * plan.pp} does not divide the {g} GPUs")
+        raise ConfigError("pp", f"tp × cp × pp = {plan.tp * plan.cp * plan.pp} does not divide the {g} GPUs (allowed: a product dividing {g})")
     dp = dp_size(plan, g)
     if model.heads % plan.tp:
         raise ConfigError("tp", f"{plan.tp} does not divide the {model.heads} attention heads (allowed: a divisor of {model.heads})")
     kv = model.heads if model.mla else model.kv_heads
     if kv % plan.tp and plan.tp % kv:
-        raise ConfigError("tp", f"{plan.tp} neither divides nor is a multiple of the {kv} KV heads")
+        raise ConfigError("tp", f"{plan.tp} neither divides nor is a multiple of the {kv} KV heads (allowed: a divisor or multiple of {kv})")
     if plan.seq_len % (2 * plan.cp):
         raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
     if plan.pp * plan.vp > model.layers:
-        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers")
+        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers (allowed: at most {model.layers})")
     sched = schedules.SCHEDULES.get(plan.schedule)
     if plan.schedule not in PLAN_SCHEDULES:
         raise ConfigError("schedule", f"{plan.schedule!r} (allowed: {', '.join(PLAN_SCHEDULES)})")
@@ -102,7 +102,7 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
     if plan.ep > 1 and not model.experts:
         raise ConfigError("ep", f"{plan.ep} with a dense model (allowed: 1)")
     if model.experts and (model.experts % plan.ep or dp % plan.ep):
-        raise ConfigError("ep", f"{plan.ep} must divide the {model.experts} experts and the data-parallel size {dp}")
+        raise ConfigError("ep", f"{plan.ep} does not divide the {model.experts} experts and the data-parallel size {dp} (allowed: a common divisor)")
     if plan.dp_strategy not in DP_STRATEGIES:
         raise ConfigError("dp_strategy", f"{plan.dp_strategy!r} (allowed: {', '.join(DP_STRATEGIES)})")
     if plan.dp_strategy == "hsdp" and (dp % plan.hsdp_shard or plan.hsdp_shard >= dp):

@@ -18,7 +18,7 @@ NON_DEFAULT = {
     "fusion": ("model", "mlp"), "placement": ("model", "mlp"), "memory_hierarchy": ("block", "32"),
     "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "serving": ("policy", "fcfs"),
     "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
-    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"),
+    "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"), "plan_training": ("recompute", "full"),
 }
 
 
