@@ -208,3 +208,19 @@ def test_plan_search_ranks_and_explains():
     assert r.passed and r.metrics["plans_feasible"] > 0
     assert r.tables["ranked"][0]["why_not_best"] == "the best"
     assert all(x["why_not_best"] for x in r.tables["ranked"][1:])
+
+
+def test_a_rival_that_crosses_the_node_is_told_so():
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 4)
+    best = evaluate(model, cl, Plan(tp=8, pp=2, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096), EFF)
+    rival = evaluate(model, cl, Plan(tp=16, pp=1, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096), EFF)
+    best["plan"], rival["plan"] = Plan(tp=8), Plan(tp=16)
+    assert rival["time"]["links"]["tp"] == "network" and best["time"]["links"]["tp"] == "nvlink"
+    assert "tp 16 crosses the node" in search.why_slower(best, rival)
+
+
+def test_search_names_why_a_plan_does_not_fit():
+    found = search.search(M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 1), 16, 4096, EFF)
+    reasons = [x["reason"] for x in found["infeasible"]]
+    assert any("does not fit" in r and "GiB > 80 GiB" in r for r in reasons)
+    assert all(r["memory_bytes"] <= GPUS["H100 SXM 80GB"].hbm_bytes for r in found["ranked"])

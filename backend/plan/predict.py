@@ -3,7 +3,8 @@ communication per dimension and pipeline bubble, throughput, MFU and days to tra
 
 The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
   compute   FLOPs of each layer (models.training_flops_per_token, FlopCounterMode's formula) over peak × an
-            efficiency, one for the matmuls and one for attention (the two constants fitted in published.py)
+            efficiency: the matmuls' per GPU family (Ampere, Hopper), attention's a fixed ratio of it (the three
+            constants fitted in published.py on the calibration rows only)
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
