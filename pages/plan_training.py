@@ -83,6 +83,12 @@ def render_training(result: dict, rec) -> None:
         st.caption(f"The {cfg['schedule']} schedule's own per-rank order, each action at its predicted cost, replayed.")
     else:
         st.caption("No pipeline (pp = 1) or too many actions to draw: no Gantt.")
+    if t.get("live"):
+        st.subheader("Checked live, scaled down")
+        st.dataframe(pd.DataFrame(t["live"]), hide_index=True, width="stretch")
+        st.caption("The plan's dimensions at tiny widths on gloo ranks (parallel.mesh); its checks are listed with this run's.")
+    else:
+        st.caption("Set live_check to run this plan scaled down on gloo ranks and see its structure checks pass.")
     published(t["published"])
     with st.expander("Korthikanti et al. and ZeRO: the exact memory figures"):
         st.dataframe(pd.DataFrame(t["published_exact"]), hide_index=True, width="stretch")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import Config, ConfigError, cost, setting
+from backend import experiments
+from backend.config import PROCESS_BYTES, Config, Estimate, cost, setting
 from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
 from backend.plan import gantt, published
@@ -42,9 +43,17 @@ class PlanTrainingConfig(Config):
     precision: str = setting("bf16", choices=("bf16", "fp8"), help="matmul precision (fp8 where the GPU has it)")
     grad_bytes: int = setting(2, choices=(2, 4), help="bytes per gradient element (4: fp32 main gradients)")
     tokens_b: float = setting(2000.0, min=0.001, max=1e6, help="tokens to train, billions")
+    live_check: bool = setting(False, help="also run the plan scaled down (tiny widths, at most 8 gloo ranks) through "
+                                           "parallel.mesh and show its structure checks (~30 s)")
+
+    cost_drivers = ("live_check",)
 
     def estimate(self):
-        return cost(ops=60_000, seconds=1.0)
+        own = cost(ops=60_000, seconds=1.0)
+        if not self.live_check:
+            return own
+        mesh = experiments.get("parallel.mesh").config_cls(**live_settings(self.plan(), load_model(self))[0]).estimate()
+        return Estimate(own.memory_bytes + mesh.memory_bytes - PROCESS_BYTES, own.seconds + mesh.seconds)
 
     def plan(self) -> Plan:
         return Plan(tp=self.tp, sp=self.sp, cp=self.cp, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
@@ -55,6 +64,34 @@ class PlanTrainingConfig(Config):
     def check(self) -> None:
         from backend.plan.predict import validate
         validate(load_model(self), cluster(self), self.plan())
+
+
+def live_settings(plan: Plan, model) -> tuple[dict, list[str]]:
+    """parallel.mesh settings for the plan scaled down: each dimension above 1 becomes 2 (experts 4 when the model has
+    them), GPipe's micro-batches, tiny widths; dimensions dropped (dp first, then cp, then ep) until at most 8 ranks."""
+    dims = {"tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "dp": 2}
+    live = {k: (2 if v > 1 else 1) for k, v in dims.items()}
+    dropped = []
+    for k in ("dp", "cp", "ep"):
+        if live["tp"] * live["pp"] * live["cp"] * live["ep"] * live["dp"] <= 8:
+            break
+        if live[k] > 1:
+            live[k] = 1
+            dropped.append(k)
+    world = live["tp"] * live["pp"] * live["cp"] * live["ep"] * live["dp"]
+    settings = {"world_size": world, "tp": live["tp"], "pp": live["pp"], "cp": live["cp"], "ep": live["ep"],
+                "experts": 4 if model.experts else 0, "microbatches": 2, "batch": 2 * live["dp"] * 2, "steps": 1}
+    return settings, dropped
+
+
+def live_check(plan: Plan, model) -> tuple[list[Check], dict]:
+    """The scaled-down plan run live on gloo ranks; its checks (outputs against one process, bytes per dimension
+    against the byte model, activations against GPipe's peak) reported as this run's."""
+    settings, dropped = live_settings(plan, model)
+    result = experiments.run("parallel.mesh", **settings)
+    checks = [dataclasses.replace(c, name=f"live, scaled down: {c.name}") for c in result.checks]
+    return checks, {**settings, "dropped": ", ".join(dropped) or "none",
+                    "note": "GPipe only: the plan's own schedule waits on the composition issue's code"}
 
 
 def published_tables(eff) -> tuple[list[dict], list[dict], list[Check]]:
@@ -91,6 +128,11 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                             abs(replayed / t["pipeline_s"] - 1), 0.02 if gantt.formula_exact(plan) else 0.25,
                             reference="backend/trace.replay of the Schedule's per-rank orders at the same costs",
                             detail=f"replay {replayed:.3f} s, model {t['pipeline_s']:.3f} s"))
+    live = {}
+    if config.live_check:
+        ctx.progress(0.6, "running the plan scaled down on gloo ranks")
+        live_checks, live = live_check(plan, model)
+        checks += live_checks
     metrics = {"parameters": counts["total"], "active_parameters": counts["active"], "dp": r["dp"],
                "memory_gib": r["memory_bytes"] / GiB, "hbm_gib": cl.gpu.hbm_bytes / GiB, "fits": r["fits"],
                "step_s": t["step_s"], "compute_s": t["compute_s"], "recompute_s": t["recompute_s"], "bubble_s": t["bubble_s"],
@@ -108,7 +150,8 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                 "time": [{"part": "compute", "seconds": t["compute_s"]}, {"part": "recompute", "seconds": t["recompute_s"]},
                          {"part": "pipeline bubble", "seconds": t["bubble_s"]}, {"part": "optimizer step", "seconds": t["optimizer_s"]}]
                 + [{"part": f"exposed {k} communication", "seconds": v} for k, v in t["exposed_s"].items()],
-                "gantt": bars, "links": links, "published_exact": exact, "published": rows},
+                "gantt": bars, "links": links, "published_exact": exact, "published": rows,
+                "live": [live] if live else []},
         checks=checks,
         notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
                f"attention {eff.attention(cl.gpu):.3f}, allocator {eff.memory_overhead / GiB:.1f} GiB); validation rows are predicted with them."])
