@@ -224,3 +224,14 @@ def test_search_names_why_a_plan_does_not_fit():
     reasons = [x["reason"] for x in found["infeasible"]]
     assert any("does not fit" in r and "GiB > 80 GiB" in r for r in reasons)
     assert all(r["memory_bytes"] <= GPUS["H100 SXM 80GB"].hbm_bytes for r in found["ranked"])
+
+
+def test_planner_calls_the_ring_byte_model_the_live_runs_check(monkeypatch):
+    """wire.ring_bytes is what every logged transfer of the live collectives is checked against; the planner's
+    data-parallel volume moves with it."""
+    from backend.parallel import wire
+    before = costs.dp_sent_bytes("zero2", 1e9, 64, 4)
+    real = wire.ring_bytes
+    monkeypatch.setattr(wire, "ring_bytes", lambda *a, **k: 2 * real(*a, **k))
+    assert costs.dp_sent_bytes("zero2", 1e9, 64, 4) == pytest.approx(2 * before)
+    assert before == pytest.approx((1e9 - 1e9 % 64) * 63 / 64 * (4 + 2))  # seed 000: reduce-scatter + all-gather

@@ -5,8 +5,8 @@
   Korthikanti's activation bytes   backend/parallel/sp.korthikanti_bytes
   weights, gradients, Adam states  backend/estimate/training.memory_per_rank ((2 + 2 + 12)ψ and the ZeRO stages)
   schedule live micro-batches      backend/parallel/pp/schedules.Schedule.live_bound
-New here: activations of a general (SwiGLU, GQA, MLA, MoE) layer by recompute, the time of a collective over a
-link (α + bytes/β per ring step), and which link a group of ranks crosses.
+New here: activations of a general (SwiGLU, GQA, MLA, MoE) layer by recompute, the data-parallel volume per
+strategy (from ring_bytes), and which link a group of ranks crosses.
 """
 from __future__ import annotations
 
@@ -30,16 +30,6 @@ def tp_bytes_per_layer(b: int, s: int, h: int, t: int, sp: bool, dense_ffn: bool
     config = SimpleNamespace(batch=b, seq=s, d_model=h, layers=1)
     rows = tp_model.expected_collectives(config, t, sp, first=False, last=False, dense_ffn=dense_ffn)
     return sum(r["sent_bytes"] for r in rows if r["name"] != "norm weight gradients") * item / 8
-
-
-def ring_seconds(op: str, numel: int, n: int, item: int, bw: float, latency: float) -> float:
-    """One ring collective on n ranks: the bytes one rank sends (wire.ring_bytes) at the link's bandwidth, plus a
-    latency per ring step (n - 1 steps for all-gather and reduce-scatter, 2(n - 1) for all-reduce)."""
-    if n <= 1:
-        return 0.0
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    sent = wire.ring_bytes(op, numel - numel % n, n, item) if op != "all_gather" else wire.ring_bytes(op, numel // n, n, item)
-    return sent / bw + steps * latency
 
 
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
