@@ -3,8 +3,8 @@ communication per dimension and pipeline bubble, throughput, MFU and days to tra
 
 The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
   compute   FLOPs of each layer (models.training_flops_per_token, FlopCounterMode's formula) over peak × an
-            efficiency: the matmuls' per GPU family (Ampere, Hopper), attention's a fixed ratio of it (the three
-            constants fitted in published.py on the calibration rows only)
+            efficiency: the matmuls' per GPU family (Ampere; Hopper at 700 W; the 500 W H100 96GB), attention's a
+            fixed ratio of it (the constants fitted in published.py on the calibration rows only)
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
@@ -41,17 +41,24 @@ class Efficiency:
     hopper: float = 0.6
     attention_ratio: float = 0.5
     memory_overhead: float = 0.0
+    hopper_500w: float = 0.0     # 0: as hopper
 
     def linear(self, gpu) -> float:
-        return self.ampere if family(gpu) == "ampere" else self.hopper
+        fam = family(gpu)
+        if fam == "ampere":
+            return self.ampere
+        return self.hopper_500w if fam == "hopper 500 W" and self.hopper_500w else self.hopper
 
     def attention(self, gpu) -> float:
         return self.attention_ratio * self.linear(gpu)
 
 
 def family(gpu) -> str:
-    """A100s are Ampere; H100, H800 and H200 Hopper; B200 (no published row to fit yet) takes Hopper's constants."""
-    return "ampere" if gpu.name.startswith("A100") else "hopper"
+    """A100s are Ampere; H100, H800 and H200 Hopper; the H100 96GB preset is torchtitan's 500 W card (its clocks
+    capped by power), fitted apart; B200 (no published row to fit yet) takes Hopper's constants."""
+    if gpu.name.startswith("A100"):
+        return "ampere"
+    return "hopper 500 W" if gpu.name == "H100 SXM 96GB" else "hopper"
 
 
 @dataclasses.dataclass(frozen=True)

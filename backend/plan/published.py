@@ -4,7 +4,8 @@ Analytic memory rows (exact formulas, to the last printed digit): Korthikanti et
 (Rajbhandari et al. 2020), Fig. 1. Measured rows: torchtitan's H100 benchmark (docs/performance.md, Table 1 and its
 128-GPU run), the Llama 3 paper's 405B pre-training, Narayanan et al. 2021's GPT-3 175B on 1,024 A100s.
 
-The constants (matmul efficiency on Ampere and on Hopper, attention's ratio to it, the allocator's overhead) are fitted ONLY on the rows
+The constants (matmul efficiency on Ampere, on Hopper at 700 W and on the 500 W H100 96GB, attention's ratio to it,
+the allocator's overhead) are fitted ONLY on the rows
 marked "calibration"; every "validation" row is predicted with those constants and its error reported apart.
 """
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Row:
 
 _TT = "torchtitan docs/performance.md (Dec 2024): Llama 3.1 8B, FSDP, H100 96GB HBM2e 500 W, local batch 2, seq 8192, selective AC"
 _L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1, PP 16, DP 64, seq 8,192, 16M tokens a batch (interleaved schedule: v = 2 assumed)"
+_L3_16K = "Llama 3 paper, Table 4: 16,384 H100, TP 8, PP 16, DP 128 at seq 8,192 (400 TFLOP/s, 41%) or CP 16, DP 8 at 131,072 (380, 38%), 16M tokens a batch"
 _NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140 TFLOP/s per GPU (recompute counted), 300B tokens"
 
 
@@ -84,6 +86,7 @@ def _tt(nodes: int, micro: int = 2, seq: int = 8192, recompute: str = "selective
 
 
 _CAL_H100 = "torchtitan 8B, 8 H100: tokens/s/GPU"
+_CAL_L3 = "Llama 3 405B, 8,192 H100: TFLOP/s per GPU"
 _CAL_A100 = "torchtitan Llama 3 8B, 64 A100: tokens/s/GPU"
 _CAL_GPT3 = "GPT-3 175B, 1,024 A100: TFLOP/s per GPU"
 
@@ -95,10 +98,14 @@ _NR_PLAN = Plan(tp=8, pp=16, dp_strategy="ddp", micro_batch=1, global_batch=1536
 ROWS = [
     Row(_CAL_H100, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
     Row("torchtitan 8B, 8 H100: memory", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "memory_gib", 82.4, 0.05, _TT),
-    Row("Llama 3 405B: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
+    Row(_CAL_L3, "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
+    Row("Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
+        dataclasses.replace(_L3_PLAN, global_batch=2048), "model_tflops_per_gpu", 400, 0.10, _L3_16K),
+    Row("Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
+        dataclasses.replace(_L3_PLAN, cp=16, seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
     Row("torchtitan 8B, 128 H100: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
     Row("torchtitan 8B, 128 H100: memory", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "memory_gib", 67.0, 0.05, _TT),
-    Row("Llama 3 405B: BF16 MFU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
+    Row("Llama 3 405B, 8,192 H100: BF16 MFU", "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
     Row(_CAL_GPT3, "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
     Row("GPT-3 175B, 1,024 A100: days for 300B tokens", "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "train_days", 34, 0.10, _NR, 300e9),
     Row(_CAL_A100, "calibration", "llama-3-8b", "A100 80GB SXM", 8, _tt(8, 1), "tokens_per_s_per_gpu", 2973, 0.10, _TTA + "; bs 1, selective op AC"),
@@ -133,7 +140,8 @@ def fit() -> Efficiency:
     """The constants from the calibration rows only, each row made exact in turn (throughput rises with every
     efficiency, so each is a one-dimensional root): for an attention ratio, Ampere's matmul efficiency from the GPT-3
     row (little attention at s = 2,048); the ratio from the A100 torchtitan row (much attention at s = 8,192); then
-    Hopper's matmul efficiency from the H100 torchtitan row; the allocator overhead as the memory row's shortfall."""
+    Hopper's (700 W) from the Llama 3 405B row at 8,192 GPUs, and the 500 W H100's from torchtitan's 8-GPU row;
+    the allocator overhead as the memory row's shortfall."""
     cal = {r.name: r for r in ROWS if r.role == "calibration"}
     gpt3, a100, h100 = cal[_CAL_GPT3], cal[_CAL_A100], cal[_CAL_H100]
 
@@ -142,8 +150,9 @@ def fit() -> Efficiency:
 
     ratio = _bisect(lambda r: predict_row(a100, Efficiency(ampere=ampere_for(r), attention_ratio=r)) / a100.published - 1, 0.05, 3.0, 25)
     ampere = ampere_for(ratio)
-    hopper = _bisect(lambda x: predict_row(h100, Efficiency(ampere, x, ratio)) / h100.published - 1, 0.05, 1.0, 30)
-    eff = Efficiency(ampere, hopper, ratio)
+    hopper = _bisect(lambda x: predict_row(cal[_CAL_L3], Efficiency(ampere, x, ratio)) / cal[_CAL_L3].published - 1, 0.05, 1.0, 30)
+    h500 = _bisect(lambda x: predict_row(h100, Efficiency(ampere, hopper, ratio, hopper_500w=x)) / h100.published - 1, 0.05, 1.0, 30)
+    eff = Efficiency(ampere, hopper, ratio, hopper_500w=h500)
     mem_rows = [r for r in ROWS if r.role == "calibration" and r.quantity == "memory_gib"]
     overhead = sum((r.published - predict_row(r, eff)) * GiB for r in mem_rows) / len(mem_rows)
     return dataclasses.replace(eff, memory_overhead=max(0.0, overhead))
