@@ -59,17 +59,18 @@ def render_training(result: dict, rec) -> None:
     mem = pd.DataFrame(t["memory"]).assign(GiB=lambda d: d["bytes"] / GiB)
     bars = alt.Chart(mem).mark_bar().encode(
         x=alt.X("sum(GiB):Q", title=f"GiB per GPU ({mem['stage'][0]} pipeline stage)"), y=alt.Y("stage:N", title=None),
-        color=alt.Color("category:N", title=None), tooltip=["category", alt.Tooltip("GiB:Q", format=",.2f")])
+        color=alt.Color("category:N", title=None, legend=alt.Legend(labelLimit=300)),
+        tooltip=["category", alt.Tooltip("GiB:Q", format=",.2f")])
     hbm = alt.Chart(pd.DataFrame({"GiB": [m["hbm_gib"]]})).mark_rule(color="#c00", strokeWidth=2).encode(
         x="GiB:Q", tooltip=[alt.Tooltip("GiB:Q", title="HBM (GiB)")])
-    st.altair_chart((bars + hbm).properties(height=110), width="stretch")
+    st.altair_chart((bars + hbm).properties(height=150), width="stretch")
     st.caption("Red line: the GPU's HBM. The allocator's share is the fitted constant; the rest is the plan's formulas.")
 
     st.subheader("One step")
     parts = pd.DataFrame(t["time"])
     st.altair_chart(alt.Chart(parts).mark_bar().encode(
         x=alt.X("seconds:Q", title="seconds per step"), y=alt.Y("part:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
-        tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=230), width="stretch")
+        tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=26 * len(parts) + 40), width="stretch")
     links = ", ".join(f"{r['dimension']} {r['size']}: {r['link']}" for r in t["links"] if r["size"] and r["size"] > 1) or "none"
     st.caption(f"Groups larger than one and the link each crosses: {links}.")
     if t["gantt"]:
@@ -127,5 +128,5 @@ config_upload(view)
 ui.experiment_page(
     view, render_training if view == "plan.training" else render_search, page_params=("view",),
     intro="A real model on a real cluster, predicted: memory per GPU, the step's time, MFU and days. Byte, memory and "
-          "schedule functions are the ones the live runs check; three efficiency constants are fitted on named "
+          "schedule functions are the ones the live runs check; a few efficiency constants are fitted on named "
           "published rows and every other row's error is shown below.")
