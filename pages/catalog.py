@@ -95,6 +95,9 @@ SECTIONS: dict[str, list[Topic]] = {
     "Training": [
         Topic("pages/training_estimates.py", "Training pipeline & estimates", ":material/calculate:",
               "pretrain/SFT/RLHF map; time and memory estimates checked on small runs", ("estimate.training",)),
+        Topic("pages/plan_training.py", "Plan a training run", ":material/event_note:",
+              "a real model on a real cluster: memory, step, Gantt, MFU, days; every plan ranked; published rows' errors",
+              ("plan.training", "plan.search")),
         Topic("pages/bellman.py", "MDPs & Bellman", ":material/grid_on:",
               "weather MRP, grid-world policy and value iteration", ("rl.bellman",)),
     ],

@@ -1,0 +1,70 @@
+"""GPU presets for planning: peak dense tensor FLOP/s, HBM, NVLink and the network, each with its source.
+
+Where backend/memory/devices.py has the chip (A100 80 GB, H100 SXM, H200) its figures are read from there, not
+copied. Conventions as there: dense FLOP/s (no 2:4 sparsity), link bandwidths per direction. HBM capacity is the
+datasheet's GB read as GiB (an 80 GB card shows 80 GiB: 81,920 MiB on an A100 80GB), the allocator's view.
+The network is the bandwidth per GPU off the node (one NIC per GPU, rail-optimised), per direction.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from backend.memory.devices import DEVICES, SOURCES
+
+GiB = 2 ** 30
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_flops: float
+    fp8_flops: float | None      # None: no FP8 tensor cores
+    hbm_bytes: float
+    hbm_bw: float                # bytes/s
+    nvlink_bw: float             # bytes/s per direction per GPU
+    network_bw: float            # bytes/s per direction per GPU, the default inter-node link
+    source: str
+
+
+def _from_devices(key: str, name: str, fp8: float | None, network_gbps: float, extra: str) -> GPU:
+    spec = DEVICES[key]
+    nvlink = next(bw for level, (_, bw) in spec["levels"].items() if level.startswith("NVLink"))
+    cap, bw = spec["levels"][spec["dram"]][0], spec["levels"][spec["dram"]][1]
+    return GPU(name, spec["peak_flops"]["fp16/bf16 tensor"], fp8, round(cap / GB) * GiB, bw, nvlink, network_gbps / 8 * GB,
+               f"{SOURCES[(key, 'peak_flops')]}; {extra}")
+
+
+GPUS = {g.name: g for g in (
+    _from_devices("A100 (80 GB SXM)", "A100 80GB SXM", None, 200, "network HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
+    GPU("A100 40GB SXM", 312e12, None, 40 * GiB, 1_555 * GB, 300 * GB, 25 * GB,
+        "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s both directions; "
+        "HDR 200 Gb/s per GPU"),
+    _from_devices("H100 (SXM)", "H100 SXM 80GB", 1_979e12, 400, "FP8 1,979 TFLOP/s dense (datasheet); NDR InfiniBand 400 Gb/s per GPU"),
+    GPU("H100 SXM 96GB", 989e12, 1_979e12, 96 * GiB, 2_400 * GB, 450 * GB, 50 * GB,
+        "H100 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts, docs/performance.md); GH100 peaks as the "
+        "H100 SXM datasheet; 400 Gb/s RDMA per GPU"),
+    GPU("H800 SXM", 989e12, 1_979e12, 80 * GiB, 3_350 * GB, 200 * GB, 50 * GB,
+        "H800 SXM: H100's compute and HBM3 with NVLink cut to 400 GB/s both directions (DeepSeek-V3 report, 3.3); "
+        "InfiniBand 400 Gb/s per GPU"),
+    _from_devices("H200 (SXM)", "H200 SXM", 1_979e12, 400, "FP8 1,979 TFLOP/s dense; NDR 400 Gb/s per GPU"),
+    GPU("B200", 2_250e12, 4_500e12, 180 * GiB, 7_700 * GB, 900 * GB, 50 * GB,
+        "NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training for 8 GPUs (sparse) = 4.5 PFLOP/s dense FP8, 2.25 bf16 per GPU; "
+        "180 GB HBM3e per GPU at 7.7 TB/s; NVLink 5 1.8 TB/s both directions; ConnectX-7 400 Gb/s per GPU"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int = 8
+    network_bw: float | None = None   # per GPU per direction; None: the GPU preset's
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def net(self) -> float:
+        return self.network_bw or self.gpu.network_bw

@@ -1,0 +1,326 @@
+"""One training plan at real scale: memory per GPU by category, the step's time split into compute, exposed
+communication per dimension and pipeline bubble, throughput, MFU and days to train.
+
+The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
+  compute   FLOPs of each layer (models.training_flops_per_token, FlopCounterMode's formula) over peak × an
+            efficiency: the matmuls' per GPU family (Ampere; Hopper at 700 W; the 500 W H100 96GB), attention's a
+            fixed ratio of it (the constants fitted in published.py on the calibration rows only)
+  links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
+            α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
+  overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
+            attention; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
+            parameter all-gather after the optimizer is exposed; FSDP/ZeRO-3 prefetch hides every gather and
+            reduce-scatter behind the compute except the first layer's gather
+  pipeline  the schedule's makespan function (1F1B, GPipe) or busy ÷ (1 − its bubble formula) at these costs;
+            the Gantt replays the Schedule's own per-rank orders (backend/trace.replay)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from backend.config import ConfigError
+from backend.parallel import costs
+from backend.parallel.pp import schedules
+from backend.plan import models as M
+from backend.plan.clusters import Cluster
+
+BUS_EFFICIENCY = 0.8            # nccl-tests busbw ÷ link bandwidth at large messages (assumed, not fitted)
+LATENCY = {"nvlink": 5e-6, "network": 15e-6}   # α per ring step (assumed)
+OPTIMIZER_BYTES_PER_PARAM = 40  # Adam step: read and write fp32 master, m, v, read the gradient and write bf16 weights
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+RECOMPUTE = ("none", "selective", "full")
+PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The fitted constants: the fraction of peak matmuls reach on each GPU family, attention's efficiency as a
+    fixed ratio of it (FLOPs counted as the full s×s product), and the allocator's overhead in bytes."""
+    ampere: float = 0.6
+    hopper: float = 0.6
+    attention_ratio: float = 0.5
+    memory_overhead: float = 0.0
+    hopper_500w: float = 0.0     # 0: as hopper
+
+    def linear(self, gpu) -> float:
+        fam = family(gpu)
+        if fam == "ampere":
+            return self.ampere
+        return self.hopper_500w if fam == "hopper 500 W" and self.hopper_500w else self.hopper
+
+    def attention(self, gpu) -> float:
+        return self.attention_ratio * self.linear(gpu)
+
+
+def family(gpu) -> str:
+    """A100s are Ampere; H100, H800 and H200 Hopper; the H100 96GB preset is torchtitan's 500 W card (its clocks
+    capped by power), fitted apart; B200 (no published row to fit yet) takes Hopper's constants."""
+    if gpu.name.startswith("A100"):
+        return "ampere"
+    return "hopper 500 W" if gpu.name == "H100 SXM 96GB" else "hopper"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    tp: int = 1
+    sp: bool = True
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vp: int = 1                       # virtual stages (model chunks) per pipeline rank
+    schedule: str = "1f1b"
+    dp_strategy: str = "fsdp"
+    hsdp_shard: int = 8               # HSDP: ranks one copy is sharded over (the rest replicate)
+    micro_batch: int = 1              # sequences per micro-batch
+    global_batch: int = 16            # sequences per step
+    seq_len: int = 8192
+    recompute: str = "selective"
+    precision: str = "bf16"           # bf16 | fp8 (matmuls in FP8 where the GPU has it)
+    grad_bytes: int = 4               # 4: fp32 main gradients (Megatron); 2: bf16
+
+
+def dp_size(plan: Plan, gpus: int) -> int:
+    return gpus // (plan.tp * plan.cp * plan.pp)
+
+
+def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
+    """The data-parallel size, or ConfigError naming the first dimension that does not fit and what it allows."""
+    g = cluster.gpus
+    for name in ("tp", "cp", "pp"):
+        if g % getattr(plan, name):
+            raise ConfigError(name, f"{getattr(plan, name)} does not divide the {g} GPUs (allowed: a divisor of {g})")
+    if g % (plan.tp * plan.cp * plan.pp):
+        raise ConfigError("pp", f"tp × cp × pp = {plan.tp * plan.cp * plan.pp} does not divide the {g} GPUs (allowed: a product dividing {g})")
+    dp = dp_size(plan, g)
+    if model.heads % plan.tp:
+        raise ConfigError("tp", f"{plan.tp} does not divide the {model.heads} attention heads (allowed: a divisor of {model.heads})")
+    kv = model.heads if model.mla else model.kv_heads
+    if kv % plan.tp and plan.tp % kv:
+        raise ConfigError("tp", f"{plan.tp} neither divides nor is a multiple of the {kv} KV heads (allowed: a divisor or multiple of {kv})")
+    if plan.seq_len % (2 * plan.cp):
+        raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
+    if plan.pp * plan.vp > model.layers:
+        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers (allowed: at most {model.layers})")
+    sched = schedules.SCHEDULES.get(plan.schedule)
+    if plan.schedule not in PLAN_SCHEDULES:
+        raise ConfigError("schedule", f"{plan.schedule!r} (allowed: {', '.join(PLAN_SCHEDULES)})")
+    if sched.interleaved != (plan.vp > 1):
+        raise ConfigError("vp", f"{plan.vp} virtual stages with {plan.schedule} (allowed: vp > 1 exactly with interleaved_1f1b)")
+    if plan.ep > 1 and not model.experts:
+        raise ConfigError("ep", f"{plan.ep} with a dense model (allowed: 1)")
+    if model.experts and (model.experts % plan.ep or dp % plan.ep):
+        raise ConfigError("ep", f"{plan.ep} does not divide the {model.experts} experts and the data-parallel size {dp} (allowed: a common divisor)")
+    if plan.dp_strategy not in DP_STRATEGIES:
+        raise ConfigError("dp_strategy", f"{plan.dp_strategy!r} (allowed: {', '.join(DP_STRATEGIES)})")
+    if plan.dp_strategy == "hsdp" and (dp % plan.hsdp_shard or plan.hsdp_shard >= dp):
+        raise ConfigError("hsdp_shard", f"{plan.hsdp_shard} (allowed: a proper divisor of the data-parallel size {dp})")
+    if plan.global_batch % (dp * plan.micro_batch):
+        raise ConfigError("global_batch", f"{plan.global_batch} sequences do not split into dp {dp} × micro-batch {plan.micro_batch} "
+                                          f"(allowed: a multiple of {dp * plan.micro_batch})")
+    if plan.recompute not in RECOMPUTE:
+        raise ConfigError("recompute", f"{plan.recompute!r} (allowed: {', '.join(RECOMPUTE)})")
+    if plan.precision == "fp8" and not cluster.gpu.fp8_flops:
+        raise ConfigError("precision", f"fp8 on {cluster.gpu.name}, which has no FP8 tensor cores (allowed: bf16)")
+    return dp
+
+
+def microbatches(plan: Plan, dp: int) -> int:
+    return plan.global_batch // (dp * plan.micro_batch)
+
+
+def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float, float]:
+    if costs.crosses_nodes(stride, size, cluster.gpus_per_node):
+        return "network", cluster.net * BUS_EFFICIENCY, LATENCY["network"]
+    return "nvlink", cluster.gpu.nvlink_bw * BUS_EFFICIENCY, LATENCY["nvlink"]
+
+
+def stage_layers(model: M.ModelSpec, plan: Plan) -> int:
+    """Layers on the fullest pipeline rank (uneven splits, as Llama 3's 126 layers over 16 stages, round up)."""
+    return math.ceil(model.layers / (plan.pp * plan.vp)) * plan.vp
+
+
+def _moe_fraction(model: M.ModelSpec) -> float:
+    return model.moe_layers / model.layers
+
+
+def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency = Efficiency()) -> dict:
+    """Bytes per GPU by category on the first and the last pipeline rank; the larger is the plan's."""
+    t, L = plan.tp, stage_layers(model, plan)
+    c = M.counts(model)
+    moe_frac = _moe_fraction(model)
+    dense_layer = c["dense_layer"] / t
+    if model.experts:
+        shared = (c["moe_layer"] - model.experts * c["expert"]) / t
+        routed = model.experts * c["expert"] / (plan.ep * t)
+        layer_dense_part = (1 - moe_frac) * dense_layer + moe_frac * shared
+        layer_expert_part = moe_frac * routed
+    else:
+        layer_dense_part, layer_expert_part = dense_layer, 0.0
+    n_shard = plan.hsdp_shard if plan.dp_strategy == "hsdp" else dp
+    b, s = plan.micro_batch, plan.seq_len
+    per_layer = costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, plan.recompute, plan.cp)
+    layer_act = sum(per_layer.values())
+    rebuilt = sum(costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, "none", plan.cp).values()) \
+        if plan.recompute != "none" else 0.0
+    m = microbatches(plan, dp)
+    chunk_layers = L / plan.vp
+    split = t if plan.sp and t > 1 else 1
+    out = {}
+    for rank, label in ((0, "first"), (plan.pp - 1, "last")):
+        extra = (c["embedding"] if rank == 0 else 0) + ((c["head"] or (c["embedding"] if plan.pp > 1 else 0)) if rank == plan.pp - 1 else 0)
+        dense_psi = L * layer_dense_part + extra / t
+        expert_psi = L * layer_expert_part
+        held = costs.state_bytes(dense_psi, n_shard, plan.dp_strategy, plan.grad_bytes)
+        if expert_psi:
+            ex = costs.state_bytes(expert_psi, max(1, n_shard // plan.ep), plan.dp_strategy, plan.grad_bytes)
+            held = {k: held[k] + ex[k] for k in held}
+        live = costs.live_microbatches(plan.schedule, plan.pp, m, plan.vp, rank)
+        acts = layer_act * chunk_layers * live
+        edge = 0.0
+        if rank == plan.pp - 1:
+            edge += 6 * b * (s // plan.cp) * model.vocab / t   # bf16 logits kept + fp32 softmax in the loss
+        buffers = 2 * 2 * b * (s // plan.cp) * model.hidden / split if plan.pp > 1 else 0.0   # p2p send/recv
+        if t > 1 and plan.sp:
+            buffers += 2 * b * (s // plan.cp) * model.hidden   # the gathered sequence
+        if plan.dp_strategy in ("zero3", "fsdp", "hsdp"):
+            layer_psi = (layer_dense_part + layer_expert_part)
+            buffers += layer_psi * (2 * 2 + 4)   # two layers' gathered bf16 weights (prefetch), one layer's fp32 gradients
+        out[label] = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
+                      "activations (layers)": acts, "activations (logits)": edge, "recompute (one layer rebuilt)": rebuilt,
+                      "communication buffers": buffers, "allocator and runtime (fitted)": eff.memory_overhead,
+                      "_live": live, "_per_layer": layer_act, "_layers": L}
+    worst = max(out, key=lambda k: sum(v for kk, v in out[k].items() if not kk.startswith("_")))
+    return {"stage": worst, **out[worst], "_stages": out}
+
+
+def total_bytes(mem: dict) -> float:
+    return sum(v for k, v in mem.items() if not k.startswith("_") and k != "stage")
+
+
+def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float:
+    """Forward seconds selective recompute repeats: Megatron's (GPT) the core attention; torchtitan's op-level policy
+    (the others) the matmuls it does not save (k, the output projection, the up projection w3), not attention."""
+    if model.gpt:
+        return f_att
+    h, kv = model.hidden, (model.heads if model.mla else model.kv_heads)
+    ffn = (model.top_k + model.shared_experts) * model.moe_ffn if model.experts else model.ffn
+    q, k, v, o = h * model.heads * model.qk_dim, h * kv * model.qk_dim, h * kv * model.v_dim, model.heads * model.v_dim * h
+    return f_lin * (k + o + h * ffn) / (q + k + v + o + 3 * h * ffn)
+
+
+def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency) -> dict:
+    """Seconds of one step: per-action costs of a pipeline chunk, the pipeline makespan, exposed DP and the optimizer."""
+    t, cp, b, s = plan.tp, plan.cp, plan.micro_batch, plan.seq_len
+    m = microbatches(plan, dp)
+    peak = cluster.gpu.fp8_flops if plan.precision == "fp8" else cluster.gpu.bf16_flops
+    tokens_local = b * s / cp
+    per_tok = M.training_flops_per_token(model, s)
+    head_lin = 6.0 * model.vocab * model.hidden
+    layer_lin = (per_tok["linear"] - head_lin) / model.layers   # forward+backward FLOPs per token per layer
+    layer_att = per_tok["attention"] / model.layers
+    chunk_layers = stage_layers(model, plan) / plan.vp
+    # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
+    f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
+    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
+    recompute_f = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
+    # tensor parallel: exposed
+    tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
+    moe_frac = _moe_fraction(model)
+    tp_bytes = ((1 - moe_frac) * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp)
+                + moe_frac * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp, dense_ffn=False)) * chunk_layers
+    n_coll = 4 * chunk_layers * (2 if plan.sp else 1)
+    tp_s = tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0
+    # context parallel: K/V blocks pass the ring (forward once, backward K/V and their gradients), hidden by attention
+    cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
+    kv_block = b * (s // cp) * model.kv_width * costs.ACT_BYTES / t
+    cp_comm = 3 * (cp - 1) * (kv_block / cp_bw + cp_lat) * chunk_layers if cp > 1 else 0.0
+    cp_s = max(0.0, cp_comm - 3 * f_att)
+    # expert parallel: dispatch and combine all-to-all, forward and backward, exposed
+    ep_kind, ep_bw, ep_lat = _link(cluster, t * cp, plan.ep)
+    a2a = 2 * tokens_local * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
+    ep_s = 2 * moe_frac * chunk_layers * (a2a / ep_bw + 2 * ep_lat) if plan.ep > 1 else 0.0
+    # pipeline: one activation (or its gradient) per action over the stage boundary
+    pp_kind, pp_bw, pp_lat = _link(cluster, t * cp * dp, plan.pp)
+    act = b * (s // cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
+    p2p = (act / pp_bw + pp_lat) if plan.pp > 1 else 0.0
+    F = f_lin + f_att + (tp_s + cp_s + ep_s) / 3 + p2p
+    B = 2 * (f_lin + f_att) + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
+    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
+    sched = schedules.SCHEDULES[plan.schedule]
+    v, p = plan.vp, plan.pp
+    if p == 1:
+        pipe = m * (F + B + 3 * head_f)
+        busy = pipe
+    elif sched.makespan_fn:
+        f = [v * F] * p
+        bw = [v * B] * p
+        f[-1] += head_f
+        bw[-1] += 2 * head_f
+        pipe = sched.makespan_fn(f, bw, m)
+        busy = m * (f[-1] + bw[-1])
+    else:
+        busy = m * (v * (F + B) + 3 * head_f)
+        pipe = busy / (1 - sched.bubble(p, m, v))
+    # data parallel
+    mem_layers = stage_layers(model, plan)
+    c = M.counts(model)
+    psi = (c["total"] - (c["embedding"] + c["head"]) * (1 - 1 / p)) / (t * p)  # this rank's parameters, roughly
+    if model.experts:
+        expert_total = model.moe_layers * model.experts * c["expert"]
+        psi_expert = expert_total / (t * p * plan.ep)
+        psi_dense = psi - expert_total / (t * p)
+    else:
+        psi_expert, psi_dense = 0.0, psi
+    dp_kind, dp_bw, dp_lat = _link(cluster, t * cp, dp)
+    strategy = plan.dp_strategy
+    if strategy == "hsdp":
+        shard = plan.hsdp_shard
+        sh_kind, sh_bw, sh_lat = _link(cluster, t * cp, shard)
+        rep_kind, rep_bw, rep_lat = _link(cluster, t * cp * shard, dp // shard)
+        dp_comm = (costs.dp_sent_bytes("fsdp", psi_dense, shard, 4) / sh_bw + 3 * (shard - 1) * sh_lat
+                   + costs.dp_sent_bytes("ddp", psi_dense / shard, dp // shard, 4) / rep_bw + 2 * (dp // shard - 1) * rep_lat)
+        dp_kind = rep_kind
+    else:
+        dp_comm = costs.dp_sent_bytes(strategy, psi_dense, dp, plan.grad_bytes) / dp_bw + (3 if strategy in ("zero3", "fsdp") else 2) * (dp - 1) * dp_lat
+    if psi_expert:
+        edp = max(1, dp // plan.ep)
+        e_kind, e_bw, e_lat = _link(cluster, t * cp * plan.ep, edp)
+        dp_comm += costs.dp_sent_bytes(strategy if strategy != "hsdp" else "fsdp", psi_expert, edp, plan.grad_bytes) / e_bw if edp > 1 else 0.0
+    compute_total = busy
+    if strategy in ("zero3", "fsdp", "hsdp"):
+        per_mb = dp_comm * (m if m > 1 else 1)
+        first_gather = dp_comm / max(1, mem_layers) / 3
+        dp_exposed = max(0.0, per_mb - compute_total) + first_gather
+    else:
+        grad_part = dp_comm * (2 / 3 if strategy != "ddp" else 1.0)
+        dp_exposed = max(0.0, grad_part - v * B) + (dp_comm - grad_part)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * psi / (dp if strategy != "ddp" else 1) / cluster.gpu.hbm_bw
+    total = pipe + dp_exposed + optimizer
+    compute = m * (v * (3 * (f_lin + f_att)) + 3 * head_f)
+    exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
+    bubble = max(0.0, pipe - busy)
+    return {"step_s": total, "compute_s": compute, "recompute_s": m * v * recompute_f, "bubble_s": bubble,
+            "exposed_s": exposed, "optimizer_s": optimizer, "pipeline_s": pipe, "m": m,
+            "F": F, "B": B, "head_f": head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},
+            "recompute_flops_fraction": recompute_f / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
+
+
+def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0,
+             mem: dict | None = None) -> dict:
+    """Every figure of one plan (raises ConfigError for a plan that does not divide)."""
+    dp = validate(model, cluster, plan)
+    mem = mem or memory(model, cluster, plan, dp, eff)
+    st = step(model, cluster, plan, dp, eff)
+    tokens = plan.global_batch * plan.seq_len
+    flops_model = M.training_flops_per_token(model, plan.seq_len)["total"] * tokens
+    hw = flops_model * (1 + st["recompute_flops_fraction"])
+    g = cluster.gpus
+    peak = cluster.gpu.bf16_flops
+    tflops = flops_model / st["step_s"] / g
+    seconds = tokens_to_train / tokens * st["step_s"] if tokens_to_train else 0.0
+    return {"dp": dp, "memory": mem, "memory_bytes": total_bytes(mem), "hbm_bytes": cluster.gpu.hbm_bytes,
+            "fits": total_bytes(mem) <= cluster.gpu.hbm_bytes, "time": st, "tokens_per_step": tokens,
+            "tokens_per_s_per_gpu": tokens / st["step_s"] / g, "model_tflops_per_gpu": tflops / 1e12,
+            "hardware_tflops_per_gpu": hw / st["step_s"] / g / 1e12, "mfu": tflops / peak,
+            "train_days": seconds / 86400, "gpu_hours": seconds * g / 3600}

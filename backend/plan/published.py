@@ -1,0 +1,170 @@
+"""Published measurements the planner is held to, and the fit of its few constants.
+
+Analytic memory rows (exact formulas, to the last printed digit): Korthikanti et al. 2022, Fig. 1; ZeRO
+(Rajbhandari et al. 2020), Fig. 1. Measured rows: torchtitan's H100 benchmark (docs/performance.md, Table 1 and its
+128-GPU run), the Llama 3 paper's 405B pre-training, Narayanan et al. 2021's GPT-3 175B on 1,024 A100s.
+
+The constants (matmul efficiency on Ampere, on Hopper at 700 W and on the 500 W H100 96GB, attention's ratio to it,
+the allocator's overhead) are fitted ONLY on the rows
+marked "calibration"; every "validation" row is predicted with those constants and its error reported apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from backend.parallel import costs
+from backend.plan import models as M
+from backend.plan.clusters import GPUS, Cluster
+from backend.plan.predict import Efficiency, Plan, evaluate, validate
+
+GiB = 2 ** 30
+
+# Korthikanti et al. 2022, Fig. 1 (s = 2048, t = 8): (model, pp, virtual stages, micro-batch, micro-batches in flight
+# needed for the steady state), and the figure's GiB: parameters+optimizer, activations without recompute, with
+# sequence parallel + selective recompute. 530B's 139 = L(1 + (p−1)/(p·v)) with v = 3 (one layer per chunk).
+KORTHIKANTI = [
+    ("megatron-gpt-22b", 1, 1, 4, 1, 45.5625, 59.25, 9.5625),
+    ("megatron-gpt-175b", 8, 3, 1, 64, 45.5625, 66.84375, 12.3515625),
+    ("megatron-gpt-530b", 35, 3, 1, 70, 31.640625, 114.0234375, 23.076171875),
+    ("megatron-gpt-1t", 64, 1, 1, 64, 32.958984375, 131.25, 26.5625),
+]
+KORTHIKANTI_SOURCE = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, Fig. 1"
+
+# ZeRO Fig. 1: ψ = 7.5B, K = 12, N_d = 64: GB per device
+ZERO = [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)]
+ZERO_SOURCE = "Rajbhandari et al. 2020, ZeRO, Fig. 1 (7.5B parameters, K = 12, 64 GPUs)"
+
+
+def korthikanti_cells(name: str, pp: int, vp: int, micro: int, m: int) -> dict[str, float]:
+    """The three cells the planner computes for one Fig. 1 model: 18 bytes (fp16 weights, fp32 gradients, Adam's
+    fp32 master, m, v) per layer-matrix parameter over t·p; the first stage's activations by the schedule."""
+    from backend.plan.predict import memory
+    model = M.load(name)
+    psi = M.matrix_params_per_layer(model) * model.layers / (8 * pp)
+    states = sum(costs.state_bytes(psi, 1, "ddp", 4).values())
+    out = {"parameters+optimizer": states / GiB}
+    for label, rec, sp in (("activations, no recompute", "none", False), ("activations, SP + selective", "selective", True)):
+        plan = Plan(tp=8, sp=sp, pp=pp, vp=vp, schedule="interleaved_1f1b" if vp > 1 else "1f1b", dp_strategy="ddp",
+                    micro_batch=micro, global_batch=micro * m, seq_len=2048, recompute=rec)
+        cluster = Cluster(GPUS["A100 80GB SXM"], nodes=pp)
+        out[label] = memory(model, cluster, plan, validate(model, cluster, plan))["_stages"]["first"]["activations (layers)"] / GiB
+    return out
+
+
+def zero_cells() -> dict[str, float]:
+    return {s: sum(costs.state_bytes(7.5e9, 64, s, 2).values()) / 1e9 for s, _ in ZERO}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    role: str                 # calibration | validation
+    model: str
+    gpu: str
+    nodes: int
+    plan: Plan
+    quantity: str             # tokens_per_s_per_gpu | hardware_tflops_per_gpu | model_tflops_per_gpu | memory_gib | train_days
+    published: float
+    tolerance: float
+    source: str
+    tokens: float = 0.0
+
+
+_TT = "torchtitan docs/performance.md (Dec 2024): Llama 3.1 8B, FSDP, H100 96GB HBM2e 500 W, local batch 2, seq 8192, selective AC"
+_L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1, PP 16, DP 64, seq 8,192, 16M tokens a batch (interleaved schedule: v = 2 assumed)"
+_L3_16K = "Llama 3 paper, Table 4: 16,384 H100, TP 8, PP 16, DP 128 at seq 8,192 (400 TFLOP/s, 41%) or CP 16, DP 8 at 131,072 (380, 38%), 16M tokens a batch"
+_NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140 TFLOP/s per GPU (recompute counted), 300B tokens"
+
+
+_TTA = "torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB; Llama 3 at seq 8192, Llama 2 at 4096"
+
+
+def _tt(nodes: int, micro: int = 2, seq: int = 8192, recompute: str = "selective") -> Plan:
+    return Plan(tp=1, dp_strategy="fsdp", micro_batch=micro, global_batch=micro * 8 * nodes, seq_len=seq, recompute=recompute, grad_bytes=2)
+
+
+_CAL_H100 = "torchtitan 8B, 8 H100: tokens/s/GPU"
+_CAL_L3 = "Llama 3 405B, 8,192 H100: TFLOP/s per GPU"
+_CAL_A100 = "torchtitan Llama 3 8B, 64 A100: tokens/s/GPU"
+_CAL_GPT3 = "GPT-3 175B, 1,024 A100: TFLOP/s per GPU"
+
+
+_L3_PLAN = Plan(tp=8, pp=16, vp=2, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
+                recompute="selective", grad_bytes=4)
+_NR_PLAN = Plan(tp=8, pp=16, dp_strategy="ddp", micro_batch=1, global_batch=1536, seq_len=2048, recompute="full", grad_bytes=4)
+
+ROWS = [
+    Row(_CAL_H100, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
+    Row("torchtitan 8B, 8 H100: memory", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "memory_gib", 82.4, 0.05, _TT),
+    Row(_CAL_L3, "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
+    Row("Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
+        dataclasses.replace(_L3_PLAN, global_batch=2048), "model_tflops_per_gpu", 400, 0.10, _L3_16K),
+    Row("Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
+        dataclasses.replace(_L3_PLAN, cp=16, seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
+    Row("torchtitan 8B, 128 H100: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
+    Row("torchtitan 8B, 128 H100: memory", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "memory_gib", 67.0, 0.05, _TT),
+    Row("Llama 3 405B, 8,192 H100: BF16 MFU", "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
+    Row(_CAL_GPT3, "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
+    Row("GPT-3 175B, 1,024 A100: days for 300B tokens", "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "train_days", 34, 0.10, _NR, 300e9),
+    Row(_CAL_A100, "calibration", "llama-3-8b", "A100 80GB SXM", 8, _tt(8, 1), "tokens_per_s_per_gpu", 2973, 0.10, _TTA + "; bs 1, selective op AC"),
+    Row("torchtitan Llama 3 70B, 64 A100: tokens/s/GPU", "validation", "llama-3-70b", "A100 80GB SXM", 8, _tt(8, 1, 8192, "full"),
+        "tokens_per_s_per_gpu", 331, 0.10, _TTA + "; bs 1, full AC"),
+    Row("torchtitan Llama 2 13B, 64 A100: tokens/s/GPU", "validation", "llama-2-13b", "A100 80GB SXM", 8, _tt(8, 2, 4096, "none"),
+        "tokens_per_s_per_gpu", 2162, 0.10, _TTA + "; bs 2, no AC"),
+    Row("torchtitan Llama 2 70B, 64 A100: tokens/s/GPU", "validation", "llama-2-70b", "A100 80GB SXM", 8, _tt(8, 2, 4096, "full"),
+        "tokens_per_s_per_gpu", 353, 0.10, _TTA + "; bs 2, full AC"),
+]
+
+
+def predict_row(row: Row, eff: Efficiency) -> float:
+    r = evaluate(M.load(row.model), Cluster(GPUS[row.gpu], row.nodes), row.plan, eff, row.tokens)
+    return r["memory_bytes"] / GiB if row.quantity == "memory_gib" else r[row.quantity]
+
+
+def _bisect(f, lo: float, hi: float, steps: int = 40) -> float:
+    """The root of a function increasing on [lo, hi] (clamped to the ends)."""
+    if f(lo) >= 0:
+        return lo
+    if f(hi) <= 0:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+@functools.lru_cache(maxsize=1)
+def fit() -> Efficiency:
+    """The constants from the calibration rows only, each row made exact in turn (throughput rises with every
+    efficiency, so each is a one-dimensional root): for an attention ratio, Ampere's matmul efficiency from the GPT-3
+    row (little attention at s = 2,048); the ratio from the A100 torchtitan row (much attention at s = 8,192); then
+    Hopper's (700 W) from the Llama 3 405B row at 8,192 GPUs, and the 500 W H100's from torchtitan's 8-GPU row;
+    the allocator overhead as the memory row's shortfall."""
+    cal = {r.name: r for r in ROWS if r.role == "calibration"}
+    gpt3, a100, h100 = cal[_CAL_GPT3], cal[_CAL_A100], cal[_CAL_H100]
+
+    def ampere_for(ratio: float) -> float:
+        return _bisect(lambda x: predict_row(gpt3, Efficiency(ampere=x, attention_ratio=ratio)) / gpt3.published - 1, 0.05, 1.0, 30)
+
+    ratio = _bisect(lambda r: predict_row(a100, Efficiency(ampere=ampere_for(r), attention_ratio=r)) / a100.published - 1, 0.05, 3.0, 25)
+    ampere = ampere_for(ratio)
+    hopper = _bisect(lambda x: predict_row(cal[_CAL_L3], Efficiency(ampere, x, ratio)) / cal[_CAL_L3].published - 1, 0.05, 1.0, 30)
+    h500 = _bisect(lambda x: predict_row(h100, Efficiency(ampere, hopper, ratio, hopper_500w=x)) / h100.published - 1, 0.05, 1.0, 30)
+    eff = Efficiency(ampere, hopper, ratio, hopper_500w=h500)
+    mem_rows = [r for r in ROWS if r.role == "calibration" and r.quantity == "memory_gib"]
+    overhead = sum((r.published - predict_row(r, eff)) * GiB for r in mem_rows) / len(mem_rows)
+    return dataclasses.replace(eff, memory_overhead=max(0.0, overhead))
+
+
+def errors(eff: Efficiency | None = None) -> list[dict]:
+    """Every published row beside its prediction, with its relative error and whether it is within tolerance."""
+    eff = eff or fit()
+    out = []
+    for r in ROWS:
+        got = predict_row(r, eff)
+        err = got / r.published - 1
+        out.append({"row": r.name, "role": r.role, "quantity": r.quantity, "published": r.published, "predicted": got,
+                    "error": err, "tolerance": r.tolerance, "within": abs(err) <= r.tolerance, "source": r.source})
+    return out

@@ -1,0 +1,132 @@
+"""Plan a training run: one plan's memory, step and Gantt (plan.training), or every plan ranked (plan.search)."""
+from html import escape
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from pages import ui
+
+GiB = 2 ** 30
+VIEWS = {"plan.training": "One plan", "plan.search": "Search every plan"}
+
+
+def config_upload(experiment: str) -> None:
+    """Your own config.json: checked and stored on the server under its content hash, which the `model` setting carries."""
+    from backend.plan import models
+
+    file = st.file_uploader("Your model's config.json (Hugging Face format)", type="json", max_upload_size=1, key="config-upload",
+                            help=f"at most {models.MAX_CONFIG_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
+                                 "num_attention_heads, vocab_size and intermediate_size (or GPT-2's n_embd, n_layer, n_head) required")
+    if file is None:
+        return
+    try:
+        digest = models.save_config(file.getvalue(), ui.store().root)
+    except ValueError as err:
+        st.error(escape(f"model: {err}"))
+        return
+    if st.query_params.get("model") != digest:
+        st.query_params["model"] = digest
+        st.session_state[f"{experiment}.model"] = digest
+    st.caption(f"Uploaded: the runs below use model `{digest[:12]}…` while it is selected.")
+
+
+def published(rows: list[dict]) -> None:
+    st.subheader("The planner against published measurements")
+    df = pd.DataFrame(rows)
+    df["error %"] = 100 * df["error"]
+    chart = alt.Chart(df).mark_bar().encode(
+        x=alt.X("error %:Q", title="prediction error (%)"), y=alt.Y("row:N", title=None, sort=None, axis=alt.Axis(labelLimit=320)),
+        color=alt.Color("role:N", title=None, scale=alt.Scale(domain=["calibration", "validation"], range=["#888", "#4c78a8"])),
+        tooltip=["row", "role", "published", alt.Tooltip("predicted:Q", format=",.4g"), alt.Tooltip("error %:Q", format="+.1f"), "source"])
+    band = alt.Chart(pd.DataFrame({"x": [-10, 10]})).mark_rule(strokeDash=[4, 3], color="#c00").encode(x="x:Q")
+    st.altair_chart((chart + band).properties(height=28 * len(df) + 40), width="stretch")
+    st.caption("Grey rows fitted the constants (calibration); blue rows were predicted with them (validation). Dashed: ±10%.")
+    with st.expander("Every row with its source"):
+        st.dataframe(df.drop(columns=["error"]), hide_index=True, width="stretch")
+
+
+def render_training(result: dict, rec) -> None:
+    m, t, cfg = result["metrics"], result["tables"], rec.config
+    cols = st.columns(5)
+    cols[0].metric("memory per GPU", f"{m['memory_gib']:.1f} GiB", help=f"HBM {m['hbm_gib']:.0f} GiB; fits: {m['fits']}")
+    cols[1].metric("step", f"{m['step_s']:.2f} s")
+    cols[2].metric("tokens/s per GPU", f"{m['tokens_per_s_per_gpu']:,.0f}")
+    cols[3].metric("MFU", f"{m['mfu']:.1%}", help=f"{m['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU")
+    cols[4].metric(f"days for {cfg['tokens_b']:g}B tokens", f"{m['train_days']:,.1f}", help=f"{m['gpu_hours']:,.0f} GPU-hours")
+
+    st.subheader("Memory per GPU by category")
+    mem = pd.DataFrame(t["memory"]).assign(GiB=lambda d: d["bytes"] / GiB)
+    bars = alt.Chart(mem).mark_bar().encode(
+        x=alt.X("sum(GiB):Q", title=f"GiB per GPU ({mem['stage'][0]} pipeline stage)"), y=alt.Y("stage:N", title=None),
+        color=alt.Color("category:N", title=None, legend=alt.Legend(labelLimit=300)),
+        tooltip=["category", alt.Tooltip("GiB:Q", format=",.2f")])
+    hbm = alt.Chart(pd.DataFrame({"GiB": [m["hbm_gib"]]})).mark_rule(color="#c00", strokeWidth=2).encode(
+        x="GiB:Q", tooltip=[alt.Tooltip("GiB:Q", title="HBM (GiB)")])
+    st.altair_chart((bars + hbm).properties(height=150), width="stretch")
+    st.caption("Red line: the GPU's HBM. The allocator's share is the fitted constant; the rest is the plan's formulas.")
+
+    st.subheader("One step")
+    parts = pd.DataFrame(t["time"])
+    st.altair_chart(alt.Chart(parts).mark_bar().encode(
+        x=alt.X("seconds:Q", title="seconds per step"), y=alt.Y("part:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
+        tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=26 * len(parts) + 40), width="stretch")
+    links = ", ".join(f"{r['dimension']} {r['size']}: {r['link']}" for r in t["links"] if r["size"] and r["size"] > 1) or "none"
+    st.caption(f"Groups larger than one and the link each crosses: {links}.")
+    if t["gantt"]:
+        g = pd.DataFrame(t["gantt"]).assign(start_ms=lambda d: d["ts"] / 1e3, end_ms=lambda d: (d["ts"] + d["dur"]) / 1e3)
+        g["action"] = g["kind"] + " stage " + g["stage"].astype(str) + " mb " + g["mb"].astype(str)
+        st.altair_chart(alt.Chart(g).mark_bar(stroke="white", strokeWidth=0.3).encode(
+            x=alt.X("start_ms:Q", title="time in the step (ms, predicted)"), x2="end_ms:Q",
+            y=alt.Y("rank:O", title="pipeline rank"), color=alt.Color("kind:N", title=None),
+            tooltip=["action", alt.Tooltip("start_ms:Q", format=",.1f"), alt.Tooltip("end_ms:Q", format=",.1f")])
+            .properties(height=min(400, 30 * (g["rank"].max() + 1) + 40)), width="stretch")
+        st.caption(f"The {cfg['schedule']} schedule's own per-rank order, each action at its predicted cost, replayed.")
+    else:
+        st.caption("No pipeline (pp = 1) or too many actions to draw: no Gantt.")
+    if t.get("live"):
+        st.subheader("Checked live, scaled down")
+        st.dataframe(pd.DataFrame(t["live"]), hide_index=True, width="stretch")
+        st.caption("The plan's dimensions at tiny widths on gloo ranks (parallel.mesh); its checks are listed with this run's.")
+    else:
+        st.caption("Set live_check to run this plan scaled down on gloo ranks and see its structure checks pass.")
+    published(t["published"])
+    with st.expander("Korthikanti et al. and ZeRO: the exact memory figures"):
+        st.dataframe(pd.DataFrame(t["published_exact"]), hide_index=True, width="stretch")
+
+
+def render_search(result: dict, rec) -> None:
+    m, t = result["metrics"], result["tables"]
+    cols = st.columns(4)
+    cols[0].metric("plans that fit", f"{m['plans_feasible']:,}")
+    cols[1].metric("refused", f"{m['plans_infeasible']:,}")
+    cols[2].metric("best tokens/s per GPU", f"{m.get('best_tokens_per_s_per_gpu', 0):,.0f}")
+    cols[3].metric("search time", f"{m['search_s']:.2f} s")
+    ranked = pd.DataFrame(t["ranked"])
+    if not ranked.empty:
+        ranked["rank"] = range(1, len(ranked) + 1)
+        st.altair_chart(alt.Chart(ranked).mark_bar().encode(
+            x=alt.X("tokens_per_s_per_gpu:Q", title="predicted tokens/s per GPU"), y=alt.Y("plan:N", title=None, sort=None, axis=alt.Axis(labelLimit=360)),
+            color=alt.Color("memory_gib:Q", title="GiB per GPU"),
+            tooltip=["rank", "plan", alt.Tooltip("tokens_per_s_per_gpu:Q", format=",.0f"), alt.Tooltip("mfu:Q", format=".1%"),
+                     alt.Tooltip("memory_gib:Q", format=".1f"), "why_not_best"]).properties(height=22 * len(ranked) + 40), width="stretch")
+        st.dataframe(ranked, hide_index=True, width="stretch")
+    st.subheader("What does not fit or divide, and why")
+    st.dataframe(pd.DataFrame(t["infeasible"]), hide_index=True, width="stretch")
+
+
+st.title("Plan a training run")
+run_id = st.query_params.get("run")
+shown = ui.store().get(run_id) if run_id else None
+asked = st.query_params.get("view")
+default = shown.experiment if shown and shown.experiment in VIEWS else asked if asked in VIEWS else "plan.training"
+view = st.segmented_control("View", list(VIEWS), default=default, format_func=VIEWS.get, key="plan-view") or default
+if shown and shown.experiment != view:
+    st.query_params.pop("run")
+st.query_params["view"] = view
+config_upload(view)
+ui.experiment_page(
+    view, render_training if view == "plan.training" else render_search, page_params=("view",),
+    intro="A real model on a real cluster, predicted: memory per GPU, the step's time, MFU and days. Byte, memory and "
+          "schedule functions are the ones the live runs check; a few efficiency constants are fitted on named "
+          "published rows and every other row's error is shown below.")

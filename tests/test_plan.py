@@ -1,0 +1,237 @@
+"""The planner (backend/plan/): model configs against published parameter totals, the FLOP formula against torch's
+FlopCounterMode, memory against Korthikanti et al.'s and ZeRO's exact figures, the measured published rows (the
+calibration set fitted, the validation set predicted), the shared byte/memory/schedule functions (change one, the
+planner moves), bad input, and the two experiments."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from backend import experiments
+from backend.config import ConfigError
+from backend.estimate.training import counted_flops
+from backend.models.llama import ModelShape, TinyDecoder
+from backend.parallel import costs
+from backend.plan import gantt, published, search
+from backend.plan import models as M
+from backend.plan.clusters import GPUS, Cluster
+from backend.plan.predict import Efficiency, Plan, evaluate, memory, validate
+
+GiB = 2 ** 30
+EFF = Efficiency(0.6, 0.6, 0.5)
+
+
+@pytest.mark.parametrize("name", sorted(M.PUBLISHED_PARAMS))
+def test_parameter_counts_equal_the_published_totals(name):
+    want, source, tol = M.PUBLISHED_PARAMS[name]
+    got = M.counts(M.load(name))["total"]
+    assert abs(got / want - 1) <= tol, (name, got, want, source)
+
+
+@pytest.mark.parametrize("name", sorted(M.PUBLISHED_ACTIVE))
+def test_active_parameters_of_moe_models(name):
+    want, _, tol = M.PUBLISHED_ACTIVE[name]
+    assert abs(M.counts(M.load(name))["active"] / want - 1) <= tol
+
+
+def test_a_wrong_parameter_rule_misses_the_published_total(monkeypatch):
+    monkeypatch.setattr(M, "dense_mlp_params", lambda m: 2 * m.hidden * m.ffn)  # SwiGLU's third matrix forgotten
+    want = M.PUBLISHED_PARAMS["llama-3-8b"][0]
+    assert M.counts(M.load("llama-3-8b"))["total"] != want
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_flops_per_token_equal_flop_counter_mode_on_the_tiny_model(moe):
+    extra = dict(n_experts=4, top_k=2, n_shared=1) if moe else {}
+    shape = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128, variant="gqa", **extra)
+    spec = M.ModelSpec("tiny", 64, 2, 4, 2, 16, 128, 64, **(dict(experts=4, top_k=2, moe_ffn=128, shared_experts=1) if moe else {}))
+    torch.manual_seed(0)
+    b, s = 3, 32
+    counted = counted_flops(TinyDecoder(shape), torch.randint(0, 64, (b, s + 1)))
+    assert M.training_flops_per_token(spec, s)["total"] * b * s == counted
+
+
+def test_flop_formula_without_attention_term_misses_the_count():
+    shape = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128, variant="gqa")
+    spec = M.ModelSpec("tiny", 64, 2, 4, 2, 16, 128, 64)
+    torch.manual_seed(0)
+    counted = counted_flops(TinyDecoder(shape), torch.randint(0, 64, (3, 33)))
+    assert 6.0 * M.linear_params_per_token(spec) * 96 < counted  # 6·N·D alone leaves attention's s×s work out
+
+
+@pytest.mark.parametrize("row", published.KORTHIKANTI, ids=[r[0] for r in published.KORTHIKANTI])
+def test_korthikanti_fig1_to_the_last_digit(row):
+    name, pp, vp, micro, m, states, none, selective = row
+    got = published.korthikanti_cells(name, pp, vp, micro, m)
+    assert list(got.values()) == pytest.approx([states, none, selective], rel=1e-12, abs=0)
+
+
+def test_korthikanti_fails_when_the_schedule_holds_fewer_microbatches(monkeypatch):
+    costs.live_microbatches.cache_clear()
+    monkeypatch.setattr(costs, "live_microbatches", lambda schedule, p, m, v, rank=0: p)  # the interleaved excess dropped
+    got = published.korthikanti_cells(*published.KORTHIKANTI[1][:5])
+    assert got["activations, no recompute"] != published.KORTHIKANTI[1][6]
+
+
+def test_zero_fig1():
+    got = published.zero_cells()
+    for strategy, want in published.ZERO:
+        assert round(got[strategy], 1) == pytest.approx(want, abs=0.051), strategy
+
+
+def test_planner_calls_the_memory_function_the_live_runs_check(monkeypatch):
+    """estimate.training.memory_per_rank is what parallel.zero's live run is checked against (estimate.training's
+    zero_run); double it and the planner's states double."""
+    from backend.estimate import training as est
+    model, cl, plan = M.load("llama-3-8b"), Cluster(GPUS["H100 SXM 96GB"], 1), Plan(micro_batch=2, global_batch=16)
+    before = memory(model, cl, plan, 8)["optimizer states"]
+    real = est.memory_per_rank
+    monkeypatch.setattr(est, "memory_per_rank", lambda *a: {k: 2 * v for k, v in real(*a).items()})
+    assert memory(model, cl, plan, 8)["optimizer states"] == pytest.approx(2 * before)
+
+
+def test_planner_calls_the_tp_byte_model_the_live_runs_check(monkeypatch):
+    """tp_model.expected_collectives is what parallel.tp's bytes on the wire are checked against; the planner's TP
+    time moves with it."""
+    from backend.parallel import tp_model
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 8)
+    plan = Plan(tp=8, pp=1, dp_strategy="fsdp", micro_batch=1, global_batch=64, seq_len=4096)
+    costs.tp_bytes_per_layer.cache_clear()
+    before = evaluate(model, cl, plan, EFF)["time"]["exposed_s"]["tp"]
+    real = tp_model.expected_collectives
+    monkeypatch.setattr(tp_model, "expected_collectives",
+                        lambda *a, **k: [dict(r, sent_bytes=3 * r["sent_bytes"]) for r in real(*a, **k)])
+    costs.tp_bytes_per_layer.cache_clear()
+    after = evaluate(model, cl, plan, EFF)["time"]["exposed_s"]["tp"]
+    costs.tp_bytes_per_layer.cache_clear()
+    assert after > 2.5 * before > 0
+
+
+def test_planner_calls_the_schedules_live_bound(monkeypatch):
+    from backend.parallel.pp import schedules
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 8)
+    plan = Plan(tp=8, pp=4, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096)
+    costs.live_microbatches.cache_clear()
+    before = memory(model, cl, plan, 2)["activations (layers)"]
+    sched = schedules.SCHEDULES["1f1b"]
+    monkeypatch.setitem(schedules.SCHEDULES, "1f1b", dataclasses.replace(sched, live_bound_fn=lambda p, m, r: 2 * min(m, p - r)))
+    costs.live_microbatches.cache_clear()
+    after = memory(model, cl, plan, 2)["activations (layers)"]
+    costs.live_microbatches.cache_clear()
+    assert after == pytest.approx(2 * before)
+
+
+def test_gantt_replay_equals_the_1f1b_makespan():
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 8)
+    plan = Plan(tp=8, pp=4, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096)
+    r = evaluate(model, cl, plan, EFF)
+    bars = gantt.replay(plan, r)
+    assert max(b["ts"] + b["dur"] for b in bars) / 1e6 == pytest.approx(r["time"]["pipeline_s"], rel=1e-9)
+
+
+def test_gantt_check_fails_when_the_makespan_rule_is_wrong(monkeypatch):
+    from backend.parallel.pp import schedules
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 8)
+    plan = Plan(tp=8, pp=4, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096)
+    sched = schedules.SCHEDULES["1f1b"]
+    monkeypatch.setitem(schedules.SCHEDULES, "1f1b", dataclasses.replace(sched, makespan_fn=lambda f, b, m: m * max(f) + m * max(b)))
+    r = evaluate(model, cl, plan, EFF)
+    bars = gantt.replay(plan, r)
+    assert abs(max(b["ts"] + b["dur"] for b in bars) / 1e6 / r["time"]["pipeline_s"] - 1) > 0.05
+
+
+def test_published_rows_calibration_fitted_validation_apart():
+    rows = published.errors()
+    cal = [r for r in rows if r["role"] == "calibration"]
+    val = [r for r in rows if r["role"] == "validation"]
+    assert cal and val and all(r["within"] for r in cal)
+    by = {r["row"]: r for r in val}
+    # torchtitan at 128 GPUs, predicted from the 8-GPU calibration: throughput within 10%, memory within 5%
+    assert by["torchtitan 8B, 128 H100: tokens/s/GPU"]["within"]
+    assert by["torchtitan 8B, 128 H100: memory"]["within"]
+
+
+def test_the_fit_reads_no_validation_row(monkeypatch):
+    published.fit.cache_clear()
+    seen = []
+    real = published.predict_row
+    monkeypatch.setattr(published, "predict_row", lambda row, eff: seen.append(row.role) or real(row, eff))
+    published.fit()
+    published.fit.cache_clear()
+    assert set(seen) == {"calibration"}
+
+
+def test_bad_plans_are_refused_naming_the_field():
+    model, cl = M.load("llama-3-8b"), Cluster(GPUS["H100 SXM 80GB"], 1)
+    with pytest.raises(ConfigError, match="^tp: 3 does not divide"):
+        validate(model, cl, Plan(tp=3))
+    with pytest.raises(ConfigError, match="^global_batch"):
+        validate(model, cl, Plan(global_batch=12))
+    with pytest.raises(ConfigError, match="^precision: fp8"):
+        validate(model, Cluster(GPUS["A100 80GB SXM"], 1), Plan(precision="fp8"))
+    with pytest.raises(ConfigError, match="^ep"):
+        validate(model, cl, Plan(ep=2))
+    with pytest.raises(ConfigError, match="^tp: 16 does not divide the 8 GPUs"):
+        validate(model, cl, Plan(tp=16))
+
+
+def test_uploaded_config_is_validated(tmp_path):
+    good = json.loads((M.CONFIG_DIR / "llama-3-8b.json").read_text())
+    digest = M.save_config(json.dumps(good).encode(), tmp_path)
+    assert M.load(digest, str(tmp_path)).hidden == 4096
+    missing = {k: v for k, v in good.items() if k != "num_hidden_layers"}
+    with pytest.raises(ValueError, match="lacks 'num_hidden_layers'"):
+        M.save_config(json.dumps(missing).encode(), tmp_path)
+    with pytest.raises(ValueError, match="at most"):
+        M.parse_bytes(b" " * (M.MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="'hidden_size' is -1"):
+        M.parse_config({**good, "hidden_size": -1})
+    with pytest.raises(ValueError, match="not JSON"):
+        M.parse_bytes(b"{nope")
+
+
+def test_experiment_refuses_a_bad_model_and_dimensions():
+    with pytest.raises(ConfigError, match="^model"):
+        experiments.run("plan.training", model="gpt-5")
+    with pytest.raises(ConfigError, match="^tp"):
+        experiments.run("plan.training", tp=5)
+
+
+def test_plan_training_defaults_pass():
+    r = experiments.run("plan.training")
+    assert r.passed and r.metrics["fits"] and 0 < r.metrics["mfu"] < 1
+
+
+def test_plan_search_ranks_and_explains():
+    r = experiments.run("plan.search", model="llama-3-70b", nodes=4, global_batch=64, seq_len=4096)
+    assert r.passed and r.metrics["plans_feasible"] > 0
+    assert r.tables["ranked"][0]["why_not_best"] == "the best"
+    assert all(x["why_not_best"] for x in r.tables["ranked"][1:])
+
+
+def test_a_rival_that_crosses_the_node_is_told_so():
+    model, cl = M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 4)
+    best = evaluate(model, cl, Plan(tp=8, pp=2, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096), EFF)
+    rival = evaluate(model, cl, Plan(tp=16, pp=1, dp_strategy="zero1", micro_batch=1, global_batch=64, seq_len=4096), EFF)
+    best["plan"], rival["plan"] = Plan(tp=8), Plan(tp=16)
+    assert rival["time"]["links"]["tp"] == "network" and best["time"]["links"]["tp"] == "nvlink"
+    assert "tp 16 crosses the node" in search.why_slower(best, rival)
+
+
+def test_search_names_why_a_plan_does_not_fit():
+    found = search.search(M.load("llama-3-70b"), Cluster(GPUS["H100 SXM 80GB"], 1), 16, 4096, EFF)
+    reasons = [x["reason"] for x in found["infeasible"]]
+    assert any("does not fit" in r and "GiB > 80 GiB" in r for r in reasons)
+    assert all(r["memory_bytes"] <= GPUS["H100 SXM 80GB"].hbm_bytes for r in found["ranked"])
+
+
+def test_planner_calls_the_ring_byte_model_the_live_runs_check(monkeypatch):
+    """wire.ring_bytes is what every logged transfer of the live collectives is checked against; the planner's
+    data-parallel volume moves with it."""
+    from backend.parallel import wire
+    before = costs.dp_sent_bytes("zero2", 1e9, 64, 4)
+    real = wire.ring_bytes
+    monkeypatch.setattr(wire, "ring_bytes", lambda *a, **k: 2 * real(*a, **k))
+    assert costs.dp_sent_bytes("zero2", 1e9, 64, 4) == pytest.approx(2 * before)
+    assert before == pytest.approx((1e9 - 1e9 % 64) * 63 / 64 * (4 + 2))  # seed 000: reduce-scatter + all-gather
