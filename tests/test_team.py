@@ -105,3 +105,72 @@ def test_a_queued_runs_place_and_wait_come_from_the_runs_ahead(store):
         assert runner.place(ids[0]) is None  # running: no longer queued
     finally:
         runner.close()
+
+
+# --- a server killed with runs queued --------------------------------------------------------------------------------
+SERVER = """
+import sys, time
+from backend.jobs import JobRunner
+from backend.store import RunStore
+JobRunner(RunStore(sys.argv[1]), max_jobs=1)
+print("serving", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _server(data) -> subprocess.Popen:
+    """A server's job runner (what pages/ui.py keeps per Streamlit process), in its own process."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(data)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "serving"
+    return proc
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    end = time.time() + timeout_s
+    while time.time() < end:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s:g} s: {what}")
+
+
+def test_kill_9_of_the_server_with_runs_queued_loses_none(store, monkeypatch):
+    """kill -9 of the server while one run runs and ten wait: the running one's leader (its own session) goes on and
+    records its end; the restarted server runs the ten, one at a time (the cap holds across the restart: none starts
+    before the adopted run ends), each exactly once."""
+    from backend import uploads
+    from backend.jobs import JobRunner
+    from backend.store import pid_alive
+
+    monkeypatch.setenv("EXPLORER_DATA_DIR", str(store.root))  # the servers', the runs' and the uploads' store
+    submitter = JobRunner(store, max_jobs=0, warm=False, max_queued_per_person=None)  # submits only
+    first = _server(store.root)
+    second = None
+    try:
+        late = uploads.save_trace(b"arrival,prompt_len,output_len\n100000,10,10\n", store.root)
+        long_run = submitter.submit("kvcache.serve", {"trace": late, "num_blocks": "8192"}, owner="ana")
+        running = _wait_for(lambda: (r := store.get(long_run)).status == "running" and r.pid and r, 120, "claimed")
+        queued = [submitter.submit("numerics.formats", _formats(i), owner=f"p{i}") for i in range(10)]
+        assert store.get(long_run).status == "running" and all(store.get(q).status == "queued" for q in queued)
+        first.kill()
+        first.wait()
+        assert pid_alive(running.pid), "the run's leader died with the server"
+        second = _server(store.root)
+        every = [long_run, *queued]
+        _wait_for(lambda: all(store.get(r).status in ("succeeded", "failed", "cancelled") for r in every), 400,
+                  "every run final after the restart")
+        records = [store.get(r) for r in every]
+        adopted = records[0]
+        assert adopted.status == "succeeded" or (adopted.status == "failed" and adopted.error), adopted.error
+        assert [r.status for r in records[1:]] == ["succeeded"] * 10, [(r.status, r.error) for r in records[1:]]
+        assert len(store.list()) == 11  # none doubled
+        spans = sorted((r.started, r.finished) for r in records)
+        assert all(later[0] >= earlier[1] - 0.05 for earlier, later in zip(spans, spans[1:])), spans  # one at a time
+    finally:
+        submitter.close()
+        for proc in (first, second):
+            if proc and proc.poll() is None:
+                proc.kill()
+                proc.wait()
