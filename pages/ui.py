@@ -195,7 +195,7 @@ def _header(rec: RunRecord) -> None:
     st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
 
 
-@st.fragment(run_every=1.0)
+@st.fragment(run_every=0.5)  # a finished run is drawn within half a second of its end (bench/team_load.py)
 def _live_status(run_id: str) -> None:
     rec = store().get(run_id)
     if rec.status in FINAL:
