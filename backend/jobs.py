@@ -26,6 +26,7 @@ import dataclasses
 import faulthandler
 import heapq
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -122,8 +123,9 @@ class JobRunner:
             return None
         now = time.time()
         running = [r for r in active if r.status == "running"]
-        ahead = sorted((r for r in active if r.status == "queued" and (r.created, r.id) < (me.created, me.id)),
-                       key=lambda r: r.created)
+        if self.max_jobs < 1:  # EXPLORER_MAX_JOBS=0: this server starts nothing (another process on the store may)
+            return QueuePlace(running=len(running), ahead=len(ahead_of(me, active)), wait_s=math.inf)
+        ahead = ahead_of(me, active)
         slots = sorted(max(0.0, self._estimate(r) - (now - (r.started or now))) for r in running)[:self.max_jobs]
         slots += [0.0] * (self.max_jobs - len(slots))
         heapq.heapify(slots)
@@ -343,6 +345,12 @@ class Leader:
         limits.kill_tree(os.getpid())
         print(f"run {self.run_id} {status}: {message}", file=sys.stderr, flush=True)
         os._exit(code)
+
+
+def ahead_of(me: RunRecord, active: list[RunRecord]) -> list[RunRecord]:
+    """The queued runs claimed before `me` (claim_next takes the oldest first), oldest first."""
+    return sorted((r for r in active if r.status == "queued" and (r.created, r.id) < (me.created, me.id)),
+                  key=lambda r: r.created)
 
 
 def _config_of(rec: RunRecord) -> Config | None:

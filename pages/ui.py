@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import os
 import re
 import time
@@ -204,17 +205,22 @@ def _live_status(run_id: str) -> None:
     if rec.status == "queued":
         place = runner().place(run_id)
         if place:
+            when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "
+                    f"upper bounds); at most {runner().max_jobs} run at a time on this server"
+                    if math.isfinite(place.wait_s) else "this server starts no runs itself (EXPLORER_MAX_JOBS = 0)")
             st.info(f"Queued: position {place.ahead + 1}, behind {place.running} running and {place.ahead} queued "
-                    f"run(s); expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs "
-                    f"ahead, upper bounds); at most {runner().max_jobs} run at a time on this server.")
+                    f"run(s); {when}.")
     else:
         elapsed = time.time() - (rec.started or time.time())
         st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")
+    refused = f"cancel-refused-{run_id}"  # kept: this fragment redraws every half second
     if st.button("Cancel run", key=f"cancel-{run_id}"):
         try:
             runner().cancel(run_id, by=current_user(), admin=is_admin())
         except NotAllowed as err:
-            st.error(str(err))
+            st.session_state[refused] = str(err)
+    if refused in st.session_state:
+        st.error(escape(st.session_state[refused]))
 
 
 def _checks(result: dict) -> None:
