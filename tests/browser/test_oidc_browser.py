@@ -76,5 +76,22 @@ def test_st_login_records_the_owner_and_only_the_owner_cancels(oidc_server):
                 time.sleep(0.2)
             rec = store.get(run.id)
             assert rec.status == "cancelled" and rec.error == "cancelled by ana@example.org before it started"
+
+            for seed in (1, 2):  # two more queued runs, cancelled from the sidebar at once; Ben's stays queued
+                ana.goto(f"{url}/number_formats?seed={seed}")
+                ana.get_by_role("button", name="Run", exact=True).click()
+                expect(ana.get_by_text("Queued: position")).to_be_visible(timeout=UI_TIMEOUT_MS)
+            ben.goto(f"{url}/number_formats?seed=3")
+            ben.get_by_role("button", name="Run", exact=True).click()
+            expect(ben.get_by_text("Queued: position 3, behind 0 running and 2 queued")).to_be_visible(
+                timeout=UI_TIMEOUT_MS)
+            ana.get_by_role("button", name="Cancel my 2 queued run(s)").click()
+            deadline = time.time() + 30
+            while len(store.list(statuses=("queued",))) != 1 and time.time() < deadline:
+                time.sleep(0.2)
+            (left,) = store.list(statuses=("queued",))
+            assert left.owner == "ben@example.org"
+            expect(ben.get_by_text("Queued: position 1, behind 0 running and 0 queued")).to_be_visible(
+                timeout=UI_TIMEOUT_MS)
         finally:
             browser.close()
