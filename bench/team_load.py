@@ -221,8 +221,8 @@ def main() -> None:
         stop(server)
     out = {"device": describe()["name"], "cpus": os.cpu_count(),
            "note": "measured on a shared, contended 2-core VM (other engineers' tests and benchmarks ran at the same "
-                   "time; see load_average_at_start), and Chromium with all N people's pages runs on the same 2 cores as the server
-                   and its runs: the timings are this box's, not a team server's",
+                   "time; see load_average_at_start), and Chromium with all N people's pages runs on the same 2 cores "
+                   "as the server and its runs: the timings are this box's, not a team server's",
            "experiment": EXPERIMENT, "max_jobs": 1, "server": f"streamlit on {HOST} (loopback), one process",
            "phases": phases}
     Path(args.out).write_text(json.dumps(out, indent=1))
