@@ -122,7 +122,7 @@ class JobRunner:
         if me is None or me.status != "queued":
             return None
         now = time.time()
-        running = [r for r in active if r.status == "running"]
+        running = [r for r in active if r.status == "running" and r.origin == "jobs"]  # CLI runs hold no job slot
         if self.max_jobs < 1:  # EXPLORER_MAX_JOBS=0: this server starts nothing (another process on the store may)
             return QueuePlace(running=len(running), ahead=len(ahead_of(me, active)), wait_s=math.inf)
         ahead = ahead_of(me, active)
