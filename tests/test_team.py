@@ -174,3 +174,19 @@ def test_kill_9_of_the_server_with_runs_queued_loses_none(store, monkeypatch):
             if proc and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize("name, ok", [("Ana Lima", True), ("ana@example.org", True), ("x" * 40, True), ("", False),
+                                      (" ", False), ("x" * 41, False), ("<b>ana</b>", False), ("ana;path=/", False),
+                                      ("-ana", False)])
+def test_a_token_holders_name_is_checked_and_survives_its_cookie(name, ok):
+    from backend import auth
+
+    if not ok:
+        with pytest.raises(ValueError, match=r"^name: .* \(allowed: 1 to 40 characters"):
+            auth.check_name(name)
+        assert auth.name_from_cookie(name) is None  # a forged cookie is ignored, not trusted
+        return
+    value = auth.name_cookie_value(name)
+    assert ";" not in value and " " not in value and "'" not in value  # safe inside document.cookie = '...'
+    assert auth.name_from_cookie(value) == name
