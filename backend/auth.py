@@ -7,11 +7,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 COOKIE = "explorer_auth"
+NAME_COOKIE = "explorer_name"  # who signed in with the token, so a returning browser's runs keep their owner
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._@-]{0,39}")
+NAME_ALLOWED = "1 to 40 characters: letters, digits, space, '.', '_', '@', '-', starting with a letter or digit"
 
 
 def is_exposed(address: str | None) -> bool:
@@ -48,3 +53,24 @@ def same(given: str, expected: str) -> bool:
 def admins() -> set[str]:
     """With an OIDC provider, the emails allowed to cancel anyone's run (EXPLORER_ADMINS, comma-separated)."""
     return {a.strip() for a in os.environ.get("EXPLORER_ADMINS", "").split(",") if a.strip()}
+
+
+def check_name(name: str) -> str:
+    """The name a token holder signs in with (recorded as their runs' owner), or ValueError naming the field and
+    what is allowed. Without an identity provider this is what the person says, not a proof of who they are."""
+    name = name.strip()
+    if not NAME.fullmatch(name):
+        raise ValueError(f"name: {name[:60]!r} is not allowed (allowed: {NAME_ALLOWED})")
+    return name
+
+
+def name_cookie_value(name: str) -> str:
+    return quote(check_name(name))
+
+
+def name_from_cookie(value: str | None) -> str | None:
+    """The name a browser's cookie holds, if it is an allowed one."""
+    try:
+        return check_name(unquote(value)) if value else None
+    except ValueError:
+        return None

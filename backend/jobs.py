@@ -22,8 +22,11 @@ flag), and a leader that dies without a word is marked failed by the next reader
 """
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
+import heapq
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -37,9 +40,12 @@ from typing import Any, Mapping
 from backend import experiments, limits
 from backend.config import Config, ConfigError
 from backend.comm.spawn import free_port
-from backend.store import FINAL, RunRecord, RunStore
+from backend.store import FINAL, QueueFull, RunRecord, RunStore  # noqa: F401  (QueueFull: submit's refusal)
 
 DEFAULT_MAX_JOBS = int(os.environ.get("EXPLORER_MAX_JOBS", 1))
+# Runs one person may have queued at once (not counting running ones): a burst from one person delays another
+# person's run by at most this many runs plus the ones running.
+DEFAULT_MAX_QUEUED_PER_PERSON = int(os.environ.get("EXPLORER_MAX_QUEUED_PER_PERSON", 4))
 WARM_LEADER = os.environ.get("EXPLORER_WARM_LEADER", "1") != "0"
 BEAT_S = 0.5  # heartbeat and cancel poll period: cancel acts within a second
 # A distributed run's leader holds its time limit this much later: spawn_ranks enforces the limit itself, first
@@ -55,12 +61,22 @@ class NotAllowed(PermissionError):
     """A user asked for something only the run's owner or an admin may do."""
 
 
+@dataclasses.dataclass
+class QueuePlace:
+    """Where a queued run stands: the runs that start before it and when it should start."""
+    running: int      # runs holding a job slot now
+    ahead: int        # queued runs claimed before it (the queue is first come, first served)
+    wait_s: float     # its expected wait: the runs ahead laid on the job slots by their cost estimates
+
+
 class JobRunner:
     def __init__(self, store: RunStore | None = None, max_jobs: int = DEFAULT_MAX_JOBS,
                  timeout_s: float | None = None, poll_s: float = 0.1, warm: bool = WARM_LEADER,
-                 backstop_s: float = BACKSTOP_S):
+                 backstop_s: float = BACKSTOP_S, max_queued_per_person: int = DEFAULT_MAX_QUEUED_PER_PERSON):
         self.store = store or RunStore()
         self.max_jobs, self.poll_s, self.warm, self.backstop_s = max_jobs, poll_s, warm, backstop_s
+        self.max_queued_per_person = max_queued_per_person
+        self._estimates: dict[str, float] = {}  # run id -> its Config's estimated seconds (settings never change)
         self.timeout_s = timeout_s or limits.time_budget()
         self._procs: dict[str, subprocess.Popen] = {}
         self._standby: Standby | None = None
@@ -78,7 +94,7 @@ class JobRunner:
         digest = config.digest(exp.name, version)
         timeout_s = min(timeout_s or self.timeout_s, self.timeout_s)
         return self.store.submit(exp.name, config.to_dict(), digest, timeout_s=timeout_s,
-                                 code_version=version, owner=owner)[0]
+                                 code_version=version, owner=owner, max_queued=self.max_queued_per_person)[0]
 
     def cancel(self, run_id: str, by: str = "", admin: bool = True) -> None:
         """Cancel a queued run at once; a running one is stopped by its leader within a second, whichever
@@ -87,6 +103,41 @@ class JobRunner:
         if rec and not admin and rec.owner and rec.owner != by:
             raise NotAllowed(f"run {run_id} was launched by {rec.owner}; only they or an admin can cancel it")
         self.store.request_cancel(run_id, by)
+
+    def cancel_queued(self, owner: str) -> list[str]:
+        """Cancel every run `owner` has queued (their own: nobody else's); returns the ids cancelled."""
+        cancelled = []
+        for run_id in self.store.queued_of(owner):
+            if self.store.request_cancel(run_id, owner) == "queued":
+                cancelled.append(run_id)
+        return cancelled
+
+    def place(self, run_id: str) -> QueuePlace | None:
+        """A queued run's place: the running runs and the queued ones claimed before it (oldest first), and its
+        expected wait, laying each of those on the earliest free of max_jobs slots for its estimated seconds (a
+        running one for what its estimate has left). None once the run is no longer queued. Estimates are the
+        budget's upper bounds, so the wait is one too."""
+        active = self.queue()
+        me = next((r for r in active if r.id == run_id), None)
+        if me is None or me.status != "queued":
+            return None
+        now = time.time()
+        running = [r for r in active if r.status == "running" and r.origin == "jobs"]  # CLI runs hold no job slot
+        if self.max_jobs < 1:  # EXPLORER_MAX_JOBS=0: this server starts nothing (another process on the store may)
+            return QueuePlace(running=len(running), ahead=len(ahead_of(me, active)), wait_s=math.inf)
+        ahead = ahead_of(me, active)
+        slots = sorted(max(0.0, self._estimate(r) - (now - (r.started or now))) for r in running)[:self.max_jobs]
+        slots += [0.0] * (self.max_jobs - len(slots))
+        heapq.heapify(slots)
+        for r in ahead:
+            heapq.heappush(slots, heapq.heappop(slots) + self._estimate(r))
+        return QueuePlace(running=len(running), ahead=len(ahead), wait_s=slots[0])
+
+    def _estimate(self, rec: RunRecord) -> float:
+        if rec.id not in self._estimates:
+            config = _config_of(rec)
+            self._estimates[rec.id] = config.estimate().seconds if config else float(rec.timeout_s or self.timeout_s)
+        return self._estimates[rec.id]
 
     def wait(self, run_id: str, timeout_s: float = 300) -> RunRecord:
         """Block until the run is final and, if this runner started it, its process group is gone."""
@@ -294,6 +345,12 @@ class Leader:
         limits.kill_tree(os.getpid())
         print(f"run {self.run_id} {status}: {message}", file=sys.stderr, flush=True)
         os._exit(code)
+
+
+def ahead_of(me: RunRecord, active: list[RunRecord]) -> list[RunRecord]:
+    """The queued runs claimed before `me` (claim_next takes the oldest first), oldest first."""
+    return sorted((r for r in active if r.status == "queued" and (r.created, r.id) < (me.created, me.id)),
+                  key=lambda r: r.created)
 
 
 def _config_of(rec: RunRecord) -> Config | None:

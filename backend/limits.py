@@ -73,9 +73,17 @@ def memory_message(used: int | None = None, limit: int | None = None, config=Non
             f"(EXPLORER_RUN_MEMORY_GIB); {_lower(config)}, or ask the server's admin to raise the limit")
 
 
-def time_message(timeout_s: float, config=None) -> str:
-    return (f"time limit: not finished within {timeout_s:g} s (--timeout, at most EXPLORER_JOB_TIMEOUT_S); "
-            f"{_lower(config)}, or ask the server's admin to raise the limit")
+def time_message(timeout_s: float, config=None, hang: str = "") -> str:
+    """Why a run hit its time limit and what helps. `hang`: which ranks wait in a collective that others never
+    reach; a hang never ends, so neither smaller settings nor a higher limit help: the collectives must match."""
+    head = f"time limit: not finished within {timeout_s:g} s (--timeout, at most EXPLORER_JOB_TIMEOUT_S)"
+    if hang:
+        cause = ("this run's fault = 'hang' does it on purpose: choose fault = none"
+                 if getattr(config, "fault", None) == "hang" else
+                 "make every rank call the same collectives in the same order (one called on some ranks only, or a "
+                 "mismatched send/recv, waits forever)")
+        return f"{head}: a hang: {hang}; smaller settings or a higher limit do not end a hang: {cause}"
+    return f"{head}; {_lower(config)}, or ask the server's admin to raise the limit"
 
 
 def _lower(config) -> str:

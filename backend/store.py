@@ -79,6 +79,15 @@ LIVE_INDEX = ("CREATE UNIQUE INDEX IF NOT EXISTS runs_live_digest ON runs(digest
               " WHERE status IN ('queued','running') AND origin='jobs'")
 
 
+class QueueFull(RuntimeError):
+    """A person already has as many runs queued as EXPLORER_MAX_QUEUED_PER_PERSON allows."""
+
+    def __init__(self, owner: str, queued: int, cap: int):
+        super().__init__(f"{owner or 'you'} already ha{'ve' if not owner else 's'} {queued} run(s) queued, the most one "
+                         f"person may (EXPLORER_MAX_QUEUED_PER_PERSON = {cap}): wait for one to start, or cancel one")
+        self.owner, self.queued, self.cap = owner, queued, cap
+
+
 def data_dir() -> Path:
     """EXPLORER_DATA_DIR, else $XDG_CACHE_HOME/llm-systems-explorer, else ~/.cache/llm-systems-explorer."""
     env = os.environ.get("EXPLORER_DATA_DIR")
@@ -225,9 +234,11 @@ class RunStore:
         return run_id
 
     def submit(self, experiment: str, config: dict, digest: str, *, timeout_s: float, code_version: str,
-               owner: str = "") -> tuple[str, bool]:
+               owner: str = "", max_queued: int | None = None) -> tuple[str, bool]:
         """Queue a job-queue run unless a live or succeeded run has the same digest: (run id, created?).
-        Look-up and insert are one write transaction, so simultaneous identical submissions make one run."""
+        Look-up and insert are one write transaction, so simultaneous identical submissions make one run, and
+        an owner with `max_queued` runs already queued gets QueueFull instead of another (one person's burst
+        cannot push everyone else's runs back by more than that)."""
         with self._transaction() as db:
             self._reap(db, db.execute("SELECT * FROM runs WHERE digest=? AND status='running'", (digest,)).fetchall())
             row = db.execute(
@@ -236,7 +247,18 @@ class RunStore:
             ).fetchone()
             if row:
                 return row["id"], False
+            if max_queued is not None:
+                queued = db.execute("SELECT COUNT(*) FROM runs WHERE status='queued' AND origin='jobs' AND owner=?",
+                                    (owner,)).fetchone()[0]
+                if queued >= max_queued:
+                    raise QueueFull(owner, queued, max_queued)
             return self._insert(db, experiment, config, digest, "queued", timeout_s, code_version, "jobs", owner, None), True
+
+    def queued_of(self, owner: str) -> list[str]:
+        """The ids of an owner's queued job-queue runs, oldest first."""
+        with self._connect() as db:
+            return [r["id"] for r in db.execute("SELECT id FROM runs WHERE status='queued' AND origin='jobs' AND owner=?"
+                                                " ORDER BY created", (owner,))]
 
     def update(self, run_id: str, **fields) -> None:
         if not fields:

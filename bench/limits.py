@@ -9,7 +9,11 @@ sampled every 50 ms, the same sum the leader enforces. Each row also has the run
 its ranks, sampled with the memory) and the load average when it started: wall time on a shared 2-core box depends on the
 load, CPU time does not.
 
-    nice python bench/limits.py [--only NAME,...] [--defaults]
+    nice python bench/limits.py [--only NAME,...] [--defaults] [--serve-traces]
+
+--serve-traces measures kvcache.serve on uploaded traces instead (bench/results/limits_serve_traces.json): what
+its estimate is fitted to, the step, token, sample and snapshot costs of its two simulations, out to the uploads'
+last allowed arrival (backend/uploads.py MAX_ARRIVAL).
 """
 from __future__ import annotations
 
@@ -85,11 +89,52 @@ def _covered(row: dict) -> bool:
     return row["memory_covered"] and row["time_covered"] and row["status"] == "succeeded"
 
 
+def serve_traces() -> list[tuple[str, bytes, dict]]:
+    """Uploaded traces that separate the estimate's terms: idle steps (one late request), the pool's size (sampled
+    and snapshotted), many rows, long outputs."""
+    import random
+
+    rng = random.Random(0)
+    late = b"arrival,prompt_len,output_len\n100000,10,10\n"
+    many = "arrival,prompt_len,output_len\n" + "".join(
+        f"{i * 10},{rng.randint(1, 200)},{rng.randint(1, 200)}\n" for i in range(10_000))
+    long = "arrival,prompt_len,output_len\n" + "".join(f"{i * 10},100,1000\n" for i in range(2000))
+    return [("one request at step 100,000", late, {}),
+            ("one request at step 100,000, 16,384 blocks", late, {"num_blocks": 16384}),
+            ("10,000 rows to step 100,000", many.encode(), {}),
+            ("2,000 requests of 1,100 tokens", long.encode(), {})]
+
+
+def measure_serve_traces() -> list[dict]:
+    from backend import uploads
+
+    rows = []
+    for label, data, settings in serve_traces():
+        config = experiments.get("kvcache.serve").make_config({**settings, "trace": uploads.save_trace(data)}).to_dict()
+        est = experiments.get("kvcache.serve").make_config(config).estimate()
+        got = measure("kvcache.serve", config, limits.time_budget())
+        rows.append({"experiment": "kvcache.serve", "trace": label, "config": config, "estimate_bytes": est.memory_bytes,
+                     "estimate_s": round(est.seconds, 2), **got, "memory_covered": est.memory_bytes >= got["peak_bytes"],
+                     "time_covered": got["run_wall_s"] is not None and est.seconds >= got["run_wall_s"]})
+        print(f"{label:44s} run {got['run_wall_s']} s (est {est.seconds:5.1f}; CPU {got['process_cpu_s']} s, load "
+              f"{got['load_average']})  {got['status']}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", help="comma-separated experiment names")
     p.add_argument("--defaults", action="store_true", help="measure default settings instead (calibration)")
+    p.add_argument("--serve-traces", action="store_true", help="kvcache.serve on uploaded traces (its estimate's fit)")
     args = p.parse_args()
+    if args.serve_traces:
+        rows = measure_serve_traces()
+        out = {"device": describe()["name"], "note": "a shared, contended 2-core VM: wall times depend on the load",
+               "all_covered": all(_covered(r) for r in rows), "rows": rows}
+        path = ROOT / "bench" / "results" / "limits_serve_traces.json"
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
+        return
     chosen = [e for e in experiments.all_experiments() if not args.only or e.name in args.only.split(",")]
     rows = []
     for exp in chosen:

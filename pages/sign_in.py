@@ -46,27 +46,39 @@ def sign_in() -> bool:
         return True
     token = server_token()
     proof = auth.session_proof(token)
-    if st.session_state.get("signed_in") or auth.same(st.context.cookies.get(auth.COOKIE, ""), proof):
+    if st.session_state.get("signed_in") and st.session_state.get("name"):
+        return True
+    returning = st.session_state.get("signed_in") or auth.same(st.context.cookies.get(auth.COOKIE, ""), proof)
+    if returning and (name := auth.name_from_cookie(st.context.cookies.get(auth.NAME_COOKIE))):
+        st.session_state.update(signed_in=True, name=name)
         return True
     given = st.query_params.get("token")
-    if given is None:
-        with st.form("sign-in"):
-            st.title("Sign in")
-            st.write("This server is shared: open the link with its token that was printed where it was started, "
-                     "or paste the token here.")
-            typed = st.text_input("Token", type="password")
-            submitted = st.form_submit_button("Sign in", type="primary")
-        if not submitted:
-            return False
-        given = typed
-    if not auth.same(given, token):
+    if given is not None and not auth.same(given, token):
+        st.error("That token is not this server's.")
+        given = None
+    with st.form("sign-in"):
+        st.title("Sign in")
+        st.write("This server is shared: give your name (your runs are recorded under it) and the token printed where "
+                 "the server was started (or open the link with it).")
+        typed_name = st.text_input("Your name", max_chars=40, help=auth.NAME_ALLOWED)
+        typed = st.text_input("Token", type="password") if given is None and not returning else ""
+        submitted = st.form_submit_button("Sign in", type="primary")
+    if not submitted:
+        return False
+    try:
+        name = auth.check_name(typed_name)
+    except ValueError as err:
+        st.error(str(err))
+        return False
+    if not returning and not auth.same(given if given is not None else typed, token):
         st.error("That token is not this server's.")
         return False
-    st.session_state["signed_in"] = True
+    st.session_state.update(signed_in=True, name=name)
     if "token" in st.query_params:
         del st.query_params["token"]  # out of the address bar and the history
-    components.html(f"<script>document.cookie = '{auth.COOKIE}={proof}; path=/; max-age=2592000; SameSite=Strict';</script>",
-                    height=0)
+    age = "path=/; max-age=2592000; SameSite=Strict"
+    components.html(f"<script>document.cookie = '{auth.COOKIE}={proof}; {age}'; "
+                    f"document.cookie = '{auth.NAME_COOKIE}={auth.name_cookie_value(name)}; {age}';</script>", height=0)
     return True
 
 
@@ -74,7 +86,9 @@ def current_user() -> str:
     """Who is launching runs: the signed-in email with st.login; the token holder; on loopback, this machine's user."""
     if _oidc() and st.user.is_logged_in:
         return st.user.get("email") or st.user.get("name") or "signed-in user"
-    return "token holder" if exposed() else getpass.getuser()
+    if exposed():
+        return st.session_state.get("name") or "token holder"
+    return getpass.getuser()
 
 
 def who_is_signed_in() -> None:

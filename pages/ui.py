@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import os
 import re
 import time
@@ -21,7 +22,7 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.device import describe
 from backend.jobs import JobRunner, NotAllowed, log_tail
-from backend.store import ACTIVE, FINAL, RunRecord, RunStore, is_run_id
+from backend.store import ACTIVE, FINAL, QueueFull, RunRecord, RunStore, is_run_id
 from pages.form import settings_form
 from pages.markup import escape
 from pages.navigation_guard import route_through_app
@@ -86,6 +87,9 @@ def _queue() -> None:
     for rec in reversed(active):
         pct = f" {rec.progress:.0%}" if rec.status == "running" else ""
         st.caption(f"{STATUS_ICON[rec.status]} `{rec.id}` {escape(rec.experiment)}{pct} · {escape(rec.owner or '')}")
+    mine = sum(rec.status == "queued" and rec.owner == current_user() for rec in active)
+    if mine and st.button(f"Cancel my {mine} queued run(s)", key="cancel-mine"):
+        runner().cancel_queued(current_user())
 
 
 # --- one experiment's page ---------------------------------------------------------------------------
@@ -103,7 +107,7 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     if values is not None:
         try:
             run_id = runner().submit(name, values, owner=current_user())
-        except ConfigError as err:
+        except (ConfigError, QueueFull) as err:
             st.error(escape(str(err)))
             return
         kept = {k: st.query_params[k] for k in page_params if k in st.query_params}
@@ -111,7 +115,7 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     elif run_id is None and _opens_on_the_default_run() and not any(f.name in st.query_params for f in exp.config_cls.fields()):
         try:  # a first visit: the run of the defaults, found by its digest if it exists, else started now
             run_id = runner().submit(name, {}, owner=current_user())
-        except ConfigError as err:  # the defaults over this server's budget (a small EXPLORER_RUN_MEMORY_GIB)
+        except (ConfigError, QueueFull) as err:  # the defaults over this server's budget, or a full queue
             st.error(escape(str(err)))
             return
         st.query_params["run"] = run_id
@@ -192,25 +196,31 @@ def _header(rec: RunRecord) -> None:
     st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
 
 
-@st.fragment(run_every=1.0)
+@st.fragment(run_every=0.5)  # a finished run is drawn within half a second of its end (bench/team_load.py)
 def _live_status(run_id: str) -> None:
     rec = store().get(run_id)
     if rec.status in FINAL:
         st.rerun()
     _header(rec)
     if rec.status == "queued":
-        waiting = [r for r in store().list(statuses=("queued",)) if r.created < rec.created]
-        running = store().list(statuses=("running",))
-        st.info(f"Queued behind {len(running)} running and {len(waiting)} queued run(s); "
-                f"at most {runner().max_jobs} run at a time on this server.")
+        place = runner().place(run_id)
+        if place:
+            when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "
+                    f"upper bounds); at most {runner().max_jobs} run at a time on this server"
+                    if math.isfinite(place.wait_s) else "this server starts no runs itself (EXPLORER_MAX_JOBS = 0)")
+            st.info(f"Queued: position {place.ahead + 1}, behind {place.running} running and {place.ahead} queued "
+                    f"run(s); {when}.")
     else:
         elapsed = time.time() - (rec.started or time.time())
         st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")
+    refused = f"cancel-refused-{run_id}"  # kept: this fragment redraws every half second
     if st.button("Cancel run", key=f"cancel-{run_id}"):
         try:
             runner().cancel(run_id, by=current_user(), admin=is_admin())
         except NotAllowed as err:
-            st.error(str(err))
+            st.session_state[refused] = str(err)
+    if refused in st.session_state:
+        st.error(escape(st.session_state[refused]))
 
 
 def _checks(result: dict) -> None:

@@ -82,8 +82,8 @@ def test_hanging_rank_is_named_and_its_stack_logged(runner):
     assert 'selftest.py", line' in hung and "in rank_main" in hung and "distributed_c10d" not in hung
     assert time.time() - start < 40 + 60  # the diagnosis comes before the runner's backstop
     _assert_cleaned_up(rec)
-    # What a stopped run keeps: the settings to lower, how far it got, what it had computed, its log.
-    assert "lower world_size (now 3)" in rec.error
+    # What a stopped run keeps: what helps (for a hang not smaller settings), how far it got, what it had computed.
+    assert "lower world_size" not in rec.error and "do not end a hang: this run's fault = 'hang'" in rec.error
     assert rec.progress == 0.5 and rec.progress_msg == "rank 0 in the all-reduce, waiting for every rank"
     assert runner.store.partial(rid)["metrics"] == {"rank 0 input": 0.0}
 
@@ -132,6 +132,19 @@ def test_time_and_memory_messages_name_the_settings_to_lower():
         in limits.time_message(60, config)
     assert "lower batch (now 128)" in limits.memory_message(5 << 30, 4 << 30, config)
     assert "choose smaller settings" in limits.time_message(60)
+
+
+def test_a_hang_is_not_told_to_lower_its_settings():
+    """A run that is only slow should lower the settings its cost grows with; a hang never ends, whatever they are."""
+    from backend import experiments, limits
+
+    injected = experiments.get("comm.selftest").make_config({"world_size": "3", "fault": "hang"})
+    waiting = "ranks [1] had not reached the collective the others wait in (rank 0 in all_reduce)"
+    message = limits.time_message(40, injected, hang=waiting)
+    assert waiting in message and "lower" not in message and "choose fault = none" in message
+    other = limits.time_message(40, experiments.get("pipeline.run").make_config({}), hang=waiting)
+    assert "lower" not in other and "same collectives in the same order" in other
+    assert "lower world_size (now 3)" in limits.time_message(40, injected)  # slow, not hung: the settings help
 
 
 def test_two_runs_at_once_get_different_ports(runner):

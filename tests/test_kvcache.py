@@ -302,3 +302,45 @@ def test_paged_decode_page_draws_a_run():
 
     other = _app("pages/paged_attention.py", run=at.query_params["run"][0] if isinstance(at.query_params["run"], list) else at.query_params["run"])
     assert any("paged_decode?run=" in w.value for w in other.warning), [w.value for w in other.warning]
+
+
+# --- the cost of an uploaded trace (the estimate against a measured run) ---------------------------------------------
+LATE = b"arrival,prompt_len,output_len\n100000,10,10\n"  # one request at the uploads' last allowed arrival
+
+
+def _upload(data: bytes) -> str:
+    from backend import uploads
+
+    return uploads.save_trace(data)
+
+
+def test_an_upload_arriving_at_the_last_allowed_step_is_accepted():
+    """Uploads allow arrivals to step 100,000; the old estimate (2 ms a step) refused anything past ~30,000."""
+    config = experiments.get("kvcache.serve").make_config({"trace": _upload(LATE)})
+    assert config.estimate().seconds < 30
+
+
+def test_the_serve_estimate_covers_a_measured_run_without_overshooting_it():
+    """The estimate against the run measured here (its wall time, in this process): at least the measurement, at
+    most 20 times it (the old estimate was 130 times over for one late request)."""
+    import time
+
+    from backend.experiments import RunContext
+
+    exp = experiments.get("kvcache.serve")
+    trace = "arrival,prompt_len,output_len\n" + "".join(f"{i * 6},{50 + i % 90},{20 + i % 150}\n" for i in range(3000))
+    config = exp.make_config({"trace": _upload(trace.encode()), "num_blocks": "4096"})
+    start = time.perf_counter()
+    result = exp.run(config, RunContext())
+    measured = time.perf_counter() - start
+    assert result.passed
+    assert measured <= config.estimate().seconds <= 20 * measured, (measured, config.estimate().seconds)
+
+
+def test_an_upload_over_the_time_budget_is_told_a_setting_that_helps(monkeypatch):
+    """n_requests does nothing for an uploaded trace: the refusal names the pool's size, which does."""
+    monkeypatch.setenv("EXPLORER_JOB_TIMEOUT_S", "20")
+    with pytest.raises(ConfigError) as info:
+        experiments.get("kvcache.serve").make_config({"trace": _upload(LATE), "num_blocks": "65536"})
+    assert info.value.field == "num_blocks" and "allowed with the other settings as they are: num_blocks = " in str(info.value)
+    assert "n_requests" not in str(info.value)

@@ -259,7 +259,8 @@ def _timeout(procs, payloads: dict, stacks: Path, ctx, config=None, grace_s: flo
         what = f"ranks {starting} had not started their run (process start-up alone took the time)"
     from backend.limits import time_message
 
-    return RunTimeout(f"{time_message(ctx.timeout_s, config)}: {what}; each rank's stack is in the run's log.txt")
+    said = time_message(ctx.timeout_s, config, hang=what) if waiting else f"{time_message(ctx.timeout_s, config)}: {what}"
+    return RunTimeout(f"{said}; each rank's stack is in the run's log.txt")
 
 
 def _main_stack(dump: str) -> list[str]:

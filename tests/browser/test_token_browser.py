@@ -1,5 +1,6 @@
-"""Sign-in as Jupyter does it, in real Chromium: a server bound beyond localhost asks for its token; ?token= once
-sets a cookie (a keyed digest, not the token) and leaves the address bar; a browser without it is asked again."""
+"""Sign-in as Jupyter does it, in real Chromium: a server bound beyond localhost asks for its token and a name;
+?token= once sets a cookie (a keyed digest, not the token) and leaves the address bar; a browser without it is asked
+again. The name is who the runs started from that browser belong to, also on a later visit."""
 import time
 
 import pytest
@@ -11,14 +12,18 @@ TOKEN = "t0k3n-for-this-test-only"
 
 
 @pytest.fixture(scope="module")
-def exposed_server(tmp_path_factory):
+def exposed_data(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-data")
+
+
+@pytest.fixture(scope="module")
+def exposed_server(exposed_data):
     _require_browser()
-    with streamlit_app(tmp_path_factory.mktemp("token-data"), "--server.address", "0.0.0.0",
-                       env={"EXPLORER_TOKEN": TOKEN}) as url:
+    with streamlit_app(exposed_data, "--server.address", "0.0.0.0", env={"EXPLORER_TOKEN": TOKEN}) as url:
         yield url
 
 
-def test_token_flow(exposed_server):
+def test_token_flow(exposed_server, exposed_data):
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
@@ -33,7 +38,14 @@ def test_token_flow(exposed_server):
         context = browser.new_context()
         member = new_page(context)
         member.goto(f"{exposed_server}/?token={TOKEN}")
+        member.get_by_label("Your name", exact=True).fill("Ana <b>")  # not an allowed name: said so, with what is allowed
+        member.get_by_role("button", name="Sign in").click()
+        expect(member.get_by_text("name: 'Ana <b>' is not allowed (allowed: 1 to 40 characters")).to_be_visible(
+            timeout=UI_TIMEOUT_MS)
+        member.get_by_label("Your name", exact=True).fill("Ana Lima")
+        member.get_by_role("button", name="Sign in").click()
         expect(member.get_by_text("Job queue")).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(member.get_by_text("Signed in as Ana Lima")).to_be_visible(timeout=UI_TIMEOUT_MS)
         deadline = time.time() + 10
         while "token=" in member.url and time.time() < deadline:
             time.sleep(0.1)
@@ -43,13 +55,26 @@ def test_token_flow(exposed_server):
             time.sleep(0.1)
         cookie = next(c for c in context.cookies() if c["name"] == "explorer_auth")
         assert TOKEN not in cookie["value"]
-        again = new_page(context)  # a later visit: the cookie is enough
+        again = new_page(context)  # a later visit: the cookie is enough, and the name comes with it
         again.goto(f"{exposed_server}/runs")
         expect(again.get_by_role("heading", name="Runs")).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(again.get_by_text("Signed in as Ana Lima")).to_be_visible(timeout=UI_TIMEOUT_MS)
+        again.goto(f"{exposed_server}/number_formats")  # a run from this browser is recorded as Ana's
+        again.get_by_role("button", name="Run", exact=True).click()
+        from backend.store import RunStore
+
+        deadline = time.time() + 60
+        while not (runs := RunStore(exposed_data).list(experiment="numerics.formats")) and time.time() < deadline:
+            time.sleep(0.2)
+        assert runs and {r.owner for r in runs} == {"Ana Lima"}
+        again.goto(f"{exposed_server}/runs")
+        expect(again.get_by_text("Ana Lima").first).to_be_visible(timeout=UI_TIMEOUT_MS)
 
         pasted = new_page(browser)  # or paste the token into the form
         pasted.goto(exposed_server)
+        pasted.get_by_label("Your name", exact=True).fill("ben")
         pasted.get_by_label("Token").fill(TOKEN)
         pasted.get_by_role("button", name="Sign in").click()
         expect(pasted.get_by_text("Job queue")).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(pasted.get_by_text("Signed in as ben")).to_be_visible(timeout=UI_TIMEOUT_MS)
         browser.close()

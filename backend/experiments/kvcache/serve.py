@@ -3,12 +3,21 @@ of the same memory. Both schedulers run the same trace; see serving.py for what 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from backend.config import Config, ConfigError, setting, cost
 from backend.experiments import define
 from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthetic_trace
 from backend.result import Check, Result
 from backend.uploads import load_trace
+
+# CPU seconds of the two simulations, measured per piece (bench/limits.py --serve-traces), and the loaded box's
+# wall time per CPU second on top (2 cores shared with a browser and other runs).
+SERVE_STEP_S = 1.5e-6            # one scheduler step of both simulators, nothing running
+SERVE_SAMPLE_BLOCK_S = 4e-9      # the paged sample sums every block's fill every 5 steps: ~19 ns a block
+SERVE_TOKEN_S = 2e-6             # one decoded token (paged grow + contiguous)
+SERVE_SNAPSHOT_BLOCK_S = 0.7e-6  # one block of one pool snapshot (invariants, the drawn pool, its JSON)
+SERVE_LOAD = 8.0  # wall per CPU second of the simulations: up to 7.7 measured at load average 6 (bench/results/limits_serve_traces.json)
 
 
 @dataclasses.dataclass
@@ -32,18 +41,35 @@ class ServeConfig(Config):
         except ValueError as err:
             raise ConfigError("trace", str(err)) from None
 
-    cost_drivers = ("n_requests", "num_blocks", "max_model_len")
+    @property
+    def cost_drivers(self) -> tuple[str, ...]:
+        """An uploaded trace fixes its requests and arrivals (n_requests and rate do nothing then): of the settings,
+        only the pool's size (sampled every 5 steps, drawn at every snapshot) drives its cost."""
+        return ("n_requests", "num_blocks", "max_model_len") if self.trace == "synthetic" else ("num_blocks",)
 
     def estimate(self):
-        """Two scheduler simulations, each a Python loop over scheduler steps (until the last request arrives
-        and drains), sampling its state every step; each request costs about 200 scheduler steps of Python."""
+        """Two scheduler simulations, each a Python loop over scheduler steps until the last request arrives and
+        drains. Measured per piece (bench/limits.py --serve-traces, CPU of the two simulations on this 2-core box):
+        a step ~1.3 us; a decoded token ~1.7 us; the paged sample every 5 steps sums every block (~19 ns a block);
+        a pool snapshot (~60, then 30 more per doubling of the steps) ~0.6 us a block. Wall time on a loaded box is
+        taken as SERVE_LOAD times that CPU time."""
         if self.trace == "synthetic":
             requests, span = self.n_requests, self.n_requests / self.rate
+            mean_prompt, mean_output = 190.0, 230.0  # the synthetic log-normals' means (exp(5 + 0.8^2/2), exp(5 + 0.9^2/2))
+            tokens, drain = requests * mean_output, min(self.max_model_len, 5500)  # ~4 sd up the output tail
+            mean_total = mean_prompt + mean_output
         else:
             trace = self.requests()
             requests, span = len(trace), max(r.arrival for r in trace)
+            tokens, drain = sum(r.output_len for r in trace), max(r.total for r in trace)
+            mean_total = sum(r.total for r in trace) / requests
+        concurrency = max(1.0, self.num_blocks * self.block_size / mean_total)  # requests the pool holds at once
+        steps = max(span, tokens / concurrency) + drain
+        snapshots = steps / 20 if steps < 1220 else 61 + 30 * math.log2(steps / 1220)
+        cpu = (steps * (SERVE_STEP_S + self.num_blocks * SERVE_SAMPLE_BLOCK_S) + tokens * SERVE_TOKEN_S
+               + snapshots * self.num_blocks * SERVE_SNAPSHOT_BLOCK_S)
         return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
-                    ops=2 * (span * 20 + requests * 200))
+                    seconds=SERVE_LOAD * cpu)
 
     def check(self) -> None:
         capacity = self.num_blocks * self.block_size
