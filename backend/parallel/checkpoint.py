@@ -85,17 +85,6 @@ def replicated(ranges, tensors: dict[str, torch.Tensor]) -> dict:
             for name, a, b in ranges for kind, t in tensors.items()}
 
 
-def flatten(state: dict, prefix: str = "") -> dict:
-    """Nested state dicts as DCP names their entries: keys joined by dots."""
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 @dataclass
 class SaveRecord:
     step: int
@@ -203,7 +192,9 @@ def verify(path: Path, expected: dict) -> None:
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
                                   f"match its sha256 in {MANIFEST}")
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for key, value in flatten(expected).items():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    for key, value in flatten_state_dict(expected)[0].items():
         size = tuple(value.size()) if hasattr(value, "size") else None
         if key.startswith("rng."):
             continue  # per-rank keys: present only when the world size is the same
