@@ -240,5 +240,5 @@ def read_timeline(root: Path) -> list[dict]:
 
 def kill_self(root: Path, rank: int, step: int) -> None:
     """The fault: this rank ends by SIGKILL (no exception, no clean-up), as a lost node does."""
-    log_event(root, event="kill", rank=rank, step=step)
+    log_event(root, event="kill", rank=rank, step=step, pid=os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
