@@ -173,3 +173,26 @@ def test_torchrun_max_restarts_resumes_the_killed_group_bit_for_bit(tmp_path):
     finally:
         if processes_in_group(agent.pid):
             os.killpg(agent.pid, 9)
+
+
+@pytest.mark.parametrize("saved, loaded", [(("zero3", 4), ("zero1", 2)), (("fsdp", 4), ("fsdp", 2))])
+def test_a_checkpoint_saved_on_4_ranks_resumes_on_2_equal_to_one_process(tmp_path, saved, loaded):
+    """Resharding: the step-2 checkpoint of a 4-rank run (its step-4 one removed) loaded by 2 ranks of another
+    strategy, which train steps 2 and 3: parameters and every loss equal one float64 process within 1e-9."""
+    import shutil
+
+    from backend.comm.spawn import spawn_ranks
+    from backend.experiments import RunContext
+    from backend.experiments.parallel.checkpoint import CheckpointConfig, resume_rank
+    from backend.parallel.workload import reference_run
+
+    ctx = RunContext(scratch_dir=str(tmp_path), timeout_s=180)
+    first = CheckpointConfig(world_size=saved[1], strategy=saved[0], kill_rank=-1, **SMALL)
+    spawn_ranks(resume_rank, saved[1], first, ctx, ("torch.distributed.fsdp", "torch.distributed.checkpoint"))
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00004")
+    then = CheckpointConfig(world_size=loaded[1], strategy=loaded[0], kill_rank=-1, **SMALL)
+    reports = spawn_ranks(resume_rank, loaded[1], then, ctx, ("torch.distributed.fsdp", "torch.distributed.checkpoint"))
+    assert all(r.extra["resumed_from"] == "step_00002" for r in reports)
+    ref = reference_run(then.workload)
+    assert max(np.abs(r.params - ref["params"].numpy()).max() for r in reports) <= 1e-9
+    assert max(abs(a - b) for a, b in zip(reports[0].losses, ref["losses"])) <= 1e-9

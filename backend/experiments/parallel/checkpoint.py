@@ -96,6 +96,16 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
     return report
 
 
+def resume_rank(rank, world, config: CheckpointConfig, ctx):
+    """Train with checkpoints in the run's folder, resuming from the newest one there, whatever mesh and strategy
+    saved it (DCP reshards by the saved offsets): how a checkpoint moves from one plan to another."""
+    mesh, tracer = start_rank(rank, world)
+    saver = ckpt.Checkpointer(ckpt.folder(ctx), config.every, rank)
+    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), None, saver)
+    report.extra = {"resumed_from": saver.resumed_from}
+    return report
+
+
 def expected_tensor_bytes(config: CheckpointConfig) -> int:
     """What one checkpoint must hold, counted from the settings alone: the float64 weights, Adam's m and v
     (3 x layers x (h^2 + h) x 8 bytes), Adam's step (one int64; FSDP2's torch Adam: a float32 per parameter
