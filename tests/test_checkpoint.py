@@ -196,3 +196,15 @@ def test_a_checkpoint_saved_on_4_ranks_resumes_on_2_equal_to_one_process(tmp_pat
     ref = reference_run(then.workload)
     assert max(np.abs(r.params - ref["params"].numpy()).max() for r in reports) <= 1e-9
     assert max(abs(a - b) for a, b in zip(reports[0].losses, ref["losses"])) <= 1e-9
+
+
+def test_interval_tradeoff_closed_form_against_monte_carlo_and_young(monkeypatch):
+    """The renewal formula agrees with simulated failures, Young's interval lands near the best one; the Monte Carlo
+    check fails when the formula forgets the failures (the rule broken)."""
+    from backend.experiments.parallel import checkpoint as exp
+
+    good = exp.interval_tradeoff(step_s=0.04, save_s=0.09, restart_s=0.25, mtbf_s=5.0)
+    assert good["mc_error"] < 0.05 and good["young_vs_best"] < 0.05
+    assert good["young_steps"] == round((2 * 0.09 * 5.0) ** 0.5 / 0.04)  # sqrt(2 C M) / step
+    monkeypatch.setattr(exp, "expected_time_per_step", lambda k, step, save, restart, mtbf: (k * step + save) / k)
+    assert exp.interval_tradeoff(step_s=0.04, save_s=0.09, restart_s=0.25, mtbf_s=5.0)["mc_error"] > 0.05

@@ -29,6 +29,7 @@ class CheckpointConfig(WorkloadConfig):
     kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
     kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
     max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
+    mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
 
     cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
 
@@ -106,6 +107,44 @@ def resume_rank(rank, world, config: CheckpointConfig, ctx):
     return report
 
 
+def expected_time_per_step(k: np.ndarray, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> np.ndarray:
+    """Wall time per useful step with a save every k steps and failures arriving as a Poisson process (rate 1/M):
+    a segment of s = k*step + save seconds, retried from its start after each failure (which also costs the
+    restart R), takes (M + R)(e^(s/M) - 1) in expectation (the exact renewal result, no first-order cut)."""
+    seg = k * step_s + save_s
+    return (mtbf_s + restart_s) * np.expm1(seg / mtbf_s) / k
+
+
+def simulated_time_per_step(k: int, step_s: float, save_s: float, restart_s: float, mtbf_s: float,
+                            segments: int = 4000, seed: int = 0) -> float:
+    """The same by Monte Carlo: draw failure times, redo the segment after each, count the wall time."""
+    rng, seg, total = np.random.default_rng(seed), k * step_s + save_s, 0.0
+    for _ in range(segments):
+        while (x := rng.exponential(mtbf_s)) < seg:
+            total += x + restart_s
+        total += seg
+    return total / (segments * k)
+
+
+def interval_tradeoff(step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> dict:
+    """Interval k against wall time per useful step; the optimum, Young's sqrt(2 C M) interval beside it, and a
+    Monte Carlo run at a few k against the closed form."""
+    young_s = float(np.sqrt(2 * save_s * mtbf_s))
+    k_young = max(1, round(young_s / step_s))
+    ks = np.unique(np.geomspace(1, max(4 * k_young, 8), 60).round().astype(int))
+    cost_k = expected_time_per_step(ks, step_s, save_s, restart_s, mtbf_s)
+    best = int(ks[np.argmin(cost_k)])
+    at = lambda k: float(expected_time_per_step(np.array([k]), step_s, save_s, restart_s, mtbf_s)[0])
+    probes = sorted({max(1, k_young // 4), k_young, 4 * k_young})
+    mc = [{"interval_steps": k, "closed_form_s": at(k), "monte_carlo_s": simulated_time_per_step(k, step_s, save_s, restart_s, mtbf_s, seed=k)}
+          for k in probes]
+    rows = [{"interval_steps": int(k), "time_per_step_s": float(c), "overhead_pct": 100 * (float(c) / step_s - 1),
+             "lost_work_s_per_failure": float(k) * step_s / 2} for k, c in zip(ks, cost_k)]
+    return {"rows": rows, "young_s": young_s, "young_steps": k_young, "best_steps": best,
+            "young_vs_best": at(k_young) / at(best) - 1, "monte_carlo": mc,
+            "mc_error": max(abs(m["monte_carlo_s"] / m["closed_form_s"] - 1) for m in mc)}
+
+
 def expected_tensor_bytes(config: CheckpointConfig) -> int:
     """What one checkpoint must hold, counted from the settings alone: the float64 weights, Adam's m and v
     (3 x layers x (h^2 + h) x 8 bytes), Adam's step (one int64; FSDP2's torch Adam: a float32 per parameter
@@ -149,12 +188,30 @@ def combine(config: CheckpointConfig, reports) -> Result:
         last_saved = max((e["step"] for e in timeline if e["event"] == "save" and e["step"] <= config.kill_step), default=0)
         metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=last_saved,
                        steps_redone=config.kill_step - last_saved)
+    steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
+             and b["step"] == a["step"] + 1]
+    if steps and first.extra["saves"]:
+        step_s = float(np.median(steps))
+        save_s = float(np.mean([s["seconds"] for s in first.extra["saves"]]))
+        restart_s = first.extra["load_seconds"] or save_s
+        trade = interval_tradeoff(step_s, save_s, restart_s, config.mtbf_s)
+        metrics.update(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
+                       best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
+        checks.append(Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
+                            reference="4,000 simulated segments per interval, exponential failure times",
+                            detail="relative difference, worst of 3 intervals"))
+        checks.append(Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
+                            trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
+                            detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps"))
+        tables_extra = {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
+    else:
+        tables_extra = {}
     t0 = timeline[0]["t"] if timeline else 0.0
     events = [{**e, "t_s": e["t"] - t0} for e in timeline]
     notes = [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
              f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
              f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
-    return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files,
+    return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
                                                           "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
 
