@@ -208,3 +208,11 @@ def test_interval_tradeoff_closed_form_against_monte_carlo_and_young(monkeypatch
     assert good["young_steps"] == round((2 * 0.09 * 5.0) ** 0.5 / 0.04)  # sqrt(2 C M) / step
     monkeypatch.setattr(exp, "expected_time_per_step", lambda k, step, save, restart, mtbf: (k * step + save) / k)
     assert exp.interval_tradeoff(step_s=0.04, save_s=0.09, restart_s=0.25, mtbf_s=5.0)["mc_error"] > 0.05
+
+
+def test_async_save_resumes_from_a_checkpoint_written_while_training_went_on():
+    """dcp.async_save: the step-2 save writes during step 2 and is completed (manifest) before step 3, where rank 1
+    is killed: the restart loads it (not a restart from scratch) and ends bit for bit."""
+    result = experiments.run("parallel.checkpoint", strategy="zero3", save="async", **{**SMALL, "kill_step": 3})
+    assert result.passed, [c for c in result.checks if not c.passed]
+    assert result.metrics["resumed_from_step"] == 2 and result.metrics["load_s"] is not None

@@ -99,9 +99,16 @@ class Checkpointer:
     every: int
     rank: int
     attempt: int = 0
+    asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
     saves: list[SaveRecord] = field(default_factory=list)
     load_seconds: float | None = None
     resumed_from: str | None = None
+    _pending: tuple | None = None  # (future, path, record) of an async save still writing
+    _group: object = None
+
+    def __post_init__(self):
+        if self.asynchronous:  # collective: every rank builds its Checkpointer at the same point
+            self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
         done = [p for p in self.root.glob("step_*") if (p / MANIFEST).exists()] if self.root.exists() else []
@@ -109,6 +116,7 @@ class Checkpointer:
 
     def after_step(self, step: int, strategy, loop_state: dict) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
+        self.finish()  # an async save started after the previous step has had this step to write
         if self.rank == 0:
             log_event(self.root, event="step", step=step, attempt=self.attempt)
         if (step + 1) % self.every == 0:
@@ -118,13 +126,32 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         path = self.root / f"step_{step + 1:05d}"
+        self.finish()
         started = time.perf_counter()
         state = {**strategy.checkpoint_state(), **loop_state}
+        if self.asynchronous:
+            future = dcp.async_save(staged_copy(state, self.rank), checkpoint_id=str(path), process_group=self._group,
+                                    async_stager=_AlreadyStaged())
+            self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+            return
         dcp.save(state, checkpoint_id=str(path))
+        self._complete(path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+
+    def finish(self) -> None:
+        """Wait for an async save still writing, then make it complete (its manifest). The blocking time is the
+        save's: what the step paid is the staging, recorded when it was started."""
+        if self._pending:
+            future, path, record = self._pending
+            self._pending = None
+            future.result()
+            self._complete(path, record)
+
+    def _complete(self, path: Path, record: SaveRecord) -> None:
         write_manifest(path, self.rank)
-        self.saves.append(SaveRecord(step + 1, time.perf_counter() - started, path.name))
+        self.saves.append(record)
         if self.rank == 0:
-            log_event(self.root, event="save", step=step + 1, seconds=self.saves[-1].seconds, attempt=self.attempt)
+            log_event(self.root, event="save", step=record.step, seconds=record.seconds, attempt=self.attempt,
+                      blocking="staging" if self.asynchronous else "whole save")
 
     def resume(self, strategy, loop_state: dict) -> int:
         """Load the newest complete checkpoint into the strategy and loop_state (in place); the next step to run."""
@@ -151,6 +178,45 @@ class Checkpointer:
         if self.rank == 0:
             log_event(self.root, event="start", step=step, attempt=self.attempt, load_seconds=self.load_seconds)
         return step
+
+
+def staged_copy(state: dict, rank: int) -> dict:
+    """A copy of the state for a save that writes while training goes on: plain tensors cloned, ShardedTensors
+    rebuilt over cloned shards (DCP's own stager cannot copy a ShardedTensor). Collective, like the save."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            local = value.local_shards()
+            piece = local[0].tensor.clone() if local else torch.empty(0, dtype=value.dtype)
+            offset = local[0].metadata.shard_offsets[0] if local else 0
+            out[key] = sharded_flat(piece, offset, value.size(0), rank)
+        elif isinstance(value, dict):
+            out[key] = staged_copy(value, rank)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone() if not hasattr(value, "full_tensor") else value.detach().clone()
+        else:
+            out[key] = value
+    return out
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict already copied (staged_copy): nothing more to stage."""
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _sha256(path: Path) -> str:

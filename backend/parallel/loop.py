@@ -142,6 +142,8 @@ def train(strategy: Strategy, progress=None, checkpoint=None, fault=None) -> Ran
             memory = {**strategy.memory(), "activations": activations}
         if progress and mesh.rank == 0:
             progress((step + 1) / w.steps, f"step {step + 1} of {w.steps}")
+    if checkpoint:
+        checkpoint.finish()  # an async save still writing
     sent = strategy.sent_bytes()  # before final_params, whose gather is reporting, not training
     return RankReport(rank=mesh.rank, strategy=strategy.name, losses=losses,
                       params=strategy.final_params().double().numpy().copy(), memory=memory,

@@ -29,6 +29,7 @@ class CheckpointConfig(WorkloadConfig):
     kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
     kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
     max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
+    save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
     mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
 
     cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
@@ -84,7 +85,7 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
         if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
             ckpt.kill_self(root, rank, step)
 
-    saver = ckpt.Checkpointer(root, config.every, rank, attempt=ctx.attempt)
+    saver = ckpt.Checkpointer(root, config.every, rank, attempt=ctx.attempt, asynchronous=config.save == "async")
     report = train(make_strategy(config.strategy, config.workload, mesh, tracer), ctx.progress, saver,
                    fault if faulted else None)
     report.extra = {"attempt": ctx.attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
@@ -185,7 +186,7 @@ def combine(config: CheckpointConfig, reports) -> Result:
         resumed = [e for e in timeline if e["event"] == "start" and e["attempt"] > 0]
         checks.append(Check("the killed rank died by SIGKILL and all ranks restarted", 0 if kills and resumed else 1, 0,
                             reference="timeline: a kill, then a start in attempt 1 from the last checkpoint"))
-        last_saved = max((e["step"] for e in timeline if e["event"] == "save" and e["step"] <= config.kill_step), default=0)
+        last_saved = resumed[-1]["step"] if resumed else 0
         metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=last_saved,
                        steps_redone=config.kill_step - last_saved)
     steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
