@@ -216,3 +216,8 @@ def test_async_save_resumes_from_a_checkpoint_written_while_training_went_on():
     result = experiments.run("parallel.checkpoint", strategy="zero3", save="async", **{**SMALL, "kill_step": 3})
     assert result.passed, [c for c in result.checks if not c.passed]
     assert result.metrics["resumed_from_step"] == 2 and result.metrics["load_s"] is not None
+
+
+def test_only_the_newest_checkpoints_are_kept(one_rank):
+    train(_strategy("zero1"), checkpoint=ckpt.Checkpointer(one_rank, 1, 0))
+    assert sorted(p.name for p in one_rank.glob("step_*")) == ["step_00004", "step_00005"]

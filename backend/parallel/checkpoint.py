@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch.distributed as dist
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 TIMELINE = "timeline.jsonl"
+KEEP = 2  # complete checkpoints kept per run
 
 
 class CheckpointError(RuntimeError):
@@ -111,7 +113,9 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        done = [p for p in self.root.glob("step_*") if (p / MANIFEST).exists()] if self.root.exists() else []
+        if not self.root.exists() or self.root.is_symlink():
+            return None
+        done = [p for p in self.root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
         return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
     def after_step(self, step: int, strategy, loop_state: dict) -> None:
@@ -149,6 +153,10 @@ class Checkpointer:
     def _complete(self, path: Path, record: SaveRecord) -> None:
         write_manifest(path, self.rank)
         self.saves.append(record)
+        if self.rank == 0:  # keep the newest KEEP complete checkpoints: a long run must not fill the data dir
+            done = sorted((p for p in self.root.glob("step_*") if (p / MANIFEST).exists()), key=lambda p: p.name)
+            for old in done[:-KEEP]:
+                shutil.rmtree(old)
         if self.rank == 0:
             log_event(self.root, event="save", step=record.step, seconds=record.seconds, attempt=self.attempt,
                       blocking="staging" if self.asynchronous else "whole save")
