@@ -203,7 +203,7 @@ def staged_copy(state: dict, rank: int) -> dict:
         elif isinstance(value, dict):
             out[key] = staged_copy(value, rank)
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone() if not hasattr(value, "full_tensor") else value.detach().clone()
+            out[key] = value.detach().clone()  # a DTensor (FSDP2) clones its local shard
         else:
             out[key] = value
     return out
