@@ -21,6 +21,7 @@ import getpass
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -69,14 +70,23 @@ def main(argv: list[str] | None = None) -> int:
         device = f"cuda:{local_rank}"
     if device == "cpu":
         torch.set_num_threads(1)
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    rendezvous, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts: the group's restarts
+    # torchrun keeps its store across restarts: the first attempt's gloo addresses are still in it, so a restarted
+    # group would dial dead ranks. Each attempt's keys get their own prefix.
+    dist.init_process_group(args.backend, store=dist.PrefixStore(f"explorer/attempt_{attempt}", rendezvous),
+                            rank=rank, world_size=world, timeout=timeout)
     store = RunStore()
     run_id = leader = None
     if rank == 0:
-        version = experiments.code_version()
-        run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
-                              timeout_s=args.timeout, code_version=version, origin="torchrun",
-                              owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
+        run_id = _restarted_run(store, attempt)
+        if run_id is None:
+            version = experiments.code_version()
+            run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
+                                  timeout_s=args.timeout, code_version=version, origin="torchrun",
+                                  owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
+            _remember_run(store, run_id)
         leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
                         config=config).start()
     else:
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.broadcast_object_list(shared, src=0)
     run_id = shared[0]
     ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, device=device,
-                                 dist_backend=args.backend)
+                                 dist_backend=args.backend, attempt=attempt)
     try:
         payload = exp.rank_fn(rank, world, config, ctx)
         gathered = [None] * world if rank == 0 else None
@@ -109,6 +119,33 @@ def main(argv: list[str] | None = None) -> int:
     leader.stop()
     print(json.dumps(report, default=str) if args.json else f"{exp.name} run {run_id} {report['status']}: {report.get('artifacts')}")
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+def _pointer(store) -> Path | None:
+    """Where rank 0 notes its run's id for a restart of the same torchrun job (TORCHELASTIC_RUN_ID names the job)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return store.root / "torchrun" / f"{job}.run" if job.replace("-", "").isalnum() else None
+
+
+def _remember_run(store, run_id: str) -> None:
+    if (path := _pointer(store)) is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id)
+
+
+def _restarted_run(store, attempt: int) -> str | None:
+    """After torchrun restarted the group (attempt > 0): the same run, open again, so the restarted ranks find its
+    checkpoints in its own folder. The first attempt's rank 0 recorded it cancelled when torchrun stopped it."""
+    from backend.store import is_run_id
+
+    path = _pointer(store)
+    if attempt == 0 or path is None or not path.is_file() or path.is_symlink():
+        return None
+    run_id = path.read_text().strip()
+    if not is_run_id(run_id) or store.get(run_id) is None:
+        return None
+    store.update(run_id, status="running", error=None, finished=None, pid=os.getpid(), heartbeat=time.time())
+    return run_id
 
 
 if __name__ == "__main__":

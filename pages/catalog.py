@@ -44,6 +44,9 @@ SECTIONS: dict[str, list[Topic]] = {
               "ring attention with the zigzag causal split, merged by log-sum-exp", ("parallel.cp",)),
         Topic("pages/mesh_parallel.py", "3D parallel", ":material/view_in_ar:",
               "a dp × tp × pp mesh training the tiny LLaMA on any pipeline schedule, against one process", ("parallel.mesh",)),
+        Topic("pages/checkpoints.py", "Checkpoints and failures", ":material/restore:",
+              "sharded DCP checkpoints, a rank killed and the run resumed bit for bit; the interval trade-off",
+              ("parallel.checkpoint",)),
     ],
     "Attention": [
         Topic("pages/kv_cache.py", "KV cache: MHA, MQA, GQA, MLA", ":material/database:",

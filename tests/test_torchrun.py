@@ -15,7 +15,8 @@ from tests.conftest import REPO
 DISTRIBUTED = [e.name for e in experiments.all_experiments() if e.distributed]
 # Smaller than the defaults where a default is sized to make the page's picture clear, not to be quick.
 QUICK = {"pipeline.run": ["hidden=64", "batch=32"], "comm.bandwidth": ["max_bytes=4096", "iters=2", "ops=all_reduce,all_gather"],
-         "parallel.mesh": ["tp=2", "pp=1"]}  # its default mesh (tp=2, pp=2) needs 4 ranks
+         "parallel.mesh": ["tp=2", "pp=1"],  # its default mesh (tp=2, pp=2) needs 4 ranks
+         "parallel.checkpoint": ["kill_rank=-1"]}  # a kill needs --max-restarts: test_checkpoint.py drives that
 
 
 def _torchrun(name: str, out: Path, sets: list[str]) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ from a fork server that imported torch once, not started afresh.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import os
@@ -176,11 +177,26 @@ def _rank_entry(rank_fn, rank, world_size, port, config, ctx, results, leader_pi
     os._exit(code)
 
 
-def spawn_ranks(rank_fn, world_size: int, config, ctx, preload: tuple[str, ...] = ()) -> list:
+def spawn_ranks(rank_fn, world_size: int, config, ctx, preload: tuple[str, ...] = (), restarts: int = 0) -> list:
     """Run rank_fn on world_size fresh processes; return their payloads in rank order. Payloads must be plain
-    data (numbers, lists, numpy arrays): a torch tensor would travel as a shared-memory handle that dies with its rank."""
+    data (numbers, lists, numpy arrays): a torch tensor would travel as a shared-memory handle that dies with its rank.
+    When a rank fails, every rank is ended and, up to `restarts` times, all are started again (ctx.attempt counts
+    the restarts; the rank function resumes from its checkpoint), all within the one time limit, as torchrun's
+    --max-restarts does."""
     deadline = time.monotonic() + ctx.timeout_s  # start-up counts: the first start waits for the fork server's imports
-    port = ctx.port or free_port()
+    for attempt in range(restarts + 1):
+        try:
+            return _spawn_once(rank_fn, world_size, config, dataclasses.replace(ctx, attempt=attempt), preload,
+                               deadline, ctx.port if attempt == 0 else None)
+        except RankFailed as err:
+            if attempt == restarts:
+                raise
+            append_log(ctx, f"--- attempt {attempt} ended: {err}; restarting all {world_size} ranks "
+                            f"({restarts - attempt} restart(s) left) ---")
+
+
+def _spawn_once(rank_fn, world_size: int, config, ctx, preload, deadline: float, port: int | None) -> list:
+    port = port or free_port()
     mp_ctx = rank_processes(preload)
     results = mp_ctx.Queue()
     # Where each rank's faulthandler writes its stack; a rank creates its file once it is past start-up.

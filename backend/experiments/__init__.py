@@ -42,6 +42,8 @@ class RunContext:
     device: str = "cpu"
     dist_backend: str = "gloo"
     echo_progress: bool = False
+    attempt: int = 0                # 0, then 1, 2, ... each time the ranks were restarted after a rank failed
+    scratch_dir: str | None = None  # an unrecorded distributed run's own folder (a recorded run has its run folder)
 
     def progress(self, fraction: float, message: str = "") -> None:
         fraction = max(0.0, min(1.0, float(fraction)))
@@ -86,8 +88,12 @@ class Experiment:
         if self.distributed:
             from backend.comm.spawn import spawn_ranks
 
-            payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx, self.preload)
-            return self.combine(config, payloads)
+            with tempfile.TemporaryDirectory(prefix="explorer-run-") as scratch:
+                if not (ctx.run_id and ctx.store_root):
+                    ctx = dataclasses.replace(ctx, scratch_dir=scratch)
+                payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx, self.preload,
+                                       restarts=getattr(config, "max_restarts", 0))
+                return self.combine(config, payloads)
         return self.run_fn(config, ctx)
 
 

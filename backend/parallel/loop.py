@@ -96,6 +96,14 @@ class Strategy:
     def extra(self) -> dict:
         return {}
 
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint holds of this rank's model and optimizer (backend/parallel/checkpoint.py): tensors
+        that alias the strategy's own, so DCP's load writes into them."""
+        raise NotImplementedError(f"{self.name} has no checkpoint state")
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """After DCP loaded `state` (from checkpoint_state()): restore what is not an aliased tensor."""
+
 
 def start_rank(rank: int, world_size: int, **mesh_sizes: int) -> tuple[DeviceMesh, Tracer]:
     """This rank's mesh (all ranks data parallel unless sizes say otherwise) and a tracer aligned across ranks."""
@@ -105,16 +113,24 @@ def start_rank(rank: int, world_size: int, **mesh_sizes: int) -> tuple[DeviceMes
     return mesh, tracer
 
 
-def train(strategy: Strategy, progress=None) -> RankReport:
-    """Run the workload's steps under `strategy`; returns this rank's report."""
+def train(strategy: Strategy, progress=None, checkpoint=None, fault=None) -> RankReport:
+    """Run the workload's steps under `strategy`; returns this rank's report. With a `checkpoint`
+    (checkpoint.Checkpointer) it resumes from the newest checkpoint and saves every N steps, the step, the
+    losses so far and the random state with the model; `fault(step)` runs mid-step, after the backward."""
     w, mesh, tracer = strategy.workload, strategy.mesh, strategy.tracer
     strategy.setup(make_model(w))
-    losses, memory, host = [], {}, {}
-    for step in range(w.steps):
+    state = {"loop.step": torch.tensor(0), "loop.losses": torch.zeros(w.steps, dtype=torch.float64),
+             f"rng.{mesh.rank}": torch.get_rng_state()}
+    start = checkpoint.resume(strategy, state) if checkpoint else 0
+    torch.set_rng_state(state[f"rng.{mesh.rank}"])
+    losses, memory, host = state["loop.losses"][:start].tolist(), {}, {}
+    for step in range(start, w.steps):
         x, y = batch(w, step)
         xs, ys = (local_slice(t, mesh.index("dp"), mesh.size("dp")) for t in (x, y))
         strategy.before_forward(step)
         loss, activations = strategy.forward_backward(xs, ys, step)
+        if fault:
+            fault(step)
         strategy.after_backward(step)
         with tracer.span("compute", f"adam {step}", kind="optimizer"):
             strategy.optimizer_step(step)
@@ -122,10 +138,17 @@ def train(strategy: Strategy, progress=None) -> RankReport:
         if mesh.size("dp") > 1:
             dist.all_reduce(total, group=mesh.group("dp"))
         losses.append(total.item())
-        if step == 0:
+        if checkpoint:
+            state["loop.step"].fill_(step + 1)
+            state["loop.losses"][step] = total.item()
+            state[f"rng.{mesh.rank}"] = torch.get_rng_state()
+            checkpoint.after_step(step, strategy, state)
+        if step == start:
             memory, host = {**strategy.memory(), "activations": activations}, strategy.host_memory()
         if progress and mesh.rank == 0:
             progress((step + 1) / w.steps, f"step {step + 1} of {w.steps}")
+    if checkpoint:
+        checkpoint.finish()  # an async save still writing
     sent = strategy.sent_bytes()  # before final_params, whose gather is reporting, not training
     return RankReport(rank=mesh.rank, strategy=strategy.name, losses=losses,
                       params=strategy.final_params().double().numpy().copy(), memory=memory,

@@ -1,0 +1,222 @@
+"""parallel.checkpoint: sharded DCP checkpoints of a data-parallel run, a rank killed by SIGKILL, all ranks
+restarted from the last checkpoint, and the final parameters against an uninterrupted run, bit for bit."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backend.config import ConfigError, cost, setting
+from backend.experiments import define
+from backend.parallel import checkpoint as ckpt
+from backend.parallel.loop import start_rank, train
+from backend.parallel.workload import FP64, WorkloadConfig, reference_run
+from backend.result import Check, Result
+from backend.trace import Tracer
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+BASELINE = "uninterrupted.npy"
+
+
+@dataclasses.dataclass
+class CheckpointConfig(WorkloadConfig):
+    world_size: int = setting(2, min=2, max=8, help="data-parallel ranks n")
+    steps: int = setting(6, min=2, max=100, help="training steps")
+    strategy: str = setting("zero3", choices=STRATEGIES, help="how the model and Adam's states are held and sharded")
+    every: int = setting(2, min=1, max=100, help="checkpoint interval (steps between saves)")
+    kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
+    kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
+    max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
+    save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
+    mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
+
+    cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
+
+    def check(self) -> None:
+        super().check()
+        if self.kill_rank >= self.world_size:
+            raise ConfigError("kill_rank", f"{self.kill_rank} is not a rank of world_size={self.world_size} "
+                                           f"(allowed: -1 to {self.world_size - 1})")
+        if self.kill_step >= self.steps:
+            raise ConfigError("kill_step", f"{self.kill_step} is past the last step (allowed: 0 to {self.steps - 1})")
+        if self.every > self.steps:
+            raise ConfigError("every", f"{self.every} saves nothing in {self.steps} steps (allowed: 1 to steps)")
+
+    def estimate(self):
+        """As WorkloadConfig's run, done twice when a rank is killed (the uninterrupted run, then the resumed one)
+        with the ranks started twice, plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
+        params = self.layers * (self.hidden * self.hidden + self.hidden)
+        runs = 2 if self.kill_rank >= 0 else 1
+        activations = self.batch * self.hidden * self.layers * 8 * 3
+        saves = self.steps // self.every
+        return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
+                    flops=runs * 2 * 6 * self.batch * params * self.steps,
+                    moved_bytes=runs * self.steps * params * 8 * 4 * self.world_size + saves * 3 * params * 8 * 4,
+                    ops=runs * self.steps * self.layers * 1000 * (self.world_size + 2) + saves * 20000 * self.world_size,
+                    ranks=runs * self.world_size)
+
+
+def make_strategy(name: str, workload, mesh, tracer):
+    from backend.parallel.ddp import DDP
+    from backend.parallel.fsdp import FSDP2
+    from backend.parallel.zero import ZeRO
+
+    if name == "ddp":
+        return DDP(workload, mesh, tracer, FP64)
+    if name == "fsdp":
+        return FSDP2(workload, mesh, tracer)
+    return ZeRO(workload, mesh, tracer, FP64, stage=int(name[-1]))
+
+
+def run_rank(rank, world, config: CheckpointConfig, ctx):
+    root = ckpt.folder(ctx)
+    mesh, tracer = start_rank(rank, world)
+    faulted = config.kill_rank >= 0
+    if faulted and ctx.attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
+        baseline = train(make_strategy(config.strategy, config.workload, mesh, Tracer(rank)))
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            np.save(root / BASELINE, baseline.params)
+        dist.barrier()
+
+    def fault(step):
+        if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
+            ckpt.kill_self(root, rank, step)
+
+    saver = ckpt.Checkpointer(root, config.every, rank, attempt=ctx.attempt, asynchronous=config.save == "async")
+    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), ctx.progress, saver,
+                   fault if faulted else None)
+    report.extra = {"attempt": ctx.attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
+                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from}
+    if rank == 0:
+        last = saver.latest()
+        report.extra.update(timeline=ckpt.read_timeline(root), files=ckpt.files_per_rank(last) if last else [],
+                            checkpoint=last.name if last else None,
+                            baseline=np.load(root / BASELINE) if faulted else None)
+    return report
+
+
+def resume_rank(rank, world, config: CheckpointConfig, ctx):
+    """Train with checkpoints in the run's folder, resuming from the newest one there, whatever mesh and strategy
+    saved it (DCP reshards by the saved offsets): how a checkpoint moves from one plan to another."""
+    mesh, tracer = start_rank(rank, world)
+    saver = ckpt.Checkpointer(ckpt.folder(ctx), config.every, rank)
+    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), None, saver)
+    report.extra = {"resumed_from": saver.resumed_from}
+    return report
+
+
+def expected_time_per_step(k: np.ndarray, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> np.ndarray:
+    """Wall time per useful step with a save every k steps and failures arriving as a Poisson process (rate 1/M):
+    a segment of s = k*step + save seconds, retried from its start after each failure (which also costs the
+    restart R), takes (M + R)(e^(s/M) - 1) in expectation (the exact renewal result, no first-order cut)."""
+    seg = k * step_s + save_s
+    return (mtbf_s + restart_s) * np.expm1(seg / mtbf_s) / k
+
+
+def simulated_time_per_step(k: int, step_s: float, save_s: float, restart_s: float, mtbf_s: float,
+                            segments: int = 4000, seed: int = 0) -> float:
+    """The same by Monte Carlo: draw failure times, redo the segment after each, count the wall time."""
+    rng, seg, total = np.random.default_rng(seed), k * step_s + save_s, 0.0
+    for _ in range(segments):
+        while (x := rng.exponential(mtbf_s)) < seg:
+            total += x + restart_s
+        total += seg
+    return total / (segments * k)
+
+
+def interval_tradeoff(step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> dict:
+    """Interval k against wall time per useful step; the optimum, Young's sqrt(2 C M) interval beside it, and a
+    Monte Carlo run at a few k against the closed form."""
+    young_s = float(np.sqrt(2 * save_s * mtbf_s))
+    k_young = max(1, round(young_s / step_s))
+    ks = np.unique(np.geomspace(1, max(4 * k_young, 8), 60).round().astype(int))
+    cost_k = expected_time_per_step(ks, step_s, save_s, restart_s, mtbf_s)
+    best = int(ks[np.argmin(cost_k)])
+    at = lambda k: float(expected_time_per_step(np.array([k]), step_s, save_s, restart_s, mtbf_s)[0])
+    probes = sorted({max(1, k_young // 4), k_young, 4 * k_young})
+    mc = [{"interval_steps": k, "closed_form_s": at(k), "monte_carlo_s": simulated_time_per_step(k, step_s, save_s, restart_s, mtbf_s, seed=k)}
+          for k in probes]
+    rows = [{"interval_steps": int(k), "time_per_step_s": float(c), "overhead_pct": 100 * (float(c) / step_s - 1),
+             "lost_work_s_per_failure": float(k) * step_s / 2} for k, c in zip(ks, cost_k)]
+    return {"rows": rows, "young_s": young_s, "young_steps": k_young, "best_steps": best,
+            "young_vs_best": at(k_young) / at(best) - 1, "monte_carlo": mc,
+            "mc_error": max(abs(m["monte_carlo_s"] / m["closed_form_s"] - 1) for m in mc)}
+
+
+def expected_tensor_bytes(config: CheckpointConfig) -> int:
+    """What one checkpoint must hold, counted from the settings alone: the float64 weights, Adam's m and v
+    (3 x layers x (h^2 + h) x 8 bytes), Adam's step (one int64; FSDP2's torch Adam: a float32 per parameter
+    tensor), the step and the losses so far (int64, steps x float64), and each rank's CPU generator state."""
+    params = config.layers * (config.hidden * config.hidden + config.hidden)
+    adam_step = 2 * config.layers * 4 if config.strategy == "fsdp" else 8
+    return 3 * params * 8 + adam_step + 8 + config.steps * 8 + config.world_size * torch.get_rng_state().numel()
+
+
+def combine(config: CheckpointConfig, reports) -> Result:
+    first = reports[0]
+    ref = reference_run(config.workload)
+    param_err = max((torch.from_numpy(r.params) - ref["params"]).abs().max().item() for r in reports)
+    loss_err = max(abs(a - b) for a, b in zip(first.losses, ref["losses"]))
+    files = first.extra["files"]
+    stored = sum(f["tensor bytes"] for f in files)
+    checks = [
+        Check("final parameters equal one process (float64, same Adam) after the resume", param_err, 1e-9,
+              reference="single-process PyTorch training the whole batch", detail="max |difference|"),
+        Check("every step's loss, kept in the checkpoint across the restart, equals the reference", loss_err, 1e-9,
+              reference="single-process PyTorch"),
+        Check("tensor bytes in the last checkpoint equal the model's state exactly", abs(stored - expected_tensor_bytes(config)), 0,
+              reference="weights + Adam m, v + Adam step + loop step, losses + per-rank RNG, counted from the settings",
+              detail=f"{stored} B stored in {len(files)} files"),
+    ]
+    timeline = first.extra["timeline"]
+    kills = [e for e in timeline if e["event"] == "kill"]
+    metrics = {"strategy": config.strategy, "world_size": config.world_size, "attempts": first.extra["attempt"] + 1,
+               "checkpoint_tensor_bytes": stored, "checkpoint_file_bytes": sum(f["bytes"] for f in files),
+               "save_s_mean": float(np.mean([s["seconds"] for s in first.extra["saves"]])) if first.extra["saves"] else None,
+               "load_s": first.extra["load_seconds"]}
+    if config.kill_rank >= 0:
+        base_err = max(float(np.abs(r.params - first.extra["baseline"]).max()) for r in reports)
+        bitwise = all(np.array_equal(r.params.view(np.uint64), first.extra["baseline"].view(np.uint64)) for r in reports)
+        checks.append(Check("final parameters equal the uninterrupted run's bit for bit", 0.0 if bitwise else max(base_err, 1e-300), 0,
+                            reference="the same strategy trained without checkpoints or the kill, in the same processes",
+                            detail="bits compared as uint64"))
+        resumed = [e for e in timeline if e["event"] == "start" and e["attempt"] > 0]
+        checks.append(Check("the killed rank died by SIGKILL and all ranks restarted", 0 if kills and resumed else 1, 0,
+                            reference="timeline: a kill, then a start in attempt 1 from the last checkpoint"))
+        last_saved = resumed[-1]["step"] if resumed else 0
+        metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=last_saved,
+                       steps_redone=config.kill_step - last_saved)
+    steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
+             and b["step"] == a["step"] + 1]
+    if steps and first.extra["saves"]:
+        step_s = float(np.median(steps))
+        save_s = float(np.mean([s["seconds"] for s in first.extra["saves"]]))
+        restart_s = first.extra["load_seconds"] or save_s
+        trade = interval_tradeoff(step_s, save_s, restart_s, config.mtbf_s)
+        metrics.update(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
+                       best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
+        checks.append(Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
+                            reference="4,000 simulated segments per interval, exponential failure times",
+                            detail="relative difference, worst of 3 intervals"))
+        checks.append(Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
+                            trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
+                            detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps"))
+        tables_extra = {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
+    else:
+        tables_extra = {}
+    t0 = timeline[0]["t"] if timeline else 0.0
+    events = [{**e, "t_s": e["t"] - t0} for e in timeline]
+    notes = [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
+             f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
+             f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
+    return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
+                                                          "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
+                  trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
+
+
+EXPERIMENT = define(__name__, CheckpointConfig, "Sharded DCP checkpoints, a rank killed by SIGKILL and the run resumed bit for bit",
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
+                    preload=("torch.distributed.fsdp", "torch.distributed.checkpoint"))

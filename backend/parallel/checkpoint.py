@@ -1,0 +1,318 @@
+"""Sharded checkpoints of a training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
+
+    ckpt = Checkpointer(folder(ctx), every=2)
+    start = ckpt.resume(strategy, loop_state)   # the step to run next: 0, or one past the last saved step
+    ckpt.maybe_save(step, strategy, loop_state) # after step `step` when (step + 1) % every == 0
+
+Each rank hands DCP its own pieces (a strategy's `checkpoint_state()`): replicated tensors (DDP) are written
+once, by the rank DCP's planner picks; our ZeRO shards are ShardedTensors whose shard metadata carries each
+piece's offset in the parameter's flat global tensor, and FSDP2's state comes from DCP's get_state_dict as
+DTensors. Both carry the offsets DCP needs to load the same checkpoint on another number of ranks.
+A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder without
+it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
+Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+TIMELINE = "timeline.jsonl"
+KEEP = 2  # complete checkpoints kept per run
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, corrupt, or saved from another model."""
+
+
+def folder(ctx) -> Path:
+    """The run's own checkpoint folder: <data dir>/runs/<id>/checkpoints, or the unrecorded run's scratch folder."""
+    if ctx.run_id and ctx.store_root:
+        return Path(ctx.store_root) / "runs" / ctx.run_id / CHECKPOINTS
+    if ctx.scratch_dir:
+        return Path(ctx.scratch_dir) / CHECKPOINTS
+    raise CheckpointError("checkpoints need a run folder (a recorded run) or a scratch folder (an unrecorded one)")
+
+
+def param_ranges(model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """Each parameter's name and its [start, end) in the flat parameter vector (the order flat_params uses)."""
+    out, offset = [], 0
+    for name, p in model.named_parameters():
+        out.append((name, offset, offset + p.numel()))
+        offset += p.numel()
+    return out
+
+
+def sharded_flat(local: torch.Tensor, offset: int, length: int, rank: int, group=None):
+    """A ShardedTensor for a global 1-D tensor of `length` elements of which this rank holds `local` at `offset`
+    (an empty piece: no shard). DCP saves the offset in its metadata and reshards on load by overlap."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    shards = [Shard(local, ShardMetadata([offset], [local.numel()], f"rank:{rank}/cpu"))] if local.numel() else []
+    return init_from_local_shards(shards, length, process_group=group)
+
+
+def flat_pieces(ranges, owned: list[tuple[int, int, dict[str, torch.Tensor]]], rank: int, group=None) -> dict:
+    """The state of a rank owning the flat elements [lo, hi) of each (lo, hi, tensors) in `owned` (tensors indexed
+    from lo): one ShardedTensor per parameter and tensor kind, 'model.0.weight', 'optim.0.weight.exp_avg', ...
+    Every rank builds every key in the same order (creating a ShardedTensor is collective)."""
+    state = {}
+    for name, a, b in ranges:
+        hit = [(max(a, lo), min(b, hi), lo, t) for lo, hi, t in owned if max(a, lo) < min(b, hi)]
+        for kind in owned[0][2]:
+            if hit:
+                s, e, lo, tensors = hit[0]
+                piece, offset = tensors[kind][s - lo:e - lo], s - a
+            else:
+                piece, offset = owned[0][2][kind][:0], 0
+            key = f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"
+            state[key] = sharded_flat(piece, offset, b - a, rank, group)
+    return state
+
+
+def replicated(ranges, tensors: dict[str, torch.Tensor]) -> dict:
+    """The same keys for a rank that holds the whole flat vectors (DDP): plain tensors, which DCP writes once."""
+    return {(f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"): t[a:b]
+            for name, a, b in ranges for kind, t in tensors.items()}
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    seconds: float
+    path: str
+
+
+@dataclass
+class Checkpointer:
+    """Save every `every` steps into root/step_<k>/, resume from the newest complete one."""
+    root: Path
+    every: int
+    rank: int
+    attempt: int = 0
+    asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
+    saves: list[SaveRecord] = field(default_factory=list)
+    load_seconds: float | None = None
+    resumed_from: str | None = None
+    _pending: tuple | None = None  # (future, path, record) of an async save still writing
+    _group: object = None
+
+    def __post_init__(self):
+        if self.asynchronous:  # collective: every rank builds its Checkpointer at the same point
+            self._group = dist.new_group(backend="gloo")
+
+    def latest(self) -> Path | None:
+        if not self.root.exists() or self.root.is_symlink():
+            return None
+        done = [p for p in self.root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
+        return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+    def after_step(self, step: int, strategy, loop_state: dict) -> None:
+        """Log the step on the run's timeline (rank 0) and save when the interval says so."""
+        self.finish()  # an async save started after the previous step has had this step to write
+        if self.rank == 0:
+            log_event(self.root, event="step", step=step, attempt=self.attempt)
+        if (step + 1) % self.every == 0:
+            self.save(step, strategy, loop_state)
+
+    def save(self, step: int, strategy, loop_state: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.root / f"step_{step + 1:05d}"
+        self.finish()
+        started = time.perf_counter()
+        state = {**strategy.checkpoint_state(), **loop_state}
+        if self.asynchronous:
+            future = dcp.async_save(staged_copy(state, self.rank), checkpoint_id=str(path), process_group=self._group,
+                                    async_stager=_AlreadyStaged())
+            self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+            return
+        dcp.save(state, checkpoint_id=str(path))
+        self._complete(path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+
+    def finish(self) -> None:
+        """Wait for an async save still writing, then make it complete (its manifest). The blocking time is the
+        save's: what the step paid is the staging, recorded when it was started."""
+        if self._pending:
+            future, path, record = self._pending
+            self._pending = None
+            future.result()
+            self._complete(path, record)
+
+    def _complete(self, path: Path, record: SaveRecord) -> None:
+        write_manifest(path, self.rank)
+        self.saves.append(record)
+        if self.rank == 0:  # keep the newest KEEP complete checkpoints: a long run must not fill the data dir
+            done = sorted((p for p in self.root.glob("step_*") if (p / MANIFEST).exists()), key=lambda p: p.name)
+            for old in done[:-KEEP]:
+                shutil.rmtree(old)
+        if self.rank == 0:
+            log_event(self.root, event="save", step=record.step, seconds=record.seconds, attempt=self.attempt,
+                      blocking="staging" if self.asynchronous else "whole save")
+
+    def resume(self, strategy, loop_state: dict) -> int:
+        """Load the newest complete checkpoint into the strategy and loop_state (in place); the next step to run."""
+        import torch.distributed.checkpoint as dcp
+
+        path = self.latest()
+        if path is None:
+            if self.rank == 0:
+                log_event(self.root, event="start", step=0, attempt=self.attempt)
+            return 0
+        started = time.perf_counter()
+        from torch.distributed.checkpoint import FileSystemReader
+
+        verify(path, {**strategy.checkpoint_state(), **loop_state})
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        mine = {k: v for k, v in loop_state.items() if k in saved}  # another world size: no random state for this rank
+        state = {**strategy.checkpoint_state(), **mine}
+        dcp.load(state, checkpoint_id=str(path))
+        strategy.load_checkpoint_state(state)
+        loop_state.update({k: state[k] for k in mine})
+        self.load_seconds = time.perf_counter() - started
+        self.resumed_from = path.name
+        step = int(loop_state["loop.step"].item())
+        if self.rank == 0:
+            log_event(self.root, event="start", step=step, attempt=self.attempt, load_seconds=self.load_seconds)
+        return step
+
+
+def staged_copy(state: dict, rank: int) -> dict:
+    """A copy of the state for a save that writes while training goes on: plain tensors cloned, ShardedTensors
+    rebuilt over cloned shards (DCP's own stager cannot copy a ShardedTensor). Collective, like the save."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            local = value.local_shards()
+            piece = local[0].tensor.clone() if local else torch.empty(0, dtype=value.dtype)
+            offset = local[0].metadata.shard_offsets[0] if local else 0
+            out[key] = sharded_flat(piece, offset, value.size(0), rank)
+        elif isinstance(value, dict):
+            out[key] = staged_copy(value, rank)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()  # a DTensor (FSDP2) clones its local shard
+        else:
+            out[key] = value
+    return out
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict already copied (staged_copy): nothing more to stage."""
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path, rank: int) -> None:
+    """Every rank hashes the files it wrote (DCP names them __<rank>_<i>.distcp); rank 0 writes the manifest last,
+    so a folder with a manifest is a complete checkpoint."""
+    mine = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank} for f in path.glob(f"__{rank}_*.distcp")}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        files = {k: v for d in every for k, v in d.items()}
+        files[".metadata"] = {"bytes": (path / ".metadata").stat().st_size, "sha256": _sha256(path / ".metadata"), "rank": 0}
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({"files": files}, indent=1))
+        tmp.replace(path / MANIFEST)
+    dist.barrier()
+
+
+def verify(path: Path, expected: dict) -> None:
+    """Refuse a checkpoint whose files differ from its manifest, or whose tensors are not this model's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path.name}: its manifest is unreadable ({err})") from None
+    for name, want in sorted(files.items()):
+        f = path / name
+        if not f.is_file() or f.is_symlink():
+            raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) is missing")
+        if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
+                                  f"match its sha256 in {MANIFEST}")
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    for key, value in flatten_state_dict(expected)[0].items():
+        size = tuple(value.size()) if hasattr(value, "size") else None
+        if key.startswith("rng."):
+            continue  # per-rank keys: present only when the world size is the same
+        if key not in saved:
+            raise CheckpointError(f"checkpoint {path.name} is from another model or strategy: it has no {key!r} "
+                                  f"(it holds {', '.join(sorted(saved)[:4])}, ...)")
+        have = tuple(getattr(saved[key], "size", ()) or ())
+        if size is not None and have != size:
+            raise CheckpointError(f"checkpoint {path.name} is from another model: {key} has shape {list(have)} there, "
+                                  f"{list(size)} here")
+
+
+def files_per_rank(path: Path) -> list[dict]:
+    """Each file of a checkpoint: its rank, bytes on disk, and the tensor bytes it holds (from DCP's metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(path)).read_metadata()
+    payload: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        entry = md.state_dict_metadata[index.fqn]
+        if hasattr(entry, "chunks"):
+            chunk = entry.chunks[index.index or 0]
+            n = 1
+            for s in chunk.sizes:
+                n *= s
+            payload[info.relative_path] = payload.get(info.relative_path, 0) + n * entry.properties.dtype.itemsize
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    return [{"file": name, "rank": v["rank"], "bytes": v["bytes"], "tensor bytes": payload.get(name, 0)}
+            for name, v in sorted(files.items())]
+
+
+def log_event(root: Path, **event) -> None:
+    """Append one event (a step done, a save, a kill, a resume) to the run's timeline, with the wall time."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / TIMELINE, "a") as f:
+        f.write(json.dumps({"t": time.time(), **event}) + "\n")
+
+
+def read_timeline(root: Path) -> list[dict]:
+    path = root / TIMELINE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def kill_self(root: Path, rank: int, step: int) -> None:
+    """The fault: this rank ends by SIGKILL (no exception, no clean-up), as a lost node does."""
+    log_event(root, event="kill", rank=rank, step=step, pid=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
