@@ -64,13 +64,13 @@ def render(result: dict, rec) -> None:
                      alt.Tooltip("seed_live_words:Q", format=",", title="seed 003's expression")])
         cap = alt.Chart(pd.DataFrame({"M": [words]})).mark_rule(color="#e4572e", strokeDash=[4, 3]).encode(y="M:Q")
         st.altair_chart((bars + cap).properties(height=260), width="stretch")
-        st.dataframe(steps[["step", "what", "delta_words", "live_words", "live_bytes", "seed_live_words"]], hide_index=True, width="stretch")
+        ui.table(steps[["step", "what", "delta_words", "live_words", "live_bytes", "seed_live_words"]])
         st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
                    "live (step 5) the set can pass M by the Q/O tile, which is why the paper's bound is O(M).")
 
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]
-    st.dataframe(pd.DataFrame(example[:-1]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(example[:-1]))
     final = example[-1]
     st.markdown(f"After both blocks: m = {final['m']:.0f}, l = {final['l']:.6f} (closed form e⁻³ + e⁻² + e⁻¹ + e⁰ = "
                 f"{final['l_closed_form']:.6f}); softmax = {', '.join(f'{v:.5f}' for v in final['softmax'])} "

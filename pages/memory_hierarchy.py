@@ -48,7 +48,7 @@ def render(result: dict, rec) -> None:
     rows["source"] = rows["level"].map(lambda level: SOURCES.get((device, f"level:{level}"), ""))
     rows["bandwidth"] = rows.apply(lambda r: (f"{r['bandwidth_Bps'] / 1e9:,.0f} GB/s" + (" (approx.)" if (device, r["level"]) in APPROXIMATE else ""))
                                    if pd.notna(r["bandwidth_Bps"]) else "—", axis=1)
-    st.dataframe(rows[["level", "capacity_bytes", "bandwidth", "ops per datum (FP64)", "naive_bytes", "flash_bytes", "naive_seconds",
+    ui.table(rows[["level", "capacity_bytes", "bandwidth", "ops per datum (FP64)", "naive_bytes", "flash_bytes", "naive_seconds",
                        "flash_seconds", "source"]],
                  hide_index=True, width="stretch",
                  column_config={"capacity_bytes": st.column_config.NumberColumn("capacity", format="%.3e B"),
@@ -107,12 +107,12 @@ def render_measured(result: dict, rec) -> None:
     st.caption("A dependent chase keeps one 64-byte line in flight; everything to the right of 64 bytes has to come from "
                "independent requests: out-of-order cores and prefetchers on a CPU, tens of thousands of threads on a GPU.")
     st.markdown("**This machine, per level** (measured latency and bandwidth of the probe that fits in it):")
-    st.dataframe(pd.DataFrame(tables["levels"]), hide_index=True, width="stretch",
+    ui.table(pd.DataFrame(tables["levels"]),
                  column_config={"one_chase_uses": st.column_config.NumberColumn("one chase uses", format="%.4f"),
                                 "bytes_in_flight": st.column_config.NumberColumn("bytes in flight", format="%.0f")})
     st.markdown("**GPU presets** (model: the assumed latency x the datasheet bandwidth; threads of one request each, "
                 "beside the threads the chip can keep resident):")
-    st.dataframe(pd.DataFrame(tables["gpu_littles_law"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(tables["gpu_littles_law"]))
 
 
 VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,

@@ -50,7 +50,7 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:O", title="rank"), y=alt.Y("measured_bytes:Q", title="bytes held (measured, B)"), color="category:N",
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title="Memory per rank"), width="stretch")
-    st.dataframe(pd.DataFrame(t["ranks"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["ranks"]))
     if t.get("experts"):
         experts = pd.DataFrame(t["experts"]).groupby(["rank", "expert"], as_index=False)["rows computed"].sum()
         st.altair_chart(alt.Chart(experts).mark_bar().encode(

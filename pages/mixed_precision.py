@@ -14,7 +14,7 @@ FP16_LIMITS = pd.DataFrame({"log2_magnitude": [-24, -14, 15.999], "limit": ["sma
 
 def render(result: dict, rec) -> None:
     t, m, cfg = result["tables"], result["metrics"], rec.config
-    st.dataframe(pd.DataFrame(t["summary"]), hide_index=True, width="stretch", column_config={
+    ui.table(pd.DataFrame(t["summary"]), column_config={
         "activation_underflow_share": st.column_config.NumberColumn("logit-gradient share flushed to 0", format="%.4f"),
         "param_underflow_share": st.column_config.NumberColumn("parameter-gradient share flushed to 0", format="%.4f"),
         "final_scale": st.column_config.NumberColumn("final scale", format="%.0f"),

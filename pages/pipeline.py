@@ -65,7 +65,7 @@ def render(result: dict, rec) -> None:
     st.caption("Drag on a chart to zoom in time, double-click to reset; hover a bar for its micro-batch, stage and duration.")
     stages = pd.DataFrame(result["tables"]["stages"])
     left, right = st.columns(2)
-    left.dataframe(stages, hide_index=True, width="stretch", column_config={
+    ui.table(stages, where=left, column_config={
         c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f") for c in ("bubble_wall", "bubble_replayed", "bubble_model")} | {
         c: st.column_config.NumberColumn(c.replace("_", " "), format="%.1f") for c in ("busy_ms", "cpu_ms")})
     live = pd.DataFrame(result["tables"]["live"])
@@ -75,7 +75,7 @@ def render(result: dict, rec) -> None:
     versions = pd.DataFrame(result["tables"]["versions"])
     if not versions.empty:
         st.caption("PipeDream: the weight version each micro-batch's forward and backward used on each stage")
-        st.dataframe(versions, hide_index=True, width="stretch")
+        ui.table(versions)
 
     st.subheader("Side by side")
     other = st.selectbox("compare with schedule", [s for s in SCHEDULES if s != rec.config["schedule"]], key=f"cmp-{rec.id}")

@@ -40,7 +40,7 @@ df = pd.DataFrame([{
     "origin": r.origin, "owner": r.owner, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",
 } for r in records])
 st.caption(f"{len(df)} runs. Click a row to open it.")
-event = st.dataframe(df, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
+event = ui.table(df, on_select="rerun", selection_mode="single-row",
                      column_config={"link": st.column_config.LinkColumn("link", display_text="open")})
 if event.selection.rows:
     st.query_params["run"] = df.iloc[event.selection.rows[0]]["run"]

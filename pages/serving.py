@@ -21,7 +21,7 @@ VIEWS = {"serving.engine": "Engine: real runs, and the simulator beside them", "
 def fidelity_table(m: dict, real: str, simulated: str) -> None:
     rows = [{"figure": label, real: m[f"{real}.{key}"], simulated: m[f"{simulated}.{key}"], "error": m[f"error.{key}"],
              "repeat": m[f"repeat.{key}"]} for key, label in FIGURES.items()]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch", column_config={
+    ui.table(pd.DataFrame(rows), column_config={
         "error": st.column_config.NumberColumn("simulated vs real", format="percent"),
         "repeat": st.column_config.NumberColumn("real vs real (a second run)", format="percent",
                                                 help="the engine serving the same trace again: its own reproducibility")})
@@ -65,7 +65,7 @@ def load_curve(load: pd.DataFrame, knee) -> None:
 def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
     st.markdown(cost_model_summary(m))
     left, right = st.columns([1, 2])
-    left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
+    ui.table(pd.DataFrame(rows), where=left,
                    column_config={"coefficient_us": st.column_config.NumberColumn(
                        "µs", format="%.3g", help="microseconds each unit of the term adds to a step")})
     top = float(max(steps["time_ms"].max(), steps["predicted_ms"].max()))
@@ -137,7 +137,7 @@ def render_simulate(result: dict, rec) -> None:
         color=alt.Color("figure:N", title=None), yOffset="figure:N",
         tooltip=["label", "figure", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=360), width="stretch")
     st.caption("Each knob flipped on its own, the rest as set, on the same simulated trace; the first row is the settings as given.")
-    st.dataframe(knobs, hide_index=True, width="stretch")
+    ui.table(knobs)
     st.subheader("The cost model")
     cost_model(m, t["cost_model"], pd.DataFrame(t["steps"]), "simulated")
 

@@ -35,7 +35,7 @@ def render(result: dict, rec) -> None:
         tooltip=["decoder", "source", alt.Tooltip("ms:Q", format=".1f")]).properties(height=140), width="stretch")
 
     st.subheader("Is the output distributed as the target's samples?")
-    st.dataframe(pd.DataFrame(t["distribution_tests"]), hide_index=True, width="stretch",
+    ui.table(pd.DataFrame(t["distribution_tests"]),
                  column_config={"p_value": st.column_config.NumberColumn("p-value", format="%.3g")})
     joint = pd.DataFrame(t["joint"])
     rule = st.radio("rule", list(joint["rule"].unique()), horizontal=True, key=f"rule-{rec.id}")

@@ -26,7 +26,7 @@ def worked_examples(steps: list[dict]) -> None:
     left, right = st.columns(2)
     for col, example in ((left, "column"), (right, "row")):
         col.markdown(f"**Split by {example}s**")
-        col.dataframe(df[df["example"] == example].drop(columns="example"), hide_index=True, width="stretch")
+        ui.table(df[df["example"] == example].drop(columns="example"), where=col)
 
 
 def render(result: dict, rec) -> None:
@@ -54,7 +54,7 @@ def render(result: dict, rec) -> None:
         tooltip=["mode", "phase", "op", "name", "calls", alt.Tooltip("sent_bytes:Q", format=","),
                  alt.Tooltip("model_bytes:Q", format=",", title="model (B)")]
     ).properties(height=alt.Step(18), width=300).configure_axisY(labelLimit=220))
-    st.dataframe(coll, hide_index=True, width="stretch")
+    ui.table(coll)
 
     st.subheader("Activation memory per rank, measured against the formula")
     mem = pd.DataFrame(t["memory"])
@@ -63,7 +63,7 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:N", title="rank"), xOffset="source:N", y=alt.Y("bytes:Q", title="bytes saved for backward (B)"),
         color=alt.Color("source:N", title=None), column=alt.Column("layout:N", title=None, sort=["one rank, t=1"]),
         tooltip=["layout", "rank", "source", alt.Tooltip("bytes:Q", format=",")]).properties(width=160, height=220))
-    st.dataframe(mem, hide_index=True, width="stretch",
+    ui.table(mem,
                  column_config={"paper_gpt_block_bytes": st.column_config.NumberColumn("Korthikanti, GPT block fp16 (B)", format="%d")})
 
     if "worked_examples" in t:
@@ -82,9 +82,9 @@ def render(result: dict, rec) -> None:
         st.caption("Measured from /proc/self/io (bytes handed to write calls, less gloo's 48 B message preamble), beside "
                    "the model of the collectives each side issued (the tooltip). Every DTensor collective, with its size, "
                    "is in the run's dtensor_collectives table.")
-    st.dataframe(peer, hide_index=True, width="stretch")
+    ui.table(peer)
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
-    st.dataframe(pd.DataFrame(t["tp_vs_pp"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["tp_vs_pp"]))
     timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")
 
 

@@ -70,7 +70,7 @@ def render(result: dict, rec) -> None:
 
     st.subheader("The formulas against measured small runs")
     meas = t["measured"][0]
-    st.dataframe(pd.DataFrame([
+    ui.table(pd.DataFrame([
         {"quantity": "FLOPs of one training step (tiny LLaMA)", "measured": meas["counted"], "formula": meas["exact"],
          "how measured": "FlopCounterMode", "formula used": "6·N_linear·D + 12·L·T·d·D"},
         {"quantity": "same, by 6·N·D with all parameters", "measured": meas["counted"], "formula": meas["six_n_all"],
@@ -79,7 +79,7 @@ def render(result: dict, rec) -> None:
          "how measured": "wall clock, this CPU", "formula used": f"FLOPs ÷ this CPU's rate at one batch ({meas['cpu_flops_per_s'] / 1e9:.2f} GFLOP/s)"},
     ]), hide_index=True, width="stretch")
     mem = pd.DataFrame(t["memory_measured"] + t["zero_memory"])
-    st.dataframe(mem, hide_index=True, width="stretch")
+    ui.table(mem)
     st.caption("Bytes read off real tensors (an fp16 copy with gradients, fp32 master weights and AdamW's states"
                + (", and each rank of a ZeRO-1 run" if t["zero_memory"] else "; set zero_run to add a real ZeRO-1 run") + ").")
 
@@ -87,12 +87,12 @@ def render(result: dict, rec) -> None:
     seed2 = pd.DataFrame(t["seed_002_175b"])
     seed2["GB"] = seed2["bytes"] / 1e9
     seed2 = seed2.drop(columns=["bytes"])
-    st.dataframe(seed2, hide_index=True, width="stretch", column_config=general(seed2))
+    ui.table(seed2, column_config=general(seed2))
     st.caption("The seed's 320 GB is 350 GB in GiB (326 GiB); 5600 GB ÷ 64 GB is 87.5, so 88 cards.")
 
     st.subheader("Seed 004: training times on one V100, and what they imply")
     seed4 = pd.DataFrame(t["seed_004"])
-    st.dataframe(seed4, hide_index=True, width="stretch", column_config={**general(seed4),
+    ui.table(seed4, column_config={**general(seed4),
         "implied_tflops": st.column_config.NumberColumn("implied sustained TFLOP/s", format="%.2f"),
         "implied_mfu": st.column_config.NumberColumn("implied MFU (of 125 TFLOP/s)", format="%.3f"),
         "predicted_days": st.column_config.NumberColumn(f"predicted days at MFU {cfg['mfu']}", format="%.1f")})
