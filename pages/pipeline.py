@@ -89,13 +89,13 @@ def render(result: dict, rec) -> None:
     stages = pd.DataFrame(result["tables"]["stages"])
     shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "peak_live", "peak_live_bound"]
     ui.table(stages[shown], column_config={
-        "busy_ms": st.column_config.NumberColumn("busy, wall clock (ms)", format="%.1f"),
+        "busy_ms": st.column_config.NumberColumn("busy, wall (ms)", format="%.1f"),
         "cpu_ms": st.column_config.NumberColumn("busy, CPU (ms)", format="%.1f"),
-        "bubble_wall": st.column_config.NumberColumn("bubble, wall clock", format="percent"),
-        "bubble_replayed": st.column_config.NumberColumn("bubble, replayed", format="percent"),
+        "bubble_wall": st.column_config.NumberColumn("bubble, wall", format="percent"),
+        "bubble_replayed": st.column_config.NumberColumn("bubble, replay", format="percent"),
         "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
-        "peak_live": st.column_config.NumberColumn("peak live activations"),
-        "peak_live_bound": st.column_config.NumberColumn("bound")})
+        "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
+        "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
     left, right = st.columns(2)
     if "transfer_ms" in stages:  # runs stored before the split lack it
         idle_chart(stages, left)

@@ -23,10 +23,9 @@ def worked_examples(steps: list[dict]) -> None:
         rows.append({"example": s["example"], "rank": s["rank"], "step": s["step"],
                      "values": ",  ".join(f"{k} = [{v}]" for k, v in shown.items())})
     df = pd.DataFrame(rows)
-    left, right = st.columns(2)
-    for col, example in ((left, "column"), (right, "row")):
-        col.markdown(f"**Split by {example}s**")
-        ui.table(df[df["example"] == example].drop(columns="example"), where=col)
+    for example in ("column", "row"):  # one above the other: side by side, the row split's values were cut
+        st.markdown(f"**Split by {example}s**")
+        ui.table(df[df["example"] == example].drop(columns="example"))
 
 
 def render(result: dict, rec) -> None:
@@ -82,7 +81,16 @@ def render(result: dict, rec) -> None:
         st.caption("Measured from /proc/self/io (bytes handed to write calls, less gloo's 48 B message preamble), beside "
                    "the model of the collectives each side issued (the tooltip). Every DTensor collective, with its size, "
                    "is in the run's dtensor_collectives table.")
-    ui.table(peer)
+    errors = ["output_error", "input_grad_error", "weight_grad_error"]  # two tables: together they were cut at the right
+    ui.table(peer[["layer", *errors]], column_config={
+        c: st.column_config.NumberColumn(c.removesuffix("_error").replace("_", " ") + ": DTensor vs ours, max |diff|",
+                                         format="%.1e") for c in errors})
+    ui.table(peer[["layer"] + [c for c in peer if "_bytes_" in c]], column_config={
+        f"{side}_bytes_{what}": st.column_config.NumberColumn(f"{name}, {what} (B)", format="localized")
+        for side, name in (("dtensor", "DTensor"), ("ours", "ours")) for what in ("model", "written")})
+    with st.expander("The collectives each side issued, per layer"):
+        st.markdown("\n".join(f"- **{r['layer']}**: DTensor {r['dtensor_collectives']}; ours {r['ours_collectives']}"
+                               for r in t["dtensor"]))
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
     ui.table(pd.DataFrame(t["tp_vs_pp"]))
     timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")

@@ -75,11 +75,13 @@ AXES_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-tes
   const scopeOf = e => e.parentElement.closest('.role-scope, .role-frame');
   const outside = e => !!e.closest('.role-axis, .role-legend, .role-title');
   const title = svg.querySelector('.role-title text');
-  const views = [...svg.querySelectorAll('.role-scope, .role-frame')].map(scope => {
+  const owners = new Set([...svg.querySelectorAll('.role-axis')].map(scopeOf));  // a view: a scope with axes of its own
+  const viewOf = e => { let s = scopeOf(e); while (s && !owners.has(s)) s = scopeOf(s); return s; };
+  const views = [...owners].map(scope => {
     const mine = sel => [...scope.querySelectorAll(sel)].filter(e => scopeOf(e) === scope);
     const bg = mine('path.background').find(e => !outside(e));
-    const items = mine('.role-mark > *').filter(e => !outside(e) && !e.classList.contains('background'))
-        .map(e => e.getBoundingClientRect()).filter(r => r.width + r.height > 0);
+    const items = [...scope.querySelectorAll('.role-mark > *')].filter(e => viewOf(e.parentElement) === scope && !outside(e) &&
+        !e.classList.contains('background') && !e.closest('.role-legend')).map(e => e.getBoundingClientRect()).filter(r => r.width + r.height > 0);
     if (!bg || !items.length) return null;
     const area = bg.getBoundingClientRect();
     if (area.width < 20 || area.height < 20) return null;
