@@ -82,9 +82,10 @@ def render(result: dict, rec) -> None:
                    "the model of the collectives each side issued (the tooltip). Every DTensor collective, with its size, "
                    "is in the run's dtensor_collectives table.")
     errors = ["output_error", "input_grad_error", "weight_grad_error"]  # two tables: together they were cut at the right
+    st.markdown("**DTensor against ours**: the largest difference in each output and gradient, then the bytes each side sent")
     ui.table(peer[["layer", *errors]], column_config={
-        c: st.column_config.NumberColumn(c.removesuffix("_error").replace("_", " ") + ": DTensor vs ours, max |diff|",
-                                         format="%.1e") for c in errors})
+        c: st.column_config.NumberColumn(c.removesuffix("_error").replace("_", " ") + " error", format="%.1e",
+                                         help="max |DTensor − ours| over the tensor") for c in errors})
     ui.table(peer[["layer"] + [c for c in peer if "_bytes_" in c]], column_config={
         f"{side}_bytes_{what}": st.column_config.NumberColumn(f"{name}, {what} (B)", format="localized")
         for side, name in (("dtensor", "DTensor"), ("ours", "ours")) for what in ("model", "written")})
