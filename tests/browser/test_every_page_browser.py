@@ -209,7 +209,7 @@ def _metrics(page, where: str) -> list[dict]:
 
 
 SNAKE_CASE = re.compile(r"[a-z0-9]_[a-z0-9]")
-WHOLE_NUMBER_AXIS = re.compile(r"^(\w+ )?(step|rank|iteration|epoch|micro-?batch|layer)s?( \(|$)")
+WHOLE_NUMBER_AXIS = re.compile(r"^(\w+ )?(step|rank|iteration|epoch|micro-?batch|layer)s?( \(|$)|\(micro-?batches\)$")
 FRACTION = re.compile(r"-?\d+\.\d+")
 
 
@@ -359,3 +359,23 @@ def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> N
     _charts_drawn(page, f"{url_path} with {field}={value}")
     _metrics(page, f"{url_path} with {field}={value}")
     _readable(page, f"{url_path} with {field}={value}")
+
+
+def test_readable_problems_finds_each_defect_and_passes_a_clean_page():
+    """The walk's reading of a page (no browser needed): each defect of issue #31's class is reported, a clean page is
+    not. Measured shapes as TABLES_JS and AXES_JS return them."""
+    table = {"hidden": False, "cut": False, "width": 800, "inner": 800, "heads": ["level", "capacity (B)"], "raw": 0}
+    view = {"axes": [{"title": "step", "horizontal": True, "labels": ["0", "1", "2"]},
+                     {"title": "loss", "horizontal": False, "labels": ["1.0", "1.5"]}], "x": 0.95, "y": 0.8}
+    chart = {"hidden": False, "title": "", "views": [view]}
+    assert readable_problems([table], [chart]) == []
+    broken = [
+        ([{**table, "cut": True, "inner": 1395}], [chart], "columns cut"),
+        ([{**table, "heads": ["level", "capacity_bytes"]}], [chart], "raw column names"),
+        ([{**table, "raw": 2}], [chart], "None/nan"),
+        ([table], [{**chart, "views": [{**view, "x": 0.16}]}], "fills 16% of its x axis 'step'"),
+        ([table], [{**chart, "views": [{**view, "axes": [{**view["axes"][0], "labels": ["0.0", "0.5", "1.0"]}]}]}], "fractional ticks"),
+    ]
+    for tables, charts, expected in broken:
+        found = readable_problems(tables, charts)
+        assert len(found) == 1 and expected in found[0], (expected, found)
