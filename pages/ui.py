@@ -278,6 +278,8 @@ def number_format(values: pd.Series) -> str:
 def _formatted(value: float, fmt: str) -> str:
     """One number as the grid would draw it with `fmt` (printf, percent or localized): for a column that needs
     text cells because some of its values are missing."""
+    if not math.isfinite(value):
+        return str(value)
     if fmt == "percent":
         return f"{100 * value:.3g}%"
     if fmt in ("localized", "plain", "compact", "accounting"):
