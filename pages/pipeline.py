@@ -66,9 +66,9 @@ def idle_chart(stages: pd.DataFrame, where) -> None:
     parts["part"] = parts["part"].map(IDLE_PARTS)
     where.altair_chart(alt.Chart(parts).mark_bar().encode(
         y=alt.Y("rank:O", title="rank"), x=alt.X("ms:Q", title="idle time on the wall clock (ms)", stack="zero"),
-        color=alt.Color("part:N", title=None, sort=list(IDLE_PARTS.values()), legend=alt.Legend(orient="bottom", columns=1),
+        color=alt.Color("part:N", title=None, sort=list(IDLE_PARTS.values()), legend=alt.Legend(orient="right", labelLimit=320),
                         scale=alt.Scale(domain=list(IDLE_PARTS.values()), range=["#d1495b", "#c9ced6", "#8d99ae"])),
-        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f")]).properties(height=220, title="Idle time, per rank"),
+        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f")]).properties(height=alt.Step(28), title="Idle time, per rank"),
         width="stretch")
 
 
@@ -96,12 +96,11 @@ def render(result: dict, rec) -> None:
         "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
         "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
         "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
-    left, right = st.columns(2)
     if "transfer_ms" in stages:  # runs stored before the split lack it
-        idle_chart(stages, left)
+        idle_chart(stages, st)
         st.caption(idle_sentence(result["metrics"]))
     live = pd.DataFrame(result["tables"]["live"])
-    right.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
+    st.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
         x=alt.X("t_ms:Q", title="time on the wall clock (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)",
                                                                       axis=alt.Axis(tickMinStep=1)),
         color=alt.Color("rank:N")).properties(height=220, title="Activations held, per rank"), width="stretch")
