@@ -76,7 +76,8 @@ def idle_sentence(m: dict) -> str:
     """Why the wall-clock bubble exceeds the formula, in one sentence from the run's own figures."""
     return (f"Actions here take about {m['mean_action_cpu_ms']:.1f} ms of CPU, so send/recv latency is visible: "
             f"{m.get('recv_transfer_ms', 0):.2f} ms per receive after the data was sent ({100 * m.get('idle_transfer_share', 0):.0f}% "
-            "of the idle time), which the bubble formula, counting compute only, leaves out; so is the time between actions.")
+            "of the idle time; ranks that share cores also wait for one), which the bubble formula, counting compute only, "
+            "leaves out, as it does the time between actions.")
 
 
 def render(result: dict, rec) -> None:
