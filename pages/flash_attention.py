@@ -70,7 +70,9 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]
-    ui.table(pd.DataFrame(example[:-1]))
+    ui.table(pd.DataFrame(example[:-1]), column_config={
+        "m_before": "m before", "rescale_exp(m_old-m)": "rescale exp(m before − m)", "f_block": "f of the block",
+        "f_so_far": "f so far"})
     final = example[-1]
     st.markdown(f"After both blocks: m = {final['m']:.0f}, l = {final['l']:.6f} (closed form e⁻³ + e⁻² + e⁻¹ + e⁰ = "
                 f"{final['l_closed_form']:.6f}); softmax = {', '.join(f'{v:.5f}' for v in final['softmax'])} "

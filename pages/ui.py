@@ -292,7 +292,7 @@ def _formatted(value: float, fmt: str) -> str:
 
 def readable(df: pd.DataFrame, column_config: dict | None = None) -> tuple[pd.DataFrame, dict]:
     """The table and its column configuration as a reader should see them: a snake_case key gets a label in words,
-    a float column without a format gets number_format's, a missing value (None, NaN, "") reads "—", and a number
+    a float column without a format gets number_format's, a list in a cell its numbers to 4 digits, a missing value (None, NaN, "") reads "—", and a number
     column with missing values becomes right-aligned text in its own format (the grid would draw a raw "None")."""
     df = df.copy()
     config = dict(column_config or {})
@@ -304,6 +304,9 @@ def readable(df: pd.DataFrame, column_config: dict | None = None) -> tuple[pd.Da
         if SNAKE.search(cfg.get("label") or str(col)):
             cfg["label"] = words(cfg.get("label") or col)
         type_config = dict(cfg.get("type_config") or {})
+        if df[col].map(lambda v: isinstance(v, (list, tuple))).any():  # a vector in a cell: its numbers, 4 digits each
+            df[col] = df[col].map(lambda v: ", ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v)
+                                  if isinstance(v, (list, tuple)) else v)
         values = df[col]
         missing = values.isna() | values.map(lambda v: isinstance(v, str) and not v.strip())
         if values.dtype.kind in "fiu":

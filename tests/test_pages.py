@@ -260,7 +260,7 @@ def _sample_frame():
     import pandas as pd
 
     return pd.DataFrame({"level": ["registers", "L1"], "capacity_bytes": [28311552, 21233664], "ops": [None, 8.041237],
-                         "forward_cpu_ms": [6.98123, 41.9861], "source": ["", "whitepaper"]})
+                         "forward_cpu_ms": [6.98123, 41.9861], "source": ["", "whitepaper"], "f": [[0.36787944117, 1.0], [2.0]]})
 
 
 def test_readable_tables_have_words_for_names_formats_and_no_missing_cells():
@@ -273,6 +273,7 @@ def test_readable_tables_have_words_for_names_formats_and_no_missing_cells():
     assert config["forward_cpu_ms"]["label"] == "forward cpu (ms)" and config["capacity_bytes"]["label"] == "capacity (bytes)"
     assert list(df["ops"]) == ["—", "8.04"] and config["ops"]["alignment"] == "right"
     assert config["forward_cpu_ms"]["type_config"]["format"] == "%.2f"  # 3 significant digits of the smallest value
+    assert list(df["f"]) == ["0.3679, 1", "2"]  # a vector's numbers, not 17 digits each
 
 
 def test_readable_rule_broken_is_caught(monkeypatch):
