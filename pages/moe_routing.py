@@ -46,7 +46,9 @@ def render(result: dict, rec) -> None:
     for step in t["walkthrough"]:
         st.markdown(f"**{step['step']}** · shape {tuple(step['shape'])}")
         st.code(step["code"], language="python")
-        ui.table(pd.DataFrame(step["values"]), hide_index=False)
+        values = pd.DataFrame(step["values"])  # narrow columns: 16 experts fit the page
+        ui.table(values, hide_index=False, column_config={
+            c: st.column_config.NumberColumn(width=44, format="%.2f" if values[c].dtype.kind == "f" else "%d") for c in values})
 
 
 ui.experiment_page("moe.routing", render,
