@@ -324,8 +324,12 @@ def readable(df: pd.DataFrame, column_config: dict | None = None) -> tuple[pd.Da
 
 
 def table(data, where=None, column_config: dict | None = None, **kwargs):
-    """Draw a table (in `where`, a column or container, else the page) through readable(): every page's tables."""
-    df, config = readable(pd.DataFrame(data), column_config)
+    """Draw a table (in `where`, a column or container, else the page) through readable(): every page's tables. A table
+    with no rows is a sentence, not an empty grid."""
+    frame = pd.DataFrame(data)
+    if frame.empty and "on_select" not in kwargs:
+        return (where or st).caption("None in this run.")
+    df, config = readable(frame, column_config)
     kwargs.setdefault("hide_index", True)
     kwargs.setdefault("width", "stretch")
     return (where or st).dataframe(df, column_config=config, **kwargs)

@@ -337,3 +337,17 @@ def test_pipeline_page_splits_idle_time_and_says_why_the_wall_bubble_is_larger()
     assert any("send/recv latency is visible" in c.value for c in at.caption)
     assert any("Idle time, per rank" in json_text(s) for s in _chart_specs(at))
     assert [p for df, cfg in _page_tables(at) for p in table_problems(df, cfg)] == []
+
+
+def test_a_table_with_no_rows_is_a_sentence_not_an_empty_grid(monkeypatch):
+    """The grid draws an empty table as one blank cell (the walk found one on Graph placement: no transfers)."""
+    import pandas as pd
+
+    import pages.ui as ui
+
+    drawn = []
+    monkeypatch.setattr(ui.st, "caption", lambda text: drawn.append(("caption", text)))
+    monkeypatch.setattr(ui.st, "dataframe", lambda df, **kw: drawn.append(("dataframe", len(df))))
+    ui.table(pd.DataFrame(columns=["src", "dst", "bytes"]))
+    ui.table(pd.DataFrame({"src": [0], "dst": [1], "bytes": [64]}))
+    assert drawn == [("caption", "None in this run."), ("dataframe", 1)]
