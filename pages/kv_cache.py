@@ -52,9 +52,10 @@ def render(result: dict, rec) -> None:
         # a quantile of all steps: on a busy machine more than 2 % of the steps can be descheduled ones.
         quartiles = speed.groupby("variant")["ms_per_token"].quantile([0.25, 0.75]).unstack()
         top = float((quartiles[0.75] + 3 * (quartiles[0.75] - quartiles[0.25])).max()) * 1.2
+        low = max(0.0, float((quartiles[0.25] - 3 * (quartiles[0.75] - quartiles[0.25])).min()) * 0.8)  # same fence below
         points = alt.Chart(speed).mark_circle(size=14, opacity=0.35, clip=True).encode(
             x=alt.X("context:Q", title="context (tokens)"),
-            y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[0, top])),
+            y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[low, top])),
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("ms_per_token:Q", format=".3f", title="ms")])
         lines = alt.Chart(speed).mark_line().encode(x="context:Q", y="median_ms:Q", color="variant:N")
         left.caption("Time per generated token: each step (dots) and the rolling median of 9 (lines)")
