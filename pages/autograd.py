@@ -26,7 +26,7 @@ def render(result: dict, rec) -> None:
     grads = pd.DataFrame(result["tables"]["gradients"])
     grads["|ours − torch|"] = (grads["ours"] - grads["torch"]).abs()
     grads["|numeric − torch|"] = (grads["numeric"] - grads["torch"]).abs()
-    st.dataframe(grads, hide_index=True, width="stretch",
+    ui.table(grads,
                  column_config={c: st.column_config.NumberColumn(c, format="%.3e") for c in ("|ours − torch|", "|numeric − torch|")})
 
 

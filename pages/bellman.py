@@ -63,7 +63,7 @@ def render(result: dict, rec) -> None:
     right.markdown("**Policy evaluation** of the uniform policy: V ← R^π + γP^πV")
     right.altair_chart(log_curve(pd.DataFrame(t["policy_evaluation"]), "update", "max |V_k+1 − V_k|"), width="stretch")
     st.markdown("**Policy iteration**: evaluate exactly (linear solve), act greedily, repeat until nothing changes.")
-    st.dataframe(pd.DataFrame(t["policy_iteration"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["policy_iteration"]))
 
 
 ui.experiment_page("rl.bellman", render,

@@ -31,7 +31,7 @@ def render(result: dict, rec) -> None:
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s", help=f"mean of the run's saves; the resume's load took {m['load_s'] or 0:.3f} s")
 
     st.subheader("The run: the kill, the restart and the steps redone")
-    st.altair_chart(timeline_chart(pd.DataFrame(t["timeline"])), width="stretch")
+    st.altair_chart(timeline_chart(pd.DataFrame(t["timeline"])))
 
     left, right = st.columns(2)
     files = pd.DataFrame(t["files"])
@@ -39,7 +39,7 @@ def render(result: dict, rec) -> None:
         x=alt.X("file:N", title="file of the last checkpoint"), y=alt.Y("tensor bytes:Q", title="tensor bytes"),
         color=alt.Color("rank:N", title="written by rank"),
         tooltip=["file", "rank", alt.Tooltip("tensor bytes:Q", format=","), alt.Tooltip("bytes:Q", format=",", title="on disk")]
-    ).properties(height=260, title="Files per rank"), width="stretch")
+    ).properties(height=260, title="Files per rank"))
     if "interval" in t:
         curve = pd.DataFrame(t["interval"])
         line = alt.Chart(curve).mark_line(point=True).encode(
@@ -51,8 +51,7 @@ def render(result: dict, rec) -> None:
                                         {"interval_steps": m["best_interval_steps"], "label": "best interval"}])).mark_rule(
             strokeDash=[4, 3]).encode(x="interval_steps:Q", color=alt.Color("label:N", title=None),
                                       tooltip=["label", "interval_steps"])
-        right.altair_chart((line + young).properties(height=260, title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"),
-                           width="stretch")
+        right.altair_chart((line + young).properties(height=260, title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
     st.caption("Each rank writes its own shards with torch.distributed.checkpoint; after the kill every rank restarts, "
                "loads the last complete checkpoint and finishes bit for bit equal to the uninterrupted run.")
     with st.expander("How the trade-off is computed"):
@@ -60,7 +59,7 @@ def render(result: dict, rec) -> None:
                     "useful step with a save every k steps, failures arriving at rate 1/MTBF: (M + R)(e^((kT + C)/M) - 1)/k. "
                     "A Monte Carlo run of simulated failures checks the formula; Young's first-order interval "
                     "sqrt(2 C M) is drawn beside the best one. Times are from this machine (a shared 2-core VM).")
-        st.dataframe(pd.DataFrame(t.get("monte_carlo", [])), hide_index=True, width="stretch")
+        ui.table(pd.DataFrame(t.get("monte_carlo", [])))
 
 
 ui.experiment_page("parallel.checkpoint", render,

@@ -46,11 +46,11 @@ def render(result: dict, rec) -> None:
         if step >= 0 and not moves.empty:
             at_step = moves[moves["step"] == step][["phase", "src", "dst", "blocks", "numel", "bytes", "kind"]]
             st.caption(f"Transfers in step {step} ({len(at_step)}), as the ranks logged them")
-            st.dataframe(at_step, hide_index=True, width="stretch")
+            ui.table(at_step)
 
     st.subheader("Bytes per rank: measured against the model")
     volume = pd.DataFrame(tables["volume"])
-    st.dataframe(volume, hide_index=True, width="stretch",
+    ui.table(volume,
                  column_config={c: st.column_config.NumberColumn(c, format="%d B") for c in volume.columns if "bytes" in c})
     if cfg["algo"] == "builtin":
         st.caption("gloo's built-in moves bytes inside gloo, where they are not counted; choose another algorithm to see them.")

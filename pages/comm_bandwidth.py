@@ -57,7 +57,7 @@ def render(result: dict, rec) -> None:
     st.altair_chart((lines + points).properties(height=380, title="Bandwidth against message size").interactive(), width="stretch")
     slowest_rank_chart(pd.DataFrame(result["tables"]["per_rank"]), table, world)
     with st.expander("Table"):
-        st.dataframe(table, hide_index=True, width="stretch")
+        ui.table(table)
     timeline.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")
 
 

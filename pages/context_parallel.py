@@ -43,7 +43,7 @@ def render(result: dict, rec) -> None:
         y=alt.Y("what:N", title=None), x=alt.X("us:Q", title="time in flight (µs)"), color=alt.Color("time:N", title=None),
         row=alt.Row("rank:N"), tooltip=["rank", "what", "time", alt.Tooltip("us:Q", format=".0f")]).properties(height=alt.Step(14), width=500))
     st.caption("hidden: the transfer ran while the rank computed on the previous block; blocked: the rank waited for it.")
-    st.dataframe(pd.DataFrame(t["work"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["work"]))
     timeline.run_timeline(rec, title="Per-rank timeline: attention compute beside the K/V transfers in flight")
 
 

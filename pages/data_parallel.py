@@ -61,7 +61,7 @@ def render_ps(result: dict, rec) -> None:
         right.altair_chart(alt.Chart(stale).mark_bar().encode(
             x=alt.X("update:O", title="update"), y=alt.Y("staleness:Q", title="staleness (updates)"), color="worker:N",
             tooltip=["update", "worker", "staleness"]).properties(height=260, title="Staleness of each applied gradient"), width="stretch")
-    st.dataframe(pd.DataFrame(result["tables"]["volume"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(result["tables"]["volume"]))
     timeline.run_timeline(rec, title="Per-rank timeline: the server's receive, update, send")
 
 
@@ -81,11 +81,11 @@ def render(result: dict, rec) -> None:
     right.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
         x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss (mean squared error)", scale=alt.Scale(zero=False)),
         color=alt.Color("run:N"), strokeDash="run:N").properties(height=260, title="Loss against the one-process reference"), width="stretch")
-    st.dataframe(memory, hide_index=True, width="stretch")
+    ui.table(memory)
     volume = pd.DataFrame(result["tables"]["volume"])
     if not volume.empty:
         st.subheader("Bytes sent per rank per step")
-        st.dataframe(volume, hide_index=True, width="stretch")
+        ui.table(volume)
     if offloaded:
         offload_section(result)
     timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")

@@ -43,7 +43,7 @@ def render(result: dict, rec) -> None:
                    help=f"matmul {m['cpu_matmul_GFLOPs']:.0f} GFLOP/s ÷ bandwidth; {cfg['gpu']}: {m['gpu_ridge_flops_per_byte']:.0f} FLOP/B (fp16)")
 
     st.subheader("A decode step of the tiny LLaMA on this CPU, by batch size")
-    st.altair_chart(step_chart(steps).interactive(), width="stretch")
+    st.altair_chart(step_chart(steps).interactive())
     st.caption(f"d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['context']} tokens in each cache, fp32, one thread. "
                "While the bytes term is the larger, adding sequences costs little: the weights are read once for all of them.")
     with st.expander("How it is timed, and where the error comes from"):
@@ -53,8 +53,8 @@ def render(result: dict, rec) -> None:
                     "PyTorch's dispatch of about 30 operators per layer, which no roofline term holds: the prediction adds "
                     "it as measured on the same step at width 64 (negligible bytes and FLOPs). "
                     "On a shared machine other processes also take memory bandwidth, so the error moves from run to run.")
-    st.dataframe(steps[["batch", "measured_s", "wall_s", "predicted_s", "error_pct", "overhead_s", "bound", "weight_bytes", "kv_bytes", "flops",
-                        "intensity", "tokens_per_s"]], hide_index=True, width="stretch", column_config={
+    ui.table(steps[["batch", "measured_s", "wall_s", "predicted_s", "error_pct", "overhead_s", "bound", "weight_bytes", "kv_bytes", "flops",
+                        "intensity", "tokens_per_s"]], column_config={
         "measured_s": st.column_config.NumberColumn("measured CPU (s)", format="%.4f"),
         "wall_s": st.column_config.NumberColumn("wall (s)", format="%.4f"),
         "predicted_s": st.column_config.NumberColumn("predicted (s)", format="%.4f"),
@@ -81,13 +81,13 @@ def render(result: dict, rec) -> None:
         tooltip=["model", "phase", "batch", alt.Tooltip("intensity:Q", format=".1f"), alt.Tooltip("attainable_flops_per_s:Q", format=".3s"),
                  alt.Tooltip("step_ms:Q", format=".2f", title="step (ms)"), alt.Tooltip("tokens_per_s:Q", format=",.0f"), "bound",
                  alt.Tooltip("resident_GB:Q", format=".1f", title="weights + cache (GB)"), "fits"])
-    st.altair_chart((line + points).properties(height=360).interactive(), width="stretch")
+    st.altair_chart((line + points).properties(height=360).interactive())
     st.caption(f"Each model's decode step at {cfg['gpu_context']} cached tokens and batch 1, 8, 64, 256, and a prefill of "
                f"{cfg['prompt']} tokens; time = max(FLOPs ÷ peak, bytes ÷ bandwidth) from the datasheet (a model, not measured). "
                "Batching raises the intensity only while the weights dominate the bytes: each sequence brings its own cache, "
                "so a model with a large cache per token (Llama 2 7B's MHA) stalls far left of the ridge.")
-    st.dataframe(place[["model", "phase", "batch", "intensity", "step_ms", "tokens_per_s", "bound", "weight_bytes", "kv_bytes",
-                        "resident_GB", "fits"]], hide_index=True, width="stretch", column_config={
+    ui.table(place[["model", "phase", "batch", "intensity", "step_ms", "tokens_per_s", "bound", "weight_bytes", "kv_bytes",
+                        "resident_GB", "fits"]], column_config={
         "intensity": st.column_config.NumberColumn("FLOP/byte", format="%.1f"),
         "step_ms": st.column_config.NumberColumn("step (ms)", format="%.2f"),
         "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.0f"),
@@ -135,8 +135,7 @@ def short(focus: str) -> None:
             x=alt.X("batch:Q", scale=alt.Scale(type="log", base=2), title="batch size"),
             y=alt.Y("KV share of bytes:Q", title="KV cache share of bytes", axis=alt.Axis(format="%")),
             color="model:N", tooltip=["model", "batch", alt.Tooltip("KV share of bytes:Q", format=".1%"),
-                                      alt.Tooltip("bytes:Q", format=".3s", title="bytes per step")]).properties(height=240),
-            width="stretch")
+                                      alt.Tooltip("bytes:Q", format=".3s", title="bytes per step")]).properties(height=240))
         st.caption(f"A decode step reads every weight once and every sequence's cache ({rec.config['gpu_context']} tokens, fp16): "
                    f"as the batch grows the cache becomes most of the bytes, which is what MQA, GQA, MLA and INT8 caches shrink. "
                    f"From {_link(rec)}.")
@@ -147,7 +146,7 @@ def short(focus: str) -> None:
             x=alt.X("tokens_scored:O", title="tokens one target call scores (γ + 1)"),
             y=alt.Y("measured_s:Q", title="time of the call (s), measured"),
             tooltip=["tokens_scored", alt.Tooltip("measured_s:Q", format=".4f"), alt.Tooltip("cost_vs_one:Q", format=".2f", title="× one token")]
-        ).properties(height=220), width="stretch")
+        ).properties(height=220))
         last = verify.iloc[-1]
         st.caption(f"One sequence of the {units.si(result['metrics']['weight_MB'] * 1e6, 'B')} tiny LLaMA with {rec.config['context']} "
                    f"cached tokens: scoring {last['tokens_scored']} tokens in one call took {last['cost_vs_one']:.2f}× the time of "
@@ -155,6 +154,6 @@ def short(focus: str) -> None:
                    "memory-bound the target checks γ draft tokens for about the price of one decode step, which is where the "
                    "speed-up above comes from.")
         return
-    st.altair_chart(step_chart(steps, height=220), width="stretch")
+    st.altair_chart(step_chart(steps, height=220))
     st.caption(f"One decode step reads every weight whatever the batch, so tokens/s grows almost with the batch until the "
                f"FLOPs catch up: measured on this CPU in {_link(rec)}. Continuous batching keeps that batch full.")

@@ -41,7 +41,7 @@ def render(result: dict, rec) -> None:
     right.altair_chart(alt.Chart(load).mark_bar().encode(
         x=alt.X("rank:O", title="rank"), y=alt.Y("rows computed:Q", title="rows its experts computed"), color="expert:N",
         tooltip=["rank", "expert", "rows computed"]).properties(height=240, title="Work per rank"), width="stretch")
-    st.dataframe(experts, hide_index=True, width="stretch")
+    ui.table(experts)
     timeline.run_timeline(rec, title="Per-rank timeline: routing, all-to-alls, experts")
 
 

@@ -69,15 +69,16 @@ def render(result: dict, rec) -> None:
         seed_ledger = alt.Chart(steps.dropna(subset=["seed_ledger_words"])).mark_tick(color="black", thickness=2, size=30).encode(
             x="step:O", y="seed_ledger_words:Q", tooltip=["step", alt.Tooltip("seed_ledger_words:Q", format=",", title="seed 003's running total")])
         st.altair_chart((bars + cap + seed_ledger).properties(height=260), width="stretch")
-        st.dataframe(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_ledger_words", "live_bytes"]],
-                     hide_index=True, width="stretch")
+        ui.table(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_ledger_words", "live_bytes"]])
         st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
                    "live (step 3) the set can pass M, which is why the paper's bound is O(M). Black ticks: seed 003's own running "
                    "total, its printed changes summed (Br = d only).")
 
     st.subheader("Seed 000's online-softmax example, run by the same update the tiled path uses")
     example = tables["online_softmax_example"]
-    st.dataframe(pd.DataFrame(example[:-1]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(example[:-1]), column_config={
+        "m_before": "m before", "rescale_exp(m_old-m)": "rescale exp(m before − m)", "f_block": "f of the block",
+        "f_so_far": "f so far"})
     final = example[-1]
     st.markdown(f"After both blocks: m = {final['m']:.0f}, l = {final['l']:.6f} (closed form e⁻³ + e⁻² + e⁻¹ + e⁰ = "
                 f"{final['l_closed_form']:.6f}); softmax = {', '.join(f'{v:.5f}' for v in final['softmax'])} "

@@ -45,10 +45,10 @@ def render(result: dict, rec) -> None:
             graph_view.graph(d["dot"])
         if t.get("saved"):
             st.caption("Saved between forward and backward after the min cut")
-            st.dataframe(pd.DataFrame(t["saved"]), hide_index=True)
+            ui.table(pd.DataFrame(t["saved"]))
     with kernels:
         table = pd.DataFrame(t["kernels"])
-        st.dataframe(table, hide_index=True, width="stretch", column_config={
+        ui.table(table, column_config={
             "requested_bytes": st.column_config.NumberColumn("requested (B)", help="every load and store, counted"),
             "unique_bytes": st.column_config.NumberColumn("touched (B)", help="distinct bytes: what DRAM sees if caches hold reuse"),
             "ideal_bytes": st.column_config.NumberColumn("ideal (B)", help="the group's inputs and outputs, each once"),
@@ -63,13 +63,13 @@ def render(result: dict, rec) -> None:
         timeline.run_timeline(rec, title="The fused program's launches, in order (wall time on this machine)")
     with passes:  # one table under the other, full width: both hold sentences
         st.subheader("What the passes did")
-        st.dataframe(pd.DataFrame(t["log"]), hide_index=True, width="stretch")
+        ui.table(pd.DataFrame(t["log"]))
         st.subheader("Why these did not fuse")
         why = pd.DataFrame(t["why_not"])
         if why.empty:
             st.info("Every candidate pair fused.")
         else:
-            st.dataframe(why, hide_index=True, width="stretch")
+            ui.table(why)
     with memory:
         live = pd.DataFrame(t["memory_over_time"])
         plan = pd.DataFrame(t["memory_plan"])

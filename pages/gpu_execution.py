@@ -32,7 +32,7 @@ def _hierarchy(h: dict, cfg: dict) -> None:
          "each does": f"{h['outputs_per_thread']:g} C elements, {h['macs_per_thread']:,.0f} multiply-adds, "
                       f"{h['accumulator_registers_per_thread']} fp32 accumulator registers"},
     ])
-    st.dataframe(levels, hide_index=True, width="stretch")
+    ui.table(levels)
     st.caption(f"A model of how the tiling maps onto the preset (Triton chooses the real layout); the counts of loads "
                f"are measured by the kernel. Edge tiles run whole: {h['useful_fraction']:.1%} of the multiply-adds issued "
                "are useful, the rest run on masked, padded rows and columns (SIMT: a warp executes as a unit, its idle "
@@ -115,17 +115,17 @@ def render(result: dict, rec) -> None:
     cols[1].metric("bytes counted", f"{m['bytes_A'] + m['bytes_B'] + m['bytes_C']:,}", help="A + B loads and C stores, inside the kernel")
     cols[2].metric("intensity", f"{m['intensity_flop_per_byte']:.2f} FLOP/B")
     cols[3].metric("loads per multiply-add", f"{m['loads_per_mac']:.4f}")
-    st.dataframe(pd.DataFrame(tables["traffic"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(tables["traffic"]))
     _hierarchy(tables["hierarchy"][0], cfg)
     _program_order(result, cfg)
     _intensity(result)
     st.subheader("Seed 002's count: a row loaded once, five columns, 25 multiply-adds")
-    st.dataframe(pd.DataFrame(tables["seed_5x5"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(tables["seed_5x5"]))
     st.caption("Counted by running the kernel on a 1x5 row times a 5x5 matrix: A's row is read once (5 elements), B's "
                "five columns once each (25), for 25 multiply-adds. A BLOCK_M x BLOCK_N tile generalises it: "
                "(BLOCK_M + BLOCK_N)·K loads for BLOCK_M·BLOCK_N·K multiply-adds.")
     st.subheader("Tensor-core shapes: the granularity of tl.dot")
-    st.dataframe(pd.DataFrame(tables["tensor_core_shapes"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(tables["tensor_core_shapes"]))
     st.caption("A tensor core multiplies 4x4 by 4x4 and adds per cycle; CUDA groups them into a warp-wide 16x16x16 "
                "WMMA instruction, which is why tl.dot needs tiles of at least 16 on each side.")
 

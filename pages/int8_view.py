@@ -28,15 +28,14 @@ def render(result: dict, rec) -> None:
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(models).mark_bar().encode(
         x=alt.X("weight_bytes:Q", title="weight bytes as stored (B)"), y=alt.Y("model:N", title=None, sort=None),
-        tooltip=["model", alt.Tooltip("weight_bytes:Q", format=",")]).properties(height=150), width="stretch")
+        tooltip=["model", alt.Tooltip("weight_bytes:Q", format=",")]).properties(height=150))
     models["low"], models["high"] = models["held_out_loss"] - models["stderr"], models["held_out_loss"] + models["stderr"]
     right.altair_chart((alt.Chart(models).mark_point(filled=True, size=80).encode(
         x=alt.X("held_out_loss:Q", title="held-out loss (nats/token)", scale=alt.Scale(zero=False)), y=alt.Y("model:N", title=None, sort=None),
         tooltip=["model", alt.Tooltip("held_out_loss:Q", format=".5f"), alt.Tooltip("loss_increase:Q", format="+.5f"),
                  alt.Tooltip("stderr:Q", format=".4f")])
-        + alt.Chart(models).mark_rule().encode(x="low:Q", x2="high:Q", y=alt.Y("model:N", sort=None))).properties(height=150),
-        width="stretch")
-    st.dataframe(models.drop(columns=["low", "high"]), hide_index=True, width="stretch", column_config={
+        + alt.Chart(models).mark_rule().encode(x="low:Q", x2="high:Q", y=alt.Y("model:N", sort=None))).properties(height=150))
+    ui.table(models.drop(columns=["low", "high"]), column_config={
         "held_out_loss": st.column_config.NumberColumn("held-out loss", format="%.5f"),
         "loss_increase": st.column_config.NumberColumn("vs fp32 (nats)", format="%+.5f"),
         "max_rel_logit_error": st.column_config.NumberColumn("max logit error (rel.)", format="%.2e"),
@@ -60,7 +59,7 @@ def render(result: dict, rec) -> None:
 
 def kv_table(rows: list[dict]) -> None:
     kv = pd.DataFrame(rows)
-    st.dataframe(kv, hide_index=True, width="stretch", column_config={
+    ui.table(kv, column_config={
         "bytes_per_token": st.column_config.NumberColumn("bytes per token (tensors)", format="%d"),
         "formula": st.column_config.NumberColumn("formula", format="%d"),
         "max_rel_logit_error": st.column_config.NumberColumn("max logit error (rel.)", format="%.2e"),
@@ -81,8 +80,7 @@ def kv_short() -> None:
     st.altair_chart(alt.Chart(pd.DataFrame(rows)).mark_bar().encode(
         x=alt.X("bytes_per_token:Q", title="cache bytes per token, all layers (B)"),
         y=alt.Y("cache:N", title=None, axis=alt.Axis(labelLimit=260)),
-        tooltip=["cache", "bytes_per_token", alt.Tooltip("kl_nats:Q", format=".2e", title="KL to fp32 (nats)")]).properties(height=120),
-        width="stretch")
+        tooltip=["cache", "bytes_per_token", alt.Tooltip("kl_nats:Q", format=".2e", title="KL to fp32 (nats)")]).properties(height=120))
     kv_table(rows)
     st.caption(f"K and V stored as INT8 with one fp32 scale per token and head, dequantised as attention reads them; greedy "
                f"generation against the fp32 cache, from [run {runs[0].id}](number_formats?run={runs[0].id}).")

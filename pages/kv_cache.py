@@ -24,14 +24,14 @@ def render(result: dict, rec) -> None:
         yOffset="source:N", color=alt.Color("source:N", title=None),
         tooltip=["variant", "source", alt.Tooltip("bytes:Q", format=",.0f")],
     ).properties(height=60 * len(cache)), width="stretch")
-    st.dataframe(cache, hide_index=True, width="stretch", column_config={
+    ui.table(cache, column_config={
         "saving_vs_mha_pct": st.column_config.NumberColumn("saving vs MHA", format="%.1f %%"),
         "bytes_per_token_per_layer": st.column_config.NumberColumn("measured (B)", format="%.0f"),
         "formula_bytes": st.column_config.NumberColumn("formula (B)", format="%.0f")})
     gpu_live = st.selectbox("GPU memory for this shape's cache", list(GPUS), index=1, key=f"gpu-live-{rec.id}")
     fit = cache[["variant"]].copy()
     fit["tokens that fit (all layers, fp32)"] = (GPUS[gpu_live] * 2**30 // (cache["bytes_per_token_per_layer"] * cfg["n_layers"])).astype(int)
-    st.dataframe(fit, hide_index=True, width="stretch")
+    ui.table(fit)
     st.caption(f"Shape: n_h={cfg['n_heads']}, n_g={cfg['n_kv_heads']}, d_h={cfg['d_head']}, d_c={cfg['d_c']}, "
                f"d_h^R={cfg['d_rope']}, l={cfg['n_layers']}. Formulas: MHA 2·n_h·d_h, GQA 2·n_g·d_h, MQA 2·d_h, "
                "MLA d_c + d_h^R (absorbed), n_h·(2·d_h + d_h^R) (naive), per layer.")
@@ -52,9 +52,10 @@ def render(result: dict, rec) -> None:
         # a quantile of all steps: on a busy machine more than 2 % of the steps can be descheduled ones.
         quartiles = speed.groupby("variant")["ms_per_token"].quantile([0.25, 0.75]).unstack()
         top = float((quartiles[0.75] + 3 * (quartiles[0.75] - quartiles[0.25])).max()) * 1.2
+        low = max(0.0, float((quartiles[0.25] - 3 * (quartiles[0.75] - quartiles[0.25])).min()) * 0.8)  # same fence below
         points = alt.Chart(speed).mark_circle(size=14, opacity=0.35, clip=True).encode(
             x=alt.X("context:Q", title="context (tokens)"),
-            y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[0, top])),
+            y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[low, top])),
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("ms_per_token:Q", format=".3f", title="ms")])
         lines = alt.Chart(speed).mark_line().encode(x="context:Q", y="median_ms:Q", color="variant:N")
         left.caption("Time per generated token: each step (dots) and the rolling median of 9 (lines)")
@@ -80,7 +81,7 @@ def render(result: dict, rec) -> None:
     st.subheader("Published models, by formula (bf16 cache)")
     gpu = st.selectbox("GPU memory for the cache", list(GPUS), index=1)
     presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_that_fit": "tokens that fit"})
-    st.dataframe(presets, hide_index=True, width="stretch")
+    ui.table(presets)
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
     int8_view.kv_short()
     decode_view.short("kv")

@@ -9,6 +9,13 @@ from backend.memory.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traf
 from pages import decode_view, ui, units
 
 st.title("GPU memory hierarchy and the roofline")
+# Each roof's line by what its peak is: a GPU's two datasheet roofs differ in dash, the measured CPU's is solid.
+PEAK_DASH = {"fp16/bf16 tensor (datasheet)": [7, 3], "fp32 (datasheet)": [2, 2], "fp32 (measured)": [1, 0]}
+
+
+def peak(roof: dict) -> str:
+    """Which peak a roof is drawn at: its precision, and whether that is a datasheet figure or measured here."""
+    return f"{roof.get('precision', 'fp16/bf16 tensor')} ({'measured' if 'measured' in roof['device'] else 'datasheet'})"
 
 
 def render(result: dict, rec) -> None:
@@ -20,13 +27,13 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Roofline")
     intensities = np.logspace(-1, 3, 60)
-    lines = [{"device": r["device"], "roof": f"{r['device']}, {r.get('precision', 'fp16/bf16 tensor')}", "intensity": x,
+    lines = [{"device": r["device"], "roof": f"{r['device']}, {peak(r)}", "peak": peak(r), "intensity": x,
               "flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)} for r in tables["roofs"] for x in intensities]
     roof = alt.Chart(pd.DataFrame(lines)).mark_line().encode(
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP/byte)"),
         y=alt.Y("flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
         color=alt.Color("device:N"), detail="roof:N", tooltip=["roof", alt.Tooltip("flops_per_s:Q", format=".3s")],
-        strokeDash=alt.condition(alt.datum.device == "this CPU (measured)", alt.value([1, 0]), alt.value([5, 3])))
+        strokeDash=alt.StrokeDash("peak:N", title="peak", scale=alt.Scale(domain=list(PEAK_DASH), range=list(PEAK_DASH.values()))))
     measured = alt.Chart(pd.DataFrame(tables["points"])).mark_point(filled=True, size=80, color="black").encode(
         x="intensity:Q", y="flops_per_s:Q", shape=alt.Shape("kernel:N"),
         tooltip=["kernel", alt.Tooltip("intensity:Q", format=".2f"), alt.Tooltip("flops_per_s:Q", format=".3s"), "source"])
@@ -34,8 +41,8 @@ def render(result: dict, rec) -> None:
         x="intensity:Q", y="attainable_flops_per_s:Q", color="device:N", shape=alt.Shape("kernel:N"),
         tooltip=["device", "kernel", alt.Tooltip("intensity:Q", format=".1f"), alt.Tooltip("attainable_flops_per_s:Q", format=".3s")])
     st.altair_chart((roof + model + measured).properties(height=420).interactive(), width="stretch")
-    st.caption("Lines: presets (dashed, datasheet peaks: a model; each GPU twice, at its fp16 tensor-core peak and its fp32 peak, "
-               "e.g. the RTX 4090 at 165.2 and seed 003's 82.58 TFLOP/s) and this CPU (solid, measured). Black: measured runs on "
+    st.caption("Lines: presets (datasheet peaks: a model; each GPU twice, dashed at its fp16 tensor-core peak and dotted at its "
+               "fp32 peak, e.g. the RTX 4090 at 165.2 and seed 003's 82.58 TFLOP/s) and this CPU (solid, measured). Black: measured runs on "
                "this CPU. Coloured points: where naive and flash attention of the chosen shape would sit on each GPU (model).")
     if "ridge_4090_fp32_flops_per_byte" in m:
         st.caption(f"RTX 4090 fp32: its roof turns flat at {m['ridge_4090_fp32_flops_per_byte']:.2f} FLOP/B (found on the roofline); "
@@ -48,17 +55,19 @@ def render(result: dict, rec) -> None:
     rows = pd.DataFrame(hierarchy_traffic(device, m["io_model.standard_bytes"], m["io_model.flash_bytes"], sram * steps))
     opd = ops_per_datum(device) if "fp64 tensor" in DEVICES[device]["peak_flops"] else {}
     rows["ops per datum (FP64)"] = rows["level"].map(opd)
-    rows["source"] = rows["level"].map(lambda level: SOURCES.get((device, f"level:{level}"), ""))
-    rows["bandwidth"] = rows.apply(lambda r: (f"{r['bandwidth_Bps'] / 1e9:,.0f} GB/s" + (" (approx.)" if (device, r["level"]) in APPROXIMATE else ""))
-                                   if pd.notna(r["bandwidth_Bps"]) else "—", axis=1)
-    st.dataframe(rows[["level", "capacity_bytes", "bandwidth", "ops per datum (FP64)", "naive_bytes", "flash_bytes", "naive_seconds",
-                       "flash_seconds", "source"]],
-                 hide_index=True, width="stretch",
-                 column_config={"capacity_bytes": st.column_config.NumberColumn("capacity", format="%.3e B"),
-                                "naive_bytes": st.column_config.NumberColumn("naive bytes", format="%.3e"),
-                                "flash_bytes": st.column_config.NumberColumn("flash bytes", format="%.3e"),
-                                "naive_seconds": st.column_config.NumberColumn("naive time at this bandwidth (s)", format="%.2e"),
-                                "flash_seconds": st.column_config.NumberColumn("flash time (s)", format="%.2e")})
+    rows["bandwidth"] = rows.apply(lambda r: (units.rate(r["bandwidth_Bps"] / 1e9) + (" (approx.)" if (device, r["level"]) in APPROXIMATE else ""))
+                                   if pd.notna(r["bandwidth_Bps"]) else "none quoted", axis=1)
+
+    def amount(values: pd.Series, unit: str, scale: float = 1.0) -> pd.Series:  # a link has no capacity, registers no bandwidth
+        return values.map(lambda v: units.si(v * scale, unit) if pd.notna(v) else None)
+
+    shown = pd.DataFrame({"level": rows["level"], "capacity": amount(rows["capacity_bytes"], "B"),
+                          "bandwidth": rows["bandwidth"], "ops per datum (FP64)": rows["ops per datum (FP64)"],
+                          "naive bytes": amount(rows["naive_bytes"], "B"), "naive time": amount(rows["naive_seconds"], "µs", 1e6),
+                          "flash bytes": amount(rows["flash_bytes"], "B"), "flash time": amount(rows["flash_seconds"], "µs", 1e6)})
+    ui.table(shown, column_config={c: st.column_config.TextColumn(alignment="right") for c in shown.columns[1:]})
+    with st.expander("Where each figure comes from"):
+        st.markdown("\n".join(f"- **{level}**: {SOURCES.get((device, f'level:{level}'), 'no source')}" for level in rows["level"]))
     st.caption(f"Attention N={rec.config['seq_len']}, d={rec.config['head_dim']}, fp32, one head, tiles {rec.config['block']}: "
                "bytes from the IO model, time = bytes ÷ the level's bandwidth (a model). Seed 002: ops per datum = "
                "FP64 FLOP/s ÷ (bandwidth ÷ 8 B); the A100's L1 ≈ 8 and PCIe ≈ 6,240 are checked in the run.")
@@ -110,12 +119,26 @@ def render_measured(result: dict, rec) -> None:
     st.caption("A dependent chase keeps one 64-byte line in flight; everything to the right of 64 bytes has to come from "
                "independent requests: out-of-order cores and prefetchers on a CPU, tens of thousands of threads on a GPU.")
     st.markdown("**This machine, per level** (measured latency and bandwidth of the probe that fits in it):")
-    st.dataframe(pd.DataFrame(tables["levels"]), hide_index=True, width="stretch",
-                 column_config={"one_chase_uses": st.column_config.NumberColumn("one chase uses", format="%.4f"),
-                                "bytes_in_flight": st.column_config.NumberColumn("bytes in flight", format="%.0f")})
+    levels = pd.DataFrame(tables["levels"])
+    levels["capacity_bytes"] = levels["capacity_bytes"].map(lambda b: units.binary(b) if pd.notna(b) else "past the last cache")
+    levels["probe_bytes"] = levels["probe_bytes"].map(units.binary)
+    ui.table(levels, column_config={
+        "capacity_bytes": st.column_config.TextColumn("capacity", alignment="right"),
+        "probe_bytes": st.column_config.TextColumn("probe's working set", alignment="right"),
+        "latency_ns": st.column_config.NumberColumn("latency (ns)", format="%.1f"),
+        "read_GBps": st.column_config.NumberColumn("read (GB/s)", format="%.1f"),
+        "bytes_in_flight": st.column_config.NumberColumn("bytes in flight", format="localized"),
+        "lines_in_flight_needed": st.column_config.NumberColumn("64-B lines in flight", format="%.1f"),
+        "one_chase_uses": st.column_config.NumberColumn("one chase uses", format="percent")})
     st.markdown("**GPU presets** (model: the assumed latency x the datasheet bandwidth; threads of one request each, "
                 "beside the threads the chip can keep resident):")
-    st.dataframe(pd.DataFrame(tables["gpu_littles_law"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(tables["gpu_littles_law"]), column_config={
+        "bandwidth_GBps": st.column_config.NumberColumn("bandwidth (GB/s)", format="localized"),
+        "assumed_latency_ns": st.column_config.NumberColumn("latency (ns, assumed)", format="%.0f"),
+        "bytes_in_flight": st.column_config.NumberColumn("bytes in flight", format="localized"),
+        "threads_needed": st.column_config.NumberColumn("threads needed", format="localized"),
+        "threads_resident_max": st.column_config.NumberColumn("threads resident (max)", format="localized"),
+        "needed_over_resident": st.column_config.NumberColumn("needed / resident", format="percent")})
 
 
 VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,

@@ -43,7 +43,7 @@ def render(result: dict, rec) -> None:
     left, right = st.columns(2)
     loss = pd.DataFrame(t["loss"])
     left.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="cross entropy (nats / token)", scale=alt.Scale(zero=False)),
+        x=alt.X("step:Q", title="step", axis=alt.Axis(tickMinStep=1, format="d")), y=alt.Y("loss:Q", title="cross entropy (nats / token)", scale=alt.Scale(zero=False)),
         color="run:N", strokeDash="run:N", tooltip=["run", "step", alt.Tooltip("loss:Q", format=".6f")]).properties(
         height=260, title="Loss against one process on the whole batch"), width="stretch")
     memory = pd.DataFrame(t["memory"])
@@ -51,7 +51,14 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:O", title="rank"), y=alt.Y("measured_bytes:Q", title="bytes held (measured, B)"), color="category:N",
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title="Memory per rank"), width="stretch")
-    st.dataframe(pd.DataFrame(t["ranks"]), hide_index=True, width="stretch")
+    ranks = pd.DataFrame(t["ranks"])
+    dims = [d for d in DIM_COLORS if d in ranks]
+    ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))
+    sent = [c for c in ranks if c.endswith(" bytes sent")]
+    st.markdown("**Bytes each rank sent, by process group** (measured)")
+    ui.table(ranks.drop(columns=dims), column_config={
+        c: st.column_config.NumberColumn(c.removesuffix(" bytes sent").replace("gradients", "grads") + " (B)", format="localized")
+        for c in sent})
     if t.get("experts"):
         experts = pd.DataFrame(t["experts"]).groupby(["rank", "expert"], as_index=False)["rows computed"].sum()
         st.altair_chart(alt.Chart(experts).mark_bar().encode(

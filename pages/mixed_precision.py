@@ -14,9 +14,13 @@ FP16_LIMITS = pd.DataFrame({"log2_magnitude": [-24, -14, 15.999], "limit": ["sma
 
 def render(result: dict, rec) -> None:
     t, m, cfg = result["tables"], result["metrics"], rec.config
-    st.dataframe(pd.DataFrame(t["summary"]), hide_index=True, width="stretch", column_config={
-        "activation_underflow_share": st.column_config.NumberColumn("logit-gradient share flushed to 0", format="%.4f"),
-        "param_underflow_share": st.column_config.NumberColumn("parameter-gradient share flushed to 0", format="%.4f"),
+    summary = pd.DataFrame(t["summary"]).drop(columns=["activation_underflow", "param_underflow"])  # the counts: in the shares
+    ui.table(summary, column_config={
+        "skipped_steps": st.column_config.NumberColumn("skipped", help="optimizer steps skipped for an overflow"),
+        "activation_underflow_share": st.column_config.NumberColumn("logit grads → 0", format="percent",
+                                                                    help="share of the logit-gradient elements flushed to zero"),
+        "param_underflow_share": st.column_config.NumberColumn("param grads → 0", format="percent",
+                                                               help="share of the parameter-gradient elements flushed to zero"),
         "final_scale": st.column_config.NumberColumn("final scale", format="%.0f"),
         "max_grad_relative_error": st.column_config.NumberColumn("max ‖g16 − g32‖/‖g32‖", format="%.3g")})
     st.caption(f"Underflow counted every {cfg['count_every']} steps against an fp32 backward of the same weights; "

@@ -11,7 +11,7 @@ st.title("Mixture of experts: routing")
 def render(result: dict, rec) -> None:
     cfg, t, m = rec.config, result["tables"], result["metrics"]
     st.subheader("Load per expert for each router (same tokens, same router weights)")
-    st.dataframe(pd.DataFrame(t["summary"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["summary"]))
     loads = pd.DataFrame(t["loads"])
     slots = {r: cfg["tokens"] * (1 if r == "Switch top-1" else cfg["top_k"]) / cfg["n_experts"] for r in loads["router"].unique()}
     loads["balanced"] = loads["router"].map(slots)
@@ -46,7 +46,9 @@ def render(result: dict, rec) -> None:
     for step in t["walkthrough"]:
         st.markdown(f"**{step['step']}** · shape {tuple(step['shape'])}")
         st.code(step["code"], language="python")
-        st.dataframe(pd.DataFrame(step["values"]), width="stretch")
+        values = pd.DataFrame(step["values"])  # narrow columns: 16 experts fit the page
+        ui.table(values, hide_index=False, column_config={
+            c: st.column_config.NumberColumn(width=44, format="%.2f" if values[c].dtype.kind == "f" else "%d") for c in values})
 
 
 ui.experiment_page("moe.routing", render,

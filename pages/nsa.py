@@ -69,7 +69,7 @@ def render(result: dict, rec) -> None:
             color=alt.Color("what:N", title=None),
             strokeDash=alt.condition("datum.what == 'full'", alt.value([5, 3]), alt.value([1, 0])),
             tooltip=["seq_len", "what", alt.Tooltip("bytes:Q", format=",")]).properties(height=320), width="stretch")
-        st.dataframe(sweep[["seq_len", "nsa_mean", "full_mean", "nsa_last", "full_last", "nsa_over_full_last"]],
+        ui.table(sweep[["seq_len", "nsa_mean", "full_mean", "nsa_last", "full_last", "nsa_over_full_last"]],
                      hide_index=True, width="stretch")
     st.caption("Mean gate per branch: " + ", ".join(f"{b} {m[f'gate_mean.{b}']:.3f}" for b in BRANCHES))
 

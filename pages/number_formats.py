@@ -37,12 +37,12 @@ def render(result: dict, rec) -> None:
         color=alt.Color("field:N", scale=alt.Scale(domain=["sign", "exponent", "mantissa"], range=["#d62728", "#1f77b4", "#2ca02c"])),
         tooltip=["format", "field", "bit", "position"]) + base.mark_text(color="white").encode(text="bit:N"))
         .properties(height=38 * len(shown)), width="stretch")
-    st.dataframe(shown[["format", "kind", "sign_bit", "exponent_bits", "mantissa_bits", "unbiased_exponent", "stored_value",
-                        "relative_error", "gap_to_next", "gap_formula"]], hide_index=True, width="stretch",
-                 column_config={"stored_value": st.column_config.NumberColumn("stored value", format="%.10g"),
-                                "gap_to_next": st.column_config.NumberColumn("gap to next (torch)", format="%.4g"),
-                                "gap_formula": st.column_config.NumberColumn("gap 2^(e-bias-M)", format="%.4g"),
-                                "relative_error": st.column_config.NumberColumn("relative rounding error", format="%.3g")})
+    ui.table(shown[["format", "kind", "sign_bit", "exponent_bits", "mantissa_bits", "unbiased_exponent"]])  # two tables:
+    ui.table(shown[["format", "stored_value", "relative_error", "gap_to_next", "gap_formula"]],  # one was cut at the right
+             column_config={"stored_value": st.column_config.NumberColumn("stored value", format="%.10g"),
+                            "gap_to_next": st.column_config.NumberColumn("gap to next (torch)", format="%.4g"),
+                            "gap_formula": st.column_config.NumberColumn("gap 2^(e-bias-M)", format="%.4g"),
+                            "relative_error": st.column_config.NumberColumn("relative rounding error", format="%.3g")})
     st.caption("Stored value: torch's cast. Gap to next: torch decoding the stored integer plus one, beside the formula.")
 
     st.subheader("Range and precision of each format")
@@ -54,13 +54,24 @@ def render(result: dict, rec) -> None:
         x=alt.X("magnitude:Q", scale=alt.Scale(type="log"), title="magnitude (log scale)", axis=alt.Axis(format=".0e")),
         y=alt.Y("format:N", title=None, sort=list(floats["format"])), color=alt.Color("limit:N", title=None),
         tooltip=["format", "limit", alt.Tooltip("magnitude:Q", format=".4g")]).properties(height=240), width="stretch")
-    st.dataframe(ranges, hide_index=True, width="stretch", column_config=general(ranges))
-    st.caption("max, smallest normal, smallest subnormal and eps from E, M and the bias; finfo_* columns are torch.finfo. "
+    formula = ["format", "exponent_bits", "mantissa_bits", "bias", "max", "smallest_normal", "smallest_subnormal", "eps",
+               "decimal_digits"]
+    config = general(ranges[formula], digits=4)
+    for c, label in {"exponent_bits": "E bits", "mantissa_bits": "M bits", "smallest_normal": "min normal",
+                     "smallest_subnormal": "min subnormal", "decimal_digits": "decimal digits"}.items():
+        config[c] = {**config.get(c, {}), "label": label}
+    ui.table(ranges[formula], column_config=config)
+    torch_side = ranges[["format", "bits"] + [c for c in ranges if c.startswith(("finfo_", "iinfo_")) or c == "min"]]
+    config = general(torch_side, digits=4)
+    for c in torch_side.columns[2:]:
+        config[c] = {**config.get(c, {}), "label": c.replace("_", " ", 1).replace("_", " ")}
+    ui.table(torch_side, column_config=config)
+    st.caption("Above: max, smallest normal, smallest subnormal and eps from E, M and the bias; below: torch.finfo. "
                "INT8 (seed 002's inference format) has no exponent: -128 .. 127 in steps of 1, against torch.iinfo.")
 
     st.subheader("Seed 002's swamping: weight 2⁻³ plus gradient 2⁻¹⁴")
     swamp = pd.DataFrame(t["swamping"])
-    st.dataframe(swamp, hide_index=True, width="stretch", column_config=general(swamp, digits=14))
+    ui.table(swamp, column_config=general(swamp, digits=10))
     st.markdown("In FP16 the gap above 2⁻³ is 2⁻¹³, so 2⁻¹⁴ is exactly half a gap: a tie, which rounds to the even "
                 "neighbour, 2⁻³. The update is lost. BF16 (7 mantissa bits) loses it too; FP32 keeps it.")
 
@@ -71,7 +82,7 @@ def render(result: dict, rec) -> None:
         color=alt.Color("method:N", title=None), strokeDash="method:N",
         tooltip=["method", "terms", alt.Tooltip("running_sum:Q", format=".6g")]).properties(height=300), width="stretch")
     errors = pd.DataFrame(t["sum_errors"])
-    st.dataframe(errors, hide_index=True, width="stretch", column_config=general(errors, digits=8))
+    ui.table(errors, column_config=general(errors, digits=8))
     stall = result["metrics"].get("fp16_stall_prediction")
     if stall:
         st.markdown(f"Model: a plain FP16 sum of a constant v stops at the first 2^k whose half-gap 2^(k−11) is at least v: "

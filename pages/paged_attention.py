@@ -69,7 +69,7 @@ def render(result: dict, rec) -> None:
     events = pd.DataFrame(result["tables"]["events"])
     if not events.empty:
         with st.expander(f"Events ({len(events)} shown): preemptions, swaps, copy-on-write"):
-            st.dataframe(events, hide_index=True, width="stretch")
+            ui.table(events)
 
 
 form.trace_upload("kvcache.serve", "scheduler steps")

@@ -59,28 +59,60 @@ def summary(m: dict) -> None:
                    f"idle ({SCHEDULES[m['schedule']].published_idle_formula}).")
 
 
+IDLE_PARTS = {"transfer_ms": "in send/recv, after the data was sent", "waiting_ms": "waiting for the neighbour's compute",
+              "between_ms": "between actions (posting sends, bookkeeping)"}
+
+
+def idle_chart(stages: pd.DataFrame, where) -> None:
+    """Each rank's wall-clock idle time, stacked by what it was spent on (the run's idle split)."""
+    parts = stages.melt(id_vars=["rank"], value_vars=list(IDLE_PARTS), var_name="part", value_name="ms")
+    parts["part"] = parts["part"].map(IDLE_PARTS)
+    where.altair_chart(alt.Chart(parts).mark_bar().encode(
+        y=alt.Y("rank:O", title="rank"), x=alt.X("ms:Q", title="idle time on the wall clock (ms)", stack="zero"),
+        color=alt.Color("part:N", title=None, sort=list(IDLE_PARTS.values()), legend=alt.Legend(orient="right", labelLimit=320),
+                        scale=alt.Scale(domain=list(IDLE_PARTS.values()), range=["#d1495b", "#c9ced6", "#8d99ae"])),
+        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f")]).properties(height=alt.Step(28), title="Idle time, per rank"))
+
+
+def idle_sentence(m: dict) -> str:
+    """Why the wall-clock bubble exceeds the formula, in one sentence from the run's own figures."""
+    return (f"Actions here take about {m['mean_action_cpu_ms']:.1f} ms of CPU, so send/recv latency is visible: "
+            f"{m.get('recv_transfer_ms', 0):.2f} ms per receive after the data was sent ({100 * m.get('idle_transfer_share', 0):.0f}% "
+            "of the idle time; ranks that share cores also wait for one), which the bubble formula, counting compute only, "
+            "leaves out, as it does the time between actions.")
+
+
 def render(result: dict, rec) -> None:
     m = result["metrics"]
     summary(m)
     title = f"{m['schedule']}: p={m['p']}, m={m['m']}" + (f", v={m['v']}" if m["v"] > 1 else "")
     for which, label in TIMELINES.items():
-        st.altair_chart(gantt(result, which, f"{label} — {title}"), width="stretch")
+        st.altair_chart(gantt(result, which, f"{label} — {title}"))
     st.caption("Drag on a chart to zoom in time, double-click to reset; hover a bar for its micro-batch, stage and duration.")
     stages = pd.DataFrame(result["tables"]["stages"])
-    left, right = st.columns(2)
-    left.dataframe(stages, hide_index=True, width="stretch", column_config={
-        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f") for c in ("bubble_wall", "bubble_replayed", "bubble_model")} | {
-        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.1f") for c in ("busy_ms", "cpu_ms")})
+    shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "peak_live", "peak_live_bound"]
+    ui.table(stages[shown], column_config={
+        "busy_ms": st.column_config.NumberColumn("busy, wall (ms)", format="%.1f"),
+        "cpu_ms": st.column_config.NumberColumn("busy, CPU (ms)", format="%.1f"),
+        "bubble_wall": st.column_config.NumberColumn("bubble, wall", format="percent"),
+        "bubble_replayed": st.column_config.NumberColumn("bubble, replay", format="percent"),
+        "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
+        "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
+        "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
+    if "transfer_ms" in stages:  # runs stored before the split lack it
+        idle_chart(stages, st)
+        st.caption(idle_sentence(result["metrics"]))
     live = pd.DataFrame(result["tables"]["live"])
-    right.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
-        x=alt.X("t_ms:Q", title="time on the wall clock (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)"),
-        color=alt.Color("rank:N")).properties(height=220, title="Activations held, per rank"), width="stretch")
+    st.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
+        x=alt.X("t_ms:Q", title="time on the wall clock (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)",
+                                                                      axis=alt.Axis(tickMinStep=1)),
+        color=alt.Color("rank:N")).properties(height=220, title="Activations held, per rank"))
     if result["tables"].get("recompute"):
         recompute_price(result)
     versions = pd.DataFrame(result["tables"]["versions"])
     if not versions.empty:
         st.caption("PipeDream: the weight version each micro-batch's forward and backward used on each stage")
-        st.dataframe(versions, hide_index=True, width="stretch")
+        ui.table(versions)
 
     st.subheader("Side by side")
     other = st.selectbox("compare with schedule", [s for s in SCHEDULES if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
@@ -146,14 +178,14 @@ def recompute_price(result: dict) -> None:
                     "with recomputation only the input, A_in = b·h·8. A rank holding k micro-batches peaks at k·A without "
                     "recomputation and k·A_in + (A − A_in) with it. Forward + backward ≈ 3 units, with recomputation 4 (+33 %, "
                     "seed 003).")
-        st.dataframe(rows, hide_index=True, width="stretch")
+        ui.table(rows)
 
 
 def compact(result: dict, rec) -> None:
     """One run of a side-by-side pair: its bubble figures and its replayed timeline."""
     st.markdown(f"**{rec.config['schedule']}** · run `{rec.id}`")
     summary(result["metrics"])
-    st.altair_chart(gantt(result, "replayed", "replayed, one core per rank"), width="stretch")
+    st.altair_chart(gantt(result, "replayed", "replayed, one core per rank"))
 
 
 ui.experiment_page(

@@ -21,15 +21,15 @@ def render(result: dict, rec) -> None:
     st.caption("Colour is the rank; red dashed edges cross ranks and became a send on one rank and a recv on the other.")
     graph_view.graph(t["graph_dot"][0]["dot"])
     st.subheader("Why each op went where it did")  # full width: the reasons are sentences
-    st.dataframe(pd.DataFrame(t["placement"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["placement"]))
     left, right = st.columns(2)
     with left:
         st.subheader("Transfers")
-        st.dataframe(pd.DataFrame(t["transfers"]), hide_index=True, width="stretch",
+        ui.table(pd.DataFrame(t["transfers"]),
                      column_config={"bytes": st.column_config.NumberColumn("bytes (B)", format="%d")})
     with right:
         st.subheader("Per rank")
-        st.dataframe(pd.DataFrame(t["per_rank"]), hide_index=True, width="stretch",
+        ui.table(pd.DataFrame(t["per_rank"]),
                      column_config={"compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f")})
     timeline.run_timeline(rec, title="Per-rank timeline: compute, send, recv")
 

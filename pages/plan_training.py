@@ -40,10 +40,10 @@ def published(rows: list[dict]) -> None:
         color=alt.Color("role:N", title=None, scale=alt.Scale(domain=["calibration", "validation"], range=["#888", "#4c78a8"])),
         tooltip=["row", "role", "published", alt.Tooltip("predicted:Q", format=",.4g"), alt.Tooltip("error %:Q", format="+.1f"), "source"])
     band = alt.Chart(pd.DataFrame({"x": [-10, 10]})).mark_rule(strokeDash=[4, 3], color="#c00").encode(x="x:Q")
-    st.altair_chart((chart + band).properties(height=28 * len(df) + 40), width="stretch")
+    st.altair_chart((chart + band).properties(height=28 * len(df) + 40))
     st.caption("Grey rows fitted the constants (calibration); blue rows were predicted with them (validation). Dashed: ±10%.")
     with st.expander("Every row with its source"):
-        st.dataframe(df.drop(columns=["error"]), hide_index=True, width="stretch")
+        ui.table(df.drop(columns=["error"]))
 
 
 def render_training(result: dict, rec) -> None:
@@ -63,14 +63,14 @@ def render_training(result: dict, rec) -> None:
         tooltip=["category", alt.Tooltip("GiB:Q", format=",.2f")])
     hbm = alt.Chart(pd.DataFrame({"GiB": [m["hbm_gib"]]})).mark_rule(color="#c00", strokeWidth=2).encode(
         x="GiB:Q", tooltip=[alt.Tooltip("GiB:Q", title="HBM (GiB)")])
-    st.altair_chart((bars + hbm).properties(height=150), width="stretch")
+    st.altair_chart((bars + hbm).properties(height=150))
     st.caption("Red line: the GPU's HBM. The allocator's share is the fitted constant; the rest is the plan's formulas.")
 
     st.subheader("One step")
     parts = pd.DataFrame(t["time"])
     st.altair_chart(alt.Chart(parts).mark_bar().encode(
         x=alt.X("seconds:Q", title="seconds per step"), y=alt.Y("part:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
-        tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=26 * len(parts) + 40), width="stretch")
+        tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=26 * len(parts) + 40))
     links = ", ".join(f"{r['dimension']} {r['size']}: {r['link']}" for r in t["links"] if r["size"] and r["size"] > 1) or "none"
     st.caption(f"Groups larger than one and the link each crosses: {links}.")
     if t["gantt"]:
@@ -80,19 +80,19 @@ def render_training(result: dict, rec) -> None:
             x=alt.X("start_ms:Q", title="time in the step (ms, predicted)"), x2="end_ms:Q",
             y=alt.Y("rank:O", title="pipeline rank"), color=alt.Color("kind:N", title=None),
             tooltip=["action", alt.Tooltip("start_ms:Q", format=",.1f"), alt.Tooltip("end_ms:Q", format=",.1f")])
-            .properties(height=min(400, 30 * (g["rank"].max() + 1) + 40)), width="stretch")
+            .properties(height=min(400, 30 * (g["rank"].max() + 1) + 40)))
         st.caption(f"The {cfg['schedule']} schedule's own per-rank order, each action at its predicted cost, replayed.")
     else:
         st.caption("No pipeline (pp = 1) or too many actions to draw: no Gantt.")
     if t.get("live"):
         st.subheader("Checked live, scaled down")
-        st.dataframe(pd.DataFrame(t["live"]), hide_index=True, width="stretch")
+        ui.table(pd.DataFrame(t["live"]))
         st.caption("The plan's dimensions at tiny widths on gloo ranks (parallel.mesh); its checks are listed with this run's.")
     else:
         st.caption("Set live_check to run this plan scaled down on gloo ranks and see its structure checks pass.")
     published(t["published"])
     with st.expander("Korthikanti et al. and ZeRO: the exact memory figures"):
-        st.dataframe(pd.DataFrame(t["published_exact"]), hide_index=True, width="stretch")
+        ui.table(pd.DataFrame(t["published_exact"]))
 
 
 def render_search(result: dict, rec) -> None:
@@ -109,10 +109,10 @@ def render_search(result: dict, rec) -> None:
             x=alt.X("tokens_per_s_per_gpu:Q", title="predicted tokens/s per GPU"), y=alt.Y("plan:N", title=None, sort=None, axis=alt.Axis(labelLimit=360)),
             color=alt.Color("memory_gib:Q", title="GiB per GPU"),
             tooltip=["rank", "plan", alt.Tooltip("tokens_per_s_per_gpu:Q", format=",.0f"), alt.Tooltip("mfu:Q", format=".1%"),
-                     alt.Tooltip("memory_gib:Q", format=".1f"), "why_not_best"]).properties(height=22 * len(ranked) + 40), width="stretch")
-        st.dataframe(ranked, hide_index=True, width="stretch")
+                     alt.Tooltip("memory_gib:Q", format=".1f"), "why_not_best"]).properties(height=22 * len(ranked) + 40))
+        ui.table(ranked)
     st.subheader("What does not fit or divide, and why")
-    st.dataframe(pd.DataFrame(t["infeasible"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["infeasible"]))
 
 
 st.title("Plan a training run")

@@ -34,14 +34,16 @@ if not records:
     st.info("No runs match. Launch one from a topic page, or `python -m backend run NAME` in a terminal.")
     st.stop()
 df = pd.DataFrame([{
-    "run": r.id, "experiment": r.experiment, "status": f"{ui.STATUS_ICON[r.status]} {r.status}",
-    "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created)),
-    "duration (s)": round(r.duration_s, 2) if r.duration_s is not None else None,
+    "run": r.id, "experiment": r.experiment, "status": r.status,  # a table draws no icon: ":material/...:" was shown as text
+    "created": time.strftime("%m-%d %H:%M", time.localtime(r.created)),
+    "took (s)": round(r.duration_s, 1) if r.duration_s is not None else None,
     "origin": r.origin, "owner": r.owner, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",
 } for r in records])
 st.caption(f"{len(df)} runs. Click a row to open it.")
-event = st.dataframe(df, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
-                     column_config={"link": st.column_config.LinkColumn("link", display_text="open")})
+event = ui.table(df, on_select="rerun", selection_mode="single-row",
+                     column_config={"link": st.column_config.LinkColumn("link", display_text="open", width=50),
+                                    "settings": st.column_config.TextColumn("settings", width=100,
+                                                                            help="the run's settings (JSON); open the run for all")})
 if event.selection.rows:
     st.query_params["run"] = df.iloc[event.selection.rows[0]]["run"]
     st.rerun()

@@ -21,16 +21,12 @@ VIEWS = {"serving.engine": "Engine: real runs, and the simulator beside them", "
 def fidelity_table(m: dict, real: str, simulated: str) -> None:
     rows = [{"figure": label, real: m[f"{real}.{key}"], simulated: m[f"{simulated}.{key}"], "error": m[f"error.{key}"],
              "repeat": m[f"repeat.{key}"]} for key, label in FIGURES.items()]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch", column_config={
+    ui.table(pd.DataFrame(rows), column_config={
         "error": st.column_config.NumberColumn("simulated vs real", format="percent"),
         "repeat": st.column_config.NumberColumn("real vs real (a second run)", format="percent",
                                                 help="the engine serving the same trace again: its own reproducibility")})
-    target = "meets the 5% target on every figure" if m["fidelity_target_met"] else "misses the 5% target on at least one figure"
-    step = m.get("cost_model_step_error")  # runs stored before it was measured lack it
-    where = ("" if step is None else f" The cost model's mean step time on this run's own steps is off by {100 * step:+.1f}%; the "
-             "rest of the error is the path the machine's speed took during the run, which the simulator draws but cannot know.")
-    st.caption(f"The simulator {target} of this trace.{where} Times are CPU time of the engine's "
-               "thread; a busy shared machine still slows it through caches and memory bandwidth, which the second column shows.")
+    st.caption("The verdict on these errors is the fidelity note above. Times are CPU time of the engine's thread; a busy "
+               "shared machine still slows it through caches and memory bandwidth, which the last column shows.")
 
 
 def latency_cdfs(latency: pd.DataFrame) -> None:
@@ -40,7 +36,7 @@ def latency_cdfs(latency: pd.DataFrame) -> None:
         data = latency.dropna(subset=[field])
         col.altair_chart(alt.Chart(data).transform_window(
             share="cume_dist()", sort=[{"field": field}], groupby=["source"]).mark_line(interpolate="step-after").encode(
-            x=alt.X(f"{field}:Q", title=title, scale=alt.Scale(type="log")),
+            x=alt.X(f"{field}:Q", title=title, scale=alt.Scale(type="log", nice=False)),  # niced, decades of nothing
             y=alt.Y("share:Q", title="share of requests", axis=alt.Axis(format="%")), color=alt.Color("source:N", title=None),
             tooltip=["source", alt.Tooltip(f"{field}:Q", format=".4f"), alt.Tooltip("share:Q", format=".0%")],
         ).properties(height=240), width="stretch")
@@ -64,13 +60,11 @@ def load_curve(load: pd.DataFrame, knee) -> None:
 
 def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
     st.markdown(cost_model_summary(m))
-    left, right = st.columns([1, 2])
-    left.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
-                   column_config={"coefficient_us": st.column_config.NumberColumn(
-                       "µs", format="%.3g", help="microseconds each unit of the term adds to a step")})
+    ui.table(pd.DataFrame(rows), column_config={"coefficient_us": st.column_config.NumberColumn(
+        "µs per unit", format="%.4g", help="microseconds each unit of the term adds to a step")})
     top = float(max(steps["time_ms"].max(), steps["predicted_ms"].max()))
     diagonal = alt.Chart(pd.DataFrame({"a": [0, top], "b": [0, top]})).mark_line(color="grey", strokeDash=[3, 3]).encode(x="a:Q", y="b:Q")
-    right.altair_chart((alt.Chart(steps).mark_circle(size=18, opacity=0.5).encode(
+    st.altair_chart((alt.Chart(steps).mark_circle(size=18, opacity=0.5).encode(
         x=alt.X("predicted_ms:Q", title="cost model (ms)"), y=alt.Y("time_ms:Q", title=f"{measured} step time (ms)"),
         color=alt.Color("decode_tokens:Q", title="decode tokens"),
         tooltip=["step", "prefill_tokens", "decode_tokens", "kv_blocks", alt.Tooltip("time_ms:Q", format=".2f"),
@@ -94,10 +88,11 @@ def render_engine(result: dict, rec) -> None:
     ).properties(height=max(200, 8 * gantt["request"].nunique())), width="stretch")
     steps = pd.DataFrame(t["steps"])
     mix = steps.melt(id_vars=["start", "end", "step"], value_vars=["prefill_tokens", "decode_tokens"], var_name="tokens")
-    st.altair_chart(alt.Chart(mix[mix["value"] > 0]).mark_bar(opacity=0.75).encode(
+    mix["tokens"] = mix["tokens"].str.removesuffix("_tokens")
+    st.altair_chart(alt.Chart(mix[mix["value"] > 0]).mark_bar().encode(  # stacked: prefill + decode = the step's tokens
         x=alt.X("start:Q", title="time since the first arrival (s)"), x2="end:Q",
-        y=alt.Y("value:Q", title="tokens in the step", scale=alt.Scale(type="log"), stack=None),
-        color=alt.Color("tokens:N", title=None), tooltip=["step", "tokens", "value", alt.Tooltip("start:Q", format=".3f"),
+        y=alt.Y("value:Q", title="tokens in the step", stack="zero"),
+        color=alt.Color("tokens:N", title=None, scale=alt.Scale(domain=["prefill", "decode"], range=["#f2a541", "#1f6fd1"])), tooltip=["step", "tokens", "value", alt.Tooltip("start:Q", format=".3f"),
                                                           alt.Tooltip("end:Q", format=".3f")],
     ).properties(height=200, title="Batch composition: each step as wide as it took"), width="stretch")
 
@@ -107,7 +102,7 @@ def render_engine(result: dict, rec) -> None:
     gaps = pd.DataFrame(t.get("token_gaps", []), columns=["request", "gap"])
     st.altair_chart(alt.Chart(gaps).transform_window(share="cume_dist()", sort=[{"field": "gap"}]).mark_line(
         interpolate="step-after").encode(
-        x=alt.X("gap:Q", title="time between two output tokens of a request (s), the engine", scale=alt.Scale(type="log")),
+        x=alt.X("gap:Q", title="time between two output tokens of a request (s), the engine", scale=alt.Scale(type="log", nice=False)),
         y=alt.Y("share:Q", title="share of gaps", axis=alt.Axis(format="%")),
         tooltip=[alt.Tooltip("gap:Q", format=".4f"), alt.Tooltip("share:Q", format=".0%")]).properties(height=200), width="stretch")
     st.subheader("The cost model")
@@ -133,12 +128,12 @@ def render_simulate(result: dict, rec) -> None:
     knobs = pd.DataFrame(t["knobs"])
     ran = knobs.dropna(subset=["ttft_p90"]).assign(label=lambda d: d["knob"] + " " + d["setting"])
     chart_rows = ran.melt(id_vars=["label"], value_vars=["ttft_p90", "tpot_p50", "e2e_p90"], var_name="figure", value_name="seconds")
-    st.altair_chart(alt.Chart(chart_rows).mark_bar().encode(
-        x=alt.X("seconds:Q", title="seconds", scale=alt.Scale(type="log")), y=alt.Y("label:N", title=None),
+    st.altair_chart(alt.Chart(chart_rows).mark_point(filled=True, size=60).encode(  # a bar's length means nothing on a log axis
+        x=alt.X("seconds:Q", title="seconds", scale=alt.Scale(type="log", nice=False)), y=alt.Y("label:N", title=None),
         color=alt.Color("figure:N", title=None), yOffset="figure:N",
         tooltip=["label", "figure", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=360), width="stretch")
     st.caption("Each knob flipped on its own, the rest as set, on the same simulated trace; the first row is the settings as given.")
-    st.dataframe(knobs, hide_index=True, width="stretch")
+    ui.table(knobs)
     st.subheader("The cost model")
     cost_model(m, t["cost_model"], pd.DataFrame(t["steps"]), "simulated")
 

@@ -23,7 +23,7 @@ def render(result: dict, rec) -> None:
     long = sweep.melt(id_vars=["gamma", "alpha"], value_vars=["tokens_per_target_call", "formula"], var_name="source", value_name="tokens")
     long["source"] = long["source"].map({"tokens_per_target_call": "measured", "formula": "(1-α^(γ+1))/(1-α)"})
     st.altair_chart(alt.Chart(long).mark_line(point=True).encode(
-        x=alt.X("gamma:O", title="draft tokens per round γ"), y=alt.Y("tokens:Q", title="tokens emitted per target call"),
+        x=alt.X("gamma:O", title="draft tokens per round γ"), y=alt.Y("tokens:Q", title="tokens emitted per target call", scale=alt.Scale(zero=False)),
         color=alt.Color("source:N", title=None), strokeDash="source:N",
         tooltip=["gamma", "source", alt.Tooltip("tokens:Q", format=".3f"), alt.Tooltip("alpha:Q", format=".3f")])
         .properties(height=280), width="stretch")
@@ -35,7 +35,7 @@ def render(result: dict, rec) -> None:
         tooltip=["decoder", "source", alt.Tooltip("ms:Q", format=".1f")]).properties(height=140), width="stretch")
 
     st.subheader("Is the output distributed as the target's samples?")
-    st.dataframe(pd.DataFrame(t["distribution_tests"]), hide_index=True, width="stretch",
+    ui.table(pd.DataFrame(t["distribution_tests"]),
                  column_config={"p_value": st.column_config.NumberColumn("p-value", format="%.3g")})
     joint = pd.DataFrame(t["joint"])
     rule = st.radio("rule", list(joint["rule"].unique()), horizontal=True, key=f"rule-{rec.id}")

@@ -23,10 +23,9 @@ def worked_examples(steps: list[dict]) -> None:
         rows.append({"example": s["example"], "rank": s["rank"], "step": s["step"],
                      "values": ",  ".join(f"{k} = [{v}]" for k, v in shown.items())})
     df = pd.DataFrame(rows)
-    left, right = st.columns(2)
-    for col, example in ((left, "column"), (right, "row")):
-        col.markdown(f"**Split by {example}s**")
-        col.dataframe(df[df["example"] == example].drop(columns="example"), hide_index=True, width="stretch")
+    for example in ("column", "row"):  # one above the other: side by side, the row split's values were cut
+        st.markdown(f"**Split by {example}s**")
+        ui.table(df[df["example"] == example].drop(columns="example"))
 
 
 def render(result: dict, rec) -> None:
@@ -54,7 +53,7 @@ def render(result: dict, rec) -> None:
         tooltip=["mode", "phase", "op", "name", "calls", alt.Tooltip("sent_bytes:Q", format=","),
                  alt.Tooltip("model_bytes:Q", format=",", title="model (B)")]
     ).properties(height=alt.Step(18), width=300).configure_axisY(labelLimit=220))
-    st.dataframe(coll, hide_index=True, width="stretch")
+    ui.table(coll)
 
     st.subheader("Activation memory per rank, measured against the formula")
     mem = pd.DataFrame(t["memory"])
@@ -63,7 +62,7 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:N", title="rank"), xOffset="source:N", y=alt.Y("bytes:Q", title="bytes saved for backward (B)"),
         color=alt.Color("source:N", title=None), column=alt.Column("layout:N", title=None, sort=["one rank, t=1"]),
         tooltip=["layout", "rank", "source", alt.Tooltip("bytes:Q", format=",")]).properties(width=160, height=220))
-    st.dataframe(mem, hide_index=True, width="stretch",
+    ui.table(mem,
                  column_config={"paper_gpt_block_bytes": st.column_config.NumberColumn("Korthikanti, GPT block fp16 (B)", format="%d")})
 
     if "worked_examples" in t:
@@ -82,9 +81,19 @@ def render(result: dict, rec) -> None:
         st.caption("Measured from /proc/self/io (bytes handed to write calls, less gloo's 48 B message preamble), beside "
                    "the model of the collectives each side issued (the tooltip). Every DTensor collective, with its size, "
                    "is in the run's dtensor_collectives table.")
-    st.dataframe(peer, hide_index=True, width="stretch")
+    errors = ["output_error", "input_grad_error", "weight_grad_error"]  # two tables: together they were cut at the right
+    st.markdown("**DTensor against ours**: the largest difference in each output and gradient, then the bytes each side sent")
+    ui.table(peer[["layer", *errors]], column_config={
+        c: st.column_config.NumberColumn(c.removesuffix("_error").replace("_", " ") + " error", format="%.1e",
+                                         help="max |DTensor − ours| over the tensor") for c in errors})
+    ui.table(peer[["layer"] + [c for c in peer if "_bytes_" in c]], column_config={
+        f"{side}_bytes_{what}": st.column_config.NumberColumn(f"{name}, {what} (B)", format="localized")
+        for side, name in (("dtensor", "DTensor"), ("ours", "ours")) for what in ("model", "written")})
+    with st.expander("The collectives each side issued, per layer"):
+        st.markdown("\n".join(f"- **{r['layer']}**: DTensor {r['dtensor_collectives']}; ours {r['ours_collectives']}"
+                               for r in t["dtensor"]))
     st.subheader("Seed 004: 2MK for tensor parallel against MK for pipeline parallel")
-    st.dataframe(pd.DataFrame(t["tp_vs_pp"]), hide_index=True, width="stretch")
+    ui.table(pd.DataFrame(t["tp_vs_pp"]))
     st.caption("The pipeline row is a real two-stage cut after layer 0: rank 0 computes the layer and sends its output to "
                "rank 1 (our p2p send, the bytes also read off rank 0's socket), which finishes the forward to one process's loss.")
     timeline.run_timeline(rec, title="Per-rank timeline: compute, collectives (our ring over send/recv)")

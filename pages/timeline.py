@@ -49,7 +49,7 @@ def timeline_chart(trace: dict, max_events: int = 5000, title: str = "") -> None
         "args": [json.dumps(e.get("args", {})) for e in shown],
     })
     chart = alt.Chart(df, **({"title": title} if title else {})).mark_bar().encode(
-        x=alt.X("start_ms:Q", title="time since ranks aligned (ms)"),
+        x=alt.X("start_ms:Q", title="time since ranks aligned (ms)", scale=alt.Scale(zero=False, nice=False)),  # from the first event
         x2="end_ms:Q",
         y=alt.Y("lane:N", title=None, sort=alt.EncodingSortField("row", op="min")),
         color=alt.Color("kind:N", title="kind", scale=kind_scale(df["kind"]), legend=alt.Legend(orient="top", columns=5)),

@@ -70,16 +70,17 @@ def render(result: dict, rec) -> None:
 
     st.subheader("The formulas against measured small runs")
     meas = t["measured"][0]
-    st.dataframe(pd.DataFrame([
+    ui.table(pd.DataFrame([
         {"quantity": "FLOPs of one training step (tiny LLaMA)", "measured": meas["counted"], "formula": meas["exact"],
          "how measured": "FlopCounterMode", "formula used": "6·N_linear·D + 12·L·T·d·D"},
         {"quantity": "same, by 6·N·D with all parameters", "measured": meas["counted"], "formula": meas["six_n_all"],
          "how measured": "FlopCounterMode", "formula used": "6·N·D"},
         {"quantity": "step time at twice the batch (s), this CPU", "measured": meas["double_step_s"], "formula": meas["double_step_predicted_s"],
          "how measured": "wall clock, this CPU", "formula used": f"FLOPs ÷ this CPU's rate at one batch ({meas['cpu_flops_per_s'] / 1e9:.2f} GFLOP/s)"},
-    ]), hide_index=True, width="stretch")
+    ]).drop(columns="how measured"))  # FLOPs by FlopCounterMode, time by the wall clock: the caption says so
+    st.caption("FLOPs counted by torch's FlopCounterMode; step time on this CPU's wall clock.")
     mem = pd.DataFrame(t["memory_measured"] + t["zero_memory"])
-    st.dataframe(mem, hide_index=True, width="stretch")
+    ui.table(mem)
     st.caption("Bytes read off real tensors (an fp16 copy with gradients, fp32 master weights and AdamW's states"
                + (", and each rank of a ZeRO-1 run" if t["zero_memory"] else "; set zero_run to add a real ZeRO-1 run") + ").")
 
@@ -87,15 +88,20 @@ def render(result: dict, rec) -> None:
     seed2 = pd.DataFrame(t["seed_002_175b"])
     seed2["GB"] = seed2["bytes"] / 1e9
     seed2 = seed2.drop(columns=["bytes"])
-    st.dataframe(seed2, hide_index=True, width="stretch", column_config=general(seed2))
+    ui.table(seed2, column_config=general(seed2))
     st.caption("The seed's 320 GB is 350 GB in GiB (326 GiB); 5600 GB ÷ 64 GB is 87.5, so 88 cards.")
 
     st.subheader("Seed 004: training times on one V100, and what they imply")
     seed4 = pd.DataFrame(t["seed_004"])
-    st.dataframe(seed4, hide_index=True, width="stretch", column_config={**general(seed4),
-        "implied_tflops": st.column_config.NumberColumn("implied sustained TFLOP/s", format="%.2f"),
-        "implied_mfu": st.column_config.NumberColumn("implied MFU (of 125 TFLOP/s)", format="%.3f"),
-        "predicted_days": st.column_config.NumberColumn(f"predicted days at MFU {cfg['mfu']}", format="%.1f")})
+    ui.table(seed4, column_config={**general(seed4),
+        "parameters": st.column_config.NumberColumn("N", format="%.3g"),
+        "dataset_bytes": st.column_config.NumberColumn("data (B)", format="%.3g"),
+        "tokens": st.column_config.NumberColumn("D (tokens)", format="%.3g"),
+        "flops_6nd": st.column_config.NumberColumn("6·N·D", format="%.3g"),
+        "seed_days": st.column_config.NumberColumn("seed's days", format="%.1f"),
+        "implied_tflops": st.column_config.NumberColumn("TFLOP/s", format="%.2f", help="implied sustained TFLOP/s"),
+        "implied_mfu": st.column_config.NumberColumn("MFU", format="percent", help="implied MFU, of the V100's 125 TFLOP/s"),
+        "predicted_days": st.column_config.NumberColumn("days", format="%.1f", help=f"predicted at MFU {cfg['mfu']}")})
     long = seed4.melt(id_vars=["model"], value_vars=["seed_days", "predicted_days"], var_name="source", value_name="days")
     long["source"] = long["source"].map({"seed_days": "seed 004's table", "predicted_days": f"6·N·D at MFU {cfg['mfu']}"})
     st.altair_chart(alt.Chart(long).mark_point(size=140, filled=True).encode(

@@ -21,3 +21,12 @@ def before_after(column, label: str, before: float, after: float, unit: str = ""
     so the value stays short enough never to be cut."""
     change = f"{100 * (after - before) / before:+.0f} % from {si(before, unit)}" if before else f"from {si(before, unit)}"
     column.metric(label, si(after, unit), change, delta_color="inverse", help=help)
+
+
+def binary(value: float, unit: str = "B") -> str:
+    """A size in binary prefixes, as caches and working sets are sized (32,768 B -> 32 KiB, 1.5 * 2^20 -> 1.5 MiB)."""
+    value = float(value)
+    for factor, prefix in ((2**40, "Ti"), (2**30, "Gi"), (2**20, "Mi"), (2**10, "Ki")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"

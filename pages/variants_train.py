@@ -26,7 +26,7 @@ def render(result: dict, rec) -> None:
     st.caption("Dashed: no model can go below the corpus's entropy rate on average (one batch's loss can); the gap "
                "to it is what a variant has still to learn. The held-out losses below, with their standard errors, "
                "say whether two variants differ by more than the noise.")
-    st.dataframe(rows, hide_index=True, width="stretch")
+    ui.table(rows)
 
 
 ui.experiment_page("attention.variants_train", render,

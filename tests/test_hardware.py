@@ -20,7 +20,7 @@ DATASHEET = [
     ("H200 (SXM)", "HBM3e bandwidth", 4.8 * TB, 0), ("H200 (SXM)", "HBM3e capacity", 141 * GB, 0),
     ("RTX 4090", "sms", 128, 0), ("RTX 4090", "fp32", 82.58 * TB, 0), ("RTX 4090", "fp16/bf16 tensor", 165.2 * TB, 0),
     ("RTX 4090", "registers capacity", 33.5 * MB, 0.01), ("RTX 4090", "GDDR6X bandwidth", 1.008 * TB, 0),
-    ("RTX 4090", "GDDR6X capacity", 24 * 2**30, 0), ("RTX 4090", "L2 capacity", 72 * 2**20, 0),
+    ("RTX 4090", "GDDR6X capacity", 24 * GB, 0), ("RTX 4090", "L2 capacity", 72 * MB, 0),  # decimal, as the datasheet (and the other presets)
 ]
 
 

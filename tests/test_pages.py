@@ -1,4 +1,6 @@
 """AppTest: every page renders without an exception, and runs open by ?run=ID."""
+import re
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -172,3 +174,180 @@ def test_serving_page_draws_the_cost_model_of_an_engine_run():
     tables = [df.value for df in at.dataframe if "term" in df.value.columns]
     assert len(tables) == 1 and len(tables[0]) == len(TERMS) + 1  # the fitted terms and the measured swap cost
     assert "per step with two or more decodes" in set(tables[0]["term"])
+
+
+def _chart_specs(at) -> list[dict]:
+    """The Vega-Lite spec of every Altair chart the page drew."""
+    import json
+
+    return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+
+
+def _bars_on_log_axes(spec: dict) -> list[str]:
+    """Bars (or areas) whose length runs along a log axis: a bar's length, and a stack's sum, mean nothing there."""
+    found = []
+    for view in [spec, *spec.get("layer", []), *spec.get("hconcat", []), *spec.get("vconcat", [])]:
+        mark = view.get("mark", {})
+        mark = mark.get("type") if isinstance(mark, dict) else mark
+        enc = view.get("encoding", {})
+        for axis in ("x", "y"):
+            scale = enc.get(axis, {}).get("scale", {})
+            if mark in ("bar", "area") and scale.get("type") == "log" and f"{axis}2" not in enc:
+                found.append(f"{mark} on a log {axis} ({enc[axis].get('title')})")
+    return found
+
+
+def test_serving_page_one_verdict_a_whole_cost_table_and_linear_stacks(monkeypatch):
+    """Issue #31 on the Serving page: the cost-model table is not squeezed into a column (its µs were cut), the batch
+    composition is not drawn as bars on a log axis, and the fidelity figure gets one verdict (the run's note), not a
+    second one in a caption."""
+    rid = _recorded("serving.engine", {})
+    at = _app("pages/serving.py", run=rid)
+    assert not at.exception, at.exception
+    assert all(len(col.dataframe) == 0 for col in at.columns), "a table squeezed into a column"
+    specs = _chart_specs(at)
+    assert any("Batch composition" in str(s.get("title")) for s in specs), [s.get("title") for s in specs]
+    assert [p for s in specs for p in _bars_on_log_axes(s)] == []
+    texts = [e.value for kind in ("markdown", "caption", "info", "success", "warning") for e in getattr(at, kind)]
+    verdicts = [t for t in texts if re.search(r"\b(within|outside|meets|misses)\b.*%", t)]
+    assert len(verdicts) == 1 and verdicts[0].startswith("Fidelity, simulated vs real"), verdicts
+    assert [p for df, cfg in _page_tables(at) for p in table_problems(df, cfg)] == []
+
+
+def test_bars_on_log_axes_are_found():
+    """The rule above fails for the page's old batch chart (bars on a log axis, overlaid) and passes for a Gantt."""
+    import altair as alt
+    import pandas as pd
+
+    df = pd.DataFrame({"a": [1, 2], "b": [3, 400], "c": [2, 3]})
+    old = alt.Chart(df).mark_bar().encode(x="a:Q", y=alt.Y("b:Q", scale=alt.Scale(type="log"), stack=None)).to_dict()
+    gantt = alt.Chart(df).mark_bar().encode(x=alt.X("a:Q", scale=alt.Scale(type="log")), x2="c:Q", y="b:N").to_dict()
+    assert _bars_on_log_axes(old) and not _bars_on_log_axes(gantt)
+
+
+# --- tables as a reader sees them (pages/ui.readable) ------------------------------------------------------------
+SNAKE = re.compile(r"[a-z0-9]_[a-z0-9]")
+
+
+def table_problems(df, columns: dict) -> list[str]:
+    """What the grid would show a reader, from the frame and column configuration it is given (independent of
+    pages/ui.py's rule): a snake_case header, a missing cell (drawn as a raw "None"), a float column without a format
+    (drawn with every digit: 0.7723076534790962)."""
+    import pandas as pd
+
+    found = []
+    for col in df.columns:
+        cfg = columns.get(str(col)) or {}
+        label = cfg.get("label") or str(col)
+        if SNAKE.search(label):
+            found.append(f"raw column name {label!r}")
+        values = df[col]
+        if (values.isna() | values.map(lambda v: isinstance(v, str) and not v.strip())).any():
+            found.append(f"{label!r}: missing cells")
+        if pd.api.types.is_float_dtype(values) and not (cfg.get("type_config") or {}).get("format"):
+            found.append(f"{label!r}: floats without a format")
+    return found
+
+
+def _page_tables(at) -> list[tuple]:
+    """Every table an AppTest page drew: its frame and its column configuration (as the grid receives it)."""
+    import json
+
+    return [(d.value, json.loads(d.proto.columns or "{}")) for d in at.dataframe]
+
+
+def _sample_frame():
+    import pandas as pd
+
+    return pd.DataFrame({"level": ["registers", "L1"], "capacity_bytes": [28311552, 21233664], "ops": [None, 8.041237],
+                         "forward_cpu_ms": [6.98123, 41.9861], "source": ["", "whitepaper"], "f": [[0.36787944117, 1.0], [2.0]]})
+
+
+def test_readable_tables_have_words_for_names_formats_and_no_missing_cells():
+    from pages.ui import readable
+
+    raw = _sample_frame()
+    assert len(table_problems(raw, {})) == 6  # the check fails on the raw frame: two names, two missing, two unformatted
+    df, config = readable(raw)
+    assert table_problems(df, config) == []
+    assert config["forward_cpu_ms"]["label"] == "forward cpu (ms)" and config["capacity_bytes"]["label"] == "capacity (bytes)"
+    assert list(df["ops"]) == ["—", "8.04"] and config["ops"]["alignment"] == "right"
+    assert config["forward_cpu_ms"]["type_config"]["format"] == "%.2f"  # 3 significant digits of the smallest value
+    assert list(df["f"]) == ["0.3679, 1", "2"]  # a vector's numbers, not 17 digits each
+
+
+def test_readable_rule_broken_is_caught(monkeypatch):
+    """With the rule broken (labels left as keys, missing cells left in), the check above fails."""
+    import pages.ui as ui
+
+    monkeypatch.setattr(ui, "words", lambda name: name)
+    monkeypatch.setattr(ui, "MISSING", None)
+    df, config = ui.readable(_sample_frame())
+    problems = table_problems(df, config)
+    assert any("raw column name" in p for p in problems) and any("missing cells" in p for p in problems)
+
+
+def test_every_page_draws_its_tables_through_ui_table():
+    """A table drawn with st.dataframe directly skips readable(): only pages/ui.py calls it."""
+    import ast
+
+    from tests.conftest import REPO
+
+    direct = []
+    for path in sorted((REPO / "pages").glob("*.py")):
+        if path.name == "ui.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("dataframe", "table"):
+                if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "ui"):
+                    direct.append(f"{path.name}:{node.lineno}")
+    assert direct == []
+
+
+def test_memory_hierarchy_roofs_differ_by_peak_and_its_tables_read():
+    """Each GPU's two roofs (fp16 tensor, fp32) are told apart by dash, not drawn alike; no table shows None."""
+    import pandas as pd
+
+    rid = _recorded("memory.roofline", {"seq_len": "256", "gemm_sizes": "64,128"})
+    at = _app("pages/memory_hierarchy.py", run=rid)
+    assert not at.exception, at.exception
+    roof = next(s for s in _chart_specs(at) if "attainable FLOP/s" in json_text(s))
+    line = next(layer for layer in roof["layer"] if "strokeDash" in layer.get("encoding", {}))
+    dash = line["encoding"]["strokeDash"]
+    assert "field" in dash, dash  # a condition on the device gave both of a GPU's roofs one dash
+    dashes = dict(zip(dash["scale"]["domain"], map(tuple, dash["scale"]["range"])))
+    from backend.store import RunStore
+
+    roofs = pd.DataFrame(RunStore().get(rid).result()["tables"]["roofs"])
+    assert (roofs[~roofs["device"].str.contains("measured")].groupby("device")["precision"].nunique() == 2).all()
+    assert dashes["fp16/bf16 tensor (datasheet)"] != dashes["fp32 (datasheet)"]  # so each GPU's two roofs differ
+    assert [p for df, cfg in _page_tables(at) for p in table_problems(df, cfg)] == []
+
+
+def json_text(spec: dict) -> str:
+    import json
+
+    return json.dumps(spec)
+
+
+def test_pipeline_page_splits_idle_time_and_says_why_the_wall_bubble_is_larger():
+    rid = _recorded("pipeline.run", {"world_size": "2"})
+    at = _app("pages/pipeline.py", run=rid)
+    assert not at.exception, at.exception
+    assert any("send/recv latency is visible" in c.value for c in at.caption)
+    assert any("Idle time, per rank" in json_text(s) for s in _chart_specs(at))
+    assert [p for df, cfg in _page_tables(at) for p in table_problems(df, cfg)] == []
+
+
+def test_a_table_with_no_rows_is_a_sentence_not_an_empty_grid(monkeypatch):
+    """The grid draws an empty table as one blank cell (the walk found one on Graph placement: no transfers)."""
+    import pandas as pd
+
+    import pages.ui as ui
+
+    drawn = []
+    monkeypatch.setattr(ui.st, "caption", lambda text: drawn.append(("caption", text)))
+    monkeypatch.setattr(ui.st, "dataframe", lambda df, **kw: drawn.append(("dataframe", len(df))))
+    ui.table(pd.DataFrame(columns=["src", "dst", "bytes"]))
+    ui.table(pd.DataFrame({"src": [0], "dst": [1], "bytes": [64]}))
+    assert drawn == [("caption", "None in this run."), ("dataframe", 1)]

@@ -305,3 +305,20 @@ def test_a_w_that_reruns_the_backward_fails(monkeypatch):
     monkeypatch.setattr(B, "stage_backward_weight", rerun_weight)
     err, calls = _walk("zb_v", m=2)
     assert calls > 2 * 2  # the counted node ran again in W
+
+
+def test_idle_split_on_a_hand_timed_trace():
+    """Two ranks, one micro-batch, times in µs worked out by hand: rank 1's recv of the activation starts at 2, the
+    data is ready at 10 (rank 0's F ends), it returns at 14: 8 waiting, 4 transfer; its idle (40 - 16) leaves 12
+    between. Rank 0's recv of the gradient starts at 10, the gradient is ready at 30 (rank 1's B), it returns at 33."""
+    from backend.experiments.pipeline.run import idle_split
+
+    def ev(rank, lane, name, ts, end, **args):
+        return {"rank": rank, "lane": lane, "name": name, "ts": ts, "dur": end - ts, "args": args}
+
+    events = [ev(0, "compute", "F0", 0, 10, kind="F", stage=0, mb=0), ev(1, "recv", "recv act 0", 2, 14, stage=0, mb=0),
+              ev(1, "compute", "F0", 14, 20, kind="F", stage=1, mb=0), ev(1, "compute", "B0", 20, 30, kind="B", stage=1, mb=0),
+              ev(0, "recv", "recv grad 0", 10, 33, stage=1, mb=0), ev(0, "compute", "B0", 33, 40, kind="B", stage=0, mb=0)]
+    split = idle_split(events, 2)
+    assert split[0] == {"idle": 23, "waiting": 20, "transfer": 3, "between": 0}
+    assert split[1] == {"idle": 24, "waiting": 8, "transfer": 4, "between": 12}

@@ -4,7 +4,8 @@ figure carries its source and convention in SOURCES.
 
 Conventions (one per kind of figure, so presets compare):
 - peak FLOP/s are dense (no 2:4 sparsity); tensor figures accumulate in fp32.
-- capacities of registers and L1/shared are chip totals: SMs x the per-SM figure.
+- capacities of registers and L1/shared are chip totals: SMs x the per-SM figure (binary KiB per SM, as NVIDIA
+  quotes them); L2 and device memory are decimal bytes, as the datasheets write "40 MB" or "24 GB".
 - link bandwidths (NVLink, PCIe) are per direction; NVIDIA quotes NVLink as both directions added
   (A100 600 GB/s, H100/H200 900 GB/s), which is twice the figure here.
 
@@ -44,8 +45,8 @@ DEVICES = {
         "sms": 128, "max_warps_per_sm": 48, "registers_per_sm": 256 * KiB, "shared_per_sm": 100 * KiB,
         "peak_flops": {"fp16/bf16 tensor": 165.2e12, "fp32": 82.58e12},
         "dram": "GDDR6X",
-        "levels": {"registers": (128 * 256 * KiB, None), "L1 / shared": (128 * 128 * KiB, None), "L2": (72 * 2**20, None),
-                   "GDDR6X": (24 * 2**30, 1.008e12), "PCIe 4": (None, 32 * GB)},
+        "levels": {"registers": (128 * 256 * KiB, None), "L1 / shared": (128 * 128 * KiB, None), "L2": (72e6, None),
+                   "GDDR6X": (24e9, 1.008e12), "PCIe 4": (None, 32 * GB)},
     },
 }
 

@@ -88,10 +88,11 @@ class Calibration:
             f" the {100 * self.tolerance():.0f}% this trace's size and the engine's own spread allow (the benchmark's "
             f"worst error at {BENCH_REQUESTS} requests, {100 * BENCH_WORST_ERROR:.1f}%, its noise part, the engine's own "
             f"spread of {100 * BENCH_ENGINE_SPREAD:.1f}% there, widened as 1/sqrt(requests); or twice this run's engine spread)")
-        return (f"Fidelity, simulated vs real on the held-out trace: worst {100 * worst:.1f}%, {verdict}; the target is "
-                f"5%. {figures}. The cost model's mean step time on the held-out run's own steps is off by "
-                f"{100 * self.step_error:+.1f}%; the rest is the path the machine's speed took during the run, which the "
-                "simulator draws but cannot know.")
+        return (f"Fidelity, simulated vs real on the held-out trace: worst {100 * worst:.1f}%, {verdict}. The 5% target "
+                f"is held on the benchmark's {BENCH_REQUESTS}-request traces, where sampling noise is small (worst "
+                f"{100 * BENCH_WORST_ERROR:.1f}%). {figures}. The cost model's mean step time on the held-out run's own "
+                f"steps is off by {100 * self.step_error:+.1f}%; the rest is the path the machine's speed took during "
+                "the run, which the simulator draws but cannot know.")
 
     def metrics(self) -> dict:
         c = self.cost  # its noise quantiles are a table (cost_rows), not a metric

@@ -54,6 +54,51 @@ CHARTS_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-t
   return {drawn, hidden: c.getBoundingClientRect().width === 0};
 })"""
 
+# Every table (a glide grid: its cells are drawn on a canvas, its a11y table holds the headers and visible cells): are
+# its columns cut at the right (the scroller wider inside than its box), is a header a snake_case key, is a visible
+# cell empty (how the grid draws a missing value, "None")?
+TABLES_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-testid=stDataFrame]')].map(d => {
+  const s = d.querySelector('.dvn-scroller');
+  const heads = [...d.querySelectorAll('[role=columnheader]')].map(h => h.innerText.trim()).filter(h => h);
+  const cells = [...d.querySelectorAll('[role=gridcell]')].map(c => c.innerText.trim());
+  return {hidden: d.getBoundingClientRect().width === 0, cut: !!s && s.scrollWidth > s.clientWidth + 1,
+          width: s ? s.clientWidth : 0, inner: s ? s.scrollWidth : 0, heads,
+          raw: cells.filter(c => c === '' || c === 'None' || c === 'nan' || c === 'NaN').length};
+})"""
+# Every chart's plot areas, in the SVG Vega draws (each view: the chart, or each cell of a concatenation): the share of
+# the area's width and of its height that the marks of that view (not its axes, legends or titles) cover. Data that
+# fills less than a third of an axis hides its shape (a zero baseline far from the data, a log axis niced out to
+# decades the data never reach, a domain fixed too wide). Each axis's title and tick labels come with it.
+AXES_JS = """() => [...document.querySelectorAll('[data-testid=stMain] [data-testid=stVegaLiteChart]')].map(c => {
+  const svg = c.querySelector('svg.marks');
+  if (!svg || c.getBoundingClientRect().width === 0) return {hidden: true, views: []};
+  const scopeOf = e => e.parentElement.closest('.role-scope, .role-frame');
+  const outside = e => !!e.closest('.role-axis, .role-legend, .role-title');
+  const title = svg.querySelector('.role-title text');
+  const owners = new Set([...svg.querySelectorAll('.role-axis')].map(scopeOf));  // a view: a scope with axes of its own
+  const viewOf = e => { let s = scopeOf(e); while (s && !owners.has(s)) s = scopeOf(s); return s; };
+  const views = [...owners].map(scope => {
+    const mine = sel => [...scope.querySelectorAll(sel)].filter(e => scopeOf(e) === scope);
+    const bg = mine('path.background').find(e => !outside(e));
+    const items = [...scope.querySelectorAll('.role-mark > *')].filter(e => viewOf(e.parentElement) === scope && !outside(e) &&
+        !e.classList.contains('background') && !e.closest('.role-legend')).map(e => e.getBoundingClientRect()).filter(r => r.width + r.height > 0);
+    if (!bg || !items.length) return null;
+    const area = bg.getBoundingClientRect();
+    if (area.width < 20 || area.height < 20) return null;
+    const fill = (lo, hi, a, b) => Math.max(0, Math.min(hi, b) - Math.max(lo, a)) / (hi - lo);
+    const axes = mine('.role-axis').map(axis => {
+      const t = axis.querySelector('.role-axis-title text'), labels = [...axis.querySelectorAll('.role-axis-label text')];
+      if (!labels.length) return null;
+      const r = [labels[0].getBoundingClientRect(), labels[labels.length - 1].getBoundingClientRect()];
+      const horizontal = labels.length < 2 ? r[0].top >= area.bottom - 1 : Math.abs(r[1].x - r[0].x) > Math.abs(r[1].y - r[0].y);
+      return {title: t ? t.textContent : '', horizontal, labels: labels.map(l => l.textContent)};
+    }).filter(a => a);
+    return {axes, x: fill(area.left, area.right, Math.min(...items.map(r => r.left)), Math.max(...items.map(r => r.right))),
+            y: fill(area.top, area.bottom, Math.min(...items.map(r => r.top)), Math.max(...items.map(r => r.bottom)))};
+  }).filter(v => v);
+  return {hidden: false, title: title ? title.textContent : '', views};
+})"""
+
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
@@ -163,6 +208,44 @@ def _metrics(page, where: str) -> list[dict]:
     return metrics
 
 
+SNAKE_CASE = re.compile(r"[a-z0-9]_[a-z0-9]")
+WHOLE_NUMBER_AXIS = re.compile(r"^(\w+ )?(step|rank|iteration|epoch|micro-?batch|layer)s?( \(|$)|\(micro-?batches\)$")
+FRACTION = re.compile(r"-?\d+\.\d+")
+
+
+def readable_problems(tables: list[dict], charts: list[dict]) -> list[str]:
+    """What a reader would trip on, from TABLES_JS and AXES_JS: a table cut at the right, a snake_case header, a raw
+    missing value; a chart whose marks fill less than a third of an axis; fractions on an axis of whole things."""
+    found = []
+    for i, t in enumerate(x for x in tables if not x["hidden"]):
+        name = f"table {i + 1} ({', '.join(t['heads'][:3])}...)"
+        if t["cut"]:
+            found.append(f"{name}: columns cut at the right ({t['inner']} px of columns in {t['width']} px)")
+        snake = [h for h in t["heads"] if SNAKE_CASE.search(h)]
+        if snake:
+            found.append(f"{name}: raw column names {snake}")
+        if t["raw"]:
+            found.append(f"{name}: {t['raw']} empty or None/nan cells")
+    for i, c in enumerate(x for x in charts if not x["hidden"]):
+        for v in c["views"]:
+            titles = {a["horizontal"]: a["title"] for a in v["axes"]}
+            name = f"chart {i + 1}{' ' + repr(c['title']) if c['title'] else ''}"
+            for horizontal, share in ((True, v["x"]), (False, v["y"])):
+                if share < 1 / 3:
+                    found.append(f"{name}: the data fills {share:.0%} of its {'x' if horizontal else 'y'} axis "
+                                 f"{titles.get(horizontal, '')!r}")
+            for a in v["axes"]:
+                if WHOLE_NUMBER_AXIS.match(a["title"]) and any(FRACTION.fullmatch(label.replace(",", "")) for label in a["labels"]):
+                    found.append(f"{name}: fractional ticks on {a['title']!r}: {a['labels'][:6]}")
+    return found
+
+
+def _readable(page, where: str) -> None:
+    """No table cut or raw, no chart axis mostly empty (see readable_problems), at the 1280-px window."""
+    page.wait_for_timeout(1000)  # charts drawn again after a change of the window's size
+    problems = readable_problems(page.evaluate(TABLES_JS), page.evaluate(AXES_JS))
+    assert not problems, f"{where}: " + "; ".join(problems)
+
 def _screenshot(page, name: str, restore: bool = True) -> None:
     """The whole page: Streamlit scrolls its main block, not the document, so the window is made as tall as it
     (and, with restore, set back: every chart is drawn again at each size)."""
@@ -215,6 +298,7 @@ def _default_run(page, topic, timings: dict, opened: float) -> tuple[str | None,
         _charts_drawn(page, topic.title)
         _metrics(page, topic.title)
         _screenshot(page, topic.url_path)
+        _readable(page, topic.title)
         return None, 0, []
     run_id = _finished_run(page)  # nothing pressed: a first visit starts the default run
     _timed(timings, topic.url_path, run_id, opened)
@@ -228,7 +312,8 @@ def _default_run(page, topic, timings: dict, opened: float) -> tuple[str | None,
     _no_exception(page, f"{topic.title}, run {run_id}")
     charts = _charts_drawn(page, f"{topic.title}, run {run_id}")
     metrics = _metrics(page, f"{topic.title}, run {run_id}")
-    _screenshot(page, topic.url_path, restore=False)  # the page is closed next
+    _screenshot(page, topic.url_path)
+    _readable(page, f"{topic.title}, run {run_id}")
     return run_id, charts, metrics
 
 
@@ -273,3 +358,24 @@ def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> N
     assert parse_qs(urlparse(page.url).query)[field] == [str(value)]  # the run's link carries the choice
     _charts_drawn(page, f"{url_path} with {field}={value}")
     _metrics(page, f"{url_path} with {field}={value}")
+    _readable(page, f"{url_path} with {field}={value}")
+
+
+def test_readable_problems_finds_each_defect_and_passes_a_clean_page():
+    """The walk's reading of a page (no browser needed): each defect of issue #31's class is reported, a clean page is
+    not. Measured shapes as TABLES_JS and AXES_JS return them."""
+    table = {"hidden": False, "cut": False, "width": 800, "inner": 800, "heads": ["level", "capacity (B)"], "raw": 0}
+    view = {"axes": [{"title": "step", "horizontal": True, "labels": ["0", "1", "2"]},
+                     {"title": "loss", "horizontal": False, "labels": ["1.0", "1.5"]}], "x": 0.95, "y": 0.8}
+    chart = {"hidden": False, "title": "", "views": [view]}
+    assert readable_problems([table], [chart]) == []
+    broken = [
+        ([{**table, "cut": True, "inner": 1395}], [chart], "columns cut"),
+        ([{**table, "heads": ["level", "capacity_bytes"]}], [chart], "raw column names"),
+        ([{**table, "raw": 2}], [chart], "None/nan"),
+        ([table], [{**chart, "views": [{**view, "x": 0.16}]}], "fills 16% of its x axis 'step'"),
+        ([table], [{**chart, "views": [{**view, "axes": [{**view["axes"][0], "labels": ["0.0", "0.5", "1.0"]}]}]}], "fractional ticks"),
+    ]
+    for tables, charts, expected in broken:
+        found = readable_problems(tables, charts)
+        assert len(found) == 1 and expected in found[0], (expected, found)

@@ -253,6 +253,35 @@ def bubbles(compute: list[dict], p: int) -> tuple[float, dict[int, float]]:
     return makespan, per_rank
 
 
+def idle_split(events: list[dict], p: int) -> dict[int, dict[str, float]]:
+    """Each rank's idle time on the wall clock (makespan - its compute), in µs, split three ways by its blocking recvs
+    (each names the stage it receives from): `transfer`, inside a recv after the data's producer (that stage's F, or B/I, of the micro-batch) had
+    finished and posted its isend: send/recv latency; `waiting`, inside a recv before that: the neighbour was still
+    computing (the schedule's own bubble); `between`, outside any recv or action: posting isends, bookkeeping. With
+    actions of a few ms, the transfer part is what the bubble formula, which counts compute only, leaves out."""
+    compute = [e for e in events if e["lane"] == "compute"]
+    start = min(e["ts"] for e in compute)
+    makespan = max(e["ts"] + e["dur"] for e in compute) - start
+    done = {(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]): e["ts"] + e["dur"] for e in compute}
+    split = {r: {"idle": makespan - sum(e["dur"] for e in compute if e["rank"] == r), "transfer": 0.0, "waiting": 0.0}
+             for r in range(p)}
+    for e in events:
+        if e["lane"] != "recv":
+            continue
+        s, mb = e["args"]["stage"], e["args"]["mb"]  # a recv names the stage it receives from
+        grad = e["name"].startswith("recv grad")
+        ready = done.get(("F", s, mb)) if not grad else done.get(("B", s, mb), done.get(("I", s, mb)))
+        t0, t1 = max(e["ts"], start), min(e["ts"] + e["dur"], start + makespan)  # within the makespan
+        if t1 <= t0:
+            continue
+        ready = t0 if ready is None else min(max(ready, t0), t1)
+        split[e["rank"]]["waiting"] += ready - t0
+        split[e["rank"]]["transfer"] += t1 - ready
+    for row in split.values():
+        row["between"] = row["idle"] - row["transfer"] - row["waiting"]
+    return split
+
+
 def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     plan, p = config.plan, config.world_size
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
@@ -264,12 +293,14 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     replay_makespan, replay_bubble = bubbles(one_core, p)
     per_stage, checks, notes = [], [], []
     model = plan.bubble(p, m, v)
+    idle = idle_split(events, p)
     for pl in payloads:
         r = pl["rank"]
         per_stage.append({"rank": r, "busy_ms": sum(e["dur"] for e in compute if e["rank"] == r) / 1e3,
                           "cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r) / 1e3,
                           "forward_cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r and e["args"]["kind"] == "F") / 1e3,
                           "bubble_wall": wall_bubble[r], "bubble_replayed": replay_bubble[r], "bubble_model": model,
+                          **{f"{part}_ms": idle[r][part] / 1e3 for part in ("idle", "transfer", "waiting", "between")},
                           "peak_live": pl["peak_live"], "peak_live_bound": plan.live_bound(p, m, r, v)})
     checks.append(Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                         0, reference=f"{plan.title}: {plan.live_bound_source}"))
@@ -347,7 +378,9 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                "bubble_measured": round(mean_bubble, 4), "bubble_replayed": round(pace, 4),
                "bubble_replayed_mean": round(mean_replayed, 4), "bubble_model": round(model, 4),
                "bubble_gap_pp": round(100 * (pace - model), 2), "stage_imbalance": round(imbalance, 4),
-               "mean_action_cpu_ms": round(mean_action / 1e3, 3)}
+               "mean_action_cpu_ms": round(mean_action / 1e3, 3),
+               "idle_transfer_share": round(sum(i["transfer"] for i in idle.values()) / max(1e-9, sum(i["idle"] for i in idle.values())), 4),
+               "recv_transfer_ms": round(sum(i["transfer"] for i in idle.values()) / 1e3 / max(1, sum(e["lane"] == "recv" for e in events)), 4)}
     cores = os.cpu_count() or 1
     if cores < p:
         notes.append(f"{p} ranks share this machine's {cores} cores, so the wall-clock timeline shows their contention "
