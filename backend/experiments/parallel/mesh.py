@@ -35,7 +35,7 @@ PRESETS = {
     "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
     "llama3": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2, "schedule": "1f1b"},
     "deepseek_v3": {"world_size": 8, "tp": 1, "pp": 2, "ep": 2, "experts": 4, "schedule": "dualpipe_v",
-                    "microbatches": 4, "batch": 16, "dp_strategy": "zero1"},
+                    "microbatches": 4, "batch": 16, "d_model": 16, "d_ff": 32, "dp_strategy": "zero1"},
     "ddp4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "ddp", "bucket_kb": 4},
 }
 PRESET_NOTES = {
@@ -49,7 +49,7 @@ PRESET_NOTES = {
     "torchtitan_cp": "torchtitan style with context parallel: FSDP (ZeRO-3) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
     "llama3": "Llama 3's dimensions tp 2, cp 2, pp 2 with 1F1B (8 ranks; dp 1 at this size; this mesh nests dp outside cp, "
               "Llama 3 puts dp outermost, the same groups when dp = 1)",
-    "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V + ZeRO-1, pp 2 x dp 2 (8 ranks)",
+    "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 to fit the run budget)",
     "ddp4": "DDP with 4 KiB gradient buckets over dp 2, 1F1B over pp 2 (4 ranks)",
 }
 
