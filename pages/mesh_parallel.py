@@ -4,7 +4,7 @@ import networkx as nx
 import pandas as pd
 import streamlit as st
 
-from backend.experiments.parallel.mesh import PRESETS
+from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS
 from backend.graph.dot import to_dot
 from pages import timeline, ui
 
@@ -62,7 +62,7 @@ def render(result: dict, rec) -> None:
 
 
 for name, preset in PRESETS.items():
-    if st.button(f"Preset: {name}"):
+    if st.button(f"Preset: {name}", help=PRESET_NOTES[name]):
         st.query_params.from_dict({k: str(v) for k, v in preset.items()})
         st.rerun()
 ui.experiment_page(
