@@ -61,8 +61,9 @@ def render(result: dict, rec) -> None:
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
-for name, preset in PRESETS.items():
-    if st.button(f"Preset: {name}", help=PRESET_NOTES[name]):
+preset_columns = st.columns(4)
+for i, (name, preset) in enumerate(PRESETS.items()):
+    if preset_columns[i % 4].button(f"Preset: {name}", help=PRESET_NOTES[name]):
         st.query_params.from_dict({k: str(v) for k, v in preset.items()})
         st.rerun()
 ui.experiment_page(
