@@ -106,8 +106,10 @@ def test_ddp_bytes_follow_the_buckets(runs, monkeypatch):
 def test_presets_fill_their_settings_and_each_has_a_note():
     assert set(PRESET_NOTES) == set(PRESETS)
     for name, values in PRESETS.items():
-        cfg = MeshConfig.from_dict({"preset": name, "tp": "4"})  # the preset overrides what it names
+        cfg = MeshConfig.from_dict({"preset": name})
         assert all(getattr(cfg, k) == v for k, v in values.items()), name
+    cfg = MeshConfig.from_dict({"preset": "megatron4", "microbatches": "4", "batch": "8"})  # chosen beside it: kept
+    assert (cfg.microbatches, cfg.batch, cfg.schedule, cfg.dp) == (4, 8, "interleaved_1f1b", 2)
     assert {PRESETS[n]["dp_strategy"] for n in ("megatron", "torchtitan", "deepseek_v3")} == {"zero1", "zero3"}
 
 

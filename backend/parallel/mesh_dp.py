@@ -36,12 +36,12 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
 class DataParallel:
     """One strategy over `dp` for the flat vector `weights` of `params` (this rank's stages, in order)."""
 
-    def __init__(self, strategy: str, weights: torch.Tensor, params: list, dp: Wire, tracer, bucket_kb: int = 4):
+    def __init__(self, strategy: str, weights: torch.Tensor, params: list, dp: Wire, tracer, lr: float, bucket_kb: int = 4):
         self.strategy, self.dp, self.tracer = strategy, dp, tracer
         self.zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if strategy.startswith("zero") else None
         self.owned = self.zero.shards[0] if self.zero else weights
         self.weights = None if strategy == "zero3" else weights  # zero3 keeps only its shard between steps
-        self.adam, self.m, self.v = Adam(0.0), torch.zeros_like(self.owned), torch.zeros_like(self.owned)
+        self.adam, self.m, self.v = Adam(lr), torch.zeros_like(self.owned), torch.zeros_like(self.owned)
         offsets, at = {}, 0
         for p in params:
             offsets[id(p)], at = at, at + p.numel()
@@ -56,10 +56,9 @@ class DataParallel:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
             return self.zero.gather(0, torch.float64)
 
-    def update(self, grads: torch.Tensor, step: int, lr: float) -> torch.Tensor | None:
+    def update(self, grads: torch.Tensor, step: int) -> torch.Tensor | None:
         """Sum `grads` over dp as the strategy does, Adam on what this rank owns; the full weights to load after the
         step (None for zero3, which gathers them at the next step's start)."""
-        self.adam.lr = lr
         if self.zero:
             with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
                 grads = self.zero.reduce_scatter(0, grads)

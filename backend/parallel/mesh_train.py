@@ -113,7 +113,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
         torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.bucket_kb)  # over dp: parallel/mesh_dp.py
+    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     losses, activations, pp_bytes = [], {}, 0
@@ -133,7 +133,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:
             grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
-        weights = sync.update(grads, step, config.lr)
+        weights = sync.update(grads, step)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)

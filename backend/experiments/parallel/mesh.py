@@ -77,7 +77,7 @@ class MeshConfig(TPConfig):
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
-                                                                   "(overriding those settings): " +
+                                                                   "(the settings it names left at their defaults): " +
                           "; ".join(f"{k}: {v}" for k, v in PRESET_NOTES.items()))
     batch: int = setting(4, min=1, max=64, help="sequences in the global batch")
     seq: int = setting(8, min=2, max=256, help="tokens per sequence")
@@ -86,8 +86,11 @@ class MeshConfig(TPConfig):
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
 
     def __post_init__(self):
+        """A preset fills the settings it names that are still at their defaults (a value chosen beside it stays)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, value in PRESETS.get(self.preset, {}).items():
-            setattr(self, name, value)
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts")
 
