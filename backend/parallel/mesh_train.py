@@ -76,6 +76,7 @@ class MeshStage:
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens = d_model, global_tokens
         self.activations: dict[int, int] | None = None  # set to a dict to record
+        self.kept: dict[int, int] = {}
 
     def input(self, mb: int) -> torch.Tensor:
         return self.inputs[mb]
@@ -84,13 +85,15 @@ class MeshStage:
         return torch.empty((*self.inputs[mb].shape, self.d_model), dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+        kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
         if self.chunk.first:
             x = self.chunk.embed(x)
         memory = SavedActivations(self.chunk.parameters())
         with memory:
             y = self.chunk.run_blocks(x, self.shard)
-        if self.activations is not None:
+        if self.activations is not None and torch.is_grad_enabled():  # (recompute: the backward's forward records)
             self.activations[mb] = memory.bytes
+            self.kept[mb] = kept
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
@@ -116,7 +119,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
-    losses, activations, pp_bytes = [], {}, 0
+    losses, activations, kept, pp_bytes = [], {}, {}, 0
     for step in range(config.steps):
         gathered = sync.weights_for_step(step)
         if gathered is not None:
@@ -126,8 +129,8 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
                   for s, c in chunks.items()}
         if step == 0:
             for s, st in stages.items():
-                st.activations = activations.setdefault(s, {})
-        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer)
+                st.activations, st.kept = activations.setdefault(s, {}), kept.setdefault(s, {})
+        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer, recompute=config.recompute == "full")
         pp_bytes += walk["sent_bytes"]
         grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
         grads = sum_gradients(cp, grads, "context-parallel gradients")
@@ -152,7 +155,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in c.sources().items()},
-            "memory": {**sync.memory(), "activations": peak_in_flight(order, activations)},
+            "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params],
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
@@ -165,7 +168,19 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(), "trace": tracer.payload()}
 
 
-def peak_in_flight(order, per_action) -> int:
+def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
-    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}."""
-    return live_activations(order, lambda stage, mb: per_action[stage][mb])
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
+    same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
+    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed)."""
+    if kept is None:
+        return live_activations(order, lambda stage, mb: per_action[stage][mb])
+    alive, peak = {}, 0
+    for kind, mb, stage in order:
+        if kind == "F":
+            alive[(stage, mb)] = kept[stage][mb]
+            peak = max(peak, sum(alive.values()))
+        elif kind == "B":
+            alive.pop((stage, mb))
+            peak = max(peak, sum(alive.values()) + per_action[stage][mb])
+    return peak

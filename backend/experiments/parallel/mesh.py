@@ -75,6 +75,9 @@ class MeshConfig(TPConfig):
                                help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
+    recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
+                             "executor's option): full keeps only each stage's input from F to B and reruns its forward "
+                             "in the backward (schedules naive, gpipe, 1f1b; tp = cp = ep = 1)")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -144,6 +147,13 @@ class MeshConfig(TPConfig):
         if self.dp_strategy != "allreduce" and self.dp == 1:
             raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
                                              f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
+        if self.recompute == "full" and not plan.supports_recompute:
+            raise ConfigError("recompute", f"full with {self.schedule}: the executor recomputes in B only (allowed: none, "
+                                           f"or full with schedule naive, gpipe or 1f1b)")
+        if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
+            raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
+                                           "would repeat their collectives, which the byte model does not count yet "
+                                           "(allowed: none, or full with tp = cp = ep = 1)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -206,6 +216,14 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
                                                config.ep, 8) if config.ep > 1 else 0}
+
+
+def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
+    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s token ids (int64) on stage 0, a
+    b x s x d_model float64 activation on the others."""
+    sizes = _microbatch_sizes(config, payload["coords"])
+    return {st: {j: b * config.seq * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
+            for st in payload["stages"]}
 
 
 def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int) -> int:
@@ -333,7 +351,8 @@ def combine(config: MeshConfig, payloads) -> Result:
     memory = []
     for p in payloads:
         per = activation_formula(config, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]},
+                                 kept_inputs(config, p) if config.recompute == "full" else None)
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
