@@ -118,3 +118,30 @@ def test_dp_strategies_need_data_parallel_ranks(strategy):
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict({"dp_strategy": strategy})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
     assert info.value.field == "dp_strategy" and "allowed" in str(info.value)
+
+
+def test_full_recompute_keeps_only_stage_inputs(monkeypatch):
+    """GPipe over pp 4 with 4 micro-batches: full recompute holds the stage inputs of the micro-batches in flight and
+    one micro-batch's whole activations, under a third of what the run without recompute holds, equal to the
+    model; stage 0's input counted as an embedding (a wrong kept size) fails."""
+    base = dict(tp=1, pp=4, schedule="gpipe", microbatches=4, batch=8, steps=2)
+    configs = [MeshConfig(recompute=r, **base).validate() for r in ("none", "full")]
+    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=600))
+    assert multiprocessing.active_children() == []
+    (plain_cfg, plain), (cfg, full) = [(c, [per_rank[r][i] for r in range(4)]) for i, c in enumerate(configs)]
+    result = mesh.combine(cfg, full)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert all(3 * f["memory"]["activations"] < p["memory"]["activations"] for f, p in zip(full, plain))
+    assert [f["losses"] for f in full] == [p["losses"] for p in plain]  # the same arithmetic, run twice
+    right = mesh.kept_inputs
+    monkeypatch.setattr(mesh, "kept_inputs", lambda c, p: {st: {j: b * c.d_model for j, b in per.items()}
+                                                            for st, per in right(c, p).items()})
+    checks = {c.name: c for c in mesh.combine(cfg, full).checks}
+    assert not checks["activations held at GPipe (F then B)'s peak within 10 % of the formula"].passed
+
+
+@pytest.mark.parametrize("values", [{"recompute": "full"}, {"recompute": "full", "tp": "1", "schedule": "zb_h1"}])
+def test_recompute_refusals_name_the_setting(values):
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.from_dict(values)
+    assert info.value.field == "recompute" and "allowed" in str(info.value)
