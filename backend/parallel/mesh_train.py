@@ -13,6 +13,7 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
   sync      the gradients all-reduced over cp, then over dp by the dp_strategy (parallel/mesh_dp.py: all-reduce,
             DDP buckets, ZeRO-1/2/3; Megatron-LM runs one over the merged dp x cp group, the same sum), then
             Adam on the elements this rank owns
+  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B (the executor's option)
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
