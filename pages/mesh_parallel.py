@@ -4,7 +4,7 @@ import networkx as nx
 import pandas as pd
 import streamlit as st
 
-from backend.experiments.parallel.mesh import PRESETS
+from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS
 from backend.graph.dot import to_dot
 from pages import timeline, ui
 
@@ -68,8 +68,9 @@ def render(result: dict, rec) -> None:
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
-for name, preset in PRESETS.items():
-    if st.button(f"Preset: {name}"):
+preset_columns = st.columns(4)
+for i, (name, preset) in enumerate(PRESETS.items()):
+    if preset_columns[i % 4].button(f"Preset: {name}", help=PRESET_NOTES[name]):
         st.query_params.from_dict({k: str(v) for k, v in preset.items()})
         st.rerun()
 ui.experiment_page(

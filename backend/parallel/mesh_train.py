@@ -10,9 +10,10 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
             same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
             attention the K/V blocks of the other positions coming round the cp ring
   backward  input gradients sent back stage to stage (and dK/dV round the ring)
-  sync      the gradients all-reduced over cp, then over dp (one flat ring all-reduce each; Megatron-LM runs
-            one over the merged dp x cp group, the same sum), then Adam on the local shard; or (dp_strategy
-            zero1) reduce-scattered over dp, Adam on this dp rank's shard only, the weights all-gathered
+  sync      the gradients all-reduced over cp, then over dp by the dp_strategy (parallel/mesh_dp.py: all-reduce,
+            DDP buckets, ZeRO-1/2/3; Megatron-LM runs one over the merged dp x cp group, the same sum), then
+            Adam on the elements this rank owns
+  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B (the executor's option)
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -32,14 +33,14 @@ import torch.nn as nn
 
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
+from backend.parallel.mesh_dp import DataParallel, sum_gradients
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.tp import TPDecoder, part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
-from backend.parallel.workload import Adam, flat_params, load_flat
-from backend.parallel.zero import Sharded
+from backend.parallel.workload import flat_params, load_flat
 from backend.trace import Tracer
 
 
@@ -76,6 +77,7 @@ class MeshStage:
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens = d_model, global_tokens
         self.activations: dict[int, int] | None = None  # set to a dict to record
+        self.kept: dict[int, int] = {}
 
     def input(self, mb: int) -> torch.Tensor:
         return self.inputs[mb]
@@ -84,26 +86,19 @@ class MeshStage:
         return torch.empty((*self.inputs[mb].shape, self.d_model), dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+        kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
         if self.chunk.first:
             x = self.chunk.embed(x)
         memory = SavedActivations(self.chunk.parameters())
         with memory:
             y = self.chunk.run_blocks(x, self.shard)
-        if self.activations is not None:
+        if self.activations is not None and torch.is_grad_enabled():  # (recompute: the backward's forward records)
             self.activations[mb] = memory.bytes
+            self.kept[mb] = kept
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
         return loss * (self.targets[mb].numel() / self.global_tokens)  # this micro-batch's share of the global mean
-
-
-def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
-    """Ring all-reduce of the flat gradient vector over one mesh dimension (zero-padded to equal chunks)."""
-    if wire.n == 1:
-        return flat
-    padded = torch.zeros(-(-flat.numel() // wire.n) * wire.n, dtype=flat.dtype)
-    padded[:flat.numel()] = flat
-    return wire.all_reduce(padded, "backward", what)[:flat.numel()]
 
 
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
@@ -122,38 +117,29 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
         torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    # ZeRO-1 over dp (parallel/zero.py's shards and ring collectives): this dp rank keeps Adam's state only for its
-    # shard of the flat vector, reduce-scatters the gradients, updates its shard and all-gathers the weights
-    zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if config.dp_strategy == "zero1" else None
-    owned = zero.shards[0] if zero else weights
-    adam, m1, v1 = Adam(config.lr), torch.zeros_like(owned), torch.zeros_like(owned)
+    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
-    losses, activations, pp_bytes = [], {}, 0
+    losses, activations, kept, pp_bytes = [], {}, {}, 0
     for step in range(config.steps):
+        gathered = sync.weights_for_step(step)
+        if gathered is not None:
+            load_flat(model, gathered)
         mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
         stages = {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
                   for s, c in chunks.items()}
         if step == 0:
             for s, st in stages.items():
-                st.activations = activations.setdefault(s, {})
-        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer)
+                st.activations, st.kept = activations.setdefault(s, {}), kept.setdefault(s, {})
+        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer, recompute=config.recompute == "full")
         pp_bytes += walk["sent_bytes"]
         grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
         grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:
             grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
-        if zero:
-            with tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
-                grads = zero.reduce_scatter(0, grads)
-        else:
-            grads = sum_gradients(dp, grads, "data-parallel gradients")
-        with tracer.span("compute", f"adam {step}", kind="optimizer"):
-            adam.update(owned, grads, m1, v1)
-        if zero:
-            with tracer.span("collective", f"all-gather weights {step}", kind="collective"):
-                weights = zero.gather(0, torch.float64)
-        load_flat(model, weights)
+        weights = sync.update(grads, step)
+        if weights is not None:
+            load_flat(model, weights)
         model.zero_grad(set_to_none=True)
         reported = torch.tensor([walk["loss"]], dtype=torch.float64)
         for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
@@ -162,16 +148,16 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         losses.append(reported.item())
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
-    n_params = weights.numel()
+    load_flat(model, sync.final_weights())  # (zero3: one more all-gather, to report the trained weights)
+    n_params = sum(p_.numel() for p_ in params)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
     return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in c.sources().items()},
-            "memory": {"parameters": n_params * 8, "gradients": n_params * 8,
-                       "optimizer states": sum(t.numel() * t.element_size() for t in (m1, v1)),
-                       "activations": peak_in_flight(order, activations)},
+            "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
+            "param_numels": [p_.numel() for p_ in params],
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
             "bytes": {"tp": tp.sent_bytes, "pp": pp_bytes, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
@@ -183,7 +169,19 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(), "trace": tracer.payload()}
 
 
-def peak_in_flight(order, per_action) -> int:
+def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
-    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}."""
-    return live_activations(order, lambda stage, mb: per_action[stage][mb])
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
+    same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
+    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed)."""
+    if kept is None:
+        return live_activations(order, lambda stage, mb: per_action[stage][mb])
+    alive, peak = {}, 0
+    for kind, mb, stage in order:
+        if kind == "F":
+            alive[(stage, mb)] = kept[stage][mb]
+            peak = max(peak, sum(alive.values()))
+        elif kind == "B":
+            alive.pop((stage, mb))
+            peak = max(peak, sum(alive.values()) + per_action[stage][mb])
+    return peak

@@ -12,6 +12,7 @@ from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.cp import positions
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
+from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.sp import activation_elements
@@ -21,10 +22,36 @@ from backend.parallel.wire import ring_bytes
 from backend.result import Check, Result
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
-# Seed 002's picture: 8 GPUs as two 4-stage pipelines with data parallel between them.
-PRESETS = {"seed 002: two 4-stage pipelines, data parallel between (8 ranks)": {"world_size": 8, "pp": 4, "tp": 1, "layers": 4},
-           "3D on 8 ranks: pp 2 x dp 2 x tp 2": {"world_size": 8, "pp": 2, "tp": 2},
-           "MoE: experts over ep 2, pipeline 2 (4 ranks)": {"pp": 2, "tp": 1, "ep": 2, "experts": 4}}
+# Presets at tiny scale: each fills the settings it names (one line each, in PRESET_NOTES). The real systems run these
+# shapes at thousands of GPUs; here every dimension is 2 so each strategy is live and checked on 4 or 8 ranks.
+PRESETS = {
+    "seed002": {"world_size": 8, "pp": 4, "tp": 1, "layers": 4},
+    "3d8": {"world_size": 8, "pp": 2, "tp": 2},
+    "moe_ep": {"world_size": 4, "pp": 2, "tp": 1, "ep": 2, "experts": 4},
+    "megatron": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
+    "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
+    "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
+    "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
+    "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
+    "llama3": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2, "schedule": "1f1b"},
+    "deepseek_v3": {"world_size": 8, "tp": 1, "pp": 2, "ep": 2, "experts": 4, "schedule": "dualpipe_v",
+                    "microbatches": 4, "batch": 16, "d_model": 16, "d_ff": 32, "dp_strategy": "zero1"},
+    "ddp4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "ddp", "bucket_kb": 4},
+}
+PRESET_NOTES = {
+    "seed002": "seed 002: 8 ranks as two 4-stage pipelines (GPipe) with data parallel between them",
+    "3d8": "pp 2 x dp 2 x tp 2 on 8 ranks, every dimension live",
+    "moe_ep": "MoE: 4 experts over ep 2, pipeline 2 (4 ranks)",
+    "megatron": "Megatron-LM style: TP 2 + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks; no SP here)",
+    "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 (tp 1 to fit)",
+    "torchtitan": "torchtitan style: FSDP (ZeRO-3, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "torchtitan4": "torchtitan style on 4 ranks: FSDP (ZeRO-3) + 1F1B, pp 2 x dp 2",
+    "torchtitan_cp": "torchtitan style with context parallel: FSDP (ZeRO-3) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "llama3": "Llama 3's dimensions tp 2, cp 2, pp 2 with 1F1B (8 ranks; dp 1 at this size; this mesh nests dp outside cp, "
+              "Llama 3 puts dp outermost, the same groups when dp = 1)",
+    "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 to fit the run budget)",
+    "ddp4": "DDP with 4 KiB gradient buckets over dp 2, 1F1B over pp 2 (4 ranks)",
+}
 
 
 @dataclasses.dataclass
@@ -44,14 +71,29 @@ class MeshConfig(TPConfig):
     virtual_stages: int = setting(1, min=1, max=4, help="model chunks per pp rank (interleaved_1f1b; zb_v and "
                                                         "dualpipe_v hold 2 in a V)")
     microbatches: int = setting(2, min=1, max=16, help="micro-batches per step per data-parallel rank")
-    dp_strategy: str = setting("allreduce", choices=("allreduce", "zero1"),
-                               help="over dp: all-reduce the gradients, or ZeRO-1 (reduce-scatter, Adam on this rank's "
-                                    "shard, all-gather the weights)")
+    dp_strategy: str = setting("allreduce", choices=STRATEGIES,
+                               help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
+                                    "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
+                                    "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
+    recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
+                             "executor's option): full keeps only each stage's input from F to B and reruns its forward "
+                             "in the backward (schedules naive, gpipe, 1f1b; tp = cp = ep = 1)")
+    bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
+    preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
+                                                                   "(the settings it names left at their defaults): " +
+                          "; ".join(f"{k}: {v}" for k, v in PRESET_NOTES.items()))
     batch: int = setting(4, min=1, max=64, help="sequences in the global batch")
     seq: int = setting(8, min=2, max=256, help="tokens per sequence")
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+
+    def __post_init__(self):
+        """A preset fills the settings it names that are still at their defaults (a value chosen beside it stays)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in PRESETS.get(self.preset, {}).items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts")
 
@@ -102,9 +144,16 @@ class MeshConfig(TPConfig):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
         plan = self.plan
-        if self.dp_strategy == "zero1" and self.dp == 1:
-            raise ConfigError("dp_strategy", f"zero1 shards Adam's state over the dp ranks, and dp = world_size / (tp x pp x "
-                                             f"cp x ep) = 1 here (allowed: allreduce, or zero1 with dp > 1)")
+        if self.dp_strategy != "allreduce" and self.dp == 1:
+            raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
+                                             f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
+        if self.recompute == "full" and not plan.supports_recompute:
+            raise ConfigError("recompute", f"full with {self.schedule}: the executor recomputes in B only (allowed: none, "
+                                           f"or full with schedule naive, gpipe or 1f1b)")
+        if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
+            raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
+                                           "would repeat their collectives, which the byte model does not count yet "
+                                           "(allowed: none, or full with tp = cp = ep = 1)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -155,9 +204,6 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
-
-    def zero1(k: int) -> int:  # reduce-scatter the padded gradients, all-gather the padded weights from 1/k shards
-        return steps * (ring_bytes("reduce_scatter", -(-n // k) * k, k, 8) + ring_bytes("all_gather", -(-n // k), k, 8))
     tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
@@ -165,11 +211,55 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
             "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
-            "dp gradients": zero1(config.dp) if config.dp_strategy == "zero1" else gradients(config.dp),
+            "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
                                                config.ep, 8) if config.ep > 1 else 0}
+
+
+def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
+    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s token ids (int64) on stage 0, a
+    b x s x d_model float64 activation on the others."""
+    sizes = _microbatch_sizes(config, payload["coords"])
+    return {st: {j: b * config.seq * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
+            for st in payload["stages"]}
+
+
+def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int) -> int:
+    """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements (float64), each
+    collective a ring over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce,
+    DDP and ZeRO-1/2 alike). DDP: one all-reduce per bucket, buckets filled in reverse parameter order and closed
+    once they reach bucket_bytes. ZeRO-3: the same reduce-scatter and all-gather per step, plus one all-gather at
+    the end to report the trained weights."""
+    if k == 1:
+        return 0
+    pad = lambda e: -(-e // k) * k  # noqa: E731
+
+    def all_reduce(e: int) -> int:
+        return ring_bytes("all_reduce", pad(e), k, 8)
+    n = sum(numels)
+    if strategy == "allreduce":
+        return steps * all_reduce(n)
+    if strategy == "ddp":
+        buckets = [0]
+        for e in reversed(numels):
+            buckets[-1] += e
+            if buckets[-1] * 8 >= bucket_bytes:
+                buckets.append(0)
+        return steps * sum(all_reduce(b) for b in buckets if b)
+    gather = ring_bytes("all_gather", pad(n) // k, k, 8)
+    return steps * (ring_bytes("reduce_scatter", pad(n), k, 8) + gather) + (gather if strategy == "zero3" else 0)
+
+
+def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
+    """Seed 000's table in float64: bytes a rank keeps between steps for ψ = n parameters over k dp ranks. Every
+    strategy holds Adam's m and v for what it updates (ZeRO: ⌈ψ/k⌉, the vector padded to a multiple of k); ZeRO-2
+    keeps only its gradient shard; ZeRO-3 its parameter shard too."""
+    shard = -(-n // k)
+    sharded = {"allreduce": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[strategy]
+    return {"parameters": 8 * (shard if sharded >= 3 else n), "gradients": 8 * (shard if sharded >= 2 else n),
+            "optimizer states": 16 * (shard if sharded >= 1 else n)}
 
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
@@ -261,16 +351,19 @@ def combine(config: MeshConfig, payloads) -> Result:
     memory = []
     for p in payloads:
         per = activation_formula(config, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]},
+                                 kept_inputs(config, p) if config.recompute == "full" else None)
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
-    shards = config.dp if config.dp_strategy == "zero1" else 1
-    states = {p["rank"]: 2 * 8 * -(-p["flat_numel"] // shards) for p in payloads}
-    checks.append(Check("optimizer states per rank equal Adam's two moments of the elements it updates",
-                        sum(abs(p["memory"]["optimizer states"] - states[p["rank"]]) for p in payloads), 0,
-                        reference="2 x 8 B x ψ (float64 m and v), ψ the flat parameters on the rank; ZeRO-1 (seed 000): "
-                                  "ψ / dp, the vector padded to a multiple of dp"))
+    states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
+    checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
+                        sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
+                        reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
+                                  "on the rank); ZeRO-1 shards the 16ψ, ZeRO-2 also the gradients, ZeRO-3 also the weights, "
+                                  "each to ⌈ψ/dp⌉; kept between steps"))
+    for r in memory:
+        r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
     acts = [r for r in memory if r["category"] == "activations"]
     checks.append(Check(f"activations held at {config.plan.title}'s peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
