@@ -3,6 +3,7 @@ allowed range in the help, filled from the URL (validated on the server), else t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import streamlit as st
 
@@ -60,11 +61,10 @@ def float_step(value: float, meta: dict) -> float:
     return 10.0 ** math.floor(math.log10(scale)) if scale > 0 else 0.01
 
 
-def trace_upload(experiment: str, arrival_unit: str) -> None:
-    """Your own request trace: checked and stored on the server under its content hash, which the run's `trace`
-    setting (and so the link) carries. Nothing on the server is read from a link."""
+def trace_upload(experiment: str, arrival_unit: str, store_root: Path) -> None:
+    """Your own request trace: checked and stored on the server under its content hash (in the run store at
+    `store_root`), which the run's `trace` setting (and so the link) carries. Nothing on the server is read from a link."""
     from backend import uploads
-    from pages.ui import store
 
     file = st.file_uploader(f"Your request trace (CSV: arrival in {arrival_unit}, prompt_len, output_len[, prefix_id, prefix_len])",
                             type="csv", max_upload_size=1, key="trace-upload",
@@ -73,7 +73,7 @@ def trace_upload(experiment: str, arrival_unit: str) -> None:
     if file is None:
         return
     try:
-        digest = uploads.save_trace(file.getvalue(), store().root)
+        digest = uploads.save_trace(file.getvalue(), store_root)
     except ValueError as err:
         st.error(escape(f"trace: {err}"))
         return

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from backend.attention import nsa_reference
 from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
                                    nsa_attention)
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.result import Check, Result
 
@@ -95,7 +96,7 @@ class NSAConfig(Config):
         if any(not 64 <= s <= 8192 for s in sizes):
             raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 64..8192")
         if self.gathered(self.seq_len, self.kv_heads) > GATHER_BUDGET:
-            raise self.too_costly(("seq_len", "top_n", "window"),
+            raise too_costly(self, ("seq_len", "top_n", "window"),
                                   f"gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these kv_heads, top_n, "
                                   f"sel_block, window and head_dim, over the {GATHER_BUDGET:,} a run may gather")
         if sizes and self.gathered(max(sizes), 1) > GATHER_BUDGET:

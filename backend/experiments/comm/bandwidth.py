@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.comm.collectives import BUS_FACTOR
 from backend.experiments import define
 from backend.result import Check, Result

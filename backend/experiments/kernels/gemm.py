@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
 from backend.memory.devices import DEVICES, dram
@@ -85,7 +86,7 @@ class GemmConfig(Config):
             return
         main = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k)
         if main > INTERPRETER_STEPS // 2:
-            raise self.too_costly(("m", "n", "k"), f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x"
+            raise too_costly(self, ("m", "n", "k"), f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x"
                                                    f"{self.block_k} tiles is {main:,} program-steps, over the "
                                                    f"{INTERPRETER_STEPS // 2:,} Triton's interpreter runs in time; "
                                                    "larger tiles help too")

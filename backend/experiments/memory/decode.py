@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from backend.config import DYNAMO_IMPORT_S, Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
 from backend.memory.decode import (MODELS, BatchedDecoder, decode_bytes, decode_flops, prefill_cache_check, prefill_cost,
                                    roofline_time, tiny_shape)

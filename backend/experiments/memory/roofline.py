@@ -14,7 +14,8 @@ import time
 import torch
 
 from backend.attention.flash import io_model, tiled_attention
-from backend.config import Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.memory.devices import DEVICES, dram, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.numerics.formats import (FORMATS, add_in, describe, range_formula, round_exact, running_sums,
                                       stall_prediction, torch_range)

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.result import Check, Result
 from backend.rl.bellman import (ARROWS, MOVES, Grid, best_deterministic_policy, grid_mdp, monte_carlo_values,
