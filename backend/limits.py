@@ -138,7 +138,7 @@ def _largest_fitting(config: Config, name: str):
     if m.get("choices") or t is bool:
         options = m.get("choices") or (False, True)
         return next((c for c in options if c != value and fits(config, **{name: c})), None)
-    if t is str:
+    if t in (str, tuple):  # a name or a list: no order to search along
         return None
     low = m.get("min") if m.get("min") is not None else (1 if t is int else 0.0)
     while low < value and not fits(config, **{name: low}):  # the smallest values may break a cross-field rule

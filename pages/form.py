@@ -38,7 +38,9 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
             label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
             key = f"{exp.name}.{f.name}"
             with cols[i % 3]:
-                if meta.get("choices"):
+                if exp.config_cls.item_type(f) is not None:  # a list setting, written comma-separated as in a URL
+                    values[f.name] = st.text_input(label, value=exp.config_cls.text_of(initial), help=helptext, key=key)
+                elif meta.get("choices"):
                     choices = list(meta["choices"])
                     values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
                 elif t is bool:

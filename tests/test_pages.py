@@ -62,6 +62,15 @@ def test_bad_url_settings_are_named_and_not_run():
     assert any("world_size: 1000 is out of range" in e.value for e in at.error)
 
 
+def test_an_old_links_list_fills_the_form_and_a_bad_item_is_named():
+    at = _app("pages/comm_bandwidth.py", world_size="2", ops="all_reduce,all_gather")
+    assert not at.exception and not at.error
+    assert at.text_input(key="comm.bandwidth.ops").value == "all_reduce,all_gather"
+    at = _app("pages/comm_bandwidth.py", ops="all_reduce,gossip")
+    assert any("ops: 'gossip' in 'all_reduce,gossip' is out of range (allowed: a comma-separated list of 1..5 names, "
+               "each one of all_reduce" in e.value for e in at.error)
+
+
 def test_collectives_page_replays_a_ring_run():
     from backend import experiments
     from backend.store import RunStore
