@@ -33,15 +33,13 @@ def setting(default, *, min=None, max=None, choices=None, item_range=None, lengt
     if isinstance(default, (list, tuple)):
         if min is not None or max is not None:
             raise TypeError("a list setting bounds its items with item_range=(lo, hi), not min/max")
-        item = type(default[0]) if default else int
-        min, max = item_range or (None, None)
-        default = tuple(default)
-        extra = {"item": item, "length": tuple(length) if length else None}
-    elif item_range is not None or length is not None:
+        lo, hi = item_range or (None, None)
+        meta = {"item": type(default[0]) if default else int, "length": tuple(length) if length else None,
+                "items": {"min": lo, "max": hi, "choices": tuple(choices) if choices else None}, "help": help}
+        return dataclasses.field(default=tuple(default), metadata=meta)
+    if item_range is not None or length is not None:
         raise TypeError("item_range and length are for a list setting (a list default)")
-    else:
-        extra = {}
-    meta = {"min": min, "max": max, "choices": tuple(choices) if choices else None, "help": help, **extra}
+    meta = {"min": min, "max": max, "choices": tuple(choices) if choices else None, "help": help}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -121,7 +119,7 @@ class Config:
             return _scalar_allowed(cls.field_type(f), m)
         lo, hi = m.get("length") or (0, None)
         count = f"{lo}..{hi} " if hi is not None else f"at least {lo} " if lo else ""
-        each = _scalar_allowed(item, m).removeprefix(_type_name(item)).strip()
+        each = _scalar_allowed(item, m["items"]).removeprefix(_type_name(item)).strip()
         return f"a comma-separated list of {count}{_type_name(item, plural=True)}" + (f", each {each}" if each else "")
 
     @staticmethod
@@ -188,7 +186,7 @@ class Config:
                 if not _of_type(v, item):
                     raise ConfigError(f.name, f"{v!r} in {self.text_of(value)!r} is not {_type_name(item)} "
                                               f"(allowed: {self.allowed(f)})")
-                if not _in_range(v, m):
+                if not _in_range(v, m["items"]):
                     raise ConfigError(f.name, f"{v!r} in {self.text_of(value)!r} is out of range (allowed: {self.allowed(f)})")
             lo, hi = m.get("length") or (0, None)
             if len(value) < lo or (hi is not None and len(value) > hi):

@@ -8,10 +8,10 @@ from backend.config import ConfigError
 
 
 def one_at_a_time(config_cls, skip: tuple[str, ...] = ()) -> list[dict]:
-    """{} (the defaults), then one dict per non-default choice of each choice or bool (not list) setting."""
+    """{} (the defaults), then one dict per non-default choice of each choice or bool setting."""
     defaults, variants = config_cls().to_dict(), [{}]
     for f in config_cls.fields():
-        if f.name in skip or config_cls.item_type(f) is not None:  # a list's choices are its items: the defaults run them
+        if f.name in skip:
             continue
         options = f.metadata.get("choices") or ((True, False) if config_cls.field_type(f) is bool else ())
         variants += [{f.name: v} for v in options if v != defaults[f.name]]
