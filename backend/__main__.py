@@ -3,6 +3,7 @@
     python -m backend list
     python -m backend run NAME [--set key=value ...] [--trace-file CSV] [--out DIR] [--json] [--timeout S]
     python -m backend show RUN_ID [--json]
+    python -m backend standby MODULE...   (the job runner's warm leader: backend.jobs.Standby)
 
 Exit status: 0 ran and every check passed; 1 the run failed or a check did not pass;
 2 bad input (one line on stderr naming the field and the allowed range); 128+N stopped by signal N
@@ -56,7 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["standby"]:  # a job runner's warm leader (backend.jobs.Standby), not a user's command
-        from backend.jobs import standby_main
         return standby_main(argv[1:])
     args = _parser().parse_args(argv)
     from backend import experiments
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             store.finish(args.run_id, "failed", error=str(err))
         return 2
 
+    from backend import record
     from backend.comm.spawn import free_port
     from backend.jobs import DIAGNOSIS_GRACE_S, Leader
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     grace_s=DIAGNOSIS_GRACE_S if exp.distributed else 0, config=config).start()
     ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, port=port,
                                  echo_progress=not args.json)
-    report = experiments.run_recorded(exp, config, ctx, store, run_id, args.out)
+    report = record.run_recorded(exp, config, ctx, store, run_id, args.out)
     leader.stop()
     if report["status"] == "failed" and limits.is_out_of_memory(report["error"]):
         report["error"] = limits.memory_message(config=config)
@@ -123,6 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print_human(report)
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1
+
+
+def standby_main(preload: list[str]) -> int:
+    """The standby process (see backend.jobs.Standby): a run's leader, warm before its run; `preload`: every experiment's modules for the ranks' fork server."""
+    import multiprocessing.forkserver
+
+    from backend import experiments, limits
+    from backend.comm.spawn import output_to, rank_processes
+
+    limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
+    rank_processes(tuple(preload))
+    multiprocessing.forkserver.ensure_running()  # it imports on the other core while this process imports the rest
+    experiments.all_experiments()
+    line = sys.stdin.readline()
+    if not line:  # the runner closed: no run for this one
+        return 0
+    job = json.loads(line)
+    output_to(job["log"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return main(job["args"])
 
 
 def _upload(path: Path, root: Path) -> str:

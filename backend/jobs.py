@@ -10,7 +10,8 @@ runs only while fewer than its cap of job runs are running in the store, so the 
 processes. A claimed run is started as `python -m backend run NAME --run-id ID` in its own process
 group with a free rendezvous port, its output appended to the run's log.txt.
 
-A run does not wait for its leader's start-up: the runner keeps one leader warm (`Standby`: torch, every
+A run does not wait for its leader's start-up: the runner keeps one leader warm (`Standby`, whose process is
+backend.__main__.standby_main: torch, every
 experiment and the ranks' fork server already imported), started only while a job slot is free, and hands it
 the next claimed run's command line; a cold `python -m backend run` starts only when none is ready.
 
@@ -89,7 +90,7 @@ class JobRunner:
     def submit(self, name: str, settings: Mapping[str, Any] | Config, *, timeout_s: float | None = None,
                owner: str = "") -> str:
         exp = experiments.get(name)
-        config = settings.validate() if isinstance(settings, Config) else exp.make_config(settings)
+        config = exp.validate(settings) if isinstance(settings, Config) else exp.make_config(settings)
         version = experiments.code_version()
         digest = config.digest(exp.name, version)
         timeout_s = min(timeout_s or self.timeout_s, self.timeout_s)
@@ -270,28 +271,6 @@ class Standby:
                 pass
         _kill_group(self.proc, wait_s=1.0)
         return None
-
-
-def standby_main(preload: list[str]) -> int:
-    """The standby process (see Standby); `preload`: every experiment's modules for the ranks' fork server."""
-    import multiprocessing.forkserver
-
-    from backend.comm.spawn import output_to, rank_processes
-
-    limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
-    rank_processes(tuple(preload))
-    multiprocessing.forkserver.ensure_running()  # it imports on the other core while this process imports the rest
-    experiments.all_experiments()
-    from backend.__main__ import main
-
-    line = sys.stdin.readline()
-    if not line:  # the runner closed: no run for this one
-        return 0
-    job = json.loads(line)
-    output_to(job["log"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    return main(job["args"])
 
 
 class Leader:

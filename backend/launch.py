@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from backend import experiments, limits
+    from backend import experiments, limits, record
     from backend.__main__ import parse_sets
     from backend.comm.spawn import append_log
     from backend.jobs import Leader
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report_exp = experiments.Experiment(exp.name, exp.config_cls, exp.summary,
                                         run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes)
-    report = experiments.run_recorded(report_exp, config, ctx, store, run_id, args.out)
+    report = record.run_recorded(report_exp, config, ctx, store, run_id, args.out)
     leader.stop()
     print(json.dumps(report, default=str) if args.json else f"{exp.name} run {run_id} {report['status']}: {report.get('artifacts')}")
     return 0 if report["status"] == "succeeded" and report.get("passed") else 1

@@ -3,8 +3,11 @@
 Two numbers bound every run, whoever starts it (page, CLI, torchrun):
 - memory: EXPLORER_RUN_MEMORY_GIB (default 4), for all the job's processes together;
 - time:   EXPLORER_JOB_TIMEOUT_S (default 120 s), wall clock from start to result.
-Config.estimate() predicts both from the settings and validate() refuses a run predicted to pass
-them; the limits below stop a run that passes them anyway.
+Each Config's estimate() predicts both from its settings with `cost()` below (constants calibrated on a
+2-core CPU; bench/limits.py measures every experiment at its largest accepted settings and checks no
+estimate falls below its measurement), and `check_budget()` refuses a run predicted to pass them, naming
+the setting that drives the cost (the Config's `cost_drivers`, most influential first) and the largest
+value of it that fits. The limits further below stop a run that passes them anyway.
 
 Memory is held two ways. Each process gets RLIMIT_DATA = the job's whole budget (a process can never
 use more than its job may), so an allocation past it fails at once with MemoryError or torch's
@@ -20,12 +23,25 @@ leader's poll alone holds the job.
 """
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import math
 import os
 import resource
 import signal
 from pathlib import Path
 
+from backend.config import Config, ConfigError
+
 GIB = 1 << 30
+MiB = 1 << 20
+PROCESS_BYTES = 400 * MiB  # anonymous memory of a process with torch and the experiments imported (~250 MiB measured)
+RANK_START_S = 15.0        # seconds to start one spawned rank (its imports) on a loaded 2-core box; two start at a time
+FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
+BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
+OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
+DYNAMO_IMPORT_S = 35.0     # a process's first torch.optim optimizer or FlopCounterMode imports torch._dynamo: 9-23 s measured loaded
+_SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 
 
 def memory_budget() -> int:
@@ -40,8 +56,6 @@ def time_budget() -> float:
 
 def check_timeout(value: float | None) -> float:
     """A run's time limit from --timeout: the server's budget by default, never more."""
-    from backend.config import ConfigError
-
     budget = time_budget()
     if value is None:
         return budget
@@ -49,6 +63,101 @@ def check_timeout(value: float | None) -> float:
         raise ConfigError("timeout", f"{value:g} is out of range (allowed: 1..{budget:g} seconds, "
                                      "the server's EXPLORER_JOB_TIMEOUT_S)")
     return value
+
+
+# --- the cost model and the budget search ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    memory_bytes: int
+    seconds: float
+
+
+def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops: float = 0, ranks: int = 0,
+         seconds: float = 0) -> Estimate:
+    """A run's estimate from its work: the bytes it holds at its peak (beyond its processes' own), the
+    floating-point operations it computes, the bytes it copies or sends, the Python-level steps it takes,
+    the ranks it spawns besides its leader (and their fork server), and any fixed seconds (a compiler, a probe, a deliberate wait)."""
+    start = RANK_START_S * ranks / 2
+    processes = 1 + ranks + (1 if ranks else 0)  # the leader, its ranks and the fork server they come from
+    return Estimate(int(processes * PROCESS_BYTES + data_bytes),
+                    start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds)
+
+
+def fits(config: Config, **change) -> bool:
+    """Whether `config`, with `change` applied, keeps its rules and is predicted within the budget."""
+    candidate = dataclasses.replace(config, **change)
+    try:
+        candidate.check()
+    except ConfigError:
+        return False
+    est = candidate.estimate()
+    return est.memory_bytes <= memory_budget() and est.seconds <= time_budget()
+
+
+def check_budget(config: Config) -> None:
+    """Refuse a run predicted to pass the server's memory or time budget, naming the setting to lower."""
+    if fits(config):
+        return
+    est = config.estimate()
+    need = (f"needs about {est.memory_bytes / GIB:.1f} GiB and {est.seconds:.0f} s, over the server's "
+            f"budget of {memory_budget() / GIB:g} GiB (EXPLORER_RUN_MEMORY_GIB) and "
+            f"{time_budget():g} s (EXPLORER_JOB_TIMEOUT_S) per run")
+    if not config.cost_drivers:
+        raise ConfigError("settings", f"this run {need}")
+    raise too_costly(config, config.cost_drivers, f"this run {need}")
+
+
+def too_costly(config: Config, drivers: tuple[str, ...], what: str) -> ConfigError:
+    """The refusal of a run that costs too much (the server's budget, or a cost rule in check() such as an
+    interpreter's step count): names the first of `drivers` that can be lowered to fit and its largest fitting
+    value; if no single one is enough, how far the first may go with the other settings back at their defaults."""
+    if _SEARCHING.get():
+        return ConfigError(drivers[0], what)
+    token = _SEARCHING.set(True)
+    try:
+        for name in drivers:
+            best = _largest_fitting(config, name)
+            if best is not None:
+                return ConfigError(name, f"{getattr(config, name)!r}: {what} (allowed with the other settings as they "
+                                         f"are: {name} = {best})")
+        name = drivers[0]
+        defaults = {f.name: f.default for f in config.fields() if f.name != name and getattr(config, f.name) != f.default}
+        best = _largest_fitting(dataclasses.replace(config, **defaults), name)
+        hint = (f"allowed: {name} = {best} with " + ", ".join(f"{k} = {v}" for k, v in defaults.items())
+                if best is not None else f"lower {', '.join(drivers)}")
+        return ConfigError(name, f"{getattr(config, name)!r}: {what}, and no single setting brings it within ({hint})")
+    finally:
+        _SEARCHING.reset(token)
+
+
+def _largest_fitting(config: Config, name: str):
+    """The largest value of one setting (others unchanged) that fits the budget, or None. Assumes the cost
+    grows with the value; a choice setting gives its first choice that fits."""
+    f = config.field_of(name)
+    t, m, value = config.field_type(f), f.metadata, getattr(config, name)
+    if m.get("choices") or t is bool:
+        options = m.get("choices") or (False, True)
+        return next((c for c in options if c != value and fits(config, **{name: c})), None)
+    if t in (str, tuple):  # a name or a list: no order to search along
+        return None
+    low = m.get("min") if m.get("min") is not None else (1 if t is int else 0.0)
+    while low < value and not fits(config, **{name: low}):  # the smallest values may break a cross-field rule
+        low = low * 2 if low > 0 else 1
+    if low >= value:
+        return None
+    high = value  # low fits, high does not
+    if t is int:
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(config, **{name: mid}) else (low, mid)
+        return low
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if fits(config, **{name: mid}) else (low, mid)
+    if low <= 0:
+        return low
+    step = 10.0 ** (math.floor(math.log10(low)) - 2)
+    return math.floor(low / step) * step  # 3 significant digits, rounded down so that it still fits
 
 
 def limit_this_process(memory_bytes: int) -> None:

@@ -46,7 +46,7 @@ def largest_accepted(exp) -> dict:
             return exp.make_config(values).to_dict()
         except ConfigError as err:
             fix, fix_with = ALLOWED.search(str(err)), ALLOWED_WITH.search(str(err))
-            field = exp.config_cls._field(err.field)
+            field = exp.config_cls.field_of(err.field)
             if fix:
                 values[fix.group(1)] = fix.group(2)
             elif fix_with:

@@ -39,6 +39,62 @@ from backend.serving.simulator import (DRIFT_LAGS, FIDELITY_KEYS, CostModel, aut
                                       fidelity, latency_summary, simulate)
 from backend.serving.workload import shared_prefix, sharegpt_like  # noqa: E402
 
+# Why the simulator's cost model and its calibration are what they are, with the figures measured on the way; written
+# into the results' notes (backend/serving/simulator.py and calibrate.py keep the model, this keeps its history).
+MODEL_HISTORY = {
+    'simulator: the indicator terms c_pp, c_dp':
+        "They are the fixed costs of the engine's two attention paths (padded SDPA for prefill chunks, the "
+        'gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the batch), which a '
+        'step pays once for each path it uses; without them a step that mixes both was under-predicted by a '
+        'third.',
+    'simulator: c_bd, the second decode':
+        "A lone decode's matrix products are matrix-vector products: the second decode added 0.3-0.44 ms where "
+        'each of the next few added 0.15-0.3 ms (noise.decode_only_steps). A linear term over-predicted lone '
+        'decodes by 1-4% and pairs and triples by 1-2%, and a fit to low-load steps over-predicted a busier '
+        "trace's p90 TPOT by up to 14%; with the term, up to 9%.",
+    'simulator: c_qk, prefill (query, key) pairs':
+        "A prefill chunk's attention grows with its tokens times their context (the pairs its padded SDPA scores,"
+        " see TorchPagedAttention): at the tiny model's width it costs about as much as the chunk's projections "
+        'and MLP, so a linear term alone under-predicted long chunks, and the decodes batched with them waited '
+        'longer than the simulator said (the p90 TPOT at 16 requests/s came out 7-12% low).',
+    'simulator: designed steps beside the profiles':
+        'The coefficients are fitted by non-negative least squares to the steps of profiling runs of the real '
+        'engine, beside designed steps in which the terms a trace moves together (decode tokens and KV blocks, '
+        'chunk tokens and pairs) vary on their own.',
+    'simulator: c_swap measured, not fitted':
+        'The engine times copies of its own KV blocks to CPU memory and back '
+        '(ModelExecutor.swap_seconds_per_block), since a profile at the default pool size never preempts and a '
+        'fit would have no swaps to see.',
+    'simulator: relative noise':
+        "A step's spread grows with its length: on the 2-core box the residuals' standard deviation was 21-23% of"
+        ' the predicted time for steps predicted at 4.5, 5.7, 9.4 and 12.8 ms in one capture, and 9.6-9.8% for '
+        'steps of 3.5 to 6 ms on a quieter machine (noise.spread_by_predicted_step). Added in seconds, the same '
+        'noise for every step, long steps came out too narrow and their median too high (the TTFT p50, set by a '
+        "prompt's one prefill step, came out 1-7% high in every run).",
+    'simulator: drifting noise':
+        "The residuals are neither small (10-20% of a step) nor independent: the machine's speed drifts over tens"
+        " of steps (other people's work in the caches and memory bus), so a request's steps tend to be slow "
+        'together, which widens the spread of TPOT and TTFT across requests (the p90s) well beyond what '
+        'independent noise gives. Hence the 64 quantiles of the relative residuals and two AR(1) drifts (one '
+        'fading within tens of steps, one over seconds) plus independent noise, fitted at lags 1 to 80.',
+    'calibration: interleaved runs':
+        'On a shared machine the speed drifts by 10-30% over seconds, and runs made one after the other would '
+        'each meet a different machine. The repeat joins REPEAT_LAG rounds late: the same machine, but not the '
+        "same moments, so its difference from the first run includes the drift's path, which no prediction can "
+        "know (started together, the two runs shared that path and differed by only 2-6%: the engine's "
+        'repeatability with the drift taken out, not what a prediction of one run is up against).',
+    'calibration: pacing':
+        "Run at once, the profiles' ~250 steps were done in the first quarter of the held-out run's ~500 rounds, "
+        "so the fit met only that quarter's machine, and the held-out run's later steps took from 0.85 to 1.7 "
+        'times what it predicted (the median per 100 rounds, default settings): that, not preemption, made the '
+        'error swing (no default run preempted, swap or recompute). Paced, they step in bursts spread over the '
+        "whole held-out run. Pacing moves no engine's clock (each counts only its own steps' CPU time), only the "
+        'moments its steps meet.',
+    'calibration: the mean of 32 draws':
+        "One draw of the simulator's noise is one possible run, whose medians and p90s over 320 requests stray up"
+        ' to 8% from the mean; the prediction compared is the mean over 32 draws (expected_summary).',
+}
+
 CONFIG = SchedulerConfig()  # the experiments' defaults
 CACHING = SchedulerConfig(prefix_caching=True)
 N = 160  # requests per profiling run
@@ -218,6 +274,7 @@ def main(quick: bool) -> None:
                     "rounds late, so its spread includes the path of the machine's slow drift, which the simulator cannot know "
                     "either (it draws its own). error_given_the_runs_own_noise_path: the simulator with the run's measured "
                     "residuals as its noise, step by step (0 when the scheduler and cost model explain the run exactly).",
+           "model_history": MODEL_HISTORY,
            "gpu": "not measured: no GPU was lent to this task"}
     path = Path(__file__).parent / "results" / "serving.json"
     path.write_text(json.dumps(out, indent=1))

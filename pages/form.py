@@ -3,6 +3,7 @@ allowed range in the help, filled from the URL (validated on the server), else t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import streamlit as st
 
@@ -37,7 +38,9 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
             label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
             key = f"{exp.name}.{f.name}"
             with cols[i % 3]:
-                if meta.get("choices"):
+                if exp.config_cls.item_type(f) is not None:  # a list setting, written comma-separated as in a URL
+                    values[f.name] = st.text_input(label, value=exp.config_cls.text_of(initial), help=helptext, key=key)
+                elif meta.get("choices"):
                     choices = list(meta["choices"])
                     values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
                 elif t is bool:
@@ -60,11 +63,10 @@ def float_step(value: float, meta: dict) -> float:
     return 10.0 ** math.floor(math.log10(scale)) if scale > 0 else 0.01
 
 
-def trace_upload(experiment: str, arrival_unit: str) -> None:
-    """Your own request trace: checked and stored on the server under its content hash, which the run's `trace`
-    setting (and so the link) carries. Nothing on the server is read from a link."""
+def trace_upload(experiment: str, arrival_unit: str, store_root: Path) -> None:
+    """Your own request trace: checked and stored on the server under its content hash (in the run store at
+    `store_root`), which the run's `trace` setting (and so the link) carries. Nothing on the server is read from a link."""
     from backend import uploads
-    from pages.ui import store
 
     file = st.file_uploader(f"Your request trace (CSV: arrival in {arrival_unit}, prompt_len, output_len[, prefix_id, prefix_len])",
                             type="csv", max_upload_size=1, key="trace-upload",
@@ -73,7 +75,7 @@ def trace_upload(experiment: str, arrival_unit: str) -> None:
     if file is None:
         return
     try:
-        digest = uploads.save_trace(file.getvalue(), store().root)
+        digest = uploads.save_trace(file.getvalue(), store_root)
     except ValueError as err:
         st.error(escape(f"trace: {err}"))
         return

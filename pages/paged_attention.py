@@ -72,7 +72,7 @@ def render(result: dict, rec) -> None:
             ui.table(events)
 
 
-form.trace_upload("kvcache.serve", "scheduler steps")
+form.trace_upload("kvcache.serve", "scheduler steps", ui.store().root)
 ui.experiment_page(
     "kvcache.serve", render,
     intro="Continuous batching over a ShareGPT-like request trace (or your CSV), once with KV in fixed-size pages "

@@ -146,7 +146,7 @@ view = st.segmented_control("View", list(VIEWS), default=default, format_func=VI
 if shown and shown.experiment != view:
     st.query_params.pop("run")
 st.query_params["view"] = view
-form.trace_upload(view, "milliseconds")
+form.trace_upload(view, "milliseconds", ui.store().root)
 big = BIG[view.removeprefix("serving.")]
 ui.experiment_page(
     view, render_engine if view == "serving.engine" else render_simulate, page_params=("view",),

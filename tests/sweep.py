@@ -28,7 +28,7 @@ def assert_refused(config_cls, values: dict, field: str) -> None:
 def render_recorded(page: str, name: str, **settings):
     """Run `name` recorded in the test store, open `page` on it through app.py, check it drew without an exception
     and with every check passed; returns the AppTest."""
-    from backend import experiments
+    from backend import experiments, record
     from backend.store import RunStore
     from tests.test_pages import _app
 
@@ -36,7 +36,7 @@ def render_recorded(page: str, name: str, **settings):
     config = exp.make_config(settings)
     store = RunStore()
     run_id = store.create(exp.name, config.to_dict(), "page-test", status="running")
-    report = experiments.run_recorded(exp, config, experiments.RunContext(), store, run_id)
+    report = record.run_recorded(exp, config, experiments.RunContext(), store, run_id)
     assert report["status"] == "succeeded", report.get("error")
     at = _app(page, run=run_id)
     assert not at.exception, at.exception

@@ -24,7 +24,7 @@ def test_run_json_contract_and_show(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["experiment"] == "comm.bandwidth"
-    assert report["config"]["world_size"] == 2 and report["config"]["ops"] == "all_reduce,all_to_all"
+    assert report["config"]["world_size"] == 2 and report["config"]["ops"] == ["all_reduce", "all_to_all"]
     assert report["metrics"]["peak_busbw_GBps.all_reduce"] > 0
     assert {c["name"].split()[0] for c in report["checks"]} == {"all_reduce", "all_to_all"}
     assert all(set(c) >= {"name", "error", "tolerance", "passed"} and c["passed"] for c in report["checks"])

@@ -36,6 +36,58 @@ def test_bad_values_name_the_field_and_range(values, field, fragment):
     assert "\n" not in str(info.value)
 
 
+@dataclasses.dataclass
+class Lists(Config):
+    sizes: tuple[int, ...] = setting([1, 8, 64], item_range=(1, 256), length=(1, 4))
+    ops: tuple[str, ...] = setting(["a"], choices=("a", "b"))
+    values: tuple[float, ...] = setting([0.5, 2.0])
+
+
+def test_a_list_setting_parses_a_comma_separated_string_or_a_json_list():
+    c = Lists.from_dict({"sizes": " 2, 16,,256 ", "ops": "b,a", "values": "inf, -1e-5"})
+    assert (c.sizes, c.ops, c.values) == ((2, 16, 256), ("b", "a"), (float("inf"), -1e-5))
+    assert Lists.from_dict({"sizes": [4, 32], "values": [3, 0.25]}).to_dict() == {"sizes": (4, 32), "ops": ("a",),
+                                                                                  "values": (3.0, 0.25)}
+    assert Lists.allowed(Lists.field_of("sizes")) == "a comma-separated list of 1..4 integers, each in 1..256"
+
+
+@pytest.mark.parametrize("values, field, fragment", [
+    ({"sizes": "1,512"}, "sizes", "512 in '1,512' is out of range (allowed: a comma-separated list of 1..4 integers, each in 1..256)"),
+    ({"sizes": "0"}, "sizes", "0 in '0' is out of range"),
+    ({"sizes": "1,x"}, "sizes", "'x' in '1,x' is not an integer"),
+    ({"sizes": [1, 2.5]}, "sizes", "2.5 in '1,2.5' is not an integer"),
+    ({"sizes": 8}, "sizes", "8 is not a list"),
+    ({"sizes": "1,2,3,4,5"}, "sizes", "5 items in '1,2,3,4,5' (allowed: a comma-separated list of 1..4"),
+    ({"sizes": " , "}, "sizes", "0 items"),
+    ({"ops": "a,c"}, "ops", "'c' in 'a,c' is out of range (allowed: a comma-separated list of names, each one of a, b)"),
+    ({"values": "1,nan"}, "values", "nan in '1.0,nan' is out of range"),
+])
+def test_a_bad_list_item_is_refused_naming_the_field_the_item_and_the_range(values, field, fragment):
+    with pytest.raises(ConfigError) as info:
+        Lists.from_dict(values)
+    assert info.value.field == field and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_item_rules_are_what_refuses(monkeypatch):
+    """Break the per-item range rule and the out-of-range item is accepted: the refusals above come from it."""
+    import backend.config
+
+    monkeypatch.setattr(backend.config, "_in_range", lambda value, meta: True)
+    assert Lists.from_dict({"sizes": "1,512"}).sizes == (1, 512)
+
+
+def test_an_old_links_list_still_opens_the_same_settings():
+    """Links and stored runs from before list settings carry the comma-separated text ("1,8,64,256"; a stored
+    config held the same string): they give the same settings as the list."""
+    exp = experiments.get("memory.decode")
+    old = exp.make_config({"batch_sizes": "1,8,64,256"})
+    assert old.batch_sizes == (1, 8, 64, 256) == exp.make_config({}).batch_sizes
+    assert old.digest(exp.name, "v") == exp.make_config({"batch_sizes": [1, 8, 64, 256]}).digest(exp.name, "v")
+    assert experiments.get("comm.bandwidth").make_config({"ops": "all_reduce,all_to_all"}).ops == ("all_reduce", "all_to_all")
+    with pytest.raises(ConfigError, match=r"batch_sizes: 300 in '1,300' is out of range \(allowed: .*each in 1..256\)"):
+        exp.make_config({"batch_sizes": "1,300"})
+
+
 def test_python_api_rejects_bad_input():
     with pytest.raises(ConfigError, match="world_size: 99 is out of range"):
         experiments.run("comm.bandwidth", world_size=99)

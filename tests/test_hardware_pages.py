@@ -7,14 +7,14 @@ from tests.conftest import REPO
 
 
 def _recorded(name: str, **settings) -> str:
-    from backend import experiments
+    from backend import experiments, record
     from backend.store import RunStore
 
     exp = experiments.get(name)
     config = exp.make_config({k: str(v) for k, v in settings.items()})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), f"pages-{name}", status="running")
-    report = experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    report = record.run_recorded(exp, config, experiments.RunContext(), store, rid)
     assert report["status"] == "succeeded", report.get("error")
     return rid
 

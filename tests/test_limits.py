@@ -100,7 +100,7 @@ def test_every_experiment_estimates_its_cost_from_named_settings():
         if exp.name in WITHOUT_ESTIMATE:
             assert not overrides, f"{exp.name} has an estimate now: take it off WITHOUT_ESTIMATE"
             continue
-        assert overrides, f"{exp.name}: {cls.__name__} does not override estimate() (see backend/config.py cost())"
+        assert overrides, f"{exp.name}: {cls.__name__} does not override estimate() (see backend/limits.py cost())"
         drivers = cls().cost_drivers  # a property where they depend on the settings (kvcache.serve's uploaded trace)
         assert drivers and set(drivers) <= names, f"{exp.name}: cost_drivers {drivers} must name its settings"
         default = cls().estimate()

@@ -65,14 +65,14 @@ def test_escape_leaves_no_markdown_to_act_on():
 
 
 def test_another_experiments_run_is_named_and_linked_not_drawn():
-    from backend import experiments
+    from backend import experiments, record
     from backend.store import RunStore
 
     exp = experiments.get("comm.selftest")
     config = exp.make_config({"world_size": "1"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "links-test", status="running")
-    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
     at = _app("pages/collectives.py", run=rid)
     assert not at.exception, at.exception
     shown = [w.value.replace("\\", "") for w in at.warning]

@@ -24,7 +24,7 @@ def test_page_renders_empty_and_with_a_run(page):
     path = page.split("#")[0]
     at = _app(path)
     assert not at.exception, at.exception
-    from backend import experiments
+    from backend import experiments, record
     from backend.store import RunStore
 
     name, settings = PAGES[page]
@@ -32,7 +32,7 @@ def test_page_renders_empty_and_with_a_run(page):
     config = exp.make_config(settings)
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-mp", status="running")
-    report = experiments.run_recorded(exp, config, experiments.RunContext(timeout_s=300), store, rid)
+    report = record.run_recorded(exp, config, experiments.RunContext(timeout_s=300), store, rid)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     at = _app(path, run=rid)
     assert not at.exception, at.exception

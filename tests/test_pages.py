@@ -4,7 +4,7 @@ import re
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from backend import experiments
+from backend import experiments, record
 from pages.catalog import SECTIONS
 from tests.conftest import REPO
 
@@ -29,7 +29,7 @@ def finished_run():
     config = exp.make_config({"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce,broadcast"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
-    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
     return rid
 
 
@@ -64,6 +64,15 @@ def test_bad_url_settings_are_named_and_not_run():
     assert any("world_size: 1000 is out of range" in e.value for e in at.error)
 
 
+def test_an_old_links_list_fills_the_form_and_a_bad_item_is_named():
+    at = _app("pages/comm_bandwidth.py", world_size="2", ops="all_reduce,all_gather")
+    assert not at.exception and not at.error
+    assert at.text_input(key="comm.bandwidth.ops").value == "all_reduce,all_gather"
+    at = _app("pages/comm_bandwidth.py", ops="all_reduce,gossip")
+    assert any("ops: 'gossip' in 'all_reduce,gossip' is out of range (allowed: a comma-separated list of 1..5 names, "
+               "each one of all_reduce" in e.value for e in at.error)
+
+
 def test_collectives_page_replays_a_ring_run():
     from backend import experiments
     from backend.store import RunStore
@@ -72,7 +81,7 @@ def test_collectives_page_replays_a_ring_run():
     config = exp.make_config({"world_size": "3", "numel": "31", "iters": "1"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-coll", status="running")
-    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
     at = _app("pages/collectives.py", run=rid)
     assert not at.exception
     assert at.slider[0].max == 3  # 2(n-1) steps: 0..3
@@ -89,7 +98,7 @@ def test_fusion_page_draws_graphs_source_and_memory_plan():
     config = exp.make_config({"model": "ln_gelu"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
-    experiments.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
     at = _app("pages/fusion.py", run=rid)
     assert not at.exception, at.exception
     assert any("@triton.jit" in c.value for c in at.code), ([c.value[:80] for c in at.code], [e.value for e in at.error], [s.value for s in at.subheader])
@@ -104,7 +113,7 @@ def _recorded(name: str, settings: dict) -> str:
     config = exp.make_config(settings)
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), f"pages-{name}", status="running")
-    experiments.run_recorded(exp, config, experiments.RunContext(timeout_s=120), store, rid)
+    record.run_recorded(exp, config, experiments.RunContext(timeout_s=120), store, rid)
     return rid
 
 

@@ -1,29 +1,13 @@
 """Calibrating the simulator against the engine, and measuring how well it predicts.
 
-1. Profile: the real engine serves profiling traces (the settings' rate and twice it, so the fit sees
-   bigger batches and more prefill than one trace gives); every step's (prefill tokens, decode tokens,
-   KV blocks, time) is a sample. 2. Fit the cost model to those steps by least squares, with designed steps
-   beside them (`ModelExecutor.designed_steps`: terms a trace moves together, varied on their own). 3. Fidelity: the
-   engine serves a held-out trace (another seed), the simulator predicts the same trace, and the latency
-   figures are compared. The engine serves the held-out trace twice: how far its own two runs differ is
-   the yardstick a prediction of it can be held to. The same scheduler code runs on both sides.
-
-All these engines run interleaved, one step each in turn (`serve_interleaved`): on a shared machine
-the speed drifts by ±10-30% over seconds, and runs made one after the other would each meet a
-different machine. The repeat joins REPEAT_LAG rounds late: the same machine, but not the same moments,
-so its difference from the first run includes the drift's path, which no prediction can know (started
-together, the two runs shared that path and differed by only 2-6%: the engine's repeatability with the
-drift taken out, not what a prediction of one run is up against).
-
-The profiles and the repeat keep pace with the held-out run (`pace_with`): run at once, the profiles' ~250
-steps were done in the first quarter of its ~500 rounds, so the fit met only that quarter's machine, and the
-held-out run's later steps took from 0.85 to 1.7 times what it predicted (the median per 100 rounds, default
-settings): that, not preemption, made the error swing (no default run preempted, swap or recompute). Paced,
-they step in bursts spread over the whole held-out run, and the fit meets the machine it meets. Pacing moves
-no engine's clock (each counts only its own steps' CPU time), only the moments its steps meet.
-
-The prediction compared is the simulator's mean over 32 draws of its noise (`expected_summary`): one draw is
-one possible run, whose medians and p90s over 320 requests stray up to 8% from the mean.
+1. Profile: the real engine serves profiling traces (the settings' rate and twice it); every step is a sample.
+2. Fit the cost model to those steps by least squares, beside designed steps (`ModelExecutor.designed_steps`).
+3. Fidelity: the engine serves a held-out trace (another seed) twice and the simulator predicts it (the mean of 32
+   draws of its noise, `expected_summary`); the engine's two runs' difference is the yardstick for the prediction's.
+The engines run interleaved, one step each in turn (`serve_interleaved`), the profiles and the repeat paced with the
+held-out run (`pace_with`) and the repeat REPEAT_LAG rounds late, so that on a machine whose speed drifts the fit and
+the yardstick meet the machine the prediction meets. Why, with the figures measured: bench/serving.py's
+MODEL_HISTORY, in bench/results/serving.json under model_history.
 """
 from __future__ import annotations
 

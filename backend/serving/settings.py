@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.models.llama import TinyDecoder
 from backend.serving.calibrate import Calibration, calibrate
 from backend.serving.engine import tiny_llama

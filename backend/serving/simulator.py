@@ -5,37 +5,16 @@
                    + c_qk · (query, key) pairs prefill attention scores + c_bd · [the step has 2+ decode tokens]
                    + c_swap · KV blocks swapped out or in) · (1 + noise)
 
-The two indicator terms are the fixed costs of the engine's two attention paths (padded SDPA for prefill chunks, the
-gather-softmax over blocks for decodes: each a dozen torch calls per layer whatever the batch), which a step pays
-once for each path it uses; without them a step that mixes both is under-predicted by a third. The third, c_bd, is
-the step from one decode to two: a lone decode's matrix products are matrix-vector products, and the second decode
-added 0.3-0.44 ms where each of the next few added 0.15-0.3 ms (bench/results/serving.json, noise.decode_only_steps;
-a linear term over-predicted lone decodes by 1-4% and pairs and triples by 1-2%, and a fit to low-load steps over-
-predicted a busier trace's by up to 14% on the p90 TPOT; with the term, up to 9%). A prefill chunk's attention grows
-with its tokens times their context (the pairs its padded SDPA scores, see TorchPagedAttention): at the tiny model's
-width it costs about as much as the chunk's projections and MLP, so a linear term alone under-predicts long chunks,
-and the decodes batched with them wait longer than the simulator said (the p90 TPOT at 16 requests/s came out 7-12%
-low). The coefficients are fitted by (non-negative) least squares to the steps of profiling runs of the real engine
-(the fit's error is reported), beside designed steps in which the terms a trace moves together (decode tokens and KV
-blocks, chunk tokens and pairs) vary on their own. c_swap is measured, not fitted: the engine times copies of its
-own KV blocks to CPU memory and back (`ModelExecutor.swap_seconds_per_block`), since a profile at the default pool
-size never preempts and a fit would have no swaps to see.
-
-The noise is the fit's own residuals, relative to the step's predicted time: a step's spread grows with its length
-(on the 2-core box the residuals' standard deviation was 21-23% of the predicted time for steps predicted at 4.5,
-5.7, 9.4 and 12.8 ms in one capture, and 9.6-9.8% for steps of 3.5 to 6 ms on a quieter machine in the committed
-bench: bench/results/serving.json, noise.spread_by_predicted_step), so a long prefill step is slowed or sped up in
-proportion, as a machine running at another speed would. Added in seconds, the same noise for every step, long steps
-came out too narrow and their median too high (the TTFT p50, set by a prompt's one prefill step, came out 1-7% high
-in every run). The residuals are neither small (10-20% of a step) nor independent: the machine's speed drifts over
-tens of steps (other people's work in the caches and memory bus), so a request's steps tend to be slow together,
-which widens the spread of TPOT and TTFT across requests (the p90s) well beyond what independent noise gives. The
-model keeps the relative residuals' distribution (64 quantiles) and their autocorrelation (two AR(1) drifts, one
-fading within tens of steps and one over seconds, plus independent noise, fitted at lags 1 to 80: see `drift`), and
-draws a deterministic sequence with both. Step i takes entry i mod 65,536, so a decode run taken in one go
-(`decode_times`) draws exactly what its steps would one at a time. `ReplayExecutor` feeds back a run's measured step
-times instead: given those, the simulator must reproduce the engine's schedule step for step, which is what shows it
-is the same scheduler.
+Each term is a cost the engine pays: per token and KV block, once per attention path a step uses, per pair a prefill
+chunk's padded SDPA scores, and the step from matrix-vector to matrix-matrix products at a second decode. The
+coefficients are fitted by non-negative least squares to the real engine's profiled and designed steps (the fit's
+error is reported); c_swap is measured from the engine's own KV block copies. The noise is the fit's residuals relative
+to a step's predicted time (a step's spread grows with its length), kept as their distribution (64 quantiles) and
+their drift (two AR(1) processes plus independent noise, `drift`: the shared machine's speed drifts, so a request's
+steps are slow together), drawn as one deterministic sequence: step i takes entry i mod 65,536. `ReplayExecutor`
+feeds back a run's measured step times, with which the simulator must reproduce the engine's schedule step for step.
+Why each term and each choice, with the figures measured: bench/serving.py's MODEL_HISTORY, in
+bench/results/serving.json under model_history.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ import time
 import torch
 
 from backend.attention.flash import io_model, online_softmax_example, online_softmax_seed_error, sram_budget, tiled_attention
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.result import Check, Result
 from kernels.flash_attention import (TENSORS, closed_form_traffic, flash_backward, flash_forward, naive_attention,

@@ -18,7 +18,8 @@ import torch
 from backend.attention.mla_rope import absorption_errors
 from backend.attention.rope import relative_position_error
 from backend.attention.variants import cache_formula_elements
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result

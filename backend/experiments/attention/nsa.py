@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from backend.attention import nsa_reference
 from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_query, make_params, masked_dense_reference,
                                    nsa_attention)
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.result import Check, Result
 
@@ -43,11 +44,12 @@ class NSAConfig(Config):
     local_blocks: int = setting(2, min=1, max=4, help="latest blocks always selected: the query's own and those before it (the paper: 2)")
     window: int = setting(64, min=1, max=2048, help="sliding-window tokens")
     impl: str = setting("torch", choices=("torch", "triton"), help="selected branch: gathered in PyTorch, or the Triton kernel")
-    sweep_sizes: str = setting("512,1024,2048,4096", help="sequence lengths for KV bytes per query (64..8192; empty: none)")
+    sweep_sizes: tuple[int, ...] = setting([512, 1024, 2048, 4096], item_range=(64, 8192),
+                                            help="sequence lengths for KV bytes per query (empty: none)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs and weights")
 
     def sizes(self) -> list[int]:
-        return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
+        return list(self.sweep_sizes)
 
     cost_drivers = ("seq_len", "heads", "top_n", "window", "sweep_sizes")
 
@@ -88,16 +90,11 @@ class NSAConfig(Config):
             raise ConfigError("cmp_stride", f"{self.cmp_stride} skips tokens between blocks of {self.cmp_block} (allowed: <= cmp_block)")
         if self.sel_block % self.cmp_stride:
             raise ConfigError("sel_block", f"{self.sel_block} is not a multiple of cmp_stride={self.cmp_stride} (allowed: multiples)")
-        try:
-            sizes = self.sizes()
-        except ValueError:
-            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r} is not a comma-separated list of integers") from None
-        if any(not 64 <= s <= 8192 for s in sizes):
-            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 64..8192")
+        sizes = self.sizes()
         if self.gathered(self.seq_len, self.kv_heads) > GATHER_BUDGET:
-            raise self.too_costly(("seq_len", "top_n", "window"),
-                                  f"gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these kv_heads, top_n, "
-                                  f"sel_block, window and head_dim, over the {GATHER_BUDGET:,} a run may gather")
+            raise too_costly(self, ("seq_len", "top_n", "window"),
+                             f"gathers {self.gathered(self.seq_len, self.kv_heads):,} K elements with these kv_heads, top_n, "
+                             f"sel_block, window and head_dim, over the {GATHER_BUDGET:,} a run may gather")
         if sizes and self.gathered(max(sizes), 1) > GATHER_BUDGET:
             raise ConfigError("sweep_sizes", f"N={max(sizes)} gathers {self.gathered(max(sizes), 1):,} K elements per group "
                                              f"(allowed: <= {GATHER_BUDGET:,}; use shorter sizes or fewer selected tokens)")

@@ -17,7 +17,8 @@ import dataclasses
 import statistics
 import time
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.comm.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
 from backend.experiments import define
 from backend.result import Check, Result

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.comm.collectives import BUS_FACTOR
 from backend.experiments import define
 from backend.result import Check, Result
@@ -28,7 +29,7 @@ MiB = 1 << 20
 @dataclasses.dataclass
 class BandwidthConfig(Config):
     world_size: int = setting(4, min=2, max=8, help="number of ranks (processes)")
-    ops: str = setting(",".join(OPS), help="comma-separated collectives: " + ", ".join(OPS))
+    ops: tuple[str, ...] = setting(list(OPS), choices=OPS, length=(1, len(OPS)), help="collectives to time")
     min_bytes: int = setting(1024, min=64, max=64 * MiB, help="smallest message size S in bytes")
     max_bytes: int = setting(1 * MiB, min=64, max=64 * MiB, help="largest message size S in bytes (sizes double)")
     iters: int = setting(5, min=1, max=100, help="timed calls per size")
@@ -36,7 +37,7 @@ class BandwidthConfig(Config):
     dtype: str = setting("float32", choices=("float32", "float16"), help="element type")
 
     def op_list(self) -> list[str]:
-        return [op.strip() for op in self.ops.split(",") if op.strip()]
+        return list(self.ops)
 
     def sizes(self) -> list[int]:
         sizes, s = [], self.min_bytes
@@ -50,7 +51,7 @@ class BandwidthConfig(Config):
     def estimate(self):
         """Sizes double from min_bytes to max_bytes (their sum < 2·max_bytes); each op runs warmup + iters
         times per size; all_gather's output is world_size buffers per rank."""
-        n, ops = self.world_size, len([o for o in self.ops.split(",") if o.strip()])
+        n, ops = self.world_size, len(self.ops)
         sizes = max(1, (max(self.max_bytes, self.min_bytes) // self.min_bytes).bit_length())
         calls = ops * (self.iters + self.warmup + 1)
         return cost(data_bytes=n * (n + 3) * self.max_bytes, moved_bytes=calls * 2 * self.max_bytes * 2 * n,
@@ -58,8 +59,6 @@ class BandwidthConfig(Config):
 
     def check(self) -> None:
         ops = self.op_list()
-        if not ops or any(op not in OPS for op in ops):
-            raise ConfigError("ops", f"{self.ops!r} is not a comma-separated list of {', '.join(OPS)}")
         if self.min_bytes > self.max_bytes:
             raise ConfigError("min_bytes", f"{self.min_bytes} is larger than max_bytes={self.max_bytes}")
         if len(self.sizes()) * len(ops) * (self.iters + self.warmup) > 20_000:

@@ -10,7 +10,8 @@ import dataclasses
 import os
 import time
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.result import Check, Result
 from backend.trace import Tracer

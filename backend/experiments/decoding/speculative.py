@@ -16,7 +16,8 @@ import time
 import torch
 from torch.func import vmap
 
-from backend.config import DYNAMO_IMPORT_S, Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.decoding.speculative import (RULES, chi_square, expected_tokens_per_call, next_probs, plain_decode,
                                           predicted_speedup, speculative_decode)
 from backend.experiments import define

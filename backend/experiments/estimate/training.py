@@ -12,7 +12,8 @@ import time
 import torch
 
 from backend import experiments
-from backend.config import DYNAMO_IMPORT_S, PROCESS_BYTES, Config, Estimate, cost, setting
+from backend.config import Config, setting
+from backend.limits import DYNAMO_IMPORT_S, PROCESS_BYTES, Estimate, cost
 from backend.estimate.training import (ACCELERATORS, BYTES, SECONDS_PER_DAY, counted_flops, decoder_flops,
                                        measured_mixed_adam_bytes, memory_per_rank, seed_004_rows, seed_175b,
                                        training_flops, training_seconds)

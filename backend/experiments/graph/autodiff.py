@@ -12,7 +12,8 @@ import dataclasses
 
 import torch
 
-from backend.config import Config, setting, cost
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.graph.autograd import build, graphs, numeric_grad, symbolic_derivative
 from backend.graph.dot import to_dot

@@ -15,7 +15,8 @@ import dataclasses
 import networkx as nx
 import torch
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.graph import expr, ir
 from backend.graph.capture import capture, to_networkx

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backend.config import Config, setting, cost
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.graph import ir
 from backend.graph.capture import capture, evaluate, to_networkx

@@ -14,7 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from backend.config import Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.hardware.latency import LINE, cache_levels, chase_latency, littles_law, read_bandwidth
 from backend.memory.devices import DEVICES, dram

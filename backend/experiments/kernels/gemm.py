@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
 from backend.memory.devices import DEVICES, dram
@@ -49,7 +50,8 @@ class GemmConfig(Config):
     num_warps: int = setting(4, choices=(1, 2, 4, 8), help="warps per program (the execution model; a launch setting on a GPU)")
     dtype: str = setting("float32", choices=("float16", "float32", "bfloat16"), help="element type (bfloat16 on a GPU only)")
     device: str = setting("A100 (80 GB SXM)", choices=tuple(DEVICES), help="preset for the execution model and rooflines")
-    sweep_sizes: str = setting("48,64", help="square sizes for the tile-shape sweep, comma-separated (16..4096; empty: no sweep)")
+    sweep_sizes: tuple[int, ...] = setting([48, 64], item_range=(16, 4096),
+                                            help="square sizes for the tile-shape sweep (empty: no sweep)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="inputs")
 
     cost_drivers = ("m", "n", "k", "sweep_sizes")
@@ -65,7 +67,7 @@ class GemmConfig(Config):
         return cost(data_bytes=elements * 8 * 4, flops=3 * 2 * self.m * self.n * self.k, ops=steps * 600 + 3000)
 
     def sizes(self) -> list[int]:
-        return [int(s) for s in self.sweep_sizes.split(",") if s.strip()]
+        return list(self.sweep_sizes)
 
     def check(self) -> None:
         gpu = torch.cuda.is_available()
@@ -75,20 +77,15 @@ class GemmConfig(Config):
             if getattr(self, field) > _pow2_at_least_16(dim):
                 raise ConfigError(field, f"{getattr(self, field)} is larger than the matrix needs ({dim} rounds up to "
                                          f"{_pow2_at_least_16(dim)}; allowed: 16..{_pow2_at_least_16(dim)})")
-        try:
-            sizes = self.sizes()
-        except ValueError:
-            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r} is not a comma-separated list of integers") from None
-        if any(not 16 <= s <= 4096 for s in sizes):
-            raise ConfigError("sweep_sizes", f"{self.sweep_sizes!r}: each size must be in 16..4096")
+        sizes = self.sizes()
         if gpu:
             return
         main = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k)
         if main > INTERPRETER_STEPS // 2:
-            raise self.too_costly(("m", "n", "k"), f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x"
-                                                   f"{self.block_k} tiles is {main:,} program-steps, over the "
-                                                   f"{INTERPRETER_STEPS // 2:,} Triton's interpreter runs in time; "
-                                                   "larger tiles help too")
+            raise too_costly(self, ("m", "n", "k"), f"{self.m}x{self.n}x{self.k} in {self.block_m}x{self.block_n}x"
+                                                    f"{self.block_k} tiles is {main:,} program-steps, over the "
+                                                    f"{INTERPRETER_STEPS // 2:,} Triton's interpreter runs in time; "
+                                                    "larger tiles help too")
         sweep = sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in sizes for bm, bn in SWEEP_TILES)
         if main + sweep > INTERPRETER_STEPS:
             raise ConfigError("sweep_sizes", f"the sweep is {sweep:,} program-steps in Triton's interpreter "

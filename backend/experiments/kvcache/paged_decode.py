@@ -13,7 +13,8 @@ import dataclasses
 
 import torch
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.kvcache.paged_decode import decode_paged, reservation_waste, seed_copy_on_write
 from backend.models.llama import ModelShape, TinyDecoder

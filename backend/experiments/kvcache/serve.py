@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthetic_trace
 from backend.result import Check, Result

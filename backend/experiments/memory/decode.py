@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from backend.config import DYNAMO_IMPORT_S, Config, ConfigError, cost, setting
+from backend.config import Config, setting
+from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
 from backend.memory.decode import (MODELS, BatchedDecoder, decode_bytes, decode_flops, prefill_cache_check, prefill_cost,
                                    roofline_time, tiny_shape)
@@ -35,7 +36,8 @@ class DecodeConfig(Config):
     d_model: int = setting(768, choices=(256, 512, 768, 1024), help="width of the tiny LLaMA timed here (heads of 64)")
     n_layers: int = setting(4, min=1, max=8, help="its layers")
     context: int = setting(64, min=1, max=512, help="tokens already in each sequence's KV cache")
-    batch_sizes: str = setting("1,8,64,256", help="batch sizes to time here, comma-separated (1..256, at most 6)")
+    batch_sizes: tuple[int, ...] = setting([1, 8, 64, 256], item_range=(1, 256), length=(1, 6),
+                                            help="batch sizes to time here")
     gpu: str = setting("H100 (SXM)", choices=tuple(DEVICES), help="GPU preset for the real models' roofline")
     gpu_context: int = setting(2048, min=1, max=32768, help="tokens in each cache for the real models")
     prompt: int = setting(512, min=1, max=32768, help="prompt length of the prefill placed beside the decode steps")
@@ -43,19 +45,11 @@ class DecodeConfig(Config):
     cost_drivers = ("d_model", "n_layers", "context")
 
     def batches(self) -> list[int]:
-        return [int(b) for b in self.batch_sizes.split(",") if b.strip()]
+        return list(self.batch_sizes)
 
     def shape(self):
         d = self.d_model
         return tiny_shape(d, self.n_layers, vocab=256, n_heads=d // 64, n_kv_heads=max(1, d // 256), d_ff=8 * d // 3 // 64 * 64)
-
-    def check(self) -> None:
-        try:
-            batches = self.batches()
-        except ValueError:
-            raise ConfigError("batch_sizes", f"{self.batch_sizes!r} is not a comma-separated list of integers (allowed: 1..256)") from None
-        if not batches or len(batches) > 6 or any(not 1 <= b <= 256 for b in batches):
-            raise ConfigError("batch_sizes", f"{self.batch_sizes!r} (allowed: 1 to 6 sizes, each in 1..256)")
 
     def estimate(self):
         """Weights in fp32, each batch's cache, 1 + 3 timed steps per batch size; the probes (a 256 MiB copy, ~3 s);

@@ -14,7 +14,8 @@ import time
 import torch
 
 from backend.attention.flash import io_model, tiled_attention
-from backend.config import Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.memory.devices import DEVICES, dram, ops_per_datum
 from backend.memory.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
@@ -27,10 +28,11 @@ class RooflineConfig(Config):
     seq_len: int = setting(1024, min=64, max=8192, help="attention N for the intensity points")
     head_dim: int = setting(64, choices=(16, 32, 64, 128), help="attention d")
     block: int = setting(64, choices=(16, 32, 64, 128), help="flash tile rows (block_m = block_n)")
-    gemm_sizes: str = setting("64,256,1024", help="square GEMM sizes to measure, comma-separated (16..2048)")
+    gemm_sizes: tuple[int, ...] = setting([64, 256, 1024], item_range=(16, 2048), length=(1, 8),
+                                           help="square GEMM sizes to measure")
 
     def sizes(self) -> list[int]:
-        return [int(s) for s in self.gemm_sizes.split(",") if s.strip()]
+        return list(self.gemm_sizes)
 
     cost_drivers = ("seq_len",)
 
@@ -39,18 +41,6 @@ class RooflineConfig(Config):
         n, sizes = self.seq_len, self.sizes()
         return cost(data_bytes=4 * n * n * 4 + sum(3 * s * s * 4 for s in sizes) + (512 << 20),
                     flops=sum(3 * 2 * s ** 3 for s in sizes) + 3 * 4 * n * n * self.head_dim, seconds=5)
-
-    def check(self) -> None:
-        from backend.config import ConfigError
-
-        try:
-            sizes = self.sizes()
-        except ValueError:
-            raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r} is not a comma-separated list of integers") from None
-        if len(sizes) > 8:
-            raise ConfigError("gemm_sizes", f"{len(sizes)} sizes (allowed: at most 8)")
-        if not sizes or any(not 16 <= s <= 2048 for s in sizes):
-            raise ConfigError("gemm_sizes", f"{self.gemm_sizes!r}: each size must be in 16..2048")
 
 
 # Seed 003's printed figures for the RTX 4090: fp32 "82.58 TFLOPS" and "1.01TB/s" (each good to half a unit in its

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.models import moe, moe_reference as ref
 from backend.result import Check, Result

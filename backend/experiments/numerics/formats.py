@@ -13,32 +13,21 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.numerics.formats import (FORMATS, add_in, describe, range_formula, round_exact, running_sums,
                                       stall_prediction, torch_range)
 from backend.result import Check, Result
 
-MAX_VALUES, MAX_CHARS = 8, 200
+MAX_VALUES = 8
 SUM_FORMATS = ("fp16", "fp32")
-
-
-def parse_values(text: str) -> list[float]:
-    """The comma-separated numbers of the `values` setting; ConfigError naming it on anything else."""
-    if len(text) > MAX_CHARS:
-        raise ConfigError("values", f"{len(text)} characters (allowed: at most {MAX_CHARS})")
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not 1 <= len(parts) <= MAX_VALUES:
-        raise ConfigError("values", f"{len(parts)} numbers (allowed: 1..{MAX_VALUES} comma-separated numbers)")
-    try:
-        return [float(p) for p in parts]
-    except ValueError:
-        raise ConfigError("values", f"{text!r} is not a list of numbers (allowed: numbers such as 0.1, -3.5, 1e-5, inf)") from None
 
 
 @dataclasses.dataclass
 class FormatsConfig(Config):
-    values: str = setting("0.1, -3.14159, 1e-5, 300, 70000", help="numbers to store in every format, comma-separated")
+    values: tuple[float, ...] = setting([0.1, -3.14159, 1e-5, 300.0, 70000.0], length=(1, MAX_VALUES),
+                                        help="numbers to store in every format (inf allowed)")
     small_value: float = setting(0.01, min=1e-4, max=1.0, help="the value summed (its mean, for uniform)")
     n_terms: int = setting(10000, min=10, max=30000, help="how many values are summed")
     sum_values: str = setting("constant", choices=("constant", "uniform"), help="all equal, or uniform in [0, 2·small_value]")
@@ -51,9 +40,6 @@ class FormatsConfig(Config):
         (measured 0.5-0.8 ms a term on the loaded 2-core box); the chart keeps every term's float."""
         return cost(data_bytes=self.n_terms * 1000, ops=self.n_terms * 12 + 1000)
 
-    def check(self) -> None:
-        parse_values(self.values)
-
 
 def summands(config: FormatsConfig) -> list[float]:
     if config.sum_values == "constant":
@@ -64,7 +50,7 @@ def summands(config: FormatsConfig) -> list[float]:
 
 def run(config: FormatsConfig, ctx) -> Result:
     torch.set_num_threads(1)
-    bits = [describe(x, f) for x in parse_values(config.values) for f in FORMATS.values()]
+    bits = [describe(x, f) for x in config.values for f in FORMATS.values()]
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     ranges = []
     for f in FORMATS.values():

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backend.config import DYNAMO_IMPORT_S, Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
 from backend.experiments.decoding.speculative import train
 from backend.models.corpus import MarkovCorpus

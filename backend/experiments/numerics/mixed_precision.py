@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from backend.config import DYNAMO_IMPORT_S, Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
 from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.cp import Ring, RingAttention, positions
 from backend.parallel.loop import start_rank

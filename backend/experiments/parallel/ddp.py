@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import Estimate, setting
+from backend.config import setting
+from backend.limits import Estimate
 from backend.experiments import define
 from backend.parallel.ddp import DDP, TorchDDP
 from backend.parallel.loop import start_rank, train

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import ConfigError, Estimate, setting
+from backend.config import ConfigError, setting
+from backend.limits import Estimate
 from backend.experiments import define
 from backend.parallel import dp_ps
 from backend.parallel.dp_ps import combine_ps

@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.models import moe_reference
 from backend.models.moe import MoELayer

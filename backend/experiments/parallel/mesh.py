@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from backend.config import DYNAMO_IMPORT_S, OP_S, ConfigError, setting
+from backend.config import ConfigError, setting
+from backend.limits import DYNAMO_IMPORT_S, OP_S
 from backend.experiments import define
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.cp import positions

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.pp import recompute
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers

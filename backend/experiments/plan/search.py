@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.config import Config, cost, setting
+from backend.config import Config, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
 from backend.plan import published

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from backend import experiments
-from backend.config import PROCESS_BYTES, Config, Estimate, cost, setting
+from backend.config import Config, setting
+from backend.limits import PROCESS_BYTES, Estimate, cost
 from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
 from backend.plan import gantt, published

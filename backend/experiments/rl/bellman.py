@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from backend.config import Config, ConfigError, cost, setting
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.result import Check, Result
 from backend.rl.bellman import (ARROWS, MOVES, Grid, best_deterministic_policy, grid_mdp, monte_carlo_values,
@@ -44,21 +45,12 @@ def parse_matrix(text: str) -> list[list[float]]:
     return rows
 
 
-def parse_rewards(text: str, n: int) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",")] if len(text) <= 100 else []
-    except ValueError:
-        values = []
-    if len(values) != n or not all(math.isfinite(v) and abs(v) <= 100 for v in values):
-        raise ConfigError("rewards", f"{text!r} (allowed: {n} comma-separated numbers in -100..100, one per state)")
-    return values
-
-
 @dataclasses.dataclass
 class BellmanConfig(Config):
     transitions: str = setting("0.7,0.2,0.1; 0.3,0.4,0.3; 0.2,0.4,0.4",
                                help="weather chain P[s, s'] (sunny, cloudy, rainy, ...): rows ';', entries ','")
-    rewards: str = setting("1, 0, -1", help="reward R_s of a day in each state")
+    rewards: tuple[float, ...] = setting([1.0, 0.0, -1.0], item_range=(-100, 100), length=(2, len(WEATHER)),
+                                         help="reward R_s of a day in each state")
     gamma: float = setting(0.9, min=0.0, max=0.99, help="MRP discount γ")
     iterations: int = setting(100, min=1, max=2000, help="Bellman iterations V ← R + γPV shown")
     episodes: int = setting(2000, min=100, max=20000, help="Monte Carlo walks per state")
@@ -82,12 +74,14 @@ class BellmanConfig(Config):
                     seconds=walks * self.horizon() * WALK_STEP_S + FIRST_CALLS_S)
 
     def check(self) -> None:
-        parse_rewards(self.rewards, len(parse_matrix(self.transitions)))
+        n = len(parse_matrix(self.transitions))
+        if len(self.rewards) != n:
+            raise ConfigError("rewards", f"{len(self.rewards)} rewards for {n} states (allowed: one per state, each in -100..100)")
 
 
 def markov_reward_process(c: BellmanConfig) -> tuple[dict, list[Check]]:
     P = torch.tensor(parse_matrix(c.transitions), dtype=torch.float64)
-    R = torch.tensor(parse_rewards(c.rewards, len(P)), dtype=torch.float64)
+    R = torch.tensor(c.rewards, dtype=torch.float64)
     V = mrp_solve(P, R, c.gamma)
     iterates = mrp_iterate(P, R, c.gamma, c.iterations)
     start = float(V.abs().max())  # ||V_0 - V|| with V_0 = 0
