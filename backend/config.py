@@ -217,18 +217,3 @@ class Config:
         """Identity of a run: same experiment, settings and code give the same digest (dedupe)."""
         blob = json.dumps([experiment, self.to_dict(), code_version], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-# The cost model moved to backend.limits. backend/parallel/workload.py (rebuilt on another branch) and experiments
-# written elsewhere before the move still import it from here: those names resolve from limits on first use.
-# Drop this once `grep -rn "from backend.config import.*cost" backend` finds nothing.
-_MOVED_TO_LIMITS = frozenset({"Estimate", "cost", "PROCESS_BYTES", "RANK_START_S", "FLOPS", "BYTES_PER_S", "OP_S",
-                              "DYNAMO_IMPORT_S"})
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_LIMITS:
-        from backend import limits
-
-        return getattr(limits, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

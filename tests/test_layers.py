@@ -14,10 +14,9 @@ NEVER = [
     ("backend/jobs.py", "backend.__main__"),            # the standby process is the CLI's (backend.__main__.standby_main)
     ("pages/form.py", "pages.ui"),                      # the form takes the store's root from its page
     ("backend/experiments/__init__.py", "backend.record"),  # the registry finds and runs; recording is backend.record's
+    ("backend/config.py", "backend.limits"),            # the settings know nothing of the run-cost model built on them
+    ("backend/models/moe.py", "backend.models.llama"),  # moe builds its experts from backend.models.layers
 ]
-# config.py imports limits in one place only: the bridge that lets `from backend.config import cost` (backend/parallel,
-# other branches' experiments) keep working until they import it from backend.limits.
-CONFIG_BRIDGE = "__getattr__"
 
 
 def imported(path: Path, skip_function: str | None = None) -> set[str]:
@@ -40,14 +39,6 @@ def imported(path: Path, skip_function: str | None = None) -> set[str]:
 @pytest.mark.parametrize("module, forbidden", NEVER)
 def test_no_import_runs_back(module, forbidden):
     assert forbidden not in imported(REPO / module), f"{module} imports {forbidden}"
-
-
-def test_config_imports_nothing_from_limits_but_its_bridge():
-    assert not {m for m in imported(REPO / "backend/config.py", skip_function=CONFIG_BRIDGE) if "limits" in m}
-    import backend.config
-    import backend.limits
-
-    assert backend.config.cost is backend.limits.cost  # the bridge still hands the old name on
 
 
 def test_the_reader_sees_a_lazy_import_and_a_from_import(tmp_path):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from backend.config import Config, ConfigError, setting, cost
+from backend.config import Config, ConfigError, setting
+from backend.limits import cost
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 

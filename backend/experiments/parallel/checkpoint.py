@@ -8,7 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backend.config import ConfigError, cost, setting
+from backend.config import ConfigError, setting
+from backend.limits import cost
 from backend.experiments import define
 from backend.parallel import checkpoint as ckpt
 from backend.parallel.loop import start_rank, train
