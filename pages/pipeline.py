@@ -47,12 +47,16 @@ def gantt(result: dict, which: str, title: str) -> alt.Chart:
 
 
 def summary(m: dict) -> None:
-    cols = st.columns(4)
+    cols = st.columns(5)
     cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
                    help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
     cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
+    if "bubble_makespan_model" in m:
+        cols[4].metric("bubble, makespan model", f"{100 * m['bubble_makespan_model']:.1f} %",
+                       help="the same rank in the makespan model (backend/parallel/pp/makespan.py): the schedule's order and "
+                            f"dependencies walked with this run's mean cost per action kind and stage; step {m['makespan_model_ms']:,.1f} ms")
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
     if "bubble_published_measured_costs" in m:
         st.caption(f"Published formula with this run's measured chunk costs: {100 * m['bubble_published_measured_costs']:.1f} % "
@@ -69,7 +73,7 @@ def render(result: dict, rec) -> None:
     stages = pd.DataFrame(result["tables"]["stages"])
     left, right = st.columns(2)
     left.dataframe(stages, hide_index=True, width="stretch", column_config={
-        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f") for c in ("bubble_wall", "bubble_replayed", "bubble_model")} | {
+        c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f") for c in ("bubble_wall", "bubble_replayed", "bubble_model", "bubble_makespan_model")} | {
         c: st.column_config.NumberColumn(c.replace("_", " "), format="%.1f") for c in ("busy_ms", "cpu_ms")})
     live = pd.DataFrame(result["tables"]["live"])
     right.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
@@ -109,7 +113,7 @@ def recompute_price(result: dict) -> None:
     same run without it on the same ranks, with the models beside."""
     m, rows = result["metrics"], pd.DataFrame(result["tables"]["recompute"])
     st.subheader("Recomputation's price")
-    cols = st.columns(4)
+    cols = st.columns(5)
     cols[0].metric("extra FLOPs (counted)", f"+{100 * m['recompute_flops_overhead']:.1f} %",
                    help="forwards executed × FlopCounterMode's count per micro-batch; textbook 3 → 4 units: +33 %")
     cols[1].metric("extra CPU time (measured)", f"+{100 * m['recompute_time_overhead']:.1f} %",

@@ -265,7 +265,7 @@ def mean_stage_costs(compute: list[dict]) -> dict[str, dict[int, float]]:
     return out
 
 
-def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]) -> tuple[list[Check], dict]:
+def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]) -> tuple[list[Check], dict, dict]:
     """The makespan model fed with the run's mean cost per action kind and stage (the schedule's order and dependencies,
     walked independently of the replay) against (1) the replay of the executed order at those same costs: equal to
     rounding, or the executor ran another order or the model has a wrong dependency; (2) each rank's replayed idle with
@@ -289,7 +289,7 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
                          f"(error relative to the step)")
     gap = max(abs(replay_bubble[r] - model.idle[r]) for r in range(p))
     worst = max(range(p), key=lambda r: abs(replay_bubble[r] - model.idle[r]))
-    metrics = {"bubble_makespan_model": round(sum(model.idle.values()) / p, 4),
+    metrics = {"bubble_makespan_model_mean": round(sum(model.idle.values()) / p, 4),
                "makespan_model_ms": round(model.step / 1e3, 3)}
     beside = f"textbook {plan.bubble_formula} = {100 * plan.bubble(p, m, v):.1f} %"
     if plan.makespan_fn:  # the closed form generalised to unequal stages, each rank's F and B summed over its stages
@@ -304,8 +304,8 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
                             "B or I after the next stage's backward, W after I), each action at its stage's mean CPU time",
                   detail=f"worst rank {worst}: replayed {100 * replay_bubble[worst]:.1f} %, model {100 * model.idle[worst]:.1f} %; "
                          f"mean over ranks replayed {100 * sum(replay_bubble.values()) / p:.1f} %, model "
-                         f"{100 * metrics['bubble_makespan_model']:.1f} %; {beside}")
-    return [exact, near], metrics
+                         f"{100 * metrics['bubble_makespan_model_mean']:.1f} %; {beside}")
+    return [exact, near], metrics, model.idle
 
 
 def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
@@ -426,9 +426,11 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
         notes.append(f"Actions average {mean_action:.0f} µs of CPU, too short to time against the clock's jitter, so the "
                      f"replayed bubble is shown but not checked (a larger hidden size makes each action longer).")
     else:
-        model_checks, model_metrics = makespan_checks(config, compute, replay_bubble)
+        model_checks, model_metrics, model_idle = makespan_checks(config, compute, replay_bubble)
         checks += model_checks
-        metrics.update(model_metrics)
+        metrics.update(model_metrics, bubble_makespan_model=round(model_idle[bottleneck], 4))
+        for row in per_stage:
+            row["bubble_makespan_model"] = model_idle[row["rank"]]
     price = []
     if config.recompute:
         more_checks, more_metrics, price, more_notes = recompute.price(config, payloads, stage_layers)
