@@ -94,11 +94,17 @@ EXACT, NEAR = "equals the replay of the executed order at the same", "within 5 p
 
 
 def test_model_equals_the_replay_and_the_replayed_bubble_is_within_5_points(real):
+    """The 5-point check compares timings on a shared 2-core box: a schedule that misses runs once more (as
+    tests/test_every_setting.py does); a defect misses both times. The exact check gets no second chance."""
     for config, payloads in real:
         result = pipeline.combine(config, payloads)
-        for name in (EXACT, NEAR):
-            check = _check(result, name)
-            assert check.passed, (config.schedule, check.name, check.error, check.detail)
+        exact = _check(result, EXACT)
+        assert exact.passed, (config.schedule, exact.error, exact.detail)
+        near = _check(result, NEAR)
+        if not near.passed:
+            again = spawn_ranks(_runs, 2, [config], RunContext(timeout_s=240))
+            near = _check(pipeline.combine(config, [again[r][0] for r in range(2)]), NEAR)
+        assert near.passed, (config.schedule, near.error, near.detail)
 
 
 def test_the_checks_fail_with_a_wrong_dependency_or_a_wrong_cost(real, monkeypatch):

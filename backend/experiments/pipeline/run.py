@@ -1,8 +1,9 @@
 """pipeline.run: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
 Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
-beside the model ((p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)); peak live activations
-per rank against the schedule's bound. Checked: gradients against one process running the whole model on
+replayed with one core per rank from each action's CPU time and checked against the makespan model
+(parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed forms beside it ((p-1)/(m+p-1),
+interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per rank against the schedule's bound. Checked: gradients against one process running the whole model on
 the whole batch (float64); each rank's op order against PyTorch's own schedule code
 (torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and the runtime orders of
 ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one;
