@@ -266,20 +266,17 @@ def mean_stage_costs(compute: list[dict]) -> dict[str, dict[int, float]]:
     return out
 
 
-def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]) -> tuple[Check, Check, dict, dict]:
-    """The makespan model fed with the run's mean cost per action kind and stage (the schedule's order and dependencies,
-    walked independently of the replay) against (1) the replay of the executed order at those same costs: equal to
-    rounding, or the executor ran another order or the model has a wrong dependency; (2) each rank's replayed idle with
-    every action at its own measured CPU time, within 5 points: what jitter leaves of the prediction. The closed forms
-    (equal stages; F-then-B / alternating with measured stages where the schedule has one) are shown beside it."""
-    plan, p = config.plan, config.world_size
-    v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
+def model_against_replay(schedule: str, p: int, m: int, v: int, compute: list[dict]):
+    """The makespan model fed with the mean cost per action kind and stage of `compute` (one step's F/B/I/W events,
+    ranks numbered 0..p-1 along the pipeline), and the check that it equals the replay of the recorded order at those
+    same costs, action by action. Returns (check, the model's Makespan, the mean costs)."""
+    stages = p * SCHEDULES[schedule].chunks(v)
     means = mean_stage_costs(compute)
-    costs = {kind: [by_stage.get(s, 0.0) for s in range(config.num_stages)] for kind, by_stage in means.items()}
+    costs = {kind: [by_stage.get(s, 0.0) for s in range(stages)] for kind, by_stage in means.items()}
     if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage's full backward where it has none measured is I + W
         costs["B"] = [b or means["I"].get(s, 0.0) + means["W"].get(s, 0.0) for s, b in enumerate(costs["B"])]
-    model = makespan(config.schedule, p, m, config.virtual_stages, costs)
-    at_means = replayed([{**e, "cpu_us": means[e["args"]["kind"]][e["args"]["stage"]]} for e in compute], config.num_stages)
+    model = makespan(schedule, p, m, v, costs)
+    at_means = replayed([{**e, "cpu_us": means[e["args"]["kind"]][e["args"]["stage"]]} for e in compute], stages)
     start_of = {(e["rank"], e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]): e["ts"] for e in at_means}
     apart = max(abs(start_of[(r, a.kind, a.stage, a.mb)] - begin) for r, a, begin, _ in model.timeline)
     exact = Check("makespan model equals the replay of the executed order at the same mean stage costs, action by action",
@@ -288,6 +285,18 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
                             "action at its stage's mean CPU time",
                   detail=f"largest difference of an action's start {apart:.3g} µs over a step of {model.step / 1e3:.3f} ms "
                          f"(error relative to the step)")
+    return exact, model, means
+
+
+def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]) -> tuple[Check, Check, dict, dict]:
+    """The makespan model fed with the run's mean cost per action kind and stage (the schedule's order and dependencies,
+    walked independently of the replay) against (1) the replay of the executed order at those same costs: equal to
+    rounding, or the executor ran another order or the model has a wrong dependency; (2) each rank's replayed idle with
+    every action at its own measured CPU time, within 5 points: what jitter leaves of the prediction. The closed forms
+    (equal stages; F-then-B / alternating with measured stages where the schedule has one) are shown beside it."""
+    plan, p = config.plan, config.world_size
+    v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
+    exact, model, means = model_against_replay(config.schedule, p, m, config.virtual_stages, compute)
     gap = max(abs(replay_bubble[r] - model.idle[r]) for r in range(p))
     worst = max(range(p), key=lambda r: abs(replay_bubble[r] - model.idle[r]))
     metrics = {"bubble_makespan_model_mean": round(sum(model.idle.values()) / p, 4),
