@@ -51,6 +51,19 @@ def render(result: dict, rec) -> None:
         x=alt.X("rank:O", title="rank"), y=alt.Y("measured_bytes:Q", title="bytes held (measured, B)"), color="category:N",
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title="Memory per rank"), width="stretch")
+    if t.get("pipeline"):
+        pipe = pd.DataFrame(t["pipeline"]).rename(columns={"bubble_replayed": "replayed", "bubble_makespan_model": "makespan model"})
+        pipe = pipe.melt(id_vars=["rank", "pp", "busy_ms"], value_vars=["replayed", "makespan model"], var_name="source",
+                         value_name="idle")
+        st.altair_chart(alt.Chart(pipe).mark_bar().encode(
+            x=alt.X("rank:O", title="rank"), xOffset="source:N", y=alt.Y("idle:Q", title="idle share of the step (bubble)",
+                                                                         axis=alt.Axis(format="%")),
+            color=alt.Color("source:N", title=None),
+            tooltip=["rank", "pp", "source", alt.Tooltip("idle:Q", format=".1%"), alt.Tooltip("busy_ms:Q", format=".2f", title="busy (ms)")]
+        ).properties(height=240, title=f"Bubble per rank in the last step: replayed ({m['step_replayed_ms']:.1f} ms) and modelled"),
+            width="stretch")
+        st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
+                   "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
     ranks = pd.DataFrame(t["ranks"])
     dims = [d for d in DIM_COLORS if d in ranks]
     ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))

@@ -47,12 +47,16 @@ def gantt(result: dict, which: str, title: str) -> alt.Chart:
 
 
 def summary(m: dict) -> None:
-    cols = st.columns(4)
+    cols = st.columns(5)
     cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
                    help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
     cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
+    if "bubble_makespan_model" in m:
+        cols[4].metric("bubble, makespan model", f"{100 * m['bubble_makespan_model']:.1f} %",
+                       help="the same rank in the makespan model (backend/parallel/pp/makespan.py): the schedule's order and "
+                            f"dependencies walked with this run's mean cost per action kind and stage; step {m['makespan_model_ms']:,.1f} ms")
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
     if "bubble_published_measured_costs" in m:
         st.caption(f"Published formula with this run's measured chunk costs: {100 * m['bubble_published_measured_costs']:.1f} % "
@@ -90,13 +94,15 @@ def render(result: dict, rec) -> None:
         st.altair_chart(gantt(result, which, f"{label} — {title}"))
     st.caption("Drag on a chart to zoom in time, double-click to reset; hover a bar for its micro-batch, stage and duration.")
     stages = pd.DataFrame(result["tables"]["stages"])
-    shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "peak_live", "peak_live_bound"]
+    shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "bubble_makespan_model", "peak_live", "peak_live_bound"]
     ui.table(stages[shown], column_config={
         "busy_ms": st.column_config.NumberColumn("busy, wall (ms)", format="%.1f"),
         "cpu_ms": st.column_config.NumberColumn("busy, CPU (ms)", format="%.1f"),
         "bubble_wall": st.column_config.NumberColumn("bubble, wall", format="percent"),
         "bubble_replayed": st.column_config.NumberColumn("bubble, replay", format="percent"),
         "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
+        "bubble_makespan_model": st.column_config.NumberColumn("bubble, makespan model", format="percent",
+                                                               help="the schedule walked at the run's mean stage costs"),
         "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
         "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
     if "transfer_ms" in stages:  # runs stored before the split lack it
@@ -141,7 +147,7 @@ def recompute_price(result: dict) -> None:
     same run without it on the same ranks, with the models beside."""
     m, rows = result["metrics"], pd.DataFrame(result["tables"]["recompute"])
     st.subheader("Recomputation's price")
-    cols = st.columns(4)
+    cols = st.columns(5)
     cols[0].metric("extra FLOPs (counted)", f"+{100 * m['recompute_flops_overhead']:.1f} %",
                    help="forwards executed × FlopCounterMode's count per micro-batch; textbook 3 → 4 units: +33 %")
     cols[1].metric("extra CPU time (measured)", f"+{100 * m['recompute_time_overhead']:.1f} %",

@@ -218,3 +218,19 @@ def test_zero1_needs_data_parallel_ranks():
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict({"dp_strategy": "zero1"})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
     assert info.value.field == "dp_strategy" and "allowed" in str(info.value)
+
+
+def test_each_pipelines_replay_equals_the_makespan_model_and_a_wrong_dependency_fails(schedule_runs, monkeypatch):
+    """Per pipeline (ranks sharing every coordinate but pp), the last step replayed at its mean stage costs equals the
+    makespan model action by action; a model whose backwards do not wait for the next stage's gradient fails."""
+    from backend.parallel.pp import makespan as M
+
+    for cfg, payloads in schedule_runs:
+        if cfg.pp > 1:
+            check = next(c for c in mesh.combine(cfg, payloads).checks if "makespan model" in c.name)
+            assert check.passed, (cfg.schedule, check.error, check.detail)
+            assert {r["rank"] for r in mesh.combine(cfg, payloads).tables["pipeline"]} == {p["rank"] for p in payloads}
+    cfg, payloads = next((c, p) for c, p in schedule_runs if c.schedule == "1f1b" and c.pp > 1)
+    right = M._needs
+    monkeypatch.setattr(M, "_needs", lambda a, last: [n for n in right(a, last) if n[0] != "back"])
+    assert not next(c for c in mesh.combine(cfg, payloads).checks if "makespan model" in c.name).passed

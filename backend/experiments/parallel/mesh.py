@@ -16,6 +16,7 @@ from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
 from backend.parallel.pp.schedules import SCHEDULES
+from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
@@ -371,18 +372,48 @@ def combine(config: MeshConfig, payloads) -> Result:
                         reference="sp.activation_elements x the stage's layers per (stage, micro-batch) (+ RoPE tables), "
                                   "summed over those alive at each point of the rank's order (F to B or W); MoE blocks: "
                                   "ep.moe_activation_elements with the reference's routing"))
+    timing, timing_metrics, pipeline_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [])
+    checks += timing
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
     metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "experts": config.experts, "steps": config.steps,
-               "final_loss": last["losses"][-1]}
+               "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
-                                                          "groups": _groups(config), "experts": experts},
+                                                          "groups": _groups(config), "experts": experts,
+                                                          "pipeline": pipeline_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
+
+
+def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict]]:
+    """The last step's F/B/I/W actions of each pipeline (the ranks that share every mesh coordinate but pp), replayed
+    with one core per rank from their measured CPU times (tp, cp and ep collectives run inside them), and the
+    makespan model fed with their mean costs, checked equal to the replay at those same costs action by action.
+    Returns the checks, the replayed step time, and per rank its replayed and modelled idle."""
+    plan, m = config.plan, config.plan.microbatches(config.microbatches)
+    lines: dict[tuple, list[dict]] = {}
+    for p in payloads:
+        steps = [e for e in p["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W")]
+        last = steps[-len(p["order_actions"]):]  # each step runs the rank's whole order once
+        key = tuple(v for d, v in p["coords"].items() if d != "pp")
+        lines.setdefault(key, []).extend({**e, "rank": p["coords"]["pp"], "global_rank": p["rank"]} for e in last)
+    checks, rows, step = [], [], 0.0
+    for key, compute in lines.items():
+        exact, model, _ = model_against_replay(config.schedule, config.pp, m, config.virtual_stages, compute)
+        checks.append(exact)
+        span, idle = bubbles(replayed(compute, config.num_stages), config.pp)
+        step = max(step, span)
+        rank_of = {e["rank"]: e["global_rank"] for e in compute}
+        rows += [{"rank": rank_of[r], "pp": r, "bubble_replayed": idle[r], "bubble_makespan_model": model.idle[r],
+                  "busy_ms": model.busy[r] / 1e3} for r in range(config.pp)]
+    worst = max(checks, key=lambda c: c.error)
+    check = Check(f"every pipeline's last step: {worst.name}", worst.error, worst.tolerance, reference=worst.reference,
+                  detail=f"{len(checks)} pipelines; worst: {worst.detail}")
+    return [check], {"step_replayed_ms": round(step / 1e3, 3)}, sorted(rows, key=lambda r: r["rank"])
 
 
 def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:

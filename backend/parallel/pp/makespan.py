@@ -1,0 +1,87 @@
+"""The makespan model: a pipeline step's time and each rank's idle from the schedule's order and per-action costs.
+
+Model: every rank runs its Schedule's actions in order on one core; an action starts when the rank's previous
+action has ended and its data dependencies are met: F(s, mb) needs F(s-1, mb) (its input activation), a backward
+B or I of (s, mb) needs F(s, mb) and the backward of (s+1, mb) (its output gradient), W(s, mb) needs I(s, mb).
+A dependency that crosses ranks is one message and adds `latency`. The step time is the last action's end; a
+rank's idle (bubble) is 1 - its busy time / the step time. This is the max-plus walk the zero-bubble paper and
+DeepSeek-V3 reason with; with equal stages it gives the closed forms ((p-1)/(m+p-1), ...) the schedules state.
+
+It takes costs, not a trace, so a planner can call it at any scale; pipeline.run checks it against the replay of
+measured action costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from backend.parallel.pp.schedules import SCHEDULES, Action
+
+
+@dataclass(frozen=True)
+class Makespan:
+    step: float                              # the step's time, in the costs' unit
+    busy: dict[int, float]                   # per rank: the sum of its actions' costs
+    idle: dict[int, float]                   # per rank: 1 - busy / step (the bubble fraction)
+    timeline: list[tuple[int, Action, float, float]]  # (rank, action, start, end) in the order walked
+
+
+def stage_costs(costs: Mapping[str, Sequence[float]], stages: int) -> dict[str, list[float]]:
+    """Each kind's cost per stage: F is required; a full backward B may be given, or I and W (B = I + W, I = B - W)."""
+    if "F" not in costs or len(costs["F"]) != stages:
+        raise ValueError(f"costs['F'] must give one forward cost per stage ({stages} stages)")
+    out = {k: list(c) for k, c in costs.items() if k in ("F", "B", "I", "W")}
+    if "B" not in out and "I" in out and "W" in out:
+        out["B"] = [i + w for i, w in zip(out["I"], out["W"])]
+    if "I" not in out and "B" in out and "W" in out:
+        out["I"] = [b - w for b, w in zip(out["B"], out["W"])]
+    for kind, c in out.items():
+        if len(c) != stages:
+            raise ValueError(f"costs[{kind!r}] has {len(c)} entries for {stages} stages")
+    return out
+
+
+def _needs(a: Action, last_stage: int) -> list[tuple[str, int, int]]:
+    """What an action waits for besides its rank's previous action: (phase, stage, mb), phase F or back (B or I)."""
+    if a.kind == "F":
+        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
+    if a.kind in ("B", "I"):
+        return [("F", a.stage, a.mb)] + ([("back", a.stage + 1, a.mb)] if a.stage < last_stage else [])
+    return [("back", a.stage, a.mb)]  # W after its I
+
+
+def makespan(schedule: str, p: int, m: int, v: int, costs: Mapping[str, Sequence[float]], latency: float = 0.0) -> Makespan:
+    """Walk `schedule`'s per-rank orders (p ranks, m micro-batches, v chunks per rank for interleaved; the V schedules
+    hold 2) with `costs[kind][stage]` per micro-batch for kind F, B, or I and W, over all p·v stages, and `latency` per
+    message between ranks. Returns the step time, each rank's busy time and idle fraction, and the timeline."""
+    plan = SCHEDULES[schedule]
+    stages = p * plan.chunks(v)
+    cost = stage_costs(costs, stages)
+    orders = plan.actions(p, m, v)
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}  # (phase, stage, mb) -> (end, rank)
+    clock, cursor = {r: 0.0 for r in orders}, {r: 0 for r in orders}
+    timeline = []
+    moved = True
+    while moved:
+        moved = False
+        for r, order in orders.items():
+            while cursor[r] < len(order):
+                a = order[cursor[r]]
+                needs = _needs(a, stages - 1)
+                if any(n not in done for n in needs):
+                    break
+                if a.kind not in cost:
+                    raise ValueError(f"{schedule} runs {a.kind} actions: give costs[{a.kind!r}]")
+                ready = [done[n][0] + (latency if done[n][1] != r else 0.0) for n in needs]
+                start = max([clock[r]] + ready)
+                clock[r] = start + cost[a.kind][a.stage]
+                done[("F" if a.kind == "F" else ("W" if a.kind == "W" else "back"), a.stage, a.mb)] = (clock[r], r)
+                timeline.append((r, a, start, clock[r]))
+                cursor[r] += 1
+                moved = True
+    stuck = {r: str(o[cursor[r]]) for r, o in orders.items() if cursor[r] < len(o)}
+    if stuck:
+        raise ValueError(f"{schedule}: the orders deadlock on their dependencies (waiting: {stuck})")
+    step = max(clock.values())
+    busy = {r: sum(e - s for rr, _, s, e in timeline if rr == r) for r in orders}
+    return Makespan(step, busy, {r: 1 - busy[r] / step if step else 0.0 for r in orders}, timeline)
