@@ -58,12 +58,13 @@ class PipelineConfig(Config):
 
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
-        more steps on the same ranks: about four training steps of 6·batch·params flops, and every micro-batch's
+        more steps on the same ranks, and the executor one untimed step before the timed one: about five training steps of 6·batch·params flops, and every micro-batch's
         activations held at once (GPipe's worst case) in each; recomputation adds a third of a step and the run
         without it."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        steps = 4 + 1.5 * self.recompute  # with recomputation, the same run again without it (4/3 of a step each)
+        steps = 4 + (not self.plan.asynchronous) + 3 * self.recompute  # a warm-up step before the timed one; with
+        # recomputation, the same run again without it (4/3 of a step each, warm-up and timed)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size)

@@ -85,9 +85,13 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             out.backward(torch.randn_like(out))
         st.module.zero_grad(set_to_none=True)
     flops = {s: stage_flops(st.module, xs[0], s > 0) for s, st in stages.items()}  # one micro-batch, per stage
+    order = plan.actions(p, m, config.virtual_stages)[rank]
+    if not plan.asynchronous:  # one untimed step first: a step's first forwards cost about twice the later ones
+        execute(order, plan, stages, list(range(p)), rank, p, m, Tracer(rank), recompute=config.recompute)
+        for st in stages.values():  # (allocator and caches), and they sit on the fill path the bubble is made of
+            st.module.zero_grad(set_to_none=True)
     meter = ActivationMeter()
     tracer.align(dist.barrier)
-    order = plan.actions(p, m, config.virtual_stages)[rank]
     walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
                    pipedream=config if plan.asynchronous else None, meter=meter)
     dist.barrier()
