@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import tempfile
 import pkgutil
 import sys
 from pathlib import Path
