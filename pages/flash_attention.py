@@ -69,7 +69,7 @@ def render(result: dict, rec) -> None:
         seed_ledger = alt.Chart(steps.dropna(subset=["seed_ledger_words"])).mark_tick(color="black", thickness=2, size=30).encode(
             x="step:O", y="seed_ledger_words:Q", tooltip=["step", alt.Tooltip("seed_ledger_words:Q", format=",", title="seed 003's running total")])
         st.altair_chart((bars + cap + seed_ledger).properties(height=260), width="stretch")
-        ui.table(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_ledger_words", "live_bytes"]])
+        ui.table(steps[["step", "what", "delta_words", "seed_delta_words", "live_words", "seed_ledger_words"]])
         st.caption("Dashed: the SRAM size M. Bc = M/4d leaves room for four Bc x d tiles (Q, K, V, O); while S and P̃ are both "
                    "live (step 3) the set can pass M, which is why the paper's bound is O(M). Black ticks: seed 003's own running "
                    "total, its printed changes summed (Br = d only).")

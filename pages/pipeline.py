@@ -54,7 +54,7 @@ def summary(m: dict) -> None:
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
     if "bubble_makespan_model" in m:
-        cols[4].metric("bubble, makespan model", f"{100 * m['bubble_makespan_model']:.1f} %",
+        cols[4].metric("bubble, modelled", f"{100 * m['bubble_makespan_model']:.1f} %",
                        help="the same rank in the makespan model (backend/parallel/pp/makespan.py): the schedule's order and "
                             f"dependencies walked with this run's mean cost per action kind and stage; step {m['makespan_model_ms']:,.1f} ms")
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
