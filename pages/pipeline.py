@@ -94,15 +94,13 @@ def render(result: dict, rec) -> None:
         st.altair_chart(gantt(result, which, f"{label} — {title}"))
     st.caption("Drag on a chart to zoom in time, double-click to reset; hover a bar for its micro-batch, stage and duration.")
     stages = pd.DataFrame(result["tables"]["stages"])
-    shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "bubble_makespan_model", "peak_live", "peak_live_bound"]
+    shown = ["rank", "busy_ms", "cpu_ms", "bubble_wall", "bubble_replayed", "bubble_model", "peak_live", "peak_live_bound"]
     ui.table(stages[shown], column_config={
         "busy_ms": st.column_config.NumberColumn("busy, wall (ms)", format="%.1f"),
         "cpu_ms": st.column_config.NumberColumn("busy, CPU (ms)", format="%.1f"),
         "bubble_wall": st.column_config.NumberColumn("bubble, wall", format="percent"),
         "bubble_replayed": st.column_config.NumberColumn("bubble, replay", format="percent"),
         "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
-        "bubble_makespan_model": st.column_config.NumberColumn("bubble, makespan model", format="percent",
-                                                               help="the schedule walked at the run's mean stage costs"),
         "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
         "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
     if "transfer_ms" in stages:  # runs stored before the split lack it

@@ -1,5 +1,7 @@
 """AppTest: the memory.decode view (GPU memory hierarchy page), the numerics.int8 view (number formats page) and the
 short views the serving, KV-cache and speculative pages draw from the latest runs, with and without a run."""
+import sys
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -19,7 +21,13 @@ def _short_views():
 
 
 def _draw_short_views() -> AppTest:
-    return AppTest.from_function(_short_views, default_timeout=60).run()
+    """AppTest.from_function leaves its generated script as this process's __main__; multiprocessing's later ranks
+    would re-run that file (it only works inside AppTest) and die at start-up, so the real __main__ is put back."""
+    main = sys.modules["__main__"]
+    try:
+        return AppTest.from_function(_short_views, default_timeout=60).run()
+    finally:
+        sys.modules["__main__"] = main
 
 
 def test_short_views_without_runs_link_to_their_pages():
