@@ -351,7 +351,12 @@ def test_a_non_default_choice_runs(app, url_path):
 def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> None:
     shown = parse_qs(urlparse(page.url).query).get("run")  # the page opened on its defaults' run
     if shown:  # a person changes a setting after the defaults' run has drawn, not while its live view refreshes
-        _finished_run(page, shown[0])
+        done = page.locator("[data-testid=stHeading]").filter(
+            has_text=re.compile(rf"Run {re.escape(shown[0])} · .* · (succeeded|failed|cancelled)"))
+        try:  # at most a minute: past it, _choose's retries cover a list closed by a refresh
+            done.first.wait_for(state="visible", timeout=60_000)
+        except Exception:
+            pass
     _settled(page)
     _choose(page, field, value)
     started = time.time()
