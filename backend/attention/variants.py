@@ -13,6 +13,7 @@ Each cache is a set of preallocated tensors; `bytes_per_token()` is read off tho
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -50,6 +51,29 @@ def _attend(q, k, v, causal_offset: int):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+@functools.lru_cache(maxsize=16)
+def _whole_rope(s: int, d_head: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_angles(torch.arange(s), d_head, dtype=dtype)
+
+
+class CausalCore:
+    """The batched training path's attention over whole sequences: positions 0..s-1 (one RoPE table shared by the
+    layers), the causal softmax written out rather than SDPA, so that what backward saves is the textbook list
+    (q and k after RoPE, v, each repeated over its GQA group, and the s x s softmax) that
+    backend/parallel/sp.activation_elements counts. Context parallel puts a ring over sequence shards in its place
+    (backend/parallel/cp.py: SequenceShard, the same two methods)."""
+
+    def rope(self, s: int, d_head: int, dtype: torch.dtype):
+        return _whole_rope(s, d_head, dtype)
+
+    def attend(self, q, k, v):
+        """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d)."""
+        group, s = q.shape[1] // k.shape[1], q.shape[-2]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
+        return torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1])) + causal, dim=-1) @ v
+
+
 class GroupedQueryAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, d_head: int):
         super().__init__()
@@ -58,9 +82,27 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(d_model, n_kv_heads * d_head, bias=False)
         self.wv = nn.Linear(d_model, n_kv_heads * d_head, bias=False)
         self.wo = nn.Linear(n_heads * d_head, d_model, bias=False)
+        self.wqkv: nn.Module | None = None  # one fused q/k/v projection, where tensor parallel installs one
+        self.core = CausalCore()
 
     def new_cache(self, max_len: int, dtype) -> KVCache:
         return KVCache(max_len, {"k": (self.n_kv_heads, self.d_head), "v": (self.n_kv_heads, self.d_head)}, dtype)
+
+    def project(self, x):
+        """q, k and v of x (..., d_model): three linears, or the fused one (a column-parallel linear communicates
+        its input once for all three: backend/parallel/tp.py)."""
+        if self.wqkv is None:
+            return self.wq(x), self.wk(x), self.wv(x)
+        return self.wqkv(x).split([self.n_heads * self.d_head] + [self.n_kv_heads * self.d_head] * 2, -1)
+
+    def batched(self, x):
+        """The training path: x (b, s, d_model) -> (b, s, d_model), RoPE and attention from self.core."""
+        q, k, v = self.project(x)
+        b, s = q.shape[:2]
+        q, k, v = (t.view(b, s, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
+        cos, sin = self.core.rope(s, self.d_head, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(self.core.attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
 
     def cache_elements(self) -> int:
         return 2 * self.n_kv_heads * self.d_head

@@ -21,6 +21,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate, self.up, self.down = (nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_model, d_ff, bias=False),
                                          nn.Linear(d_ff, d_model, bias=False))
+        self.w13: nn.Module | None = None  # gate and up fused, where tensor parallel installs it
 
     def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = (self.gate(x), self.up(x)) if self.w13 is None else self.w13(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)

@@ -1,7 +1,9 @@
 """A tiny LLaMA-style decoder: token embedding, pre-norm blocks (RMSNorm -> attention -> residual,
 RMSNorm -> SwiGLU -> residual), final RMSNorm, output head. Attention is pluggable (variants.py).
-Sequences are unbatched (t, d) in generation and batched (b, t, d) in training, via vmap-free loops
-kept simple: training calls forward once per sequence of the batch."""
+Sequences are unbatched (t, d) in generation; `loss` calls forward once per sequence of the batch. The batched
+training path (embed, run_blocks, head_loss on (b, t, d)) is the one backend/parallel/parallelize.py transforms
+(tensor, sequence, context, expert parallel and the pipeline's stages); `loss`, through the generation path and
+SDPA, stays the independent single-process reference it is checked against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,6 +59,11 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), start, cache)
         return x + self.ffn(self.ffn_norm(x))
 
+    def batched(self, x):
+        """The training path on (b, s, d)."""
+        x = x + self.attn.batched(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
 
 class TinyDecoder(nn.Module):
     def __init__(self, s: ModelShape):
@@ -65,6 +72,7 @@ class TinyDecoder(nn.Module):
         self.embed = nn.Embedding(s.vocab, s.d_model)
         self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layers))
         self.norm, self.head = RMSNorm(s.d_model), nn.Linear(s.d_model, s.vocab, bias=False)
+        self.cross_entropy = nn.CrossEntropyLoss()  # the batched path's loss (tensor parallel: on vocabulary shards)
 
     def new_caches(self, max_len: int) -> list[KVCache]:
         dtype = self.embed.weight.dtype
@@ -81,3 +89,14 @@ class TinyDecoder(nn.Module):
         """Mean next-token cross-entropy over a (b, t) batch."""
         logits = torch.stack([self(seq[:-1]) for seq in batch])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The batched training path through the blocks: x (b, t, d) -> (b, t, d)."""
+        for block in self.blocks:
+            x = block.batched(x)
+        return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm, head and mean cross entropy of x (b, t, d) against targets (b, t): (loss, logits)."""
+        logits = self.head(self.norm(x))
+        return self.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), logits

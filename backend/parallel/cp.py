@@ -13,7 +13,7 @@ and each block's dK/dV accumulator travels with it, one step behind, and finally
 
 With GQA (fewer K/V heads than query heads) the ring carries the K/V heads only; each is repeated over its
 group of query heads inside the block computation, and its gradient summed back over the group.
-`SequenceShard` is what a model needs to run this inside its attention (backend/parallel/mesh_train.py).
+`SequenceShard` is what a model's attention needs to run this (`apply_cp` puts it there).
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+
+from backend.attention.rope import rope_angles
 
 
 def positions(seq: int, index: int, n: int, split: str) -> torch.Tensor:
@@ -158,6 +160,23 @@ class SequenceShard:
         self.ring = Ring(index, n, ranks, tracer)
         self.steps: list[dict] = []
 
+    def rope(self, s: int, d_head: int, dtype: torch.dtype):
+        """RoPE's cos and sin at this rank's global positions (one table for every layer)."""
+        if getattr(self, "_rope", None) is None or self._rope[0].shape != (s, d_head // 2) or self._rope[0].dtype != dtype:
+            self._rope = rope_angles(self.mine, d_head, dtype=dtype)
+        return self._rope
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries (b, heads, s/n, d) to every rank's keys and values."""
         return RingAttention.apply(q, k, v, self.all, self.ring, True, self.steps)
+
+
+def apply_cp(model, shard: SequenceShard):
+    """The model's attention, in place, over this rank's positions `shard.mine` of each sequence: RoPE at those
+    global positions and ring attention over the cp group in place of the whole-sequence softmax. Costs n-1 K/V
+    blocks sent per layer forward, n-1 K/V and n dK/dV blocks backward, and no s x s scores kept."""
+    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
+        raise ValueError("sequence parallel and context parallel together are not built")
+    for block in model.blocks:
+        block.attn.core = shard
+    return model

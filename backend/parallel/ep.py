@@ -14,8 +14,6 @@ code trains. The single-process reference is the MoELayer itself, routing the sa
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 from torch.autograd import Function
@@ -40,16 +38,28 @@ def experts_of(index: int, n: int, n_experts: int) -> range:
     return range(index * per, (index + 1) * per)
 
 
+def apply_ep(model, wire):
+    """Every MoE layer of the model, in place, split by expert over the ep `wire`: each rank keeps the router, the
+    shared expert and E/n routed experts, and sends each routed token to its expert's rank and back (two
+    all-to-alls of the routed rows, forward and backward). Costs no collective for the experts' gradients (the
+    combine's backward brought every rank's tokens), but the router's and shared expert's must be summed over ep."""
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            block.ffn = ExpertParallelMoE(block.ffn, wire)
+    return model
+
+
 class ExpertParallelMoE(nn.Module):
-    """Rank wire.index of wire.n of `layer`: the router and shared expert copied, only its own experts kept."""
+    """Rank wire.index of wire.n of `layer` (taken over, not copied): the router and shared expert, and only its own
+    experts kept."""
 
     def __init__(self, layer: MoELayer, wire):
         super().__init__()
         self.wire, self.n_experts = wire, len(layer.experts)
         self.top_k, self.capacity_factor = layer.top_k, layer.capacity_factor
         self.mine = experts_of(wire.index, wire.n, self.n_experts)
-        self.router, self.shared = copy.deepcopy(layer.router), copy.deepcopy(layer.shared)
-        self.experts = nn.ModuleList(copy.deepcopy(layer.experts[e]) for e in self.mine)
+        self.router, self.shared = layer.router, layer.shared
+        self.experts = nn.ModuleList(layer.experts[e] for e in self.mine)
         self.stats: list[dict] = []  # one per call: what was routed, kept, sent and computed
 
     def replicated_parameters(self) -> list[nn.Parameter]:

@@ -37,7 +37,8 @@ from backend.parallel.mesh_dp import DataParallel, sum_gradients
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
-from backend.parallel.tp import TPDecoder, part
+from backend.parallel.parallelize import parallelize, sources
+from backend.parallel.tp import part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
 from backend.parallel.workload import flat_params, load_flat
@@ -70,7 +71,7 @@ class MeshStage:
     positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
-    def __init__(self, chunk: TPDecoder, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int):
+    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int):
         self.chunk = self.module = chunk  # (module: what the executor reads)
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
@@ -87,11 +88,11 @@ class MeshStage:
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
-        if self.chunk.first:
+        if self.chunk.embed is not None:
             x = self.chunk.embed(x)
         memory = SavedActivations(self.chunk.parameters())
         with memory:
-            y = self.chunk.run_blocks(x, self.shard)
+            y = self.chunk.run_blocks(x)
         if self.activations is not None and torch.is_grad_enabled():  # (recompute: the backward's forward records)
             self.activations[mb] = memory.bytes
             self.kept[mb] = kept
@@ -110,7 +111,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     reference = reference_model(config)
-    chunks = {s: TPDecoder(reference, tp, stage=s, stages=S, ep_wire=ep) for s in plan.stages_on(me, p, config.virtual_stages)}
+    chunks = {s: parallelize(reference, tp, stage=s, stages=S, ep=ep, cp=shard) for s in plan.stages_on(me, p, config.virtual_stages)}
     model = nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})  # every chunk's weights, in stage order
     params = list(model.parameters())
     experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
@@ -155,7 +156,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
            for call in getattr(b.ffn, "stats", [])]
     return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
-            "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in c.sources().items()},
+            "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params],
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},

@@ -10,25 +10,21 @@ Attention splits by heads (GQA: each rank takes its query heads with the KV head
 embedding and the output head by vocabulary, and the cross entropy runs on vocabulary shards with three
 all-reduces of b·s numbers (max, target logit, sum of exponentials), never gathering the logits.
 
-`TPDecoder` builds rank r's shards from the single-process TinyDecoder's weights; `sources` says where every
-local parameter came from, so the reference's gradients can be cut the same way for the check.
-With `sp` the norm regions are sequence shards (backend/parallel/sp.py); MoE feed-forwards (n_experts > 0) are
-split by expert over an ep wire (backend/parallel/ep.py) and run alike on every tp rank.
+`apply_tp` swaps the one TinyDecoder's own modules for rank r's shards of them (backend/parallel/parallelize.py
+applies it with the other transforms); each new parameter's `source` says which reference tensors it was cut
+from, so the reference's gradients can be cut the same way for the check. With `sp` the norm regions are
+sequence shards (backend/parallel/sp.py); MoE feed-forwards are split by expert by apply_ep and run alike on
+every tp rank.
 """
 from __future__ import annotations
-
-import contextlib
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from backend.attention.rope import apply_rope, rope_angles
-from backend.models.layers import RMSNorm
+from backend.models.layers import SwiGLU
 from backend.models.llama import TinyDecoder
-from backend.parallel.ep import ExpertParallelMoE
 from backend.parallel.sp import GatherLinear, ReduceScatterToSP
 
 
@@ -62,22 +58,22 @@ def part(total: int, index: int, parts: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
-class Sharded(nn.Module):
-    """A module whose parameters are cut from reference tensors: shard_sources[name] = (dim, [(reference name, slice)]),
-    the pieces concatenated along dim."""
+def shard(name: str, module: nn.Module, dim: int, pieces: list[tuple[nn.Parameter, slice]]) -> None:
+    """Give `module` the parameter `name`: the pieces of the model's own (whole, source-tagged) parameters cut along
+    dim and concatenated, tagged in turn with the reference tensors it came from (parallelize.sources)."""
+    new = nn.Parameter(torch.cat([p.detach()[(slice(None),) * dim + (s,)] for p, s in pieces], dim).clone())
+    new.source = (dim, [(p.source[1][0][0], s) for p, s in pieces])
+    module.register_parameter(name, new)
 
-    def take(self, name: str, state: dict, dim: int, pieces: list[tuple[str, slice]]) -> None:
-        self.register_parameter(name, nn.Parameter(cut(state, {name: (dim, pieces)})[name].clone()))
-        self.shard_sources = {**getattr(self, "shard_sources", {}), name: (dim, pieces)}
 
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X·A_r: this rank's output features (of one or several linears reading the same X, side by side).
+    Input replicated (f), or sequence shards gathered (SP)."""
 
-class ColumnParallelLinear(Sharded):
-    """Y_r = X·A_r: this rank's output features. Input replicated (f), or sequence shards gathered (SP)."""
-
-    def __init__(self, state, pieces, wire, sp: bool, name: str):
+    def __init__(self, pieces, wire, sp: bool, name: str):
         super().__init__()
         self.wire, self.sp, self.name = wire, sp, name
-        self.take("weight", state, 0, pieces)  # nn.Linear stores A transposed: output features are rows
+        shard("weight", self, 0, [(linear.weight, s) for linear, s in pieces])  # nn.Linear stores A transposed
 
     def forward(self, x):
         if self.sp:
@@ -85,80 +81,26 @@ class ColumnParallelLinear(Sharded):
         return F.linear(CopyToTP.apply(x, self.wire, self.name), self.weight)
 
 
-class RowParallelLinear(Sharded):
+class RowParallelLinear(nn.Module):
     """Y = Σ_r X_r·A_r: this rank's input features in, a partial sum out, summed by g (or reduce-scattered, SP)."""
 
-    def __init__(self, state, pieces, wire, sp: bool, name: str):
+    def __init__(self, linear, cols: slice, wire, sp: bool, name: str):
         super().__init__()
         self.wire, self.sp, self.name = wire, sp, name
-        self.take("weight", state, 1, pieces)
+        shard("weight", self, 1, [(linear.weight, cols)])
 
     def forward(self, x):
         partial = F.linear(x, self.weight)
         return (ReduceScatterToSP if self.sp else ReduceFromTP).apply(partial, self.wire, self.name)
 
 
-class TPAttention(nn.Module):
-    """Causal GQA with RoPE; this rank's query heads and the KV heads of their groups, written out (not SDPA)
-    so what backward saves is the textbook list that sp.activation_elements counts."""
-
-    def __init__(self, state, prefix, shape, wire, sp, r, n):
-        super().__init__()
-        self.heads, self.kv_heads, self.d_head = shape.n_heads // n, shape.n_kv_heads // n, shape.d_head
-        q, kv = part(shape.n_heads * shape.d_head, r, n), part(shape.n_kv_heads * shape.d_head, r, n)
-        self.wqkv = ColumnParallelLinear(state, [(prefix + "wq.weight", q), (prefix + "wk.weight", kv), (prefix + "wv.weight", kv)],
-                                         wire, sp, "attention")
-        self.wo = RowParallelLinear(state, [(prefix + "wo.weight", q)], wire, sp, "attention")
-
-    def forward(self, x, cos, sin, shard=None):
-        """x: (b, s, h). With `shard` (context parallel, backend/parallel/cp.py) x holds this rank's positions of
-        each sequence and the other positions' keys and values come round the cp ring."""
-        qkv = self.wqkv(x)
-        b, s = qkv.shape[:2]
-        q, k, v = qkv.split([self.heads * self.d_head, self.kv_heads * self.d_head, self.kv_heads * self.d_head], -1)
-        q, k, v = (t.view(b, s, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if shard is not None:
-            return self.wo(shard.attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
-        p = torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(self.d_head)) + causal, dim=-1)
-        return self.wo((p @ v).transpose(1, 2).reshape(b, s, -1))
-
-
-class TPSwiGLU(nn.Module):
-    """Megatron's MLP: gate and up column-parallel (fused), silu·up on this rank's columns, down row-parallel."""
-
-    def __init__(self, state, prefix, shape, wire, sp, r, n):
-        super().__init__()
-        cols = part(shape.d_ff, r, n)
-        self.w13 = ColumnParallelLinear(state, [(prefix + "gate.weight", cols), (prefix + "up.weight", cols)], wire, sp, "mlp")
-        self.down = RowParallelLinear(state, [(prefix + "down.weight", cols)], wire, sp, "mlp")
-
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, -1)
-        return self.down(F.silu(gate) * up)
-
-
-class ReplicatedNorm(Sharded):
-    """RMSNorm, whole on every rank (TP) or applied to this rank's sequence shard (SP)."""
-
-    def __init__(self, state, name):
-        super().__init__()
-        self.take("weight", state, None, [(name, None)])
-        self.eps = RMSNorm(1).eps
-
-    forward = RMSNorm.forward
-
-
-class VocabParallelEmbedding(Sharded):
+class VocabParallelEmbedding(nn.Module):
     """Rows v0..v1 of the table; tokens outside them look up zeros, and the ranks' lookups are summed (g)."""
 
-    def __init__(self, state, vocab, wire, sp, r, n):
+    def __init__(self, embedding, wire, sp):
         super().__init__()
-        self.rows, self.wire, self.sp = part(vocab, r, n), wire, sp
-        self.take("weight", state, 0, [("embed.weight", self.rows)])
+        self.rows, self.wire, self.sp = part(embedding.num_embeddings, wire.index, wire.n), wire, sp
+        shard("weight", self, 0, [(embedding.weight, self.rows)])
 
     def forward(self, tokens):
         outside = (tokens < self.rows.start) | (tokens >= self.rows.stop)
@@ -190,90 +132,61 @@ class VocabParallelCrossEntropy(Function):
         return g * grad / len(local), None, None, None
 
 
-class TPBlock(nn.Module):
-    def __init__(self, state, i, shape, wire, sp, r, n, moe=None, ep_wire=None):
+class VocabParallelLoss(nn.Module):
+    """The model's cross entropy, swapped for this rank's vocabulary rows first.. of the logits."""
+
+    def __init__(self, first: int, wire):
         super().__init__()
-        p = f"blocks.{i}."
-        self.attn_norm, self.ffn_norm = ReplicatedNorm(state, p + "attn_norm.weight"), ReplicatedNorm(state, p + "ffn_norm.weight")
-        self.attn = TPAttention(state, p + "attn.", shape, wire, sp, r, n)
-        if moe is None:
-            self.ffn = TPSwiGLU(state, p + "ffn.", shape, wire, sp, r, n)
-        else:
-            # An MoE feed-forward is split by expert over ep ranks, not by columns over tp: its input (after the
-            # attention's all-reduce) is whole on every tp rank, so each computes it alike and no tp collective runs.
-            if sp:
-                raise ValueError("sequence parallel with MoE blocks is not built")
-            self.ffn = ExpertParallelMoE(moe, ep_wire)
-            self.ffn.shard_sources = self.ffn.sources(p + "ffn.")
+        self.first, self.wire = first, wire
 
-    def forward(self, x, cos, sin, shard=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, shard)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, logits, target):
+        return VocabParallelCrossEntropy.apply(logits, target, self.first, self.wire)
 
 
-class TPDecoder(nn.Module):
-    """Rank r of n of the TinyDecoder `reference`: same arithmetic, weights split, activations communicated.
-    With stages > 1 it is pipeline stage `stage`: its share of the blocks, the embedding on the first stage,
-    the final norm, head and loss on the last."""
-
-    def __init__(self, reference: TinyDecoder, wire, sp: bool = False, stage: int = 0, stages: int = 1, ep_wire=None):
-        super().__init__()
-        s, r, n = reference.shape, wire.index, wire.n
-        state = {k: v.detach() for k, v in reference.state_dict().items()}
-        self.shape, self.wire, self.sp = s, wire, sp
-        self.first, self.last, self.vocab_rows = stage == 0, stage == stages - 1, part(s.vocab, r, n)
-        if self.first:
-            self.embed = VocabParallelEmbedding(state, s.vocab, wire, sp, r, n)
-        layers = part(s.n_layers, stage, stages)
-        moe = [b.ffn if s.n_experts else None for b in reference.blocks]
-        self.blocks = nn.ModuleList(TPBlock(state, i, s, wire, sp, r, n, moe[i], ep_wire) for i in range(layers.start, layers.stop))
-        if self.last:
-            self.norm = ReplicatedNorm(state, "norm.weight")
-            self.head = ColumnParallelLinear(state, [("head.weight", self.vocab_rows)], wire, sp, "head")
-
-    def forward(self, tokens: torch.Tensor, memory=None):
-        """tokens (b, t + 1) -> (mean next-token loss, this rank's logits (b, t, vocab / n)). `memory`, a
-        context manager, is entered around the blocks only (the layers the activation formula counts)."""
-        x = self.embed(tokens[:, :-1])
-        with memory or contextlib.nullcontext():
-            x = self.run_blocks(x)
-        return self.head_loss(x, tokens[:, 1:])
-
-    def run_blocks(self, x: torch.Tensor, shard=None) -> torch.Tensor:
-        """The blocks on x; with a context-parallel `shard` x holds the positions shard.mine of each sequence."""
-        if shard is not None and self.sp:
-            raise ValueError("sequence parallel and context parallel together are not built")
-        positions = shard.mine if shard is not None else torch.arange(x.shape[1] * (self.wire.n if self.sp else 1))
-        cos, sin = rope_angles(positions, self.shape.d_head, dtype=x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin, shard)
-        return x
-
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor):
-        logits = self.head(self.norm(x))
-        loss = VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                               self.vocab_rows.start, self.wire)
-        return loss, logits
-
-    def sync_replicated_grads(self) -> None:
-        if self.sp:
-            sum_norm_grads(self, self.wire)
-
-    def sources(self) -> dict[str, tuple]:
-        return {f"{prefix}.{name}".lstrip("."): src for prefix, m in self.named_modules()
-                for name, src in getattr(m, "shard_sources", {}).items()}
-
-    def expected(self, reference_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Reference tensors (weights or gradients, by reference name) cut as this rank's parameters were."""
-        return cut(reference_tensors, self.sources())
+def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
+    """Rank wire.index of wire.n of the model, in place: its own linears and embedding swapped for the shards
+    (q, k, v fused column-parallel and wo row-parallel, the attention left with its local heads and their GQA
+    groups; gate and up fused column-parallel, down row-parallel; embedding, head and loss by vocabulary). Costs
+    per layer two all-reduces of b·s·h forward (g) and two backward (f); with `sp` the norms see sequence shards
+    (each all-reduce becomes an all-gather and a reduce-scatter, the gathered inputs re-gathered in backward) and
+    the norm weights' gradients need summing (sum_norm_grads). MoE feed-forwards are left to apply_ep."""
+    s, r, n = model.shape, wire.index, wire.n
+    if s.variant == "mla":
+        raise ValueError("tensor parallel of multi-head latent attention is not built (variant: mha, mqa or gqa)")
+    if model.embed is not None:
+        model.embed = VocabParallelEmbedding(model.embed, wire, sp)
+    for block in model.blocks:
+        a = block.attn
+        q, kv = part(a.n_heads * a.d_head, r, n), part(a.n_kv_heads * a.d_head, r, n)
+        wq, wk, wv, wo = a.wq, a.wk, a.wv, a.wo
+        del a.wq, a.wk, a.wv, a.wo
+        a.wqkv = ColumnParallelLinear([(wq, q), (wk, kv), (wv, kv)], wire, sp, "attention")
+        a.wo = RowParallelLinear(wo, q, wire, sp, "attention")
+        a.n_heads, a.n_kv_heads = a.n_heads // n, a.n_kv_heads // n
+        f = block.ffn
+        if isinstance(f, SwiGLU):
+            cols = part(f.down.in_features, r, n)
+            gate, up, down = f.gate, f.up, f.down
+            del f.gate, f.up, f.down
+            f.w13, f.down = ColumnParallelLinear([(gate, cols), (up, cols)], wire, sp, "mlp"), RowParallelLinear(down, cols, wire, sp, "mlp")
+        elif sp:
+            raise ValueError("sequence parallel with MoE blocks is not built")
+        for norm in (block.attn_norm, block.ffn_norm):
+            norm.weight.sequence_parallel = sp
+    if model.head is not None:
+        rows = part(s.vocab, r, n)
+        model.head = ColumnParallelLinear([(model.head, rows)], wire, sp, "head")
+        model.cross_entropy = VocabParallelLoss(rows.start, wire)
+        model.norm.weight.sequence_parallel = sp
+    return model
 
 
 def sum_norm_grads(module: nn.Module, wire) -> None:
     """Under SP each rank's norm weights saw only its sequence shard: sum their gradients (Megatron's all-reduce
     of layer-norm gradients). Under plain TP f already made them whole, so only SP calls this."""
-    for m in module.modules():
-        if isinstance(m, ReplicatedNorm) and m.weight.grad is not None:
-            m.weight.grad = wire.all_reduce(m.weight.grad, "backward", "norm weight gradients")
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            p.grad = wire.all_reduce(p.grad, "backward", "norm weight gradients")
 
 
 def cut(reference_tensors: dict[str, torch.Tensor], sources: dict[str, tuple]) -> dict[str, torch.Tensor]:

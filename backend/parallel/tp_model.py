@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.attention.rope import rope_angles
 from backend.comm.p2p import Transfer
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.parallel.tp import sum_norm_grads
@@ -145,7 +144,7 @@ def worked_examples(wire) -> list[dict]:
 
 def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:
     """PyTorch's own tensor parallel on layer 0 of the same reference, compared output for output and gradient for
-    gradient with our TPBlocks (`ours_tp`, `ours_sp`): parallelize_module with ColwiseParallel and RowwiseParallel
+    gradient with our parallelized blocks (`ours_tp`, `ours_sp`: block 0 of parallelize's model): parallelize_module with ColwiseParallel and RowwiseParallel
     on the MLP and on the attention, and on the whole block with SequenceParallel norms (Megatron-SP's layout).
     Bytes: DTensorCollectives records every collective DTensor issues with its size (CommDebugMode, torch's own
     counter, must agree on the counts), gloo_bytes models what gloo sends for them, and WrittenBytes measures what
@@ -167,16 +166,15 @@ def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: 
                "ffn": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
                **qkv, "attn.wo": RowwiseParallel(output_layouts=Shard(0)), **mlp, "ffn.down": RowwiseParallel(output_layouts=Shard(0))}
     t = x.shape[1]
-    cos, sin = rope_angles(torch.arange(t), reference.shape.d_head, dtype=x.dtype)
     rows_sp = slice(rank * t // n, (rank + 1) * t // n)
     cases = {  # name: (peer module, plan, peer call, our call, peer parameters in our parameters' order)
         "MLP: Colwise, Rowwise": (layer.ffn, {k[4:]: v for k, v in mlp.items()} | {"down": RowwiseParallel()},
                                   lambda m, v: m(v), lambda v: ours_tp.ffn(v), ["gate", "up", "down"]),
         "attention: Colwise, Rowwise": (layer.attn, {k[5:]: v for k, v in qkv.items()} | {"wo": RowwiseParallel()},
-                                        lambda m, v: m(v[0], 0)[None], lambda v: ours_tp.attn(v[:1], cos, sin), ["wq", "wk", "wv", "wo"]),
+                                        lambda m, v: m(v[0], 0)[None], lambda v: ours_tp.attn.batched(v[:1]), ["wq", "wk", "wv", "wo"]),
         "block: SequenceParallel norms, Colwise, Rowwise": (
-            layer, sp_plan, lambda m, v: m(v[0, rows_sp], 0, None), lambda v: ours_sp(v[:1, rows_sp], cos, sin)[0],
-            ["attn_norm", "ffn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.gate", "ffn.up", "ffn.down"]),
+            layer, sp_plan, lambda m, v: m(v[0, rows_sp], 0, None), lambda v: ours_sp.batched(v[:1, rows_sp])[0],
+            ["attn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn_norm", "ffn.gate", "ffn.up", "ffn.down"]),
     }
     rows = {}
     for name, (module, plan, call_peer, call_mine, order) in cases.items():

@@ -11,7 +11,8 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
-from backend.parallel.tp import TPDecoder
+from backend.parallel.parallelize import expected, parallelize
+from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import (dtensor_peer, expected_collectives, pipeline_boundary, reference_model, tokens,
                                       worked_examples)
 from backend.parallel.wire import Wire, ring_bytes
@@ -83,14 +84,18 @@ def decoder_cost(c: TPConfig, processes: int, passes: int, seconds: float = 0.0)
 
 def _step(reference, config, wire, sp):
     """One forward and backward of rank `wire.index`'s shard; the measurements the checks read."""
-    model = TPDecoder(reference, wire, sp)
-    memory = SavedActivations(model.parameters())
-    mode = "TP + SP" if sp else "TP"
+    model = parallelize(reference, wire, sp)
+    memory = SavedActivations(model.parameters())  # around the blocks only: the layers the activation formula counts
+    mode, batch = "TP + SP" if sp else "TP", tokens(config)
     with wire.tracer.span("compute", f"{mode} forward", kind="forward"):
-        loss, logits = model(tokens(config), memory)
+        x = model.embed(batch[:, :-1])
+        with memory:
+            x = model.run_blocks(x)
+        loss, logits = model.head_loss(x, batch[:, 1:])
     with wire.tracer.span("compute", f"{mode} backward", kind="backward"):
         loss.backward()
-        model.sync_replicated_grads()
+        if sp:
+            sum_norm_grads(model, wire)
     grads = {k: p.grad for k, p in model.named_parameters()}
     return model, loss, logits, grads, memory.bytes
 
@@ -109,8 +114,8 @@ def run_rank(rank, world, config: TPConfig, ctx):
         ctx.progress(0.1 + 0.35 * i, f"{mode}: forward and backward")
         wire = Wire.along(mesh, "tp", tracer)
         model, loss, logits, grads, act = _step(reference, config, wire, sp)
-        want = model.expected(ref_grads)
-        vocab = model.vocab_rows
+        want = expected(model, ref_grads)
+        vocab = part(config.vocab, wire.index, wire.n)
         out["modes"][mode] = {
             "loss_error": abs(loss.item() - ref_loss.item()),
             "logits_error": (logits - ref_logits[..., vocab]).abs().max().item(),
@@ -128,7 +133,7 @@ def run_rank(rank, world, config: TPConfig, ctx):
     ctx.progress(0.8, "DTensor peer")
     peer_tp, peer_sp = Wire.along(mesh, "tp", Tracer(rank)), Wire.along(mesh, "tp", Tracer(rank))
     x = torch.randn(config.batch, config.seq, config.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    out["dtensor"] = dtensor_peer(reference, TPDecoder(reference, peer_tp).blocks[0], TPDecoder(reference, peer_sp, sp=True).blocks[0],
+    out["dtensor"] = dtensor_peer(reference, parallelize(reference, peer_tp).blocks[0], parallelize(reference, peer_sp, sp=True).blocks[0],
                                   peer_tp, peer_sp, x, world, rank)
     out["trace"] = tracer.payload()
     return out

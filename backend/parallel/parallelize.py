@@ -1,0 +1,56 @@
+"""The tiny LLaMA parallelized as torchtitan does it: one model (backend/models/llama.py), each strategy a transform
+applied to this rank's copy of it:
+    split_stages  pipeline: keep stage s of S's blocks (embedding on the first, norm, head and loss on the last)
+    apply_tp      tensor (and sequence) parallel: the linears, embedding and loss swapped for shards (tp.py)
+    apply_ep      expert parallel: each MoE layer keeps its own experts, all-to-all dispatch and combine (ep.py)
+    apply_cp      context parallel: attention over this rank's sequence shard by ring attention (cp.py)
+Every parameter is tagged with the reference tensors it holds (`source`: a dim and the (name, slice) pieces
+concatenated along it), so one process's weights or gradients can be cut as this rank's were (`expected`).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from backend.models.llama import TinyDecoder
+from backend.parallel.cp import apply_cp
+from backend.parallel.ep import apply_ep
+from backend.parallel.tp import apply_tp, cut, part
+
+
+def parallelize(reference: TinyDecoder, tp, sp: bool = False, stage: int = 0, stages: int = 1, ep=None, cp=None) -> TinyDecoder:
+    """This rank's model: a copy of `reference` with its pipeline stage kept, sharded over the `tp` wire (`sp`:
+    sequence parallel too), its experts over the `ep` wire and its attention over the `cp` SequenceShard."""
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        p.source = (None, [(name, slice(None))])
+    split_stages(model, stage, stages)
+    apply_tp(model, tp, sp)
+    if model.shape.n_experts:
+        apply_ep(model, ep)
+    if cp is not None:
+        apply_cp(model, cp)
+    return model
+
+
+def split_stages(model: TinyDecoder, stage: int, stages: int) -> TinyDecoder:
+    """Stage `stage` of `stages`, in place: its share of the blocks; the embedding only on the first stage, the final
+    norm, head and loss only on the last. The pipeline executor runs embed / run_blocks / head_loss of each stage."""
+    model.blocks = model.blocks[part(model.shape.n_layers, stage, stages)]
+    if stage > 0:
+        model.embed = None
+    if stage < stages - 1:
+        model.norm = model.head = model.cross_entropy = None
+    return model
+
+
+def sources(model) -> dict[str, tuple]:
+    """Each parameter's reference pieces, by this model's parameter name."""
+    return {name: p.source for name, p in model.named_parameters()}
+
+
+def expected(model, reference_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference tensors (weights or gradients, by reference name) cut as this rank's parameters were."""
+    return cut(reference_tensors, sources(model))
