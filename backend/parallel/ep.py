@@ -66,15 +66,6 @@ class ExpertParallelMoE(nn.Module):
         """The parameters every ep rank holds whole (their gradients are summed over the ep ranks' tokens)."""
         return list(self.router.parameters()) + (list(self.shared.parameters()) if self.shared is not None else [])
 
-    def sources(self, prefix: str) -> dict[str, tuple]:
-        """Each parameter's reference name (whole tensors: experts are split by expert, not by rows)."""
-        names = {f"router.{k}": f"{prefix}router.{k}" for k, _ in self.router.named_parameters()}
-        if self.shared is not None:
-            names.update({f"shared.{k}": f"{prefix}shared.{k}" for k, _ in self.shared.named_parameters()})
-        for j, e in enumerate(self.mine):
-            names.update({f"experts.{j}.{k}": f"{prefix}experts.{e}.{k}" for k, _ in self.experts[j].named_parameters()})
-        return {k: (None, [(v, slice(None))]) for k, v in names.items()}
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d), this rank's tokens."""
         flat = x.reshape(-1, x.shape[-1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn as nn
 
 from backend.models.llama import TinyDecoder
 from backend.parallel.cp import apply_cp
@@ -22,10 +23,8 @@ from backend.parallel.tp import apply_tp, cut, part
 def parallelize(reference: TinyDecoder, tp, sp: bool = False, stage: int = 0, stages: int = 1, ep=None, cp=None) -> TinyDecoder:
     """This rank's model: a copy of `reference` with its pipeline stage kept, sharded over the `tp` wire (`sp`:
     sequence parallel too), its experts over the `ep` wire and its attention over the `cp` SequenceShard."""
-    model = copy.deepcopy(reference)
+    model = tag_sources(copy.deepcopy(reference))
     model.zero_grad(set_to_none=True)
-    for name, p in model.named_parameters():
-        p.source = (None, [(name, slice(None))])
     split_stages(model, stage, stages)
     apply_tp(model, tp, sp)
     if model.shape.n_experts:
@@ -44,6 +43,13 @@ def split_stages(model: TinyDecoder, stage: int, stages: int) -> TinyDecoder:
     if stage < stages - 1:
         model.norm = model.head = model.cross_entropy = None
     return model
+
+
+def tag_sources(module: nn.Module) -> nn.Module:
+    """Tag each parameter of a whole (not yet transformed) module with its own name: what the transforms cut from."""
+    for name, p in module.named_parameters():
+        p.source = (None, [(name, slice(None))])
+    return module
 
 
 def sources(model) -> dict[str, tuple]:

@@ -12,6 +12,7 @@ from backend.models import moe_reference
 from backend.models.moe import MoELayer
 from backend.parallel.ep import ExpertParallelMoE, grouped_reference
 from backend.parallel.loop import start_rank
+from backend.parallel.parallelize import sources, tag_sources
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result
@@ -70,7 +71,7 @@ def run_rank(rank, world, config: EPConfig, ctx):
     (((ref_y - target) ** 2).sum() / config.tokens).backward()
 
     wire = Wire.along(mesh, "ep", tracer)
-    model = ExpertParallelMoE(_model(config), wire)
+    model = ExpertParallelMoE(tag_sources(_model(config)), wire)
     x = x_all.detach().tensor_split(world)[rank].requires_grad_()
     t = target.tensor_split(world)[rank]
     ctx.progress(0.3, "dispatch, experts, combine")
@@ -82,8 +83,8 @@ def run_rank(rank, world, config: EPConfig, ctx):
     for p in model.replicated_parameters():  # replicated: sum over the ranks' tokens
         p.grad = wire.all_reduce(p.grad, "backward", "router and shared-expert gradients")
     ref_slice = ref_y.tensor_split(world)[rank]
-    reference_params, sources = dict(reference.named_parameters()), model.sources("")
-    grad_error = max((p.grad - reference_params[sources[name][1][0][0]].grad).abs().max().item()
+    reference_params, held = dict(reference.named_parameters()), sources(model)
+    grad_error = max((p.grad - reference_params[held[name][1][0][0]].grad).abs().max().item()
                      for name, p in model.named_parameters())
     return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(), "grad_error": grad_error,
             "input_grad_error": (x.grad - x_all.grad.tensor_split(world)[rank]).abs().max().item(),
