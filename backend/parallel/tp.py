@@ -153,6 +153,10 @@ def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
     s, r, n = model.shape, wire.index, wire.n
     if s.variant == "mla":
         raise ValueError("tensor parallel of multi-head latent attention is not built (variant: mha, mqa or gqa)")
+    kv_heads = s.n_heads if s.variant == "mha" else 1 if s.variant == "mqa" else s.n_kv_heads
+    for field, size in (("n_heads", s.n_heads), ("n_kv_heads", kv_heads), ("d_ff", s.d_ff), ("vocab", s.vocab)):
+        if size % n:
+            raise ValueError(f"{field}={size} does not divide by the tensor-parallel degree {n} (allowed: a multiple of {n})")
     if model.embed is not None:
         model.embed = VocabParallelEmbedding(model.embed, wire, sp)
     for block in model.blocks:
