@@ -159,12 +159,13 @@ class SequenceShard:
         self.mine = self.all[index]
         self.ring = Ring(index, n, ranks, tracer)
         self.steps: list[dict] = []
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, s: int, d_head: int, dtype: torch.dtype):
         """RoPE's cos and sin at this rank's global positions (one table for every layer)."""
-        if getattr(self, "_rope", None) is None or self._rope[0].shape != (s, d_head // 2) or self._rope[0].dtype != dtype:
-            self._rope = rope_angles(self.mine, d_head, dtype=dtype)
-        return self._rope
+        if (d_head, dtype) not in self._rope:
+            self._rope[d_head, dtype] = rope_angles(self.mine, d_head, dtype=dtype)
+        return self._rope[d_head, dtype]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries (b, heads, s/n, d) to every rank's keys and values."""
