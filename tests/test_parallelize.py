@@ -110,10 +110,8 @@ def test_a_neighbours_slice_fails_the_layout(monkeypatch):
     assert _layout_error(reference, cfg, 0, 2) > 1e-3
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_stages_in_turn_equal_the_whole_model(stages):
-    """split_stages: each block on exactly one stage, the embedding on the first, the head on the last; the stages
-    run one after another give one process's loss."""
+def _stages_error(stages: int) -> tuple[float, bool, list]:
+    """The stages run one after another against one process's loss, and whether they hold each reference tensor once."""
     cfg, reference, batch = _model(layers=4)
     alone = Wire.alone(0, Tracer(0))
     parts = [parallelize(reference, alone, stage=s, stages=stages) for s in range(stages)]
@@ -121,11 +119,26 @@ def test_stages_in_turn_equal_the_whole_model(stages):
     for part in parts:
         x = part.run_blocks(x)
     loss = parts[-1].head_loss(x, batch[:, 1:])[0]
-    assert abs(loss.item() - reference.loss(batch).item()) < 1e-12
     held = [ref for m in parts for _, pieces in sources(m).values() for ref, _ in pieces]
-    assert sorted(held) == sorted(reference.state_dict())
+    return abs(loss.item() - reference.loss(batch).item()), sorted(held) == sorted(reference.state_dict()), parts
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_stages_in_turn_equal_the_whole_model(stages):
+    """split_stages: each block on exactly one stage, the embedding on the first, the head on the last; the stages
+    run one after another give one process's loss."""
+    error, once, parts = _stages_error(stages)
+    assert error < 1e-12 and once
     assert [m.embed is not None for m in parts] == [True] + [False] * (stages - 1)
     assert [m.head is not None for m in parts] == [False] * (stages - 1) + [True]
+
+
+def test_overlapping_stages_fail(monkeypatch):
+    """A split that gives each stage one block too many runs a block twice and holds it twice."""
+    from backend.parallel import parallelize as module
+    monkeypatch.setattr(module, "part", lambda total, i, n: slice(i * total // n, min(total, (i + 1) * total // n + 1)))
+    error, once, _ = _stages_error(2)
+    assert error > 1e-6 and not once
 
 
 def test_refusals_name_what_is_not_built():
