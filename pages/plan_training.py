@@ -64,7 +64,8 @@ def render_training(result: dict, rec) -> None:
     hbm = alt.Chart(pd.DataFrame({"GiB": [m["hbm_gib"]]})).mark_rule(color="#c00", strokeWidth=2).encode(
         x="GiB:Q", tooltip=[alt.Tooltip("GiB:Q", title="HBM (GiB)")])
     st.altair_chart((bars + hbm).properties(height=150))
-    st.caption("Red line: the GPU's HBM. The allocator's share is the fitted constant; the rest is the plan's formulas.")
+    st.caption(f"Red line: the GPU's HBM. At the {m.get('peak_moment', 'peak')} moment; the allocator's fragmentation "
+               f"({m.get('allocator_fragmentation', 0):.0%} of the allocated bytes) is the one fitted memory constant.")
 
     st.subheader("One step")
     parts = pd.DataFrame(t["time"])

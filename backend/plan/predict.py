@@ -23,6 +23,7 @@ from backend.config import ConfigError
 from backend.parallel import costs
 from backend.parallel.pp import schedules
 from backend.plan import models as M
+from backend.plan import transients as T
 from backend.plan.clusters import Cluster
 
 BUS_EFFICIENCY = 0.8            # nccl-tests busbw ÷ link bandwidth at large messages (assumed, not fitted)
@@ -31,16 +32,17 @@ OPTIMIZER_BYTES_PER_PARAM = 40  # Adam step: read and write fp32 master, m, v, r
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 RECOMPUTE = ("none", "selective", "full")
 PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """The fitted constants: the fraction of peak matmuls reach on each GPU family, attention's efficiency as a
-    fixed ratio of it (FLOPs counted as the full s×s product), and the allocator's overhead in bytes."""
+    fixed ratio of it, and the caching allocator's fragmentation as a fraction of the allocated peak."""
     ampere: float = 0.6
     hopper: float = 0.6
     attention_ratio: float = 0.5
-    memory_overhead: float = 0.0
+    fragmentation: float = 0.0
     hopper_500w: float = 0.0     # 0: as hopper
 
     def linear(self, gpu) -> float:
@@ -145,7 +147,8 @@ def _moe_fraction(model: M.ModelSpec) -> float:
 
 
 def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency = Efficiency()) -> dict:
-    """Bytes per GPU by category on the first and the last pipeline rank; the larger is the plan's."""
+    """Bytes per GPU by category on the first and the last pipeline rank at the peak moment of each (the loss or a
+    layer's backward: backend/plan/transients.py); the larger rank is the plan's."""
     t, L = plan.tp, stage_layers(model, plan)
     c = M.counts(model)
     moe_frac = _moe_fraction(model)
@@ -177,25 +180,44 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Effic
             held = {k: held[k] + ex[k] for k in held}
         live = costs.live_microbatches(plan.schedule, plan.pp, m, plan.vp, rank)
         acts = layer_act * chunk_layers * live
-        edge = 0.0
-        if rank == plan.pp - 1:
-            edge += 6 * b * (s // plan.cp) * model.vocab / t   # bf16 logits kept + fp32 softmax in the loss
         buffers = 2 * 2 * b * (s // plan.cp) * model.hidden / split if plan.pp > 1 else 0.0   # p2p send/recv
         if t > 1 and plan.sp:
             buffers += 2 * b * (s // plan.cp) * model.hidden   # the gathered sequence
+        last = rank == plan.pp - 1
+        moments = {"loss": {}, "backward": {"recompute (one layer rebuilt)": rebuilt}}
+        if last:
+            moments["loss"]["loss: fp32 logits, softmax, gradient"] = T.loss_bytes(b * s / plan.cp, model.vocab / t, model.gpt)
         if plan.dp_strategy in ("zero3", "fsdp", "hsdp"):
-            layer_psi = (layer_dense_part + layer_expert_part)
-            buffers += layer_psi * (2 * 2 + 4)   # two layers' gathered bf16 weights (prefetch), one layer's fp32 gradients
-        out[label] = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
-                      "activations (layers)": acts, "activations (logits)": edge, "recompute (one layer rebuilt)": rebuilt,
-                      "communication buffers": buffers, "allocator and runtime (fitted)": eff.memory_overhead,
-                      "_live": live, "_per_layer": layer_act, "_layers": L}
+            head = (c["head"] or c["embedding"]) / t if last else 0.0
+            for moment in moments:
+                moments[moment]["FSDP unsharded weights and gradients"] = T.fsdp_unsharded_bytes(
+                    layer_dense_part + layer_expert_part, extra / t, head, moment)
+        peak = max(moments, key=lambda k: sum(moments[k].values())) if last else "backward"
+        cats = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
+                "activations (layers)": acts, "loss: fp32 logits, softmax, gradient": 0.0, "recompute (one layer rebuilt)": 0.0,
+                "FSDP unsharded weights and gradients": 0.0, "communication buffers": buffers, **moments[peak]}
+        allocated = sum(cats.values())
+        cats["allocator fragmentation (fitted fraction)"] = T.fragmentation_bytes(allocated, eff.fragmentation)
+        cats[OUTSIDE] = T.outside_allocator_bytes(communicators(plan, dp))
+        out[label] = {**cats, "_moment": peak, "_live": live, "_per_layer": layer_act, "_layers": L}
     worst = max(out, key=lambda k: sum(v for kk, v in out[k].items() if not kk.startswith("_")))
     return {"stage": worst, **out[worst], "_stages": out}
 
 
 def total_bytes(mem: dict) -> float:
     return sum(v for k, v in mem.items() if not k.startswith("_") and k != "stage")
+
+
+def reserved_bytes(mem: dict) -> float:
+    """What torch.cuda.max_memory_reserved reports (torchtitan's memory figure): the total less what lives outside
+    PyTorch's caching allocator."""
+    return total_bytes(mem) - mem[OUTSIDE]
+
+
+def communicators(plan: Plan, dp: int) -> int:
+    """NCCL communicators a rank opens: one per parallel dimension larger than one (HSDP: two)."""
+    dims = [plan.tp, plan.cp, plan.ep, plan.pp, dp]
+    return sum(1 for d in dims if d > 1) + (1 if plan.dp_strategy == "hsdp" else 0)
 
 
 def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float:

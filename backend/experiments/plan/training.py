@@ -141,7 +141,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "model_tflops_per_gpu": r["model_tflops_per_gpu"],
                "mfu": r["mfu"], "train_days": r["train_days"], "gpu_hours": r["gpu_hours"],
                "efficiency_linear": eff.linear(cl.gpu), "efficiency_attention": eff.attention(cl.gpu),
-               "allocator_overhead_gib": eff.memory_overhead / GiB,
+               "allocator_fragmentation": eff.fragmentation, "peak_moment": r["memory"]["_moment"],
                "worst_calibration_error": max(abs(x["error"]) for x in rows if x["role"] == "calibration"),
                "worst_validation_error": max(abs(x["error"]) for x in rows if x["role"] == "validation")}
     links = [{"dimension": k, "size": getattr(plan, k, r["dp"]) if k != "dp" else r["dp"], "link": v} for k, v in t["links"].items()]
@@ -155,7 +155,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                 "live": [live] if live else []},
         checks=checks,
         notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
-               f"attention {eff.attention(cl.gpu):.3f}, allocator {eff.memory_overhead / GiB:.1f} GiB); validation rows are predicted with them."])
+               f"attention {eff.attention(cl.gpu):.3f}, allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
 
 
 EXPERIMENT = define(__name__, PlanTrainingConfig,
