@@ -241,13 +241,27 @@ def linear_params_per_token(m: ModelSpec) -> float:
     return (m.layers - m.moe_layers) * per_dense + m.moe_layers * per_moe + m.vocab * m.hidden
 
 
-def training_flops_per_token(m: ModelSpec, seq: int) -> dict[str, float]:
+def training_flops_per_token(m: ModelSpec, seq: int, causal: bool = False) -> dict[str, float]:
     """FLOPs of one token's forward and backward (3x the forward): 6 per linear parameter on its path and the
-    attention scores and weighted sum, 6·s·a·(d_qk + d_v) per layer (the full s×s product, as FlopCounterMode counts
-    non-flash attention; with standard heads 12·s·a·d, estimate.training's 12·L·T·d_attn)."""
+    attention scores and weighted sum, 6·s·a·(d_qk + d_v) per layer for the full s×s product (as FlopCounterMode
+    counts non-flash attention, and Narayanan et al.'s formula; with standard heads 12·s·a·d, estimate.training's
+    12·L·T·d_attn). causal: only the s(s+1)/2 query-key pairs a causal mask keeps, the work FlashAttention's causal
+    kernel does (it skips the masked blocks) and the count of useful FLOPs."""
     linear = 6.0 * linear_params_per_token(m)
-    attention = 6.0 * m.layers * seq * m.heads * (m.qk_dim + m.v_dim)
+    attention = 6.0 * m.layers * seq * m.heads * (m.qk_dim + m.v_dim) * (causal_fraction(seq) if causal else 1.0)
     return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def causal_fraction(seq: int) -> float:
+    """Share of the s×s query-key pairs a causal mask keeps: s(s+1)/2 of s²."""
+    return (seq + 1) / (2 * seq)
+
+
+def causal(m: ModelSpec) -> bool:
+    """Whether a model's attention is run (and its FLOPs counted) causally: FlashAttention for the Llama family, DeepSeek and
+    Mixtral (torchtitan, Megatron-Core); Korthikanti's and Narayanan's GPT models on Megatron's fused softmax over the
+    full s×s scores, counted in full by their formula."""
+    return not m.gpt
 
 
 # Published totals: (parameters, how they were counted, relative tolerance the rounding of the figure allows).

@@ -8,7 +8,7 @@ The model (every byte figure from backend/parallel/costs.py and the functions it
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
-            attention; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
+            attention, Llama 3's all-gathered K/V does not; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
             parameter all-gather after the optimizer is exposed; FSDP/ZeRO-3 prefetch hides every gather and
             reduce-scatter behind the compute except the first layer's gather
   pipeline  the schedule's makespan function (1F1B, GPipe) or busy ÷ (1 − its bubble formula) at these costs;
@@ -31,6 +31,7 @@ LATENCY = {"nvlink": 5e-6, "network": 15e-6}   # α per ring step (assumed)
 OPTIMIZER_BYTES_PER_PARAM = 40  # Adam step: read and write fp32 master, m, v, read the gradient and write bf16 weights
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 RECOMPUTE = ("none", "selective", "full")
+CP_COMMS = ("ring", "allgather")
 PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
 OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
@@ -68,6 +69,7 @@ class Plan:
     tp: int = 1
     sp: bool = True
     cp: int = 1
+    cp_comm: str = "ring"             # ring (overlapped ring attention) | allgather (Llama 3's, exposed)
     ep: int = 1
     pp: int = 1
     vp: int = 1                       # virtual stages (model chunks) per pipeline rank
@@ -102,8 +104,11 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
         raise ConfigError("tp", f"{plan.tp} neither divides nor is a multiple of the {kv} KV heads (allowed: a divisor or multiple of {kv})")
     if plan.seq_len % (2 * plan.cp):
         raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
-    if plan.pp * plan.vp > model.layers:
-        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers (allowed: at most {model.layers})")
+    if plan.cp_comm not in CP_COMMS:
+        raise ConfigError("cp_comm", f"{plan.cp_comm!r} (allowed: {', '.join(CP_COMMS)})")
+    if plan.pp * plan.vp > model.layers + 2:
+        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers and the two chunks the "
+                                f"embedding and the head may take alone (allowed: at most {model.layers + 2})")
     sched = schedules.SCHEDULES.get(plan.schedule)
     if plan.schedule not in PLAN_SCHEDULES:
         raise ConfigError("schedule", f"{plan.schedule!r} (allowed: {', '.join(PLAN_SCHEDULES)})")
@@ -138,7 +143,8 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float, float]:
 
 
 def stage_layers(model: M.ModelSpec, plan: Plan) -> int:
-    """Layers on the fullest pipeline rank (uneven splits, as Llama 3's 126 layers over 16 stages, round up)."""
+    """Layers on the fullest pipeline rank (uneven splits round up; Llama 3's 126 layers in 128 one-layer chunks over 16
+    ranks: the embedding and the head take the first and the last chunk alone, the fullest rank holds 8 layers)."""
     return math.ceil(model.layers / (plan.pp * plan.vp)) * plan.vp
 
 
@@ -237,7 +243,7 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     m = microbatches(plan, dp)
     peak = cluster.gpu.fp8_flops if plan.precision == "fp8" else cluster.gpu.bf16_flops
     tokens_local = b * s / cp
-    per_tok = M.training_flops_per_token(model, s)
+    per_tok = M.training_flops_per_token(model, s, M.causal(model))
     head_lin = 6.0 * model.vocab * model.hidden
     layer_lin = (per_tok["linear"] - head_lin) / model.layers   # forward+backward FLOPs per token per layer
     layer_att = per_tok["attention"] / model.layers
@@ -253,11 +259,13 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
                 + moe_frac * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp, dense_ffn=False)) * chunk_layers
     n_coll = 4 * chunk_layers * (2 if plan.sp else 1)
     tp_s = tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0
-    # context parallel: K/V blocks pass the ring (forward once, backward K/V and their gradients), hidden by attention
+    # context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
+    # (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)
     cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
-    kv_block = b * (s // cp) * model.kv_width * costs.ACT_BYTES / t
-    cp_comm = 3 * (cp - 1) * (kv_block / cp_bw + cp_lat) * chunk_layers if cp > 1 else 0.0
-    cp_s = max(0.0, cp_comm - 3 * f_att)
+    kv_numel = int(b * (s // cp) * model.kv_width / t)
+    steps = 3 * (cp - 1) if plan.cp_comm == "ring" else 2 * (cp - 1)
+    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel, cp) / cp_bw + steps * cp_lat) * chunk_layers if cp > 1 else 0.0
+    cp_s = max(0.0, cp_comm - 3 * f_att) if plan.cp_comm == "ring" else cp_comm
     # expert parallel: dispatch and combine all-to-all, forward and backward, exposed
     ep_kind, ep_bw, ep_lat = _link(cluster, t * cp, plan.ep)
     a2a = 2 * tokens_local * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
@@ -335,7 +343,7 @@ def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, 
     mem = mem or memory(model, cluster, plan, dp, eff)
     st = step(model, cluster, plan, dp, eff)
     tokens = plan.global_batch * plan.seq_len
-    flops_model = M.training_flops_per_token(model, plan.seq_len)["total"] * tokens
+    flops_model = M.training_flops_per_token(model, plan.seq_len, M.causal(model))["total"] * tokens
     hw = flops_model * (1 + st["recompute_flops_fraction"])
     g = cluster.gpus
     peak = cluster.gpu.bf16_flops

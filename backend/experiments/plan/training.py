@@ -14,7 +14,7 @@ from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
 from backend.plan import gantt, published
 from backend.plan import models as M
-from backend.plan.predict import DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
+from backend.plan.predict import CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
 from backend.result import Check, Result
 
 GiB = 2 ** 30
@@ -30,7 +30,9 @@ class PlanTrainingConfig(Config):
     network_gbps: float = _C["network_gbps"]
     tp: int = setting(1, min=1, max=64, help="tensor-parallel degree")
     sp: bool = setting(True, help="sequence parallel (with tp > 1)")
-    cp: int = setting(1, min=1, max=64, help="context-parallel degree (ring attention)")
+    cp: int = setting(1, min=1, max=64, help="context-parallel degree")
+    cp_comm: str = setting("ring", choices=CP_COMMS, help="context parallel's K/V exchange: ring attention (overlapped) or "
+                                                          "Llama 3's all-gather (exposed)")
     ep: int = setting(1, min=1, max=256, help="expert-parallel degree (MoE models)")
     pp: int = setting(1, min=1, max=128, help="pipeline stages")
     vp: int = setting(1, min=1, max=8, help="virtual stages per pipeline rank (interleaved schedule)")
@@ -57,7 +59,7 @@ class PlanTrainingConfig(Config):
         return Estimate(own.memory_bytes + mesh.memory_bytes - PROCESS_BYTES, own.seconds + mesh.seconds)
 
     def plan(self) -> Plan:
-        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
+        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
                     dp_strategy=self.dp_strategy, hsdp_shard=self.hsdp_shard, micro_batch=self.micro_batch,
                     global_batch=self.global_batch, seq_len=self.seq_len, recompute=self.recompute,
                     precision=self.precision, grad_bytes=self.grad_bytes)
