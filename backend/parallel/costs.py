@@ -44,6 +44,18 @@ def cp_sent_bytes(comm: str, kv_numel: int, cp: int, item: int = ACT_BYTES) -> f
     return wire.ring_bytes("all_gather", kv_numel, cp, item) + wire.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
 
 
+def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item: int = ACT_BYTES) -> tuple[float, float]:
+    """HBM bytes (forward, backward) of one layer's attention scores when they are materialised (Megatron's fused
+    scale-mask-softmax and dropout, no FlashAttention), per score element of b·heads·queries·keys:
+      forward   QKᵀ writes the scores (2), softmax reads and writes (4), dropout reads, writes and stores its mask (5),
+                the product with V reads the probabilities (2): 13 bytes
+      backward  the gradient of the probabilities written (2), dropout's backward reads it and the mask and writes (5),
+                softmax's backward reads the probabilities and the gradient and writes (6), dQ and dK read dS (4): 17
+    Korthikanti's 5as²b activation bytes are the kept part of these."""
+    n = b * heads * queries * keys
+    return 13 * n * item / 2, 17 * n * item / 2
+
+
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     """Ranks are numbered tp fastest, then cp, then dp (ep within it), then pp (Megatron's order); a group of `size`
     ranks `stride` apart stays in one node when it spans no more than the node's GPUs."""

@@ -251,7 +251,11 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
     f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
     f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
-    recompute_f = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
+    # Megatron's unfused attention (GPT models): the s×s scores pass through HBM (memory-bound, apart from the FLOPs)
+    f_sm, b_sm = ((x * chunk_layers / cluster.gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
+                  if not M.causal(model) else (0.0, 0.0))
+    recompute_flops = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
+    recompute_f = recompute_flops + (f_sm if plan.recompute == "full" or (plan.recompute == "selective" and model.gpt) else 0.0)
     # tensor parallel: exposed
     tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
     moe_frac = _moe_fraction(model)
@@ -274,8 +278,8 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     pp_kind, pp_bw, pp_lat = _link(cluster, t * cp * dp, plan.pp)
     act = b * (s // cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
     p2p = (act / pp_bw + pp_lat) if plan.pp > 1 else 0.0
-    F = f_lin + f_att + (tp_s + cp_s + ep_s) / 3 + p2p
-    B = 2 * (f_lin + f_att) + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
+    F = f_lin + f_att + f_sm + (tp_s + cp_s + ep_s) / 3 + p2p
+    B = 2 * (f_lin + f_att) + b_sm + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
     head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
     sched = schedules.SCHEDULES[plan.schedule]
     v, p = plan.vp, plan.pp
@@ -327,13 +331,13 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
         dp_exposed = max(0.0, grad_part - v * B) + (dp_comm - grad_part)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * psi / (dp if strategy != "ddp" else 1) / cluster.gpu.hbm_bw
     total = pipe + dp_exposed + optimizer
-    compute = m * (v * (3 * (f_lin + f_att)) + 3 * head_f)
+    compute = m * (v * (3 * (f_lin + f_att) + f_sm + b_sm) + 3 * head_f)
     exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
     bubble = max(0.0, pipe - busy)
     return {"step_s": total, "compute_s": compute, "recompute_s": m * v * recompute_f, "bubble_s": bubble,
             "exposed_s": exposed, "optimizer_s": optimizer, "pipeline_s": pipe, "m": m,
             "F": F, "B": B, "head_f": head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},
-            "recompute_flops_fraction": recompute_f / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
+            "recompute_flops_fraction": recompute_flops / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
 
 
 def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0,
