@@ -88,9 +88,10 @@ def render_training(result: dict, rec) -> None:
     if t.get("live"):
         st.subheader("Checked live, scaled down")
         ui.table(pd.DataFrame(t["live"]))
-        st.caption("The plan's dimensions at tiny widths on gloo ranks (parallel.mesh); its checks are listed with this run's.")
+        st.caption("The plan's dimensions, schedule, virtual stages, dp strategy and recompute at tiny widths on gloo ranks "
+                   "(parallel.mesh), checked against the planner's own functions; the checks are listed with this run's.")
     else:
-        st.caption("Set live_check to run this plan scaled down on gloo ranks and see its structure checks pass.")
+        st.caption("Set live_check to run this plan scaled down on gloo ranks; what the tiny run cannot mirror is refused by name.")
     published(t["published"])
     with st.expander("Korthikanti et al. and ZeRO: the exact memory figures"):
         ui.table(pd.DataFrame(t["published_exact"]))

@@ -321,3 +321,59 @@ def test_cp_bytes_by_implementation():
     assert costs.cp_sent_bytes("ring", 1000, 16) == 3 * 15 * 1000 * 2
     assert costs.cp_sent_bytes("allgather", 1000, 16) == 2 * 15 * 1000 * 2
     assert costs.cp_sent_bytes("ring", 1000, 1) == 0
+
+
+# ---- the live check: the plan's own schedule, virtual stages, dp strategy and recompute through parallel.mesh ----
+from backend.plan import live  # noqa: E402
+
+LIVE_PLAN = Plan(tp=1, pp=2, vp=2, schedule="interleaved_1f1b", dp_strategy="zero1", recompute="none", micro_batch=1, global_batch=16)
+
+
+@pytest.fixture(scope="module")
+def live_run():
+    model, cl = M.load("llama-3-8b"), Cluster(GPUS["H100 SXM 80GB"], 1)
+    dp = validate(model, cl, LIVE_PLAN)
+    result, mesh = live.mesh_run(LIVE_PLAN, model, dp)
+    return result, mesh, dp
+
+
+def test_live_check_runs_the_plans_schedule_and_strategy(live_run):
+    result, mesh, dp = live_run
+    assert (mesh["schedule"], mesh["virtual_stages"], mesh["dp_strategy"], mesh["recompute"]) == ("interleaved_1f1b", 2, "zero1", "none")
+    assert (mesh["pp"], result.metrics["dp"]) == (2, 2)
+    checks = live.planner_checks(LIVE_PLAN, result, dp) + result.checks
+    assert len(checks) > 3 and all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+def test_live_order_check_fails_for_another_schedule(live_run):
+    """The executed interleaved order is not 1F1B's: checked against the wrong schedule, the order check fails."""
+    result, _, _ = live_run
+    assert live.order_check(LIVE_PLAN, result).passed
+    assert not live.order_check(dataclasses.replace(LIVE_PLAN, vp=1, schedule="1f1b"), result).passed
+
+
+def test_live_state_check_fails_when_the_sharding_rule_is_wrong(live_run, monkeypatch):
+    from backend.estimate import training as est
+    result, _, dp = live_run
+    real = est.memory_per_rank
+    monkeypatch.setattr(est, "memory_per_rank", lambda psi, n, stage: real(psi, n, 2 if stage == 1 else stage))  # ZeRO-1 as ZeRO-2
+    assert not live.state_check(LIVE_PLAN, result, dp).passed
+
+
+def test_live_dp_bytes_check_fails_when_the_volume_rule_is_wrong(live_run, monkeypatch):
+    from backend.parallel import wire
+    result, _, _ = live_run
+    real = wire.ring_bytes
+    monkeypatch.setattr(wire, "ring_bytes", lambda op, *a, **k: 0 if op == "all_gather" else real(op, *a, **k))  # gather forgotten
+    assert not live.dp_bytes_check(LIVE_PLAN, result).passed
+
+
+@pytest.mark.parametrize("change, field", [({"recompute": "selective"}, "recompute"), ({"dp_strategy": "hsdp", "hsdp_shard": 2}, "dp_strategy"),
+                                           ({"vp": 8, "pp": 2}, "vp"), ({"cp": 2, "cp_comm": "allgather"}, "cp_comm"),
+                                           ({"tp": 2, "pp": 2, "cp": 2}, "tp")])
+def test_live_check_refuses_what_it_cannot_mirror_by_name(change, field):
+    plan = dataclasses.replace(LIVE_PLAN, **{"vp": 1, "schedule": "1f1b", **change})
+    if plan.vp > 1:
+        plan = dataclasses.replace(plan, schedule="interleaved_1f1b")
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        live.settings(plan, M.load("llama-3-8b"), 2)
