@@ -13,10 +13,11 @@ VIEWS = {"plan.training": "One plan", "plan.search": "Search every plan"}
 
 def config_upload(experiment: str) -> None:
     """Your own config.json: checked and stored on the server under its content hash, which the `model` setting carries."""
+    from backend import uploads
     from backend.plan import models
 
     file = st.file_uploader("Your model's config.json (Hugging Face format)", type="json", max_upload_size=1, key="config-upload",
-                            help=f"at most {models.MAX_CONFIG_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
+                            help=f"at most {uploads.MAX_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
                                  "num_attention_heads, vocab_size and intermediate_size (or GPT-2's n_embd, n_layer, n_head) required")
     if file is None:
         return

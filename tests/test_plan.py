@@ -177,6 +177,7 @@ def test_bad_plans_are_refused_naming_the_field():
 
 
 def test_uploaded_config_is_validated(tmp_path):
+    from backend import uploads
     good = json.loads((M.CONFIG_DIR / "llama-3-8b.json").read_text())
     digest = M.save_config(json.dumps(good).encode(), tmp_path)
     assert M.load(digest, str(tmp_path)).hidden == 4096
@@ -184,7 +185,17 @@ def test_uploaded_config_is_validated(tmp_path):
     with pytest.raises(ValueError, match="lacks 'num_hidden_layers'"):
         M.save_config(json.dumps(missing).encode(), tmp_path)
     with pytest.raises(ValueError, match="at most"):
-        M.parse_bytes(b" " * (M.MAX_CONFIG_BYTES + 1))
+        M.parse_bytes(b" " * (uploads.MAX_BYTES + 1))
+    # the one cap: lower it and both uploads (config.json and traces) refuse the same bytes
+    big = json.dumps({**good, "padding": "x" * 2000}).encode()
+    uploads.MAX_BYTES, real = 1000, uploads.MAX_BYTES
+    try:
+        with pytest.raises(ValueError, match="config.json has .* at most 1,000"):
+            M.parse_bytes(big)
+        with pytest.raises(ValueError, match="at most 1,000"):
+            uploads.parse_trace(big)
+    finally:
+        uploads.MAX_BYTES = real
     with pytest.raises(ValueError, match="'hidden_size' is -1"):
         M.parse_config({**good, "hidden_size": -1})
     with pytest.raises(ValueError, match="not JSON"):
