@@ -78,11 +78,12 @@ def render_training(result: dict, rec) -> None:
     if t["gantt"]:
         g = pd.DataFrame(t["gantt"]).assign(start_ms=lambda d: d["ts"] / 1e3, end_ms=lambda d: (d["ts"] + d["dur"]) / 1e3)
         g["action"] = g["kind"] + " stage " + g["stage"].astype(str) + " mb " + g["mb"].astype(str)
-        st.altair_chart(alt.Chart(g).mark_bar(stroke="white", strokeWidth=0.3).encode(
+        g["row"] = g["rank"].map(lambda r: f"rank {r}")
+        st.altair_chart(alt.Chart(g).mark_bar(height=alt.RelativeBandSize(0.8), stroke="white", strokeWidth=0.3).encode(
             x=alt.X("start_ms:Q", title="time in the step (ms, predicted)"), x2="end_ms:Q",
-            y=alt.Y("rank:O", title="pipeline rank"), color=alt.Color("kind:N", title=None),
+            y=alt.Y("row:N", title=None, sort="ascending"), color=alt.Color("kind:N", title=None),
             tooltip=["action", alt.Tooltip("start_ms:Q", format=",.1f"), alt.Tooltip("end_ms:Q", format=",.1f")])
-            .properties(height=min(400, 30 * (g["rank"].max() + 1) + 40)))
+            .properties(height=alt.Step(30 if g["rank"].max() < 12 else 14)))
         st.caption(f"The {cfg['schedule']} schedule's own per-rank order, each action at its predicted cost, replayed.")
     else:
         st.caption("No pipeline (pp = 1) or too many actions to draw: no Gantt.")
