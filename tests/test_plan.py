@@ -388,3 +388,11 @@ def test_live_check_refuses_what_it_cannot_mirror_by_name(change, field):
         plan = dataclasses.replace(plan, schedule="interleaved_1f1b")
     with pytest.raises(ConfigError, match=f"^{field}: "):
         live.settings(plan, M.load("llama-3-8b"), 2)
+
+
+def test_live_in_flight_check_fails_when_the_planners_count_is_wrong(live_run, monkeypatch):
+    result, _, _ = live_run
+    assert live.in_flight_check(LIVE_PLAN, result).passed
+    costs.live_microbatches.cache_clear()
+    monkeypatch.setattr(costs, "live_microbatches", lambda schedule, p, m, v, rank=0: p)  # the interleaved excess dropped
+    assert not live.in_flight_check(LIVE_PLAN, result).passed

@@ -62,15 +62,37 @@ def order_check(plan, result) -> Check:
     planner's Gantt and makespan walk."""
     m, p, v = result.metrics["_live_m"], result.metrics["pp"], plan.vp
     want = schedules.SCHEDULES[plan.schedule].actions(p, m, v)
-    got: dict[int, list] = {}
-    for e in result.trace_events:
-        if e.get("lane") == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"):
-            got.setdefault(e["rank"], []).append((e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]))
+    got = executed_orders(result)
     coords = {r["rank"]: r["pp"] for r in result.tables["ranks"]}
     wrong = sum(got.get(rank, []) != [(a.kind, a.stage, a.mb) for a in want[pp]] for rank, pp in coords.items())
     return Check(f"every rank ran the {plan.schedule} order the planner's Gantt and makespan use (v = {v})", wrong, 0,
                  reference="schedules.SCHEDULES[...].actions(p, m, v), the per-rank order gantt.replay walks",
                  detail=f"{wrong} of {len(coords)} ranks out of order")
+
+
+def executed_orders(result) -> dict[int, list[tuple]]:
+    """Each rank's executed (kind, stage, micro-batch) actions from the run's trace, in the order they ran."""
+    got: dict[int, list] = {}
+    for e in result.trace_events:
+        if e.get("lane") == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"):
+            got.setdefault(e["rank"], []).append((e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]))
+    return got
+
+
+def in_flight_check(plan, result) -> Check:
+    """Chunk-micro-batches whose activations each rank held at its peak, counted on the executed order (+1 at F,
+    -1 at B or W), against costs.live_microbatches: the count the planner's activation memory multiplies by."""
+    m, p, v = result.metrics["_live_m"], result.metrics["pp"], plan.vp
+    coords = {r["rank"]: r["pp"] for r in result.tables["ranks"]}
+    worst = 0
+    for rank, order in executed_orders(result).items():
+        held = peak = 0
+        for kind, _, _ in order:
+            held += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+            peak = max(peak, held)
+        worst = max(worst, abs(peak - costs.live_microbatches(plan.schedule, p, m, v, coords[rank])))
+    return Check(f"micro-batches in flight at each rank's peak equal the planner's {plan.schedule} count", worst, 0,
+                 reference="costs.live_microbatches (the schedule's live bound), against the executed order counted")
 
 
 def state_check(plan, result, dp: int) -> Check:
@@ -126,7 +148,7 @@ def planner_checks(plan, result, dp: int) -> list[Check]:
     if result.metrics["dp"] > 1:
         out.append(dp_bytes_check(plan, result))
     if result.metrics["pp"] > 1:
-        out.append(order_check(plan, result))
+        out += [order_check(plan, result), in_flight_check(plan, result)]
     return out
 
 
