@@ -30,10 +30,27 @@ def traces_dir(root: Path | None = None) -> Path:
     return Path(root or data_dir()) / "traces"
 
 
+def check_size(data: bytes, what: str = "the file") -> None:
+    """The one upload cap (traces here, model configs in backend/plan/models.py): ValueError past MAX_BYTES."""
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"{what} has {len(data):,} bytes (allowed: at most {MAX_BYTES:,})")
+
+
+def store(data: bytes, folder: Path, suffix: str) -> str:
+    """Keep checked upload bytes as <folder>/<sha256><suffix> (written once, atomically); returns the hash."""
+    digest = hashlib.sha256(data).hexdigest()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{digest}{suffix}"
+    if not target.exists():
+        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as f:
+            f.write(data)
+        Path(f.name).replace(target)
+    return digest
+
+
 def parse_trace(data: bytes) -> list[Request]:
     """Requests from CSV bytes (UTF-8, with or without a byte-order mark), within the caps."""
-    if len(data) > MAX_BYTES:
-        raise ValueError(f"the file has {len(data):,} bytes (allowed: at most {MAX_BYTES:,})")
+    check_size(data)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -54,15 +71,7 @@ def parse_trace(data: bytes) -> list[Request]:
 def save_trace(data: bytes, root: Path | None = None) -> str:
     """Check an uploaded trace and store it under its content hash; returns the hash (the run's `trace`)."""
     parse_trace(data)
-    digest = hashlib.sha256(data).hexdigest()
-    folder = traces_dir(root) / "uploads"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{digest}.csv"
-    if not target.exists():
-        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as f:
-            f.write(data)
-        Path(f.name).replace(target)
-    return digest
+    return store(data, traces_dir(root) / "uploads", ".csv")
 
 
 def read_capped(path: Path) -> bytes:

@@ -44,7 +44,7 @@ def main() -> dict:
     one = (time.perf_counter() - one) / 20
     out = {"device": describe(), "note": "CPU times on a contended 2-core VM shared by eight engineers",
            "constants": {"ampere_matmul": eff.ampere, "hopper_matmul": eff.hopper, "hopper_500w_matmul": eff.hopper_500w, "attention_ratio": eff.attention_ratio,
-                         "memory_overhead_gib": eff.memory_overhead / 2**30},
+                         "allocator_fragmentation": eff.fragmentation},
            "fit_cpu_s": fit_cpu,
            "calibration": [r for r in rows if r["role"] == "calibration"],
            "validation": [r for r in rows if r["role"] == "validation"],

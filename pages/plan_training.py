@@ -13,10 +13,11 @@ VIEWS = {"plan.training": "One plan", "plan.search": "Search every plan"}
 
 def config_upload(experiment: str) -> None:
     """Your own config.json: checked and stored on the server under its content hash, which the `model` setting carries."""
+    from backend import uploads
     from backend.plan import models
 
     file = st.file_uploader("Your model's config.json (Hugging Face format)", type="json", max_upload_size=1, key="config-upload",
-                            help=f"at most {models.MAX_CONFIG_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
+                            help=f"at most {uploads.MAX_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
                                  "num_attention_heads, vocab_size and intermediate_size (or GPT-2's n_embd, n_layer, n_head) required")
     if file is None:
         return
@@ -64,7 +65,8 @@ def render_training(result: dict, rec) -> None:
     hbm = alt.Chart(pd.DataFrame({"GiB": [m["hbm_gib"]]})).mark_rule(color="#c00", strokeWidth=2).encode(
         x="GiB:Q", tooltip=[alt.Tooltip("GiB:Q", title="HBM (GiB)")])
     st.altair_chart((bars + hbm).properties(height=150))
-    st.caption("Red line: the GPU's HBM. The allocator's share is the fitted constant; the rest is the plan's formulas.")
+    st.caption(f"Red line: the GPU's HBM. At the {m.get('peak_moment', 'peak')} moment; the allocator's fragmentation "
+               f"({m.get('allocator_fragmentation', 0):.0%} of the allocated bytes) is the one fitted memory constant.")
 
     st.subheader("One step")
     parts = pd.DataFrame(t["time"])
@@ -76,20 +78,22 @@ def render_training(result: dict, rec) -> None:
     if t["gantt"]:
         g = pd.DataFrame(t["gantt"]).assign(start_ms=lambda d: d["ts"] / 1e3, end_ms=lambda d: (d["ts"] + d["dur"]) / 1e3)
         g["action"] = g["kind"] + " stage " + g["stage"].astype(str) + " mb " + g["mb"].astype(str)
-        st.altair_chart(alt.Chart(g).mark_bar(stroke="white", strokeWidth=0.3).encode(
+        g["row"] = g["rank"].map(lambda r: f"rank {r}")
+        st.altair_chart(alt.Chart(g).mark_bar(height=alt.RelativeBandSize(0.8), stroke="white", strokeWidth=0.3).encode(
             x=alt.X("start_ms:Q", title="time in the step (ms, predicted)"), x2="end_ms:Q",
-            y=alt.Y("rank:O", title="pipeline rank"), color=alt.Color("kind:N", title=None),
+            y=alt.Y("row:N", title=None, sort="ascending"), color=alt.Color("kind:N", title=None),
             tooltip=["action", alt.Tooltip("start_ms:Q", format=",.1f"), alt.Tooltip("end_ms:Q", format=",.1f")])
-            .properties(height=min(400, 30 * (g["rank"].max() + 1) + 40)))
+            .properties(height=alt.Step(30 if g["rank"].max() < 12 else 14)))
         st.caption(f"The {cfg['schedule']} schedule's own per-rank order, each action at its predicted cost, replayed.")
     else:
         st.caption("No pipeline (pp = 1) or too many actions to draw: no Gantt.")
     if t.get("live"):
         st.subheader("Checked live, scaled down")
         ui.table(pd.DataFrame(t["live"]))
-        st.caption("The plan's dimensions at tiny widths on gloo ranks (parallel.mesh); its checks are listed with this run's.")
+        st.caption("The plan's dimensions, schedule, virtual stages, dp strategy and recompute at tiny widths on gloo ranks "
+                   "(parallel.mesh), checked against the planner's own functions; the checks are listed with this run's.")
     else:
-        st.caption("Set live_check to run this plan scaled down on gloo ranks and see its structure checks pass.")
+        st.caption("Set live_check to run this plan scaled down on gloo ranks; what the tiny run cannot mirror is refused by name.")
     published(t["published"])
     with st.expander("Korthikanti et al. and ZeRO: the exact memory figures"):
         ui.table(pd.DataFrame(t["published_exact"]))

@@ -32,6 +32,30 @@ def tp_bytes_per_layer(b: int, s: int, h: int, t: int, sp: bool, dense_ffn: bool
     return sum(r["sent_bytes"] for r in rows if r["name"] != "norm weight gradients") * item / 8
 
 
+def cp_sent_bytes(comm: str, kv_numel: int, cp: int, item: int = ACT_BYTES) -> float:
+    """Bytes one context-parallel rank sends for one layer's forward and backward, its local K/V block of `kv_numel`
+    elements. ring (ring attention): the block passes the ring cp − 1 times forward, the K/V and their gradients
+    backward, 3(cp − 1) blocks. allgather (Llama 3, Sec. 3.3.2): K and V all-gathered forward, their gradients
+    reduce-scattered backward (wire.ring_bytes, the live collectives' byte model)."""
+    if cp <= 1:
+        return 0.0
+    if comm == "ring":
+        return 3 * (cp - 1) * kv_numel * item
+    return wire.ring_bytes("all_gather", kv_numel, cp, item) + wire.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
+
+
+def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item: int = ACT_BYTES) -> tuple[float, float]:
+    """HBM bytes (forward, backward) of one layer's attention scores when they are materialised (Megatron's fused
+    scale-mask-softmax and dropout, no FlashAttention), per score element of b·heads·queries·keys:
+      forward   QKᵀ writes the scores (2), softmax reads and writes (4), dropout reads, writes and stores its mask (5),
+                the product with V reads the probabilities (2): 13 bytes
+      backward  the gradient of the probabilities written (2), dropout's backward reads it and the mask and writes (5),
+                softmax's backward reads the probabilities and the gradient and writes (6), dQ and dK read dS (4): 17
+    Korthikanti's 5as²b activation bytes are the kept part of these."""
+    n = b * heads * queries * keys
+    return 13 * n * item / 2, 17 * n * item / 2
+
+
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     """Ranks are numbered tp fastest, then cp, then dp (ep within it), then pp (Megatron's order); a group of `size`
     ranks `stride` apart stays in one node when it spans no more than the node's GPUs."""

@@ -27,6 +27,28 @@ class GPU:
     source: str
 
 
+# Chips backend/memory/devices.py has: (its key, preset name, dense FP8 FLOP/s or None, network Gb/s per GPU, source of the rest)
+FROM_DEVICES = [
+    ("A100 (80 GB SXM)", "A100 80GB SXM", None, 200, "network HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
+    ("H100 (SXM)", "H100 SXM 80GB", 1_979e12, 400, "FP8 1,979 TFLOP/s dense (datasheet); NDR InfiniBand 400 Gb/s per GPU"),
+    ("H200 (SXM)", "H200 SXM", 1_979e12, 400, "FP8 1,979 TFLOP/s dense; NDR 400 Gb/s per GPU"),
+]
+# The others: (name, bf16 TFLOP/s, FP8 TFLOP/s or None, HBM GB, HBM GB/s, NVLink GB/s per direction, network Gb/s, source)
+DATASHEET = [
+    ("A100 40GB SXM", 312, None, 40, 1_555, 300, 200,
+     "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s both directions; HDR 200 Gb/s per GPU"),
+    ("H100 SXM 96GB", 989, 1_979, 96, 2_400, 450, 400,
+     "H100 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts, docs/performance.md); GH100 peaks as the "
+     "H100 SXM datasheet; 400 Gb/s RDMA per GPU"),
+    ("H800 SXM", 989, 1_979, 80, 3_350, 200, 400,
+     "H800 SXM: H100's compute and HBM3 with NVLink cut to 400 GB/s both directions (DeepSeek-V3 report, 3.3); "
+     "InfiniBand 400 Gb/s per GPU"),
+    ("B200", 2_250, 4_500, 180, 7_700, 900, 400,
+     "NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training for 8 GPUs (sparse) = 4.5 PFLOP/s dense FP8, 2.25 bf16 per GPU; "
+     "180 GB HBM3e per GPU at 7.7 TB/s; NVLink 5 1.8 TB/s both directions; ConnectX-7 400 Gb/s per GPU"),
+]
+
+
 def _from_devices(key: str, name: str, fp8: float | None, network_gbps: float, extra: str) -> GPU:
     spec = DEVICES[key]
     nvlink = next(bw for level, (_, bw) in spec["levels"].items() if level.startswith("NVLink"))
@@ -35,23 +57,12 @@ def _from_devices(key: str, name: str, fp8: float | None, network_gbps: float, e
                f"{SOURCES[(key, 'peak_flops')]}; {extra}")
 
 
-GPUS = {g.name: g for g in (
-    _from_devices("A100 (80 GB SXM)", "A100 80GB SXM", None, 200, "network HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
-    GPU("A100 40GB SXM", 312e12, None, 40 * GiB, 1_555 * GB, 300 * GB, 25 * GB,
-        "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s both directions; "
-        "HDR 200 Gb/s per GPU"),
-    _from_devices("H100 (SXM)", "H100 SXM 80GB", 1_979e12, 400, "FP8 1,979 TFLOP/s dense (datasheet); NDR InfiniBand 400 Gb/s per GPU"),
-    GPU("H100 SXM 96GB", 989e12, 1_979e12, 96 * GiB, 2_400 * GB, 450 * GB, 50 * GB,
-        "H100 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts, docs/performance.md); GH100 peaks as the "
-        "H100 SXM datasheet; 400 Gb/s RDMA per GPU"),
-    GPU("H800 SXM", 989e12, 1_979e12, 80 * GiB, 3_350 * GB, 200 * GB, 50 * GB,
-        "H800 SXM: H100's compute and HBM3 with NVLink cut to 400 GB/s both directions (DeepSeek-V3 report, 3.3); "
-        "InfiniBand 400 Gb/s per GPU"),
-    _from_devices("H200 (SXM)", "H200 SXM", 1_979e12, 400, "FP8 1,979 TFLOP/s dense; NDR 400 Gb/s per GPU"),
-    GPU("B200", 2_250e12, 4_500e12, 180 * GiB, 7_700 * GB, 900 * GB, 50 * GB,
-        "NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training for 8 GPUs (sparse) = 4.5 PFLOP/s dense FP8, 2.25 bf16 per GPU; "
-        "180 GB HBM3e per GPU at 7.7 TB/s; NVLink 5 1.8 TB/s both directions; ConnectX-7 400 Gb/s per GPU"),
-)}
+def _from_datasheet(name, bf16, fp8, hbm_gb, hbm_gbps, nvlink_gbps, network_gbps, source) -> GPU:
+    return GPU(name, bf16 * 1e12, fp8 * 1e12 if fp8 else None, hbm_gb * GiB, hbm_gbps * GB, nvlink_gbps * GB, network_gbps / 8 * GB, source)
+
+
+GPUS = {g.name: g for g in sorted([_from_devices(*row) for row in FROM_DEVICES] + [_from_datasheet(*row) for row in DATASHEET],
+                                  key=lambda g: (g.bf16_flops, g.hbm_bytes, g.name))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 A config is read as its own architecture writes it: Llama/Mistral/Mixtral/DeepSeek keys (hidden_size,
 num_hidden_layers, ...) or GPT-2 keys (n_embd, n_layer, ...). Shipped configs live in backend/plan/configs/;
-an uploaded one is checked (size, JSON, every required field a positive integer) and stored under its content
-hash, which a run's `model` setting then names, as uploaded traces are (backend/uploads.py).
+an uploaded one is checked (backend/uploads.py's one size cap, JSON, every required field a positive integer) and
+stored under its content hash, which a run's `model` setting then names, as uploaded traces are (backend/uploads.py).
 
 Parameter counts (the checks against published totals live in PUBLISHED_PARAMS):
   attention   standard: h·(a + 2·kv)·d + a·d·h (+ 4h biases in GPT); MLA (DeepSeek): q_a h·r_q, q_b r_q·a·(d_nope + d_rope),
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import re
-import tempfile
 from pathlib import Path
 
+from backend import uploads
+
 CONFIG_DIR = Path(__file__).with_name("configs")
-MAX_CONFIG_BYTES = 64 * 1024
 HASH = re.compile(r"[0-9a-f]{64}")
 
 # field -> the keys architectures use for it, in order of preference
@@ -128,8 +127,7 @@ def parse_config(raw: dict, name: str = "uploaded") -> ModelSpec:
 
 
 def parse_bytes(data: bytes, name: str = "uploaded") -> ModelSpec:
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ValueError(f"config.json has {len(data):,} bytes (allowed: at most {MAX_CONFIG_BYTES:,})")
+    uploads.check_size(data, "config.json")
     try:
         raw = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -145,15 +143,7 @@ def uploads_dir(root: Path | None = None) -> Path:
 def save_config(data: bytes, root: Path | None = None) -> str:
     """Check an uploaded config.json and store it under its content hash (the run's `model`)."""
     parse_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    folder = uploads_dir(root)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{digest}.json"
-    if not target.exists():
-        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as f:
-            f.write(data)
-        Path(f.name).replace(target)
-    return digest
+    return uploads.store(data, uploads_dir(root), ".json")
 
 
 def shipped() -> tuple[str, ...]:
@@ -169,8 +159,7 @@ def load(name: str, root: str | None = None) -> ModelSpec:
         path = uploads_dir(Path(root) if root else None) / f"{name}.json"
         if not path.is_file():
             raise ValueError("no uploaded config.json has this hash on this server; upload it again")
-        with open(path, "rb") as f:
-            return parse_bytes(f.read(MAX_CONFIG_BYTES + 1), f"uploaded {name[:8]}")
+        return parse_bytes(uploads.read_capped(path), f"uploaded {name[:8]}")
     raise ValueError(f"{name[:80]!r} is not a model (allowed: {', '.join(shipped())}, or an uploaded config.json's hash)")
 
 
@@ -241,13 +230,27 @@ def linear_params_per_token(m: ModelSpec) -> float:
     return (m.layers - m.moe_layers) * per_dense + m.moe_layers * per_moe + m.vocab * m.hidden
 
 
-def training_flops_per_token(m: ModelSpec, seq: int) -> dict[str, float]:
+def training_flops_per_token(m: ModelSpec, seq: int, causal: bool = False) -> dict[str, float]:
     """FLOPs of one token's forward and backward (3x the forward): 6 per linear parameter on its path and the
-    attention scores and weighted sum, 6·s·a·(d_qk + d_v) per layer (the full s×s product, as FlopCounterMode counts
-    non-flash attention; with standard heads 12·s·a·d, estimate.training's 12·L·T·d_attn)."""
+    attention scores and weighted sum, 6·s·a·(d_qk + d_v) per layer for the full s×s product (as FlopCounterMode
+    counts non-flash attention, and Narayanan et al.'s formula; with standard heads 12·s·a·d, estimate.training's
+    12·L·T·d_attn). causal: only the s(s+1)/2 query-key pairs a causal mask keeps, the work FlashAttention's causal
+    kernel does (it skips the masked blocks) and the count of useful FLOPs."""
     linear = 6.0 * linear_params_per_token(m)
-    attention = 6.0 * m.layers * seq * m.heads * (m.qk_dim + m.v_dim)
+    attention = 6.0 * m.layers * seq * m.heads * (m.qk_dim + m.v_dim) * (causal_fraction(seq) if causal else 1.0)
     return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def causal_fraction(seq: int) -> float:
+    """Share of the s×s query-key pairs a causal mask keeps: s(s+1)/2 of s²."""
+    return (seq + 1) / (2 * seq)
+
+
+def causal(m: ModelSpec) -> bool:
+    """Whether a model's attention is run (and its FLOPs counted) causally: FlashAttention for the Llama family, DeepSeek and
+    Mixtral (torchtitan, Megatron-Core); Korthikanti's and Narayanan's GPT models on Megatron's fused softmax over the
+    full s×s scores, counted in full by their formula."""
+    return not m.gpt
 
 
 # Published totals: (parameters, how they were counted, relative tolerance the rounding of the figure allows).

@@ -8,7 +8,7 @@ The model (every byte figure from backend/parallel/costs.py and the functions it
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
-            attention; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
+            attention, Llama 3's all-gathered K/V does not; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
             parameter all-gather after the optimizer is exposed; FSDP/ZeRO-3 prefetch hides every gather and
             reduce-scatter behind the compute except the first layer's gather
   pipeline  the schedule's makespan function (1F1B, GPipe) or busy ÷ (1 − its bubble formula) at these costs;
@@ -23,6 +23,7 @@ from backend.config import ConfigError
 from backend.parallel import costs
 from backend.parallel.pp import schedules
 from backend.plan import models as M
+from backend.plan import transients as T
 from backend.plan.clusters import Cluster
 
 BUS_EFFICIENCY = 0.8            # nccl-tests busbw ÷ link bandwidth at large messages (assumed, not fitted)
@@ -30,17 +31,19 @@ LATENCY = {"nvlink": 5e-6, "network": 15e-6}   # α per ring step (assumed)
 OPTIMIZER_BYTES_PER_PARAM = 40  # Adam step: read and write fp32 master, m, v, read the gradient and write bf16 weights
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 RECOMPUTE = ("none", "selective", "full")
+CP_COMMS = ("ring", "allgather")
 PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """The fitted constants: the fraction of peak matmuls reach on each GPU family, attention's efficiency as a
-    fixed ratio of it (FLOPs counted as the full s×s product), and the allocator's overhead in bytes."""
+    fixed ratio of it, and the caching allocator's fragmentation as a fraction of the allocated peak."""
     ampere: float = 0.6
     hopper: float = 0.6
     attention_ratio: float = 0.5
-    memory_overhead: float = 0.0
+    fragmentation: float = 0.0
     hopper_500w: float = 0.0     # 0: as hopper
 
     def linear(self, gpu) -> float:
@@ -66,6 +69,7 @@ class Plan:
     tp: int = 1
     sp: bool = True
     cp: int = 1
+    cp_comm: str = "ring"             # ring (overlapped ring attention) | allgather (Llama 3's, exposed)
     ep: int = 1
     pp: int = 1
     vp: int = 1                       # virtual stages (model chunks) per pipeline rank
@@ -100,8 +104,11 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
         raise ConfigError("tp", f"{plan.tp} neither divides nor is a multiple of the {kv} KV heads (allowed: a divisor or multiple of {kv})")
     if plan.seq_len % (2 * plan.cp):
         raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
-    if plan.pp * plan.vp > model.layers:
-        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers (allowed: at most {model.layers})")
+    if plan.cp_comm not in CP_COMMS:
+        raise ConfigError("cp_comm", f"{plan.cp_comm!r} (allowed: {', '.join(CP_COMMS)})")
+    if plan.pp * plan.vp > model.layers + 2:
+        raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers and the two chunks the "
+                                f"embedding and the head may take alone (allowed: at most {model.layers + 2})")
     sched = schedules.SCHEDULES.get(plan.schedule)
     if plan.schedule not in PLAN_SCHEDULES:
         raise ConfigError("schedule", f"{plan.schedule!r} (allowed: {', '.join(PLAN_SCHEDULES)})")
@@ -136,7 +143,8 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float, float]:
 
 
 def stage_layers(model: M.ModelSpec, plan: Plan) -> int:
-    """Layers on the fullest pipeline rank (uneven splits, as Llama 3's 126 layers over 16 stages, round up)."""
+    """Layers on the fullest pipeline rank (uneven splits round up; Llama 3's 126 layers in 128 one-layer chunks over 16
+    ranks: the embedding and the head take the first and the last chunk alone, the fullest rank holds 8 layers)."""
     return math.ceil(model.layers / (plan.pp * plan.vp)) * plan.vp
 
 
@@ -145,7 +153,8 @@ def _moe_fraction(model: M.ModelSpec) -> float:
 
 
 def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency = Efficiency()) -> dict:
-    """Bytes per GPU by category on the first and the last pipeline rank; the larger is the plan's."""
+    """Bytes per GPU by category on the first and the last pipeline rank at the peak moment of each (the loss or a
+    layer's backward: backend/plan/transients.py); the larger rank is the plan's."""
     t, L = plan.tp, stage_layers(model, plan)
     c = M.counts(model)
     moe_frac = _moe_fraction(model)
@@ -177,25 +186,44 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Effic
             held = {k: held[k] + ex[k] for k in held}
         live = costs.live_microbatches(plan.schedule, plan.pp, m, plan.vp, rank)
         acts = layer_act * chunk_layers * live
-        edge = 0.0
-        if rank == plan.pp - 1:
-            edge += 6 * b * (s // plan.cp) * model.vocab / t   # bf16 logits kept + fp32 softmax in the loss
         buffers = 2 * 2 * b * (s // plan.cp) * model.hidden / split if plan.pp > 1 else 0.0   # p2p send/recv
         if t > 1 and plan.sp:
             buffers += 2 * b * (s // plan.cp) * model.hidden   # the gathered sequence
+        last = rank == plan.pp - 1
+        moments = {"loss": {}, "backward": {"recompute (one layer rebuilt)": rebuilt}}
+        if last:
+            moments["loss"]["loss: fp32 logits, softmax, gradient"] = T.loss_bytes(b * s / plan.cp, model.vocab / t, model.gpt)
         if plan.dp_strategy in ("zero3", "fsdp", "hsdp"):
-            layer_psi = (layer_dense_part + layer_expert_part)
-            buffers += layer_psi * (2 * 2 + 4)   # two layers' gathered bf16 weights (prefetch), one layer's fp32 gradients
-        out[label] = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
-                      "activations (layers)": acts, "activations (logits)": edge, "recompute (one layer rebuilt)": rebuilt,
-                      "communication buffers": buffers, "allocator and runtime (fitted)": eff.memory_overhead,
-                      "_live": live, "_per_layer": layer_act, "_layers": L}
+            head = (c["head"] or c["embedding"]) / t if last else 0.0
+            for moment in moments:
+                moments[moment]["FSDP unsharded weights and gradients"] = T.fsdp_unsharded_bytes(
+                    layer_dense_part + layer_expert_part, extra / t, head, moment)
+        peak = max(moments, key=lambda k: sum(moments[k].values())) if last else "backward"
+        cats = {"weights": held["weights"], "gradients": held["gradients"], "optimizer states": held["optimizer states"],
+                "activations (layers)": acts, "loss: fp32 logits, softmax, gradient": 0.0, "recompute (one layer rebuilt)": 0.0,
+                "FSDP unsharded weights and gradients": 0.0, "communication buffers": buffers, **moments[peak]}
+        allocated = sum(cats.values())
+        cats["allocator fragmentation (fitted fraction)"] = T.fragmentation_bytes(allocated, eff.fragmentation)
+        cats[OUTSIDE] = T.outside_allocator_bytes(communicators(plan, dp))
+        out[label] = {**cats, "_moment": peak, "_live": live, "_per_layer": layer_act, "_layers": L}
     worst = max(out, key=lambda k: sum(v for kk, v in out[k].items() if not kk.startswith("_")))
     return {"stage": worst, **out[worst], "_stages": out}
 
 
 def total_bytes(mem: dict) -> float:
     return sum(v for k, v in mem.items() if not k.startswith("_") and k != "stage")
+
+
+def reserved_bytes(mem: dict) -> float:
+    """What torch.cuda.max_memory_reserved reports (torchtitan's memory figure): the total less what lives outside
+    PyTorch's caching allocator."""
+    return total_bytes(mem) - mem[OUTSIDE]
+
+
+def communicators(plan: Plan, dp: int) -> int:
+    """NCCL communicators a rank opens: one per parallel dimension larger than one (HSDP: two)."""
+    dims = [plan.tp, plan.cp, plan.ep, plan.pp, dp]
+    return sum(1 for d in dims if d > 1) + (1 if plan.dp_strategy == "hsdp" else 0)
 
 
 def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float:
@@ -215,7 +243,7 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     m = microbatches(plan, dp)
     peak = cluster.gpu.fp8_flops if plan.precision == "fp8" else cluster.gpu.bf16_flops
     tokens_local = b * s / cp
-    per_tok = M.training_flops_per_token(model, s)
+    per_tok = M.training_flops_per_token(model, s, M.causal(model))
     head_lin = 6.0 * model.vocab * model.hidden
     layer_lin = (per_tok["linear"] - head_lin) / model.layers   # forward+backward FLOPs per token per layer
     layer_att = per_tok["attention"] / model.layers
@@ -223,7 +251,11 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
     f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
     f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
-    recompute_f = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
+    # Megatron's unfused attention (GPT models): the s×s scores pass through HBM (memory-bound, apart from the FLOPs)
+    f_sm, b_sm = ((x * chunk_layers / cluster.gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
+                  if not M.causal(model) else (0.0, 0.0))
+    recompute_flops = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
+    recompute_f = recompute_flops + (f_sm if plan.recompute == "full" or (plan.recompute == "selective" and model.gpt) else 0.0)
     # tensor parallel: exposed
     tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
     moe_frac = _moe_fraction(model)
@@ -231,11 +263,13 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
                 + moe_frac * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp, dense_ffn=False)) * chunk_layers
     n_coll = 4 * chunk_layers * (2 if plan.sp else 1)
     tp_s = tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0
-    # context parallel: K/V blocks pass the ring (forward once, backward K/V and their gradients), hidden by attention
+    # context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
+    # (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)
     cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
-    kv_block = b * (s // cp) * model.kv_width * costs.ACT_BYTES / t
-    cp_comm = 3 * (cp - 1) * (kv_block / cp_bw + cp_lat) * chunk_layers if cp > 1 else 0.0
-    cp_s = max(0.0, cp_comm - 3 * f_att)
+    kv_numel = int(b * (s // cp) * model.kv_width / t)
+    steps = 3 * (cp - 1) if plan.cp_comm == "ring" else 2 * (cp - 1)
+    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel, cp) / cp_bw + steps * cp_lat) * chunk_layers if cp > 1 else 0.0
+    cp_s = max(0.0, cp_comm - 3 * f_att) if plan.cp_comm == "ring" else cp_comm
     # expert parallel: dispatch and combine all-to-all, forward and backward, exposed
     ep_kind, ep_bw, ep_lat = _link(cluster, t * cp, plan.ep)
     a2a = 2 * tokens_local * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
@@ -244,8 +278,8 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     pp_kind, pp_bw, pp_lat = _link(cluster, t * cp * dp, plan.pp)
     act = b * (s // cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
     p2p = (act / pp_bw + pp_lat) if plan.pp > 1 else 0.0
-    F = f_lin + f_att + (tp_s + cp_s + ep_s) / 3 + p2p
-    B = 2 * (f_lin + f_att) + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
+    F = f_lin + f_att + f_sm + (tp_s + cp_s + ep_s) / 3 + p2p
+    B = 2 * (f_lin + f_att) + b_sm + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
     head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
     sched = schedules.SCHEDULES[plan.schedule]
     v, p = plan.vp, plan.pp
@@ -297,13 +331,13 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
         dp_exposed = max(0.0, grad_part - v * B) + (dp_comm - grad_part)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * psi / (dp if strategy != "ddp" else 1) / cluster.gpu.hbm_bw
     total = pipe + dp_exposed + optimizer
-    compute = m * (v * (3 * (f_lin + f_att)) + 3 * head_f)
+    compute = m * (v * (3 * (f_lin + f_att) + f_sm + b_sm) + 3 * head_f)
     exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
     bubble = max(0.0, pipe - busy)
     return {"step_s": total, "compute_s": compute, "recompute_s": m * v * recompute_f, "bubble_s": bubble,
             "exposed_s": exposed, "optimizer_s": optimizer, "pipeline_s": pipe, "m": m,
             "F": F, "B": B, "head_f": head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},
-            "recompute_flops_fraction": recompute_f / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
+            "recompute_flops_fraction": recompute_flops / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
 
 
 def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0,
@@ -313,7 +347,7 @@ def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, 
     mem = mem or memory(model, cluster, plan, dp, eff)
     st = step(model, cluster, plan, dp, eff)
     tokens = plan.global_batch * plan.seq_len
-    flops_model = M.training_flops_per_token(model, plan.seq_len)["total"] * tokens
+    flops_model = M.training_flops_per_token(model, plan.seq_len, M.causal(model))["total"] * tokens
     hw = flops_model * (1 + st["recompute_flops_fraction"])
     g = cluster.gpus
     peak = cluster.gpu.bf16_flops

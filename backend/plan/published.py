@@ -5,7 +5,7 @@ Analytic memory rows (exact formulas, to the last printed digit): Korthikanti et
 128-GPU run), the Llama 3 paper's 405B pre-training, Narayanan et al. 2021's GPT-3 175B on 1,024 A100s.
 
 The constants (matmul efficiency on Ampere, on Hopper at 700 W and on the 500 W H100 96GB, attention's ratio to it,
-the allocator's overhead) are fitted ONLY on the rows
+the caching allocator's fragmentation fraction) are fitted ONLY on the rows
 marked "calibration"; every "validation" row is predicted with those constants and its error reported apart.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from backend.parallel import costs
 from backend.plan import models as M
 from backend.plan.clusters import GPUS, Cluster
-from backend.plan.predict import Efficiency, Plan, evaluate, validate
+from backend.plan.predict import Efficiency, Plan, evaluate, reserved_bytes, validate
 
 GiB = 2 ** 30
 
@@ -65,7 +65,7 @@ class Row:
     gpu: str
     nodes: int
     plan: Plan
-    quantity: str             # tokens_per_s_per_gpu | hardware_tflops_per_gpu | model_tflops_per_gpu | memory_gib | train_days
+    quantity: str             # tokens_per_s_per_gpu | hardware_tflops_per_gpu | model_tflops_per_gpu | reserved_gib | train_days
     published: float
     tolerance: float
     source: str
@@ -73,7 +73,7 @@ class Row:
 
 
 _TT = "torchtitan docs/performance.md (Dec 2024): Llama 3.1 8B, FSDP, H100 96GB HBM2e 500 W, local batch 2, seq 8192, selective AC"
-_L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1, PP 16, DP 64, seq 8,192, 16M tokens a batch (interleaved schedule: v = 2 assumed)"
+_L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1, PP 16, DP 64, seq 8,192, 16M tokens a batch; Sec. 3.3.2: interleaved, one layer removed from the first and the last stage so that 'the first model chunk on the first stage has only the embedding': one-layer chunks, v = 128/16 = 8"
 _L3_16K = "Llama 3 paper, Table 4: 16,384 H100, TP 8, PP 16, DP 128 at seq 8,192 (400 TFLOP/s, 41%) or CP 16, DP 8 at 131,072 (380, 38%), 16M tokens a batch"
 _NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140 TFLOP/s per GPU (recompute counted), 300B tokens"
 
@@ -89,22 +89,23 @@ _CAL_H100 = "torchtitan 8B, 8 H100: tokens/s/GPU"
 _CAL_L3 = "Llama 3 405B, 8,192 H100: TFLOP/s per GPU"
 _CAL_A100 = "torchtitan Llama 3 8B, 64 A100: tokens/s/GPU"
 _CAL_GPT3 = "GPT-3 175B, 1,024 A100: TFLOP/s per GPU"
+_CAL_MEM = "torchtitan 8B, 8 H100: memory (max reserved)"
 
 
-_L3_PLAN = Plan(tp=8, pp=16, vp=2, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
+_L3_PLAN = Plan(tp=8, pp=16, vp=8, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
                 recompute="selective", grad_bytes=4)
 _NR_PLAN = Plan(tp=8, pp=16, dp_strategy="ddp", micro_batch=1, global_batch=1536, seq_len=2048, recompute="full", grad_bytes=4)
 
 ROWS = [
     Row(_CAL_H100, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
-    Row("torchtitan 8B, 8 H100: memory", "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "memory_gib", 82.4, 0.05, _TT),
+    Row(_CAL_MEM, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "reserved_gib", 82.4, 0.05, _TT),
     Row(_CAL_L3, "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
     Row("Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
         dataclasses.replace(_L3_PLAN, global_batch=2048), "model_tflops_per_gpu", 400, 0.10, _L3_16K),
     Row("Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
-        dataclasses.replace(_L3_PLAN, cp=16, seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
+        dataclasses.replace(_L3_PLAN, cp=16, cp_comm="allgather", seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
     Row("torchtitan 8B, 128 H100: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
-    Row("torchtitan 8B, 128 H100: memory", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "memory_gib", 67.0, 0.05, _TT),
+    Row("torchtitan 8B, 128 H100: memory (max reserved)", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "reserved_gib", 67.0, 0.05, _TT),
     Row("Llama 3 405B, 8,192 H100: BF16 MFU", "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
     Row(_CAL_GPT3, "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
     Row("GPT-3 175B, 1,024 A100: days for 300B tokens", "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "train_days", 34, 0.10, _NR, 300e9),
@@ -120,7 +121,7 @@ ROWS = [
 
 def predict_row(row: Row, eff: Efficiency) -> float:
     r = evaluate(M.load(row.model), Cluster(GPUS[row.gpu], row.nodes), row.plan, eff, row.tokens)
-    return r["memory_bytes"] / GiB if row.quantity == "memory_gib" else r[row.quantity]
+    return reserved_bytes(r["memory"]) / GiB if row.quantity == "reserved_gib" else r[row.quantity]
 
 
 def _bisect(f, lo: float, hi: float, steps: int = 40) -> float:
@@ -141,7 +142,8 @@ def fit() -> Efficiency:
     efficiency, so each is a one-dimensional root): for an attention ratio, Ampere's matmul efficiency from the GPT-3
     row (little attention at s = 2,048); the ratio from the A100 torchtitan row (much attention at s = 8,192); then
     Hopper's (700 W) from the Llama 3 405B row at 8,192 GPUs, and the 500 W H100's from torchtitan's 8-GPU row;
-    the allocator overhead as the memory row's shortfall."""
+    the allocator's fragmentation as the fraction the 8-GPU memory row's reserved bytes exceed the modelled
+    allocated peak (reserved = allocated × (1 + f))."""
     cal = {r.name: r for r in ROWS if r.role == "calibration"}
     gpt3, a100, h100 = cal[_CAL_GPT3], cal[_CAL_A100], cal[_CAL_H100]
 
@@ -153,9 +155,8 @@ def fit() -> Efficiency:
     hopper = _bisect(lambda x: predict_row(cal[_CAL_L3], Efficiency(ampere, x, ratio)) / cal[_CAL_L3].published - 1, 0.05, 1.0, 30)
     h500 = _bisect(lambda x: predict_row(h100, Efficiency(ampere, hopper, ratio, hopper_500w=x)) / h100.published - 1, 0.05, 1.0, 30)
     eff = Efficiency(ampere, hopper, ratio, hopper_500w=h500)
-    mem_rows = [r for r in ROWS if r.role == "calibration" and r.quantity == "memory_gib"]
-    overhead = sum((r.published - predict_row(r, eff)) * GiB for r in mem_rows) / len(mem_rows)
-    return dataclasses.replace(eff, memory_overhead=max(0.0, overhead))
+    mem = cal[_CAL_MEM]
+    return dataclasses.replace(eff, fragmentation=max(0.0, mem.published / predict_row(mem, eff) - 1))
 
 
 def errors(eff: Efficiency | None = None) -> list[dict]:

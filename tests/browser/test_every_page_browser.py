@@ -393,3 +393,37 @@ def test_readable_problems_finds_each_defect_and_passes_a_clean_page():
     for tables, charts, expected in broken:
         found = readable_problems(tables, charts)
         assert len(found) == 1 and expected in found[0], (expected, found)
+
+
+def test_a_config_json_upload_runs_and_a_bad_one_is_refused_naming_the_field(app):
+    """The planner's uploader as a user meets it: a config.json (Llama 2 7B's shape under another name) is accepted,
+    stored under its hash and run; one without num_hidden_layers is refused with the missing field named."""
+    from playwright.sync_api import expect
+
+    from backend.plan import models
+
+    url, browser, timings = app
+    good = json.loads((models.CONFIG_DIR / "llama-2-7b.json").read_text())
+    with _page(browser, f"{url}/plan_training", "plan_training-upload") as page:
+        shown = _finished_run(page)
+        _settled(page)
+        uploader = page.locator("[data-testid=stFileUploader] input[type=file]").first
+        uploader.set_input_files(files=[{"name": "config.json", "mimeType": "application/json",
+                                         "buffer": json.dumps(good).encode()}])
+        page.wait_for_url(lambda u: len(parse_qs(urlparse(u).query).get("model", [""])[0]) == 64, timeout=60_000)
+        digest = parse_qs(urlparse(page.url).query)["model"][0]
+        expect(page.get_by_text(f"use model {digest[:12]}", exact=False).first).to_be_visible(timeout=UI_TIMEOUT_MS)
+        _settled(page)
+        started = time.time()
+        page.locator("[data-testid=stFormSubmitButton] button").first.click()
+        page.wait_for_url(lambda u: parse_qs(urlparse(u).query).get("run", [shown])[0] != shown, timeout=60_000)
+        run_id = _finished_run(page, parse_qs(urlparse(page.url).query)["run"][0])
+        _timed(timings, "plan_training (uploaded config.json)", run_id, started)
+        _checks_passed(page, run_id)
+        assert parse_qs(urlparse(page.url).query)["model"] == [digest]
+        _settled(page)
+        bad = {k: v for k, v in good.items() if k != "num_hidden_layers"}
+        uploader.set_input_files(files=[{"name": "config.json", "mimeType": "application/json", "buffer": json.dumps(bad).encode()}])
+        refusal = page.locator("[data-testid=stAlertContentError]").filter(has_text="lacks 'num_hidden_layers'")
+        expect(refusal.first).to_be_visible(timeout=UI_TIMEOUT_MS)
+        assert refusal.first.inner_text().startswith("model: config.json lacks 'num_hidden_layers'")

@@ -12,9 +12,10 @@ from backend.config import Config, setting
 from backend.limits import PROCESS_BYTES, Estimate, cost
 from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
-from backend.plan import gantt, published
+from backend.plan import gantt, live, published
+from backend.plan.live import run as live_run
 from backend.plan import models as M
-from backend.plan.predict import DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
+from backend.plan.predict import CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
 from backend.result import Check, Result
 
 GiB = 2 ** 30
@@ -30,7 +31,9 @@ class PlanTrainingConfig(Config):
     network_gbps: float = _C["network_gbps"]
     tp: int = setting(1, min=1, max=64, help="tensor-parallel degree")
     sp: bool = setting(True, help="sequence parallel (with tp > 1)")
-    cp: int = setting(1, min=1, max=64, help="context-parallel degree (ring attention)")
+    cp: int = setting(1, min=1, max=64, help="context-parallel degree")
+    cp_comm: str = setting("ring", choices=CP_COMMS, help="context parallel's K/V exchange: ring attention (overlapped) or "
+                                                          "Llama 3's all-gather (exposed)")
     ep: int = setting(1, min=1, max=256, help="expert-parallel degree (MoE models)")
     pp: int = setting(1, min=1, max=128, help="pipeline stages")
     vp: int = setting(1, min=1, max=8, help="virtual stages per pipeline rank (interleaved schedule)")
@@ -44,8 +47,9 @@ class PlanTrainingConfig(Config):
     precision: str = setting("bf16", choices=("bf16", "fp8"), help="matmul precision (fp8 where the GPU has it)")
     grad_bytes: int = setting(2, choices=(2, 4), help="bytes per gradient element (4: fp32 main gradients)")
     tokens_b: float = setting(2000.0, min=0.001, max=1e6, help="tokens to train, billions")
-    live_check: bool = setting(False, help="also run the plan scaled down (tiny widths, at most 8 gloo ranks) through "
-                                           "parallel.mesh and show its structure checks (~30 s)")
+    live_check: bool = setting(False, help="also run the plan scaled down through parallel.mesh (tiny widths, each dimension "
+                                           "above 1 at 2, at most 8 gloo ranks; the plan's schedule, virtual stages, dp "
+                                           "strategy and recompute) and check it against the planner's functions (~30 s)")
 
     cost_drivers = ("live_check",)
 
@@ -53,46 +57,22 @@ class PlanTrainingConfig(Config):
         own = cost(ops=60_000, seconds=1.0)
         if not self.live_check:
             return own
-        mesh = experiments.get("parallel.mesh").config_cls(**live_settings(self.plan(), load_model(self))[0]).estimate()
+        from backend.plan.predict import validate
+        dp = validate(load_model(self), cluster(self), self.plan())
+        mesh = experiments.get("parallel.mesh").config_cls(**live.settings(self.plan(), load_model(self), dp)).estimate()
         return Estimate(own.memory_bytes + mesh.memory_bytes - PROCESS_BYTES, own.seconds + mesh.seconds)
 
     def plan(self) -> Plan:
-        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
+        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
                     dp_strategy=self.dp_strategy, hsdp_shard=self.hsdp_shard, micro_batch=self.micro_batch,
                     global_batch=self.global_batch, seq_len=self.seq_len, recompute=self.recompute,
                     precision=self.precision, grad_bytes=self.grad_bytes)
 
     def check(self) -> None:
         from backend.plan.predict import validate
-        validate(load_model(self), cluster(self), self.plan())
-
-
-def live_settings(plan: Plan, model) -> tuple[dict, list[str]]:
-    """parallel.mesh settings for the plan scaled down: each dimension above 1 becomes 2 (experts 4 when the model has
-    them), GPipe's micro-batches, tiny widths; dimensions dropped (dp first, then cp, then ep) until at most 8 ranks."""
-    dims = {"tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "dp": 2}
-    live = {k: (2 if v > 1 else 1) for k, v in dims.items()}
-    dropped = []
-    for k in ("dp", "cp", "ep"):
-        if live["tp"] * live["pp"] * live["cp"] * live["ep"] * live["dp"] <= 8:
-            break
-        if live[k] > 1:
-            live[k] = 1
-            dropped.append(k)
-    world = live["tp"] * live["pp"] * live["cp"] * live["ep"] * live["dp"]
-    settings = {"world_size": world, "tp": live["tp"], "pp": live["pp"], "cp": live["cp"], "ep": live["ep"],
-                "experts": 4 if model.experts else 0, "microbatches": 2, "batch": 2 * live["dp"] * 2, "steps": 1}
-    return settings, dropped
-
-
-def live_check(plan: Plan, model) -> tuple[list[Check], dict]:
-    """The scaled-down plan run live on gloo ranks; its checks (outputs against one process, bytes per dimension
-    against the byte model, activations against GPipe's peak) reported as this run's."""
-    settings, dropped = live_settings(plan, model)
-    result = experiments.run("parallel.mesh", **settings)
-    checks = [dataclasses.replace(c, name=f"live, scaled down: {c.name}") for c in result.checks]
-    return checks, {**settings, "dropped": ", ".join(dropped) or "none",
-                    "note": "GPipe only: the plan's own schedule waits on the composition issue's code"}
+        dp = validate(load_model(self), cluster(self), self.plan())
+        if self.live_check:
+            live.settings(self.plan(), load_model(self), dp)
 
 
 def published_tables(eff) -> tuple[list[dict], list[dict], list[Check]]:
@@ -129,10 +109,10 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                             abs(replayed / t["pipeline_s"] - 1), 0.02 if gantt.formula_exact(plan) else 0.25,
                             reference="backend/trace.replay of the Schedule's per-rank orders at the same costs",
                             detail=f"replay {replayed:.3f} s, model {t['pipeline_s']:.3f} s"))
-    live = {}
+    live_row = {}
     if config.live_check:
         ctx.progress(0.6, "running the plan scaled down on gloo ranks")
-        live_checks, live = live_check(plan, model)
+        live_checks, live_row = live_run(plan, model, r["dp"])
         checks += live_checks
     metrics = {"parameters": counts["total"], "active_parameters": counts["active"], "dp": r["dp"],
                "memory_gib": r["memory_bytes"] / GiB, "hbm_gib": cl.gpu.hbm_bytes / GiB, "fits": r["fits"],
@@ -141,7 +121,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "model_tflops_per_gpu": r["model_tflops_per_gpu"],
                "mfu": r["mfu"], "train_days": r["train_days"], "gpu_hours": r["gpu_hours"],
                "efficiency_linear": eff.linear(cl.gpu), "efficiency_attention": eff.attention(cl.gpu),
-               "allocator_overhead_gib": eff.memory_overhead / GiB,
+               "allocator_fragmentation": eff.fragmentation, "peak_moment": r["memory"]["_moment"],
                "worst_calibration_error": max(abs(x["error"]) for x in rows if x["role"] == "calibration"),
                "worst_validation_error": max(abs(x["error"]) for x in rows if x["role"] == "validation")}
     links = [{"dimension": k, "size": getattr(plan, k, r["dp"]) if k != "dp" else r["dp"], "link": v} for k, v in t["links"].items()]
@@ -152,10 +132,10 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                          {"part": "pipeline bubble", "seconds": t["bubble_s"]}, {"part": "optimizer step", "seconds": t["optimizer_s"]}]
                 + [{"part": f"exposed {k} communication", "seconds": v} for k, v in t["exposed_s"].items()],
                 "gantt": bars, "links": links, "published_exact": exact, "published": rows,
-                "live": [live] if live else []},
+                "live": [live_row] if live_row else []},
         checks=checks,
         notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
-               f"attention {eff.attention(cl.gpu):.3f}, allocator {eff.memory_overhead / GiB:.1f} GiB); validation rows are predicted with them."])
+               f"attention {eff.attention(cl.gpu):.3f}, allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
 
 
 EXPERIMENT = define(__name__, PlanTrainingConfig,
