@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.kvcache.manager import KVCacheManager  # noqa: E402
-from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthetic_trace  # noqa: E402
+from backend.serving.allocator_sim import simulate_contiguous, simulate_paged  # noqa: E402
+from backend.serving.workload import sharegpt_system_prompts  # noqa: E402
 
 
 def manager_ops_per_second(n: int = 200_000) -> float:
@@ -37,7 +38,7 @@ def manager_ops_per_second(n: int = 200_000) -> float:
 def main() -> None:
     rows = []
     for n in (1000, 10_000):
-        trace = synthetic_trace(n, seed=0)
+        trace = sharegpt_system_prompts(n, seed=0)
         t0 = time.perf_counter()
         paged = simulate_paged(trace, 16, 2048)
         t_paged = time.perf_counter() - t0

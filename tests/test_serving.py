@@ -12,7 +12,8 @@ import torch
 from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
-from backend.serving.calibrate import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
+from backend.serving.calibrate import calibrate, replay_mismatches
+from backend.serving.schema import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR
 from backend.experiments.serving.engine import LOGITS_TOL
 from backend.serving.engine import ModelExecutor, logits_error, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
@@ -442,7 +443,7 @@ def test_the_page_draws_a_default_engine_run_with_every_check_passed():
 
 @pytest.mark.parametrize("view", ["engine", "simulate"])
 def test_the_bigger_run_linked_from_the_page_fits_the_servers_budget(view):
-    from backend.serving.settings import BIG
+    from backend.serving.schema import BIG
 
     config = experiments.get(f"serving.{view}").make_config({k: str(v) for k, v in BIG[view].items()})  # validate() included
     assert config.estimate().seconds > experiments.get(f"serving.{view}").make_config({}).estimate().seconds
