@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler, shared by the real engine and the simulator.
+"""The one continuous-batching scheduler: the real engine, the simulator and the allocator simulation (kvcache.serve).
 
 Each step it picks what runs: for every request, how many of its tokens get their KV computed. A
 request's tokens so far (`known`: prompt, then what it generated) run ahead of its `computed`
@@ -163,7 +163,7 @@ class Scheduler:
         config's pool; kvcache.serve also passes a ContiguousAllocator, max-length reservations behind its interface)."""
         n, c = len(trace), config
         self.trace, self.n, self.config, self.record_batches = trace, n, c, record_batches
-        self.m = allocator or KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
+        self.m = allocator if allocator is not None else KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
         if (self.m.block_size, self.m.pool.num_blocks) != (c.block_size, c.num_blocks):
             raise ValueError(f"the allocator's {self.m.pool.num_blocks} blocks of {self.m.block_size} are not the config's "
                              f"{c.num_blocks} of {c.block_size}")
