@@ -481,3 +481,30 @@ def test_logits_check_catches_what_the_token_check_misses(model):
     assert logits_error(model, sched)[0] > 100 * LOGITS_TOL
     wrong = serve(model, small(), SchedulerConfig(), attention=WrongTables, record_batches=True)
     assert logits_error(model, wrong)[0] > 0.1
+
+
+PAGE_FRAME = ("pages", "streamlit", "altair", "pandas", "urllib")
+
+
+def library_imports(source: str) -> list[str]:
+    """The modules a page imports beyond the frame (pages.*), its drawing libraries and result schemas (*.schema)."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+    return [n for n in names if n.split(".")[0] not in PAGE_FRAME and not n.endswith(".schema")]
+
+
+@pytest.mark.parametrize("page", ["serving.py", "kv_cache.py", "paged_attention.py", "paged_decode.py"])
+def test_the_serving_and_kv_pages_import_only_the_frame_and_result_schemas(page):
+    from pathlib import Path
+
+    assert library_imports((Path(__file__).parent.parent / "pages" / page).read_text()) == []
+
+
+def test_the_page_import_rule_sees_a_library_import():
+    assert library_imports("from backend.serving.report import cost_model_summary\nimport pages.ui\n") == ["backend.serving.report"]
