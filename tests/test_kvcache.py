@@ -445,3 +445,18 @@ def test_an_upload_over_the_time_budget_is_told_a_setting_that_helps(monkeypatch
         experiments.get("kvcache.serve").make_config({"trace": _upload(busy.encode()), "num_blocks": "65536"})
     assert info.value.field == "num_blocks" and "allowed with the other settings as they are: num_blocks = " in str(info.value)
     assert "n_requests" not in str(info.value)
+
+
+def test_a_request_the_pool_cannot_admit_beside_the_watermark_is_refused_by_name(monkeypatch):
+    """A prompt of 2,040 tokens and its first output token need all 128 blocks of 16, and admission keeps one block
+    free: the run would never admit it (the scheduler stops with 'can never be scheduled'), so the settings are
+    refused naming num_blocks and what fits."""
+    from backend.experiments.kvcache.serve import ServeConfig
+
+    values = {"trace": _upload(b"arrival,prompt_len,output_len\n0,2040,1\n"), "num_blocks": "128", "max_model_len": "2048"}
+    with pytest.raises(ConfigError) as info:
+        experiments.get("kvcache.serve").make_config(values)
+    assert info.value.field == "num_blocks" and "allowed: num_blocks >= 129" in str(info.value)
+    monkeypatch.setattr(ServeConfig, "check", lambda self: None)
+    with pytest.raises(RuntimeError, match="can never be scheduled"):
+        experiments.run("kvcache.serve", **values)

@@ -84,13 +84,15 @@ class ServeConfig(Config):
         if self.max_model_len > capacity:
             raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} hold {capacity} tokens, less than "
                                             f"max_model_len={self.max_model_len} (allowed: num_blocks >= {-(-self.max_model_len // self.block_size)})")
-        longest = int(self.requests().total.max())
+        trace = self.requests()
+        longest = int(trace.total.max())
         if longest > self.max_model_len:
             raise ConfigError("max_model_len", f"{self.max_model_len} is shorter than the trace's longest request ({longest} tokens)")
-        need = -(-longest // self.block_size) + admission_watermark(self.num_blocks)
+        prompt = int(trace.prompt_len.max())  # admitted with room for its first output token, beside the watermark
+        need = -(-(prompt + 1) // self.block_size) + admission_watermark(self.num_blocks)
         if need > self.num_blocks:
-            raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} cannot admit the trace's longest request "
-                                            f"({longest} tokens) beside the admission watermark (allowed: num_blocks >= {need})")
+            raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} can never admit the trace's longest prompt "
+                                            f"({prompt} tokens) beside the admission watermark (allowed: num_blocks >= {need})")
 
 
 def run(config: ServeConfig, ctx) -> Result:
