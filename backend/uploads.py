@@ -15,7 +15,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from backend.kvcache.serving import Request, read_csv_trace
+from backend.serving.workload import Trace, read_csv
 from backend.store import data_dir
 
 MAX_BYTES = 1 << 20       # 1 MiB: ~50,000 short rows, more than MAX_ROWS needs
@@ -48,8 +48,8 @@ def store(data: bytes, folder: Path, suffix: str) -> str:
     return digest
 
 
-def parse_trace(data: bytes) -> list[Request]:
-    """Requests from CSV bytes (UTF-8, with or without a byte-order mark), within the caps."""
+def parse_trace(data: bytes) -> Trace:
+    """A trace from CSV bytes (UTF-8, with or without a byte-order mark), within the caps."""
     check_size(data)
     try:
         text = data.decode("utf-8-sig")
@@ -59,13 +59,13 @@ def parse_trace(data: bytes) -> list[Request]:
     if rows > MAX_ROWS:
         raise ValueError(f"the file has {rows:,} rows (allowed: at most {MAX_ROWS:,})")
     try:
-        requests = read_csv_trace(text)
+        trace = read_csv(text)
     except ValueError as err:
         raise ValueError(str(err).removeprefix("trace: ")) from None
-    late = max(r.arrival for r in requests)
+    late = int(trace.arrival.max())
     if late > MAX_ARRIVAL:
         raise ValueError(f"a request arrives at step {late:,} (allowed: arrival <= {MAX_ARRIVAL:,})")
-    return requests
+    return trace
 
 
 def save_trace(data: bytes, root: Path | None = None) -> str:
@@ -80,8 +80,8 @@ def read_capped(path: Path) -> bytes:
         return f.read(MAX_BYTES + 1)
 
 
-def load_trace(name: str, root: Path | None = None) -> list[Request]:
-    """The requests of a stored trace named by hash or by file name; ValueError naming what is allowed."""
+def load_trace(name: str, root: Path | None = None) -> Trace:
+    """The stored trace named by hash or by file name; ValueError naming what is allowed."""
     if HASH.fullmatch(name):
         path = traces_dir(root) / "uploads" / f"{name}.csv"
         missing = "no uploaded trace has this hash on this server; upload the file again"

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.serving.engine import ModelExecutor, serve_interleaved, tiny_llama  # noqa: E402
-from backend.serving.calibrate import BENCH_REQUESTS, REPEAT_LAG  # noqa: E402
+from backend.serving.calibrate import REPEAT_LAG  # noqa: E402
+from backend.serving.schema import BENCH_REQUESTS  # noqa: E402
 from backend.serving.scheduler import SchedulerConfig  # noqa: E402
 from backend.serving.simulator import (DRIFT_LAGS, FIDELITY_KEYS, CostModel, autocorrelation, clip_tails, expected_summary,  # noqa: E402
                                       fidelity, latency_summary, simulate)

@@ -4,7 +4,8 @@ Pool layout: kv[num_blocks, 2, block_size, n_kv_heads, head_dim] (any strides, s
 larger pool works). One program per (sequence, query head); query head h reads KV head h // group
 (GQA). It walks the sequence's blocks, keeping the running max m, the running sum l and the
 unnormalised output (the online softmax), so no score vector of the whole context is ever stored.
-`paged_decode_reference` gathers the blocks into contiguous K/V and calls torch's SDPA.
+Its reference (gather through the table, torch's SDPA) is backend/serving/attention.py's
+`paged_attention_reference`, the one for every path over block tables.
 """
 from __future__ import annotations
 
@@ -64,18 +65,3 @@ def paged_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Ten
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=H // HKV, BLOCK_SIZE=BS, HEAD_DIM=D)
     return out
-
-
-def paged_decode_reference(q, kv_pool, block_tables, seq_lens) -> torch.Tensor:
-    """Gather each sequence's blocks into contiguous K and V, then torch's SDPA (GQA by repeating KV heads)."""
-    S, H, D = q.shape
-    BS, HKV = kv_pool.shape[2], kv_pool.shape[3]
-    outs = []
-    for s in range(S):
-        n = int(seq_lens[s])
-        blocks = block_tables[s, :-(-n // BS)].long()
-        kv = kv_pool[blocks].transpose(1, 2).reshape(-1, 2, HKV, D)[:n]   # (n, 2, HKV, D)
-        k = kv[:, 0].transpose(0, 1).repeat_interleave(H // HKV, dim=0)   # (H, n, D)
-        v = kv[:, 1].transpose(0, 1).repeat_interleave(H // HKV, dim=0)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(q[s][:, None].float(), k.float(), v.float())[:, 0])
-    return torch.stack(outs).to(q.dtype)

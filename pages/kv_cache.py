@@ -3,14 +3,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from backend.experiments.attention.kv_cache import preset_table
-from backend.attention.variants import mla_dataflow
-from backend.graph.dot import to_dot
 from pages import decode_view, int8_view, ui
 
 st.title("KV cache: MHA, MQA, GQA, MLA")
-
-GPUS = {"RTX 4090 (24 GiB)": 24, "A100 / H100 (80 GiB)": 80, "H200 (141 GiB)": 141}
 
 
 def render(result: dict, rec) -> None:
@@ -28,10 +23,10 @@ def render(result: dict, rec) -> None:
         "saving_vs_mha_pct": st.column_config.NumberColumn("saving vs MHA", format="%.1f %%"),
         "bytes_per_token_per_layer": st.column_config.NumberColumn("measured (B)", format="%.0f"),
         "formula_bytes": st.column_config.NumberColumn("formula (B)", format="%.0f")})
-    gpu_live = st.selectbox("GPU memory for this shape's cache", list(GPUS), index=1, key=f"gpu-live-{rec.id}")
-    fit = cache[["variant"]].copy()
-    fit["tokens that fit (all layers, fp32)"] = (GPUS[gpu_live] * 2**30 // (cache["bytes_per_token_per_layer"] * cfg["n_layers"])).astype(int)
-    ui.table(fit)
+    fit = pd.DataFrame(tables.get("fit", []))
+    if not fit.empty:  # runs stored before the experiment wrote it draw without
+        gpu_live = st.selectbox("GPU memory for this shape's cache", list(fit["gpu"].unique()), index=1, key=f"gpu-live-{rec.id}")
+        ui.table(fit[fit["gpu"] == gpu_live][["variant", "tokens"]].rename(columns={"tokens": "tokens that fit (all layers, fp32)"}))
     st.caption(f"Shape: n_h={cfg['n_heads']}, n_g={cfg['n_kv_heads']}, d_h={cfg['d_head']}, d_c={cfg['d_c']}, "
                f"d_h^R={cfg['d_rope']}, l={cfg['n_layers']}. Formulas: MHA 2·n_h·d_h, GQA 2·n_g·d_h, MQA 2·d_h, "
                "MLA d_c + d_h^R (absorbed), n_h·(2·d_h + d_h^R) (naive), per layer.")
@@ -69,18 +64,22 @@ def render(result: dict, rec) -> None:
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("cache_bytes_read:Q", format=",")]).properties(height=260), width="stretch")
 
     st.subheader("MLA dataflow for one token (cached tensors in orange)")
-    mode = st.radio("form", ["absorbed", "naive"], horizontal=True, key=f"mla-mode-{rec.id}")
-    graph = mla_dataflow(cfg["n_heads"], cfg["d_head"], cfg["d_c"], cfg["d_rope"], max(cfg["d_c"], 16),
-                         max(64, cfg["n_heads"] * cfg["d_head"] // 2), mode == "absorbed")
-    st.graphviz_chart(to_dot(graph, rankdir="TB"))
+    dots = {row["form"]: row["dot"] for row in tables.get("mla_dataflow", [])}
+    if dots:
+        mode = st.radio("form", list(dots), horizontal=True, key=f"mla-mode-{rec.id}")
+        st.graphviz_chart(dots[mode])
+    else:
+        st.caption("This run was stored before the experiment drew the dataflow: run it again to see it.")
 
     rope = pd.DataFrame(tables.get("mla_rope", []))
     if not rope.empty:
         mla_rope(rope, result["metrics"])
 
     st.subheader("Published models, by formula (bf16 cache)")
-    gpu = st.selectbox("GPU memory for the cache", list(GPUS), index=1)
-    presets = pd.DataFrame(preset_table(GPUS[gpu])).rename(columns={"tokens_that_fit": "tokens that fit"})
+    presets = pd.DataFrame(tables["presets"]).rename(columns={"tokens_that_fit": "tokens that fit"})
+    if "gpu" in presets:  # runs stored before every GPU was tabled hold the 80 GiB rows only
+        gpu = st.selectbox("GPU memory for the cache", list(presets["gpu"].unique()), index=1)
+        presets = presets[presets["gpu"] == gpu].drop(columns="gpu")
     ui.table(presets)
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
     int8_view.kv_short()

@@ -107,6 +107,34 @@ def test_kv_cache_page_draws_the_rope_section():
     assert any("why RoPE breaks absorption" in s.value for s in at.subheader)
 
 
+def test_kv_cache_page_draws_the_runs_dataflow_and_still_opens_runs_stored_before_it():
+    """The MLA dataflow comes with the run, at the measured model's own shape (its W^DQ width, read off the built
+    model); a run stored before the result held the dataflow, the live fit and every GPU's presets still opens."""
+    import json
+    from pathlib import Path
+
+    from backend.store import RunStore
+    from tests.sweep import render_recorded
+    from tests.test_pages import _app
+
+    at = render_recorded("pages/kv_cache.py", "attention.kv_cache", variant="mla", context="16", n_layers="1", d_c="8")
+    run_id = at.query_params["run"][0] if isinstance(at.query_params["run"], list) else at.query_params["run"]
+    config = KVCacheConfig(variant="mla", context=16, n_layers=1, d_c=8)
+    d_cq = TinyDecoder(config.shape("mla")).blocks[0].attn.w_dq.out_features
+    path = Path(RunStore().get(run_id).result_path)
+    result = json.loads(path.read_text())
+    absorbed = next(row["dot"] for row in result["tables"]["mla_dataflow"] if row["form"] == "absorbed")
+    assert f"[{d_cq}]" in absorbed and d_cq == 16  # the model's rule (at least 16), not d_c
+    assert len(at.get("graphviz_chart")) == 1
+    for key in ("mla_dataflow", "fit"):
+        del result["tables"][key]
+    result["tables"]["presets"] = [{k: v for k, v in row.items() if k != "gpu"} for row in result["tables"]["presets"]
+                                   if row["gpu"] == "A100 / H100 (80 GiB)"]
+    path.write_text(json.dumps(result))
+    old = _app("pages/kv_cache.py", run=run_id)
+    assert not old.exception and any("stored before" in c.value for c in old.caption)
+
+
 def test_mla_origin_check_fails_if_position_0_is_rotated(monkeypatch):
     from backend.attention import mla_rope
     from backend.experiments.attention.kv_cache import rope_absorption

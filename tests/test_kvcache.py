@@ -10,7 +10,9 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.kvcache.manager import KVCacheManager
 from backend.kvcache.tensor_store import KVTensorStore
-from backend.kvcache.serving import read_csv_trace, simulate_contiguous, simulate_paged, synthetic_trace
+from backend.serving.allocator_sim import simulate_contiguous, simulate_paged
+from backend.serving.attention import paged_attention_reference
+from backend.serving.workload import read_csv, sharegpt_system_prompts
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -138,7 +140,7 @@ def test_swap_out_then_in_restores_identical_kv():
 
 
 def test_serving_targets_on_the_synthetic_trace():
-    trace = synthetic_trace(1000, seed=0)
+    trace = sharegpt_system_prompts(1000, seed=0)
     paged = simulate_paged(trace, 16, 2048)
     contiguous = simulate_contiguous(trace, 2048 * 16, 2048)
     assert paged["utilization"] >= 0.96
@@ -147,8 +149,104 @@ def test_serving_targets_on_the_synthetic_trace():
     assert paged["prefix_hit_rate"] > 0
 
 
+def _hand_trace():
+    """A (prompt 5, output 4) and B (prompt 3, output 2) arrive at step 0; C (prompt 2, output 2) at step 1."""
+    return read_csv("arrival,prompt_len,output_len\n0,5,4\n0,3,2\n1,2,2\n")
+
+
+def test_paged_occupancy_by_hand():
+    """Pages of 4. A request's KV after the step that samples its k-th token holds prompt + k - 1 tokens (the last
+    sampled token is never attended to). Step 0: A 5, B 3 (3 blocks); step 1: A 6, B 4, C 2 (4 blocks); B is done;
+    step 2: A 7, C 3 (3 blocks); C is done; step 3: A 8 (2 blocks), done."""
+    run = simulate_paged(_hand_trace(), 4, 16, prefix_caching=False, sample_every=1)
+    got = [(s["step"], s["running"], s["filled_slots"], s["allocated_slots"]) for s in run["samples"]]
+    assert got == [(0, 2, 8, 12), (1, 3, 12, 16), (2, 2, 10, 12), (3, 1, 8, 8)]
+    assert run["steps"] == 4 and run["utilization"] == pytest.approx(38 / 48)
+
+
+def test_paged_occupancy_fails_when_the_lazy_counts_are_read(monkeypatch):
+    """The scheduler tells the manager of a token only when it opens or fills a block: a sample that reads the
+    manager without booking the step's tokens first undercounts the filled slots."""
+    from backend.serving.allocator_sim import Sampler
+
+    monkeypatch.setattr(Sampler, "book", staticmethod(lambda step, sched: None))
+    run = simulate_paged(_hand_trace(), 4, 16, prefix_caching=False, sample_every=1)
+    assert [s["filled_slots"] for s in run["samples"]] != [8, 12, 10, 8]
+
+
+def first_fit_reference(trace, capacity: int, reserve: int) -> dict:
+    """An independent contiguous allocator: a linear buffer of `capacity` slots with a list of holes, first fit,
+    FCFS; each step every running request computes one token (its prompt on the first), and a request leaves
+    after the step that samples its last token. Per step: (running, filled, not yet, reserved never, fragmentation)."""
+    pending = sorted(zip(trace.arrival.tolist(), trace.prompt_len.tolist(), trace.output_len.tolist()), key=lambda r: r[0])
+    holes, waiting, running, rows, step = [[0, capacity]], [], [], [], 0
+    while pending or waiting or running:
+        while pending and pending[0][0] <= step:
+            waiting.append(pending.pop(0))
+        while waiting and any(h[1] >= reserve for h in holes):
+            hole = next(h for h in holes if h[1] >= reserve)
+            _, prompt, output = waiting.pop(0)
+            running.append({"start": hole[0], "kv": 0, "prompt": prompt, "last": prompt + output - 1})
+            hole[0], hole[1] = hole[0] + reserve, hole[1] - reserve
+        if running:
+            for r in running:
+                r["kv"] = r["prompt"] if r["kv"] == 0 else r["kv"] + 1
+            rows.append((step, len(running), sum(r["kv"] for r in running), sum(r["last"] - r["kv"] for r in running),
+                         sum(reserve - r["last"] for r in running),
+                         sum(h[1] for h in holes if h[1] < reserve) if waiting else 0))
+            for r in [r for r in running if r["kv"] == r["last"]]:
+                running.remove(r)
+                holes = sorted(holes + [[r["start"], reserve]])
+                merged = [holes[0]]
+                for h in holes[1:]:
+                    if merged[-1][0] + merged[-1][1] == h[0]:
+                        merged[-1][1] += h[1]
+                    else:
+                        merged.append(h)
+                holes = [h for h in merged if h[1] > 0]
+        step += 1
+    return {"rows": rows, "steps": step}
+
+
+@pytest.mark.parametrize("n, rate, capacity, reserve", [(300, 1.0, 2048 * 16, 2048), (200, 2.0, 5000, 700), (5, 1.0, 20, 9)])
+def test_contiguous_reservations_equal_a_first_fit_buffer(n, rate, capacity, reserve):
+    trace = _hand_trace() if n == 5 else sharegpt_system_prompts(n, rate, seed=3, max_len=reserve)
+    run = simulate_contiguous(trace, capacity, reserve, sample_every=1)
+    got = [(s["step"], s["running"], s["filled_slots"], s["not_yet"], s["reserved_never"], s["fragmentation"]) for s in run["samples"]]
+    want = first_fit_reference(trace, capacity, reserve)
+    assert got == want["rows"] and run["steps"] == want["steps"]
+
+
+def test_contiguous_reference_sees_a_watermark_kept_at_admission(monkeypatch):
+    """A reservation never grows, so the contiguous allocator keeps no block free at admission: with the paged
+    manager's watermark, fewer requests run and the comparison with the first-fit buffer fails."""
+    from backend.kvcache.contiguous import ContiguousAllocator
+
+    init = ContiguousAllocator.__init__
+
+    def with_watermark(self, capacity, reserve):
+        init(self, capacity, reserve)
+        self.watermark = 1
+
+    monkeypatch.setattr(ContiguousAllocator, "__init__", with_watermark)
+    trace = sharegpt_system_prompts(200, 2.0, seed=3, max_len=700)
+    run = simulate_contiguous(trace, 5000, 700, sample_every=1)
+    got = [(s["step"], s["running"], s["filled_slots"], s["not_yet"], s["reserved_never"], s["fragmentation"]) for s in run["samples"]]
+    assert got != first_fit_reference(trace, 5000, 700)["rows"]
+
+
+def test_serve_invariant_check_fails_when_the_manager_breaks(monkeypatch):
+    def broken(self):
+        raise AssertionError("ref count 2, table entries 1")
+
+    monkeypatch.setattr(KVCacheManager, "check_invariants", broken)
+    result = experiments.run("kvcache.serve", n_requests=60)
+    failed = [c.name for c in result.checks if not c.passed]
+    assert failed == ["paged: block-manager invariants held at every snapshot"]
+
+
 def test_paged_kernel_matches_reference_at_mixed_lengths_and_page_sizes():
-    from kernels.paged_attention import paged_decode, paged_decode_reference
+    from kernels.paged_attention import paged_decode
 
     g = torch.Generator().manual_seed(0)
     lens = [1, 7, 16, 23]
@@ -165,7 +263,8 @@ def test_paged_kernel_matches_reference_at_mixed_lengths_and_page_sizes():
         tables = torch.tensor([m.block_ids(s) + [0] * (width - len(m.seqs[s].table)) for s in range(len(lens))], dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         outs[bs] = paged_decode(q, store.layer(0), tables, seq_lens)
-        assert (outs[bs] - paged_decode_reference(q, store.layer(0), tables, seq_lens)).abs().max() < 1e-5
+        reference = paged_attention_reference(q, store.layer(0), tables, torch.arange(len(lens)), seq_lens.long() - 1)
+        assert (outs[bs] - reference).abs().max() < 1e-5
     assert (outs[1] - outs[16]).abs().max() < 1e-5
 
 
@@ -195,7 +294,7 @@ def test_csv_trace_with_negative_lengths_is_rejected():
     with pytest.raises(ConfigError, match="trace: line 3"):
         experiments.get("kvcache.serve").make_config({"trace": "negative.csv"})
     with pytest.raises(ValueError):
-        read_csv_trace("arrival,prompt_len,output_len\n")
+        read_csv("arrival,prompt_len,output_len\n")
 
 
 def test_a_sequence_larger_than_the_pool_is_refused_and_leaves_it_consistent():
@@ -338,9 +437,26 @@ def test_the_serve_estimate_covers_a_measured_run_without_overshooting_it():
 
 
 def test_an_upload_over_the_time_budget_is_told_a_setting_that_helps(monkeypatch):
-    """n_requests does nothing for an uploaded trace: the refusal names the pool's size, which does."""
+    """n_requests does nothing for an uploaded trace: the refusal names the pool's size, which does (1,000 requests
+    busy ~6,000 steps: a pool of 65,536 blocks is sampled and drawn far past 20 s)."""
     monkeypatch.setenv("EXPLORER_JOB_TIMEOUT_S", "20")
+    busy = "arrival,prompt_len,output_len\n" + "".join(f"{i * 6},{50 + i % 90},{20 + i % 150}\n" for i in range(1000))
     with pytest.raises(ConfigError) as info:
-        experiments.get("kvcache.serve").make_config({"trace": _upload(LATE), "num_blocks": "65536"})
+        experiments.get("kvcache.serve").make_config({"trace": _upload(busy.encode()), "num_blocks": "65536"})
     assert info.value.field == "num_blocks" and "allowed with the other settings as they are: num_blocks = " in str(info.value)
     assert "n_requests" not in str(info.value)
+
+
+def test_a_request_the_pool_cannot_admit_beside_the_watermark_is_refused_by_name(monkeypatch):
+    """A prompt of 2,040 tokens and its first output token need all 128 blocks of 16, and admission keeps one block
+    free: the run would never admit it (the scheduler stops with 'can never be scheduled'), so the settings are
+    refused naming num_blocks and what fits."""
+    from backend.experiments.kvcache.serve import ServeConfig
+
+    values = {"trace": _upload(b"arrival,prompt_len,output_len\n0,2040,1\n"), "num_blocks": "128", "max_model_len": "2048"}
+    with pytest.raises(ConfigError) as info:
+        experiments.get("kvcache.serve").make_config(values)
+    assert info.value.field == "num_blocks" and "allowed: num_blocks >= 129" in str(info.value)
+    monkeypatch.setattr(ServeConfig, "check", lambda self: None)
+    with pytest.raises(RuntimeError, match="can never be scheduled"):
+        experiments.run("kvcache.serve", **values)

@@ -87,8 +87,8 @@ def test_a_trace_upload_is_bom_tolerant_and_kept_by_content_hash(tmp_path):
     digest = uploads.save_trace(("\ufeff" + CSV).encode(), tmp_path)
     again = uploads.save_trace(("\ufeff" + CSV).encode(), tmp_path)
     assert digest == again and len(digest) == 64
-    requests = uploads.load_trace(digest, tmp_path)
-    assert [(r.arrival, r.prompt_len, r.output_len) for r in requests] == [(0, 10, 5), (3, 20, 7)]
+    trace = uploads.load_trace(digest, tmp_path)
+    assert list(zip(trace.arrival.tolist(), trace.prompt_len.tolist(), trace.output_len.tolist())) == [(0, 10, 5), (3, 20, 7)]
     (tmp_path / "traces" / "team.csv").write_text(CSV)
     assert len(uploads.load_trace("team.csv", tmp_path)) == 2
 

@@ -12,7 +12,8 @@ import torch
 from backend import experiments
 from backend.config import ConfigError
 from backend.serving import attention
-from backend.serving.calibrate import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, calibrate, replay_mismatches
+from backend.serving.calibrate import calibrate, replay_mismatches
+from backend.serving.schema import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR
 from backend.experiments.serving.engine import LOGITS_TOL
 from backend.serving.engine import ModelExecutor, logits_error, serve, serve_interleaved, tiny_llama, token_mismatches
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
@@ -442,7 +443,7 @@ def test_the_page_draws_a_default_engine_run_with_every_check_passed():
 
 @pytest.mark.parametrize("view", ["engine", "simulate"])
 def test_the_bigger_run_linked_from_the_page_fits_the_servers_budget(view):
-    from backend.serving.settings import BIG
+    from backend.serving.schema import BIG
 
     config = experiments.get(f"serving.{view}").make_config({k: str(v) for k, v in BIG[view].items()})  # validate() included
     assert config.estimate().seconds > experiments.get(f"serving.{view}").make_config({}).estimate().seconds
@@ -480,3 +481,30 @@ def test_logits_check_catches_what_the_token_check_misses(model):
     assert logits_error(model, sched)[0] > 100 * LOGITS_TOL
     wrong = serve(model, small(), SchedulerConfig(), attention=WrongTables, record_batches=True)
     assert logits_error(model, wrong)[0] > 0.1
+
+
+PAGE_FRAME = ("pages", "streamlit", "altair", "pandas", "urllib")
+
+
+def library_imports(source: str) -> list[str]:
+    """The modules a page imports beyond the frame (pages.*), its drawing libraries and result schemas (*.schema)."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+    return [n for n in names if n.split(".")[0] not in PAGE_FRAME and not n.endswith(".schema")]
+
+
+@pytest.mark.parametrize("page", ["serving.py", "kv_cache.py", "paged_attention.py", "paged_decode.py"])
+def test_the_serving_and_kv_pages_import_only_the_frame_and_result_schemas(page):
+    from pathlib import Path
+
+    assert library_imports((Path(__file__).parent.parent / "pages" / page).read_text()) == []
+
+
+def test_the_page_import_rule_sees_a_library_import():
+    assert library_imports("from backend.serving.report import cost_model_summary\nimport pages.ui\n") == ["backend.serving.report"]

@@ -149,8 +149,10 @@ def test_kill_9_of_the_server_with_runs_queued_loses_none(store, monkeypatch):
     first = _server(store.root)
     second = None
     try:
-        late = uploads.save_trace(b"arrival,prompt_len,output_len\n100000,10,10\n", store.root)
-        long_run = submitter.submit("kvcache.serve", {"trace": late, "num_blocks": "8192"}, owner="ana")
+        # ~18,000 busy scheduler steps (~4 s of CPU): idle steps before a late arrival are skipped, so it must be busy
+        busy = "arrival,prompt_len,output_len\n" + "".join(f"{i * 6},{50 + i % 90},{20 + i % 150}\n" for i in range(3000))
+        long_trace = uploads.save_trace(busy.encode(), store.root)
+        long_run = submitter.submit("kvcache.serve", {"trace": long_trace, "num_blocks": "8192"}, owner="ana")
         running = _wait_for(lambda: (r := store.get(long_run)).status == "running" and r.pid and r, 120, "claimed")
         queued = [submitter.submit("numerics.formats", _formats(i), owner=f"p{i}") for i in range(10)]
         assert store.get(long_run).status == "running" and all(store.get(q).status == "queued" for q in queued)

@@ -32,9 +32,15 @@ class Stats:
     swaps_in: int = 0
 
 
+def admission_watermark(num_blocks: int) -> int:
+    """Blocks a scheduler keeps free when it admits a request, so the running ones can still grow (vLLM's 1%)."""
+    return max(1, num_blocks // 100)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.pool, self.block_size, self.prefix_caching = BlockPool(num_blocks, block_size), block_size, prefix_caching
+        self.watermark = admission_watermark(num_blocks)
         self.seqs: dict[int, Sequence] = {}
         self.swapped: dict[int, Sequence] = {}
         self.stats = Stats()

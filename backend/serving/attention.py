@@ -101,14 +101,17 @@ class TritonPagedAttention:
 
 
 def paged_attention_reference(q, pool, tables, seq, pos):
-    """One query at a time: gather its sequence's first pos + 1 tokens through the table, then SDPA."""
+    """The one reference for attention over block tables (the CPU path, the Triton kernel): one query at a time,
+    gather its sequence's first pos + 1 tokens through the table, then torch's SDPA, in at least float32.
+    A decode batch (the kernel's) is seq = 0..S-1, pos = lengths - 1."""
     BS, HKV, H = pool.shape[2], pool.shape[3], q.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty_like(q)
     for j in range(len(q)):
         n = int(pos[j]) + 1
-        kv = pool[tables[seq[j], :-(-n // BS)]].transpose(1, 2).reshape(-1, 2, HKV, q.shape[2])[:n]
+        kv = pool[tables[int(seq[j]), :-(-n // BS)].long()].transpose(1, 2).reshape(-1, 2, HKV, q.shape[2])[:n].to(dtype)
         k, v = (kv[:, i].transpose(0, 1).repeat_interleave(H // HKV, dim=0) for i in (0, 1))
-        out[j] = F.scaled_dot_product_attention(q[j][:, None], k, v)[:, 0]
+        out[j] = F.scaled_dot_product_attention(q[j][:, None].to(dtype), k, v)[:, 0].to(q.dtype)
     return out
 
 

@@ -19,12 +19,12 @@ import numpy as np
 from backend.result import Check
 from backend.serving.engine import ModelExecutor, serve_interleaved
 from backend.serving.scheduler import Scheduler, SchedulerConfig
+from backend.serving.report import cost_model_summary
+from backend.serving.schema import BENCH_ENGINE_SPREAD, BENCH_REQUESTS, BENCH_WORST_ERROR, COST_SUMMARY
 from backend.serving.simulator import CostModel, ReplayExecutor, describe_noise, expected_summary, fidelity, latency_summary, simulate
 from backend.serving.workload import Trace
 
 
-# bench/serving.py's held-out traces, its worst error on them and the engine's widest difference from its own repeat there
-BENCH_REQUESTS, BENCH_WORST_ERROR, BENCH_ENGINE_SPREAD = 320, 0.0358, 0.0441
 REPEAT_LAG = 100  # rounds (about a second); the drift's autocorrelation is gone after about 30 steps
 
 
@@ -80,13 +80,14 @@ class Calibration:
 
     def metrics(self) -> dict:
         c = self.cost  # its noise quantiles are a table (cost_rows), not a metric
-        return {**{f"real.{k}": v for k, v in self.real_summary.items()},
+        m = {**{f"real.{k}": v for k, v in self.real_summary.items()},
                 **{f"simulated.{k}": v for k, v in self.simulated_summary.items()},
                 **{f"error.{k}": v for k, v in self.fidelity.items()}, **{f"repeat.{k}": v for k, v in self.repeat.items()},
                 "fidelity_target_met": max(abs(v) for v in self.fidelity.values()) <= 0.05,
                 "fidelity_within_noise": max(abs(v) for v in self.fidelity.values()) <= self.tolerance(),
                 "fidelity_tolerance": self.tolerance(), "cost_model_step_error": self.step_error,
                 **{f"cost.{k}": v for k, v in c.as_dict().items() if k != "noise"}}
+        return {**m, COST_SUMMARY: cost_model_summary(m)}
 
     def note(self) -> str:
         c = self.cost

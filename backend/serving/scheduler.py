@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler, shared by the real engine and the simulator.
+"""The one continuous-batching scheduler: the real engine, the simulator and the allocator simulation (kvcache.serve).
 
 Each step it picks what runs: for every request, how many of its tokens get their KV computed. A
 request's tokens so far (`known`: prompt, then what it generated) run ahead of its `computed`
@@ -158,11 +158,16 @@ class SequenceTokens:
 
 
 class Scheduler:
-    def __init__(self, trace: Trace, config: SchedulerConfig, record_batches: bool = False):
+    def __init__(self, trace: Trace, config: SchedulerConfig, record_batches: bool = False, allocator: KVCacheManager | None = None):
+        """allocator: the block manager the requests' KV is booked in (default: the paged KVCacheManager of the
+        config's pool; kvcache.serve also passes a ContiguousAllocator, max-length reservations behind its interface)."""
         n, c = len(trace), config
         self.trace, self.n, self.config, self.record_batches = trace, n, c, record_batches
-        self.m = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
-        self.watermark = max(1, c.num_blocks // 100)   # blocks kept free at admission, as vLLM does
+        self.m = allocator if allocator is not None else KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching)
+        if (self.m.block_size, self.m.pool.num_blocks) != (c.block_size, c.num_blocks):
+            raise ValueError(f"the allocator's {self.m.pool.num_blocks} blocks of {self.m.block_size} are not the config's "
+                             f"{c.num_blocks} of {c.block_size}")
+        self.watermark = self.m.watermark               # blocks kept free at admission
         self.known = trace.prompt_len.astype(np.int64).copy()
         self.computed = np.zeros(n, np.int64)
         self.held = np.zeros(n, np.int64)               # blocks each request holds
@@ -271,6 +276,9 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < c.max_batch and budget > 0:
             rid = self.waiting[0]
+            known = int(self.known[rid])
+            if budget >= known and m.blocks_for(known + 1) - (known - 1) // c.block_size + self.watermark > m.pool.num_free:
+                break  # it would not fit whole even if every full block of it were cached: no need to hash them
             tokens = SequenceTokens(self, rid)
             hit = m.cached_prefix(tokens) if c.prefix_caching else 0
             want = int(self.known[rid]) - hit

@@ -8,21 +8,17 @@ import numpy as np
 import torch
 
 from backend.config import Config, ConfigError, setting
+from backend.kvcache.manager import admission_watermark
 from backend.limits import cost
 from backend.models.llama import TinyDecoder
 from backend.serving.calibrate import Calibration, calibrate
 from backend.serving.engine import tiny_llama
 from backend.serving.scheduler import SchedulerConfig
 from backend.serving.simulator import PREDICTION_DRAWS
-from backend.serving.workload import WORKLOADS, Trace, from_requests
+from backend.serving.workload import WORKLOADS, Trace
 from backend.uploads import load_trace
 
 MAX_LEN = 256  # prompt + output tokens of the longest request a trace may hold
-# The defaults (serving.engine: 10 profiling and 12 held-out requests) take about 9 s of CPU on 2 cores, so the page's first
-# visit shows a result within 15 s; bigger runs, one click away on the page, the largest the server's default time budget
-# (120 s) accepts: more requests make the fidelity figures less noisy (bench/serving.py uses 320 per held-out trace).
-BIG = {"engine": {"profile_requests": 48, "held_out_requests": 40, "sweep_requests": 1000},
-       "simulate": {"profile_requests": 32, "held_out_requests": 32, "sweep_requests": 1000, "n_requests": 30_000}}
 # Cost per request, measured on the loaded 2-core box at the defaults (with margin): the engine served 24 requests in
 # 4.1 s of its thread's CPU time; the simulator 100,000 requests in 29 s of CPU at load 12 (wall clock up to 3x that).
 REAL_REQUEST_S = 0.35
@@ -71,7 +67,7 @@ class ServingSettings(Config):
     def uploaded(self) -> Trace:
         """The uploaded trace (by content hash or a name in the data folder's traces/, never a path: backend/uploads.py)."""
         try:
-            return from_requests(load_trace(self.trace), arrival_unit_s=1e-3)
+            return load_trace(self.trace).with_arrival_unit(1e-3)
         except ValueError as err:
             raise ConfigError("trace", str(err)) from None
 
@@ -99,7 +95,7 @@ class ServingSettings(Config):
             if total > MAX_LEN:
                 raise ConfigError("trace", f"a request has {total} tokens, prompt and output (allowed: prompt_len + output_len <= {MAX_LEN}, "
                                            "the tiny model's context)")
-        need = -(-MAX_LEN // self.block_size) + max(1, self.num_blocks // 100)
+        need = -(-MAX_LEN // self.block_size) + admission_watermark(self.num_blocks)
         if self.num_blocks < need:
             raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} cannot hold a request of {MAX_LEN} "
                                             f"tokens beside the admission watermark (allowed: >= {need})")

@@ -17,10 +17,11 @@ import torch
 
 from backend.attention.mla_rope import absorption_errors
 from backend.attention.rope import relative_position_error
-from backend.attention.variants import cache_formula_elements
+from backend.attention.variants import cache_formula_elements, mla_dataflow
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
+from backend.graph.dot import to_dot
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 
@@ -28,6 +29,8 @@ VARIANTS = ("mha", "mqa", "gqa", "mla")
 # fp32 logits of the same maths in another order (cached vs full, absorbed vs naive): well inside 1e-4.
 LOGIT_TOLERANCE = 1e-4
 
+# GPU memory (GiB) the tables of tokens that fit are drawn for.
+GPUS = {"RTX 4090 (24 GiB)": 24, "A100 / H100 (80 GiB)": 80, "H200 (141 GiB)": 141}
 # Published shapes, for the formula-only table (bf16 cache, 2 bytes per element).
 PRESETS = {
     "LLaMA-2-7B (MHA)": dict(variant="mha", n_layers=32, n_heads=32, n_kv_heads=32, d_head=128, d_c=0, d_rope=0),
@@ -133,13 +136,28 @@ def deepseek_scaled(seed: int) -> dict:
     return {"mha_elements": measured["mha"], "mla_elements": measured["mla"], "ratio": measured["mla"] / measured["mha"]}
 
 
-def preset_table(gpu_gib: float = 80.0) -> list[dict]:
+def preset_table() -> list[dict]:
+    """The published shapes by formula (bf16 cache), and the tokens whose cache fits each GPU's memory, all layers."""
     rows = []
-    for name, p in PRESETS.items():
-        per_token = cache_formula_elements(p["variant"], p["n_heads"], p["n_kv_heads"], p["d_head"], p["d_c"], p["d_rope"], p["n_layers"])
-        rows.append({"model": name, "elements_per_token_per_layer": per_token // p["n_layers"],
-                     "bytes_per_token_bf16": per_token * 2, "tokens_that_fit": int(gpu_gib * 2**30 // (per_token * 2))})
+    for gpu, gib in GPUS.items():
+        for name, p in PRESETS.items():
+            per_token = cache_formula_elements(p["variant"], p["n_heads"], p["n_kv_heads"], p["d_head"], p["d_c"], p["d_rope"], p["n_layers"])
+            rows.append({"gpu": gpu, "model": name, "elements_per_token_per_layer": per_token // p["n_layers"],
+                         "bytes_per_token_bf16": per_token * 2, "tokens_that_fit": int(gib * 2**30 // (per_token * 2))})
     return rows
+
+
+def live_fit(rows: list[dict], n_layers: int) -> list[dict]:
+    """The measured variants: tokens whose fp32 cache (all layers) fits each GPU's memory."""
+    return [{"gpu": gpu, "variant": r["variant"], "tokens": int(gib * 2**30 // (r["bytes_per_token_per_layer"] * n_layers))}
+            for gpu, gib in GPUS.items() for r in rows]
+
+
+def mla_dataflow_dots(config: KVCacheConfig) -> list[dict]:
+    """MLA's dataflow for one token at the measured MLA model's own shape, absorbed and naive, as DOT."""
+    s = config.shape("mla")
+    return [{"form": form, "dot": to_dot(mla_dataflow(s.n_heads, s.d_head, s.d_c, s.d_rope, s.d_cq, s.d_model, form == "absorbed"),
+                                         rankdir="TB")} for form in ("absorbed", "naive")]
 
 
 def rope_absorption(config: KVCacheConfig) -> tuple[list[Check], list[dict], dict]:
@@ -209,7 +227,8 @@ def run(config: KVCacheConfig, ctx) -> Result:
     if rope_rows:
         metrics.update(rope_metrics)
     return Result(metrics=metrics, checks=checks,
-                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table(), "mla_rope": rope_rows}, trace_events=events,
+                  tables={"cache": rows, "decode_speed": speed, "presets": preset_table(), "fit": live_fit(rows, config.n_layers),
+                          "mla_dataflow": mla_dataflow_dots(config), "mla_rope": rope_rows}, trace_events=events,
                   notes=["Timings are for a tiny fp32 model on this machine's CPU; at this size, time per token is "
                          "dominated by per-layer overheads, not by reading the cache."])
 

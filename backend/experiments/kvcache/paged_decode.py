@@ -19,6 +19,7 @@ from backend.experiments import define
 from backend.kvcache.paged_decode import decode_paged, reservation_waste, seed_copy_on_write
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
+from backend.serving.attention import paged_attention_reference
 
 TOLERANCE = 1e-4  # fp32 logits, same maths in another summation order
 
@@ -114,7 +115,7 @@ def thin(history: list[dict], keep: int = 24) -> list[dict]:
 
 
 def run(config: PagedDecodeConfig, ctx) -> Result:
-    from kernels.paged_attention import paged_decode, paged_decode_reference
+    from kernels.paged_attention import paged_decode
 
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)
@@ -146,7 +147,8 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
     lens = torch.tensor([m.seqs[s].num_tokens for s in seqs], dtype=torch.int32)
     q = torch.randn(len(seqs), config.n_heads, 16, generator=g)
     pool = store.layer(0)
-    kernel_gap = (paged_decode(q, pool, tables, lens) - paged_decode_reference(q, pool, tables, lens)).abs().max().item()
+    reference = paged_attention_reference(q, pool, tables, torch.arange(len(seqs)), lens.long() - 1)
+    kernel_gap = (paged_decode(q, pool, tables, lens) - reference).abs().max().item()
     parent, child = m.seqs[0], m.seqs[config.sequences]
     shared = sum(1 for a, b in zip(parent.table, child.table) if a is b)
     fork_at = len(prompts[0])

@@ -1,5 +1,6 @@
 """kvcache.serve: continuous batching over a request trace, paged manager against a contiguous allocator
-of the same memory. Both schedulers run the same trace; see serving.py for what is measured."""
+of the same memory. The serving scheduler runs the same trace on both; see backend/serving/allocator_sim.py
+for what is measured."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,16 +9,21 @@ import math
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthetic_trace
 from backend.result import Check, Result
+from backend.kvcache.manager import admission_watermark
+from backend.serving.allocator_sim import simulate_contiguous, simulate_paged
+from backend.serving.workload import Trace, sharegpt_system_prompts
 from backend.uploads import load_trace
 
-# CPU seconds of the two simulations, measured per piece (bench/limits.py --serve-traces), and the loaded box's
-# wall time per CPU second on top (2 cores shared with a browser and other runs).
-SERVE_STEP_S = 1.5e-6            # one scheduler step of both simulators, nothing running
-SERVE_SAMPLE_BLOCK_S = 4e-9      # the paged sample sums every block's fill every 5 steps: ~19 ns a block
-SERVE_TOKEN_S = 2e-6             # one decoded token (paged grow + contiguous)
-SERVE_SNAPSHOT_BLOCK_S = 0.7e-6  # one block of one pool snapshot (invariants, the drawn pool, its JSON)
+# CPU seconds of the two simulations, fitted per piece on this 2-core box (least squares over 7 settings, within 15%),
+# and the loaded box's wall time per CPU second on top (2 cores shared with a browser and other runs).
+PAGED_STEP_S = 16e-6             # one busy step of the scheduler over the paged manager
+PAGED_TOKEN_S = 2.1e-6           # one decoded token there (a grow when it opens or fills a block, prefix hashing)
+PAGED_SAMPLE_BLOCK_S = 2e-9      # every 5 steps the sample sums every block's fill
+PAGED_SNAPSHOT_BLOCK_S = 1.7e-6  # one block of one pool snapshot (invariants, the drawn pool, its JSON)
+CONTIGUOUS_STEP_S = 32e-6        # one busy step over the contiguous allocator (more requests wait: more steps, fewer tokens each)
+CONTIGUOUS_TOKEN_S = 0.4e-6
+SERVE_MARGIN = 1.2
 SERVE_LOAD = 8.0  # wall per CPU second of the simulations: up to 7.7 measured at load average 6 (bench/results/limits_serve_traces.json)
 
 
@@ -34,9 +40,9 @@ class ServeConfig(Config):
     prefix_caching: bool = setting(True, help="share full blocks of identical prompt prefixes")
     seed: int = setting(0, min=0, max=2**31 - 1, help="synthetic trace")
 
-    def requests(self):
+    def requests(self) -> Trace:
         if self.trace == "synthetic":
-            return synthetic_trace(self.n_requests, self.seed, self.rate, self.max_model_len)
+            return sharegpt_system_prompts(self.n_requests, self.rate, self.seed, self.max_model_len)
         try:  # by content hash or a name in the data folder's traces/, never a path (see backend/uploads.py)
             return load_trace(self.trace)
         except ValueError as err:
@@ -49,11 +55,11 @@ class ServeConfig(Config):
         return ("n_requests", "num_blocks", "max_model_len") if self.trace == "synthetic" else ("num_blocks",)
 
     def estimate(self):
-        """Two scheduler simulations, each a Python loop over scheduler steps until the last request arrives and
-        drains. Measured per piece (bench/limits.py --serve-traces, CPU of the two simulations on this 2-core box):
-        a step ~1.3 us; a decoded token ~1.7 us; the paged sample every 5 steps sums every block (~19 ns a block);
-        a pool snapshot (~60, then 30 more per doubling of the steps) ~0.6 us a block. Wall time on a loaded box is
-        taken as SERVE_LOAD times that CPU time."""
+        """Two runs of the scheduler over the trace, one step at a time until the last request arrives and drains;
+        a step with nothing running is skipped, so only busy steps cost (at most one per decoded token and request).
+        The paged pool holds about its slots / mean length requests at once, the contiguous buffer one per
+        max_model_len slots: the second drains the same tokens in more steps. Wall time on a loaded box is taken as
+        SERVE_LOAD times the CPU time."""
         if self.trace == "synthetic":
             requests, span = self.n_requests, self.n_requests / self.rate
             mean_prompt, mean_output = 190.0, 230.0  # the synthetic log-normals' means (exp(5 + 0.8^2/2), exp(5 + 0.9^2/2))
@@ -61,25 +67,32 @@ class ServeConfig(Config):
             mean_total = mean_prompt + mean_output
         else:
             trace = self.requests()
-            requests, span = len(trace), max(r.arrival for r in trace)
-            tokens, drain = sum(r.output_len for r in trace), max(r.total for r in trace)
-            mean_total = sum(r.total for r in trace) / requests
-        concurrency = max(1.0, self.num_blocks * self.block_size / mean_total)  # requests the pool holds at once
-        steps = max(span, tokens / concurrency) + drain
-        snapshots = steps / 20 if steps < 1220 else 61 + 30 * math.log2(steps / 1220)
-        cpu = (steps * (SERVE_STEP_S + self.num_blocks * SERVE_SAMPLE_BLOCK_S) + tokens * SERVE_TOKEN_S
-               + snapshots * self.num_blocks * SERVE_SNAPSHOT_BLOCK_S)
+            requests, span = len(trace), float(trace.arrival.max())
+            tokens, drain = int(trace.output_len.sum()), int(trace.total.max())
+            mean_total = float(trace.total.mean())
+        slots = self.num_blocks * self.block_size
+        busy = [min(max(span, tokens / max(1.0, held)) + drain, tokens + requests)  # busy steps, paged then contiguous
+                for held in (slots / mean_total, slots // self.max_model_len)]
+        snapshots = busy[0] / 20 if busy[0] < 1220 else 61 + 30 * math.log2(busy[0] / 1220)
+        cpu = (busy[0] * (PAGED_STEP_S + self.num_blocks / 5 * PAGED_SAMPLE_BLOCK_S) + tokens * PAGED_TOKEN_S
+               + snapshots * self.num_blocks * PAGED_SNAPSHOT_BLOCK_S + busy[1] * CONTIGUOUS_STEP_S + tokens * CONTIGUOUS_TOKEN_S)
         return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
-                    seconds=SERVE_LOAD * cpu)
+                    seconds=SERVE_LOAD * SERVE_MARGIN * cpu)
 
     def check(self) -> None:
         capacity = self.num_blocks * self.block_size
         if self.max_model_len > capacity:
             raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} hold {capacity} tokens, less than "
                                             f"max_model_len={self.max_model_len} (allowed: num_blocks >= {-(-self.max_model_len // self.block_size)})")
-        longest = max(r.total for r in self.requests())
+        trace = self.requests()
+        longest = int(trace.total.max())
         if longest > self.max_model_len:
             raise ConfigError("max_model_len", f"{self.max_model_len} is shorter than the trace's longest request ({longest} tokens)")
+        prompt = int(trace.prompt_len.max())  # admitted with room for its first output token, beside the watermark
+        need = -(-(prompt + 1) // self.block_size) + admission_watermark(self.num_blocks)
+        if need > self.num_blocks:
+            raise ConfigError("num_blocks", f"{self.num_blocks} blocks of {self.block_size} can never admit the trace's longest prompt "
+                                            f"({prompt} tokens) beside the admission watermark (allowed: num_blocks >= {need})")
 
 
 def run(config: ServeConfig, ctx) -> Result:
@@ -100,7 +113,7 @@ def run(config: ServeConfig, ctx) -> Result:
                     reference="block accounting"),
               Check("paged: block-manager invariants held at every snapshot", paged["invariant_failures"], 0,
                     reference="ref counts = table entries; free xor used; no table points at a free block")]
-    mean_len = sum(r.total for r in trace) / len(trace)
+    mean_len = float(trace.total.mean())
     model_util = 1 - (config.block_size - 1) / 2 / mean_len  # half a block wasted per sequence, on average
     metrics = {
         "requests": len(trace), "utilization.paged": round(paged["utilization"], 4),
