@@ -199,18 +199,27 @@ def server_renders(events: list[dict], people: list[dict]) -> list[dict]:
 
 def server_overhead(events: list[dict], people: list[dict], store: RunStore, rows: list[dict]) -> None:
     """Split each run's overhead (Run-to-result minus queue and run) by the server's clock, in place, into parts that
-    sum to it: submit_s, the click to the run's row in the store (the form's round trip and script run); notice_s,
-    the run's end to its run view noticing it (the view's polling); result_s, from then to the end of the script run
-    that draws the result (the rerun's start and the script); browser_s, what is left (the browser drawing it,
-    negative when the verdict showed before the script ended: a script's output streams as it runs)."""
+    sum to it: click_s, the click to the start of the script run that queues the run (the browser sending the form;
+    the server's share is only its loop picking the message up); submit_s, from then to the run's row in the store
+    (the server's script); notice_s, the run's end to its run view noticing it (the view's polling: its ticks are
+    timed by the browser, tick_gap_s the longest gap between ticks in the 5 s before the end); result_s, from then to
+    the end of the script run that draws the result (the rerun's start and the script); browser_s, what is left (the
+    browser drawing it, negative when the verdict showed before the script ended: a script's output streams).
+    server_overhead_s = submit_s + notice_s + result_s."""
     clicked = {p["person"]: p.get("clicked_at") for p in people}
     for row in rows:
         rec, at = store.get(row["run"]), clicked.get(row["person"])
+        mine = [e for e in events if e["event"] == "script" and e.get("user") == row["person"]]
+        queued_by = min((e["t0"] for e in mine if e["t0"] <= rec.created <= e["t1"]), default=None)
         seen = min((e["t"] for e in events if e["event"] == "final_seen" and e["run"] == row["run"]), default=None)
-        drawn = min((e for e in events if e["event"] == "script" and e.get("run") == row["run"] and seen is not None
-                     and e["t0"] >= seen), key=lambda e: e["t0"], default=None)
-        row["submit_s"] = round(rec.created - at, 3) if at else None
+        ticks = sorted(e["t"] for e in events if e["event"] == "tick" and e["run"] == row["run"]
+                       and rec.finished - 5 <= e["t"] <= (seen or rec.finished))
+        drawn = min((e for e in mine if e.get("run") == row["run"] and seen is not None and e["t0"] >= seen),
+                    key=lambda e: e["t0"], default=None)
+        row["click_s"] = round(queued_by - at, 3) if at and queued_by else None
+        row["submit_s"] = round(rec.created - queued_by, 3) if queued_by else None
         row["notice_s"] = round(seen - rec.finished, 3) if seen else None
+        row["tick_gap_s"] = round(max(b - a for a, b in zip(ticks, ticks[1:])), 3) if len(ticks) > 1 else None
         row["result_s"] = round(drawn["t1"] - seen, 3) if drawn else None
         row["result_cpu_s"] = round(drawn["cpu_s"], 3) if drawn else None
         row["browser_s"] = (round(at + row["run_to_result_s"] - drawn["t1"], 3)
@@ -231,7 +240,8 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict,
                          ("queue_wait", col("queue_wait_s")), ("run_time", col("run_time_s")),
                          ("overhead", col("overhead_s")), ("first_render_server", served("server_s")),
                          ("first_render_server_cpu", served("server_cpu_s")), ("first_render_before_script", served("before_s")),
-                         ("overhead_submit", col("submit_s")), ("overhead_notice", col("notice_s")),
+                         ("overhead_click", col("click_s")), ("overhead_submit", col("submit_s")),
+                         ("overhead_notice", col("notice_s")), ("overhead_tick_gap", col("tick_gap_s")),
                          ("overhead_result_script", col("result_s")), ("overhead_browser", col("browser_s")),
                          ("overhead_server", col("server_overhead_s"))):
         out[f"{name}_p50_s"], out[f"{name}_p95_s"] = percentile(values, 50), percentile(values, 95)
@@ -277,8 +287,9 @@ def main() -> None:
                   f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
                   f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
                   f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
-                  f"s, overhead p95 {row['overhead_server_p95_s']} s (notice {row['overhead_notice_p95_s']}, result "
-                  f"script {row['overhead_result_script_p95_s']}); "
+                  f"s, overhead p95 {row['overhead_server_p95_s']} s (submit {row['overhead_submit_p95_s']}, notice "
+                  f"{row['overhead_notice_p95_s']}, result script {row['overhead_result_script_p95_s']}; the click "
+                  f"reaching it p95 {row['overhead_click_p95_s']}); "
                   f"errors {row['errors']}, lost {row['runs_lost']}, doubled {row['runs_doubled']}; server RSS "
                   f"{row['server_peak_rss_mib']} MiB, CPU {row['server_cpu_s']} s; load {load:.1f}", flush=True)
     finally:

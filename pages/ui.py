@@ -247,6 +247,7 @@ def _live_status(run_id: str) -> None:
 
 def _live_view(run_id: str, period: float) -> None:
     rec = store().get(run_id)
+    render_log.write({"event": "tick", "run": run_id, "t": time.time()})  # when the browser's timer asked (bench)
     if rec.status in FINAL:
         render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
         st.rerun()
