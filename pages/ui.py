@@ -227,15 +227,19 @@ def _header(rec: RunRecord) -> None:
     st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
 
 
-# How often a run view asks the store. A run's end is noticed within FAST_POLL_S while it runs or is one of the next
-# two to start; a run with two or more queued ahead of it changes only when one of those ends, so its view asks every
-# SLOW_POLL_S (ten people waiting are then not twenty redraws a second of server and browser work on a 2-core box).
-FAST_POLL_S, SLOW_POLL_S = 0.25, 1.0
+# How often a run view asks the store (each time the browser's timer fires: a message, a script run, a redraw). A
+# running run's end is noticed within FAST_POLL_S; the next to start asks every NEXT_POLL_S (its start, then at the fast
+# rate); one with others queued ahead changes only when one of those ends and asks every SLOW_POLL_S. Ten people
+# waiting on one job slot then ask 4 + 2 + 8 = 14 times a second, not 20 (every view at 0.5 s), and each end is drawn
+# sooner.
+FAST_POLL_S, NEXT_POLL_S, SLOW_POLL_S = 0.25, 0.5, 1.0
 
 
 def poll_s(rec: RunRecord, place: QueuePlace | None) -> float:
-    """The run view's refresh period for a run in this state: fast unless two or more queued runs start before it."""
-    return SLOW_POLL_S if rec.status == "queued" and place is not None and place.ahead >= 2 else FAST_POLL_S
+    """The run view's refresh period for a run in this state (place: the queued run's place, None otherwise)."""
+    if rec.status != "queued" or place is None:
+        return FAST_POLL_S
+    return NEXT_POLL_S if place.ahead == 0 else SLOW_POLL_S
 
 
 def _live_status(run_id: str) -> None:
@@ -252,7 +256,7 @@ def _live_view(run_id: str, period: float) -> None:
         render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
         st.rerun()
     place = runner().place(run_id) if rec.status == "queued" else None
-    if poll_s(rec, place) != period:  # next in line now: poll fast from here
+    if poll_s(rec, place) != period:  # nearer the front, or started: the page sets the new period
         st.rerun()
     _header(rec)
     if place:
