@@ -82,3 +82,14 @@ def test_the_server_part_of_a_render_and_of_a_runs_overhead_is_read_off_its_own_
     parts = row["click_s"] + row["submit_s"] + row["notice_s"] + row["result_s"] + row["browser_s"]
     assert abs(parts - row["overhead_s"]) < 0.003
     assert row["server_overhead_s"] == 2.45
+
+
+def test_the_servers_targets_fail_when_its_share_is_over(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    met = team_load.server_targets({"first_render_server_p95_s": 0.3, "overhead_server_p95_s": 0.9})
+    assert all(met.values())
+    missed = team_load.server_targets({"first_render_server_p95_s": 3.2, "overhead_server_p95_s": 1.4})
+    assert not any(missed.values())
+    assert not any(team_load.server_targets({}).values())  # nothing measured is not a pass
