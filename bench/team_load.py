@@ -9,7 +9,11 @@ the checks' verdict on the page) p50/p95 beside the store's own timestamps for t
 (created -> started) and run time (started -> finished), and their overhead (Run-to-result minus both: the page's
 polling and drawing); errors (a person's flow that raised or a page that showed an exception); runs lost (a person
 who pressed Run whose run is missing, not succeeded or not theirs) or doubled (more than one run for a person's settings); the server
-process's peak RSS and CPU seconds. Bounded: every wait has a limit, each N a time budget, and the server's
+process's peak RSS and CPU seconds. And the server's own share, read off its render log (EXPLORER_RENDER_LOG, written
+by pages/render_log.py on the same clock): per render, the script run that produced the page (wall and CPU time)
+beside the browser's time; per run, the overhead split into the click reaching the server, the server's submit
+script, the run view noticing the end (its ticks are timed by the browser) and the script drawing the result; with the
+N = 10 targets on the server's share beside the end-to-end ones (the browsers share the server's 2 cores). Bounded: every wait has a limit, each N a time budget, and the server's
 process group and the browser are ended whatever happens.
 
     nice python bench/team_load.py [--people 1,5,10] [--out bench/results/team_load.json]
