@@ -29,24 +29,7 @@ from backend.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m backend.launch")
-    p.add_argument("name")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--timeout", type=float, help="seconds (default and most: EXPLORER_JOB_TIMEOUT_S, 120)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from backend import experiments, limits, record
-    from backend.__main__ import parse_sets
-    from backend.comm.spawn import append_log
-    from backend.jobs import Leader
+    args = _arguments(argv)
     from backend.store import RunStore
 
     if "RANK" not in os.environ:
@@ -54,15 +37,51 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     try:
-        args.timeout = limits.check_timeout(args.timeout)
-        exp = experiments.get(args.name)
-        if not exp.distributed:
-            raise ConfigError("experiment", f"{exp.name} is single-process; run it with python -m backend run")
-        config = exp.make_config({**parse_sets(args.sets), "world_size": str(world)})
+        exp, config = _experiment(args, world)
     except ConfigError as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
+    device, attempt = _join_group(args, rank, world, local_rank)
+    store = RunStore()
+    run_id, leader = _lead(store, exp, config, args, rank, attempt)
+    gathered, ctx = _run_rank(exp, config, args, store, run_id, leader, rank, world, device, attempt)
+    if rank != 0:
+        return 0
+    return _report(exp, config, ctx, store, run_id, leader, gathered, args)
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m backend.launch")
+    p.add_argument("name")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--timeout", type=float, help="seconds (default and most: EXPLORER_JOB_TIMEOUT_S, 120)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _experiment(args: argparse.Namespace, world: int):
+    """The experiment and its Config from the command line, world_size from torchrun; ConfigError on bad input.
+    Sets args.timeout to the checked limit."""
+    from backend import experiments, limits
+    from backend.__main__ import parse_sets
+
+    args.timeout = limits.check_timeout(args.timeout)
+    exp = experiments.get(args.name)
+    if not exp.distributed:
+        raise ConfigError("experiment", f"{exp.name} is single-process; run it with python -m backend run")
+    return exp, exp.make_config({**parse_sets(args.sets), "world_size": str(world)})
+
+
+def _join_group(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> tuple[str, int]:
+    """This rank's device and torch.distributed's process group from torchrun's rendezvous; returns the device and
+    torchrun's restart attempt."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
 
     device = "cpu"
     if args.backend == "nccl":
@@ -77,25 +96,43 @@ def main(argv: list[str] | None = None) -> int:
     # group would dial dead ranks. Each attempt's keys get their own prefix.
     dist.init_process_group(args.backend, store=dist.PrefixStore(f"explorer/attempt_{attempt}", rendezvous),
                             rank=rank, world_size=world, timeout=timeout)
-    store = RunStore()
-    run_id = leader = None
-    if rank == 0:
-        run_id = _restarted_run(store, attempt)
-        if run_id is None:
-            version = experiments.code_version()
-            run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
-                                  timeout_s=args.timeout, code_version=version, origin="torchrun",
-                                  owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
-            _remember_run(store, run_id)
-        leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
-                        config=config).start()
-    else:
+    return device, attempt
+
+
+def _lead(store, exp, config, args: argparse.Namespace, rank: int, attempt: int):
+    """Rank 0 records the run (or finds the one a restarted job was running) and starts its Leader; the other ranks
+    take the memory limit and dump their stacks at the time limit. Returns (run id, leader), both None off rank 0."""
+    from backend import experiments, limits
+    from backend.jobs import Leader
+
+    if rank != 0:
         limits.limit_this_process(limits.memory_budget())
         faulthandler.dump_traceback_later(args.timeout + 2, exit=True)  # rank 0's leader records the failure
+        return None, None
+    run_id = _restarted_run(store, attempt)
+    if run_id is None:
+        version = experiments.code_version()
+        run_id = store.create(exp.name, config.to_dict(), config.digest(exp.name, version), status="running",
+                              timeout_s=args.timeout, code_version=version, origin="torchrun",
+                              owner=os.environ.get("EXPLORER_USER") or getpass.getuser(), pid=os.getpid())
+        _remember_run(store, run_id)
+    leader = Leader(store, run_id, args.timeout, limits.memory_budget(), store.run_dir(run_id) / "log.txt",
+                    config=config).start()
+    return run_id, leader
+
+
+def _run_rank(exp, config, args: argparse.Namespace, store, run_id, leader, rank: int, world: int, device: str,
+              attempt: int):
+    """The experiment's rank function on this rank, its payloads gathered on rank 0; a rank that raises logs its
+    traceback (rank 0 records the run failed). Returns the payloads (None off rank 0) and the run's context."""
+    import torch.distributed as dist
+
+    from backend import experiments, limits
+    from backend.comm.spawn import append_log
+
     shared = [run_id]
     dist.broadcast_object_list(shared, src=0)
-    run_id = shared[0]
-    ctx = experiments.RunContext(run_id=run_id, store_root=str(store.root), timeout_s=args.timeout, device=device,
+    ctx = experiments.RunContext(run_id=shared[0], store_root=str(store.root), timeout_s=args.timeout, device=device,
                                  dist_backend=args.backend, attempt=attempt)
     try:
         payload = exp.rank_fn(rank, world, config, ctx)
@@ -111,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
-    if rank != 0:
-        return 0
+    return gathered, ctx
+
+
+def _report(exp, config, ctx, store, run_id: str, leader, gathered: list, args: argparse.Namespace) -> int:
+    """Rank 0: combine the payloads, write and record the result; exit status 0 only if every check passed."""
+    from backend import experiments, record
+
     report_exp = experiments.Experiment(exp.name, exp.config_cls, exp.summary,
                                         run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes)
     report = record.run_recorded(report_exp, config, ctx, store, run_id, args.out)

@@ -9,7 +9,11 @@ the checks' verdict on the page) p50/p95 beside the store's own timestamps for t
 (created -> started) and run time (started -> finished), and their overhead (Run-to-result minus both: the page's
 polling and drawing); errors (a person's flow that raised or a page that showed an exception); runs lost (a person
 who pressed Run whose run is missing, not succeeded or not theirs) or doubled (more than one run for a person's settings); the server
-process's peak RSS and CPU seconds. Bounded: every wait has a limit, each N a time budget, and the server's
+process's peak RSS and CPU seconds. And the server's own share, read off its render log (EXPLORER_RENDER_LOG, written
+by pages/render_log.py on the same clock): per render, the script run that produced the page (wall and CPU time)
+beside the browser's time; per run, the overhead split into the click reaching the server, the server's submit
+script, the run view noticing the end (its ticks are timed by the browser) and the script drawing the result; with the
+N = 10 targets on the server's share beside the end-to-end ones (the browsers share the server's 2 cores). Bounded: every wait has a limit, each N a time budget, and the server's
 process group and the browser are ended whatever happens.
 
     nice python bench/team_load.py [--people 1,5,10] [--out bench/results/team_load.json]
@@ -87,7 +91,8 @@ class ProcessSampler:
 async def person(browser, url: str, n: int, i: int) -> dict:
     """One person's visit; returns their timings and run id, or the error that stopped them."""
     from playwright.async_api import TimeoutError as PlaywrightTimeout
-    out: dict = {"person": f"person-{n}-{i}", "first_render_s": [], "run_id": None, "error": None}
+    out: dict = {"person": f"person-{n}-{i}", "first_render_s": [], "first_render_at": [], "first_render_page": [],
+                 "run_id": None, "error": None}
     step = "sign in"
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
     page = await context.new_page()
@@ -112,12 +117,14 @@ async def person(browser, url: str, n: int, i: int) -> dict:
         out["sign_in_s"] = round(time.monotonic() - start, 3)
         step = "open pages"
         for path in ("", f"{PAGE}?" + "&".join(f"{k}={v}" for k, v in settings_of(n, i).items())):
-            start = time.monotonic()
+            start, out_at = time.monotonic(), time.time()  # the wall clock: the server's log uses it too
             await page.goto(f"{url}/{path}", wait_until="commit")
             await (page.get_by_role("button", name="Run", exact=True) if path else page.get_by_text("Job queue")).wait_for()
             out["first_render_s"].append(round(time.monotonic() - start, 3))
+            out["first_render_at"].append(out_at)
+            out["first_render_page"].append(PAGE if path else "")
         step = "run"
-        clicked = time.monotonic()
+        clicked, out["clicked_at"] = time.monotonic(), time.time()
         await page.get_by_role("button", name="Run", exact=True).click()
         out["pressed_run"] = True
         await page.get_by_text(VERDICT).first.wait_for()
@@ -169,8 +176,65 @@ def account(store: RunStore, n: int, people: list[dict]) -> dict:
     return {"rows": rows, "lost": lost, "doubled": doubled}
 
 
-def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict) -> dict:
+def read_events(path: Path) -> list[dict]:
+    """The server's render log (pages/render_log.py): one JSON object a line."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def server_renders(events: list[dict], people: list[dict]) -> list[dict]:
+    """Each first render beside the server's script run that produced it: the first full run of app.py for that
+    person and page that began after the navigation did. server_s is that run's wall time on the server, cpu_s its
+    thread's CPU time, before_s the time from the navigation to the script's start (the page's shell loading in the
+    browser and its WebSocket opening); the rest of the browser's time is the browser's."""
+    rows = []
+    for who in people:
+        for at, took, page in zip(who["first_render_at"], who["first_render_s"], who["first_render_page"]):
+            mine = [e for e in events if e["event"] == "script" and e["user"] == who["person"] and e["page"] == page
+                    and at <= e["t0"] <= at + took]
+            first = min(mine, key=lambda e: e["t0"], default=None)
+            rows.append({"person": who["person"], "page": page or "home", "browser_s": took,
+                         "server_s": round(first["t1"] - first["t0"], 3) if first else None,
+                         "server_cpu_s": round(first["cpu_s"], 3) if first else None,
+                         "before_s": round(first["t0"] - at, 3) if first else None})
+    return rows
+
+
+def server_overhead(events: list[dict], people: list[dict], store: RunStore, rows: list[dict]) -> None:
+    """Split each run's overhead (Run-to-result minus queue and run) by the server's clock, in place, into parts that
+    sum to it: click_s, the click to the start of the script run that queues the run (the browser sending the form;
+    the server's share is only its loop picking the message up); submit_s, from then to the run's row in the store
+    (the server's script); notice_s, the run's end to its run view noticing it (the view's polling: its ticks are
+    timed by the browser, tick_gap_s the longest gap between ticks in the 5 s before the end); result_s, from then to
+    the end of the script run that draws the result (the rerun's start and the script); browser_s, what is left (the
+    browser drawing it, negative when the verdict showed before the script ended: a script's output streams).
+    server_overhead_s = submit_s + notice_s + result_s."""
+    clicked = {p["person"]: p.get("clicked_at") for p in people}
+    for row in rows:
+        rec, at = store.get(row["run"]), clicked.get(row["person"])
+        mine = [e for e in events if e["event"] == "script" and e.get("user") == row["person"]]
+        queued_by = min((e["t0"] for e in mine if e["t0"] <= rec.created <= e["t1"]), default=None)
+        seen = min((e["t"] for e in events if e["event"] == "final_seen" and e["run"] == row["run"]), default=None)
+        ticks = sorted(e["t"] for e in events if e["event"] == "tick" and e["run"] == row["run"]
+                       and rec.finished - 5 <= e["t"] <= (seen or rec.finished))
+        drawn = min((e for e in mine if e.get("run") == row["run"] and seen is not None and e["t0"] >= seen),
+                    key=lambda e: e["t0"], default=None)
+        row["click_s"] = round(queued_by - at, 3) if at and queued_by else None
+        row["submit_s"] = round(rec.created - queued_by, 3) if queued_by else None
+        row["notice_s"] = round(seen - rec.finished, 3) if seen else None
+        row["tick_gap_s"] = round(max(b - a for a, b in zip(ticks, ticks[1:])), 3) if len(ticks) > 1 else None
+        row["result_s"] = round(drawn["t1"] - seen, 3) if drawn else None
+        row["result_cpu_s"] = round(drawn["cpu_s"], 3) if drawn else None
+        row["browser_s"] = (round(at + row["run_to_result_s"] - drawn["t1"], 3)
+                            if drawn and at and row["run_to_result_s"] is not None else None)
+        parts = [row["submit_s"], row["notice_s"], row["result_s"]]
+        row["server_overhead_s"] = round(sum(parts), 3) if None not in parts else None
+
+
+def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict]) -> dict:
     renders = [t for p in people for t in p["first_render_s"]]
+    served = lambda key: [r[key] for r in renders_server if r[key] is not None]  # noqa: E731
     col = lambda key: [r[key] for r in runs["rows"] if r[key] is not None]  # noqa: E731
     out = {"people": n, "wall_s": round(wall_s, 1), "pressed_run": sum(bool(p.get("pressed_run")) for p in people),
            "errors": sum(p["error"] is not None for p in people),
@@ -178,7 +242,12 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict)
            "runs_doubled": runs["doubled"], **server}
     for name, values in (("first_render", renders), ("run_to_result", col("run_to_result_s")),
                          ("queue_wait", col("queue_wait_s")), ("run_time", col("run_time_s")),
-                         ("overhead", col("overhead_s"))):
+                         ("overhead", col("overhead_s")), ("first_render_server", served("server_s")),
+                         ("first_render_server_cpu", served("server_cpu_s")), ("first_render_before_script", served("before_s")),
+                         ("overhead_click", col("click_s")), ("overhead_submit", col("submit_s")),
+                         ("overhead_notice", col("notice_s")), ("overhead_tick_gap", col("tick_gap_s")),
+                         ("overhead_result_script", col("result_s")), ("overhead_browser", col("browser_s")),
+                         ("overhead_server", col("server_overhead_s"))):
         out[f"{name}_p50_s"], out[f"{name}_p95_s"] = percentile(values, 50), percentile(values, 95)
     out["targets_n10"] = None
     if n >= 10:
@@ -187,9 +256,19 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict)
             "run_to_result_p95_within_1_s_of_queue_plus_run": out["overhead_p95_s"] is not None
             and out["overhead_p95_s"] <= 1.0,
             "no_errors": out["errors"] == 0, "none_lost_or_doubled": out["runs_lost"] == out["runs_doubled"] == 0}
+    out["targets_n10_server"] = server_targets(out) if n >= 10 else None
+    out["renders_detail"] = renders_server
     out["people_detail"] = people
     out["runs_detail"] = runs["rows"]
     return out
+
+
+def server_targets(row: dict) -> dict:
+    """The N = 10 targets on the server's own share (the browsers run on the same 2 cores): the script run that
+    produces a page p95 under 3 s, and the server's part of the overhead (submit + notice + result) p95 within 1 s."""
+    render, overhead = row.get("first_render_server_p95_s"), row.get("overhead_server_p95_s")
+    return {"first_render_server_p95_under_3_s": render is not None and render < 3,
+            "overhead_server_p95_within_1_s": overhead is not None and overhead <= 1.0}
 
 
 def main() -> None:
@@ -201,7 +280,9 @@ def main() -> None:
     args = p.parse_args()
     counts = [int(c) for c in args.people.split(",")]
     data = Path(tempfile.mkdtemp(prefix="team-load-"))
-    env = {"EXPLORER_TOKEN": TOKEN, "EXPLORER_MAX_JOBS": "1", "EXPLORER_OPEN_ON_DEFAULT_RUN": "0"}
+    render_log = data / "render_log.jsonl"  # the server's own time per script run (pages/render_log.py)
+    env = {"EXPLORER_TOKEN": TOKEN, "EXPLORER_MAX_JOBS": "1", "EXPLORER_OPEN_ON_DEFAULT_RUN": "0",
+           "EXPLORER_RENDER_LOG": str(render_log)}
     server, url = start(data, "--server.address", HOST, env=env, host=HOST)
     phases = []
     try:
@@ -209,12 +290,19 @@ def main() -> None:
             load, sampler, begun = os.getloadavg()[0], ProcessSampler(server.pid), time.monotonic()
             people = asyncio.run(phase(url, n))
             wall = time.monotonic() - begun
-            row = summary(n, people, account(RunStore(data), n, people), wall, sampler.stop())
+            store, events = RunStore(data), read_events(render_log)
+            runs = account(store, n, people)
+            server_overhead(events, people, store, runs["rows"])
+            row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people))
             row["load_average_at_start"] = round(load, 1)
             phases.append(row)
             print(f"N={n:2d}: first render p50 {row['first_render_p50_s']} p95 {row['first_render_p95_s']} s; "
                   f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
                   f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
+                  f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
+                  f"s, overhead p95 {row['overhead_server_p95_s']} s (submit {row['overhead_submit_p95_s']}, notice "
+                  f"{row['overhead_notice_p95_s']}, result script {row['overhead_result_script_p95_s']}; the click "
+                  f"reaching it p95 {row['overhead_click_p95_s']}); "
                   f"errors {row['errors']}, lost {row['runs_lost']}, doubled {row['runs_doubled']}; server RSS "
                   f"{row['server_peak_rss_mib']} MiB, CPU {row['server_cpu_s']} s; load {load:.1f}", flush=True)
     finally:

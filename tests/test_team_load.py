@@ -41,3 +41,55 @@ def test_the_count_of_lost_and_doubled_runs_sees_both(monkeypatch, store):
     assert (counted["lost"], counted["doubled"]) == (1, 1)
     assert [r["person"] for r in counted["rows"]] == ["person-5-0", "person-5-2"]
     assert counted["rows"][0]["queue_wait_s"] == 1.0
+
+
+def test_the_server_part_of_a_render_and_of_a_runs_overhead_is_read_off_its_own_log(monkeypatch, store):
+    """The bench's split on a store and a render log made here: the render is matched to that person's first script
+    run of that page after the navigation (not another person's, not an earlier one), and a run's overhead splits
+    into submit, notice, result and browser parts that sum to it, a late notice landing in notice_s."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    rid = store.create(team_load.EXPERIMENT, {"seed": 50_000}, "digest", status="queued", owner="person-5-0")
+    created = store.get(rid).created
+    store.update(rid, started=created + 3.0)
+    store.finish(rid, "succeeded")
+    store.update(rid, finished=created + 5.0)
+    clicked, seen, drawn = created - 0.4, created + 7.0, (created + 7.05, created + 7.35)
+    events = [
+        {"event": "script", "t0": created - 0.1, "t1": created + 0.05, "cpu_s": 0.01, "user": "person-5-0",
+         "page": "number_formats", "run": rid},  # the script run that queued it
+        *({"event": "tick", "run": rid, "t": created + t} for t in (4.5, 4.75, 6.75, 7.0)),
+        {"event": "script", "t0": 100.0, "t1": 100.2, "cpu_s": 0.1, "user": "person-5-0", "page": "number_formats"},  # before
+        {"event": "script", "t0": 101.0, "t1": 101.9, "cpu_s": 0.5, "user": "person-5-1", "page": "number_formats"},  # another
+        {"event": "script", "t0": 101.2, "t1": 101.5, "cpu_s": 0.05, "user": "person-5-0", "page": "number_formats"},
+        {"event": "script", "t0": 101.6, "t1": 101.7, "cpu_s": 0.01, "user": "person-5-0", "page": "number_formats"},
+        {"event": "final_seen", "run": rid, "t": seen},
+        {"event": "script", "t0": drawn[0], "t1": drawn[1], "cpu_s": 0.2, "user": "person-5-0", "page": "number_formats",
+         "run": rid},
+    ]
+    person = {"person": "person-5-0", "first_render_at": [101.0], "first_render_s": [1.5],
+              "first_render_page": ["number_formats"], "clicked_at": clicked}
+    (render,) = team_load.server_renders(events, [person])
+    assert (render["server_s"], render["server_cpu_s"], render["before_s"]) == (0.3, 0.05, 0.2)
+
+    row = {"person": "person-5-0", "run": rid, "run_to_result_s": 8.0}
+    row["overhead_s"] = row["run_to_result_s"] - 5.0  # minus queue (3 s) and run (2 s), as account() does
+    team_load.server_overhead(events, [person], store, [row])
+    assert (row["click_s"], row["submit_s"], row["notice_s"], row["result_s"]) == (0.3, 0.1, 2.0, 0.35)
+    assert row["tick_gap_s"] == 2.0  # the view noticed 2 s late because its ticks came 2 s apart
+    assert row["browser_s"] == round(clicked + 8.0 - drawn[1], 3)
+    parts = row["click_s"] + row["submit_s"] + row["notice_s"] + row["result_s"] + row["browser_s"]
+    assert abs(parts - row["overhead_s"]) < 0.003
+    assert row["server_overhead_s"] == 2.45
+
+
+def test_the_servers_targets_fail_when_its_share_is_over(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    met = team_load.server_targets({"first_render_server_p95_s": 0.3, "overhead_server_p95_s": 0.9})
+    assert all(met.values())
+    missed = team_load.server_targets({"first_render_server_p95_s": 3.2, "overhead_server_p95_s": 1.4})
+    assert not any(missed.values())
+    assert not any(team_load.server_targets({}).values())  # nothing measured is not a pass

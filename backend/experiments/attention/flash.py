@@ -119,6 +119,8 @@ def seed_003_ledger(budget: dict, d: int) -> tuple[Check, str]:
 
 
 def run(config: FlashConfig, ctx) -> Result:
+    """Attention by the chosen implementation (timed, its traffic counted), checked against SDPA; then the IO model,
+    seed 003's SRAM budget and seed 000's online-softmax example, and the tile schedule for the page."""
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, config.dtype)
@@ -127,13 +129,38 @@ def run(config: FlashConfig, ctx) -> Result:
     q32, k32, v32 = (torch.randn(B, H, N, D, generator=g).to(device) for _ in range(3))
     do32 = torch.randn(B, H, N, D, generator=g).to(device)
     q, k, v, do = (t.to(dtype) for t in (q32, k32, v32, do32))
-    metrics, tables, checks, notes = {"device": device, "impl": config.impl}, {}, [], []
     ctx.progress(0.05, f"{config.impl} forward")
+    out, grads, metrics, tables, checks = attend(config, q, k, v, do, ctx)
+    metrics = {"device": device, "impl": config.impl, **metrics}
+    ctx.progress(0.7, "reference")
+    checks += accuracy_checks(config, out, grads, (q32, k32, v32, do32), (q, k, v, do))
+    model_metrics, model_tables, model_checks, notes = models_and_seeds(config, q.element_size())
+    metrics.update(model_metrics)
+    tables.update(model_tables)
+    checks += model_checks
+    if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
+        steps = []
+        tiled_attention(q32[0, 0], k32[0, 0], v32[0, 0], config.causal, config.block_m, config.block_n,
+                        on_step=lambda i, j, m, l: steps.append({"step": len(steps), "q_tile": i, "kv_tile": j,
+                                                                 "m": m.tolist(), "l": l.tolist()}))
+        tables["tile_steps"] = steps
+    if config.impl == "tiled" and N >= 8192:
+        notes.append(f"Resident memory grew by {metrics['peak_resident_growth_bytes'] / 2**20:.1f} MiB while the tiled "
+                     f"path ran; naive attention would hold {B * H * N * N * 4 / 2**30:.2f} GiB of scores.")
+    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
+
+
+def attend(config: FlashConfig, q, k, v, do, ctx):
+    """The chosen implementation's forward (and, for Triton, backward), timed, with the resident memory it grew by and
+    the bytes it moved: counted inside the Triton kernels (checked against the closed form) or by the naive path.
+    Returns the output, the gradients (None unless computed), metrics, tables and checks."""
+    B, H, N, D = config.batch, config.heads, config.seq_len, config.head_dim
+    metrics, tables, checks = {}, {}, []
     rss_before = _max_rss_bytes()
     start = time.perf_counter()
     grads = None
     if config.impl == "triton":
-        counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=device)
+        counters = torch.zeros(len(TENSORS), dtype=torch.int64, device=q.device)
         out, lse = flash_forward(q, k, v, config.causal, config.block_m, config.block_n, counters)
         fwd_counts = counters.clone()
         if config.backward:
@@ -155,49 +182,46 @@ def run(config: FlashConfig, ctx) -> Result:
     else:
         out = tiled_attention(q, k, v, config.causal, config.block_m, config.block_n)
     metrics["seconds"] = round(time.perf_counter() - start, 4)
-    peak = max(0, _max_rss_bytes() - rss_before)
-    metrics["peak_resident_growth_bytes"] = peak
+    metrics["peak_resident_growth_bytes"] = max(0, _max_rss_bytes() - rss_before)
     metrics["naive_scores_bytes_would_be"] = B * H * N * N * 4
-    ctx.progress(0.7, "reference")
-    do_ref = (do32, do) if config.backward else (None, None)
-    ref32, grads32 = sdpa_reference(q32, k32, v32, config.causal, do_ref[0])
-    ref_same, grads_same = sdpa_reference(q, k, v, config.causal, do_ref[1])
+    return out, grads, metrics, tables, checks
+
+
+def accuracy_checks(config: FlashConfig, out, grads, fp32: tuple, same: tuple) -> list[Check]:
+    """The output (and gradients) against torch's SDPA in fp32, within twice SDPA's own error in the dtype:
+    FlashAttention's criterion. `fp32` and `same` are (q, k, v, dO) in fp32 and in the dtype."""
+    dtype = same[0].dtype
+    ref32, grads32 = sdpa_reference(*fp32[:3], config.causal, fp32[3] if config.backward else None)
+    ref_same, grads_same = sdpa_reference(*same[:3], config.causal, same[3] if config.backward else None)
     err, err_ref = (out.float() - ref32).abs().max().item(), (ref_same.float() - ref32).abs().max().item()
     slack = 1e-6 if dtype == torch.float32 else 0.0
-    checks.append(Check(f"forward: error vs fp32 SDPA within 2× SDPA's own in {config.dtype}", err, 2 * err_ref + slack,
-                        reference="torch scaled_dot_product_attention (fp32, and in the same dtype)",
-                        detail=f"SDPA in {config.dtype}: {err_ref:.3g}"))
+    checks = [Check(f"forward: error vs fp32 SDPA within 2× SDPA's own in {config.dtype}", err, 2 * err_ref + slack,
+                    reference="torch scaled_dot_product_attention (fp32, and in the same dtype)",
+                    detail=f"SDPA in {config.dtype}: {err_ref:.3g}")]
     if grads is not None:
-        for name, mine, ref, same in zip(("dQ", "dK", "dV"), grads, grads32, grads_same):
-            e, e_ref = (mine.float() - ref).abs().max().item(), (same.float() - ref).abs().max().item()
+        for name, mine, ref, same_grad in zip(("dQ", "dK", "dV"), grads, grads32, grads_same):
+            e, e_ref = (mine.float() - ref).abs().max().item(), (same_grad.float() - ref).abs().max().item()
             checks.append(Check(f"backward {name}: error vs fp32 SDPA within 2× SDPA's own", e, 2 * e_ref + (1e-5 if dtype == torch.float32 else 0.0),
                                 reference="autograd through torch SDPA", detail=f"SDPA in {config.dtype}: {e_ref:.3g}"))
-    model = io_model(N, D, q.element_size(), config.block_m, config.block_n, B * H, config.causal)
-    metrics.update({f"io_model.{k}": v for k, v in model.items()})
-    flops = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
-    metrics["forward_flops"] = flops
-    budget = sram_budget(config.sram_kib * 1024, D, q.element_size())
-    tables["sram_budget"] = budget["steps"]
+    return checks
+
+
+def models_and_seeds(config: FlashConfig, elem: int):
+    """The IO model's traffic and the forward FLOPs; seed 003's SRAM budget walked step by step (checked against the
+    seed's printed expressions) and seed 000's online-softmax example. Returns metrics, tables, checks, notes."""
+    B, H, N, D = config.batch, config.heads, config.seq_len, config.head_dim
+    metrics = {f"io_model.{k}": v for k, v in io_model(N, D, elem, config.block_m, config.block_n, B * H, config.causal).items()}
+    metrics["forward_flops"] = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
+    budget = sram_budget(config.sram_kib * 1024, D, elem)
     metrics.update({"sram.Br": budget["Br"], "sram.Bc": budget["Bc"], "sram.words": budget["sram_words"],
                     "sram.peak_words": budget["peak_words"]})
     check, note = seed_003_ledger(budget, D)
-    checks.append(check)
-    notes.append(note)
-    tables["online_softmax_example"] = online_softmax_example()
+    tables = {"sram_budget": budget["steps"], "online_softmax_example": online_softmax_example()}
     error, detail = online_softmax_seed_error(tables["online_softmax_example"])
-    checks.append(Check("seed 000's online-softmax example: the tiled update gives the seed's m, f, rescale and l",
-                        error, 1e-12, reference="seed 000, FlashAttention tiling example (x1 = [1, 2], x2 = [3, 4]); "
-                                                "torch.softmax for the normalised result", detail=detail))
-    if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
-        steps = []
-        tiled_attention(q32[0, 0], k32[0, 0], v32[0, 0], config.causal, config.block_m, config.block_n,
-                        on_step=lambda i, j, m, l: steps.append({"step": len(steps), "q_tile": i, "kv_tile": j,
-                                                                 "m": m.tolist(), "l": l.tolist()}))
-        tables["tile_steps"] = steps
-    if config.impl == "tiled" and N >= 8192:
-        notes.append(f"Resident memory grew by {peak / 2**20:.1f} MiB while the tiled path ran; naive attention would hold "
-                     f"{B * H * N * N * 4 / 2**30:.2f} GiB of scores.")
-    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes)
+    return metrics, tables, [check, Check(
+        "seed 000's online-softmax example: the tiled update gives the seed's m, f, rescale and l",
+        error, 1e-12, reference="seed 000, FlashAttention tiling example (x1 = [1, 2], x2 = [3, 4]); "
+                                "torch.softmax for the normalised result", detail=detail)], [note]
 
 
 EXPERIMENT = define(__name__, FlashConfig,

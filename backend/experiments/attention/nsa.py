@@ -108,87 +108,129 @@ def reference_queries(n: int, heads: int, cmp_stride: int) -> list[int]:
 
 
 def run(config: NSAConfig, ctx) -> Result:
+    """NSA on random inputs against dense attention with the same masks, its selection against the paper's
+    definitions in float64 and its reads against the closed form; then KV bytes per query over the sizes."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(config.seed)
-    H, G, n, d = config.heads, config.kv_heads, config.seq_len, config.head_dim
-    geometry = dict(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
-                    top_n=config.top_n, window=config.window)
-    local = config.local_blocks
-    params = make_params(d, config.cmp_block, g)
-    inputs = lambda length, groups: (torch.randn(groups * (H // G), length, d, generator=g),  # noqa: E731
-                                     torch.randn(groups, length, d, generator=g), torch.randn(groups, length, d, generator=g))
-    q, k, v = inputs(n, G)
+    params = make_params(config.head_dim, config.cmp_block, g)
+    q, k, v = _inputs(config, g, config.seq_len, config.kv_heads)
     ctx.progress(0.05, "NSA")
     counters = torch.zeros(2, dtype=torch.int64) if config.impl == "triton" else None
-    out, chosen = nsa_attention(q, k, v, params, **geometry, local_blocks=local, selected_counters=counters)
+    out, chosen = nsa_attention(q, k, v, params, **_geometry(config), local_blocks=config.local_blocks,
+                                selected_counters=counters)
     ctx.progress(0.25, "masked dense reference")
     ref = masked_dense_reference(q, k, v, chosen, config.sel_block, config.window)
     checks = [Check("NSA equals dense attention with the same masks (fp32 round-off)", (out - ref).abs().max().item(), 1e-5,
                     reference="torch SDPA over every key with boolean masks, same gates")]
-
     ctx.progress(0.3, "selection, one query at a time in float64")
-    queries = reference_queries(n, H, config.cmp_stride)
-    reference = nsa_reference.select(q, k, params, config.cmp_block, config.cmp_stride, config.sel_block, config.top_n, local, queries)
+    checks += selection_checks(config, q, k, params, chosen)
+    checks += read_checks(config, chosen, counters, q.element_size())
+    ctx.progress(0.4, "every block selected vs full causal attention")
+    checks.append(every_block_check(config, q, k, v, params))
+    sweep = bytes_sweep(config, g, params, ctx)
+    n_sel = -(-config.seq_len // config.sel_block)
+    gates = chosen["gates"].mean((0, 1))
+    bytes_now = kv_bytes_per_query(chosen["kv_rows_read"], config.head_dim, q.element_size())
+    return Result(
+        metrics={**{f"kv_bytes_per_query.{k_}": v_ for k_, v_ in bytes_now.items()},
+                 **{f"gate_mean.{b}": float(gates[i]) for i, b in enumerate(BRANCHES)},
+                 "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1]},
+        tables={"sweep": sweep, **selection_tables(config, chosen)},
+        checks=checks,
+        notes=["KV bytes are counted from the rows the gathers index, per query and KV head (K and V, fp32); full attention reads every "
+               "earlier token. The weights of φ and the gate are random: the structure, not a trained model."])
+
+
+def _geometry(config: NSAConfig) -> dict:
+    return dict(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
+                top_n=config.top_n, window=config.window)
+
+
+def _inputs(config: NSAConfig, g: torch.Generator, length: int, groups: int):
+    """Random q (the group's heads), k and v for `groups` KV groups of `length` tokens."""
+    H, G, d = config.heads, config.kv_heads, config.head_dim
+    return (torch.randn(groups * (H // G), length, d, generator=g),
+            torch.randn(groups, length, d, generator=g), torch.randn(groups, length, d, generator=g))
+
+
+def selection_checks(config: NSAConfig, q, k, params, chosen: dict) -> list[Check]:
+    """The importance and the blocks chosen against a per-query float64 loop over the paper's definitions (every
+    query, or a sample when there are too many)."""
+    n = config.seq_len
+    queries = reference_queries(n, config.heads, config.cmp_stride)
+    reference = nsa_reference.select(q, k, params, config.cmp_block, config.cmp_stride, config.sel_block, config.top_n,
+                                     config.local_blocks, queries)
     importance_err, differ = nsa_reference.selection_differences(chosen["blocks"], chosen["real"], chosen["importance"], reference,
                                                                  tie=IMPORTANCE_TOL)
     sampled = f"{len(queries)} of {n} queries" + ("" if len(queries) == n else f" (every {queries[1]}th)")
-    checks += [Check("selection-block importance equals the paper's eq. 9 over eq. 8's p_cmp, summed over the group's heads",
-                     importance_err, IMPORTANCE_TOL, reference="per-query loop in float64 over the definitions (nsa_reference)",
-                     detail=sampled),
-               Check("the blocks chosen equal the paper's: the first and local blocks, then the top p_slc (eq. 11)", differ, 0,
-                     reference="per-query loop in float64, sorted p_slc", detail=f"{sampled}; queries whose blocks differ beyond a "
-                                                                                 f"{IMPORTANCE_TOL:g} tie")]
+    return [Check("selection-block importance equals the paper's eq. 9 over eq. 8's p_cmp, summed over the group's heads",
+                  importance_err, IMPORTANCE_TOL, reference="per-query loop in float64 over the definitions (nsa_reference)",
+                  detail=sampled),
+            Check("the blocks chosen equal the paper's: the first and local blocks, then the top p_slc (eq. 11)", differ, 0,
+                  reference="per-query loop in float64, sorted p_slc", detail=f"{sampled}; queries whose blocks differ beyond a "
+                                                                              f"{IMPORTANCE_TOL:g} tie")]
 
+
+def read_checks(config: NSAConfig, chosen: dict, counters, elem: int) -> list[Check]:
+    """The forced blocks held by every query (and none after it), the KV rows the gathers read against the closed
+    form, and, for the Triton kernel, the bytes it counted."""
+    n, local = config.seq_len, config.local_blocks
     t = torch.arange(n)
     blocks, real = chosen["blocks"], chosen["real"]
     first = (blocks == 0) & real
     behind = (t // config.sel_block)[None, :, None] - blocks
     local_held = ((behind >= 0) & (behind < local) & real).sum(-1)
     after = ((blocks * config.sel_block > t[None, :, None]) & real).sum().item()
-    checks.append(Check(f"every query's selection holds the first block and its {local} latest, and none after it",
-                        (local_held != (t // config.sel_block + 1).clamp(max=local)[None]).sum().item() + (~first.any(-1)).sum().item()
-                        + after, 0, reference="block geometry"))
-    closed = closed_form_rows(n, **geometry)
-    checks.append(Check("KV rows the gathers read equal the closed form per branch",
-                        sum((chosen["kv_rows_read"][b] - closed[b][None]).abs().sum().item() for b in BRANCHES), 0,
-                        reference="block geometry"))
+    closed = closed_form_rows(n, **_geometry(config))
+    checks = [Check(f"every query's selection holds the first block and its {local} latest, and none after it",
+                    (local_held != (t // config.sel_block + 1).clamp(max=local)[None]).sum().item() + (~first.any(-1)).sum().item()
+                    + after, 0, reference="block geometry"),
+              Check("KV rows the gathers read equal the closed form per branch",
+                    sum((chosen["kv_rows_read"][b] - closed[b][None]).abs().sum().item() for b in BRANCHES), 0,
+                    reference="block geometry")]
     if counters is not None:
-        closed_bytes = closed["selected"].sum().item() * G * d * q.element_size()
+        closed_bytes = closed["selected"].sum().item() * config.kv_heads * config.head_dim * elem
         checks.append(Check("bytes of K and V the Triton kernel counted equal the closed form",
                             abs(counters[0].item() - closed_bytes) + abs(counters[1].item() - closed_bytes), 0,
                             reference="block geometry", detail=f"{counters.sum().item():,} bytes counted"))
-    ctx.progress(0.4, "every block selected vs full causal attention")
-    n_sel = -(-n // config.sel_block)
-    _, everything = nsa_attention(q, k, v, params, **{**geometry, "top_n": n_sel}, local_blocks=local)
-    full = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 0), v.repeat_interleave(H // G, 0), is_causal=True)
-    checks.append(Check("with every block selected, the selected branch is full causal attention",
-                        (everything["branch_outputs"]["selected"] - full).abs().max().item(), 1e-5,
-                        reference="torch SDPA, is_causal=True"))
+    return checks
 
-    elem = q.element_size()
-    bytes_now = kv_bytes_per_query(chosen["kv_rows_read"], d, elem)
+
+def every_block_check(config: NSAConfig, q, k, v, params) -> Check:
+    """With every block selected, the selected branch must be full causal attention (torch's SDPA)."""
+    H, G = config.heads, config.kv_heads
+    n_sel = -(-config.seq_len // config.sel_block)
+    _, everything = nsa_attention(q, k, v, params, **{**_geometry(config), "top_n": n_sel}, local_blocks=config.local_blocks)
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 0), v.repeat_interleave(H // G, 0), is_causal=True)
+    return Check("with every block selected, the selected branch is full causal attention",
+                 (everything["branch_outputs"]["selected"] - full).abs().max().item(), 1e-5,
+                 reference="torch SDPA, is_causal=True")
+
+
+def bytes_sweep(config: NSAConfig, g: torch.Generator, params, ctx) -> list[dict]:
+    """KV bytes per query counted at each sweep length, on one KV group (every group reads alike)."""
     sweep = []
     for i, length in enumerate(config.sizes()):
         ctx.progress(0.5 + 0.45 * i / max(1, len(config.sizes())), f"KV bytes per query at N={length}")
-        _, c = nsa_attention(*inputs(length, 1), params, **geometry, local_blocks=local)  # one KV group: every group reads alike
-        counted = kv_bytes_per_query(c["kv_rows_read"], d, elem)
+        q, k, v = _inputs(config, g, length, 1)
+        _, c = nsa_attention(q, k, v, params, **_geometry(config), local_blocks=config.local_blocks)
+        counted = kv_bytes_per_query(c["kv_rows_read"], config.head_dim, q.element_size())
         sweep.append({"seq_len": length, **counted, "nsa_over_full_last": counted["nsa_last"] / counted["full_last"]})
+    return sweep
 
-    stride = max(1, n // 64)  # the importance of group 0, every stride-th query, for the page's heat map
+
+def selection_tables(config: NSAConfig, chosen: dict) -> dict:
+    """For the page: group 0's importance at every stride-th query (a heat map) and every query's chosen blocks."""
+    n = config.seq_len
+    n_sel = -(-n // config.sel_block)
+    blocks, real = chosen["blocks"], chosen["real"]
+    stride = max(1, n // 64)
     importance = [{"query": int(tq), "sel_block": j, "importance": float(chosen["importance"][0, tq, j]),
                    "selected": bool(((blocks[0, tq] == j) & real[0, tq]).any())}
                   for tq in range(0, n, stride) for j in range(n_sel) if j * config.sel_block <= tq]
     selection = [{"query": tq, "blocks": sorted(int(b) for b, r in zip(blocks[0, tq], real[0, tq]) if r),
                   "compressed_visible": int(chosen["cmp_visible"][0, tq].sum())} for tq in range(n)]
-    gates = chosen["gates"].mean((0, 1))
-    return Result(
-        metrics={**{f"kv_bytes_per_query.{k_}": v_ for k_, v_ in bytes_now.items()},
-                 **{f"gate_mean.{b}": float(gates[i]) for i, b in enumerate(BRANCHES)},
-                 "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1]},
-        tables={"sweep": sweep, "importance": importance, "selection": selection},
-        checks=checks,
-        notes=["KV bytes are counted from the rows the gathers index, per query and KV head (K and V, fp32); full attention reads every "
-               "earlier token. The weights of φ and the gate are random: the structure, not a trained model."])
+    return {"importance": importance, "selection": selection}
 
 
 EXPERIMENT = define(__name__, NSAConfig,

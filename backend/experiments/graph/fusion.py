@@ -109,8 +109,49 @@ def lower(captured: nx.DiGraph, config: FusionConfig):
 
 
 def run(config: FusionConfig, ctx) -> Result:
+    """The model captured, lowered by the chosen passes and run twice as generated kernels (one per op, then fused),
+    each counted and checked against eager PyTorch in float64; TorchInductor's counts on request; the fused
+    program's launches timed as a trace."""
     fn, inputs = build(config)
     ctx.progress(0.05, "capturing the graph")
+    captured, feeds, tangent, reference, eager_error = capture_with_reference(config, fn, inputs)
+    g, plan, log, saved = lower(captured, config)
+    ctx.progress(0.2, "generating and running one kernel per op")
+    before = FusedProgram(captured, unfused_plan(captured))
+    before_out, before_run = before.run(feeds, count=True)
+    ctx.progress(0.55, "generating and running the fused kernels")
+    after = FusedProgram(g, plan)
+    after_out, after_run = after.run(feeds, count=True)
+    ideal = modelled_bytes(g, plan)
+    coverage = max(coverage_error(before, before_run, modelled_bytes(captured, before.plan)["per_group"]),
+                   coverage_error(after, after_run, ideal["per_group"]))
+    kernels = kernel_rows(g, plan, after, after_run, ideal)
+    inductor = None
+    if config.inductor:
+        ctx.progress(0.7, "compiling with TorchInductor")
+        from backend.graph.inductor import kernel_counts
+        inductor = kernel_counts(fn, inputs, tangent, "cuda" if torch.cuda.is_available() else "cpu")
+    errors = {"error_fused_vs_fp64": max_error(after_out, reference), "error_eager_fp32_vs_fp64": eager_error}
+    metrics = fusion_metrics(config, captured, g, plan, after, (before_run, after_run), ideal, kernels, errors, saved,
+                             inductor)
+    tolerance = 2 * eager_error + 1e-6
+    checks = fusion_checks(max_error(after_out, reference), max_error(before_out, reference), tolerance, eager_error,
+                           coverage, after)
+    if inductor:
+        checks.append(Check("TorchInductor's compiled function = PyTorch, within 2× eager fp32's own error",
+                            max_error(inductor["values"], reference), tolerance, reference="eager PyTorch in float64"))
+    notes = ["Kernels run in Triton's interpreter on a CPU: bytes are counted exactly, times mean nothing."
+             if not torch.cuda.is_available() else "Kernels ran on the GPU."]
+    if inductor and "cpp" in inductor["backend"]:
+        notes.append("TorchInductor here is its C++ CPU backend (no GPU): its loop nests may compute a row and a column "
+                     "reduction in one kernel, which a Triton kernel cannot. bench/fusion.py counts its Triton kernels on a GPU.")
+    return Result(metrics=metrics, tables=fusion_tables(config, g, plan, after, log, kernels, saved), checks=checks,
+                  notes=notes, trace_events=launch_timeline(after, feeds))
+
+
+def capture_with_reference(config: FusionConfig, fn, inputs):
+    """The captured graph (with its backward when asked, the incoming gradient a seeded input), the feeds on the
+    device the generated kernels run on, and eager PyTorch's result in float64 with fp32's own error against it."""
     gm = capture(fn, inputs, config.backward)
     captured = to_networkx(gm, config.backward)
     tangent = torch.randn(ir.get(captured, captured.graph["inputs"][-1]).shape, generator=torch.Generator().manual_seed(1)) \
@@ -119,20 +160,12 @@ def run(config: FusionConfig, ctx) -> Result:
     feeds = [t.to(device) for t in inputs + ([tangent] if config.backward else [])]
     reference = eager(fn, [t.double() for t in inputs], tangent.double() if tangent is not None else None)
     eager_error = max_error(eager(fn, inputs, tangent), reference)  # what fp32 itself costs
-    tolerance = 2 * eager_error + 1e-6
+    return captured, feeds, tangent, reference, eager_error
 
-    g, plan, log, saved = lower(captured, config)
 
-    ctx.progress(0.2, "generating and running one kernel per op")
-    before = FusedProgram(captured, unfused_plan(captured))
-    before_out, before_run = before.run(feeds, count=True)
-    ctx.progress(0.55, "generating and running the fused kernels")
-    after = FusedProgram(g, plan)
-    after_out, after_run = after.run(feeds, count=True)
-    ideal = modelled_bytes(g, plan)
-    before_coverage = coverage_error(before, before_run, modelled_bytes(captured, before.plan)["per_group"])
-    after_coverage = coverage_error(after, after_run, ideal["per_group"])
-
+def kernel_rows(g: nx.DiGraph, plan, after: FusedProgram, after_run: dict, ideal: dict) -> list[dict]:
+    """One row per launch of the fused program: a generated kernel's counted bytes beside its group's ideal, or a
+    library call's modelled bytes."""
     kernels = []
     by_name = {k["kernel"]: k for k in after_run["per_kernel"]}
     for step in after.steps:
@@ -151,18 +184,21 @@ def run(config: FusionConfig, ctx) -> Result:
                             "grid": None, "block": None, "requested_bytes": None, "unique_bytes": None,
                             "ideal_bytes": sum(ir.get(g, p).bytes for p in set(g.predecessors(step.key))) + node.bytes,
                             "unique_over_ideal": None})
-    worst = max((k["unique_over_ideal"] for k in kernels if k["unique_over_ideal"] is not None), default=0.0)
+    return kernels
 
-    inductor = None
-    if config.inductor:
-        ctx.progress(0.7, "compiling with TorchInductor")
-        from backend.graph.inductor import kernel_counts
-        inductor = kernel_counts(fn, inputs, tangent, "cuda" if torch.cuda.is_available() else "cpu")
+
+def fusion_metrics(config: FusionConfig, captured, g, plan, after: FusedProgram, runs: tuple[dict, dict], ideal: dict,
+                   kernels: list[dict], errors: dict, saved: dict | None, inductor: dict | None) -> dict:
+    """Launches, generated kernels per phase, bytes counted against the ideal, the errors, the arena against its
+    bounds, ops before and after the passes, and what min-cut and TorchInductor found. `runs`: the one-per-op and
+    fused runs."""
+    before_run, after_run = runs
 
     def phase_count(phase):
         return sum(1 for s in after.steps if s.kind == "kernel" and plan.groups[s.key].phase == phase)
 
     mem = after.memory
+    ops = lambda graph: sum(1 for _, node in ir.items(graph) if node.kind in ("pointwise", "reduction", "opaque"))  # noqa: E731
     metrics = {
         "model": config.model if config.model != "expression" else f"expression: {config.expression}",
         "backward": config.backward,
@@ -175,20 +211,27 @@ def run(config: FusionConfig, ctx) -> Result:
         "requested_bytes_fused": sum(k["requested_bytes"] for k in after_run["per_kernel"]),
         "ideal_unique_bytes": ideal["ideal_unique_bytes"],
         "extern_modelled_bytes": after_run["extern_modelled_bytes"],
-        "worst_group_unique_over_ideal": worst,
-        "error_fused_vs_fp64": max_error(after_out, reference), "error_eager_fp32_vs_fp64": eager_error,
+        "worst_group_unique_over_ideal": max((k["unique_over_ideal"] for k in kernels if k["unique_over_ideal"] is not None),
+                                             default=0.0),
+        **errors,
         "arena_bytes": mem.arena_bytes, "lower_bound_bytes": mem.lower_bound_bytes, "no_reuse_bytes": mem.no_reuse_bytes,
-        "ops_captured": sum(1 for _, node in ir.items(captured) if node.kind in ("pointwise", "reduction", "opaque")),
-        "ops_after_passes": sum(1 for _, node in ir.items(g) if node.kind in ("pointwise", "reduction", "opaque")),
+        "ops_captured": ops(captured), "ops_after_passes": ops(g),
     }
     if saved:
         metrics.update(saved_bytes_naive=saved["saved_bytes_before"], saved_bytes_min_cut=saved["saved_bytes_after"])
     if inductor:
         metrics.update(inductor_backend=inductor["backend"], inductor_forward_kernels=inductor["forward_kernels"],
                        inductor_backward_kernels=inductor["backward_kernels"], inductor_extern_calls=inductor["extern_calls"])
+    return metrics
 
+
+def fusion_tables(config: FusionConfig, g, plan, after: FusedProgram, log: list[str], kernels: list[dict],
+                  saved: dict | None) -> dict:
+    """The passes' log, why each pair was left apart, the kernels and their sources, the memory plan over time,
+    the graph per phase and what the backward keeps."""
+    mem = after.memory
     labels = {i: s.label for i, s in enumerate(after.steps)}
-    tables = {
+    return {
         "log": [{"pass": e.split(":")[0], "what and why": e.split(":", 1)[1].strip()} for e in log],
         "why_not": plan.rejected,
         "kernels": kernels,
@@ -200,31 +243,31 @@ def run(config: FusionConfig, ctx) -> Result:
         "saved": [{"value": v, "bytes": ir.get(g, v).bytes, "shape": "×".join(map(str, ir.get(g, v).shape))}
                   for v in (saved["saved_after"] if saved else [])],
     }
-    checks = [
-        Check("fused program = PyTorch (outputs and gradients), within 2× eager fp32's own error", max_error(after_out, reference),
+
+
+def fusion_checks(fused_error: float, unfused_error: float, tolerance: float, eager_error: float, coverage: float,
+                  after: FusedProgram) -> list[Check]:
+    """Both programs against eager PyTorch in float64 (within twice fp32's own error), each kernel's counted bytes
+    against its plan, and the arena's lifetimes."""
+    return [
+        Check("fused program = PyTorch (outputs and gradients), within 2× eager fp32's own error", fused_error,
               tolerance, reference=f"eager PyTorch in float64 (eager fp32 is off by {eager_error:.2e})",
               detail="max |difference| / (1 + max |reference|); generated Triton kernels (interpreter on a CPU) and library "
                      "calls, buffers at their planned offsets"),
-        Check("one kernel per op = PyTorch, within 2× eager fp32's own error", max_error(before_out, reference), tolerance,
+        Check("one kernel per op = PyTorch, within 2× eager fp32's own error", unfused_error, tolerance,
               reference="eager PyTorch in float64"),
-        Check("every generated kernel touched exactly its group's inputs and outputs, once each", max(before_coverage, after_coverage),
+        Check("every generated kernel touched exactly its group's inputs and outputs, once each", coverage,
               0.0, reference="the plan: each group's external inputs and the values it hands on",
               detail="max |distinct bytes counted by the kernel − planned| / planned, fused and one-per-op programs"),
-        Check("no two buffers live at the same time share bytes", len(mem.conflicts()), 0, reference="the plan's lifetimes"),
+        Check("no two buffers live at the same time share bytes", len(after.memory.conflicts()), 0, reference="the plan's lifetimes"),
     ]
-    if inductor:
-        checks.append(Check("TorchInductor's compiled function = PyTorch, within 2× eager fp32's own error",
-                            max_error(inductor["values"], reference), tolerance, reference="eager PyTorch in float64"))
-    notes = ["Kernels run in Triton's interpreter on a CPU: bytes are counted exactly, times mean nothing."
-             if not torch.cuda.is_available() else "Kernels ran on the GPU."]
-    if inductor and "cpp" in inductor["backend"]:
-        notes.append("TorchInductor here is its C++ CPU backend (no GPU): its loop nests may compute a row and a column "
-                     "reduction in one kernel, which a Triton kernel cannot. bench/fusion.py counts its Triton kernels on a GPU.")
-    # the fused program's launches as a timeline (run without counting, so the times are the kernels' own)
+
+
+def launch_timeline(after: FusedProgram, feeds: list) -> list[dict]:
+    """The fused program's launches as trace events, from a run without counting (so the times are the kernels' own)."""
     _, timed = after.run(feeds, count=False)
-    events = [{"name": e["step"], "lane": "generated kernel" if e["kind"] == "kernel" else "library call", "rank": 0,
-               "ts": e["start_us"], "dur": e["dur_us"], "args": {}} for e in timed["timeline"]]
-    return Result(metrics=metrics, tables=tables, checks=checks, notes=notes, trace_events=events)
+    return [{"name": e["step"], "lane": "generated kernel" if e["kind"] == "kernel" else "library call", "rank": 0,
+             "ts": e["start_us"], "dur": e["dur_us"], "args": {}} for e in timed["timeline"]]
 
 
 def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:

@@ -99,53 +99,78 @@ def _counted(a, b, block_m, block_n, block_k, group_m, num_warps=4, order=None):
 
 
 def run(config: GemmConfig, ctx) -> Result:
+    """The chosen GEMM, seed 002's 5x5 example and the tile sweep, each counted in the kernel and checked; then the
+    execution model on the chosen preset. One generator draws every input, in that order."""
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, config.dtype)
-    M, N, K, bm, bn, bk = config.m, config.n, config.k, config.block_m, config.block_n, config.block_k
     g = torch.Generator().manual_seed(config.seed)
+    ctx.progress(0.05, "GEMM")
+    metrics, tables, checks, recorded = chosen_gemm(config, g, device, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    ctx.progress(0.15, "seed 002's 5x5 example")
+    for part_tables, part_checks in (seed_example(g, device, dtype), tile_sweep(config, g, device, dtype, ctx)):
+        tables.update(part_tables)
+        checks += part_checks
+    ctx.progress(0.85, "execution model")
+    model_tables, model_check = execution_model(config, recorded, elem)
+    tables.update(model_tables)
+    return Result(metrics=metrics, tables=tables, checks=checks + [model_check],
+                  notes=["Counted bytes are the loads the program issues to global memory; on a GPU, L2 serves the "
+                         "repeats of a band that other programs of the same wave also read, which GROUP_M ordering makes more likely."])
+
+
+def chosen_gemm(config: GemmConfig, g: torch.Generator, device: str, dtype: torch.dtype):
+    """The chosen GEMM with its loads counted and each tile's program id recorded: C against fp64 (within 2x
+    torch.matmul's own error in the dtype), the counts against the closed form, intensity from the counts.
+    Returns metrics, tables, checks and the recorded program ids."""
+    M, N, K, bm, bn = config.m, config.n, config.k, config.block_m, config.block_n
     a64, b64 = torch.randn(M, K, generator=g, dtype=torch.float64), torch.randn(K, N, generator=g, dtype=torch.float64)
     a, b = a64.to(device, dtype), b64.to(device, dtype)
     elem = a.element_size()
-    metrics, tables, checks = {"device": device}, {}, []
-
-    ctx.progress(0.05, "GEMM")
     start = time.perf_counter()
     recorded = torch.full((-(-M // bm) * -(-N // bn),), -1, dtype=torch.int32, device=device)  # program id per tile
-    c, counted = _counted(a, b, bm, bn, bk, config.group_m, config.num_warps, order=recorded)
-    metrics["seconds"] = round(time.perf_counter() - start, 4)
+    c, counted = _counted(a, b, bm, bn, config.block_k, config.group_m, config.num_warps, order=recorded)
+    metrics = {"device": device, "seconds": round(time.perf_counter() - start, 4)}
     exact = (a.double() @ b.double()).cpu()  # the inputs as rounded to dtype, multiplied exactly enough
     err = (c.double().cpu() - exact).abs().max().item()
     err_torch = (torch.matmul(a, b).double().cpu() - exact).abs().max().item()
-    checks.append(Check(f"C vs fp64 matmul within 2x torch.matmul's own error in {config.dtype}", err,
-                        2 * err_torch + 1e-6 * K ** 0.5, reference="torch.matmul (fp64, and in the same dtype)",
-                        detail=f"torch.matmul in {config.dtype}: {err_torch:.3g}"))
     closed = closed_form_traffic(M, N, K, elem, bm, bn)
-    checks.append(Check("bytes counted in the kernel equal the closed form for the tiling",
-                        sum(abs(counted[t] - closed[t]) for t in TENSORS), 0, reference="A: M·K·⌈N/BN⌉, B: K·N·⌈M/BM⌉, C: M·N",
-                        detail=f"{sum(counted.values()):,} bytes counted"))
+    checks = [Check(f"C vs fp64 matmul within 2x torch.matmul's own error in {config.dtype}", err,
+                    2 * err_torch + 1e-6 * K ** 0.5, reference="torch.matmul (fp64, and in the same dtype)",
+                    detail=f"torch.matmul in {config.dtype}: {err_torch:.3g}"),
+              Check("bytes counted in the kernel equal the closed form for the tiling",
+                    sum(abs(counted[t] - closed[t]) for t in TENSORS), 0, reference="A: M·K·⌈N/BN⌉, B: K·N·⌈M/BM⌉, C: M·N",
+                    detail=f"{sum(counted.values()):,} bytes counted")]
     flops = 2 * M * N * K
     metrics.update({f"bytes_{t}": counted[t] for t in TENSORS})
     metrics["flops"], metrics["intensity_flop_per_byte"] = flops, flops / sum(counted.values())
     metrics["loads_per_mac"] = (counted["A"] + counted["B"]) / elem / (M * N * K)
-    tables["traffic"] = [{"tensor": t, "bytes counted": counted[t], "closed form": closed[t]} for t in TENSORS]
+    tables = {"traffic": [{"tensor": t, "bytes counted": counted[t], "closed form": closed[t]} for t in TENSORS]}
+    return metrics, tables, checks, recorded
 
-    # seed 002's example: one row of A (5 elements) against five columns of B, on the kernel's own counters
-    ctx.progress(0.15, "seed 002's 5x5 example")
+
+def seed_example(g: torch.Generator, device: str, dtype: torch.dtype) -> tuple[dict, list[Check]]:
+    """Seed 002's example: one row of A (5 elements) against five columns of B, on the kernel's own counters."""
     row, cols = torch.randn(1, 5, generator=g).to(device, dtype), torch.randn(5, 5, generator=g).to(device, dtype)
+    elem = row.element_size()
     _, seed_count = _counted(row, cols, 16, 16, 16, 1)
     seed = tile_reuse(1, 5, 5)
     seed.update(counted_A_loads=seed_count["A"] // elem, counted_B_loads=seed_count["B"] // elem)
-    tables["seed_5x5"] = [seed]
-    checks.append(Check("seed 002: the row loaded once (5), the columns five times (25), 25 multiply-adds",
-                        abs(seed["counted_A_loads"] - 5) + abs(seed["counted_B_loads"] - 25) + abs(seed["macs"] - 25), 0,
-                        reference="seed 002's count", detail=f"counted {seed['counted_A_loads']} + {seed['counted_B_loads']} loads"))
+    return {"seed_5x5": [seed]}, [Check(
+        "seed 002: the row loaded once (5), the columns five times (25), 25 multiply-adds",
+        abs(seed["counted_A_loads"] - 5) + abs(seed["counted_B_loads"] - 25) + abs(seed["macs"] - 25), 0,
+        reference="seed 002's count", detail=f"counted {seed['counted_A_loads']} + {seed['counted_B_loads']} loads")]
 
-    # the sweep: intensity from the counters as the tile grows
+
+def tile_sweep(config: GemmConfig, g: torch.Generator, device: str, dtype: torch.dtype, ctx) -> tuple[dict, list[Check]]:
+    """Intensity from the counters as the tile grows, each count against the closed form and loads per multiply-add
+    against 1/BM + 1/BN; the same counts on each preset's fp16 tensor-core roofline (2 bytes per element)."""
     sweep, bad_counts, bad_ratio = [], 0, 0.0
     sizes = config.sizes()
     for i, size in enumerate(sizes):
         x, y = (torch.randn(size, size, generator=g).to(device, dtype) for _ in range(2))
+        elem = x.element_size()
         for tm, tn in SWEEP_TILES:
             ctx.progress(0.2 + 0.6 * i / len(sizes), f"sweep {size}³, tile {tm}x{tn}")
             _, cnt = _counted(x, y, tm, tn, SWEEP_BLOCK_K, config.group_m)
@@ -159,45 +184,43 @@ def run(config: GemmConfig, ctx) -> Result:
                           "intensity counted": 2 * size ** 3 / total, "loads_per_mac counted": loads_per_mac,
                           "intensity formula": 2 * size ** 3 / (elem * (size * size * (-(-size // tn) + -(-size // tm) + 1))),
                           "intensity large-K limit": 2 / (elem * (1 / tm + 1 / tn))})
-    tables["sweep"] = sweep
-    if sweep:
-        checks.append(Check("sweep: every count equals the closed form", bad_counts, 0, reference="tile geometry"))
-        checks.append(Check("sweep: loads per multiply-add = 1/BLOCK_M + 1/BLOCK_N (the seed's count, generalised)",
-                            bad_ratio, 1e-12, reference="(BM + BN)·K loads for BM·BN·K multiply-adds"))
-        # on each preset's fp16 tensor-core roofline: the same counts at 2 bytes per element
-        tables["roofline"] = [{"device": name, "size": r["size"], "tile": r["tile"], "intensity_fp16": r["intensity counted"] * elem / 2,
-                               "attainable_flops_per_s": attainable(spec["peak_flops"]["fp16/bf16 tensor"], dram(name)[2],
-                                                                    r["intensity counted"] * elem / 2)}
-                              for name, spec in DEVICES.items() for r in sweep]
-        tables["roofs"] = [{"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
-                           for name, spec in DEVICES.items()]
+    if not sweep:
+        return {"sweep": sweep}, []
+    elem = torch.empty((), dtype=dtype).element_size()
+    tables = {"sweep": sweep,
+              "roofline": [{"device": name, "size": r["size"], "tile": r["tile"], "intensity_fp16": r["intensity counted"] * elem / 2,
+                            "attainable_flops_per_s": attainable(spec["peak_flops"]["fp16/bf16 tensor"], dram(name)[2],
+                                                                 r["intensity counted"] * elem / 2)}
+                           for name, spec in DEVICES.items() for r in sweep],
+              "roofs": [{"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
+                        for name, spec in DEVICES.items()]}
+    return tables, [Check("sweep: every count equals the closed form", bad_counts, 0, reference="tile geometry"),
+                    Check("sweep: loads per multiply-add = 1/BLOCK_M + 1/BLOCK_N (the seed's count, generalised)",
+                          bad_ratio, 1e-12, reference="(BM + BN)·K loads for BM·BN·K multiply-adds")]
 
-    # the execution model on the chosen preset
-    ctx.progress(0.85, "execution model")
+
+def execution_model(config: GemmConfig, recorded: torch.Tensor, elem: int) -> tuple[dict, Check]:
+    """The chosen GEMM on the chosen preset (model): its hierarchy, the program order the kernel recorded against
+    the L2 model's, what one wave (a program per SM) touches for this GEMM and a large one where GROUP_M matters,
+    and the tensor-core shapes."""
+    M, N, K, bm, bn, bk = config.m, config.n, config.k, config.block_m, config.block_n, config.block_k
     h = gemm_hierarchy(M, N, K, bm, bn, bk, config.num_warps, config.device, elem)
-    tables["hierarchy"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in h.items()}]
     tiles_n = -(-N // bn)
-    tables["program_order"] = [{"program": int(pid), "tile_m": i // tiles_n, "tile_n": i % tiles_n}
-                               for i, pid in enumerate(recorded.tolist())]
+    order = [{"program": int(pid), "tile_m": i // tiles_n, "tile_n": i % tiles_n} for i, pid in enumerate(recorded.tolist())]
     model = program_order(M, N, bm, bn, config.group_m)
-    checks.append(Check("the program order the kernel recorded is the order the L2 model assumes",
-                        sum(model[r["program"]] != (r["tile_m"], r["tile_n"]) for r in tables["program_order"]), 0,
-                        reference="program_order (Python)"))
-    # what one wave (a program per SM) touches, for this GEMM and for a large one where GROUP_M matters
-    wave = h["sms"]
-    tables["wave_footprint"] = [{**r, "case": case, "group_m": gm}
-                                for case, (m_, n_, k_, tm, tn) in ((f"this GEMM ({M}x{N}x{K})", (M, N, K, bm, bn)),
-                                                                   ("4096³ in 128x128 tiles", (4096, 4096, 4096, 128, 128)))
-                                for gm in sorted({1, config.group_m, 8})
-                                for r in wave_footprint(program_order(m_, n_, tm, tn, gm), wave, tm, tn, k_, elem)]
-    tables["tensor_core_shapes"] = [
-        {"level": "tensor core (per cycle)", "m x n x k": "x".join(map(str, TENSOR_CORE_SHAPE)), "FMAs": 64},
-        {"level": "warp WMMA instruction", "m x n x k": "x".join(map(str, WMMA_SHAPE)), "FMAs": 16 ** 3},
-        {"level": "one tl.dot of this program", "m x n x k": f"{bm}x{bn}x{bk}", "FMAs": bm * bn * bk},
-    ]
-    return Result(metrics=metrics, tables=tables, checks=checks,
-                  notes=["Counted bytes are the loads the program issues to global memory; on a GPU, L2 serves the "
-                         "repeats of a band that other programs of the same wave also read, which GROUP_M ordering makes more likely."])
+    check = Check("the program order the kernel recorded is the order the L2 model assumes",
+                  sum(model[r["program"]] != (r["tile_m"], r["tile_n"]) for r in order), 0, reference="program_order (Python)")
+    tables = {"hierarchy": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in h.items()}], "program_order": order,
+              "wave_footprint": [{**r, "case": case, "group_m": gm}
+                                 for case, (m_, n_, k_, tm, tn) in ((f"this GEMM ({M}x{N}x{K})", (M, N, K, bm, bn)),
+                                                                    ("4096³ in 128x128 tiles", (4096, 4096, 4096, 128, 128)))
+                                 for gm in sorted({1, config.group_m, 8})
+                                 for r in wave_footprint(program_order(m_, n_, tm, tn, gm), h["sms"], tm, tn, k_, elem)],
+              "tensor_core_shapes": [
+                  {"level": "tensor core (per cycle)", "m x n x k": "x".join(map(str, TENSOR_CORE_SHAPE)), "FMAs": 64},
+                  {"level": "warp WMMA instruction", "m x n x k": "x".join(map(str, WMMA_SHAPE)), "FMAs": 16 ** 3},
+                  {"level": "one tl.dot of this program", "m x n x k": f"{bm}x{bn}x{bk}", "FMAs": bm * bn * bk}]}
+    return tables, check
 
 
 EXPERIMENT = define(__name__, GemmConfig,

@@ -49,40 +49,67 @@ def summands(config: FormatsConfig) -> list[float]:
 
 
 def run(config: FormatsConfig, ctx) -> Result:
+    """The typed values' bits, each format's range, seed 002's swamping and the summations, each checked."""
     torch.set_num_threads(1)
     bits = [describe(x, f) for x in config.values for f in FORMATS.values()]
-    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    ranges = format_ranges()
+    swamp = swamping()
+    ctx.progress(0.2, "summing")
+    sums, finals = summations(config, ctx)
+    stall = stall_prediction(round_exact(config.small_value, FORMATS["fp16"]), FORMATS["fp16"])
+    reaches = config.sum_values == "constant" and finals["fp16 plain"]["exact"] >= 2 * stall
+    return Result(
+        metrics={"swamping_fp16_result": swamp[2]["result"], "fp16_plain_sum": finals["fp16 plain"]["computed"],
+                 "fp16_kahan_sum": finals["fp16 Kahan"]["computed"], "exact_sum_fp16_values": finals["fp16 plain"]["exact"],
+                 "fp16_stall_prediction": stall if reaches else None,
+                 **{f"relative_error.{k}": v["relative_error"] for k, v in finals.items()}},
+        tables={"bits": bits, "ranges": ranges, "swamping": swamp, "sum_errors": list(finals.values()), "sums": sums},
+        checks=format_checks(bits, ranges, swamp) + sum_checks(config, finals, stall if reaches else None),
+        notes=["TF32 has no torch dtype (it is a tensor-core input mode): its values here are fp32 bits rounded to "
+               "10 mantissa bits, to nearest with ties to even.",
+               "torch casts values beyond ±448 to float8 e4m3fn as ±448 (saturation; the format has no inf)."])
+
+
+def format_ranges() -> list[dict]:
+    """Each float format's range from its E and M bits beside torch.finfo's, then INT8 (seed 002's inference format:
+    two's complement, -2^7 .. 2^7 - 1 in steps of 1) beside torch.iinfo."""
     ranges = []
     for f in FORMATS.values():
         formula, measured = range_formula(f), torch_range(f)
         ranges.append({"format": f.name, "bits": f.bits, "exponent_bits": f.exponent_bits, "mantissa_bits": f.mantissa_bits,
                        "bias": f.bias, **formula, **{f"finfo_{k}": v for k, v in measured.items()},
                        "decimal_digits": f.mantissa_bits * math.log10(2)})
-    range_error = max(abs(r[k] - r[f"finfo_{k}"]) / r[k] for r in ranges
-                      for k in ("max", "smallest_normal", "smallest_subnormal", "eps") if f"finfo_{k}" in r)
-    # INT8 (seed 002's inference format): two's complement, -2^7 .. 2^7 - 1 in steps of 1, against torch.iinfo.
-    int8 = {"format": "int8", "bits": 8, "max": 2.0 ** 7 - 1, "min": -2.0 ** 7, "eps": 1.0,
-            "iinfo_max": float(torch.iinfo(torch.int8).max), "iinfo_min": float(torch.iinfo(torch.int8).min)}
-    ranges.append(int8)
-    int8_error = abs(int8["max"] - int8["iinfo_max"]) + abs(int8["min"] - int8["iinfo_min"])
+    ranges.append({"format": "int8", "bits": 8, "max": 2.0 ** 7 - 1, "min": -2.0 ** 7, "eps": 1.0,
+                   "iinfo_max": float(torch.iinfo(torch.int8).max), "iinfo_min": float(torch.iinfo(torch.int8).min)})
+    return ranges
 
-    # Seed 002: weight 2^-3 plus gradient 2^-14. FP16's gap at 2^-3 is 2^-13, so 2^-14 is exactly half a gap: a tie,
-    # and ties go to the even neighbour, 2^-3 itself.
-    w, g = 2.0 ** -3, 2.0 ** -14
+
+SWAMP_WEIGHT, SWAMP_GRADIENT = 2.0 ** -3, 2.0 ** -14
+
+
+def swamping() -> list[dict]:
+    """Seed 002: weight 2^-3 plus gradient 2^-14. FP16's gap at 2^-3 is 2^-13, so 2^-14 is exactly half a gap: a
+    tie, and ties go to the even neighbour, 2^-3 itself. Rows: fp32, bf16, fp16."""
+    w, g = SWAMP_WEIGHT, SWAMP_GRADIENT
     swamp = [{"format": name, "weight": w, "gradient": g, "result": add_in(w, g, FORMATS[name]), "exact": w + g,
               "rounded_exact": round_exact(w + g, FORMATS[name]), "gap_at_weight": describe(w, FORMATS[name])["gap_to_next"]}
              for name in ("fp32", "bf16", "fp16")]
     for row in swamp:
         row["gradient_lost"] = row["result"] == w
+    return swamp
 
-    ctx.progress(0.2, "summing")
+
+def summations(config: FormatsConfig, ctx) -> tuple[list[dict], dict[str, dict]]:
+    """The summands added in FP16 and FP32, plainly and with Kahan's compensation: every `every`-th running sum of
+    each (and of float64, whose rounding is far below what the chart can show) and each method's final error against
+    math.fsum of the values as that format stores them (the exact sum)."""
     values = summands(config)
     sums, finals = [], {}
     every = max(1, config.n_terms // 200)
     for i, name in enumerate(SUM_FORMATS):
         f = FORMATS[name]
         stored = [round_exact(v, f) for v in values]
-        exact = math.fsum(stored)  # the exact sum of the values as this format stores them
+        exact = math.fsum(stored)
         for kahan in (False, True):
             method = f"{name} {'Kahan' if kahan else 'plain'}"
             curve = running_sums(values, f.dtype, kahan)
@@ -91,19 +118,32 @@ def run(config: FormatsConfig, ctx) -> Result:
                               "unit_roundoff": 2.0 ** -(f.mantissa_bits + 1)}
             sums += [{"method": method, "terms": k + 1, "running_sum": curve[k]} for k in range(every - 1, len(curve), every)]
         ctx.progress(0.2 + 0.4 * (i + 1), f"summed in {name}")
-    exact = list(itertools.accumulate(values))  # float64: its rounding is far below what the chart can show
-    exact_curve = [{"method": "exact (float64)", "terms": k + 1, "running_sum": exact[k]} for k in range(every - 1, len(exact), every)]
+    exact = list(itertools.accumulate(values))
+    sums += [{"method": "exact (float64)", "terms": k + 1, "running_sum": exact[k]} for k in range(every - 1, len(exact), every)]
+    return sums, finals
 
-    checks = [
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def format_checks(bits: list[dict], ranges: list[dict], swamp: list[dict]) -> list[Check]:
+    """torch's rounding, decoding and ranges against the formulas in exact rationals; seed 002's swamping."""
+    floats, int8 = ranges[:-1], ranges[-1]
+    range_error = max(abs(r[k] - r[f"finfo_{k}"]) / r[k] for r in floats
+                      for k in ("max", "smallest_normal", "smallest_subnormal", "eps") if f"finfo_{k}" in r)
+    int8_error = abs(int8["max"] - int8["iinfo_max"]) + abs(int8["min"] - int8["iinfo_min"])
+    w, g = SWAMP_WEIGHT, SWAMP_GRADIENT
+    return [
         Check("torch's rounding equals round-to-nearest-even (exact rationals)",
-              sum(not same(r["stored_value"], r["reference_value"]) for r in bits), 0,
+              sum(not _same(r["stored_value"], r["reference_value"]) for r in bits), 0,
               reference="fractions.Fraction rounding, ties to even; e4m3fn saturates at 448 like torch",
               detail=f"mismatches among {len(bits)} values × formats"),
         Check("stored bits decode to the stored value by (-1)^s·2^(e-bias)·(1+m/2^M)",
-              sum(not same(r["stored_value"], r["value_from_bits"]) for r in bits if r["kind"] != "inf/nan"), 0,
+              sum(not _same(r["stored_value"], r["value_from_bits"]) for r in bits if r["kind"] != "inf/nan"), 0,
               reference="the formula on the sign, exponent and mantissa fields", detail="mismatches"),
         Check("gap to the next value (torch decodes stored integer + 1) equals 2^(e-bias-M)",
-              sum(not same(r["gap_to_next"], r["gap_formula"]) for r in bits), 0,
+              sum(not _same(r["gap_to_next"], r["gap_formula"]) for r in bits), 0,
               reference="one unit in the last place from the exponent field", detail="mismatches"),
         Check("max, smallest normal, smallest subnormal, eps from E and M equal torch.finfo", range_error, 0.0,
               reference="torch.finfo (smallest subnormal: torch decoding the stored integer 1)", detail="largest relative difference"),
@@ -113,35 +153,27 @@ def run(config: FormatsConfig, ctx) -> Result:
         Check("the same sum in FP32 keeps the gradient", abs(swamp[0]["result"] - (w + g)), 0.0,
               reference="2^-3 + 2^-14 = 0.12506103515625 exactly"),
     ]
+
+
+def sum_checks(config: FormatsConfig, finals: dict[str, dict], stall: float | None) -> list[Check]:
+    """The FP32 sums within Higham's worst-case bounds; an FP16 constant sum's stall where it is predicted to
+    (`stall`, None when the sum does not reach twice it)."""
     fp32_plain, fp32_kahan = finals["fp32 plain"], finals["fp32 Kahan"]
     n, u = config.n_terms, fp32_plain["unit_roundoff"]
     higham = (n - 1) * u / (1 - (n - 1) * u) * fp32_plain["sum_abs"]
     kahan_bound = (2 * u + n * u * u) * fp32_kahan["sum_abs"]
-    checks += [
+    checks = [
         Check("FP32 plain sum within the worst-case bound γ_(n-1)·Σ|x|", fp32_plain["abs_error"] / higham, 1.0,
               reference="math.fsum (exact); Higham, Accuracy and Stability, eq. 4.4", detail="error / bound"),
         Check("FP32 Kahan sum within (2u + nu²)·Σ|x|", fp32_kahan["abs_error"] / kahan_bound, 1.0,
               reference="math.fsum (exact); Kahan's bound (Higham eq. 4.8, its O(nu²) term taken as nu²; for FP32 it is ~1e-7 of the total)",
               detail="error / bound"),
     ]
-    fp16_value = round_exact(config.small_value, FORMATS["fp16"])
-    stall = stall_prediction(fp16_value, FORMATS["fp16"])
-    reaches = config.sum_values == "constant" and finals["fp16 plain"]["exact"] >= 2 * stall
-    if reaches:
+    if stall is not None:
         checks.append(Check("FP16 plain sum of a constant stops at the predicted power of two",
                             abs(finals["fp16 plain"]["computed"] - stall), 0.0,
                             reference="first 2^k whose half-gap 2^(k-11) ≥ the value", detail=f"predicted {stall:g}"))
-    return Result(
-        metrics={"swamping_fp16_result": swamp[2]["result"], "fp16_plain_sum": finals["fp16 plain"]["computed"],
-                 "fp16_kahan_sum": finals["fp16 Kahan"]["computed"], "exact_sum_fp16_values": finals["fp16 plain"]["exact"],
-                 "fp16_stall_prediction": stall if reaches else None,
-                 **{f"relative_error.{k}": v["relative_error"] for k, v in finals.items()}},
-        tables={"bits": bits, "ranges": ranges, "swamping": swamp, "sum_errors": list(finals.values()),
-                "sums": sums + exact_curve},
-        checks=checks,
-        notes=["TF32 has no torch dtype (it is a tensor-core input mode): its values here are fp32 bits rounded to "
-               "10 mantissa bits, to nearest with ties to even.",
-               "torch casts values beyond ±448 to float8 e4m3fn as ±448 (saturation; the format has no inf)."])
+    return checks
 
 
 EXPERIMENT = define(__name__, FormatsConfig,
