@@ -6,7 +6,7 @@ import streamlit as st
 
 from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS
 from backend.graph.dot import to_dot
-from pages import timeline, ui
+from pages import mesh_views, timeline, ui
 
 st.title("3D parallel")
 DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6", "ep": "#d4a017"}
@@ -64,6 +64,8 @@ def render(result: dict, rec) -> None:
             width="stretch")
         st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
                    "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
+    if t.get("recompute"):
+        mesh_views.recompute_price(result)
     ranks = pd.DataFrame(t["ranks"])
     dims = [d for d in DIM_COLORS if d in ranks]
     ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))

@@ -122,9 +122,20 @@ class TPAttention(nn.Module):
             return self.wo(shard.attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
-        p = torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(self.d_head)) + causal, dim=-1)
-        return self.wo((p @ v).transpose(1, 2).reshape(b, s, -1))
+        return self.wo(self.core(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def core(q, k, v):
+        """The attention core softmax(QKᵀ/√d + causal)·V, heads already repeated over their groups (what selective
+        recompute, backend/parallel/recompute.py, swaps per instance for a recomputed one)."""
+        return attention_core(q, k, v)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(QKᵀ/√d)·V over (b, heads, s, d): the a·s²·b scores Korthikanti's selective recompute drops."""
+    s = q.shape[-2]
+    causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
+    return torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1])) + causal, dim=-1) @ v
 
 
 class TPSwiGLU(nn.Module):

@@ -15,7 +15,9 @@ from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
+from backend.parallel.pp.recompute import MIN_TIMED_CPU_MS, TIME_TOLERANCE
 from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.tp import cut
@@ -77,9 +79,10 @@ class MeshConfig(TPConfig):
                                help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
-    recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
-                             "executor's option): full keeps only each stage's input from F to B and reruns its forward "
-                             "in the backward (schedules naive, gpipe, 1f1b; tp = cp = ep = 1)")
+    recompute: str = setting("none", choices=RECOMPUTE, help="activation recompute per stage: full keeps only each "
+                             "stage's input from F to B and reruns its forward in the backward (B or I; tp = cp = ep = 1, "
+                             "dense); selective (Korthikanti) recomputes only each attention core softmax(QKᵀ)V, keeping "
+                             "q, k, v (cp = 1). Its price is measured against the same plan without it")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -149,9 +152,14 @@ class MeshConfig(TPConfig):
         if self.dp_strategy != "allreduce" and self.dp == 1:
             raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
                                              f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
-        if self.recompute == "full" and not plan.supports_recompute:
-            raise ConfigError("recompute", f"full with {self.schedule}: the executor recomputes in B only (allowed: none, "
-                                           f"or full with schedule naive, gpipe or 1f1b)")
+        if self.recompute == "full" and self.experts:
+            raise ConfigError("recompute", f"full with experts = {self.experts}: the recomputed forward would route its "
+                                           "tokens again and count each MoE call twice (allowed: none or selective, or "
+                                           "full with experts = 0)")
+        if self.recompute == "selective" and self.cp > 1:
+            raise ConfigError("recompute", f"selective with cp = {self.cp}: ring attention keeps no a·s² scores to drop, "
+                                           "and recomputing it would send the K/V ring again (allowed: none or full, or "
+                                           "selective with cp = 1)")
         if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
             raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
                                            "would repeat their collectives, which the byte model does not count yet "
@@ -311,6 +319,8 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
                                     config.d_ff, config.tp, False, ring)
+        if config.recompute == "selective":  # Korthikanti: the core's scores are recomputed, q, k, v kept
+            block.pop("softmax output (a·s²·b)")
         for stage, layers in payload["stages"].items():
             elements = s * config.d_head
             for layer in layers:
@@ -374,6 +384,9 @@ def combine(config: MeshConfig, payloads) -> Result:
                                   "ep.moe_activation_elements with the reference's routing"))
     timing, timing_metrics, pipeline_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [])
     checks += timing
+    price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
+    checks += price_checks
+    timing_metrics.update(price_metrics)
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
@@ -385,8 +398,59 @@ def combine(config: MeshConfig, payloads) -> Result:
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
-                                                          "pipeline": pipeline_rows},
+                                                          "pipeline": pipeline_rows, "recompute": price_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
+
+
+def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], dict, list[dict]]:
+    """What recompute cost and saved on each rank, from one step of the same plan with and one without it (run after
+    training, mesh_train.recompute_price): FLOPs counted by torch's per-op formulas against the model (full: one more forward of
+    each (stage, micro-batch), those forwards counted one by one; selective: QKᵀ and P·V again, 4·b·(a/tp)·s²·d per
+    layer), CPU time of the compute, and the activations at the rank's peak without it against the formula."""
+    plain = dataclasses.replace(config, recompute="none")
+    full, heads = config.recompute == "full", config.n_heads // config.tp
+    out, flops_err, peak_err, timed = [], 0, 0.0, []
+    for p in payloads:
+        pr = p["price"]
+        forward = sum(f["flops"] for f in pr["without_forwards"])
+        extra = pr["with_flops"] - pr["without_flops"]
+        model = forward if full else sum(core_flops(b, heads, config.seq, config.d_head) * p["layers_here"]
+                                         for b in _microbatch_sizes(config, p["coords"]))
+        flops_err = max(flops_err, abs(extra - model))
+        per = activation_formula(plain, p, rows[p["rank"]])
+        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        peak_err = max(peak_err, abs(pr["peak_without"] / formula - 1))
+        cpu_with, cpu_without = sum(pr["with_cpu_us"].values()) / 1e3, sum(pr["without_cpu_us"].values()) / 1e3
+        timed.append((cpu_with, cpu_without, pr["without_cpu_us"]["F"] / 1e3, pr["recompute_cpu_us"], pr["without_forward_cpu_us"]))
+        out.append({"rank": p["rank"], "forward_flops": forward, "backward_flops": pr["without_flops"] - forward,
+                    "extra_flops": extra, "extra_flops_model": model, "flops_overhead": extra / pr["without_flops"],
+                    "compute_cpu_ms": cpu_with, "compute_cpu_without_ms": cpu_without,
+                    "time_overhead": cpu_with / cpu_without - 1,
+                    "activations_peak_bytes": p["memory"]["activations"], "activations_peak_without_bytes": pr["peak_without"],
+                    "activations_saved_bytes": pr["peak_without"] - p["memory"]["activations"]})
+    extra, total = sum(r["extra_flops"] for r in out), sum(r["extra_flops"] / r["flops_overhead"] for r in out)
+    forward, backward = sum(r["forward_flops"] for r in out), sum(r["backward_flops"] for r in out)
+    cpu_with, cpu_without, cpu_forward = (sum(t[i] for t in timed) for i in range(3))
+    what = ("one more forward of every (stage, micro-batch) on the rank, each FLOP-counted in the run "
+            "without recompute" if full else "QKᵀ and P·V again: 4·b·(a/tp)·s²·d FLOPs per layer per micro-batch (closed form)")
+    checks = [Check(f"{config.recompute} recompute's extra FLOPs per rank equal the model", flops_err, 0,
+                    reference=f"torch.utils.flop_counter's formulas over one step with it minus one without it, against {what}",
+                    detail=f"{extra:,} extra FLOPs over all ranks, +{100 * extra / total:.1f} %"),
+              Check("activations at each rank's peak without recompute within 10 % of the formula", peak_err, 0.10,
+                    reference="sp.activation_elements per (stage, micro-batch), alive F to B or W in the rank's order")]
+    metrics = {"recompute": config.recompute, "recompute_flops_overhead": round(extra / total, 4), "recompute_time_overhead": round(cpu_with / cpu_without - 1, 4),
+               "recompute_flops_model": round(forward / (forward + backward) if full else extra / total, 4),
+               "activation_peak_saved_bytes": max(r["activations_saved_bytes"] for r in out)}
+    if full:
+        metrics["backward_to_forward_flops"] = round(backward / forward, 3)
+        if cpu_without >= MIN_TIMED_CPU_MS:  # below it, CPU-time ratios are timer and scheduler noise
+            from backend.parallel.pp.recompute import _median
+            ratio = _median([u for t in timed for u in t[3]]) / _median([u for t in timed for u in t[4]])
+            checks.append(Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1),
+                                TIME_TOLERANCE, reference="the same plan's forwards without recompute (median over ranks)",
+                                detail=f"recompute ÷ forward {ratio:.2f}; F/(F+B) by CPU time predicts "
+                                       f"+{100 * cpu_forward / cpu_without:.1f} %, measured +{100 * (cpu_with / cpu_without - 1):.1f} %"))
+    return checks, metrics, out
 
 
 def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict]]:
