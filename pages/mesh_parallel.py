@@ -64,6 +64,8 @@ def render(result: dict, rec) -> None:
             width="stretch")
         st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
                    "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
+    if t.get("step_split"):
+        mesh_views.step_split(result)
     if t.get("recompute"):
         mesh_views.recompute_price(result)
     ranks = pd.DataFrame(t["ranks"])

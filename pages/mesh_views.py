@@ -1,5 +1,5 @@
 """Views of the mesh page's run beyond its frame: recompute's price (FLOPs, CPU time, activations saved, against the same
-plan without it)."""
+plan without it) and where each rank's step goes (lanes per dimension, the split into compute, communication, idle)."""
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -43,3 +43,43 @@ def recompute_price(result: dict) -> None:
                     "(Korthikanti et al. 2022) keeps q, k and v and recomputes only softmax(QKᵀ/√d)·V in the backward: "
                     "4·b·(a/tp)·s²·d FLOPs per layer per micro-batch, dropping the a·s²·b scores from what each block holds.")
         ui.table(rows)
+
+
+LANE_ORDER = ["compute", "tp", "cp", "ep", "dp", "pp"]
+
+
+def step_split(result: dict) -> None:
+    """Per rank, the last step on the wall clock by lane, and its split into compute, exposed communication per
+    dimension and idle, beside the replayed bubble."""
+    t = result["tables"]
+    split = pd.DataFrame(t["step_split"])
+    parts = split.melt(id_vars=["rank"], value_vars=[f"{c}_ms" for c in ["compute", *LANE_ORDER[1:], "idle"]],
+                       var_name="part", value_name="ms")
+    parts["part"] = parts["part"].str.removesuffix("_ms").map(lambda c: c if c in ("compute", "idle") else f"{c} communication")
+    parts = parts[parts["ms"] > 0]
+    order = ["compute", *[f"{d} communication" for d in LANE_ORDER[1:]], "idle"]
+    st.subheader("Where each rank's step goes")
+    left, right = st.columns([2, 3])
+    left.altair_chart(alt.Chart(parts).mark_bar().encode(
+        x=alt.X("rank:O", title="rank"), y=alt.Y("ms:Q", title="last step's wall time (ms)", stack="zero"),
+        color=alt.Color("part:N", sort=order, title=None), order=alt.Order("part:N"),
+        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f", title="ms")]).properties(
+        height=300, title="Compute, exposed communication by dimension, idle"), width="stretch")
+    lanes = pd.DataFrame(t["step_lanes"])
+    lanes["row"] = lanes["rank"].map(lambda r: f"rank {r}") + " · " + lanes["lane"]
+    rows = [f"rank {r} · {lane}" for r in sorted(lanes["rank"].unique()) for lane in LANE_ORDER
+            if f"rank {r} · {lane}" in set(lanes["row"])]
+    right.altair_chart(alt.Chart(lanes).mark_bar().encode(
+        x=alt.X("start_ms:Q", title="time in the step (ms, wall clock)"), x2="end_ms:Q",
+        y=alt.Y("row:N", sort=rows, title=None), color=alt.Color("kind:N", title="kind"),
+        tooltip=["rank", "lane", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
+                 alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
+        height=max(200, 16 * len(rows)), title="The last step per rank, one lane per dimension"), width="stretch")
+    st.caption("Wall clock on this shared CPU: ranks outnumber cores, so waiting for a descheduled peer shows as "
+               "communication. The replayed bubble (one core per rank, measured CPU costs) is in the table.")
+    with st.expander("How the step is split"):
+        st.markdown("Each instant goes to the first category that covers it: compute inside a dimension's code (ring "
+                    "attention blocks, a ring reduction's sums, Adam), then a dimension's exposed communication (a blocking "
+                    "collective, the blocked tail of a ring message, a pipeline receive), then the rest of an F/B/I/W "
+                    "action; idle is what no event covers. The check: the parts sum to the step's wall time on every rank.")
+        ui.table(split)

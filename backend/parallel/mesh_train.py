@@ -109,9 +109,10 @@ class MeshStage:
 
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
-    tracer = Tracer(rank)
-    tp, dp, cp, ep = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp", "ep"))
-    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), tracer) if config.cp > 1 else None
+    tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
+    along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
+    tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
+    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), along["cp"]) if config.cp > 1 else None
     columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
@@ -125,9 +126,12 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
         torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
+    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
+    for t in along.values():
+        t.t0_ns = tracer.t0_ns
+    step_us = []  # each step's (start, end) on this rank
     losses, activations, kept, pp_bytes = [], {}, {}, 0
     mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
 
@@ -135,6 +139,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
                 for s, c in chunks.items()}
     for step in range(config.steps):
+        start_us = tracer.now_us()
         gathered = sync.weights_for_step(step)
         if gathered is not None:
             load_flat(model, gathered)
@@ -152,6 +157,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
+        step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
         reported = torch.tensor([walk["loss"]], dtype=torch.float64)
         for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
             if mesh.size(dim) > 1:
@@ -178,7 +184,9 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": n_params, "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
-            "trace": {**tracer.payload(), "events": list(tracer.events)}}
+            "trace": {**tracer.payload(), "events": list(tracer.events) + [  # a group of one sends nothing: no dim
+                {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]},
+            "step_us": step_us}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload

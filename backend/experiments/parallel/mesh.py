@@ -20,6 +20,7 @@ from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
+from backend.parallel.step_split import CATEGORIES, lanes, split
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
@@ -384,6 +385,8 @@ def combine(config: MeshConfig, payloads) -> Result:
                                   "ep.moe_activation_elements with the reference's routing"))
     timing, timing_metrics, pipeline_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [])
     checks += timing
+    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
+    checks.append(split_check)
     price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
     checks += price_checks
     timing_metrics.update(price_metrics)
@@ -398,8 +401,32 @@ def combine(config: MeshConfig, payloads) -> Result:
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
-                                                          "pipeline": pipeline_rows, "recompute": price_rows},
+                                                          "pipeline": pipeline_rows, "recompute": price_rows,
+                                                          "step_split": split_rows, "step_lanes": lane_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
+
+
+def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
+    """The last step's wall time on every rank (from the earliest rank's start to the latest rank's end) split into
+    compute, exposed communication per dimension and idle (parallel/step_split.py), beside the replayed bubble; and
+    the step's events by lane for the timeline."""
+    window = (min(p["step_us"][-1][0] for p in payloads), max(p["step_us"][-1][1] for p in payloads))
+    replayed = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}
+    rows, drawn, worst = [], [], 0.0
+    for p in payloads:
+        parts = split(p["trace"]["events"], window)
+        total = sum(parts.values())
+        worst = max(worst, abs(total - (window[1] - window[0])) / (window[1] - window[0]))
+        rows.append({"rank": p["rank"], **{f"{c}_ms": parts[c] / 1e3 for c in CATEGORIES}, "step_ms": (window[1] - window[0]) / 1e3,
+                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3,
+                     "bubble_replayed": replayed.get(p["rank"])})
+        drawn += [{"rank": p["rank"], **e} for e in lanes(p["trace"]["events"], window)]
+    check = Check("each rank's last step splits into compute, exposed communication per dimension and idle that sum to "
+                  "its wall time", worst, 1e-9,
+                  reference="the step's window (earliest start to latest end over the ranks, perf_counter); idle measured "
+                            "as the window less the union of all the rank's events, apart from the categories",
+                  detail=f"step {(window[1] - window[0]) / 1e3:.2f} ms; largest relative gap {worst:.1e}")
+    return check, rows, drawn
 
 
 def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], dict, list[dict]]:

@@ -1,7 +1,8 @@
 """Recompute's price in the mesh run: full recompute under every kind of schedule (plain B, interleaved, split I/W,
 V-shaped) and Korthikanti's selective recompute under tp, each equal to one process, its extra FLOPs equal to the
 model (one more forward per (stage, micro-batch); QKᵀ and P·V again per layer) and its activations equal to the
-formula; a broken rule fails."""
+formula; a broken rule fails. And where each rank's step goes: the last step split into compute, exposed
+communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails)."""
 import dataclasses
 import multiprocessing
 
@@ -66,3 +67,29 @@ def test_selective_recompute_drops_the_scores_and_recomputes_two_gemms(runs, mon
                     if c.name.startswith("activations held at")).passed
     monkeypatch.setattr(mesh, "core_flops", lambda b, a, s, d: 2 * b * a * s * s * d)  # only QKᵀ recomputed
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[FLOPS.format("selective")].passed
+
+
+SPLIT = "each rank's last step splits into compute, exposed communication per dimension and idle that sum to its wall time"
+
+
+def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle(runs):
+    for name, (cfg, payloads) in runs.items():
+        result = mesh.combine(cfg, payloads)
+        assert {c.name: c for c in result.checks}[SPLIT].passed
+        for row in result.tables["step_split"]:
+            assert row["compute_ms"] > 0 and row["pp_ms"] > 0 and row["cp_ms"] == row["ep_ms"] == 0
+            assert (row["tp_ms"] > 0) == (cfg.tp > 1) and (row["dp_ms"] > 0) == (cfg.dp > 1)  # each dimension that talks
+        lanes = {(r["rank"], r["lane"]) for r in result.tables["step_lanes"]}
+        assert {(p["rank"], "compute") for p in payloads} <= lanes and ((0, "tp") in lanes) == (cfg.tp > 1)
+
+
+def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
+    from backend.parallel import step_split as S
+
+    def twice(events, window):  # each category on its own, without giving way to the ones before it
+        taken = [(c, S.clip(iv, window)) for _, c, iv in filter(None, map(S.classify, events))]
+        out = {c: S.measure(iv for cat, iv in taken if cat == c) for c in S.CATEGORIES if c != "idle"}
+        return {**out, "idle": (window[1] - window[0]) - S.measure(iv for _, iv in taken)}
+    monkeypatch.setattr(mesh, "split", twice)
+    cfg, payloads = runs["zb_h1"]  # tp 2: its all-reduces run inside the forwards and backwards
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
