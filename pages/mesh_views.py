@@ -1,5 +1,6 @@
 """Views of the mesh page's run beyond its frame: recompute's price (FLOPs, CPU time, activations saved, against the same
-plan without it) and where each rank's step goes (lanes per dimension, the split into compute, communication, idle)."""
+plan without it), where each rank's step goes (lanes per dimension, the split into compute, communication, idle) and
+the plan under every schedule side by side."""
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -15,7 +16,7 @@ def recompute_price(result: dict) -> None:
     cols[0].metric("extra FLOPs (counted)", f"+{100 * m['recompute_flops_overhead']:.1f} %",
                    help=f"one step with recompute against one without, counted per op by torch's FLOP formulas; the model "
                         f"predicts +{100 * m['recompute_flops_model']:.1f} % (full: F/(F+B); selective: QKᵀ and P·V again)")
-    cols[1].metric("extra compute CPU time", f"+{100 * m['recompute_time_overhead']:.1f} %",
+    cols[1].metric("extra compute CPU time", f"{100 * m['recompute_time_overhead']:+.1f} %",
                    help="CPU time of the F/B/I/W actions, all ranks, one step each (a contended 2-core machine: noisy)")
     cols[2].metric("peak activations saved", f"{m['activation_peak_saved_bytes'] / 1024:,.1f} KiB",
                    help="the largest saving on one rank: its peak of activations alive, measured, without minus with")
@@ -64,17 +65,17 @@ def step_split(result: dict) -> None:
         x=alt.X("rank:O", title="rank"), y=alt.Y("ms:Q", title="last step's wall time (ms)", stack="zero"),
         color=alt.Color("part:N", sort=order, title=None), order=alt.Order("part:N"),
         tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f", title="ms")]).properties(
-        height=300, title="Compute, exposed communication by dimension, idle"), width="stretch")
+        height=300, title="The last step's split per rank"), width="stretch")
     lanes = pd.DataFrame(t["step_lanes"])
     lanes["row"] = lanes["rank"].map(lambda r: f"rank {r}") + " · " + lanes["lane"]
     rows = [f"rank {r} · {lane}" for r in sorted(lanes["rank"].unique()) for lane in LANE_ORDER
             if f"rank {r} · {lane}" in set(lanes["row"])]
     right.altair_chart(alt.Chart(lanes).mark_bar().encode(
         x=alt.X("start_ms:Q", title="time in the step (ms, wall clock)"), x2="end_ms:Q",
-        y=alt.Y("row:N", sort=rows, title=None), color=alt.Color("kind:N", title="kind"),
+        y=alt.Y("row:N", sort=rows, title=None, axis=alt.Axis(labelOverlap=False)), color=alt.Color("kind:N", title="kind"),
         tooltip=["rank", "lane", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
                  alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
-        height=max(200, 16 * len(rows)), title="The last step per rank, one lane per dimension"), width="stretch")
+        height=alt.Step(20), title="The last step per rank, one lane per dimension"), width="stretch")
     st.caption("Wall clock on this shared CPU: ranks outnumber cores, so waiting for a descheduled peer shows as "
                "communication. The replayed bubble (one core per rank, measured CPU costs) is in the table.")
     with st.expander("How the step is split"):
@@ -83,3 +84,44 @@ def step_split(result: dict) -> None:
                     "collective, the blocked tail of a ring message, a pipeline receive), then the rest of an F/B/I/W "
                     "action; idle is what no event covers. The check: the parts sum to the step's wall time on every rank.")
         ui.table(split)
+
+
+def schedules(result: dict) -> None:
+    """This plan under every schedule the mesh can run with it: replayed step time, bubble, peak activations per rank."""
+    rows = pd.DataFrame(result["tables"]["schedules"])
+    ran, refused = rows[rows["refused"] == ""].copy(), rows[rows["refused"] != ""]
+    st.subheader("This plan under every schedule")
+    per = ran.groupby("schedule", sort=False, as_index=False).agg(
+        step_replayed_ms=("step_replayed_ms", "first"), replayed=("bubble_replayed", "mean"),
+        model=("bubble_makespan_model", "mean"), formula=("bubble_formula", "first"))
+    bubbles = per.melt(id_vars=["schedule", "step_replayed_ms"], value_vars=["replayed", "model", "formula"],
+                       var_name="source", value_name="bubble")
+    bubbles["source"] = bubbles["source"].map({"replayed": "replayed (measured costs)", "model": "makespan model",
+                                               "formula": "closed form (equal stages)"})
+    order = list(per["schedule"])
+    left, right = st.columns(2)
+    names = alt.Axis(labelOverlap=False)
+    height = alt.Step(10)  # per bar: a discrete axis takes its height from steps, not a number
+    left.altair_chart(alt.Chart(bubbles).mark_bar().encode(
+        y=alt.Y("schedule:N", sort=order, title=None, axis=names), yOffset="source:N",
+        x=alt.X("bubble:Q", title="bubble (mean idle share over ranks)", axis=alt.Axis(format="%")),
+        color=alt.Color("source:N", title=None, legend=alt.Legend(orient="bottom", columns=1)),
+        tooltip=["schedule", "source", alt.Tooltip("bubble:Q", format=".1%"),
+                 alt.Tooltip("step_replayed_ms:Q", format=".2f", title="replayed step (ms)")]).properties(
+        height=height, title="Bubble per schedule"), width="stretch")
+    ran["rank"] = ran["rank"].astype(int)
+    right.altair_chart(alt.Chart(ran).mark_bar().encode(
+        y=alt.Y("schedule:N", sort=order, title=None, axis=names), yOffset="rank:N",
+        x=alt.X("activations_peak_bytes:Q", title="peak activations held (B)"), color=alt.Color("rank:N", title="rank", legend=alt.Legend(orient="bottom")),
+        tooltip=["schedule", "rank", alt.Tooltip("activations_peak_bytes:Q", format=",", title="peak activations (B)"),
+                 alt.Tooltip("bubble_replayed:Q", format=".1%", title="replayed bubble")]).properties(
+        height=height, title="Peak activations per rank"), width="stretch")
+    st.altair_chart(alt.Chart(per).mark_bar().encode(
+        x=alt.X("step_replayed_ms:Q", title="replayed step time (ms, one core per rank, measured CPU costs)"),
+        y=alt.Y("schedule:N", sort=order, title=None, axis=names),
+        tooltip=["schedule", alt.Tooltip("step_replayed_ms:Q", format=".2f", title="replayed step (ms)")]).properties(
+        height=alt.Step(22), title="Replayed step time"), width="stretch")
+    if len(refused):
+        st.caption("Not run with this plan: " + "; ".join(f"{r.schedule} ({r.refused})" for r in refused.itertuples()))
+    with st.expander("Per schedule and rank"):
+        ui.table(ran.drop(columns=["refused"]))

@@ -93,3 +93,24 @@ def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
     monkeypatch.setattr(mesh, "split", twice)
     cfg, payloads = runs["zb_h1"]  # tp 2: its all-reduces run inside the forwards and backwards
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
+
+
+def test_one_plan_under_every_schedule_side_by_side():
+    """pp 2 x dp 2 with 4 micro-batches per rank: all seven synchronous schedules run the plan, each checked as usual;
+    the zero-bubble V's closed-form bubble is the smallest; a wrong weight in one schedule's run fails the comparison."""
+    from backend.parallel.pp.schedules import SCHEDULES
+
+    cfg = MeshConfig(schedule="1f1b", tp=1, compare_schedules=True, **dict(BASE, steps=2)).validate()
+    payloads = spawn_ranks(mesh.run_rank, 4, cfg, RunContext(timeout_s=600))
+    assert multiprocessing.active_children() == []
+    result = mesh.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
+    rows = result.tables["schedules"]
+    assert {r["schedule"] for r in rows if not r["refused"]} == {n for n, s in SCHEDULES.items() if not s.asynchronous}
+    assert all(sum(r["schedule"] == n for r in rows) == 4 for n in {r["schedule"] for r in rows})  # every rank, each
+    formula = {r["schedule"]: r["bubble_formula"] for r in rows}
+    assert min(formula, key=formula.get) == "zb_v"
+    name = next(k for k in payloads[0]["schedules"]["zb_h1"]["params"])
+    payloads[0]["schedules"]["zb_h1"]["params"][name] = payloads[0]["schedules"]["zb_h1"]["params"][name] + 1e-6
+    check = next(c for c in mesh.combine(cfg, payloads).checks if c.name.startswith("every schedule's run"))
+    assert not check.passed and "zb_h1" in check.detail

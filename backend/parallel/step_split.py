@@ -80,6 +80,6 @@ def lanes(events: list[dict], window: tuple[float, float]) -> list[dict]:
         a, b = clip(c[2], window)
         if b > a:
             label = f"{e['args']['kind']}{e['args']['mb']} stage {e['args']['stage']}" if c[0] == 2 else e["name"]
-            rows.append({"lane": c[1], "name": label, "kind": e["args"].get("kind", c[1]),
+            rows.append({"lane": c[1], "name": label, "kind": e["args"]["kind"] if c[0] == 2 else c[1],
                          "start_ms": (a - window[0]) / 1e3, "end_ms": (b - window[0]) / 1e3})
     return rows

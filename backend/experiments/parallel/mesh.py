@@ -84,6 +84,9 @@ class MeshConfig(TPConfig):
                              "stage's input from F to B and reruns its forward in the backward (B or I; tp = cp = ep = 1, "
                              "dense); selective (Korthikanti) recomputes only each attention core softmax(QKᵀ)V, keeping "
                              "q, k, v (cp = 1). Its price is measured against the same plan without it")
+    compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
+                                      "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
+                                      "activations per rank side by side, each run checked as usual")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -101,15 +104,18 @@ class MeshConfig(TPConfig):
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
 
-    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts")
+    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
+                    "compare_schedules", "recompute")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
         as the whole, for the bubbles and re-sends). The leader's torch.optim.Adam imports torch._dynamo; the ranks'
         hand-written Adam does not. Each ring attention step is a few Python-level sends and block updates: 3cp - 2
         of them per layer per micro-batch per step on every rank."""
-        base = decoder_cost(self, self.world_size + 1, passes=self.steps, seconds=DYNAMO_IMPORT_S)
-        ring_steps = self.world_size * self.steps * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
+        passes = self.steps + 6 * min(self.steps, 2) * self.compare_schedules  # the other schedules run the same plan
+        passes += 4 * (self.recompute != "none")  # recompute's price: 4 steps with and without it
+        base = decoder_cost(self, self.world_size + 1, passes=passes, seconds=DYNAMO_IMPORT_S)
+        ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         return dataclasses.replace(base, seconds=base.seconds + ring_steps * 200 * OP_S)
 
     @property
@@ -165,6 +171,9 @@ class MeshConfig(TPConfig):
             raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
                                            "would repeat their collectives, which the byte model does not count yet "
                                            "(allowed: none, or full with tp = cp = ep = 1)")
+        if self.compare_schedules and self.pp == 1:
+            raise ConfigError("compare_schedules", "true with pp = 1: there is no pipeline to schedule (allowed: false, "
+                                                   "or true with pp > 1)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -192,7 +201,26 @@ class MeshConfig(TPConfig):
 
 
 def run_rank(rank, world, config: MeshConfig, ctx):
-    return train_rank(rank, world, config, ctx.progress)
+    payload = train_rank(rank, world, config, ctx.progress)
+    if config.compare_schedules:
+        payload["schedules"] = {name: train_rank(rank, world, cfg) for name, cfg in schedule_plans(config).items()
+                                if not isinstance(cfg, str) and name != config.schedule}
+    return payload
+
+
+def schedule_plans(config: MeshConfig) -> dict[str, "MeshConfig | str"]:
+    """This plan under every synchronous schedule (interleaved with 2 chunks per rank), for at most 2 steps (the replay
+    reads the last; the first carries one-time costs): the config, or why it is refused."""
+    out = {}
+    for name, plan in SCHEDULES.items():
+        if plan.asynchronous or config.pp == 1:
+            continue
+        try:
+            out[name] = dataclasses.replace(config, schedule=name, virtual_stages=2 if plan.interleaved else 1,
+                                            compare_schedules=False, preset="none", steps=min(config.steps, 2)).validate()
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
 
 
 def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
@@ -390,6 +418,11 @@ def combine(config: MeshConfig, payloads) -> Result:
     price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
     checks += price_checks
     timing_metrics.update(price_metrics)
+    schedule_rows = []
+    if config.compare_schedules:
+        schedule_check, schedule_rows = compare_schedules(config, payloads, timing_metrics, pipeline_rows,
+                                                          all(c.passed for c in checks))
+        checks.append(schedule_check)
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
@@ -402,8 +435,39 @@ def combine(config: MeshConfig, payloads) -> Result:
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
-                                                          "step_split": split_rows, "step_lanes": lane_rows},
+                                                          "step_split": split_rows, "step_lanes": lane_rows,
+                                                          "schedules": schedule_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
+
+
+def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) -> tuple[Check, list[dict]]:
+    """This plan's run beside its runs under the other schedules (run_rank), each combined and checked as usual: per
+    schedule and rank the replayed step time, the replayed and modelled bubble, the closed-form bubble and the peak of
+    activations held. A schedule the plan does not fit is listed with the reason it is refused."""
+    plans, rows, failed = schedule_plans(config), [], []
+
+    def add(name, cfg, timing, pipeline, pls, passed):
+        for r in pipeline:
+            rows.append({"schedule": name, "rank": r["rank"], "step_replayed_ms": timing["step_replayed_ms"],
+                         "bubble_replayed": r["bubble_replayed"], "bubble_makespan_model": r["bubble_makespan_model"],
+                         "bubble_formula": cfg.plan.bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+                         "activations_peak_bytes": next(p["memory"]["activations"] for p in pls if p["rank"] == r["rank"]),
+                         "passed": passed, "refused": ""})
+    add(config.schedule, config, timing, pipeline, payloads, passed)
+    for name, cfg in plans.items():
+        if name == config.schedule:
+            continue
+        if isinstance(cfg, str):
+            rows.append({"schedule": name, "rank": None, "refused": cfg})
+            continue
+        result = combine(cfg, [p["schedules"][name] for p in payloads])
+        if not result.passed:
+            failed.append(name)
+        add(name, cfg, result.metrics, result.tables["pipeline"], [p["schedules"][name] for p in payloads], result.passed)
+    ran = sorted({r["schedule"] for r in rows if not r["refused"]})
+    return Check("every schedule's run of this plan passes its own checks", len(failed), 0,
+                 reference="each run against one process, the byte, memory and makespan models, as the plan's own run",
+                 detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
 
 
 def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
