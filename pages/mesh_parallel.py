@@ -4,7 +4,7 @@ import networkx as nx
 import pandas as pd
 import streamlit as st
 
-from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS
+from backend import experiments
 from backend.graph.dot import to_dot
 from pages import mesh_views, timeline, ui
 
@@ -87,9 +87,9 @@ def render(result: dict, rec) -> None:
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
-preset_columns = st.columns(4)
-for i, (name, preset) in enumerate(PRESETS.items()):
-    if preset_columns[i % 4].button(f"Preset: {name}", help=PRESET_NOTES[name]):
+preset_columns, mesh_config = st.columns(4), experiments.get("parallel.mesh").config_cls
+for i, (name, preset) in enumerate(mesh_config.presets.items()):
+    if preset_columns[i % 4].button(f"Preset: {name}", help=mesh_config.preset_notes[name]):
         st.query_params.from_dict({k: str(v) for k, v in preset.items()})
         st.rerun()
 ui.experiment_page(

@@ -3,6 +3,7 @@ whole batch."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -96,6 +97,9 @@ class MeshConfig(TPConfig):
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+
+    presets: ClassVar[dict] = PRESETS  # (for the page, through the registry)
+    preset_notes: ClassVar[dict] = PRESET_NOTES
 
     def __post_init__(self):
         """A preset fills the settings it names that are still at their defaults (a value chosen beside it stays)."""
