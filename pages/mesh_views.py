@@ -47,6 +47,8 @@ def recompute_price(result: dict) -> None:
 
 
 LANE_ORDER = ["compute", "tp", "cp", "ep", "dp", "pp"]
+DIM_COLORS = {"tp": "#1f6fd1", "cp": "#9b59b6", "ep": "#d4a017", "dp": "#76b041", "pp": "#e4572e"}  # as the mesh graph's edges
+ACTION_COLORS = {"F": "#3b3b3b", "B": "#7a7a7a", "I": "#a3a3a3", "W": "#c8c8c8"}
 
 
 def step_split(result: dict) -> None:
@@ -62,8 +64,10 @@ def step_split(result: dict) -> None:
     st.subheader("Where each rank's step goes")
     left, right = st.columns([2, 3])
     left.altair_chart(alt.Chart(parts).mark_bar().encode(
-        x=alt.X("rank:O", title="rank"), y=alt.Y("ms:Q", title="last step's wall time (ms)", stack="zero"),
-        color=alt.Color("part:N", sort=order, title=None), order=alt.Order("part:N"),
+        x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0, labelOverlap=False)),
+        y=alt.Y("ms:Q", title="last step's wall time (ms)", stack="zero"),
+        color=alt.Color("part:N", sort=order, title=None, scale=alt.Scale(
+            domain=order, range=["#3b3b3b", *DIM_COLORS.values(), "#d0d4da"])), order=alt.Order("part:N"),
         tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f", title="ms")]).properties(
         height=300, title="The last step's split per rank"), width="stretch")
     lanes = pd.DataFrame(t["step_lanes"])
@@ -72,7 +76,9 @@ def step_split(result: dict) -> None:
             if f"rank {r} · {lane}" in set(lanes["row"])]
     right.altair_chart(alt.Chart(lanes).mark_bar().encode(
         x=alt.X("start_ms:Q", title="time in the step (ms, wall clock)"), x2="end_ms:Q",
-        y=alt.Y("row:N", sort=rows, title=None, axis=alt.Axis(labelOverlap=False)), color=alt.Color("kind:N", title="kind"),
+        y=alt.Y("row:N", sort=rows, title=None, axis=alt.Axis(labelOverlap=False)),
+        color=alt.Color("kind:N", title="kind", scale=alt.Scale(domain=[*ACTION_COLORS, *DIM_COLORS],
+                                                               range=[*ACTION_COLORS.values(), *DIM_COLORS.values()])),
         tooltip=["rank", "lane", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
                  alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
         height=alt.Step(20), title="The last step per rank, one lane per dimension"), width="stretch")
