@@ -82,8 +82,20 @@ def step_split(result: dict) -> None:
         tooltip=["rank", "lane", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
                  alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
         height=alt.Step(20), title="The last step per rank, one lane per dimension"), width="stretch")
+    if t.get("step_replayed"):
+        replay = pd.DataFrame(t["step_replayed"])
+        replay["row"] = replay["rank"].map(lambda r: f"rank {r}")
+        replay["name"] = replay["kind"] + replay["mb"].astype(str) + " stage " + replay["stage"].astype(str)
+        st.altair_chart(alt.Chart(replay).mark_bar(stroke="white", strokeWidth=0.5).encode(
+            x=alt.X("start_ms:Q", title="time in the replayed step (ms, one core per rank, each action's measured CPU time)"),
+            x2="end_ms:Q", y=alt.Y("row:N", title=None, sort="ascending"),
+            color=alt.Color("kind:N", title="action", scale=alt.Scale(domain=list(ACTION_COLORS), range=list(ACTION_COLORS.values()))),
+            tooltip=["rank", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
+                     alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
+            height=alt.Step(20), title="The same step replayed: the schedule's own bubble, without the contention"), width="stretch")
     st.caption("Wall clock on this shared CPU: ranks outnumber cores, so waiting for a descheduled peer shows as "
-               "communication. The replayed bubble (one core per rank, measured CPU costs) is in the table.")
+               "communication. The replay gives each rank a core and each action its CPU time (tp, cp and ep collectives "
+               "inside it); its bubble per rank is in the table.")
     with st.expander("How the step is split"):
         st.markdown("Each instant goes to the first category that covers it: compute inside a dimension's code (ring "
                     "attention blocks, a ring reduction's sums, Adam), then a dimension's exposed communication (a blocking "

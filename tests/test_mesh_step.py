@@ -79,6 +79,9 @@ def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle
         for row in result.tables["step_split"]:
             assert row["compute_ms"] > 0 and row["pp_ms"] > 0 and row["cp_ms"] == row["ep_ms"] == 0
             assert (row["tp_ms"] > 0) == (cfg.tp > 1) and (row["dp_ms"] > 0) == (cfg.dp > 1)  # each dimension that talks
+        replay = result.tables["step_replayed"]  # the same step with one core per rank: its span is the replayed step
+        assert {r["rank"] for r in replay} == {p["rank"] for p in payloads}
+        assert abs(max(r["end_ms"] for r in replay) - result.metrics["step_replayed_ms"]) < 1e-3
         lanes = {(r["rank"], r["lane"]) for r in result.tables["step_lanes"]}
         assert {(p["rank"], "compute") for p in payloads} <= lanes and ((0, "tp") in lanes) == (cfg.tp > 1)
 

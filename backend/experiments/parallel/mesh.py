@@ -415,7 +415,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                         reference="sp.activation_elements x the stage's layers per (stage, micro-batch) (+ RoPE tables), "
                                   "summed over those alive at each point of the rank's order (F to B or W); MoE blocks: "
                                   "ep.moe_activation_elements with the reference's routing"))
-    timing, timing_metrics, pipeline_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [])
+    timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
     split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
     checks.append(split_check)
@@ -440,6 +440,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_split": split_rows, "step_lanes": lane_rows,
+                                                          "step_replayed": replay_rows,
                                                           "schedules": schedule_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
@@ -548,11 +549,11 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
     return checks, metrics, out
 
 
-def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict]]:
+def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
     """The last step's F/B/I/W actions of each pipeline (the ranks that share every mesh coordinate but pp), replayed
     with one core per rank from their measured CPU times (tp, cp and ep collectives run inside them), and the
     makespan model fed with their mean costs, checked equal to the replay at those same costs action by action.
-    Returns the checks, the replayed step time, and per rank its replayed and modelled idle."""
+    Returns the checks, the replayed step time, per rank its replayed and modelled idle, and the replayed actions."""
     plan, m = config.plan, config.plan.microbatches(config.microbatches)
     lines: dict[tuple, list[dict]] = {}
     for p in payloads:
@@ -560,11 +561,14 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
         last = steps[-len(p["order_actions"]):]  # each step runs the rank's whole order once
         key = tuple(v for d, v in p["coords"].items() if d != "pp")
         lines.setdefault(key, []).extend({**e, "rank": p["coords"]["pp"], "global_rank": p["rank"]} for e in last)
-    checks, rows, step = [], [], 0.0
+    checks, rows, step, actions = [], [], 0.0, []
     for key, compute in lines.items():
         exact, model, _ = model_against_replay(config.schedule, config.pp, m, config.virtual_stages, compute)
         checks.append(exact)
-        span, idle = bubbles(replayed(compute, config.num_stages), config.pp)
+        replay = replayed(compute, config.num_stages)
+        actions += [{"rank": e["global_rank"], "lane": "compute", "kind": e["args"]["kind"], "mb": e["args"]["mb"],
+                     "stage": e["args"]["stage"], "start_ms": e["ts"] / 1e3, "end_ms": (e["ts"] + e["dur"]) / 1e3} for e in replay]
+        span, idle = bubbles(replay, config.pp)
         step = max(step, span)
         rank_of = {e["rank"]: e["global_rank"] for e in compute}
         rows += [{"rank": rank_of[r], "pp": r, "bubble_replayed": idle[r], "bubble_makespan_model": model.idle[r],
@@ -572,7 +576,7 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
     worst = max(checks, key=lambda c: c.error)
     check = Check(f"every pipeline's last step: {worst.name}", worst.error, worst.tolerance, reference=worst.reference,
                   detail=f"{len(checks)} pipelines; worst: {worst.detail}")
-    return [check], {"step_replayed_ms": round(step / 1e3, 3)}, sorted(rows, key=lambda r: r["rank"])
+    return [check], {"step_replayed_ms": round(step / 1e3, 3)}, sorted(rows, key=lambda r: r["rank"]), actions
 
 
 def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:
