@@ -17,6 +17,8 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
             option); (selective) each attention core keeps q, k, v and recomputes its scores in the backward
             (backend/parallel/recompute.py). Its price is measured after training (`recompute_price`): the same plan
             with and without it, one step each, timed and FLOP-counted, gradients discarded
+Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
+every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
