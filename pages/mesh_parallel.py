@@ -4,9 +4,9 @@ import networkx as nx
 import pandas as pd
 import streamlit as st
 
-from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS
+from backend import experiments
 from backend.graph.dot import to_dot
-from pages import timeline, ui
+from pages import mesh_views, timeline, ui
 
 st.title("3D parallel")
 DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6", "ep": "#d4a017"}
@@ -64,6 +64,12 @@ def render(result: dict, rec) -> None:
             width="stretch")
         st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
                    "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
+    if t.get("step_split"):
+        mesh_views.step_split(result)
+    if t.get("schedules"):
+        mesh_views.schedules(result)
+    if t.get("recompute"):
+        mesh_views.recompute_price(result)
     ranks = pd.DataFrame(t["ranks"])
     dims = [d for d in DIM_COLORS if d in ranks]
     ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))
@@ -81,9 +87,9 @@ def render(result: dict, rec) -> None:
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
-preset_columns = st.columns(4)
-for i, (name, preset) in enumerate(PRESETS.items()):
-    if preset_columns[i % 4].button(f"Preset: {name}", help=PRESET_NOTES[name]):
+preset_columns, mesh_config = st.columns(4), experiments.get("parallel.mesh").config_cls
+for i, (name, preset) in enumerate(mesh_config.presets.items()):
+    if preset_columns[i % 4].button(f"Preset: {name}", help=mesh_config.preset_notes[name]):
         st.query_params.from_dict({k: str(v) for k, v in preset.items()})
         st.rerun()
 ui.experiment_page(

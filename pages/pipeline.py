@@ -3,8 +3,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from backend import experiments
 from backend.config import ConfigError
-from backend.parallel.pp.schedules import SCHEDULES
 from pages import recompute_view, ui
 
 st.title("Pipeline parallel")
@@ -50,7 +50,7 @@ def summary(m: dict) -> None:
     cols = st.columns(5)
     cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
                    help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
-    cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=SCHEDULES[m["schedule"]].bubble_formula)
+    cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=m.get("bubble_formula"))
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
     if "bubble_makespan_model" in m:
@@ -60,7 +60,7 @@ def summary(m: dict) -> None:
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
     if "bubble_published_measured_costs" in m:
         st.caption(f"Published formula with this run's measured chunk costs: {100 * m['bubble_published_measured_costs']:.1f} % "
-                   f"idle ({SCHEDULES[m['schedule']].published_idle_formula}).")
+                   f"idle ({m.get('published_idle_formula', 'the published formula')}).")
 
 
 IDLE_PARTS = {"transfer_ms": "in send/recv, after the data was sent", "waiting_ms": "waiting for the neighbour's compute",
@@ -119,15 +119,13 @@ def render(result: dict, rec) -> None:
         ui.table(versions)
 
     st.subheader("Side by side")
-    other = st.selectbox("compare with schedule", [s for s in SCHEDULES if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
+    config_cls = experiments.get("pipeline.run").config_cls
+    schedules = config_cls.field_of("schedule").metadata["choices"]
+    other = st.selectbox("compare with schedule", [s for s in schedules if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
     compare_id = st.query_params.get("compare")
     if st.button(f"Run {other} on the same settings"):
-        plan = SCHEDULES[other]
-        settings = dict(rec.config, schedule=other)
-        settings["virtual_stages"] = settings["virtual_stages"] if plan.interleaved else 1
-        settings["recompute"] = settings["recompute"] and plan.supports_recompute
-        settings["vertical_sync"] = settings["vertical_sync"] and plan.asynchronous
         try:
+            settings = config_cls.from_dict(rec.config).for_schedule(other)
             compare_id = ui.runner().submit("pipeline.run", settings)
             st.query_params["compare"] = compare_id
         except ConfigError as err:

@@ -140,7 +140,8 @@ def test_full_recompute_keeps_only_stage_inputs(monkeypatch):
     assert not checks["activations held at GPipe (F then B)'s peak within 10 % of the formula"].passed
 
 
-@pytest.mark.parametrize("values", [{"recompute": "full"}, {"recompute": "full", "tp": "1", "schedule": "zb_h1"}])
+@pytest.mark.parametrize("values", [{"recompute": "full"}, {"recompute": "full", "tp": "1", "experts": "4"},
+                                    {"recompute": "selective", "tp": "1", "cp": "2"}])
 def test_recompute_refusals_name_the_setting(values):
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict(values)

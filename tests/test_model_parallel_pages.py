@@ -8,7 +8,9 @@ PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel
          "pages/context_parallel.py": ("parallel.cp", {"seq": "64"}),
          "pages/mesh_parallel.py": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "cp": "2", "layers": "2", "steps": "2"}),
          "pages/mesh_parallel.py#moe": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "ep": "2", "experts": "2",
-                                                          "layers": "2", "steps": "2"})}
+                                                          "layers": "2", "steps": "2"}),
+         "pages/mesh_parallel.py#depth": ("parallel.mesh", {"world_size": "2", "pp": "2", "tp": "1", "layers": "2", "steps": "2",
+                                                            "recompute": "selective", "compare_schedules": "true"})}
 
 
 def _app(page, **params):

@@ -56,6 +56,14 @@ def _whole_rope(s: int, d_head: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return rope_angles(torch.arange(s), d_head, dtype=dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(QKᵀ/√d + causal)·V over (b, heads, s, d), k and v already repeated over their GQA groups: the core
+    whose a·s²·b scores Korthikanti's selective recompute drops."""
+    s = q.shape[-2]
+    causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
+    return torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1])) + causal, dim=-1) @ v
+
+
 class CausalCore:
     """The batched training path's attention over whole sequences: positions 0..s-1 (one RoPE table shared by the
     layers), the causal softmax written out rather than SDPA, so that what backward saves is the textbook list
@@ -68,10 +76,10 @@ class CausalCore:
 
     def attend(self, q, k, v):
         """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d)."""
-        group, s = q.shape[1] // k.shape[1], q.shape[-2]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        causal = torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
-        return torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1])) + causal, dim=-1) @ v
+        group = q.shape[1] // k.shape[1]
+        return self.core(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+    core = staticmethod(causal_attention)  # what selective recompute (backend/parallel/recompute.py) replaces
 
 
 class GroupedQueryAttention(nn.Module):

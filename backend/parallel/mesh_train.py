@@ -13,7 +13,12 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
   sync      the gradients all-reduced over cp, then over dp by the dp_strategy (parallel/mesh_dp.py: all-reduce,
             DDP buckets, ZeRO-1/2/3; Megatron-LM runs one over the merged dp x cp group, the same sum), then
             Adam on the elements this rank owns
-  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B (the executor's option)
+  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B or I (the executor's
+            option); (selective) each attention core keeps q, k, v and recomputes its scores in the backward
+            (backend/parallel/recompute.py). Its price is measured after training (`recompute_price`): the same plan
+            with and without it, one step each, timed and FLOP-counted, gradients discarded
+Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
+every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -27,6 +32,8 @@ them), so only the replicated weights are summed over ep; all are summed over dp
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +45,7 @@ from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.parallelize import parallelize, sources
+from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
@@ -104,31 +112,41 @@ class MeshStage:
 
 def train_rank(rank: int, world: int, config, progress=None) -> dict:
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
-    tracer = Tracer(rank)
-    tp, dp, cp, ep = (Wire.along(mesh, d, tracer) for d in ("tp", "dp", "cp", "ep"))
-    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), tracer) if config.cp > 1 else None
+    tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
+    along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
+    tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
+    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), along["cp"]) if config.cp > 1 else None
     columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     reference = reference_model(config)
     chunks = {s: parallelize(reference, tp, stage=s, stages=S, ep=ep, cp=shard) for s in plan.stages_on(me, p, config.virtual_stages)}
     model = nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})  # every chunk's weights, in stage order
+    for c in chunks.values():
+        apply_selective_recompute(c, config.recompute == "selective")
     params = list(model.parameters())
     experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
     replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
         torch.tensor([p_.numel() for p_ in params]))
     weights = flat_params(model)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
+    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
+    for t in along.values():
+        t.t0_ns = tracer.t0_ns
+    step_us = []  # each step's (start, end) on this rank
     losses, activations, kept, pp_bytes = [], {}, {}, 0
+    mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
+
+    def make_stages():
+        return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
+                for s, c in chunks.items()}
     for step in range(config.steps):
+        start_us = tracer.now_us()
         gathered = sync.weights_for_step(step)
         if gathered is not None:
             load_flat(model, gathered)
-        mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
-        stages = {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
-                  for s, c in chunks.items()}
+        stages = make_stages()
         if step == 0:
             for s, st in stages.items():
                 st.activations, st.kept = activations.setdefault(s, {}), kept.setdefault(s, {})
@@ -142,6 +160,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
+        step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
         reported = torch.tensor([walk["loss"]], dtype=torch.float64)
         for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
             if mesh.size(dim) > 1:
@@ -154,7 +173,7 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
-    return {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
+    payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
@@ -167,22 +186,89 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
                       "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")},
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": n_params, "layers": sorted(i for ls in layers.values() for i in ls),
-            "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(), "trace": tracer.payload()}
+            "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
+            "trace": {**tracer.payload(), "events": list(tracer.events) + [  # a group of one sends nothing: no dim
+                {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]},
+            "step_us": step_us}
+    if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
+        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
+    return payload
+
+
+class _Counted:
+    """A stage whose forwards are FLOP-counted one by one (an outer counter still sees them: modes stack)."""
+
+    def __init__(self, stage, log: list):
+        self.stage, self.log = stage, log
+
+    def __getattr__(self, name):
+        return getattr(self.stage, name)
+
+    def forward(self, x, mb):
+        with FlopCount() as counter:
+            out = self.stage.forward(x, mb)
+        self.log.append({"stage": self.stage.index, "mb": mb, "grad": torch.is_grad_enabled(), "flops": counter.total})
+        return out
+
+
+def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank, last_walk) -> dict:
+    """Recompute's price on this rank: one step of the same plan without recompute and one with it, each timed (CPU
+    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one); the
+    activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
+    full, selective = config.recompute == "full", config.recompute == "selective"
+    out = {"recompute_cpu_us": last_walk["recompute_cpu_us"]}
+    for label, on in (("without", False), ("with", True), ("without", False), ("with", True)):
+        for c in chunks.values():
+            apply_selective_recompute(c, selective and on)
+        stages, timed = make_stages(), f"{label}_cpu_us" not in out
+        if not timed:
+            forwards = []
+            stages = {s: _Counted(st, forwards) for s, st in stages.items()}
+        elif not on:
+            per = {}
+            for s, st in stages.items():
+                st.activations, st.kept = per.setdefault(s, {}), {}
+        tracer = Tracer(rank)
+        with FlopCount() if not timed else contextlib.nullcontext() as counter:
+            walk = execute(order, plan, stages, pp_ranks, me, p, m, tracer, recompute=full and on)
+        for c in chunks.values():
+            c.zero_grad(set_to_none=True)
+        if timed:
+            cpu = {k: sum(e["cpu_us"] for e in tracer.events if e["lane"] == "compute" and e["args"].get("kind") == k)
+                   for k in "FBIW"}
+            out[f"{label}_cpu_us"] = cpu
+            out[f"{label}_forward_cpu_us"] = [e["cpu_us"] for e in tracer.events if e["args"].get("kind") == "F"]
+            if not on:
+                out["activations_without"] = {f"{s},{mb}": b for s, d in per.items() for mb, b in d.items()}
+                out["peak_without"] = peak_in_flight(order, per)
+            else:
+                out["recompute_cpu_us"] = walk["recompute_cpu_us"]
+        else:
+            out[f"{label}_flops"] = counter.total
+            out[f"{label}_forwards"] = forwards
+    for c in chunks.values():
+        apply_selective_recompute(c, selective)
+    return out
 
 
 def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
     to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
     same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
-    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed)."""
+    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed); a split backward
+    recomputes in I and holds the rebuilt activations until W."""
     if kept is None:
         return live_activations(order, lambda stage, mb: per_action[stage][mb])
     alive, peak = {}, 0
     for kind, mb, stage in order:
         if kind == "F":
             alive[(stage, mb)] = kept[stage][mb]
-            peak = max(peak, sum(alive.values()))
         elif kind == "B":
             alive.pop((stage, mb))
             peak = max(peak, sum(alive.values()) + per_action[stage][mb])
+        elif kind == "I":  # a split backward recomputes in I; the rebuilt activations live until its W
+            alive[(stage, mb)] = per_action[stage][mb]
+        elif kind == "W":
+            alive.pop((stage, mb))
+        peak = max(peak, sum(alive.values()))
     return peak

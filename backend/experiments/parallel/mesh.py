@@ -3,6 +3,7 @@ whole batch."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -15,9 +16,12 @@ from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
+from backend.parallel.pp.recompute import MIN_TIMED_CPU_MS, TIME_TOLERANCE
 from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
+from backend.parallel.step_split import CATEGORIES, lanes, split
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
@@ -77,9 +81,13 @@ class MeshConfig(TPConfig):
                                help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
-    recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
-                             "executor's option): full keeps only each stage's input from F to B and reruns its forward "
-                             "in the backward (schedules naive, gpipe, 1f1b; tp = cp = ep = 1)")
+    recompute: str = setting("none", choices=RECOMPUTE, help="activation recompute per stage: full keeps only each "
+                             "stage's input from F to B and reruns its forward in the backward (B or I; tp = cp = ep = 1, "
+                             "dense); selective (Korthikanti) recomputes only each attention core softmax(QKᵀ)V, keeping "
+                             "q, k, v (cp = 1). Its price is measured against the same plan without it")
+    compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
+                                      "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
+                                      "activations per rank side by side, each run checked as usual")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -90,6 +98,9 @@ class MeshConfig(TPConfig):
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
 
+    presets: ClassVar[dict] = PRESETS  # (for the page, through the registry)
+    preset_notes: ClassVar[dict] = PRESET_NOTES
+
     def __post_init__(self):
         """A preset fills the settings it names that are still at their defaults (a value chosen beside it stays)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
@@ -97,15 +108,18 @@ class MeshConfig(TPConfig):
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
 
-    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts")
+    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
+                    "compare_schedules", "recompute")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
         as the whole, for the bubbles and re-sends). The leader's torch.optim.Adam imports torch._dynamo; the ranks'
         hand-written Adam does not. Each ring attention step is a few Python-level sends and block updates: 3cp - 2
         of them per layer per micro-batch per step on every rank."""
-        base = decoder_cost(self, self.world_size + 1, passes=self.steps, seconds=DYNAMO_IMPORT_S)
-        ring_steps = self.world_size * self.steps * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
+        passes = self.steps + 6 * min(self.steps, 2) * self.compare_schedules  # the other schedules run the same plan
+        passes += 4 * (self.recompute != "none")  # recompute's price: 4 steps with and without it
+        base = decoder_cost(self, self.world_size + 1, passes=passes, seconds=DYNAMO_IMPORT_S)
+        ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         return dataclasses.replace(base, seconds=base.seconds + ring_steps * 200 * OP_S)
 
     @property
@@ -149,13 +163,21 @@ class MeshConfig(TPConfig):
         if self.dp_strategy != "allreduce" and self.dp == 1:
             raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
                                              f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
-        if self.recompute == "full" and not plan.supports_recompute:
-            raise ConfigError("recompute", f"full with {self.schedule}: the executor recomputes in B only (allowed: none, "
-                                           f"or full with schedule naive, gpipe or 1f1b)")
+        if self.recompute == "full" and self.experts:
+            raise ConfigError("recompute", f"full with experts = {self.experts}: the recomputed forward would route its "
+                                           "tokens again and count each MoE call twice (allowed: none or selective, or "
+                                           "full with experts = 0)")
+        if self.recompute == "selective" and self.cp > 1:
+            raise ConfigError("recompute", f"selective with cp = {self.cp}: ring attention keeps no a·s² scores to drop, "
+                                           "and recomputing it would send the K/V ring again (allowed: none or full, or "
+                                           "selective with cp = 1)")
         if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
             raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
                                            "would repeat their collectives, which the byte model does not count yet "
                                            "(allowed: none, or full with tp = cp = ep = 1)")
+        if self.compare_schedules and self.pp == 1:
+            raise ConfigError("compare_schedules", "true with pp = 1: there is no pipeline to schedule (allowed: false, "
+                                                   "or true with pp > 1)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -183,7 +205,26 @@ class MeshConfig(TPConfig):
 
 
 def run_rank(rank, world, config: MeshConfig, ctx):
-    return train_rank(rank, world, config, ctx.progress)
+    payload = train_rank(rank, world, config, ctx.progress)
+    if config.compare_schedules:
+        payload["schedules"] = {name: train_rank(rank, world, cfg) for name, cfg in schedule_plans(config).items()
+                                if not isinstance(cfg, str) and name != config.schedule}
+    return payload
+
+
+def schedule_plans(config: MeshConfig) -> dict[str, "MeshConfig | str"]:
+    """This plan under every synchronous schedule (interleaved with 2 chunks per rank), for at most 2 steps (the replay
+    reads the last; the first carries one-time costs): the config, or why it is refused."""
+    out = {}
+    for name, plan in SCHEDULES.items():
+        if plan.asynchronous or config.pp == 1:
+            continue
+        try:
+            out[name] = dataclasses.replace(config, schedule=name, virtual_stages=2 if plan.interleaved else 1,
+                                            compare_schedules=False, preset="none", steps=min(config.steps, 2)).validate()
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
 
 
 def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
@@ -311,6 +352,8 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
                                     config.d_ff, config.tp, False, ring)
+        if config.recompute == "selective":  # Korthikanti: the core's scores are recomputed, q, k, v kept
+            block.pop("softmax output (a·s²·b)")
         for stage, layers in payload["stages"].items():
             elements = s * config.d_head
             for layer in layers:
@@ -372,8 +415,18 @@ def combine(config: MeshConfig, payloads) -> Result:
                         reference="sp.activation_elements x the stage's layers per (stage, micro-batch) (+ RoPE tables), "
                                   "summed over those alive at each point of the rank's order (F to B or W); MoE blocks: "
                                   "ep.moe_activation_elements with the reference's routing"))
-    timing, timing_metrics, pipeline_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [])
+    timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
+    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
+    checks.append(split_check)
+    price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
+    checks += price_checks
+    timing_metrics.update(price_metrics)
+    schedule_rows = []
+    if config.compare_schedules:
+        schedule_check, schedule_rows = compare_schedules(config, payloads, timing_metrics, pipeline_rows,
+                                                          all(c.passed for c in checks))
+        checks.append(schedule_check)
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
@@ -385,15 +438,122 @@ def combine(config: MeshConfig, payloads) -> Result:
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
-                                                          "pipeline": pipeline_rows},
+                                                          "pipeline": pipeline_rows, "recompute": price_rows,
+                                                          "step_split": split_rows, "step_lanes": lane_rows,
+                                                          "step_replayed": replay_rows,
+                                                          "schedules": schedule_rows},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
-def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict]]:
+def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) -> tuple[Check, list[dict]]:
+    """This plan's run beside its runs under the other schedules (run_rank), each combined and checked as usual: per
+    schedule and rank the replayed step time, the replayed and modelled bubble, the closed-form bubble and the peak of
+    activations held. A schedule the plan does not fit is listed with the reason it is refused."""
+    plans, rows, failed = schedule_plans(config), [], []
+
+    def add(name, cfg, timing, pipeline, pls, passed):
+        for r in pipeline:
+            rows.append({"schedule": name, "rank": r["rank"], "step_replayed_ms": timing["step_replayed_ms"],
+                         "bubble_replayed": r["bubble_replayed"], "bubble_makespan_model": r["bubble_makespan_model"],
+                         "bubble_formula": cfg.plan.bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+                         "activations_peak_bytes": next(p["memory"]["activations"] for p in pls if p["rank"] == r["rank"]),
+                         "passed": passed, "refused": ""})
+    add(config.schedule, config, timing, pipeline, payloads, passed)
+    for name, cfg in plans.items():
+        if name == config.schedule:
+            continue
+        if isinstance(cfg, str):
+            rows.append({"schedule": name, "rank": None, "refused": cfg})
+            continue
+        result = combine(cfg, [p["schedules"][name] for p in payloads])
+        if not result.passed:
+            failed.append(name)
+        add(name, cfg, result.metrics, result.tables["pipeline"], [p["schedules"][name] for p in payloads], result.passed)
+    ran = sorted({r["schedule"] for r in rows if not r["refused"]})
+    return Check("every schedule's run of this plan passes its own checks", len(failed), 0,
+                 reference="each run against one process, the byte, memory and makespan models, as the plan's own run",
+                 detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
+
+
+def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
+    """The last step's wall time on every rank (from the earliest rank's start to the latest rank's end) split into
+    compute, exposed communication per dimension and idle (parallel/step_split.py), beside the replayed bubble; and
+    the step's events by lane for the timeline."""
+    window = (min(p["step_us"][-1][0] for p in payloads), max(p["step_us"][-1][1] for p in payloads))
+    replayed = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}
+    rows, drawn, worst = [], [], 0.0
+    for p in payloads:
+        parts = split(p["trace"]["events"], window)
+        total = sum(parts.values())
+        worst = max(worst, abs(total - (window[1] - window[0])) / (window[1] - window[0]))
+        rows.append({"rank": p["rank"], **{f"{c}_ms": parts[c] / 1e3 for c in CATEGORIES}, "step_ms": (window[1] - window[0]) / 1e3,
+                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3,
+                     "bubble_replayed": replayed.get(p["rank"])})
+        drawn += [{"rank": p["rank"], **e} for e in lanes(p["trace"]["events"], window)]
+    check = Check("each rank's last step splits into compute, exposed communication per dimension and idle that sum to "
+                  "its wall time", worst, 1e-9,
+                  reference="the step's window (earliest start to latest end over the ranks, perf_counter); idle measured "
+                            "as the window less the union of all the rank's events, apart from the categories",
+                  detail=f"step {(window[1] - window[0]) / 1e3:.2f} ms; largest relative gap {worst:.1e}")
+    return check, rows, drawn
+
+
+def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], dict, list[dict]]:
+    """What recompute cost and saved on each rank, from one step of the same plan with and one without it (run after
+    training, mesh_train.recompute_price): FLOPs counted by torch's per-op formulas against the model (full: one more forward of
+    each (stage, micro-batch), those forwards counted one by one; selective: QKᵀ and P·V again, 4·b·(a/tp)·s²·d per
+    layer), CPU time of the compute, and the activations at the rank's peak without it against the formula."""
+    plain = dataclasses.replace(config, recompute="none")
+    full, heads = config.recompute == "full", config.n_heads // config.tp
+    out, flops_err, peak_err, timed = [], 0, 0.0, []
+    for p in payloads:
+        pr = p["price"]
+        forward = sum(f["flops"] for f in pr["without_forwards"])
+        extra = pr["with_flops"] - pr["without_flops"]
+        model = forward if full else sum(core_flops(b, heads, config.seq, config.d_head) * p["layers_here"]
+                                         for b in _microbatch_sizes(config, p["coords"]))
+        flops_err = max(flops_err, abs(extra - model))
+        per = activation_formula(plain, p, rows[p["rank"]])
+        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        peak_err = max(peak_err, abs(pr["peak_without"] / formula - 1))
+        cpu_with, cpu_without = sum(pr["with_cpu_us"].values()) / 1e3, sum(pr["without_cpu_us"].values()) / 1e3
+        timed.append((cpu_with, cpu_without, pr["without_cpu_us"]["F"] / 1e3, pr["recompute_cpu_us"], pr["without_forward_cpu_us"]))
+        out.append({"rank": p["rank"], "forward_flops": forward, "backward_flops": pr["without_flops"] - forward,
+                    "extra_flops": extra, "extra_flops_model": model, "flops_overhead": extra / pr["without_flops"],
+                    "compute_cpu_ms": cpu_with, "compute_cpu_without_ms": cpu_without,
+                    "time_overhead": cpu_with / cpu_without - 1,
+                    "activations_peak_bytes": p["memory"]["activations"], "activations_peak_without_bytes": pr["peak_without"],
+                    "activations_saved_bytes": pr["peak_without"] - p["memory"]["activations"]})
+    extra, total = sum(r["extra_flops"] for r in out), sum(r["extra_flops"] / r["flops_overhead"] for r in out)
+    forward, backward = sum(r["forward_flops"] for r in out), sum(r["backward_flops"] for r in out)
+    cpu_with, cpu_without, cpu_forward = (sum(t[i] for t in timed) for i in range(3))
+    what = ("one more forward of every (stage, micro-batch) on the rank, each FLOP-counted in the run "
+            "without recompute" if full else "QKᵀ and P·V again: 4·b·(a/tp)·s²·d FLOPs per layer per micro-batch (closed form)")
+    checks = [Check(f"{config.recompute} recompute's extra FLOPs per rank equal the model", flops_err, 0,
+                    reference=f"torch.utils.flop_counter's formulas over one step with it minus one without it, against {what}",
+                    detail=f"{extra:,} extra FLOPs over all ranks, +{100 * extra / total:.1f} %"),
+              Check("activations at each rank's peak without recompute within 10 % of the formula", peak_err, 0.10,
+                    reference="sp.activation_elements per (stage, micro-batch), alive F to B or W in the rank's order")]
+    metrics = {"recompute": config.recompute, "recompute_flops_overhead": round(extra / total, 4), "recompute_time_overhead": round(cpu_with / cpu_without - 1, 4),
+               "recompute_flops_model": round(forward / (forward + backward) if full else extra / total, 4),
+               "activation_peak_saved_bytes": max(r["activations_saved_bytes"] for r in out)}
+    if full:
+        metrics["backward_to_forward_flops"] = round(backward / forward, 3)
+        if cpu_without >= MIN_TIMED_CPU_MS:  # below it, CPU-time ratios are timer and scheduler noise
+            from backend.parallel.pp.recompute import _median
+            ratio = _median([u for t in timed for u in t[3]]) / _median([u for t in timed for u in t[4]])
+            checks.append(Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1),
+                                TIME_TOLERANCE, reference="the same plan's forwards without recompute (median over ranks)",
+                                detail=f"recompute ÷ forward {ratio:.2f}; F/(F+B) by CPU time predicts "
+                                       f"+{100 * cpu_forward / cpu_without:.1f} %, measured +{100 * (cpu_with / cpu_without - 1):.1f} %"))
+    return checks, metrics, out
+
+
+def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
     """The last step's F/B/I/W actions of each pipeline (the ranks that share every mesh coordinate but pp), replayed
     with one core per rank from their measured CPU times (tp, cp and ep collectives run inside them), and the
     makespan model fed with their mean costs, checked equal to the replay at those same costs action by action.
-    Returns the checks, the replayed step time, and per rank its replayed and modelled idle."""
+    Returns the checks, the replayed step time, per rank its replayed and modelled idle, and the replayed actions."""
     plan, m = config.plan, config.plan.microbatches(config.microbatches)
     lines: dict[tuple, list[dict]] = {}
     for p in payloads:
@@ -401,11 +561,14 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
         last = steps[-len(p["order_actions"]):]  # each step runs the rank's whole order once
         key = tuple(v for d, v in p["coords"].items() if d != "pp")
         lines.setdefault(key, []).extend({**e, "rank": p["coords"]["pp"], "global_rank": p["rank"]} for e in last)
-    checks, rows, step = [], [], 0.0
+    checks, rows, step, actions = [], [], 0.0, []
     for key, compute in lines.items():
         exact, model, _ = model_against_replay(config.schedule, config.pp, m, config.virtual_stages, compute)
         checks.append(exact)
-        span, idle = bubbles(replayed(compute, config.num_stages), config.pp)
+        replay = replayed(compute, config.num_stages)
+        actions += [{"rank": e["global_rank"], "lane": "compute", "kind": e["args"]["kind"], "mb": e["args"]["mb"],
+                     "stage": e["args"]["stage"], "start_ms": e["ts"] / 1e3, "end_ms": (e["ts"] + e["dur"]) / 1e3} for e in replay]
+        span, idle = bubbles(replay, config.pp)
         step = max(step, span)
         rank_of = {e["rank"]: e["global_rank"] for e in compute}
         rows += [{"rank": rank_of[r], "pp": r, "bubble_replayed": idle[r], "bubble_makespan_model": model.idle[r],
@@ -413,7 +576,7 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
     worst = max(checks, key=lambda c: c.error)
     check = Check(f"every pipeline's last step: {worst.name}", worst.error, worst.tolerance, reference=worst.reference,
                   detail=f"{len(checks)} pipelines; worst: {worst.detail}")
-    return [check], {"step_replayed_ms": round(step / 1e3, 3)}, sorted(rows, key=lambda r: r["rank"])
+    return [check], {"step_replayed_ms": round(step / 1e3, 3)}, sorted(rows, key=lambda r: r["rank"]), actions
 
 
 def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:

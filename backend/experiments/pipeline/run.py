@@ -69,6 +69,12 @@ class PipelineConfig(Config):
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size)
 
+    def for_schedule(self, name: str) -> dict:
+        """These settings under schedule `name` (side by side): the options that schedule lacks turned off."""
+        plan = SCHEDULES[name]
+        return dict(dataclasses.asdict(self), schedule=name, virtual_stages=self.virtual_stages if plan.interleaved else 1,
+                    recompute=self.recompute and plan.supports_recompute, vertical_sync=self.vertical_sync and plan.asynchronous)
+
     def check(self) -> None:
         plan, m = self.plan, self.plan.microbatches(self.microbatches)
         if self.virtual_stages > 1 and not plan.interleaved:
@@ -441,7 +447,8 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     pace = replay_bubble[bottleneck]
     imbalance = (max(cpu.values()) - min(cpu.values())) / max(cpu.values())
     mean_action = sum(e["cpu_us"] for e in compute) / len(compute)
-    metrics = {"schedule": config.schedule, "p": p, "m": m, "v": v, "makespan_ms": round(makespan / 1e3, 3),
+    metrics = {"schedule": config.schedule, "bubble_formula": plan.bubble_formula, "p": p, "m": m, "v": v,
+               "makespan_ms": round(makespan / 1e3, 3),
                "makespan_replayed_ms": round(replay_makespan / 1e3, 3),
                "bubble_measured": round(mean_bubble, 4), "bubble_replayed": round(pace, 4),
                "bubble_replayed_mean": round(mean_replayed, 4), "bubble_model": round(model, 4),
@@ -464,6 +471,7 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
         per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
         idle = plan.published_idle_fn(p, per["F"], per["I"], per["W"])
         metrics["bubble_published_measured_costs"] = round(idle / (idle + 2 * m * sum(per.values())), 4)
+        metrics["published_idle_formula"] = plan.published_idle_formula
         notes.append(f"{plan.published_idle_formula}, with this run's median chunk costs (F {per['F'] / 1e3:.2f}, "
                      f"I {per['I'] / 1e3:.2f}, W {per['W'] / 1e3:.2f} ms): {100 * metrics['bubble_published_measured_costs']:.1f} % "
                      f"idle, beside {100 * pace:.1f} % replayed. The table's figure assumes the F&B pair overlapped; "

@@ -1,0 +1,119 @@
+"""Recompute's price in the mesh run: full recompute under every kind of schedule (plain B, interleaved, split I/W,
+V-shaped) and Korthikanti's selective recompute under tp, each equal to one process, its extra FLOPs equal to the
+model (one more forward per (stage, micro-batch); QKᵀ and P·V again per layer) and its activations equal to the
+formula; a broken rule fails. And where each rank's step goes: the last step split into compute, exposed
+communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails)."""
+import dataclasses
+import multiprocessing
+
+import pytest
+
+from backend.comm.spawn import spawn_ranks
+from backend.experiments import RunContext
+from backend.experiments.parallel import mesh
+from backend.experiments.parallel.mesh import MeshConfig
+
+BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4,
+            steps=2, microbatches=4, pp=2)
+FLOPS = "{} recompute's extra FLOPs per rank equal the model"
+
+
+def _all(rank, world, configs, ctx):
+    return [mesh.run_rank(rank, world, cfg, ctx) for cfg in configs]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    configs = [MeshConfig(schedule="interleaved_1f1b", virtual_stages=2, tp=1, recompute="full", **BASE).validate(),
+               MeshConfig(schedule="zb_v", tp=1, recompute="full", **BASE).validate(),
+               MeshConfig(schedule="zb_h1", tp=2, recompute="selective", **BASE).validate()]
+    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=600))
+    assert multiprocessing.active_children() == []
+    return {c.schedule: (c, [per_rank[r][i] for r in range(4)]) for i, c in enumerate(configs)}
+
+
+def test_full_recompute_costs_one_forward_under_every_kind_of_schedule(runs):
+    for name in ("interleaved_1f1b", "zb_v"):
+        cfg, payloads = runs[name]
+        result = mesh.combine(cfg, payloads)
+        assert result.passed, (name, [(c.name, c.error, c.detail) for c in result.checks if not c.passed])
+        m = result.metrics  # the whole step's extra is F / (F + B) of it; a GEMM's backward is two GEMMs: +1/3
+        assert m["recompute_flops_overhead"] == m["recompute_flops_model"] and m["backward_to_forward_flops"] == 2.0
+        assert abs(m["recompute_flops_overhead"] - 1 / 3) < 1e-3
+        assert all(r["activations_saved_bytes"] > 0 for r in result.tables["recompute"])
+
+
+def test_a_forward_left_uncounted_or_recomputed_activations_held_too_briefly_fail(runs, monkeypatch):
+    cfg, payloads = runs["zb_v"]
+    payloads[0]["price"]["without_forwards"].pop()
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[FLOPS.format("full")].passed
+    right = mesh.peak_in_flight  # a split backward's I rebuilds the activations, held until W: drop that rule
+    monkeypatch.setattr(mesh, "peak_in_flight", lambda order, per, kept=None: right(
+        [a for a in order if a[0] != "I"] if kept else order, per, kept))
+    checks = mesh.combine(cfg, payloads).checks
+    assert not next(c for c in checks if c.name.startswith("activations held at")).passed
+
+
+def test_selective_recompute_drops_the_scores_and_recomputes_two_gemms(runs, monkeypatch):
+    cfg, payloads = runs["zb_h1"]
+    result = mesh.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
+    heads = cfg.n_heads // cfg.tp
+    for row, p in zip(result.tables["recompute"], payloads):  # 4·b·(a/tp)·s²·d per layer per micro-batch
+        assert row["extra_flops"] == 4 * (cfg.batch // cfg.microbatches) * heads * cfg.seq ** 2 * cfg.d_head \
+            * p["layers_here"] * cfg.microbatches
+    # the scores a·s²·b (float64) per layer were not kept: the formula with them does not match the run
+    assert not next(c for c in mesh.combine(dataclasses.replace(cfg, recompute="none"), payloads).checks
+                    if c.name.startswith("activations held at")).passed
+    monkeypatch.setattr(mesh, "core_flops", lambda b, a, s, d: 2 * b * a * s * s * d)  # only QKᵀ recomputed
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[FLOPS.format("selective")].passed
+
+
+SPLIT = "each rank's last step splits into compute, exposed communication per dimension and idle that sum to its wall time"
+
+
+def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle(runs):
+    for name, (cfg, payloads) in runs.items():
+        result = mesh.combine(cfg, payloads)
+        assert {c.name: c for c in result.checks}[SPLIT].passed
+        for row in result.tables["step_split"]:
+            assert row["compute_ms"] > 0 and row["pp_ms"] > 0 and row["cp_ms"] == row["ep_ms"] == 0
+            assert (row["tp_ms"] > 0) == (cfg.tp > 1) and (row["dp_ms"] > 0) == (cfg.dp > 1)  # each dimension that talks
+        replay = result.tables["step_replayed"]  # the same step with one core per rank: its span is the replayed step
+        assert {r["rank"] for r in replay} == {p["rank"] for p in payloads}
+        assert abs(max(r["end_ms"] for r in replay) - result.metrics["step_replayed_ms"]) < 1e-3
+        lanes = {(r["rank"], r["lane"]) for r in result.tables["step_lanes"]}
+        assert {(p["rank"], "compute") for p in payloads} <= lanes and ((0, "tp") in lanes) == (cfg.tp > 1)
+
+
+def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
+    from backend.parallel import step_split as S
+
+    def twice(events, window):  # each category on its own, without giving way to the ones before it
+        taken = [(c, S.clip(iv, window)) for _, c, iv in filter(None, map(S.classify, events))]
+        out = {c: S.measure(iv for cat, iv in taken if cat == c) for c in S.CATEGORIES if c != "idle"}
+        return {**out, "idle": (window[1] - window[0]) - S.measure(iv for _, iv in taken)}
+    monkeypatch.setattr(mesh, "split", twice)
+    cfg, payloads = runs["zb_h1"]  # tp 2: its all-reduces run inside the forwards and backwards
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
+
+
+def test_one_plan_under_every_schedule_side_by_side():
+    """pp 2 x dp 2 with 4 micro-batches per rank: all seven synchronous schedules run the plan, each checked as usual;
+    the zero-bubble V's closed-form bubble is the smallest; a wrong weight in one schedule's run fails the comparison."""
+    from backend.parallel.pp.schedules import SCHEDULES
+
+    cfg = MeshConfig(schedule="1f1b", tp=1, compare_schedules=True, **dict(BASE, steps=2)).validate()
+    payloads = spawn_ranks(mesh.run_rank, 4, cfg, RunContext(timeout_s=600))
+    assert multiprocessing.active_children() == []
+    result = mesh.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
+    rows = result.tables["schedules"]
+    assert {r["schedule"] for r in rows if not r["refused"]} == {n for n, s in SCHEDULES.items() if not s.asynchronous}
+    assert all(sum(r["schedule"] == n for r in rows) == 4 for n in {r["schedule"] for r in rows})  # every rank, each
+    formula = {r["schedule"]: r["bubble_formula"] for r in rows}
+    assert min(formula, key=formula.get) == "zb_v"
+    name = next(k for k in payloads[0]["schedules"]["zb_h1"]["params"])
+    payloads[0]["schedules"]["zb_h1"]["params"][name] = payloads[0]["schedules"]["zb_h1"]["params"][name] + 1e-6
+    check = next(c for c in mesh.combine(cfg, payloads).checks if c.name.startswith("every schedule's run"))
+    assert not check.passed and "zb_h1" in check.detail
