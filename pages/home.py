@@ -13,7 +13,7 @@ st.markdown(
     "error is shown beside the result. Runs are shared: everyone on this server sees them under **Runs**."
 )
 known = {e.name: e for e in experiments.all_experiments()}
-counts = ui.store().counts()
+counts = ui.store().counts()  # by the name each run was stored under: old names count for the new
 for section, topics in SECTIONS.items():
     if section == "Explorer":
         continue
@@ -23,7 +23,7 @@ for section, topics in SECTIONS.items():
         with cols[i % 3].container(border=True):
             st.page_link(topic.file, label=topic.title, icon=topic.icon)
             st.caption(topic.what)
-            runs = sum(counts.get(name, 0) for name in topic.experiments)
+            runs = sum(counts.get(spelt, 0) for name in topic.experiments for spelt in experiments.spellings(name))
             kinds = {"distributed: gloo ranks" if known[name].distributed else "one process"
                      for name in topic.experiments if name in known}
             st.caption(f"{', '.join(sorted(kinds))} · {runs} run{'s' if runs != 1 else ''} on this server")

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from backend.memory.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traffic, ops_per_datum
+from backend.hardware.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traffic, ops_per_datum
 from pages import decode_view, latency_view, ui, units
 
 st.title("GPU memory hierarchy and the roofline")
@@ -73,21 +73,21 @@ def render(result: dict, rec) -> None:
                "FP64 FLOP/s ÷ (bandwidth ÷ 8 B); the A100's L1 ≈ 8 and PCIe ≈ 6,240 are checked in the run.")
 
 
-VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,
+VIEWS = {"Roofline: presets and this machine": ("hardware.roofline", render,
                                                 "Probes this machine's memory bandwidth and matmul throughput, measures attention "
                                                 "and GEMMs on it, and sets them beside the rooflines of GPU presets."),
          "This machine's hierarchy, measured": ("hardware.latency", latency_view.render_measured,
                                                 "Measures load latency (a pointer chase) and read bandwidth at each working-set "
                                                 "size on the machine this server runs on, and applies Little's law to it, to "
                                                 "seed 002's example and to the GPU presets."),
-         "Decoding is memory-bound": ("memory.decode", decode_view.render,
+         "Decoding is memory-bound": ("hardware.decode", decode_view.render,
                                       "Times a decode step of a tiny LLaMA whose weights outgrow this CPU's caches at several batch "
                                       "sizes, beside the roofline's prediction, and places Llama 2 and 3 decode steps and a prefill "
                                       "on a GPU preset's roofline.")}
 shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
-default = next((view for view, (name, _, _) in VIEWS.items() if shown and shown.experiment == name), next(iter(VIEWS)))
+default = next((view for view, (name, _, _) in VIEWS.items() if shown and ui.experiment_of(shown) == name), next(iter(VIEWS)))
 view = st.segmented_control("view", list(VIEWS), default=default, key="memory-view") or default
 name, view_render, intro = VIEWS[view]
-if shown and shown.experiment != name:  # the linked run belongs to the other view
+if shown and ui.experiment_of(shown) != name:  # the linked run belongs to the other view
     del st.query_params["run"]
 ui.experiment_page(name, view_render, intro=intro)

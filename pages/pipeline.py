@@ -128,7 +128,7 @@ def render(result: dict, rec) -> None:
         settings["recompute"] = settings["recompute"] and plan.supports_recompute
         settings["vertical_sync"] = settings["vertical_sync"] and plan.asynchronous
         try:
-            compare_id = ui.runner().submit("pipeline.run", settings)
+            compare_id = ui.runner().submit("parallel.pipeline", settings)
             st.query_params["compare"] = compare_id
         except ConfigError as err:
             st.error(str(err))
@@ -148,7 +148,7 @@ def compact(result: dict, rec) -> None:
 
 
 ui.experiment_page(
-    "pipeline.run", render,
+    "parallel.pipeline", render,
     intro="Each rank is a process holding pipeline stages of a Linear+tanh model; it runs its schedule's actions and "
           "sends activations and gradients to its neighbours. Every box below is one measured action.",
 )

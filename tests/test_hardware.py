@@ -5,7 +5,7 @@ import pytest
 
 from backend import experiments
 from backend.hardware.latency import cache_levels, chase_latency, littles_law, random_cycle, read_bandwidth
-from backend.memory.devices import DEVICES, SOURCES, dram, ops_per_datum
+from backend.hardware.devices import DEVICES, SOURCES, dram, ops_per_datum
 
 MB, GB, TB = 1e6, 1e9, 1e12
 
@@ -102,16 +102,16 @@ def test_latency_experiment_passes(spacing):
     assert a100["bytes_in_flight"] == pytest.approx(500e-9 * 2039e9)
 
 
-# --- seed 003's RTX 4090 figures as run checks of memory.roofline
+# --- seed 003's RTX 4090 figures as run checks of hardware.roofline
 def _roofs():
-    from backend.memory.devices import DEVICES, dram
+    from backend.hardware.devices import DEVICES, dram
 
     return [{"device": n, "precision": p, "peak_flops": s["peak_flops"][p], "bandwidth": dram(n)[2]}
             for n, s in DEVICES.items() for p in ("fp16/bf16 tensor", "fp32")]
 
 
 def test_seed_4090_checks_pass_and_the_ridge_is_found_on_the_roof():
-    from backend.experiments.memory.roofline import seed_4090_checks
+    from backend.experiments.hardware.roofline import seed_4090_checks
 
     checks, ridge = seed_4090_checks(_roofs())
     assert all(c.passed for c in checks), checks
@@ -119,8 +119,8 @@ def test_seed_4090_checks_pass_and_the_ridge_is_found_on_the_roof():
 
 
 def test_seed_4090_peak_check_fails_on_the_tensor_core_peak(monkeypatch):
-    from backend.experiments.memory.roofline import seed_4090_checks
-    from backend.memory.devices import DEVICES
+    from backend.experiments.hardware.roofline import seed_4090_checks
+    from backend.hardware.devices import DEVICES
 
     monkeypatch.setitem(DEVICES["RTX 4090"]["peak_flops"], "fp32", 165.2e12)  # the fp16 tensor figure drawn as fp32
     checks, _ = seed_4090_checks(_roofs())
@@ -128,7 +128,7 @@ def test_seed_4090_peak_check_fails_on_the_tensor_core_peak(monkeypatch):
 
 
 def test_seed_4090_ridge_check_fails_with_a_broken_roofline(monkeypatch):
-    from backend.experiments.memory import roofline
+    from backend.experiments.hardware import roofline
 
     monkeypatch.setattr(roofline, "attainable", lambda peak, bw, ai: min(peak, 2 * bw * ai))  # bandwidth counted twice
     checks, _ = roofline.seed_4090_checks(_roofs())

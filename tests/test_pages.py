@@ -77,7 +77,7 @@ def test_collectives_page_replays_a_ring_run():
     from backend import experiments
     from backend.store import RunStore
 
-    exp = experiments.get("collectives.run")
+    exp = experiments.get("comm.collectives")
     config = exp.make_config({"world_size": "3", "numel": "31", "iters": "1"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-coll", status="running")
@@ -317,7 +317,7 @@ def test_memory_hierarchy_roofs_differ_by_peak_and_its_tables_read():
     """Each GPU's two roofs (fp16 tensor, fp32) are told apart by dash, not drawn alike; no table shows None."""
     import pandas as pd
 
-    rid = _recorded("memory.roofline", {"seq_len": "256", "gemm_sizes": "64,128"})
+    rid = _recorded("hardware.roofline", {"seq_len": "256", "gemm_sizes": "64,128"})
     at = _app("pages/memory_hierarchy.py", run=rid)
     assert not at.exception, at.exception
     roof = next(s for s in _chart_specs(at) if "attainable FLOP/s" in json_text(s))
@@ -340,7 +340,7 @@ def json_text(spec: dict) -> str:
 
 
 def test_pipeline_page_splits_idle_time_and_says_why_the_wall_bubble_is_larger():
-    rid = _recorded("pipeline.run", {"world_size": "2"})
+    rid = _recorded("parallel.pipeline", {"world_size": "2"})
     at = _app("pages/pipeline.py", run=rid)
     assert not at.exception, at.exception
     assert any("send/recv latency is visible" in c.value for c in at.caption)

@@ -1,6 +1,6 @@
 """GPU presets for planning: peak dense tensor FLOP/s, HBM, NVLink and the network, each with its source.
 
-Where backend/memory/devices.py has the chip (A100 80 GB, H100 SXM, H200) its figures are read from there, not
+Where backend/hardware/devices.py has the chip (A100 80 GB, H100 SXM, H200) its figures are read from there, not
 copied. Conventions as there: dense FLOP/s (no 2:4 sparsity), link bandwidths per direction. HBM capacity is the
 datasheet's GB read as GiB (an 80 GB card shows 80 GiB: 81,920 MiB on an A100 80GB), the allocator's view.
 The network is the bandwidth per GPU off the node (one NIC per GPU, rail-optimised), per direction.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.memory.devices import DEVICES, SOURCES
+from backend.hardware.devices import DEVICES, SOURCES
 
 GiB = 2 ** 30
 GB = 1e9

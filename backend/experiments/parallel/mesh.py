@@ -16,7 +16,7 @@ from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
 from backend.parallel.pp.schedules import SCHEDULES
-from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
+from backend.experiments.parallel.pipeline import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives

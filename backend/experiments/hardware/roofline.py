@@ -1,4 +1,4 @@
-"""memory.roofline: presets' rooflines beside this machine's, measured, with attention and GEMM points.
+"""hardware.roofline: presets' rooflines beside this machine's, measured, with attention and GEMM points.
 
 Measured here: this CPU's copy bandwidth and matmul FLOP/s (the CPU's roofline), and the achieved
 FLOP/s of attention forward (naive and tiled) and GEMMs at their arithmetic intensities. Model: every
@@ -17,8 +17,8 @@ from backend.attention.flash import io_model, tiled_attention
 from backend.config import Config, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.memory.devices import DEVICES, dram, ops_per_datum
-from backend.memory.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
+from backend.hardware.devices import DEVICES, dram, ops_per_datum
+from backend.hardware.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
 from backend.result import Check, Result
 from kernels.flash_attention import naive_attention
 
