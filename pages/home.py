@@ -1,7 +1,6 @@
 """Overview: a map of the topics, each a link with one line on what runs there and how many runs it has."""
 import streamlit as st
 
-from backend import experiments
 from pages import ui
 from pages.catalog import SECTIONS
 
@@ -12,8 +11,8 @@ st.markdown(
     "interpreted on a CPU), real models. Every run is checked against an independent reference, and the "
     "error is shown beside the result. Runs are shared: everyone on this server sees them under **Runs**."
 )
-known = {e.name: e for e in experiments.all_experiments()}
-counts = ui.store().counts()  # by the name each run was stored under: old names count for the new
+known = {e.name: e for e in ui.all_experiments()}
+counts = ui.run_counts()
 for section, topics in SECTIONS.items():
     if section == "Explorer":
         continue
@@ -23,7 +22,7 @@ for section, topics in SECTIONS.items():
         with cols[i % 3].container(border=True):
             st.page_link(topic.file, label=topic.title, icon=topic.icon)
             st.caption(topic.what)
-            runs = sum(counts.get(spelt, 0) for name in topic.experiments for spelt in experiments.spellings(name))
+            runs = sum(counts.get(name, 0) for name in topic.experiments)
             kinds = {"distributed: gloo ranks" if known[name].distributed else "one process"
                      for name in topic.experiments if name in known}
             st.caption(f"{', '.join(sorted(kinds))} · {runs} run{'s' if runs != 1 else ''} on this server")

@@ -5,7 +5,6 @@ import time
 import pandas as pd
 import streamlit as st
 
-from backend import experiments
 from pages import timeline, ui
 
 st.title("Runs")
@@ -25,7 +24,7 @@ if run_id:
         timeline.run_timeline(rec, title="Trace timeline")
     st.stop()
 
-names = [e.name for e in experiments.all_experiments()]
+names = [e.name for e in ui.all_experiments()]
 left, right = st.columns(2)
 chosen = left.selectbox("Experiment", ["(all)"] + names, index=0)
 statuses = right.multiselect("Status", ["queued", "running", "succeeded", "failed", "cancelled"])

@@ -64,6 +64,19 @@ def experiment_of(rec: RunRecord) -> str:
     return experiments.canonical(rec.experiment)
 
 
+def all_experiments() -> list[experiments.Experiment]:
+    """Every registered experiment, by name (the Overview's map and the Runs page's filter)."""
+    return experiments.all_experiments()
+
+
+def run_counts() -> dict[str, int]:
+    """Runs on this server per experiment, by the name each has now (runs stored under an old name counted with it)."""
+    counts: dict[str, int] = {}
+    for stored, n in store().counts().items():
+        counts[experiments.canonical(stored)] = counts.get(experiments.canonical(stored), 0) + n
+    return counts
+
+
 def runs_of(name: str, **filters) -> list[RunRecord]:
     """Stored runs of an experiment, newest first, whichever of its names (now or old) they were stored under."""
     return store().list(experiment=experiments.spellings(name), **filters)

@@ -52,6 +52,30 @@ def test_topic_page_draws_a_run_from_url(finished_run):
     assert any("2 ranks on gloo" in m.value for m in at.markdown)
 
 
+def _slowest_problems(result: dict) -> list[str]:
+    """The run's slowest-rank counts against a recount from its per-rank times (pandas' idxmax, first rank on a tie):
+    every rank of every collective has a row, and each count is the sizes at which that rank's time was the largest."""
+    import pandas as pd
+
+    per_rank = pd.DataFrame(result["tables"]["per_rank"])
+    slowest = per_rank.loc[per_rank.groupby(["op", "size_bytes"], sort=False)["time_us"].idxmax()]
+    expected = {(op, rank): 0 for op in per_rank["op"].unique() for rank in per_rank["rank"].unique()}
+    expected.update(slowest.groupby(["op", "rank"]).size().to_dict())
+    got = {(r["op"], r["rank"]): r["calls"] for r in result["tables"]["slowest"]}
+    return [f"{key}: {got.get(key)} != {n}" for key, n in expected.items() if got.get(key) != n] + \
+           [f"{key}: not a rank" for key in set(got) - set(expected)]
+
+
+def test_bandwidth_run_counts_its_slowest_ranks(finished_run):
+    from backend.store import RunStore
+
+    result = RunStore().get(finished_run).result()
+    assert _slowest_problems(result) == []
+    first, *rest = result["tables"]["slowest"]  # one call counted at the wrong rank
+    moved = [dict(first, calls=first["calls"] + 1), *rest]
+    assert _slowest_problems({**result, "tables": {**result["tables"], "slowest": moved}})
+
+
 def test_unknown_run_is_a_clear_message():
     at = _app("pages/runs.py", run="doesnotexist")
     assert not at.exception
