@@ -113,3 +113,12 @@ def test_an_old_stored_run_is_refused_when_the_page_ignores_old_names(old_run, m
     monkeypatch.setattr(experiments, "canonical", lambda name: name)  # the rule broken: stored names taken literally
     at = _app(PAGE, run=old_run)
     assert any(f"is a run of {OLD}" in w.value.replace("\\", "") for w in at.warning), [w.value for w in at.warning]
+
+
+def test_old_runs_count_for_the_new_name_on_the_overview(old_run, monkeypatch):
+    from pages import ui
+
+    monkeypatch.setattr(ui, "store", lambda: RunStore())
+    stored = RunStore().counts()
+    counts = ui.run_counts()
+    assert OLD not in counts and counts[NEW] == stored.get(NEW, 0) + stored[OLD] >= 1
