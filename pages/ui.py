@@ -73,7 +73,8 @@ def run_counts() -> dict[str, int]:
     """Runs on this server per experiment, by the name each has now (runs stored under an old name counted with it)."""
     counts: dict[str, int] = {}
     for stored, n in store().counts().items():
-        counts[experiments.canonical(stored)] = counts.get(experiments.canonical(stored), 0) + n
+        name = experiments.canonical(stored)
+        counts[name] = counts.get(name, 0) + n
     return counts
 
 
