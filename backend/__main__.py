@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for exp in experiments.all_experiments():
             print(f"{exp.name:24s} {exp.summary}")
+        for old, now in sorted(experiments.ALIASES.items()):
+            print(f"{old:24s} old name of {now}")
         return 0
 
     store = RunStore()

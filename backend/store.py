@@ -285,11 +285,14 @@ class RunStore:
                 row = db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return _record(row) if row else None
 
-    def list(self, *, experiment: str | None = None, statuses: tuple[str, ...] | None = None, limit: int = 500) -> list[RunRecord]:
+    def list(self, *, experiment: str | tuple[str, ...] | None = None, statuses: tuple[str, ...] | None = None,
+             limit: int = 500) -> list[RunRecord]:
+        """Runs newest first; `experiment` one name or several (an experiment's name and its old names)."""
         query, args = "SELECT * FROM runs WHERE 1=1", []
         if experiment:
-            query += " AND experiment=?"
-            args.append(experiment)
+            names = (experiment,) if isinstance(experiment, str) else tuple(experiment)
+            query += f" AND experiment IN ({','.join('?' * len(names))})"
+            args.extend(names)
         if statuses:
             query += f" AND status IN ({','.join('?' * len(statuses))})"
             args.extend(statuses)

@@ -31,7 +31,7 @@ def main() -> None:
         numel = mib * (1 << 20) // 4
         repeats = []
         for _ in range(args.repeats):
-            result = experiments.run("collectives.run", op="all_reduce", algo="ring", world_size=args.world_size,
+            result = experiments.run("comm.collectives", op="all_reduce", algo="ring", world_size=args.world_size,
                                      numel=numel, iters=args.iters)
             assert result.passed, [c for c in result.checks if not c.passed]
             m = result.metrics

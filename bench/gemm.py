@@ -4,7 +4,7 @@ On a GPU: TFLOP/s for square M = N = K from 1024 to 8192 in fp16 and bf16, the b
 configurations (BLOCK_M x BLOCK_N x BLOCK_K, GROUP_M, warps, stages) against torch.matmul, each output
 checked against torch.matmul first. Target (issue 17): >= 0.8x cuBLAS at 4096³ fp16.
 On a CPU there is no GPU to time: it records the kernel's counted bytes and intensity per tile shape from
-the `kernels.gemm` experiment (run in Triton's interpreter) and says that the GPU was not measured.
+the `hardware.gemm` experiment (run in Triton's interpreter) and says that the GPU was not measured.
 Writes bench/results/gemm.json with the device name.
 
     python bench/gemm.py
@@ -59,7 +59,7 @@ def gpu_rows() -> list[dict]:
 def cpu_rows() -> list[dict]:
     from backend import experiments
 
-    result = experiments.run("kernels.gemm")
+    result = experiments.run("hardware.gemm")
     assert result.passed, [c.name for c in result.checks if not c.passed]
     return result.tables["sweep"]
 

@@ -41,7 +41,7 @@ def main() -> None:
             settings = dict(schedule=schedule, world_size=4, microbatches=m, hidden=args.hidden, batch=16 * m, layers=8)
             if SCHEDULES[schedule].interleaved:
                 settings["virtual_stages"] = 2
-            result = experiments.run("pipeline.run", **settings)
+            result = experiments.run("parallel.pipeline", **settings)
             assert result.passed, [c for c in result.checks if not c.passed]
             mt = result.metrics
             rows.append({"schedule": schedule, "p": 4, "m": m, "bubble_wall_clock": mt["bubble_measured"],

@@ -27,7 +27,7 @@ def main() -> None:
     rows = []
     for schedule in ("gpipe", "1f1b"):
         for seed in range(args.seeds):
-            result = experiments.run("pipeline.run", schedule=schedule, recompute=True, seed=seed)
+            result = experiments.run("parallel.pipeline", schedule=schedule, recompute=True, seed=seed)
             mt = result.metrics
             rows.append({"schedule": schedule, "seed": seed, "passed": result.passed,
                          "recompute_to_forward_time": mt["recompute_to_forward_time"],

@@ -26,7 +26,7 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Distributed": [
         Topic("pages/collectives.py", "Collectives, step by step", ":material/sync_alt:",
-              "every collective built from send/recv, each transfer replayed", ("collectives.run",)),
+              "every collective built from send/recv, each transfer replayed", ("comm.collectives",)),
         Topic("pages/comm_bandwidth.py", "Collective bandwidth", ":material/network_check:",
               "gloo's collectives over a size sweep: algbw and busbw", ("comm.bandwidth",)),
         Topic("pages/data_parallel.py", "Data parallel & ZeRO", ":material/call_split:",
@@ -34,7 +34,7 @@ SECTIONS: dict[str, list[Topic]] = {
               ("parallel.dp_ps", "parallel.ddp", "parallel.zero", "parallel.fsdp")),
         Topic("pages/pipeline.py", "Pipeline parallel", ":material/view_timeline:",
               "GPipe, 1F1B, interleaved, zero bubble (H1, V), DualPipe-V, PipeDream: Gantt, bubble, recomputation's price",
-              ("pipeline.run",)),
+              ("parallel.pipeline",)),
         Topic("pages/tensor_parallel.py", "Tensor & sequence parallel", ":material/view_column:",
               "column and row splits, Megatron MLP and attention, vocab-parallel loss, SP; DTensor beside ours",
               ("parallel.tp",)),
@@ -69,9 +69,9 @@ SECTIONS: dict[str, list[Topic]] = {
     "Hardware": [
         Topic("pages/memory_hierarchy.py", "GPU memory hierarchy", ":material/memory:",
               "this CPU's roofline, latency and bandwidth per level measured beside GPU presets; decoding is memory-bound",
-              ("memory.roofline", "hardware.latency", "memory.decode")),
+              ("hardware.roofline", "hardware.latency", "hardware.decode")),
         Topic("pages/gpu_execution.py", "GPU execution model", ":material/developer_board:",
-              "a tiled Triton GEMM: grid, warps, threads, traffic counted per tile shape", ("kernels.gemm",)),
+              "a tiled Triton GEMM: grid, warps, threads, traffic counted per tile shape", ("hardware.gemm",)),
     ],
     "Serving": [
         Topic("pages/paged_attention.py", "Paged attention", ":material/grid_view:",
@@ -87,7 +87,7 @@ SECTIONS: dict[str, list[Topic]] = {
     ],
     "Models": [
         Topic("pages/moe_routing.py", "MoE routing", ":material/alt_route:",
-              "softmax top-k, Switch, DeepSeek-V3 group-limited routing", ("moe.routing",)),
+              "softmax top-k, Switch, DeepSeek-V3 group-limited routing", ("models.moe_routing",)),
     ],
     "Numerics": [
         Topic("pages/number_formats.py", "Number formats", ":material/decimal_increase:",

@@ -67,7 +67,7 @@ def render(result: dict, rec) -> None:
 
 
 ui.experiment_page(
-    "collectives.run", render,
+    "comm.collectives", render,
     intro="Pick a collective and how to build it from point-to-point sends. The ranks run it once traced "
           "(every transfer logged), check the output against a single-process reference and against gloo's "
           "own collective, then time it beside gloo's built-in.",

@@ -9,19 +9,16 @@ from pages import timeline, ui
 st.title("Collective bandwidth")
 
 
-def slowest_rank_chart(per_rank: pd.DataFrame, table: pd.DataFrame, world: int) -> None:
-    """Which rank set t for each call, and by how much it trailed the fastest: a rank that is always the slowest
-    would point at a slow link or a busy core; here every rank's bar is drawn, even one that never was."""
-    slowest = per_rank.loc[per_rank.groupby(["op", "size_bytes"])["time_us"].idxmax()]
-    counts = slowest.groupby(["rank", "op"]).size().reset_index(name="calls")
-    spread = table.assign(spread_pct=100 * table["rank_spread_us"] / table["time_us"])
+def slowest_rank_chart(counts: pd.DataFrame, table: pd.DataFrame, world: int) -> None:
+    """Which rank set t for each call (the run's count per rank, every rank drawn), and by how much it trailed the
+    fastest."""
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(counts).mark_bar().encode(
         x=alt.X("rank:O", scale=alt.Scale(domain=list(range(world))), title="rank", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("sum(calls):Q", title="sizes it was slowest at"), color=alt.Color("op:N", title="collective"),
         tooltip=["rank", "op", "calls"],
     ).properties(height=260, title="Which rank set t (the slowest rank's mean)"), width="stretch")
-    right.altair_chart(alt.Chart(spread).mark_line(point=True).encode(
+    right.altair_chart(alt.Chart(table).mark_line(point=True).encode(
         x=alt.X("size_bytes:Q", scale=alt.Scale(type="log", base=2), title="message size S (bytes, log₂)"),
         y=alt.Y("spread_pct:Q", title="spread (% of t)"), color=alt.Color("op:N", title="collective"),
         tooltip=["op", alt.Tooltip("size_bytes:Q", format=","), alt.Tooltip("spread_pct:Q", format=".1f", title="% of t"),
@@ -35,10 +32,11 @@ def slowest_rank_chart(per_rank: pd.DataFrame, table: pd.DataFrame, world: int) 
 def render(result: dict, rec) -> None:
     table = pd.DataFrame(result["tables"]["bandwidth"])
     world = result["metrics"]["world_size"]
+    factors = ", ".join(f"{op} {f:.3g}" for op, f in table.groupby("op", sort=False)["bus_factor"].first().items())
     st.markdown(
-        f"**{world} ranks on gloo.** algbw = S / t; busbw = algbw × factor "
-        f"(all-reduce 2(n−1)/n = {2 * (world - 1) / world:.3g}, all-gather / reduce-scatter / all-to-all "
-        f"(n−1)/n = {(world - 1) / world:.3g}, broadcast 1), as nccl-tests defines them. t is the slowest rank's mean."
+        f"**{world} ranks on gloo.** algbw = S / t; busbw = algbw × factor, as nccl-tests defines them (all-reduce "
+        f"2(n−1)/n, all-gather / reduce-scatter / all-to-all (n−1)/n, broadcast 1; here {factors}). "
+        "t is the slowest rank's mean."
     )
     long = table.melt(id_vars=["op", "size_bytes", "time_us"], value_vars=["busbw_GBps", "algbw_GBps"],
                       var_name="measure", value_name="GBps")
@@ -55,7 +53,10 @@ def render(result: dict, rec) -> None:
         tooltip=tooltip)
     points = alt.Chart(long).mark_point(filled=True, size=25).encode(x=x, y=y, color="op:N", tooltip=tooltip)
     st.altair_chart((lines + points).properties(height=380, title="Bandwidth against message size").interactive(), width="stretch")
-    slowest_rank_chart(pd.DataFrame(result["tables"]["per_rank"]), table, world)
+    if "slowest" in result["tables"]:
+        slowest_rank_chart(pd.DataFrame(result["tables"]["slowest"]), table, world)
+    else:
+        st.caption("This run was stored before runs counted their slowest ranks: run it again to see them.")
     with st.expander("Table"):
         ui.table(table)
     timeline.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")

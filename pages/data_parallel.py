@@ -100,7 +100,7 @@ def render(result: dict, rec) -> None:
         st.info("Queued; the comparison fills in as they finish (reload).")
     rows = []
     for name in SPMD:
-        for other in ui.store().list(experiment=name, statuses=("succeeded",), limit=200):
+        for other in ui.runs_of(name, statuses=("succeeded",), limit=200):
             if all(other.config.get(k) == v for k, v in base.items()):
                 res = other.result()
                 label = res["metrics"]["strategy"]

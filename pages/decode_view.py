@@ -1,4 +1,4 @@
-"""Drawing memory.decode: the full view (GPU memory hierarchy page) and the short views the serving, KV-cache and
+"""Drawing hardware.decode: the full view (GPU memory hierarchy page) and the short views the serving, KV-cache and
 speculative pages show from the latest run of it. Pages draw only; every figure comes from a stored run."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import streamlit as st
 
 from pages import ui, units
 
-EXPERIMENT = "memory.decode"
+EXPERIMENT = "hardware.decode"
 
 
 def step_chart(steps: pd.DataFrame, height: int = 280) -> alt.Chart:
@@ -38,7 +38,7 @@ def render(result: dict, rec) -> None:
     cols[1].metric(f"batch {first['batch']}: measured", f"{1e3 * first['measured_s']:.1f} ms",
                    f"{first['error_pct']:+.0f} % vs predicted", delta_color="off",
                    help=f"predicted {1e3 * first['predicted_s']:.1f} ms = fixed cost + max(bytes ÷ bandwidth, FLOPs ÷ matmul rate)")
-    cols[2].metric("this CPU: copy bandwidth", units.rate(m["cpu_bandwidth_GBps"]), help="the memory.roofline probe, measured in this run")
+    cols[2].metric("this CPU: copy bandwidth", units.rate(m["cpu_bandwidth_GBps"]), help="the hardware.roofline probe, measured in this run")
     cols[3].metric("this CPU: ridge point", f"{m['ridge_point_flops_per_byte']:.1f} FLOP/B",
                    help=f"matmul {m['cpu_matmul_GFLOPs']:.0f} GFLOP/s ÷ bandwidth; {cfg['gpu']}: {m['gpu_ridge_flops_per_byte']:.0f} FLOP/B (fp16)")
 
@@ -104,8 +104,8 @@ def render(result: dict, rec) -> None:
 
 
 def latest() -> tuple[dict, object] | None:
-    """The latest succeeded memory.decode run on this server: (result, record), or None."""
-    runs = ui.store().list(experiment=EXPERIMENT, statuses=("succeeded",), limit=1)
+    """The latest succeeded hardware.decode run on this server: (result, record), or None."""
+    runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
     if not runs:
         return None
     result = runs[0].result()
@@ -117,7 +117,7 @@ def _link(rec) -> str:
 
 
 def short(focus: str) -> None:
-    """A small figure from the latest memory.decode run, for the serving ("batching"), KV-cache ("kv") and speculative
+    """A small figure from the latest hardware.decode run, for the serving ("batching"), KV-cache ("kv") and speculative
     ("verify") pages; a note with a link where no run exists yet."""
     st.subheader("Why: decoding is memory-bound")
     found = latest()

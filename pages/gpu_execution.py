@@ -131,7 +131,7 @@ def render(result: dict, rec) -> None:
 
 
 ui.experiment_page(
-    "kernels.gemm", render,
+    "hardware.gemm", render,
     intro="A tiled GEMM in Triton (interpreted on a CPU) whose loads and stores are counted as it runs, checked "
           "against torch.matmul and against the closed form; then how a GPU would execute it: grid, warps, threads, "
           "tensor cores, and the intensity each tile shape reaches.",

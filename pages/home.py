@@ -1,7 +1,6 @@
 """Overview: a map of the topics, each a link with one line on what runs there and how many runs it has."""
 import streamlit as st
 
-from backend import experiments
 from pages import ui
 from pages.catalog import SECTIONS
 
@@ -12,8 +11,8 @@ st.markdown(
     "interpreted on a CPU), real models. Every run is checked against an independent reference, and the "
     "error is shown beside the result. Runs are shared: everyone on this server sees them under **Runs**."
 )
-known = {e.name: e for e in experiments.all_experiments()}
-counts = ui.store().counts()
+known = {e.name: e for e in ui.all_experiments()}
+counts = ui.run_counts()
 for section, topics in SECTIONS.items():
     if section == "Explorer":
         continue

@@ -70,7 +70,7 @@ def kv_table(rows: list[dict]) -> None:
 def kv_short() -> None:
     """The INT8 KV cache from the latest numerics.int8 run, for the KV-cache page."""
     st.subheader("An INT8 KV cache")
-    runs = ui.store().list(experiment=EXPERIMENT, statuses=("succeeded",), limit=1)
+    runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
     result = runs[0].result() if runs else None
     if not result:
         st.caption(f"No run of {EXPERIMENT} on this server yet: run it on the [Number formats page](number_formats) (view "

@@ -5,7 +5,6 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from backend.memory.devices import APPROXIMATE, DEVICES, SOURCES, hierarchy_traffic, ops_per_datum
 from pages import decode_view, latency_view, ui, units
 
 st.title("GPU memory hierarchy and the roofline")
@@ -49,45 +48,45 @@ def render(result: dict, rec) -> None:
                    "seed 003's 82.58 TFLOPS ÷ 1.01 TB/s gives 81.76, checked in this run's checks.")
 
     st.subheader("The hierarchy, level by level")
-    device = st.selectbox("device", list(DEVICES), key=f"dev-{rec.id}")
-    sram = m["io_model.sram_bytes_per_step"]
-    steps = (rec.config["seq_len"] / rec.config["block"]) ** 2
-    rows = pd.DataFrame(hierarchy_traffic(device, m["io_model.standard_bytes"], m["io_model.flash_bytes"], sram * steps))
-    opd = ops_per_datum(device) if "fp64 tensor" in DEVICES[device]["peak_flops"] else {}
-    rows["ops per datum (FP64)"] = rows["level"].map(opd)
-    rows["bandwidth"] = rows.apply(lambda r: (units.rate(r["bandwidth_Bps"] / 1e9) + (" (approx.)" if (device, r["level"]) in APPROXIMATE else ""))
-                                   if pd.notna(r["bandwidth_Bps"]) else "none quoted", axis=1)
+    if "hierarchy" not in tables:
+        st.caption("This run was stored before runs tabled every preset's hierarchy: run it again to see it.")
+        return
+    every = pd.DataFrame(tables["hierarchy"])
+    device = st.selectbox("device", list(dict.fromkeys(every["device"])), key=f"dev-{rec.id}")
+    rows = every[every["device"] == device]
 
     def amount(values: pd.Series, unit: str, scale: float = 1.0) -> pd.Series:  # a link has no capacity, registers no bandwidth
         return values.map(lambda v: units.si(v * scale, unit) if pd.notna(v) else None)
 
+    bandwidth = [units.rate(bw / 1e9) + (" (approx.)" if approx else "") if pd.notna(bw) else "none quoted"
+                 for bw, approx in zip(rows["bandwidth_Bps"], rows["approximate"])]
     shown = pd.DataFrame({"level": rows["level"], "capacity": amount(rows["capacity_bytes"], "B"),
-                          "bandwidth": rows["bandwidth"], "ops per datum (FP64)": rows["ops per datum (FP64)"],
+                          "bandwidth": bandwidth, "ops per datum (FP64)": rows["ops_per_datum_fp64"],
                           "naive bytes": amount(rows["naive_bytes"], "B"), "naive time": amount(rows["naive_seconds"], "µs", 1e6),
                           "flash bytes": amount(rows["flash_bytes"], "B"), "flash time": amount(rows["flash_seconds"], "µs", 1e6)})
     ui.table(shown, column_config={c: st.column_config.TextColumn(alignment="right") for c in shown.columns[1:]})
     with st.expander("Where each figure comes from"):
-        st.markdown("\n".join(f"- **{level}**: {SOURCES.get((device, f'level:{level}'), 'no source')}" for level in rows["level"]))
+        st.markdown("\n".join(f"- **{level}**: {source}" for level, source in zip(rows["level"], rows["source"])))
     st.caption(f"Attention N={rec.config['seq_len']}, d={rec.config['head_dim']}, fp32, one head, tiles {rec.config['block']}: "
                "bytes from the IO model, time = bytes ÷ the level's bandwidth (a model). Seed 002: ops per datum = "
                "FP64 FLOP/s ÷ (bandwidth ÷ 8 B); the A100's L1 ≈ 8 and PCIe ≈ 6,240 are checked in the run.")
 
 
-VIEWS = {"Roofline: presets and this machine": ("memory.roofline", render,
+VIEWS = {"Roofline: presets and this machine": ("hardware.roofline", render,
                                                 "Probes this machine's memory bandwidth and matmul throughput, measures attention "
                                                 "and GEMMs on it, and sets them beside the rooflines of GPU presets."),
          "This machine's hierarchy, measured": ("hardware.latency", latency_view.render_measured,
                                                 "Measures load latency (a pointer chase) and read bandwidth at each working-set "
                                                 "size on the machine this server runs on, and applies Little's law to it, to "
                                                 "seed 002's example and to the GPU presets."),
-         "Decoding is memory-bound": ("memory.decode", decode_view.render,
+         "Decoding is memory-bound": ("hardware.decode", decode_view.render,
                                       "Times a decode step of a tiny LLaMA whose weights outgrow this CPU's caches at several batch "
                                       "sizes, beside the roofline's prediction, and places Llama 2 and 3 decode steps and a prefill "
                                       "on a GPU preset's roofline.")}
 shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
-default = next((view for view, (name, _, _) in VIEWS.items() if shown and shown.experiment == name), next(iter(VIEWS)))
+default = next((view for view, (name, _, _) in VIEWS.items() if shown and ui.experiment_of(shown) == name), next(iter(VIEWS)))
 view = st.segmented_control("view", list(VIEWS), default=default, key="memory-view") or default
 name, view_render, intro = VIEWS[view]
-if shown and shown.experiment != name:  # the linked run belongs to the other view
+if shown and ui.experiment_of(shown) != name:  # the linked run belongs to the other view
     del st.query_params["run"]
 ui.experiment_page(name, view_render, intro=intro)

@@ -51,6 +51,6 @@ def render(result: dict, rec) -> None:
             c: st.column_config.NumberColumn(width=44, format="%.2f" if values[c].dtype.kind == "f" else "%d") for c in values})
 
 
-ui.experiment_page("moe.routing", render,
+ui.experiment_page("models.moe_routing", render,
                    intro="One batch of tokens through three routers and a layer of SwiGLU experts. Every routing, load, "
                          "balance loss and layer output is checked against a one-token-at-a-time Python implementation.")

@@ -97,9 +97,9 @@ VIEWS = {"Floating-point formats": ("numerics.formats", render,
                                "Trains the tiny LLaMA, stores its weights in INT8 with per-channel scales, and runs it weight-only "
                                "and INT8 × INT8 → INT32, and with an INT8 KV cache, against fp32.")}
 shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
-default = next((view for view, (name, _, _) in VIEWS.items() if shown and shown.experiment == name), next(iter(VIEWS)))
+default = next((view for view, (name, _, _) in VIEWS.items() if shown and ui.experiment_of(shown) == name), next(iter(VIEWS)))
 view = st.segmented_control("view", list(VIEWS), default=default, key="formats-view") or default
 name, view_render, intro = VIEWS[view]
-if shown and shown.experiment != name:  # the linked run belongs to the other view
+if shown and ui.experiment_of(shown) != name:  # the linked run belongs to the other view
     del st.query_params["run"]
 ui.experiment_page(name, view_render, intro=intro)

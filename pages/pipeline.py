@@ -119,14 +119,14 @@ def render(result: dict, rec) -> None:
         ui.table(versions)
 
     st.subheader("Side by side")
-    config_cls = experiments.get("pipeline.run").config_cls
+    config_cls = experiments.get("parallel.pipeline").config_cls
     schedules = config_cls.field_of("schedule").metadata["choices"]
     other = st.selectbox("compare with schedule", [s for s in schedules if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
     compare_id = st.query_params.get("compare")
     if st.button(f"Run {other} on the same settings"):
         try:
             settings = config_cls.from_dict(rec.config).for_schedule(other)
-            compare_id = ui.runner().submit("pipeline.run", settings)
+            compare_id = ui.runner().submit("parallel.pipeline", settings)
             st.query_params["compare"] = compare_id
         except ConfigError as err:
             st.error(str(err))
@@ -146,7 +146,7 @@ def compact(result: dict, rec) -> None:
 
 
 ui.experiment_page(
-    "pipeline.run", render,
+    "parallel.pipeline", render,
     intro="Each rank is a process holding pipeline stages of a Linear+tanh model; it runs its schedule's actions and "
           "sends activations and gradients to its neighbours. Every box below is one measured action.",
 )

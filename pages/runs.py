@@ -5,7 +5,6 @@ import time
 import pandas as pd
 import streamlit as st
 
-from backend import experiments
 from pages import timeline, ui
 
 st.title("Runs")
@@ -25,16 +24,16 @@ if run_id:
         timeline.run_timeline(rec, title="Trace timeline")
     st.stop()
 
-names = [e.name for e in experiments.all_experiments()]
+names = [e.name for e in ui.all_experiments()]
 left, right = st.columns(2)
 chosen = left.selectbox("Experiment", ["(all)"] + names, index=0)
 statuses = right.multiselect("Status", ["queued", "running", "succeeded", "failed", "cancelled"])
-records = ui.store().list(experiment=None if chosen == "(all)" else chosen, statuses=tuple(statuses) or None)
+records = ui.runs_of(chosen, statuses=tuple(statuses) or None) if chosen != "(all)" else ui.store().list(statuses=tuple(statuses) or None)
 if not records:
     st.info("No runs match. Launch one from a topic page, or `python -m backend run NAME` in a terminal.")
     st.stop()
 df = pd.DataFrame([{
-    "run": r.id, "experiment": r.experiment, "status": r.status,  # a table draws no icon: ":material/...:" was shown as text
+    "run": r.id, "experiment": ui.experiment_of(r), "status": r.status,  # a table draws no icon: ":material/...:" was shown as text
     "created": time.strftime("%m-%d %H:%M", time.localtime(r.created)),
     "took (s)": round(r.duration_s, 1) if r.duration_s is not None else None,
     "origin": r.origin, "owner": r.owner, "settings": json.dumps(r.config), "link": f"runs?run={r.id}",

@@ -59,7 +59,32 @@ def page_of(experiment: str) -> str:
     """The URL path of the page that draws an experiment's runs (the Runs page if no topic page does)."""
     from pages.catalog import SECTIONS
 
-    return next((t.url_path for topics in SECTIONS.values() for t in topics if experiment in t.experiments), "runs")
+    name = experiments.canonical(experiment)
+    return next((t.url_path for topics in SECTIONS.values() for t in topics if name in t.experiments), "runs")
+
+
+def experiment_of(rec: RunRecord) -> str:
+    """The experiment a stored run belongs to, by the name it has now (a run stored under an old name: ALIASES)."""
+    return experiments.canonical(rec.experiment)
+
+
+def all_experiments() -> list[experiments.Experiment]:
+    """Every registered experiment, by name (the Overview's map and the Runs page's filter)."""
+    return experiments.all_experiments()
+
+
+def run_counts() -> dict[str, int]:
+    """Runs on this server per experiment, by the name each has now (runs stored under an old name counted with it)."""
+    counts: dict[str, int] = {}
+    for stored, n in store().counts().items():
+        name = experiments.canonical(stored)
+        counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def runs_of(name: str, **filters) -> list[RunRecord]:
+    """Stored runs of an experiment, newest first, whichever of its names (now or old) they were stored under."""
+    return store().list(experiment=experiments.spellings(name), **filters)
 
 
 @st.cache_resource
@@ -130,12 +155,13 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     """Settings form -> job -> live progress -> checks, the page's own charts, downloads. `page_params` are the
     page's own URL parameters (a chosen view), kept in the URL when a run replaces the settings there."""
     exp = experiments.get(name)
+    name = exp.name  # a page or a link may still use an old name
     _page_experiment.set(name)
     if intro:
         st.markdown(intro)
     run_id = url_run_id()
     shown = store().get(run_id) if run_id else None
-    values = settings_form(exp, shown.config if shown and shown.experiment == name else None)
+    values = settings_form(exp, shown.config if shown and experiment_of(shown) == name else None)
     if values is not None:
         try:
             run_id = runner().submit(name, values, owner=current_user())
@@ -155,7 +181,7 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
         show_run(run_id, render)
     else:
         st.info("Choose settings and press **Run**; the charts below are drawn from that run.")
-        latest = store().list(experiment=name, statuses=("succeeded",), limit=1)
+        latest = runs_of(name, statuses=("succeeded",), limit=1)
         if latest:
             st.caption(f"Or open the latest run of {name}: [{latest[0].id}](?run={latest[0].id})")
 
@@ -177,8 +203,8 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
         st.warning(f"No run `{run_id}` in this server's store.")
         return
     expected = _page_experiment.get()
-    if render and expected and rec.experiment != expected:
-        st.warning(f"Run `{rec.id}` is a run of {escape(rec.experiment)}, not of {escape(expected)}: "
+    if render and expected and experiment_of(rec) != expected:
+        st.warning(f"Run `{rec.id}` is a run of {escape(experiment_of(rec))}, not of {escape(expected)}: "
                    f"[open it on its page]({page_of(rec.experiment)}?run={rec.id}).")
         return
     if rec.status in ACTIVE:
@@ -224,7 +250,7 @@ def _stopped(rec: RunRecord) -> None:
 
 
 def _header(rec: RunRecord) -> None:
-    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(rec.experiment)} · {rec.status}")
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(experiment_of(rec))} · {rec.status}")
 
 
 # How often a run view asks the store (each time the browser's timer fires: a message, a script run, a redraw). A

@@ -5,7 +5,7 @@ import pytest
 
 from backend.config import ConfigError
 from backend.comm.collectives import ALGORITHMS
-from backend.experiments.collectives.run import CollectivesConfig, combine, rank_main
+from backend.experiments.comm.collectives import CollectivesConfig, combine, rank_main
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 

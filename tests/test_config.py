@@ -79,7 +79,7 @@ def test_the_item_rules_are_what_refuses(monkeypatch):
 def test_an_old_links_list_still_opens_the_same_settings():
     """Links and stored runs from before list settings carry the comma-separated text ("1,8,64,256"; a stored
     config held the same string): they give the same settings as the list."""
-    exp = experiments.get("memory.decode")
+    exp = experiments.get("hardware.decode")
     old = exp.make_config({"batch_sizes": "1,8,64,256"})
     assert old.batch_sizes == (1, 8, 64, 256) == exp.make_config({}).batch_sizes
     assert old.digest(exp.name, "v") == exp.make_config({"batch_sizes": [1, 8, 64, 256]}).digest(exp.name, "v")
@@ -169,7 +169,7 @@ def test_defaults_fit_and_the_maxima_are_refused_with_a_value_that_fits(exp):
 
 
 def test_refusal_names_the_driving_setting_and_the_largest_value_that_fits():
-    exp = experiments.get("collectives.run")
+    exp = experiments.get("comm.collectives")
     with pytest.raises(ConfigError) as info:
         exp.make_config({"numel": str(16 << 20), "iters": "10", "world_size": "6"})
     assert info.value.field == "numel" and "EXPLORER_RUN_MEMORY_GIB" in str(info.value)

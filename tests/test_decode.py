@@ -1,12 +1,12 @@
-"""memory.decode: the decode step's byte and FLOP counts against independent counts (FlopCounterMode, the tensors'
+"""hardware.decode: the decode step's byte and FLOP counts against independent counts (FlopCounterMode, the tensors'
 own sizes, published parameter totals), the batched step against the model's own forward, and each check failing
 when its rule is broken."""
 import pytest
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.experiments.memory import decode as exp_decode
-from backend.memory import decode
+from backend.experiments.hardware import decode as exp_decode
+from backend.hardware import decode
 from tests.sweep import assert_refused
 
 SMALL = {"d_model": 256, "n_layers": 1, "context": 8, "batch_sizes": "1,4"}
@@ -19,7 +19,7 @@ def _failed(result, words: str) -> bool:
 
 
 def test_small_run_passes_and_tables_are_complete():
-    result = experiments.run("memory.decode", **SMALL)
+    result = experiments.run("hardware.decode", **SMALL)
     assert result.passed, [c for c in result.checks if not c.passed]
     steps = result.tables["cpu_steps"]
     assert [r["batch"] for r in steps] == [1, 4]
@@ -41,7 +41,7 @@ def test_published_parameter_counts():
 def test_flop_check_fails_without_attention(monkeypatch):
     real = decode.decode_flops
     monkeypatch.setattr(exp_decode, "decode_flops", lambda s, b, c: {**real(s, b, c), "total": real(s, b, c)["matmul"]})
-    result = experiments.run("memory.decode", **SMALL)
+    result = experiments.run("hardware.decode", **SMALL)
     assert _failed(result, "FlopCounterMode")
 
 
@@ -53,25 +53,25 @@ def test_byte_check_fails_without_the_kv_cache(monkeypatch):
         return {**got, "total": got["weights"]}
 
     monkeypatch.setattr(exp_decode, "decode_bytes", weights_only)
-    result = experiments.run("memory.decode", **SMALL)
+    result = experiments.run("hardware.decode", **SMALL)
     assert _failed(result, "cache tensors' sizes")
 
 
 def test_parameter_check_fails_without_the_norms(monkeypatch):
     monkeypatch.setattr(decode.LlamaShape, "params", lambda s: s.matmul_params() + s.vocab * s.d_model)
-    result = experiments.run("memory.decode", **SMALL)
+    result = experiments.run("hardware.decode", **SMALL)
     assert _failed(result, "published total")
 
 
 def test_batched_step_check_fails_with_a_wrong_position(monkeypatch):
     real = decode.rope_angles
     monkeypatch.setattr(decode, "rope_angles", lambda pos, dim, dtype: real(pos + 1, dim, dtype=dtype))
-    result = experiments.run("memory.decode", **SMALL)
+    result = experiments.run("hardware.decode", **SMALL)
     assert _failed(result, "model's own forward")
 
 
 def test_bad_batch_sizes_are_refused_by_name():
-    cls = experiments.get("memory.decode").config_cls
+    cls = experiments.get("hardware.decode").config_cls
     assert_refused(cls, {"batch_sizes": "0,8"}, "batch_sizes")
     assert_refused(cls, {"batch_sizes": "1,x"}, "batch_sizes")
     assert_refused(cls, {"batch_sizes": "1,2,3,4,5,6,7"}, "batch_sizes")

@@ -1,4 +1,4 @@
-"""AppTest: the memory.decode view (GPU memory hierarchy page), the numerics.int8 view (number formats page) and the
+"""AppTest: the hardware.decode view (GPU memory hierarchy page), the numerics.int8 view (number formats page) and the
 short views the serving, KV-cache and speculative pages draw from the latest runs, with and without a run."""
 import sys
 
@@ -34,12 +34,12 @@ def test_short_views_without_runs_link_to_their_pages():
     at = _draw_short_views()
     assert not at.exception, at.exception
     text = " ".join(c.value for c in at.caption)
-    if "No run of memory.decode" in text:  # the store may already hold runs from other tests of this worker
+    if "No run of hardware.decode" in text:  # the store may already hold runs from other tests of this worker
         assert "memory_hierarchy" in text
 
 
 @pytest.mark.parametrize("page, name, settings", [
-    ("pages/memory_hierarchy.py", "memory.decode", DECODE),
+    ("pages/memory_hierarchy.py", "hardware.decode", DECODE),
     ("pages/number_formats.py", "numerics.int8", INT8),
 ])
 def test_page_draws_a_run(page, name, settings):
@@ -51,7 +51,7 @@ def test_page_draws_a_run(page, name, settings):
 
 
 def test_short_views_draw_the_latest_runs():
-    _recorded("memory.decode", **DECODE)
+    _recorded("hardware.decode", **DECODE)
     _recorded("numerics.int8", **INT8)
     at = _draw_short_views()
     assert not at.exception, at.exception

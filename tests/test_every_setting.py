@@ -25,7 +25,7 @@ from tests.sweep import one_at_a_time
 SWEPT_BY_TOPIC_TEST = {
     "decoding.speculative": "test_speculative.py",
     "estimate.training": "test_estimate.py",
-    "moe.routing": "test_moe.py",
+    "models.moe_routing": "test_moe.py",
     "numerics.formats": "test_numerics.py",
     "numerics.mixed_precision": "test_numerics.py",
     "rl.bellman": "test_bellman.py",

@@ -10,8 +10,8 @@ import backend.attention.flash as flash_module
 from backend import experiments
 from backend.attention.flash import online_softmax_example, online_softmax_seed_error, sram_budget, tiled_attention
 from backend.config import ConfigError
-from backend.memory.devices import ops_per_datum
-from backend.memory.roofline import attainable, gemm_intensity
+from backend.hardware.devices import ops_per_datum
+from backend.hardware.roofline import attainable, gemm_intensity
 from kernels.flash_attention import (TENSORS, closed_form_traffic, flash_attention, flash_backward, flash_forward,
                                      naive_attention, sdpa_reference)
 

@@ -5,7 +5,7 @@ import pytest
 
 from backend import experiments
 from backend.hardware.latency import cache_levels, chase_latency, littles_law, random_cycle, read_bandwidth
-from backend.memory.devices import DEVICES, SOURCES, dram, ops_per_datum
+from backend.hardware.devices import DEVICES, SOURCES, dram, ops_per_datum
 
 MB, GB, TB = 1e6, 1e9, 1e12
 
@@ -102,16 +102,16 @@ def test_latency_experiment_passes(spacing):
     assert a100["bytes_in_flight"] == pytest.approx(500e-9 * 2039e9)
 
 
-# --- seed 003's RTX 4090 figures as run checks of memory.roofline
+# --- seed 003's RTX 4090 figures as run checks of hardware.roofline
 def _roofs():
-    from backend.memory.devices import DEVICES, dram
+    from backend.hardware.devices import DEVICES, dram
 
     return [{"device": n, "precision": p, "peak_flops": s["peak_flops"][p], "bandwidth": dram(n)[2]}
             for n, s in DEVICES.items() for p in ("fp16/bf16 tensor", "fp32")]
 
 
 def test_seed_4090_checks_pass_and_the_ridge_is_found_on_the_roof():
-    from backend.experiments.memory.roofline import seed_4090_checks
+    from backend.experiments.hardware.roofline import seed_4090_checks
 
     checks, ridge = seed_4090_checks(_roofs())
     assert all(c.passed for c in checks), checks
@@ -119,8 +119,8 @@ def test_seed_4090_checks_pass_and_the_ridge_is_found_on_the_roof():
 
 
 def test_seed_4090_peak_check_fails_on_the_tensor_core_peak(monkeypatch):
-    from backend.experiments.memory.roofline import seed_4090_checks
-    from backend.memory.devices import DEVICES
+    from backend.experiments.hardware.roofline import seed_4090_checks
+    from backend.hardware.devices import DEVICES
 
     monkeypatch.setitem(DEVICES["RTX 4090"]["peak_flops"], "fp32", 165.2e12)  # the fp16 tensor figure drawn as fp32
     checks, _ = seed_4090_checks(_roofs())
@@ -128,8 +128,53 @@ def test_seed_4090_peak_check_fails_on_the_tensor_core_peak(monkeypatch):
 
 
 def test_seed_4090_ridge_check_fails_with_a_broken_roofline(monkeypatch):
-    from backend.experiments.memory import roofline
+    from backend.experiments.hardware import roofline
 
     monkeypatch.setattr(roofline, "attainable", lambda peak, bw, ai: min(peak, 2 * bw * ai))  # bandwidth counted twice
     checks, _ = roofline.seed_4090_checks(_roofs())
     assert [c.passed for c in checks] == [True, True, False]
+
+
+# --- the per-level traffic table of hardware.roofline (drawn by the memory hierarchy page) -------------------------
+def _hierarchy(n=256, d=64, block=64):
+    from backend.attention.flash import io_model
+    from backend.experiments.hardware.roofline import hierarchy_rows
+
+    return hierarchy_rows(io_model(n, d, 4, block, block), n, block)
+
+
+def _hierarchy_problems(rows, n=256, d=64, block=64) -> list[str]:
+    """Against the closed forms: naive attention in fp32 moves Q, K, V, O once and writes and reads S and P
+    (4Nd + 4N² words) through DRAM; flash re-reads on chip, at each of its (N / block)² tile steps, the tile bytes of
+    one step; seed 002's A100 ops per datum (L1 ≈ 8, PCIe ≈ 6,240); every preset's every level has a row."""
+    problems = []
+    if sorted({(r["device"], r["level"]) for r in rows}) != sorted((dev, lvl) for dev, s in DEVICES.items() for lvl in s["levels"]):
+        problems.append("not one row per preset level")
+    step = (block * d + 2 * block * d) * 4 + block * block * 4 + block * d * 4 + 2 * block * 4  # Q, K, V tiles, S/P, O acc, m, l
+    for r in rows:
+        dram_level = DEVICES[r["device"]]["dram"]
+        if r["level"] == dram_level and r["naive_bytes"] != 4 * (4 * n * d + 4 * n * n):
+            problems.append(f"{r['device']} {dram_level}: naive {r['naive_bytes']}")
+        if r["level"].startswith("L1"):
+            dram_row = next(x for x in rows if x["device"] == r["device"] and x["level"] == dram_level)
+            if r["flash_bytes"] != dram_row["flash_bytes"] + step * (n // block) ** 2:
+                problems.append(f"{r['device']} L1: flash {r['flash_bytes']}")
+    a100 = {r["level"]: r["ops_per_datum_fp64"] for r in rows if r["device"] == "A100 (80 GB SXM)"}
+    if abs(a100["L1 / shared"] - 8) > 0.4 or abs(a100["PCIe 4"] - 6240) > 312:
+        problems.append(f"A100 ops per datum {a100['L1 / shared']}, {a100['PCIe 4']}")
+    return problems
+
+
+def test_the_hierarchy_table_holds_the_closed_forms():
+    rows = _hierarchy()
+    assert _hierarchy_problems(rows) == []
+    assert {(r["device"], r["level"]) for r in rows if r["approximate"]} <= {(d, lvl) for d, s in DEVICES.items() for lvl in s["levels"]}
+    assert all(r["source"] != "no source" for r in rows)
+
+
+def test_the_hierarchy_table_check_fails_without_the_on_chip_rereads(monkeypatch):
+    from backend.experiments.hardware import roofline
+
+    real = roofline.hierarchy_traffic
+    monkeypatch.setattr(roofline, "hierarchy_traffic", lambda dev, std, flash, onchip: real(dev, std, flash, 0.0))
+    assert any("L1: flash" in p for p in _hierarchy_problems(_hierarchy()))

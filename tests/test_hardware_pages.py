@@ -28,7 +28,7 @@ def _page(page: str, **params) -> AppTest:
 
 
 @pytest.mark.parametrize("page, name, settings", [
-    ("pages/gpu_execution.py", "kernels.gemm", {"m": 40, "n": 33, "k": 20, "block_m": 16, "block_n": 16, "block_k": 16, "sweep_sizes": "32"}),
+    ("pages/gpu_execution.py", "hardware.gemm", {"m": 40, "n": 33, "k": 20, "block_m": 16, "block_n": 16, "block_k": 16, "sweep_sizes": "32"}),
     ("pages/nsa.py", "attention.nsa", {"seq_len": 128, "sweep_sizes": "128,256"}),
     ("pages/memory_hierarchy.py", "hardware.latency", {"max_mib": 16, "steps": 20000}),
     ("pages/flash_attention.py", "attention.flash", {"seq_len": 40, "heads": 1, "block_m": 16, "block_n": 16}),

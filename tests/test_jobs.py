@@ -127,7 +127,7 @@ def test_a_cancelled_sweep_keeps_the_sizes_it_finished(runner, monkeypatch):
 def test_time_and_memory_messages_name_the_settings_to_lower():
     from backend import experiments, limits
 
-    config = experiments.get("pipeline.run").make_config({"hidden": "256"})
+    config = experiments.get("parallel.pipeline").make_config({"hidden": "256"})
     assert "lower batch (now 128), hidden (now 256), layers (now 8), microbatches (now 8) or world_size (now 4)" \
         in limits.time_message(60, config)
     assert "lower batch (now 128)" in limits.memory_message(5 << 30, 4 << 30, config)
@@ -142,7 +142,7 @@ def test_a_hang_is_not_told_to_lower_its_settings():
     waiting = "ranks [1] had not reached the collective the others wait in (rank 0 in all_reduce)"
     message = limits.time_message(40, injected, hang=waiting)
     assert waiting in message and "lower" not in message and "choose fault = none" in message
-    other = limits.time_message(40, experiments.get("pipeline.run").make_config({}), hang=waiting)
+    other = limits.time_message(40, experiments.get("parallel.pipeline").make_config({}), hang=waiting)
     assert "lower" not in other and "same collectives in the same order" in other
     assert "lower world_size (now 3)" in limits.time_message(40, injected)  # slow, not hung: the settings help
 

@@ -69,7 +69,7 @@ def test_the_time_limit_cannot_pass_the_servers():
 
 
 def test_a_run_predicted_over_budget_is_refused_before_it_starts():
-    out = _cli("collectives.run", "--set", f"numel={16 << 20}", "--set", "iters=50", "--set", "world_size=8")
+    out = _cli("comm.collectives", "--set", f"numel={16 << 20}", "--set", "iters=50", "--set", "world_size=8")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and "EXPLORER_RUN_MEMORY_GIB" in out.stderr
 

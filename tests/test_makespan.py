@@ -7,7 +7,7 @@ import pytest
 
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
-from backend.experiments.pipeline import run as pipeline
+from backend.experiments.parallel import pipeline
 from backend.parallel.pp import makespan as M
 from backend.parallel.pp.schedules import SCHEDULES
 

@@ -77,7 +77,7 @@ def test_execution_hierarchy_of_a_tile():
 
 
 def test_experiment_defaults_pass():
-    result = experiments.run("kernels.gemm", sweep_sizes="32,64")
+    result = experiments.run("hardware.gemm", sweep_sizes="32,64")
     assert result.passed, [c for c in result.checks if not c.passed]
     counted = [r["intensity counted"] for r in result.tables["sweep"] if r["size"] == 64]
     assert counted == sorted(counted) and counted[-1] > 2 * counted[0]    # larger tiles, higher intensity
@@ -91,7 +91,7 @@ def test_bad_inputs_name_the_setting(values, field):
     if torch.cuda.is_available() and field in ("dtype", "m", "sweep_sizes") and values.get("sweep_sizes") != "a,b":
         pytest.skip("allowed on a GPU")
     with pytest.raises(ConfigError) as info:
-        experiments.get("kernels.gemm").make_config(values)
+        experiments.get("hardware.gemm").make_config(values)
     assert info.value.field == field
 
 

@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from backend import experiments
-from backend.experiments.moe.routing import RoutingConfig, as_routes, route_error
+from backend.experiments.models.moe_routing import RoutingConfig, as_routes, route_error
 from backend.models import moe, moe_reference as ref
 from tests.sweep import assert_refused, one_at_a_time, render_recorded
 
 
 @pytest.mark.parametrize("settings_", one_at_a_time(RoutingConfig))
 def test_defaults_and_each_choice_pass(settings_):
-    result = experiments.run("moe.routing", **settings_)
+    result = experiments.run("models.moe_routing", **settings_)
     assert result.passed, [c for c in result.checks if not c.passed]
 
 
@@ -89,7 +89,7 @@ def test_balance_loss_is_one_when_uniform():
 
 
 def test_bias_balancing_reduces_imbalance():
-    m = experiments.run("moe.routing").metrics
+    m = experiments.run("models.moe_routing").metrics
     assert m["imbalance_after_bias"] < m["imbalance_before_bias"]
 
 
@@ -103,7 +103,7 @@ def test_bad_inputs_name_the_field(values, field):
 
 
 def test_page_draws_a_run():
-    render_recorded("pages/moe_routing.py", "moe.routing", tokens="16", bias_steps="3")
+    render_recorded("pages/moe_routing.py", "models.moe_routing", tokens="16", bias_steps="3")
 
 
 def _float_capacity(tokens, k, n_experts, capacity_factor):
@@ -131,11 +131,11 @@ def test_capacity_is_exact_over_the_grid():
 def test_capacity_check_fails_for_the_float_rule(monkeypatch):
     """cf 1.1, 100 tokens, 10 experts: the exact capacity is 11; the float rule's 12 fails the run's capacity check."""
     cfg = dict(capacity_factor=1.1, tokens=100, n_experts=10, n_groups=2, bias_steps=0, d_ff=8, top_k=2)
-    good = experiments.run("moe.routing", **cfg)
+    good = experiments.run("models.moe_routing", **cfg)
     assert good.passed and good.metrics["switch_capacity"] == 11
     assert "ceil(1.1 · 100 / 10) = 11" in good.notes[0]
     monkeypatch.setattr(moe, "expert_capacity", _float_capacity)
-    bad = experiments.run("moe.routing", **cfg)
+    bad = experiments.run("models.moe_routing", **cfg)
     failed = [c.name for c in bad.checks if not c.passed]
     assert "Switch capacity equals the exact ceil(cf · tokens / N)" in failed
 

@@ -52,6 +52,30 @@ def test_topic_page_draws_a_run_from_url(finished_run):
     assert any("2 ranks on gloo" in m.value for m in at.markdown)
 
 
+def _slowest_problems(result: dict) -> list[str]:
+    """The run's slowest-rank counts against a recount from its per-rank times (pandas' idxmax, first rank on a tie):
+    every rank of every collective has a row, and each count is the sizes at which that rank's time was the largest."""
+    import pandas as pd
+
+    per_rank = pd.DataFrame(result["tables"]["per_rank"])
+    slowest = per_rank.loc[per_rank.groupby(["op", "size_bytes"], sort=False)["time_us"].idxmax()]
+    expected = {(op, rank): 0 for op in per_rank["op"].unique() for rank in per_rank["rank"].unique()}
+    expected.update(slowest.groupby(["op", "rank"]).size().to_dict())
+    got = {(r["op"], r["rank"]): r["calls"] for r in result["tables"]["slowest"]}
+    return [f"{key}: {got.get(key)} != {n}" for key, n in expected.items() if got.get(key) != n] + \
+           [f"{key}: not a rank" for key in set(got) - set(expected)]
+
+
+def test_bandwidth_run_counts_its_slowest_ranks(finished_run):
+    from backend.store import RunStore
+
+    result = RunStore().get(finished_run).result()
+    assert _slowest_problems(result) == []
+    first, *rest = result["tables"]["slowest"]  # one call counted at the wrong rank
+    moved = [dict(first, calls=first["calls"] + 1), *rest]
+    assert _slowest_problems({**result, "tables": {**result["tables"], "slowest": moved}})
+
+
 def test_unknown_run_is_a_clear_message():
     at = _app("pages/runs.py", run="doesnotexist")
     assert not at.exception
@@ -77,7 +101,7 @@ def test_collectives_page_replays_a_ring_run():
     from backend import experiments
     from backend.store import RunStore
 
-    exp = experiments.get("collectives.run")
+    exp = experiments.get("comm.collectives")
     config = exp.make_config({"world_size": "3", "numel": "31", "iters": "1"})
     store = RunStore()
     rid = store.create(exp.name, config.to_dict(), "pages-coll", status="running")
@@ -317,7 +341,7 @@ def test_memory_hierarchy_roofs_differ_by_peak_and_its_tables_read():
     """Each GPU's two roofs (fp16 tensor, fp32) are told apart by dash, not drawn alike; no table shows None."""
     import pandas as pd
 
-    rid = _recorded("memory.roofline", {"seq_len": "256", "gemm_sizes": "64,128"})
+    rid = _recorded("hardware.roofline", {"seq_len": "256", "gemm_sizes": "64,128"})
     at = _app("pages/memory_hierarchy.py", run=rid)
     assert not at.exception, at.exception
     roof = next(s for s in _chart_specs(at) if "attainable FLOP/s" in json_text(s))
@@ -340,7 +364,7 @@ def json_text(spec: dict) -> str:
 
 
 def test_pipeline_page_splits_idle_time_and_says_why_the_wall_bubble_is_larger():
-    rid = _recorded("pipeline.run", {"world_size": "2"})
+    rid = _recorded("parallel.pipeline", {"world_size": "2"})
     at = _app("pages/pipeline.py", run=rid)
     assert not at.exception, at.exception
     assert any("send/recv latency is visible" in c.value for c in at.caption)

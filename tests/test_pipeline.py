@@ -11,7 +11,7 @@ from backend.config import ConfigError
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel.pp.executor import run_rank
-from backend.experiments.pipeline.run import PipelineConfig, combine, pipedream_seed_example, run_rank_with_peer
+from backend.experiments.parallel.pipeline import PipelineConfig, combine, pipedream_seed_example, run_rank_with_peer
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 
 
@@ -311,7 +311,7 @@ def test_idle_split_on_a_hand_timed_trace():
     """Two ranks, one micro-batch, times in µs worked out by hand: rank 1's recv of the activation starts at 2, the
     data is ready at 10 (rank 0's F ends), it returns at 14: 8 waiting, 4 transfer; its idle (40 - 16) leaves 12
     between. Rank 0's recv of the gradient starts at 10, the gradient is ready at 30 (rank 1's B), it returns at 33."""
-    from backend.experiments.pipeline.run import idle_split
+    from backend.experiments.parallel.pipeline import idle_split
 
     def ev(rank, lane, name, ts, end, **args):
         return {"rank": rank, "lane": lane, "name": name, "ts": ts, "dur": end - ts, "args": args}

@@ -9,7 +9,7 @@ import torch
 
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
-from backend.experiments.pipeline.run import PipelineConfig, combine, run_rank_with_peer
+from backend.experiments.parallel.pipeline import PipelineConfig, combine, run_rank_with_peer
 from backend.parallel.pp import recompute
 
 
@@ -96,7 +96,7 @@ def test_a_recomputation_that_keeps_the_graph_fails_the_memory_check():
 def test_the_pipeline_page_draws_the_price():
     from tests.test_pages import _app, _recorded
 
-    rid = _recorded("pipeline.run", {"schedule": "gpipe", "world_size": "2", "microbatches": "4", "hidden": "16",
+    rid = _recorded("parallel.pipeline", {"schedule": "gpipe", "world_size": "2", "microbatches": "4", "hidden": "16",
                                      "batch": "8", "layers": "4", "recompute": "true"})
     at = _app("pages/pipeline.py", run=rid)
     assert not at.exception, at.exception

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 DISTRIBUTED = [e.name for e in experiments.all_experiments() if e.distributed]
 # Smaller than the defaults where a default is sized to make the page's picture clear, not to be quick.
-QUICK = {"pipeline.run": ["hidden=64", "batch=32"], "comm.bandwidth": ["max_bytes=4096", "iters=2", "ops=all_reduce,all_gather"],
+QUICK = {"parallel.pipeline": ["hidden=64", "batch=32"], "comm.bandwidth": ["max_bytes=4096", "iters=2", "ops=all_reduce,all_gather"],
          "parallel.mesh": ["tp=2", "pp=1"],  # its default mesh (tp=2, pp=2) needs 4 ranks
          "parallel.checkpoint": ["kill_rank=-1"]}  # a kill needs --max-restarts: test_checkpoint.py drives that
 
@@ -34,7 +34,7 @@ def _failure(out: subprocess.CompletedProcess) -> str:
 
 
 def test_every_distributed_experiment_is_listed():
-    assert {"comm.bandwidth", "pipeline.run", "parallel.zero"} <= set(DISTRIBUTED)
+    assert {"comm.bandwidth", "parallel.pipeline", "parallel.zero"} <= set(DISTRIBUTED)
 
 
 @pytest.mark.parametrize("name", DISTRIBUTED)
@@ -52,7 +52,7 @@ def test_torchrun_runs_the_experiment(name, tmp_path):
 
 
 @pytest.mark.parametrize("name, sets", [
-    ("pipeline.run", ["schedule=dualpipe_v", "microbatches=4", "hidden=64", "batch=32"]),
+    ("parallel.pipeline", ["schedule=dualpipe_v", "microbatches=4", "hidden=64", "batch=32"]),
     ("parallel.mesh", ["schedule=zb_v", "pp=2", "tp=1", "batch=4"]),
 ])
 def test_torchrun_runs_the_v_schedules(name, sets, tmp_path):

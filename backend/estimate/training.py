@@ -16,10 +16,10 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from backend.memory.devices import DEVICES, dram
+from backend.hardware.devices import DEVICES, dram
 
 SECONDS_PER_DAY = 86400.0
-# Peak dense fp16/bf16 tensor FLOP/s and memory per device: the presets of backend/memory/devices.py, and the
+# Peak dense fp16/bf16 tensor FLOP/s and memory per device: the presets of backend/hardware/devices.py, and the
 # V100 that seed 004's table was measured on (datasheet: 125 TFLOP/s fp16 tensor, 32 GB).
 ACCELERATORS = {"V100 (32 GB)": (125e12, 32e9),
                 **{name: (spec["peak_flops"]["fp16/bf16 tensor"], dram(name)[1]) for name, spec in DEVICES.items()}}

@@ -106,6 +106,17 @@ class Experiment:
 
 _REGISTRY: dict[str, Experiment] = {}
 
+# Names experiments had before they were renamed -> the name each has now. The CLI, links and stored runs keep
+# using old names; get() and canonical() read them as the new ones. Never delete a row: stored runs outlive renames.
+ALIASES: dict[str, str] = {
+    "collectives.run": "comm.collectives",
+    "kernels.gemm": "hardware.gemm",
+    "memory.decode": "hardware.decode",
+    "memory.roofline": "hardware.roofline",
+    "moe.routing": "models.moe_routing",
+    "pipeline.run": "parallel.pipeline",
+}
+
 
 def define(module_name: str, config_cls: type[Config], summary: str, **kind) -> Experiment:
     """The experiment a module defines; its name is the module's path below this package."""
@@ -127,6 +138,16 @@ def _load_all() -> None:
             _REGISTRY[exp.name] = exp
         elif not info.ispkg:
             raise ValueError(f"{info.name} defines no EXPERIMENT = define(__name__, ...)")
+    check_aliases()
+
+
+def check_aliases() -> None:
+    """Every old name leads, without a circle, to a registered experiment, and no old name is a registered one."""
+    for old in ALIASES:
+        if old in _REGISTRY:
+            raise ValueError(f"the old name {old!r} is also a registered experiment")
+        if canonical(old) not in _REGISTRY:
+            raise ValueError(f"the old name {old!r} leads to {canonical(old)!r}, which is not an experiment")
 
 
 def all_experiments() -> list[Experiment]:
@@ -134,11 +155,30 @@ def all_experiments() -> list[Experiment]:
     return sorted(_REGISTRY.values(), key=lambda e: e.name)
 
 
+def canonical(name: str) -> str:
+    """The name an experiment has now, for a name it has or had (an unknown name is returned as it is)."""
+    seen = {name}
+    while name in ALIASES:
+        name = ALIASES[name]
+        if name in seen:
+            raise ValueError(f"the alias table runs in a circle through {name!r}")
+        seen.add(name)
+    return name
+
+
+def spellings(name: str) -> tuple[str, ...]:
+    """Every name under which runs of this experiment may be stored: its name now, then its old names."""
+    now = canonical(name)
+    return (now, *sorted(old for old in ALIASES if canonical(old) == now))
+
+
 def get(name: str) -> Experiment:
+    """The experiment by its name, or by a name it had (ALIASES)."""
     _load_all()
-    if name not in _REGISTRY:
+    now = canonical(name)
+    if now not in _REGISTRY:
         raise ConfigError("experiment", f"unknown experiment {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return _REGISTRY[now]
 
 
 def run(name: str, **settings) -> Result:

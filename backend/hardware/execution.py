@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from backend.memory.devices import DEVICES
+from backend.hardware.devices import DEVICES
 
 THREADS_PER_WARP = 32
 TENSOR_CORE_SHAPE = (4, 4, 4)      # m, n, k of one tensor core's multiply-add per cycle (Volta)

@@ -1,6 +1,6 @@
 """GPU presets for planning: peak dense tensor FLOP/s, HBM, NVLink and the network, each with its source.
 
-Where backend/memory/devices.py has the chip (A100 80 GB, H100 SXM, H200) its figures are read from there, not
+Where backend/hardware/devices.py has the chip (A100 80 GB, H100 SXM, H200) its figures are read from there, not
 copied. Conventions as there: dense FLOP/s (no 2:4 sparsity), link bandwidths per direction. HBM capacity is the
 datasheet's GB read as GiB (an 80 GB card shows 80 GiB: 81,920 MiB on an A100 80GB), the allocator's view.
 The network is the bandwidth per GPU off the node (one NIC per GPU, rail-optimised), per direction.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from backend.memory.devices import DEVICES, SOURCES
+from backend.hardware.devices import DEVICES, SOURCES
 
 GiB = 2 ** 30
 GB = 1e9
@@ -27,7 +27,7 @@ class GPU:
     source: str
 
 
-# Chips backend/memory/devices.py has: (its key, preset name, dense FP8 FLOP/s or None, network Gb/s per GPU, source of the rest)
+# Chips backend/hardware/devices.py has: (its key, preset name, dense FP8 FLOP/s or None, network Gb/s per GPU, source of the rest)
 FROM_DEVICES = [
     ("A100 (80 GB SXM)", "A100 80GB SXM", None, 200, "network HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
     ("H100 (SXM)", "H100 SXM 80GB", 1_979e12, 400, "FP8 1,979 TFLOP/s dense (datasheet); NDR InfiniBand 400 Gb/s per GPU"),

@@ -165,7 +165,8 @@ def combine(config: BandwidthConfig, payloads: list[dict]) -> Result:
             "op": row["op"], "size_bytes": s_bytes, "time_us": t * 1e6,
             "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[row["op"]](world),
             "bus_factor": BUS_FACTOR[row["op"]](world),
-            "rank_spread_us": (max(times) - min(times)) * 1e6,
+            "rank_spread_us": (max(times) - min(times)) * 1e6, "spread_pct": 100 * (max(times) - min(times)) / t,
+            "slowest_rank": payloads[times.index(t)]["rank"],
         })
         per_rank.extend({"op": row["op"], "size_bytes": s_bytes, "rank": p["rank"], "time_us": p["rows"][j]["time_s"] * 1e6} for p in payloads)
     checks = [
@@ -185,7 +186,17 @@ def combine(config: BandwidthConfig, payloads: list[dict]) -> Result:
         metrics[f"peak_busbw_GBps.{op}"] = round(best["busbw_GBps"], 4)
         metrics[f"peak_at_bytes.{op}"] = best["size_bytes"]
     events = [e for p in payloads for e in p["trace"]["events"]]
-    return Result(metrics=metrics, tables={"bandwidth": table, "per_rank": per_rank}, checks=checks, trace_events=events)
+    return Result(metrics=metrics, tables={"bandwidth": table, "per_rank": per_rank, "slowest": slowest_counts(table, world)},
+                  checks=checks, trace_events=events)
+
+
+def slowest_counts(table: list[dict], world: int) -> list[dict]:
+    """For each collective, at how many sizes each rank set t (was the slowest): a rank slowest at most sizes points at
+    a slow link or a busy core, a slowest rank that changes from size to size at scheduling noise. Every rank has a
+    row, 0 included."""
+    ops = list(dict.fromkeys(r["op"] for r in table))
+    return [{"op": op, "rank": rank, "calls": sum(r["op"] == op and r["slowest_rank"] == rank for r in table)}
+            for op in ops for rank in range(world)]
 
 
 EXPERIMENT = define(__name__, BandwidthConfig,

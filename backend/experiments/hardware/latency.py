@@ -18,7 +18,7 @@ from backend.config import Config, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.hardware.latency import LINE, cache_levels, chase_latency, littles_law, read_bandwidth
-from backend.memory.devices import DEVICES, dram
+from backend.hardware.devices import DEVICES, dram
 from backend.result import Check, Result
 
 # seed 002: a CPU at 89 ns and 131 GB/s; ax + b moves 16 bytes (x and y in fp64); 2,000 GFLOP/s FP64 at 200 GB/s

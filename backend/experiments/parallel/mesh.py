@@ -19,7 +19,7 @@ from backend.parallel.mesh_train import peak_in_flight, reference_training, trai
 from backend.parallel.pp.recompute import MIN_TIMED_CPU_MS, TIME_TOLERANCE
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
-from backend.experiments.pipeline.run import bubbles, model_against_replay, replayed
+from backend.experiments.parallel.pipeline import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.step_split import CATEGORIES, lanes, split
 from backend.parallel.tp import cut

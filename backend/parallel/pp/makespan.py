@@ -7,7 +7,7 @@ A dependency that crosses ranks is one message and adds `latency`. The step time
 rank's idle (bubble) is 1 - its busy time / the step time. This is the max-plus walk the zero-bubble paper and
 DeepSeek-V3 reason with; with equal stages it gives the closed forms ((p-1)/(m+p-1), ...) the schedules state.
 
-It takes costs, not a trace, so a planner can call it at any scale; pipeline.run checks it against the replay of
+It takes costs, not a trace, so a planner can call it at any scale; parallel.pipeline checks it against the replay of
 measured action costs.
 """
 from __future__ import annotations

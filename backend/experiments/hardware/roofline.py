@@ -1,4 +1,4 @@
-"""memory.roofline: presets' rooflines beside this machine's, measured, with attention and GEMM points.
+"""hardware.roofline: presets' rooflines beside this machine's, measured, with attention and GEMM points.
 
 Measured here: this CPU's copy bandwidth and matmul FLOP/s (the CPU's roofline), and the achieved
 FLOP/s of attention forward (naive and tiled) and GEMMs at their arithmetic intensities. Model: every
@@ -17,8 +17,8 @@ from backend.attention.flash import io_model, tiled_attention
 from backend.config import Config, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.memory.devices import DEVICES, dram, ops_per_datum
-from backend.memory.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
+from backend.hardware.devices import APPROXIMATE, DEVICES, SOURCES, dram, hierarchy_traffic, ops_per_datum
+from backend.hardware.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
 from backend.result import Check, Result
 from kernels.flash_attention import naive_attention
 
@@ -75,6 +75,20 @@ def seed_4090_checks(roofs: list[dict]) -> tuple[list[Check], float]:
                                                                                  "tolerance from the figures' rounding)")], ridge
 
 
+def hierarchy_rows(io: dict, seq_len: int, block: int) -> list[dict]:
+    """Every preset's levels with the bytes naive and flash attention of this shape move at each and the time at the
+    level's bandwidth (the IO model: flash re-reads its tiles on chip at every one of (N / block)² steps), seed 002's
+    FP64 ops per datum where the preset has an fp64 tensor peak, and each figure's source."""
+    rows = []
+    for device, spec in DEVICES.items():
+        onchip = io["sram_bytes_per_step"] * (seq_len / block) ** 2
+        opd = ops_per_datum(device) if "fp64 tensor" in spec["peak_flops"] else {}
+        rows += [{"device": device, **row, "approximate": (device, row["level"]) in APPROXIMATE,
+                  "ops_per_datum_fp64": opd.get(row["level"]), "source": SOURCES.get((device, f"level:{row['level']}"), "no source")}
+                 for row in hierarchy_traffic(device, io["standard_bytes"], io["flash_bytes"], onchip)]
+    return rows
+
+
 def _time(fn, repeats=3) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -120,6 +134,7 @@ def run(config: RooflineConfig, ctx) -> Result:
             ai = flops_attn / bytes_
             model_points.append({"device": roof["device"], "kernel": kernel, "intensity": ai,
                                  "attainable_flops_per_s": attainable(roof["peak_flops"], roof["bandwidth"], ai)})
+    hierarchy = hierarchy_rows(io, n, config.block)
     seed = ops_per_datum("A100 (80 GB SXM)")
     rtx_checks, rtx_ridge = seed_4090_checks(roofs)
     checks = rtx_checks + [Check("seed 002: A100 L1 needs about 8 operations per datum", abs(seed["L1 / shared"] - 8) / 8, 0.05,
@@ -142,7 +157,7 @@ def run(config: RooflineConfig, ctx) -> Result:
                  "ridge_point_flops_per_byte": round(peak / bw, 2), "ridge_4090_fp32_flops_per_byte": round(rtx_ridge, 2),
                  **{f"io_model.{k}": v for k, v in io.items()}},
         tables={"roofs": roofs, "points": points, "model_points": model_points,
-                "ops_per_datum_a100": [{"level": k, "ops_per_datum": v} for k, v in seed.items()]},
+                "ops_per_datum_a100": [{"level": k, "ops_per_datum": v} for k, v in seed.items()], "hierarchy": hierarchy},
         checks=checks, notes=notes)
 
 

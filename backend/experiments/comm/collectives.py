@@ -1,4 +1,4 @@
-"""collectives.run: one collective, one algorithm, on real gloo ranks; step trace, bytes, bandwidth, checks.
+"""comm.collectives: one collective, one algorithm, on real gloo ranks; step trace, bytes, bandwidth, checks.
 
 What a run measures and checks:
 - the output of every rank against a single-process reference computed from every rank's input

@@ -1,4 +1,4 @@
-"""moe.routing: route one batch of tokens with softmax top-k, Switch top-1 (capacity factor, dropped tokens) and
+"""models.moe_routing: route one batch of tokens with softmax top-k, Switch top-1 (capacity factor, dropped tokens) and
 DeepSeek-V3's group-limited sigmoid gate with its selection-only bias and a shared expert; the load per expert,
 the balance loss, and auxiliary-loss-free balancing (the bias nudged against the load, step by step).
 

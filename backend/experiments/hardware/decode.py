@@ -1,4 +1,4 @@
-"""memory.decode: decoding is memory-bound, measured here and placed on GPU presets' rooflines.
+"""hardware.decode: decoding is memory-bound, measured here and placed on GPU presets' rooflines.
 
 Measured on this CPU: a batched decode step of a tiny LLaMA made wide enough that its weights (about 100 MB at the
 defaults) dwarf the last-level cache, timed at each batch size, beside the prediction: the roofline's
@@ -20,10 +20,10 @@ import torch
 from backend.config import Config, setting
 from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
-from backend.memory.decode import (MODELS, BatchedDecoder, decode_bytes, decode_flops, prefill_cache_check, prefill_cost,
+from backend.hardware.decode import (MODELS, BatchedDecoder, decode_bytes, decode_flops, prefill_cache_check, prefill_cost,
                                    roofline_time, tiny_shape)
-from backend.memory.devices import DEVICES, dram
-from backend.memory.roofline import last_level_cache_bytes, probe_bandwidth, probe_matmul
+from backend.hardware.devices import DEVICES, dram
+from backend.hardware.roofline import last_level_cache_bytes, probe_bandwidth, probe_matmul
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result
 

@@ -1,4 +1,4 @@
-"""kernels.gemm: the tiled Triton GEMM, its traffic counted per tile shape, and how a GPU would execute it.
+"""hardware.gemm: the tiled Triton GEMM, its traffic counted per tile shape, and how a GPU would execute it.
 
 Measured (counted inside the kernel as it runs, in the interpreter or on a GPU): global-memory bytes
 of A, B and C for the chosen GEMM and for a sweep of tile shapes and sizes; the arithmetic intensity
@@ -19,8 +19,8 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
-from backend.memory.devices import DEVICES, dram
-from backend.memory.roofline import attainable
+from backend.hardware.devices import DEVICES, dram
+from backend.hardware.roofline import attainable
 from backend.result import Check, Result
 from kernels.matmul import TENSORS, closed_form_traffic, matmul, program_order
 

@@ -1,4 +1,4 @@
-"""pipeline.run: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
+"""parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
 Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
 replayed with one core per rank from each action's CPU time and checked against the makespan model

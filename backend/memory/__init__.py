@@ -1,1 +1,0 @@
-"""GPU memory hierarchy presets, roofline arithmetic, and probes of this machine."""

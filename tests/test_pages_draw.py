@@ -1,0 +1,57 @@
+"""Pages only draw: a page imports the frame (pages/ui.py and its siblings) and other pages' views, never a library
+module or an experiment module of backend/ or kernels/; what it shows comes from the run's result."""
+import ast
+
+import pytest
+
+from tests.conftest import REPO
+
+# The frame: what every page builds on; these alone may import the registry, the store, the runner and the config.
+FRAME = {"__init__", "ui", "form", "timeline", "units", "markup", "catalog", "tables", "sign_in", "navigation_guard"}
+# Pages that still import library or experiment modules, each with what it imports today. The list only shrinks: a page
+# that no longer does must leave it (test_pending_pages_are_still_pending says so).
+PENDING = {
+    "kv_cache": {"backend.experiments.attention.kv_cache", "backend.attention.variants", "backend.graph.dot"},
+    "mesh_parallel": {"backend.experiments.parallel.mesh", "backend.graph.dot"},
+    "pipeline": {"backend.config", "backend.parallel.pp.schedules"},
+    "plan_training": {"backend.plan"},
+    "serving": {"backend.serving.calibrate", "backend.serving.report", "backend.serving.settings"},
+}
+
+
+def backend_imports(source: str) -> set[str]:
+    """Modules of backend/ or kernels/ a source imports, anywhere in it (a function's own import included)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {m for m in found if m.split(".")[0] in ("backend", "kernels")}
+
+
+def _pages() -> dict[str, set[str]]:
+    return {p.stem: backend_imports(p.read_text()) for p in sorted((REPO / "pages").glob("*.py")) if p.stem not in FRAME}
+
+
+def test_pages_import_only_the_frame():
+    offenders = {page: sorted(mods) for page, mods in _pages().items() if mods and page not in PENDING}
+    assert not offenders, f"pages importing backend/kernels modules (draw from the run's result instead): {offenders}"
+
+
+def test_pending_pages_are_still_pending():
+    pages = _pages()
+    for page, allowed in PENDING.items():
+        assert pages.get(page), f"pages/{page}.py imports no backend module any more: take it off PENDING"
+        assert pages[page] <= allowed, f"pages/{page}.py imports more than it did: {sorted(pages[page] - allowed)}"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from backend.hardware.devices import DEVICES", {"backend.hardware.devices"}),
+    ("def f():\n    from backend import experiments\n", {"backend"}),
+    ("import kernels.matmul as mm", {"kernels.matmul"}),
+    ("from pages import ui, units\nimport pandas as pd", set()),
+])
+def test_the_import_rule_sees_every_form_of_import(source, found):
+    """The checker fails a page that computes through a library: every spelling of an import is seen."""
+    assert backend_imports(source) == found
