@@ -33,7 +33,7 @@ class CheckpointConfig(WorkloadConfig):
     max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
     save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
     mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
-    reshard_to: str = setting("zero1", choices=("off",) + STRATEGIES, help="after the run, the last checkpoint before its end loaded on another plan and training continued (off: none)")
+    reshard_to: str = setting("same", choices=("same", "off") + STRATEGIES, help="after the run, the last checkpoint before its end loaded on another plan (same: this strategy on reshard_ranks) and training continued (off: none)")
     reshard_ranks: int = setting(1, min=1, max=8, help="ranks of that plan (at most world_size: the same processes, regrouped)")
 
     cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
@@ -55,14 +55,19 @@ class CheckpointConfig(WorkloadConfig):
         if self.batch < self.reshard_ranks:
             raise ConfigError("reshard_ranks", f"{self.reshard_ranks} ranks cannot split a batch of {self.batch} "
                                                f"(allowed: 1 to {min(self.batch, self.world_size)})")
-        if (self.strategy == "fsdp") != (self.reshard_to == "fsdp"):
+        if (self.strategy == "fsdp") != (self.target == "fsdp"):
             same = ["fsdp"] if self.strategy == "fsdp" else [s for s in STRATEGIES if s != "fsdp"]
             raise ConfigError("reshard_to", f"{self.reshard_to} cannot load a {self.strategy} checkpoint: FSDP2 saves "
                                             f"DTensor rows, ours flat vectors (allowed with strategy={self.strategy}: "
-                                            f"off, {', '.join(same)})")
+                                            f"same, off, {', '.join(same)})")
         if self.every >= self.steps:
             raise ConfigError("every", f"{self.every} leaves no checkpoint before the last step to continue from on "
                                        f"another plan (allowed with reshard_to={self.reshard_to}: 1 to {self.steps - 1})")
+
+    @property
+    def target(self) -> str:
+        """The strategy the checkpoint is continued with on reshard_ranks."""
+        return self.strategy if self.reshard_to == "same" else self.reshard_to
 
     def estimate(self):
         """As WorkloadConfig's run, done twice when a rank is killed (the uninterrupted run, then the resumed one)
@@ -122,36 +127,37 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
 
 
 def continue_on_another_plan(rank: int, config: CheckpointConfig, ctx, root) -> dict | None:
-    """Resharding: the same processes regrouped as `reshard_ranks` ranks (the others leave), which load the newest
+    """Resharding: the same processes regrouped as `reshard_ranks` ranks (the others wait), which load the newest
     checkpoint saved before the run's last step with the `reshard_to` strategy (DCP reads each saved shard where
-    it overlaps what a new rank holds) and train the remaining steps. Their parameters and losses, and which saved
-    file's bytes each new rank read (the load plan DCP made), go back in the payload."""
-    n = config.reshard_ranks
-    store = root / f"regroup_{ctx.attempt}.store"
+    it overlaps what a new rank holds) and train the remaining steps; then the whole group is formed again (the
+    launcher gathers the payloads over it). Their parameters and losses, and which saved file's bytes each new rank
+    read (the load plan DCP made), go back in the payload."""
+    n, world = config.reshard_ranks, dist.get_world_size()
+    out, stores = None, [root / f"regroup_{ctx.attempt}_{name}.store" for name in ("new", "all")]
     if rank == 0:
-        store.unlink(missing_ok=True)
-    dist.barrier()  # every rank is past the run (and rank 0 past the stale store) before the group is taken down
-    dist.destroy_process_group()
-    if rank >= n:
-        return None
-    dist.init_process_group("gloo", store=dist.FileStore(str(store), n), rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=ctx.timeout_s))
-    source = ckpt.newest_before(root, config.steps)
-    mesh, tracer = start_rank(rank, n)
-    saver = ckpt.Checkpointer(root / "resharded", 0, rank, attempt=ctx.attempt, source=source)
-    report = train(make_strategy(config.reshard_to, config.workload, mesh, tracer), None, saver)
-    return {"params": report.params, "losses": report.losses, "from": source.name, "reads": saver.reads,
-            "held_bytes": saver.held_bytes, "load_s": saver.load_seconds}
+        for store in stores:  # left by an earlier attempt: their stale keys would be read as this one's
+            store.unlink(missing_ok=True)
+    regroup(rank, world, n, stores[0], ctx.timeout_s)
+    if rank < n:
+        source = ckpt.newest_before(root, config.steps)
+        mesh, tracer = start_rank(rank, n)
+        saver = ckpt.Checkpointer(root / "resharded", 0, rank, attempt=ctx.attempt, source=source)
+        report = train(make_strategy(config.target, config.workload, mesh, tracer), None, saver)
+        out = {"params": report.params, "losses": report.losses, "from": source.name, "reads": saver.reads,
+               "held_bytes": saver.held_bytes, "load_s": saver.load_seconds}
+    regroup(rank, n, world, stores[1], ctx.timeout_s)
+    return out
 
 
-def resume_rank(rank, world, config: CheckpointConfig, ctx):
-    """Train with checkpoints in the run's folder, resuming from the newest one there, whatever mesh and strategy
-    saved it (DCP reshards by the saved offsets): how a checkpoint moves from one plan to another."""
-    mesh, tracer = start_rank(rank, world)
-    saver = ckpt.Checkpointer(ckpt.folder(ctx), config.every, rank)
-    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), None, saver)
-    report.extra = {"resumed_from": saver.resumed_from}
-    return report
+def regroup(rank: int, old: int, new: int, store, timeout_s: float) -> None:
+    """Replace this process's default group of `old` ranks by one of the first `new` ranks (a file store in the run's
+    folder as the rendezvous); ranks past `new` are left without a group. Every rank of the old group calls it."""
+    if rank < old:
+        dist.barrier()  # every member is here before the group is taken down
+        dist.destroy_process_group()
+    if rank < new:
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), new), rank=rank, world_size=new,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def expected_time_per_step(k: np.ndarray, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> np.ndarray:
@@ -255,7 +261,7 @@ def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check],
     loss_err = max(abs(a - b) for n in new for a, b in zip(n["losses"], ref["losses"]))
     read = {i: sum(row["bytes"] for row in n["reads"]) for i, n in enumerate(new)}
     cover_err = max(abs(read[i] - n["held_bytes"]) for i, n in enumerate(new))
-    plan = f"{config.strategy} on {config.world_size} ranks -> {config.reshard_to} on {config.reshard_ranks}"
+    plan = f"{config.strategy} on {config.world_size} ranks -> {config.target} on {config.reshard_ranks}"
     checks = [
         Check(f"resharded ({plan}): parameters after the remaining steps equal one process", param_err, 1e-9,
               reference="single-process PyTorch training the whole batch (float64)", detail="max |difference|"),
