@@ -102,6 +102,7 @@ class Checkpointer:
     rank: int
     attempt: int = 0
     source: Path | None = None  # resume from this checkpoint (saved on another plan) instead of root's newest
+    parent: Path | None = None  # a failed run's checkpoint folder, resumed from while root holds none (parent_folder)
     asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
     saves: list[SaveRecord] = field(default_factory=list)
     load_seconds: float | None = None
@@ -116,7 +117,8 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        return max(complete(self.root), key=_step_of, default=None)
+        own = max(complete(self.root), key=_step_of, default=None)
+        return own or (max(complete(self.parent), key=_step_of, default=None) if self.parent else None)
 
     def after_step(self, step: int, strategy, loop_state: dict) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
@@ -191,6 +193,42 @@ class Checkpointer:
         return step
 
 
+def parent_folder(ctx) -> Path | None:
+    """The checkpoint folder of the failed run this run resumes: its record's parent, looked up in the store
+    (JobRunner.resume checked it), never a path from a setting or a link. None for a run that resumes nothing."""
+    if not (ctx.run_id and ctx.store_root):
+        return None
+    from backend.store import RunStore
+
+    store = RunStore(ctx.store_root)
+    me = store.get(ctx.run_id)
+    if me is None or not me.parent:
+        return None
+    parent = store.get(me.parent)
+    if parent is None or parent.experiment != me.experiment:
+        raise CheckpointError(f"run {me.id} resumes {me.parent}, which is not a run of {me.experiment} in this store")
+    return Path(ctx.store_root) / "runs" / parent.id / CHECKPOINTS
+
+
+def resumable(store, run_id: str):
+    """The record of a run that can be resumed: failed, with a complete checkpoint whose files match its manifest.
+    Else CheckpointError saying why."""
+    from backend.store import is_run_id
+
+    rec = store.get(run_id) if is_run_id(run_id) else None
+    if rec is None:
+        raise CheckpointError(f"no run {run_id!r} in this store (allowed: the id of a failed run with a checkpoint)")
+    if rec.status != "failed":
+        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed (allowed: a failed run with "
+                              f"a checkpoint)")
+    newest = max(complete(Path(store.root) / "runs" / rec.id / CHECKPOINTS), key=_step_of, default=None)
+    if newest is None:
+        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from (allowed: a failed run "
+                              f"with a checkpoint)")
+    verify_files(newest)
+    return rec
+
+
 def _step_of(path: Path) -> int:
     return int(path.name.split("_")[1])
 
@@ -202,11 +240,12 @@ def complete(root: Path) -> list[Path]:
     return [p for p in root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
 
 
-def newest_before(root: Path, steps: int) -> Path:
-    """The newest complete checkpoint under root saved before step `steps` (one a run can still continue from)."""
-    done = [p for p in complete(root) if _step_of(p) < steps]
+def newest_before(roots: list[Path | None], steps: int) -> Path:
+    """The newest complete checkpoint under the roots saved before step `steps` (one a run can still continue
+    from): a run's own folder and the failed run it resumed."""
+    done = [p for root in roots if root for p in complete(root) if _step_of(p) < steps]
     if not done:
-        raise CheckpointError(f"no complete checkpoint before step {steps} in {root.name}")
+        raise CheckpointError(f"no complete checkpoint before step {steps} in {', '.join(r.name for r in roots if r)}")
     return max(done, key=_step_of)
 
 
@@ -349,10 +388,8 @@ def write_manifest(path: Path, rank: int) -> None:
     dist.barrier()
 
 
-def verify(path: Path, expected: dict) -> None:
-    """Refuse a checkpoint whose files differ from its manifest, or whose tensors are not this model's."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def verify_files(path: Path) -> None:
+    """Refuse a checkpoint whose manifest is unreadable or whose files are missing or differ from it (sha256)."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as err:
@@ -364,6 +401,13 @@ def verify(path: Path, expected: dict) -> None:
         if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
                                   f"match its sha256 in {MANIFEST}")
+
+
+def verify(path: Path, expected: dict) -> None:
+    """Refuse a checkpoint whose files differ from its manifest, or whose tensors are not this model's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    verify_files(path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import shutil
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ class CheckpointConfig(WorkloadConfig):
     every: int = setting(2, min=1, max=100, help="checkpoint interval (steps between saves)")
     kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
     kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
-    max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
+    max_restarts: int = setting(1, min=0, max=3, help="times all ranks may be restarted from the last checkpoint (0: the kill fails the run, which its page can resume)")
     save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
     mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
     reshard_to: str = setting("same", choices=("same", "off") + STRATEGIES, help="after the run, the last checkpoint before its end loaded on another plan (same: this strategy on reshard_ranks) and training continued (off: none)")
@@ -97,9 +98,18 @@ def make_strategy(name: str, workload, mesh, tracer):
 
 def run_rank(rank, world, config: CheckpointConfig, ctx):
     root = ckpt.folder(ctx)
+    parent = ckpt.parent_folder(ctx)  # a failed run this one resumes (from its record in the store)
     mesh, tracer = start_rank(rank, world)
+    if parent and rank == 0 and not (root / ckpt.TIMELINE).exists():  # the parent's history (and baseline) go on
+        root.mkdir(parents=True, exist_ok=True)
+        for name in (ckpt.TIMELINE, BASELINE):
+            if (parent / name).exists():
+                shutil.copy(parent / name, root / name)
+    dist.barrier()
+    history = ckpt.read_timeline(root)
+    attempt = (1 + max(e.get("attempt", 0) for e in history) if parent and history else 0) + ctx.attempt
     faulted = config.kill_rank >= 0
-    if faulted and ctx.attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
+    if faulted and attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
         baseline = train(make_strategy(config.strategy, config.workload, mesh, Tracer(rank)))
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -107,14 +117,16 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
         dist.barrier()
 
     def fault(step):
-        if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
+        if attempt == 0 and rank == config.kill_rank and step == config.kill_step:
             ckpt.kill_self(root, rank, step)
 
-    saver = ckpt.Checkpointer(root, config.every, rank, attempt=ctx.attempt, asynchronous=config.save == "async")
+    saver = ckpt.Checkpointer(root, config.every, rank, attempt=attempt, asynchronous=config.save == "async",
+                              parent=parent)
     report = train(make_strategy(config.strategy, config.workload, mesh, tracer), ctx.progress, saver,
                    fault if faulted else None)
-    report.extra = {"attempt": ctx.attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
-                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from}
+    report.extra = {"attempt": attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
+                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from,
+                    "parent": parent.parent.name if parent else None}
     if rank == 0:
         last = saver.latest()
         report.extra.update(timeline=ckpt.read_timeline(root), files=ckpt.files_per_rank(last) if last else [],
@@ -139,7 +151,7 @@ def continue_on_another_plan(rank: int, config: CheckpointConfig, ctx, root) -> 
             store.unlink(missing_ok=True)
     regroup(rank, world, n, stores[0], ctx.timeout_s)
     if rank < n:
-        source = ckpt.newest_before(root, config.steps)
+        source = ckpt.newest_before([root, ckpt.parent_folder(ctx)], config.steps)
         mesh, tracer = start_rank(rank, n)
         saver = ckpt.Checkpointer(root / "resharded", 0, rank, attempt=ctx.attempt, source=source)
         report = train(make_strategy(config.target, config.workload, mesh, tracer), None, saver)
@@ -350,6 +362,10 @@ def combine(config: CheckpointConfig, reports) -> Result:
     notes = [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
              f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
              f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
+    if first.extra["parent"]:
+        metrics["parent_run"] = first.extra["parent"]
+        notes.append(f"This run resumed failed run {first.extra['parent']} from its newest checkpoint "
+                     f"({first.extra['resumed_from']}); the timeline holds both runs.")
     return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
                                                           "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
