@@ -364,8 +364,9 @@ def combine(config: CheckpointConfig, reports) -> Result:
              f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
     if first.extra["parent"]:
         metrics["parent_run"] = first.extra["parent"]
-        notes.append(f"This run resumed failed run {first.extra['parent']} from its newest checkpoint "
-                     f"({first.extra['resumed_from']}); the timeline holds both runs.")
+        notes = [f"Run {first.extra['parent']} failed when rank {config.kill_rank} was killed by SIGKILL in step "
+                 f"{config.kill_step}; this run resumed it from its newest checkpoint ({first.extra['resumed_from']}), "
+                 f"redoing {metrics.get('steps_redone')} step(s). The timeline holds both runs."]
     return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
                                                           "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
