@@ -465,3 +465,58 @@ def kill_self(root: Path, rank: int, step: int) -> None:
     """The fault: this rank ends by SIGKILL (no exception, no clean-up), as a lost node does."""
     log_event(root, event="kill", rank=rank, step=step, pid=os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class MeshState:
+    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's: what this rank owns of its
+    stages' flat weights (the ZeRO shard, or all of them), Adam's m, v and step, and the losses it reported, under
+    keys named by its mesh coordinates (pp1.dp0.cp0.ep0.tp1.weights): each rank writes its own pieces. A checkpoint
+    of another mesh has other keys and is refused by name."""
+
+    def __init__(self, sync, model: torch.nn.Module, tag: str, steps: int):
+        self.sync, self.model, self.tag = sync, model, tag
+        self.losses = torch.zeros(steps, dtype=torch.float64)
+
+    def checkpoint_state(self) -> dict:
+        s, t = self.sync, self.tag
+        return {f"{t}.weights": s.owned, f"{t}.adam_m": s.m, f"{t}.adam_v": s.v,
+                f"{t}.adam_step": torch.tensor(s.adam.step), f"{t}.losses": self.losses}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """After DCP loaded into the aliased tensors: Adam's step, and the model's weights from them (ZeRO-1/2
+        gather their shards; ZeRO-3 gathers at every step's start anyway)."""
+        from backend.parallel.workload import load_flat
+
+        self.sync.adam.step = int(state[f"{self.tag}.adam_step"])
+        if self.sync.strategy in ("zero1", "zero2"):
+            self.sync.weights = self.sync.zero.gather(0, torch.float64)
+        if self.sync.weights is not None:
+            load_flat(self.model, self.sync.weights)
+
+
+@dataclass
+class MeshHook:
+    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save."""
+    saver: Checkpointer
+    fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
+    state: MeshState | None = None
+    loop: dict = field(default_factory=dict)
+
+    def resume(self, sync, model, mesh, steps: int) -> tuple[int, list[float]]:
+        """Load the newest checkpoint into this rank's state: the step to run next and the losses so far."""
+        tag = ".".join(f"{d}{mesh.index(d)}" for d in ("pp", "dp", "cp", "ep", "tp"))
+        self.state, self.loop = MeshState(sync, model, tag, steps), {"loop.step": torch.tensor(0)}
+        start = self.saver.resume(self.state, self.loop)
+        return start, self.state.losses[:start].tolist()
+
+    def mid_step(self, step: int) -> None:
+        if self.fault:
+            self.fault(step)
+
+    def after_step(self, step: int, loss: float) -> None:
+        self.state.losses[step] = loss
+        self.loop["loop.step"].fill_(step + 1)
+        self.saver.after_step(step, self.state, self.loop)
+
+    def finish(self) -> None:
+        self.saver.finish()
