@@ -58,7 +58,8 @@ def render(result: dict, rec) -> None:
     cols[0].metric("attempts", m["attempts"], help="1 + the restarts after the killed rank")
     cols[1].metric("steps redone", m.get("steps_redone", 0), help="steps after the last checkpoint, lost with the kill")
     cols[2].metric("checkpoint (tensor bytes)", f"{m['checkpoint_tensor_bytes']:,} B",
-                   help=f"{m['checkpoint_file_bytes']:,} B on disk with torch.save's framing")
+                   help=f"{m['checkpoint_file_bytes']:,} B on disk with torch.save's framing; DCP's .metadata "
+                        f"file adds {m['dcp_metadata_bytes']:,} B")
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s", help=f"mean of the run's saves; the resume's load took {m['load_s'] or 0:.3f} s")
 
     st.subheader("The run: the kill, the restart and the steps redone")
@@ -84,6 +85,8 @@ def render(result: dict, rec) -> None:
         st.altair_chart(reshard_map_chart(pd.DataFrame(t["reshard_map"])))
         st.caption("Each new rank loads the saved pieces that overlap what it holds; DCP plans the reads from the "
                    "offsets saved with each shard.")
+        with st.expander("Bytes each new rank read from each saved rank"):
+            ui.table(pd.DataFrame(t["reshard_bytes"]))
     st.caption("Each rank writes its own shards with torch.distributed.checkpoint; after the kill every rank restarts, "
                "loads the last complete checkpoint and finishes bit for bit equal to the uninterrupted run.")
     with st.expander("How the trade-off is computed"):
