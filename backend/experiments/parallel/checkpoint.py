@@ -106,8 +106,8 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
             if (parent / name).exists():
                 shutil.copy(parent / name, root / name)
     dist.barrier()
-    history = ckpt.read_timeline(root)
-    attempt = (1 + max(e.get("attempt", 0) for e in history) if parent and history else 0) + ctx.attempt
+    before = ckpt.read_timeline(parent) if parent else []  # the attempts numbered on from the parent's
+    attempt = (1 + max((e.get("attempt", 0) for e in before), default=0) if parent else 0) + ctx.attempt
     faulted = config.kill_rank >= 0
     if faulted and attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
         baseline = train(make_strategy(config.strategy, config.workload, mesh, Tracer(rank)))
