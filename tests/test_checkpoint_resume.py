@@ -71,3 +71,20 @@ def test_a_foreign_checkpoint_in_the_parents_folder_fails_the_resumed_run_by_nam
     shutil.copytree(store.root / "runs" / other.id / ckpt.CHECKPOINTS / "step_00002", mine)
     child = runner.wait(runner.resume(parent.id), timeout_s=120)
     assert child.status == "failed" and "step_00002 is from another model: model.0.weight has shape [64] there, [256] here" in child.error, child.error
+
+
+def test_the_parent_folder_comes_from_the_store_and_must_be_a_run_of_the_same_experiment(store):
+    """The ranks read the parent's id from their own record and build the folder from the store's root; a parent
+    that is a run of another experiment is refused, and a run without a parent resumes nothing."""
+    from backend.experiments import RunContext
+
+    child = store.create("parallel.checkpoint", {}, "d1", status="running")
+    ctx = RunContext(run_id=child, store_root=str(store.root))
+    assert ckpt.parent_folder(ctx) is None
+    same = store.create("parallel.checkpoint", {}, "d2", status="failed")
+    store.update(child, parent=same)
+    assert ckpt.parent_folder(ctx) == store.root / "runs" / same / ckpt.CHECKPOINTS
+    other = store.create("comm.selftest", {}, "d3", status="failed")
+    store.update(child, parent=other)
+    with pytest.raises(ckpt.CheckpointError, match=rf"resumes {other}, which is not a run of parallel.checkpoint"):
+        ckpt.parent_folder(ctx)

@@ -10,7 +10,12 @@ piece's offset in the parameter's flat global tensor, and FSDP2's state comes fr
 DTensors. Both carry the offsets DCP needs to load the same checkpoint on another number of ranks.
 A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder without
 it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
-Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder).
+Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder); a run
+that resumes a failed one reads the parent's folder, found from its own record in the store (parent_folder).
+
+Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
+keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads). The mesh run
+(mesh_train.train_rank) saves through MeshHook: each rank's own state under keys named by its mesh coordinates.
 """
 from __future__ import annotations
 
