@@ -72,9 +72,11 @@ class CheckpointConfig(WorkloadConfig):
 
     def estimate(self):
         """As WorkloadConfig's run, done twice when a rank is killed (the uninterrupted run, then the resumed one)
-        with the ranks started twice, plus the continuation on another plan (in the same processes), plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
+        with the ranks started twice, plus the continuation on another plan (the steps after the last save before
+        the end, in the same processes), plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
-        runs = (2 if self.kill_rank >= 0 else 1) + (self.reshard_to != "off")
+        continued = self.steps - self.every * ((self.steps - 1) // self.every)  # steps after the last save before the end
+        runs = (2 if self.kill_rank >= 0 else 1) + (continued / self.steps if self.reshard_to != "off" else 0)
         activations = self.batch * self.hidden * self.layers * 8 * 3
         saves = self.steps // self.every
         return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
