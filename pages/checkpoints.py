@@ -62,6 +62,8 @@ def render(result: dict, rec) -> None:
                         f"file adds {m['dcp_metadata_bytes']:,} B")
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s", help=f"mean of the run's saves; the resume's load took {m['load_s'] or 0:.3f} s")
 
+    if m.get("parent_run"):
+        st.caption(f"Resumed from failed run [{m['parent_run']}](?run={m['parent_run']}).")
     st.subheader("The run: the kill, the restart and the steps redone")
     st.altair_chart(timeline_chart(pd.DataFrame(t["timeline"])))
 
