@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import hashlib
 import heapq
 import json
 import math
@@ -96,6 +97,23 @@ class JobRunner:
         timeout_s = min(timeout_s or self.timeout_s, self.timeout_s)
         return self.store.submit(exp.name, config.to_dict(), digest, timeout_s=timeout_s,
                                  code_version=version, owner=owner, max_queued=self.max_queued_per_person)[0]
+
+    def resume(self, parent_id: str, *, owner: str = "") -> str:
+        """Queue a run that continues a failed run from its newest checkpoint: the parent's settings, its record's
+        id stored as this run's parent (the ranks find the checkpoint folder from it, never from a path), submitted
+        as any run is (validated, within the budget, in the person's queue). Two resumes of one parent are one run."""
+        from backend.parallel.checkpoint import CheckpointError, resumable
+
+        try:
+            parent = resumable(self.store, parent_id)
+        except CheckpointError as err:
+            raise ConfigError("parent", str(err)) from None
+        exp = experiments.get(parent.experiment)
+        config = exp.make_config(parent.config)
+        version = experiments.code_version()
+        digest = hashlib.sha256(f"{config.digest(exp.name, version)} resumes {parent.id}".encode()).hexdigest()[:20]
+        return self.store.submit(exp.name, config.to_dict(), digest, timeout_s=self.timeout_s, code_version=version,
+                                 owner=owner, max_queued=self.max_queued_per_person, parent=parent.id)[0]
 
     def cancel(self, run_id: str, by: str = "", admin: bool = True) -> None:
         """Cancel a queued run at once; a running one is stopped by its leader within a second, whichever

@@ -67,13 +67,14 @@ CREATE TABLE IF NOT EXISTS runs (
     origin TEXT,
     heartbeat REAL,
     host TEXT,
-    owner TEXT
+    owner TEXT,
+    parent TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_digest ON runs(digest);
 CREATE INDEX IF NOT EXISTS runs_status ON runs(status);
 CREATE INDEX IF NOT EXISTS runs_experiment ON runs(experiment, created);
 """
-NEW_COLUMNS = {"heartbeat": "REAL", "host": "TEXT", "owner": "TEXT"}  # added to stores made before them
+NEW_COLUMNS = {"heartbeat": "REAL", "host": "TEXT", "owner": "TEXT", "parent": "TEXT"}  # added to stores made before them
 # At most one live (queued or running) job-queue run per digest: what makes dedupe atomic.
 LIVE_INDEX = ("CREATE UNIQUE INDEX IF NOT EXISTS runs_live_digest ON runs(digest)"
               " WHERE status IN ('queued','running') AND origin='jobs'")
@@ -124,6 +125,7 @@ class RunRecord:
     heartbeat: float | None
     host: str | None
     owner: str | None
+    parent: str | None = None  # the failed run this one resumes from its checkpoints (JobRunner.resume)
 
     @property
     def duration_s(self) -> float | None:
@@ -220,21 +222,21 @@ class RunStore:
             return self._insert(db, experiment, config, digest, status, timeout_s, code_version, origin, owner, pid)
 
     @staticmethod
-    def _insert(db, experiment, config, digest, status, timeout_s, code_version, origin, owner, pid) -> str:
+    def _insert(db, experiment, config, digest, status, timeout_s, code_version, origin, owner, pid, parent=None) -> str:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         running = status == "running"
         watched = running and pid is not None  # a leader that will beat; other callers keep their own rows
         db.execute(
             "INSERT INTO runs (id, experiment, config, digest, status, created, started, timeout_s, code_version,"
-            " origin, owner, pid, host, heartbeat) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " origin, owner, pid, host, heartbeat, parent) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, experiment, json.dumps(config, sort_keys=True), digest, status, now, now if running else None,
-             timeout_s, code_version, origin, owner, pid, HOST if watched else None, now if watched else None),
+             timeout_s, code_version, origin, owner, pid, HOST if watched else None, now if watched else None, parent),
         )
         return run_id
 
     def submit(self, experiment: str, config: dict, digest: str, *, timeout_s: float, code_version: str,
-               owner: str = "", max_queued: int | None = None) -> tuple[str, bool]:
+               owner: str = "", max_queued: int | None = None, parent: str | None = None) -> tuple[str, bool]:
         """Queue a job-queue run unless a live or succeeded run has the same digest: (run id, created?).
         Look-up and insert are one write transaction, so simultaneous identical submissions make one run, and
         an owner with `max_queued` runs already queued gets QueueFull instead of another (one person's burst
@@ -252,7 +254,8 @@ class RunStore:
                                     (owner,)).fetchone()[0]
                 if queued >= max_queued:
                     raise QueueFull(owner, queued, max_queued)
-            return self._insert(db, experiment, config, digest, "queued", timeout_s, code_version, "jobs", owner, None), True
+            return self._insert(db, experiment, config, digest, "queued", timeout_s, code_version, "jobs", owner, None,
+                                parent), True
 
     def queued_of(self, owner: str) -> list[str]:
         """The ids of an owner's queued job-queue runs, oldest first."""

@@ -4,7 +4,11 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from backend.config import ConfigError
+from backend.parallel.checkpoint import CheckpointError, resumable
+from backend.store import QueueFull, is_run_id
 from pages import ui
+from pages.markup import escape
 
 st.title("Checkpoints and failures")
 
@@ -21,25 +25,51 @@ def timeline_chart(events: pd.DataFrame) -> alt.Chart:
                  alt.Tooltip("seconds:Q", format=".3f", title="save (s)")]).properties(height=200)
 
 
+CATEGORIES = ["weights", "Adam m, v", "Adam step", "step and losses", "random state"]
+
+
+def bytes_per_rank_chart(per_rank: pd.DataFrame) -> alt.Chart:
+    """Stacked tensor bytes per rank by what they hold, a tick at what the settings say the rank alone holds."""
+    long = per_rank.melt(id_vars=["rank"], value_vars=CATEGORIES, var_name="holds", value_name="bytes")
+    bars = alt.Chart(long).mark_bar().encode(
+        x=alt.X("rank:O", title="rank that wrote the file"), y=alt.Y("bytes:Q", title="tensor bytes (B)"),
+        color=alt.Color("holds:N", sort=CATEGORIES, title=None), order=alt.Order("holds:N"),
+        tooltip=["rank", "holds", alt.Tooltip("bytes:Q", format=",", title="bytes (B)")])
+    ticks = alt.Chart(per_rank).mark_tick(color="black", thickness=2, size=30).encode(
+        x="rank:O", y="expected sharded bytes:Q",
+        tooltip=["rank", alt.Tooltip("expected sharded bytes:Q", format=",", title="its own shards, from the settings (B)"),
+                 alt.Tooltip("replicated, written here:Q", format=",", title="replicated tensors written here (B)")])
+    return bars + ticks
+
+
+def reshard_map_chart(reads: pd.DataFrame) -> alt.Chart:
+    """Which saved rank's bytes each new rank reads, on the checkpoint's tensors laid end to end."""
+    reads = reads.assign(to_byte=reads["from byte"] + reads["bytes"], **{"new": reads["new rank"].map(lambda r: f"new rank {r}")})
+    return alt.Chart(reads).mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
+        x=alt.X("from byte:Q", title="byte offset in the checkpoint's tensors, keys by name (B)"), x2="to_byte:Q",
+        y=alt.Y("new:N", title=None), color=alt.Color("saved rank:N", title="read from saved rank"),
+        tooltip=["new rank", "saved rank", "file", "key", alt.Tooltip("from byte:Q", format=",", title="from byte"),
+                 alt.Tooltip("bytes:Q", format=",", title="bytes read (B)")]).properties(height=70 + 30 * reads["new rank"].nunique())
+
+
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
     cols = st.columns(4)
     cols[0].metric("attempts", m["attempts"], help="1 + the restarts after the killed rank")
     cols[1].metric("steps redone", m.get("steps_redone", 0), help="steps after the last checkpoint, lost with the kill")
     cols[2].metric("checkpoint (tensor bytes)", f"{m['checkpoint_tensor_bytes']:,} B",
-                   help=f"{m['checkpoint_file_bytes']:,} B on disk with torch.save's framing")
+                   help=f"{m['checkpoint_file_bytes']:,} B on disk with torch.save's framing; DCP's .metadata "
+                        f"file adds {m['dcp_metadata_bytes']:,} B")
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s", help=f"mean of the run's saves; the resume's load took {m['load_s'] or 0:.3f} s")
 
+    if m.get("parent_run"):
+        st.caption(f"Resumed from failed run [{m['parent_run']}](?run={m['parent_run']}).")
     st.subheader("The run: the kill, the restart and the steps redone")
     st.altair_chart(timeline_chart(pd.DataFrame(t["timeline"])))
 
     left, right = st.columns(2)
-    files = pd.DataFrame(t["files"])
-    left.altair_chart(alt.Chart(files).mark_bar().encode(
-        x=alt.X("file:N", title="file of the last checkpoint"), y=alt.Y("tensor bytes:Q", title="tensor bytes"),
-        color=alt.Color("rank:N", title="written by rank"),
-        tooltip=["file", "rank", alt.Tooltip("tensor bytes:Q", format=","), alt.Tooltip("bytes:Q", format=",", title="on disk")]
-    ).properties(height=260, title="Files per rank"))
+    left.altair_chart(bytes_per_rank_chart(pd.DataFrame(t["bytes_per_rank"])).properties(
+        height=260, title="The last checkpoint's tensor bytes per rank"))
     if "interval" in t:
         curve = pd.DataFrame(t["interval"])
         line = alt.Chart(curve).mark_line(point=True).encode(
@@ -52,6 +82,13 @@ def render(result: dict, rec) -> None:
             strokeDash=[4, 3]).encode(x="interval_steps:Q", color=alt.Color("label:N", title=None),
                                       tooltip=["label", "interval_steps"])
         right.altair_chart((line + young).properties(height=260, title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
+    if "reshard_map" in t:
+        st.subheader(f"Resharding: {m['reshard_plan']}, from {m['reshard_from']}")
+        st.altair_chart(reshard_map_chart(pd.DataFrame(t["reshard_map"])))
+        st.caption("Each new rank loads the saved pieces that overlap what it holds; DCP plans the reads from the "
+                   "offsets saved with each shard.")
+        with st.expander("Bytes each new rank read from each saved rank"):
+            ui.table(pd.DataFrame(t["reshard_bytes"]))
     st.caption("Each rank writes its own shards with torch.distributed.checkpoint; after the kill every rank restarts, "
                "loads the last complete checkpoint and finishes bit for bit equal to the uninterrupted run.")
     with st.expander("How the trade-off is computed"):
@@ -60,8 +97,35 @@ def render(result: dict, rec) -> None:
                     "A Monte Carlo run of simulated failures checks the formula; Young's first-order interval "
                     "sqrt(2 C M) is drawn beside the best one. Times are from this machine (a shared 2-core VM).")
         ui.table(pd.DataFrame(t.get("monte_carlo", [])))
+    with st.expander("The checkpoint's files"):
+        st.markdown(f"Tensor bytes come from DCP's metadata; the files on disk add torch.save's framing, and DCP's "
+                    f"own `.metadata` file (the keys, shapes and each shard's offsets) is {m['dcp_metadata_bytes']:,} B.")
+        ui.table(pd.DataFrame(t["files"]))
+
+
+def resume_button() -> None:
+    """On a failed run that left a checkpoint: resume it as a new run whose record names it as its parent."""
+    run_id = ui.url_run_id()
+    rec = ui.store().get(run_id) if run_id and is_run_id(run_id) else None
+    if rec is None or rec.experiment != "parallel.checkpoint" or rec.status != "failed":
+        return
+    try:
+        resumable(ui.store(), rec.id)
+    except CheckpointError as err:
+        st.caption(f"Cannot be resumed: {escape(str(err))}")
+        return
+    if st.button("Resume from its newest checkpoint", help="A new run with the same settings that loads this run's "
+                 "last complete checkpoint and finishes it; it names this run as its parent."):
+        try:
+            child = ui.runner().resume(rec.id, owner=ui.current_user())
+        except (ConfigError, QueueFull) as err:
+            st.error(escape(str(err)))
+            return
+        st.query_params["run"] = child
+        st.rerun()
 
 
 ui.experiment_page("parallel.checkpoint", render,
                    intro="A data-parallel run saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
+resume_button()

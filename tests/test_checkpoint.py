@@ -175,27 +175,121 @@ def test_torchrun_max_restarts_resumes_the_killed_group_bit_for_bit(tmp_path):
             os.killpg(agent.pid, 9)
 
 
-@pytest.mark.parametrize("saved, loaded", [(("zero3", 4), ("zero1", 2)), (("fsdp", 4), ("fsdp", 2))])
-def test_a_checkpoint_saved_on_4_ranks_resumes_on_2_equal_to_one_process(tmp_path, saved, loaded):
-    """Resharding: the step-2 checkpoint of a 4-rank run (its step-4 one removed) loaded by 2 ranks of another
-    strategy, which train steps 2 and 3: parameters and every loss equal one float64 process within 1e-9."""
-    import shutil
+RESHARD = dict(kill_rank=-1, hidden=16, layers=2, batch=8, steps=4, every=2)
 
+
+@pytest.mark.parametrize("saved, loaded", [(("zero3", 4), ("zero1", 2)), (("fsdp", 4), ("fsdp", 2)),
+                                           (("zero1", 4), ("ddp", 3))])
+def test_a_checkpoint_saved_on_4_ranks_continues_on_another_plan_equal_to_one_process(saved, loaded):
+    """Resharding as the experiment's setting: the step-2 checkpoint of a 4-rank run loaded by the same processes
+    regrouped as fewer ranks of another strategy, which train steps 2 and 3 equal to one float64 process."""
+    result = experiments.run("parallel.checkpoint", strategy=saved[0], world_size=saved[1], reshard_to=loaded[0],
+                             reshard_ranks=loaded[1], **RESHARD)
+    assert result.passed, [c for c in result.checks if not c.passed]
+    assert result.metrics["reshard_from"] == "step_00002"
+    assert {r["new rank"] for r in result.tables["reshard_map"]} == set(range(loaded[1]))
+    assert {r["saved rank"] for r in result.tables["reshard_map"]} == set(range(saved[1]))
+
+
+def test_the_resharding_map_is_zero3s_quarters_read_into_zero1s_halves():
+    """ZeRO-3 over 4 ranks holds each layer's 272 flat elements as 4 x 68; ZeRO-1 over 2 gives new rank 0 the
+    first 272 of the 544 (all of layer 0): it reads model.0.weight's 256 elements as 68, 68, 68 and 52 from saved
+    ranks 0-3, and nothing of layer 1 (counted by hand from the two layouts)."""
+    result = experiments.run("parallel.checkpoint", strategy="zero3", world_size=4, reshard_to="zero1", reshard_ranks=2,
+                             **RESHARD)
+    reads = [r for r in result.tables["reshard_map"] if r["key"] == "model.0.weight"]
+    assert sorted((r["new rank"], r["saved rank"], r["bytes"]) for r in reads) == [(0, 0, 68 * 8), (0, 1, 68 * 8),
+                                                                                  (0, 2, 68 * 8), (0, 3, 52 * 8)]
+    starts = sorted(r["from byte"] for r in reads)
+    assert [b - starts[0] for b in starts] == [0, 68 * 8, 136 * 8, 204 * 8]  # contiguous, in saved-rank order
+    assert not [r for r in result.tables["reshard_map"] if r["key"].startswith("model.1.") and r["new rank"] == 0]
+
+
+def _continue_without_restoring_the_shards(rank, world, config, ctx):
+    """The rule broken in the new ranks: what DCP loaded is not put back (ZeRO-1's gathered weights, Adam's step)."""
+    from backend.experiments.parallel.checkpoint import run_rank
+    from backend.parallel.zero import ZeRO
+
+    ZeRO.load_checkpoint_state = lambda self, state: None
+    return run_rank(rank, world, config, ctx)
+
+
+def _continue_with_a_read_dropped(rank, world, config, ctx):
+    """The rule broken: DCP's plan for each rank loses its last read (a saved piece that overlaps is not read)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from backend.experiments.parallel.checkpoint import run_rank
+
+    plan = DefaultLoadPlanner.create_local_plan
+
+    def dropped(self):
+        out = plan(self)
+        out.items = [i for i in out.items if i.storage_index.fqn != "model.0.weight"] + \
+            [i for i in out.items if i.storage_index.fqn == "model.0.weight"][:-1]
+        return out
+    DefaultLoadPlanner.create_local_plan = dropped
+    return run_rank(rank, world, config, ctx)
+
+
+PARAMS_AND_LOSSES = {"resharded (zero3 on 4 ranks -> zero1 on 2): parameters after the remaining steps equal one process",
+                     "resharded: every step's loss equals one process"}
+
+
+@pytest.mark.parametrize("rank_fn, failing", [
+    (_continue_without_restoring_the_shards, PARAMS_AND_LOSSES),
+    (_continue_with_a_read_dropped, PARAMS_AND_LOSSES | {"resharded: each new rank's reads add up to the tensor bytes it holds"})])
+def test_the_resharding_checks_fail_when_the_rule_is_broken(tmp_path, rank_fn, failing):
     from backend.comm.spawn import spawn_ranks
     from backend.experiments import RunContext
-    from backend.experiments.parallel.checkpoint import CheckpointConfig, resume_rank
-    from backend.parallel.workload import reference_run
+    from backend.experiments.parallel.checkpoint import CheckpointConfig, combine
 
-    ctx = RunContext(scratch_dir=str(tmp_path), timeout_s=180)
-    first = CheckpointConfig(world_size=saved[1], strategy=saved[0], kill_rank=-1, **SMALL)
-    spawn_ranks(resume_rank, saved[1], first, ctx, ("torch.distributed.fsdp", "torch.distributed.checkpoint"))
-    shutil.rmtree(tmp_path / "checkpoints" / "step_00004")
-    then = CheckpointConfig(world_size=loaded[1], strategy=loaded[0], kill_rank=-1, **SMALL)
-    reports = spawn_ranks(resume_rank, loaded[1], then, ctx, ("torch.distributed.fsdp", "torch.distributed.checkpoint"))
-    assert all(r.extra["resumed_from"] == "step_00002" for r in reports)
-    ref = reference_run(then.workload)
-    assert max(np.abs(r.params - ref["params"].numpy()).max() for r in reports) <= 1e-9
-    assert max(abs(a - b) for a, b in zip(reports[0].losses, ref["losses"])) <= 1e-9
+    config = CheckpointConfig(strategy="zero3", world_size=4, reshard_to="zero1", reshard_ranks=2, **RESHARD).validate()
+    reports = spawn_ranks(rank_fn, 4, config, RunContext(scratch_dir=str(tmp_path), timeout_s=180),
+                          ("torch.distributed.fsdp", "torch.distributed.checkpoint"))
+    result = combine(config, reports)
+    assert {c.name for c in result.checks if not c.passed} == failing
+
+
+def test_checkpoint_bytes_per_rank_are_each_ranks_own_shards_and_the_check_sees_a_moved_piece(tmp_path, monkeypatch):
+    """ZeRO-3 over 3 ranks cuts each layer's 272 elements as 91, 91, 90: each rank's file holds 3 x 8 B per element
+    it owns plus its generator state. The check fails when 8 bytes move from rank 0's file to rank 1's (the total
+    unchanged) and when the layout rule is not ceil(total / n) pieces."""
+    from backend.comm.spawn import spawn_ranks
+    from backend.experiments import RunContext
+    from backend.experiments.parallel import checkpoint as exp
+
+    config = exp.CheckpointConfig(strategy="zero3", world_size=3, reshard_to="off", batch=9,
+                                  **{k: v for k, v in RESHARD.items() if k != "batch"}).validate()
+    reports = spawn_ranks(exp.run_rank, 3, config, RunContext(scratch_dir=str(tmp_path), timeout_s=180),
+                          ("torch.distributed.checkpoint",))
+    name = "each rank's file holds exactly its own shards: weights, Adam m, v and its RNG state"
+    check = lambda result: next(c for c in result.checks if c.name == name)
+    assert check(exp.combine(config, reports)).passed
+    rows = {r["rank"]: r for r in exp.bytes_per_rank(config, reports[0].extra["pieces"])}
+    rng = torch.get_rng_state().numel()
+    assert [rows[r]["sharded bytes"] for r in range(3)] == [24 * 2 * 91 + rng, 24 * 2 * 91 + rng, 24 * 2 * 90 + rng]
+    moved = [dict(p) for p in reports[0].extra["pieces"]]
+    first = next(p for p in moved if p["rank"] == 0 and p["key"] == "model.0.weight")
+    first["bytes"] -= 8
+    next(p for p in moved if p["rank"] == 1 and p["key"] == "model.0.weight")["bytes"] += 8
+    reports[0].extra["pieces"] = moved
+    assert check(exp.combine(config, reports)).error == 8
+    monkeypatch.setattr(exp, "owned", lambda total, rank, n: total // n)  # an even floor split: not the layout
+    assert not check(exp.combine(config, reports)).passed
+
+
+def test_reshard_settings_are_refused_by_name():
+    from backend.config import ConfigError
+
+    exp = experiments.get("parallel.checkpoint")
+    with pytest.raises(ConfigError, match=r"reshard_to.*allowed with strategy=zero3: same, off, ddp, zero1, zero2, zero3"):
+        exp.make_config({"reshard_to": "fsdp"})
+    with pytest.raises(ConfigError, match=r"reshard_to.*allowed with strategy=fsdp: same, off, fsdp"):
+        exp.make_config({"reshard_to": "zero1", "strategy": "fsdp"})
+    with pytest.raises(ConfigError, match=r"reshard_ranks.*allowed: 1 to 2"):
+        exp.make_config({"reshard_ranks": "3"})
+    with pytest.raises(ConfigError, match=r"every.*allowed with reshard_to=same: 1 to 5"):
+        exp.make_config({"every": "6"})
 
 
 def test_interval_tradeoff_closed_form_against_monte_carlo_and_young(monkeypatch):

@@ -10,7 +10,12 @@ piece's offset in the parameter's flat global tensor, and FSDP2's state comes fr
 DTensors. Both carry the offsets DCP needs to load the same checkpoint on another number of ranks.
 A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder without
 it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
-Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder).
+Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder); a run
+that resumes a failed one reads the parent's folder, found from its own record in the store (parent_folder).
+
+Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
+keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads). The mesh run
+(mesh_train.train_rank) saves through MeshHook: each rank's own state under keys named by its mesh coordinates.
 """
 from __future__ import annotations
 
@@ -98,13 +103,17 @@ class SaveRecord:
 class Checkpointer:
     """Save every `every` steps into root/step_<k>/, resume from the newest complete one."""
     root: Path
-    every: int
+    every: int  # 0: never save (a run that only resumes, e.g. on another plan)
     rank: int
     attempt: int = 0
+    source: Path | None = None  # resume from this checkpoint (saved on another plan) instead of root's newest
+    parent: Path | None = None  # a failed run's checkpoint folder, resumed from while root holds none (parent_folder)
     asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
     saves: list[SaveRecord] = field(default_factory=list)
     load_seconds: float | None = None
     resumed_from: str | None = None
+    reads: list[dict] = field(default_factory=list)  # what this rank's load read from which saved file (read_map)
+    held_bytes: int = 0  # tensor bytes of the state this rank loaded into
     _pending: tuple | None = None  # (future, path, record) of an async save still writing
     _group: object = None
 
@@ -113,17 +122,15 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        if not self.root.exists() or self.root.is_symlink():
-            return None
-        done = [p for p in self.root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+        own = max(complete(self.root), key=_step_of, default=None)
+        return own or (max(complete(self.parent), key=_step_of, default=None) if self.parent else None)
 
     def after_step(self, step: int, strategy, loop_state: dict) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
         self.finish()  # an async save started after the previous step has had this step to write
         if self.rank == 0:
             log_event(self.root, event="step", step=step, attempt=self.attempt)
-        if (step + 1) % self.every == 0:
+        if self.every and (step + 1) % self.every == 0:
             self.save(step, strategy, loop_state)
 
     def save(self, step: int, strategy, loop_state: dict) -> None:
@@ -165,7 +172,7 @@ class Checkpointer:
         """Load the newest complete checkpoint into the strategy and loop_state (in place); the next step to run."""
         import torch.distributed.checkpoint as dcp
 
-        path = self.latest()
+        path = self.source or self.latest()
         if path is None:
             if self.rank == 0:
                 log_event(self.root, event="start", step=0, attempt=self.attempt)
@@ -177,7 +184,10 @@ class Checkpointer:
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         mine = {k: v for k, v in loop_state.items() if k in saved}  # another world size: no random state for this rank
         state = {**strategy.checkpoint_state(), **mine}
-        dcp.load(state, checkpoint_id=str(path))
+        planner = _recording_planner()
+        dcp.load(state, checkpoint_id=str(path), planner=planner)
+        self.reads = read_map(planner.local_plan.items, planner.metadata, self.rank)
+        self.held_bytes = local_tensor_bytes(state)
         strategy.load_checkpoint_state(state)
         loop_state.update({k: state[k] for k in mine})
         self.load_seconds = time.perf_counter() - started
@@ -186,6 +196,139 @@ class Checkpointer:
         if self.rank == 0:
             log_event(self.root, event="start", step=step, attempt=self.attempt, load_seconds=self.load_seconds)
         return step
+
+
+def parent_folder(ctx) -> Path | None:
+    """The checkpoint folder of the failed run this run resumes: its record's parent, looked up in the store
+    (JobRunner.resume checked it), never a path from a setting or a link. None for a run that resumes nothing."""
+    if not (ctx.run_id and ctx.store_root):
+        return None
+    from backend.store import RunStore
+
+    store = RunStore(ctx.store_root)
+    me = store.get(ctx.run_id)
+    if me is None or not me.parent:
+        return None
+    parent = store.get(me.parent)
+    if parent is None or parent.experiment != me.experiment:
+        raise CheckpointError(f"run {me.id} resumes {me.parent}, which is not a run of {me.experiment} in this store")
+    return Path(ctx.store_root) / "runs" / parent.id / CHECKPOINTS
+
+
+def resumable(store, run_id: str):
+    """The record of a run that can be resumed: failed, with a complete checkpoint whose files match its manifest.
+    Else CheckpointError saying why."""
+    from backend.store import is_run_id
+
+    rec = store.get(run_id) if is_run_id(run_id) else None
+    if rec is None:
+        raise CheckpointError(f"no run {run_id!r} in this store (allowed: the id of a failed run with a checkpoint)")
+    if rec.status != "failed":
+        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed (allowed: a failed run with "
+                              f"a checkpoint)")
+    newest = max(complete(Path(store.root) / "runs" / rec.id / CHECKPOINTS), key=_step_of, default=None)
+    if newest is None:
+        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from (allowed: a failed run "
+                              f"with a checkpoint)")
+    verify_files(newest)
+    return rec
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints (with their manifest) under root; a symlinked folder is never read."""
+    if not root.exists() or root.is_symlink():
+        return []
+    return [p for p in root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
+
+
+def newest_before(roots: list[Path | None], steps: int) -> Path:
+    """The newest complete checkpoint under the roots saved before step `steps` (one a run can still continue
+    from): a run's own folder and the failed run it resumed."""
+    done = [p for root in roots if root for p in complete(root) if _step_of(p) < steps]
+    if not done:
+        raise CheckpointError(f"no complete checkpoint before step {steps} in {', '.join(r.name for r in roots if r)}")
+    return max(done, key=_step_of)
+
+
+def _recording_planner():
+    """DCP's default load planner, keeping the plan it made for this rank (the reads the load performs)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Recording(DefaultLoadPlanner):
+        local_plan = None
+
+        def create_local_plan(self):
+            self.local_plan = super().create_local_plan()
+            return self.local_plan
+
+    return Recording()
+
+
+def _saved_rank(relative_path: str) -> int:
+    """DCP's file names are __<rank>_<i>.distcp: the rank that wrote it."""
+    return int(relative_path.split("_")[2])
+
+
+def _chunk(entry, index):
+    """The saved chunk (piece of a global tensor) a MetadataIndex names, by its offsets."""
+    offset = tuple(index.offset or (0,) * len(entry.size))
+    return next(c for c in entry.chunks if tuple(c.offsets) == offset)
+
+
+def key_layout(metadata) -> dict[str, tuple[int, int]]:
+    """Each saved tensor's [start, end) in bytes when the checkpoint's tensors are laid end to end by name: the
+    one axis on which a resharding map is drawn."""
+    out, at = {}, 0
+    for key in sorted(metadata.state_dict_metadata):
+        entry = metadata.state_dict_metadata[key]
+        if hasattr(entry, "chunks"):
+            n = entry.properties.dtype.itemsize * int(torch.Size(entry.size).numel())
+            out[key], at = (at, at + n), at + n
+    return out
+
+
+def read_map(items, metadata, rank: int) -> list[dict]:
+    """The resharding map of one rank's load: for each of its plan's reads, the saved file (so the saved rank) it
+    reads from, the key, and the bytes [from, from + bytes) of the key it copies, as byte offsets in key_layout.
+    DCP plans a read wherever a saved chunk overlaps a chunk this rank holds; a non-tensor item is left out."""
+    layout, rows = key_layout(metadata), []
+    for item in items:
+        entry = metadata.state_dict_metadata[item.storage_index.fqn]
+        if not hasattr(entry, "chunks"):
+            continue
+        chunk, info = _chunk(entry, item.storage_index), metadata.storage_data[item.storage_index]
+        first = [c + o for c, o in zip(chunk.offsets, item.storage_offsets)]
+        strides = [int(torch.Size(entry.size[i + 1:]).numel()) for i in range(len(entry.size))]
+        itemsize = entry.properties.dtype.itemsize
+        at = layout[item.storage_index.fqn][0] + itemsize * sum(f * s for f, s in zip(first, strides))
+        rows.append({"new rank": rank, "key": item.storage_index.fqn, "saved rank": _saved_rank(info.relative_path),
+                     "file": info.relative_path, "from byte": at,
+                     "bytes": itemsize * int(torch.Size(item.lengths).numel())})
+    return rows
+
+
+def local_tensor_bytes(state: dict) -> int:
+    """Bytes of the tensors this rank holds in a state dict: its ShardedTensors' local shards, its DTensors' local
+    pieces, its plain tensors (the reference a load's reads must add up to)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += local_tensor_bytes(value)
+        elif isinstance(value, ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif isinstance(value, DTensor):
+            local = value.to_local()
+            total += local.numel() * local.element_size()
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
 
 
 def staged_copy(state: dict, rank: int) -> dict:
@@ -250,10 +393,8 @@ def write_manifest(path: Path, rank: int) -> None:
     dist.barrier()
 
 
-def verify(path: Path, expected: dict) -> None:
-    """Refuse a checkpoint whose files differ from its manifest, or whose tensors are not this model's."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def verify_files(path: Path) -> None:
+    """Refuse a checkpoint whose manifest is unreadable or whose files are missing or differ from it (sha256)."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as err:
@@ -265,6 +406,13 @@ def verify(path: Path, expected: dict) -> None:
         if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
                                   f"match its sha256 in {MANIFEST}")
+
+
+def verify(path: Path, expected: dict) -> None:
+    """Refuse a checkpoint whose files differ from its manifest, or whose tensors are not this model's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    verify_files(path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -281,20 +429,26 @@ def verify(path: Path, expected: dict) -> None:
                                   f"{list(size)} here")
 
 
-def files_per_rank(path: Path) -> list[dict]:
-    """Each file of a checkpoint: its rank, bytes on disk, and the tensor bytes it holds (from DCP's metadata)."""
+def pieces(path: Path) -> list[dict]:
+    """Every tensor piece a checkpoint's files hold, from DCP's metadata: file, the rank that wrote it, key, bytes."""
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(path)).read_metadata()
-    payload: dict[str, int] = {}
+    out = []
     for index, info in md.storage_data.items():
         entry = md.state_dict_metadata[index.fqn]
         if hasattr(entry, "chunks"):
-            chunk = entry.chunks[index.index or 0]
-            n = 1
-            for s in chunk.sizes:
-                n *= s
-            payload[info.relative_path] = payload.get(info.relative_path, 0) + n * entry.properties.dtype.itemsize
+            n = int(torch.Size(_chunk(entry, index).sizes).numel())
+            out.append({"file": info.relative_path, "rank": _saved_rank(info.relative_path), "key": index.fqn,
+                        "bytes": n * entry.properties.dtype.itemsize})
+    return out
+
+
+def files_per_rank(path: Path) -> list[dict]:
+    """Each file of a checkpoint: its rank, bytes on disk, and the tensor bytes it holds (from DCP's metadata)."""
+    payload: dict[str, int] = {}
+    for piece in pieces(path):
+        payload[piece["file"]] = payload.get(piece["file"], 0) + piece["bytes"]
     files = json.loads((path / MANIFEST).read_text())["files"]
     return [{"file": name, "rank": v["rank"], "bytes": v["bytes"], "tensor bytes": payload.get(name, 0)}
             for name, v in sorted(files.items())]
@@ -316,3 +470,58 @@ def kill_self(root: Path, rank: int, step: int) -> None:
     """The fault: this rank ends by SIGKILL (no exception, no clean-up), as a lost node does."""
     log_event(root, event="kill", rank=rank, step=step, pid=os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class MeshState:
+    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's: what this rank owns of its
+    stages' flat weights (the ZeRO shard, or all of them), Adam's m, v and step, and the losses it reported, under
+    keys named by its mesh coordinates (pp1.dp0.cp0.ep0.tp1.weights): each rank writes its own pieces. A checkpoint
+    of another mesh has other keys and is refused by name."""
+
+    def __init__(self, sync, model: torch.nn.Module, tag: str, steps: int):
+        self.sync, self.model, self.tag = sync, model, tag
+        self.losses = torch.zeros(steps, dtype=torch.float64)
+
+    def checkpoint_state(self) -> dict:
+        s, t = self.sync, self.tag
+        return {f"{t}.weights": s.owned, f"{t}.adam_m": s.m, f"{t}.adam_v": s.v,
+                f"{t}.adam_step": torch.tensor(s.adam.step), f"{t}.losses": self.losses}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """After DCP loaded into the aliased tensors: Adam's step, and the model's weights from them (ZeRO-1/2
+        gather their shards; ZeRO-3 gathers at every step's start anyway)."""
+        from backend.parallel.workload import load_flat
+
+        self.sync.adam.step = int(state[f"{self.tag}.adam_step"])
+        if self.sync.strategy in ("zero1", "zero2"):
+            self.sync.weights = self.sync.zero.gather(0, torch.float64)
+        if self.sync.weights is not None:
+            load_flat(self.model, self.sync.weights)
+
+
+@dataclass
+class MeshHook:
+    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save."""
+    saver: Checkpointer
+    fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
+    state: MeshState | None = None
+    loop: dict = field(default_factory=dict)
+
+    def resume(self, sync, model, mesh, steps: int) -> tuple[int, list[float]]:
+        """Load the newest checkpoint into this rank's state: the step to run next and the losses so far."""
+        tag = ".".join(f"{d}{mesh.index(d)}" for d in ("pp", "dp", "cp", "ep", "tp"))
+        self.state, self.loop = MeshState(sync, model, tag, steps), {"loop.step": torch.tensor(0)}
+        start = self.saver.resume(self.state, self.loop)
+        return start, self.state.losses[:start].tolist()
+
+    def mid_step(self, step: int) -> None:
+        if self.fault:
+            self.fault(step)
+
+    def after_step(self, step: int, loss: float) -> None:
+        self.state.losses[step] = loss
+        self.loop["loop.step"].fill_(step + 1)
+        self.saver.after_step(step, self.state, self.loop)
+
+    def finish(self) -> None:
+        self.saver.finish()

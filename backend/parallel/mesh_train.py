@@ -110,7 +110,9 @@ class MeshStage:
         return loss * (self.targets[mb].numel() / self.global_tokens)  # this micro-batch's share of the global mean
 
 
-def train_rank(rank: int, world: int, config, progress=None) -> dict:
+def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
+    """This rank's training. `checkpoint` (backend/parallel/checkpoint.py's MeshHook): resume from its newest
+    checkpoint, call its fault mid-step, save after each step as its interval says."""
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
     tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
@@ -141,17 +143,20 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
     def make_stages():
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
                 for s, c in chunks.items()}
-    for step in range(config.steps):
+    start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
+    for step in range(start, config.steps):
         start_us = tracer.now_us()
         gathered = sync.weights_for_step(step)
         if gathered is not None:
             load_flat(model, gathered)
         stages = make_stages()
-        if step == 0:
+        if step == start:
             for s, st in stages.items():
                 st.activations, st.kept = activations.setdefault(s, {}), kept.setdefault(s, {})
         walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer, recompute=config.recompute == "full")
         pp_bytes += walk["sent_bytes"]
+        if checkpoint:
+            checkpoint.mid_step(step)
         grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
         grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:
@@ -166,8 +171,12 @@ def train_rank(rank: int, world: int, config, progress=None) -> dict:
             if mesh.size(dim) > 1:
                 dist.all_reduce(reported, group=mesh.group(dim))
         losses.append(reported.item())
+        if checkpoint:
+            checkpoint.after_step(step, losses[-1])
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
+    if checkpoint:
+        checkpoint.finish()
     load_flat(model, sync.final_weights())  # (zero3: one more all-gather, to report the trained weights)
     n_params = sum(p_.numel() for p_ in params)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}

@@ -19,7 +19,7 @@ NON_DEFAULT = {
     "gpu_execution": ("group_m", "1"), "paged_attention": ("policy", "recompute"), "paged_decode": ("first_writer", "child"), "serving": ("policy", "fcfs"),
     "moe_routing": ("renormalize", False), "number_formats": ("sum_values", "uniform"),
     "training_estimates": ("device", "H100 (SXM)"), "bellman": ("layout", "3x3"), "mesh_parallel": ("schedule", "zb_v"),
-    "plan_training": ("recompute", "full"),
+    "plan_training": ("recompute", "full"), "checkpoints": ("reshard_to", "ddp"),
 }
 
 

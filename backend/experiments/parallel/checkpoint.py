@@ -3,6 +3,8 @@ restarted from the last checkpoint, and the final parameters against an uninterr
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import shutil
 
 import numpy as np
 import torch
@@ -29,9 +31,11 @@ class CheckpointConfig(WorkloadConfig):
     every: int = setting(2, min=1, max=100, help="checkpoint interval (steps between saves)")
     kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
     kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
-    max_restarts: int = setting(1, min=1, max=3, help="times all ranks may be restarted from the last checkpoint")
+    max_restarts: int = setting(1, min=0, max=3, help="times all ranks may be restarted from the last checkpoint (0: the kill fails the run, which its page can resume)")
     save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
     mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
+    reshard_to: str = setting("same", choices=("same", "off") + STRATEGIES, help="after the run, the last checkpoint before its end loaded on another plan (same: this strategy on reshard_ranks) and training continued (off: none)")
+    reshard_ranks: int = setting(1, min=1, max=8, help="ranks of that plan (at most world_size: the same processes, regrouped)")
 
     cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
 
@@ -44,19 +48,42 @@ class CheckpointConfig(WorkloadConfig):
             raise ConfigError("kill_step", f"{self.kill_step} is past the last step (allowed: 0 to {self.steps - 1})")
         if self.every > self.steps:
             raise ConfigError("every", f"{self.every} saves nothing in {self.steps} steps (allowed: 1 to steps)")
+        if self.reshard_to == "off":
+            return
+        if self.reshard_ranks > self.world_size:
+            raise ConfigError("reshard_ranks", f"{self.reshard_ranks} is more than the run's world_size={self.world_size} "
+                                               f"(allowed: 1 to {self.world_size})")
+        if self.batch < self.reshard_ranks:
+            raise ConfigError("reshard_ranks", f"{self.reshard_ranks} ranks cannot split a batch of {self.batch} "
+                                               f"(allowed: 1 to {min(self.batch, self.world_size)})")
+        if (self.strategy == "fsdp") != (self.target == "fsdp"):
+            same = ["fsdp"] if self.strategy == "fsdp" else [s for s in STRATEGIES if s != "fsdp"]
+            raise ConfigError("reshard_to", f"{self.reshard_to} cannot load a {self.strategy} checkpoint: FSDP2 saves "
+                                            f"DTensor rows, ours flat vectors (allowed with strategy={self.strategy}: "
+                                            f"same, off, {', '.join(same)})")
+        if self.every >= self.steps:
+            raise ConfigError("every", f"{self.every} leaves no checkpoint before the last step to continue from on "
+                                       f"another plan (allowed with reshard_to={self.reshard_to}: 1 to {self.steps - 1})")
+
+    @property
+    def target(self) -> str:
+        """The strategy the checkpoint is continued with on reshard_ranks."""
+        return self.strategy if self.reshard_to == "same" else self.reshard_to
 
     def estimate(self):
         """As WorkloadConfig's run, done twice when a rank is killed (the uninterrupted run, then the resumed one)
-        with the ranks started twice, plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
+        with the ranks started twice, plus the continuation on another plan (the steps after the last save before
+        the end, in the same processes), plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
-        runs = 2 if self.kill_rank >= 0 else 1
+        continued = self.steps - self.every * ((self.steps - 1) // self.every)  # steps after the last save before the end
+        runs = (2 if self.kill_rank >= 0 else 1) + (continued / self.steps if self.reshard_to != "off" else 0)
         activations = self.batch * self.hidden * self.layers * 8 * 3
         saves = self.steps // self.every
         return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
                     flops=runs * 2 * 6 * self.batch * params * self.steps,
                     moved_bytes=runs * self.steps * params * 8 * 4 * self.world_size + saves * 3 * params * 8 * 4,
                     ops=runs * self.steps * self.layers * 1000 * (self.world_size + 2) + saves * 20000 * self.world_size,
-                    ranks=runs * self.world_size)
+                    ranks=(2 if self.kill_rank >= 0 else 1) * self.world_size)  # the regrouped ranks are the same processes
 
 
 def make_strategy(name: str, workload, mesh, tracer):
@@ -73,9 +100,18 @@ def make_strategy(name: str, workload, mesh, tracer):
 
 def run_rank(rank, world, config: CheckpointConfig, ctx):
     root = ckpt.folder(ctx)
+    parent = ckpt.parent_folder(ctx)  # a failed run this one resumes (from its record in the store)
     mesh, tracer = start_rank(rank, world)
+    if parent and rank == 0 and not (root / ckpt.TIMELINE).exists():  # the parent's history (and baseline) go on
+        root.mkdir(parents=True, exist_ok=True)
+        for name in (ckpt.TIMELINE, BASELINE):
+            if (parent / name).exists():
+                shutil.copy(parent / name, root / name)
+    dist.barrier()
+    before = ckpt.read_timeline(parent) if parent else []  # the attempts numbered on from the parent's
+    attempt = (1 + max((e.get("attempt", 0) for e in before), default=0) if parent else 0) + ctx.attempt
     faulted = config.kill_rank >= 0
-    if faulted and ctx.attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
+    if faulted and attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
         baseline = train(make_strategy(config.strategy, config.workload, mesh, Tracer(rank)))
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -83,30 +119,59 @@ def run_rank(rank, world, config: CheckpointConfig, ctx):
         dist.barrier()
 
     def fault(step):
-        if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
+        if attempt == 0 and rank == config.kill_rank and step == config.kill_step:
             ckpt.kill_self(root, rank, step)
 
-    saver = ckpt.Checkpointer(root, config.every, rank, attempt=ctx.attempt, asynchronous=config.save == "async")
+    saver = ckpt.Checkpointer(root, config.every, rank, attempt=attempt, asynchronous=config.save == "async",
+                              parent=parent)
     report = train(make_strategy(config.strategy, config.workload, mesh, tracer), ctx.progress, saver,
                    fault if faulted else None)
-    report.extra = {"attempt": ctx.attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
-                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from}
+    report.extra = {"attempt": attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
+                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from,
+                    "parent": parent.parent.name if parent else None}
     if rank == 0:
         last = saver.latest()
         report.extra.update(timeline=ckpt.read_timeline(root), files=ckpt.files_per_rank(last) if last else [],
+                            pieces=ckpt.pieces(last) if last else [],
                             checkpoint=last.name if last else None,
                             baseline=np.load(root / BASELINE) if faulted else None)
+    if config.reshard_to != "off":
+        report.extra["reshard"] = continue_on_another_plan(rank, config, ctx, root)
     return report
 
 
-def resume_rank(rank, world, config: CheckpointConfig, ctx):
-    """Train with checkpoints in the run's folder, resuming from the newest one there, whatever mesh and strategy
-    saved it (DCP reshards by the saved offsets): how a checkpoint moves from one plan to another."""
-    mesh, tracer = start_rank(rank, world)
-    saver = ckpt.Checkpointer(ckpt.folder(ctx), config.every, rank)
-    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), None, saver)
-    report.extra = {"resumed_from": saver.resumed_from}
-    return report
+def continue_on_another_plan(rank: int, config: CheckpointConfig, ctx, root) -> dict | None:
+    """Resharding: the same processes regrouped as `reshard_ranks` ranks (the others wait), which load the newest
+    checkpoint saved before the run's last step with the `reshard_to` strategy (DCP reads each saved shard where
+    it overlaps what a new rank holds) and train the remaining steps; then the whole group is formed again (the
+    launcher gathers the payloads over it). Their parameters and losses, and which saved file's bytes each new rank
+    read (the load plan DCP made), go back in the payload."""
+    n, world = config.reshard_ranks, dist.get_world_size()
+    out, stores = None, [root / f"regroup_{ctx.attempt}_{name}.store" for name in ("new", "all")]
+    if rank == 0:
+        for store in stores:  # left by an earlier attempt: their stale keys would be read as this one's
+            store.unlink(missing_ok=True)
+    regroup(rank, world, n, stores[0], ctx.timeout_s)
+    if rank < n:
+        source = ckpt.newest_before([root, ckpt.parent_folder(ctx)], config.steps)
+        mesh, tracer = start_rank(rank, n)
+        saver = ckpt.Checkpointer(root / "resharded", 0, rank, attempt=ctx.attempt, source=source)
+        report = train(make_strategy(config.target, config.workload, mesh, tracer), None, saver)
+        out = {"params": report.params, "losses": report.losses, "from": source.name, "reads": saver.reads,
+               "held_bytes": saver.held_bytes, "load_s": saver.load_seconds}
+    regroup(rank, n, world, stores[1], ctx.timeout_s)
+    return out
+
+
+def regroup(rank: int, old: int, new: int, store, timeout_s: float) -> None:
+    """Replace this process's default group of `old` ranks by one of the first `new` ranks (a file store in the run's
+    folder as the rendezvous); ranks past `new` are left without a group. Every rank of the old group calls it."""
+    if rank < old:
+        dist.barrier()  # every member is here before the group is taken down
+        dist.destroy_process_group()
+    if rank < new:
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), new), rank=rank, world_size=new,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def expected_time_per_step(k: np.ndarray, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> np.ndarray:
@@ -156,6 +221,79 @@ def expected_tensor_bytes(config: CheckpointConfig) -> int:
     return 3 * params * 8 + adam_step + 8 + config.steps * 8 + config.world_size * torch.get_rng_state().numel()
 
 
+def category(key: str) -> str:
+    """What a checkpoint key holds, by the names checkpoint_state() gives (ours and DCP's get_state_dict)."""
+    if key.startswith("rng."):
+        return "random state"
+    if key.startswith("loop."):
+        return "step and losses"
+    if key == "optim.step" or key.endswith(".step"):
+        return "Adam step"
+    return "weights" if key.startswith("model.") else "Adam m, v"
+
+
+def owned(total: int, rank: int, n: int) -> int:
+    """Elements of a length-`total` dimension rank holds when it is cut in n pieces of ceil(total / n)
+    (torch.chunk's rule, which ZeRO's padded flat shards and FSDP2's dim-0 rows both follow)."""
+    size = -(-total // n)
+    return max(0, min((rank + 1) * size, total) - rank * size)
+
+
+def sharded_weight_elements(config: CheckpointConfig, rank: int) -> int:
+    """The weight elements `rank` alone holds, from the settings: ZeRO-1/2 cut the whole flat vector, ZeRO-3 each
+    layer's h^2 + h, FSDP2 each weight's and bias's h rows; DDP holds nothing alone (all of it replicated)."""
+    h, L, n = config.hidden, config.layers, config.world_size
+    if config.strategy == "ddp":
+        return 0
+    if config.strategy in ("zero1", "zero2"):
+        return owned(L * (h * h + h), rank, n)
+    if config.strategy == "zero3":
+        return L * owned(h * h + h, rank, n)
+    return L * owned(h, rank, n) * (h + 1)
+
+
+def bytes_per_rank(config: CheckpointConfig, pieces: list[dict]) -> list[dict]:
+    """Each rank's tensor bytes in the checkpoint by category, beside what the settings say it alone must hold:
+    its weights and Adam m, v (3 x 8 B per element it owns) and its generator state. Replicated tensors (the steps,
+    the losses; DDP's whole state) DCP writes once, on a rank its planner picks: shown as written, not predicted."""
+    rows = []
+    for rank in range(config.world_size):
+        mine = [p for p in pieces if p["rank"] == rank]
+        by = {c: sum(p["bytes"] for p in mine if category(p["key"]) == c)
+              for c in ("weights", "Adam m, v", "Adam step", "step and losses", "random state")}
+        sharded = by["random state"] + (by["weights"] + by["Adam m, v"] if config.strategy != "ddp" else 0)
+        expected = 3 * 8 * sharded_weight_elements(config, rank) + torch.get_rng_state().numel()
+        rows.append({"rank": rank, **by, "sharded bytes": sharded, "expected sharded bytes": expected,
+                     "replicated, written here": sum(by.values()) - sharded})
+    return rows
+
+
+def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check], dict, dict]:
+    """The checks, metrics and tables of the continuation on another plan (continue_on_another_plan)."""
+    new = [r.extra["reshard"] for r in reports[:config.reshard_ranks]]
+    param_err = max(float(np.abs(n["params"] - ref["params"].numpy()).max()) for n in new)
+    loss_err = max(abs(a - b) for n in new for a, b in zip(n["losses"], ref["losses"]))
+    read = {i: sum(row["bytes"] for row in n["reads"]) for i, n in enumerate(new)}
+    cover_err = max(abs(read[i] - n["held_bytes"]) for i, n in enumerate(new))
+    plan = f"{config.strategy} on {config.world_size} ranks -> {config.target} on {config.reshard_ranks}"
+    checks = [
+        Check(f"resharded ({plan}): parameters after the remaining steps equal one process", param_err, 1e-9,
+              reference="single-process PyTorch training the whole batch (float64)", detail="max |difference|"),
+        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference="single-process PyTorch"),
+        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
+              reference="the local shards of the tensors each new rank loaded into",
+              detail=", ".join(f"rank {i}: {read[i]:,} B read" for i in read)),
+    ]
+    pairs = {}
+    for n in new:
+        for row in n["reads"]:
+            pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
+    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
+    tables = {"reshard_map": [row for n in new for row in n["reads"]],
+              "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
+    return checks, metrics, tables
+
+
 def combine(config: CheckpointConfig, reports) -> Result:
     first = reports[0]
     ref = reference_run(config.workload)
@@ -172,12 +310,19 @@ def combine(config: CheckpointConfig, reports) -> Result:
               reference="weights + Adam m, v + Adam step + loop step, losses + per-rank RNG, counted from the settings",
               detail=f"{stored} B stored in {len(files)} files"),
     ]
+    per_rank = bytes_per_rank(config, first.extra["pieces"])
+    checks.append(Check("each rank's file holds exactly its own shards: weights, Adam m, v and its RNG state",
+                        max(abs(r["sharded bytes"] - r["expected sharded bytes"]) for r in per_rank), 0,
+                        reference="3 x 8 B per weight element the rank owns (ceil(total / n) pieces) + one generator "
+                                  "state, counted from the settings",
+                        detail="; ".join(f"rank {r['rank']}: {r['sharded bytes']:,} B" for r in per_rank)))
     timeline = first.extra["timeline"]
     kills = [e for e in timeline if e["event"] == "kill"]
     metrics = {"strategy": config.strategy, "world_size": config.world_size, "attempts": first.extra["attempt"] + 1,
                "checkpoint_tensor_bytes": stored, "checkpoint_file_bytes": sum(f["bytes"] for f in files),
                "save_s_mean": float(np.mean([s["seconds"] for s in first.extra["saves"]])) if first.extra["saves"] else None,
-               "load_s": first.extra["load_seconds"]}
+               "load_s": first.extra["load_seconds"],
+               "dcp_metadata_bytes": sum(f["bytes"] for f in files if f["file"] == ".metadata")}
     if config.kill_rank >= 0:
         base_err = max(float(np.abs(r.params - first.extra["baseline"]).max()) for r in reports)
         bitwise = all(np.array_equal(r.params.view(np.uint64), first.extra["baseline"].view(np.uint64)) for r in reports)
@@ -208,11 +353,22 @@ def combine(config: CheckpointConfig, reports) -> Result:
         tables_extra = {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
     else:
         tables_extra = {}
+    tables_extra["bytes_per_rank"] = per_rank
+    if config.reshard_to != "off":
+        more_checks, more_metrics, more_tables = reshard_result(config, reports, ref)
+        checks += more_checks
+        metrics.update(more_metrics)
+        tables_extra.update(more_tables)
     t0 = timeline[0]["t"] if timeline else 0.0
     events = [{**e, "t_s": e["t"] - t0} for e in timeline]
     notes = [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
              f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
              f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
+    if first.extra["parent"]:
+        metrics["parent_run"] = first.extra["parent"]
+        notes = [f"Run {first.extra['parent']} failed when rank {config.kill_rank} was killed by SIGKILL in step "
+                 f"{config.kill_step}; this run resumed it from its newest checkpoint ({first.extra['resumed_from']}), "
+                 f"redoing {metrics.get('steps_redone')} step(s). The timeline holds both runs."]
     return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
                                                           "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
