@@ -98,6 +98,16 @@ class JobRunner:
         return self.store.submit(exp.name, config.to_dict(), digest, timeout_s=timeout_s,
                                  code_version=version, owner=owner, max_queued=self.max_queued_per_person)[0]
 
+    def why_not_resumable(self, run_id: str) -> str | None:
+        """None when `run_id` is a failed run with a complete, intact checkpoint; else the reason it cannot resume."""
+        from backend.parallel.checkpoint import CheckpointError, resumable
+
+        try:
+            resumable(self.store, run_id)
+        except CheckpointError as err:
+            return str(err)
+        return None
+
     def resume(self, parent_id: str, *, owner: str = "") -> str:
         """Queue a run that continues a failed run from its newest checkpoint: the parent's settings, its record's
         id stored as this run's parent (the ranks find the checkpoint folder from it, never from a path), submitted

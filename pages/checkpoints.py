@@ -4,11 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from backend.config import ConfigError
-from backend.parallel.checkpoint import CheckpointError, resumable
-from backend.store import QueueFull, is_run_id
 from pages import ui
-from pages.markup import escape
 
 st.title("Checkpoints and failures")
 
@@ -103,29 +99,7 @@ def render(result: dict, rec) -> None:
         ui.table(pd.DataFrame(t["files"]))
 
 
-def resume_button() -> None:
-    """On a failed run that left a checkpoint: resume it as a new run whose record names it as its parent."""
-    run_id = ui.url_run_id()
-    rec = ui.store().get(run_id) if run_id and is_run_id(run_id) else None
-    if rec is None or rec.experiment != "parallel.checkpoint" or rec.status != "failed":
-        return
-    try:
-        resumable(ui.store(), rec.id)
-    except CheckpointError as err:
-        st.caption(f"Cannot be resumed: {escape(str(err))}")
-        return
-    if st.button("Resume from its newest checkpoint", help="A new run with the same settings that loads this run's "
-                 "last complete checkpoint and finishes it; it names this run as its parent."):
-        try:
-            child = ui.runner().resume(rec.id, owner=ui.current_user())
-        except (ConfigError, QueueFull) as err:
-            st.error(escape(str(err)))
-            return
-        st.query_params["run"] = child
-        st.rerun()
-
-
 ui.experiment_page("parallel.checkpoint", render,
                    intro="A data-parallel run saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
-resume_button()
+ui.resume_button("parallel.checkpoint")

@@ -332,3 +332,25 @@ def _downloads(rec: RunRecord) -> None:
     with cols[2]:
         st.caption(f"Link to this run: add `?run={rec.id}` to this page's address. "
                    f"Code version {rec.code_version} · {rec.duration_s or 0:.1f} s.")
+
+
+def resume_button(experiment: str) -> None:
+    """On a failed run of `experiment` that left a checkpoint: resume it as a new run whose record names it as its
+    parent (the runner finds the checkpoint from the store, never from the URL)."""
+    run_id = url_run_id()
+    rec = store().get(run_id) if run_id and is_run_id(run_id) else None
+    if rec is None or experiment_of(rec) != experiment or rec.status != "failed":
+        return
+    why = runner().why_not_resumable(rec.id)
+    if why:
+        st.caption(f"Cannot be resumed: {escape(why)}")
+        return
+    if st.button("Resume from its newest checkpoint", help="A new run with the same settings that loads this run's "
+                 "last complete checkpoint and finishes it; it names this run as its parent."):
+        try:
+            child = runner().resume(rec.id, owner=current_user())
+        except (ConfigError, QueueFull) as err:
+            st.error(escape(str(err)))
+            return
+        st.query_params["run"] = child
+        st.rerun()

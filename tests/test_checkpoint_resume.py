@@ -34,6 +34,8 @@ def test_a_failed_run_is_resumed_from_its_checkpoint_bit_for_bit(runner, store):
     assert [e["event"] for e in result["tables"]["timeline"] if e["event"] in ("kill", "start")] == ["start", "kill", "start"]
     assert result["notes"][0].startswith(f"Run {parent.id} failed when rank 1 was killed by SIGKILL in step 2")
     assert runner.resume(parent.id, owner="ben") == child_id  # the same resume twice is one run
+    assert runner.why_not_resumable(parent.id) is None  # what the page asks before it offers the button
+    assert "only a failed run is resumed" in runner.why_not_resumable(child_id)
 
 
 def test_what_cannot_be_resumed_is_refused_by_name(runner, store):
