@@ -78,8 +78,8 @@ class MeshConfig(TPConfig):
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
     recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
-                             "executor's option): full keeps only each stage's input from F to B and reruns its forward "
-                             "in the backward (schedules naive, gpipe, 1f1b; tp = cp = ep = 1)")
+                             "executor's option): full keeps only each stage's input from F to B and reruns its forward, "
+                             "with its tp, cp and ep collectives, in the backward (schedules without a split backward)")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -146,16 +146,10 @@ class MeshConfig(TPConfig):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
         plan = self.plan
-        if self.dp_strategy != "allreduce" and self.dp == 1:
-            raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
-                                             f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
-        if self.recompute == "full" and not plan.supports_recompute:
-            raise ConfigError("recompute", f"full with {self.schedule}: the executor recomputes in B only (allowed: none, "
-                                           f"or full with schedule naive, gpipe or 1f1b)")
-        if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
-            raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
-                                           "would repeat their collectives, which the byte model does not count yet "
-                                           "(allowed: none, or full with tp = cp = ep = 1)")
+        if self.recompute == "full" and plan.split_backward:
+            raise ConfigError("recompute", f"full with {self.schedule}: a split backward would rerun the forward in I and "
+                                           "hold its graph to W, which the activation accounting does not follow (allowed: "
+                                           "none, or full with schedule naive, gpipe, 1f1b or interleaved_1f1b)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
@@ -163,12 +157,11 @@ class MeshConfig(TPConfig):
             raise ConfigError("layers", f"{self.layers} does not divide into {self.num_stages} stages (pp={self.pp} x "
                                         f"{plan.chunks(self.virtual_stages)} chunks; allowed: a multiple of {self.num_stages})")
         least = plan.min_microbatches_fn(self.pp) if plan.min_microbatches_fn else 1
-        if plan.interleaved and self.virtual_stages > 1:
-            least = self.pp
+        if plan.interleaved and self.virtual_stages > 1:  # torch's ScheduleInterleaved1F1B: rounds of m // pp (>= 1)
             rounds = max(1, self.microbatches // self.pp)
-            if self.microbatches >= least and self.microbatches % rounds:
+            if self.microbatches % rounds:
                 raise ConfigError("microbatches", f"{self.microbatches} is not a multiple of its {rounds} rounds (m // pp); "
-                                                  "allowed: a multiple of pp, or m with m % (m // pp) == 0")
+                                                  "allowed: fewer than 2 pp, a multiple of pp, or m with m % (m // pp) == 0")
         if self.microbatches < least:
             raise ConfigError("microbatches", f"{self.microbatches}: {plan.title} on pp={self.pp} needs at least {least} "
                                               f"micro-batches (allowed: >= {least})")
@@ -206,13 +199,16 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
-    tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
+    forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
+    tp = sum(r["sent_bytes"] * (forwards if r["phase"] == "forward" else 1)
+             for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
                                            dense_ffn=not config.experts))
     return {"tp": steps * tp, "pp": steps * act * crossings,
-            # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
-            "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
+            # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
+            "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
+            if config.cp > 1 else 0,
             "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
@@ -221,10 +217,10 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
 
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
-    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s token ids (int64) on stage 0, a
-    b x s x d_model float64 activation on the others."""
+    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
+    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only)."""
     sizes = _microbatch_sizes(config, payload["coords"])
-    return {st: {j: b * config.seq * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
+    return {st: {j: b * (config.seq // config.cp) * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
             for st in payload["stages"]}
 
 
@@ -287,14 +283,16 @@ def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) 
 def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> int:
     """One MoE call's all-to-all bytes from ep rank coords["ep"]: the per-expert counts ((ep-1) messages of E/ep
     numbers), then forward dispatch (its rows for other ranks' experts), combine (other ranks' rows for its experts,
-    returned), and their backwards again: 2 (out + in) rows of d_model float64."""
+    returned), and their backwards again: 2 (out + in) rows of d_model float64. Full recompute runs the forward's
+    counts, dispatch and combine twice."""
     n, per, me = config.ep, config.experts // config.ep, coords["ep"]
     if n == 1:
         return 0
+    forwards = 2 if config.recompute == "full" else 1
     mine = slice(me * per, (me + 1) * per)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
-    return (n - 1) * per * 8 + 2 * (out_rows + in_rows) * config.d_model * 8
+    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * 8
 
 
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
