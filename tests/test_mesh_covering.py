@@ -32,16 +32,13 @@ DIMENSIONS = {
 # the tiny LLaMA of tests/test_mesh_parallel.py; seq 8 holds cp 2's 4 zigzag chunks
 BASE = dict(world_size=WORLD, seq=8, d_model=16, n_heads=8, d_head=4, d_ff=16, vocab=16, steps=2)
 
-# Why each refusal met over the array is right. Every rule but the last says the combination cannot run as named;
-# the last is a gap of this mesh's accounting, said so (it names the schedules that do run with full recompute).
+# Why each refusal met over the array is right: the combination cannot run as named.
 REFUSED = {
     "ep": "expert parallel shards the MoE experts: with experts = 0 there are none to shard",
     "pp": "tp x pp x cp x ep must divide the ranks: the mesh is their product times dp (4 ranks hold no pp 4 x cp 2)",
     "virtual_stages": "only interleaved 1F1B places several looped chunks per rank (the V schedules hold 2 by their "
                       "shape; the others one)",
     "microbatches": "DualPipe-V's order is built for at least 2p micro-batches (torch's ScheduleDualPipeV refuses fewer)",
-    "recompute": "NOT BUILT, not impossible: with a split backward (zb_h1, zb_v, dualpipe_v) the executor would rerun the "
-                 "forward in I and hold its graph to W, which mesh_train.peak_in_flight does not model",
 }
 
 
@@ -192,3 +189,24 @@ def test_recompute_counted_as_one_forward_fails_the_byte_check(runs):
         model = {p["rank"]: mesh.predicted_bytes(once, p, mesh.expert_rows(once, mesh.reference_training(once)["routing"], p))
                  for p in payloads}
         assert any(model[p["rank"]] != {k: p["bytes"][k] for k in model[p["rank"]]} for p in payloads), cfg
+
+
+def test_recompute_under_a_split_backward_holds_each_graph_from_i_to_w(runs, monkeypatch):
+    """Worked by hand: stage inputs of 1 byte kept from F, each micro-batch's 10 bytes recomputed in I and held to W.
+    In F0 F1 I0 I1 W0 W1 both graphs are alive after I1: 20 bytes. A formula that frees each graph at its I (as B
+    does) fails the activation check on the array's split-backward rows with full recompute."""
+    from backend.parallel import mesh_train
+
+    order = [("F", 0, 1), ("F", 1, 1), ("I", 0, 1), ("I", 1, 1), ("W", 0, 1), ("W", 1, 1)]
+    assert mesh_train.peak_in_flight(order, {1: {0: 10, 1: 10}}, {1: {0: 1, 1: 1}}) == 20
+    rows = [(c, p) for c, p in runs if c.recompute == "full" and c.plan.split_backward]
+    assert rows
+    right = mesh_train.peak_in_flight
+
+    def freed_at_i(order, per_action, kept=None):
+        return right([("B", mb, st) if k == "I" else (k, mb, st) for k, mb, st in order if k != "W"], per_action, kept)
+    assert freed_at_i(order, {1: {0: 10, 1: 10}}, {1: {0: 1, 1: 1}}) == 11
+    monkeypatch.setattr(mesh, "peak_in_flight", freed_at_i)
+    failed = [c for cfg, payloads in rows for c in mesh.combine(cfg, payloads).checks if c.name.startswith("activations held")
+              and not c.passed]
+    assert failed

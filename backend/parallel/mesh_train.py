@@ -174,7 +174,8 @@ def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
     to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
     same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
-    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed)."""
+    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed). A split backward
+    recomputes in I and holds that graph until its W."""
     if kept is None:
         return live_activations(order, lambda stage, mb: per_action[stage][mb])
     alive, peak = {}, 0
@@ -185,4 +186,9 @@ def peak_in_flight(order, per_action, kept=None) -> int:
         elif kind == "B":
             alive.pop((stage, mb))
             peak = max(peak, sum(alive.values()) + per_action[stage][mb])
+        elif kind == "I":
+            alive[(stage, mb)] = per_action[stage][mb]
+            peak = max(peak, sum(alive.values()))
+        elif kind == "W":
+            alive.pop((stage, mb))
     return peak

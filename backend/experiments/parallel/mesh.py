@@ -79,7 +79,7 @@ class MeshConfig(TPConfig):
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
     recompute: str = setting("none", choices=("none", "full"), help="activation recompute per stage (the pipeline "
                              "executor's option): full keeps only each stage's input from F to B and reruns its forward, "
-                             "with its tp, cp and ep collectives, in the backward (schedules without a split backward)")
+                             "with its tp, cp and ep collectives, in the backward (in I under a split backward, held to W)")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -146,10 +146,6 @@ class MeshConfig(TPConfig):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
         plan = self.plan
-        if self.recompute == "full" and plan.split_backward:
-            raise ConfigError("recompute", f"full with {self.schedule}: a split backward would rerun the forward in I and "
-                                           "hold its graph to W, which the activation accounting does not follow (allowed: "
-                                           "none, or full with schedule naive, gpipe, 1f1b or interleaved_1f1b)")
         if self.virtual_stages > 1 and not plan.interleaved:
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs an interleaved schedule (allowed with "
                                                 f"{self.schedule}: 1)")
