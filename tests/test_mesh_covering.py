@@ -58,8 +58,10 @@ def _cost(row: dict) -> int:
 
 
 def pairs_of(row: dict) -> set:
-    """Every pair of (dimension, choice) the row holds: the thing a covering array must contain."""
-    return set(itertools.combinations(sorted(row.items()), 2))
+    """Every pair of (dimension, choice) the row holds live: the thing a covering array must contain. Over dp = 1 the
+    dp strategy has nothing to sum or shard (it runs, sending nothing), so its pairs count only where dp > 1."""
+    live = sorted((k, v) for k, v in row.items() if k != "dp_strategy" or _config(row).dp > 1)
+    return set(itertools.combinations(live, 2))
 
 
 def all_pairs() -> set:
@@ -79,15 +81,18 @@ def valid(row: dict) -> bool:
 def covering_array() -> tuple[list[dict], set]:
     """Greedy pairwise: among every valid row of the full product, repeatedly take the one covering the most pairs not
     yet covered (ties: the cheaper run, then product order) until every pair some valid row holds is covered.
-    Returns the rows and the pairs no valid row holds (each must be refused by validate)."""
+    Returns the rows and the pairs no valid row holds live (each refused by validate, or a dp strategy over dp = 1)."""
     names = sorted(DIMENSIONS)
     rows = [dict(zip(names, values)) for values in itertools.product(*(DIMENSIONS[n] for n in names))]
     rows = [r for r in rows if valid(r)]
     index = {p: i for i, p in enumerate(sorted(all_pairs(), key=str))}
-    members = np.array([[index[p] for p in sorted(pairs_of(r), key=str)] for r in rows])
+    held = [[index[p] for p in sorted(pairs_of(r), key=str)] for r in rows]
+    width = max(map(len, held))
+    members = np.array([h + [len(index)] * (width - len(h)) for h in held])  # padded with a slot never uncovered
     cost = np.array([_cost(r) for r in rows])
-    uncovered = np.zeros(len(index), dtype=bool)
+    uncovered = np.zeros(len(index) + 1, dtype=bool)
     uncovered[np.unique(members)] = True
+    uncovered[-1] = False
     feasible = {p for p, i in index.items() if uncovered[i]}
     chosen = []
     while uncovered.any():
@@ -111,20 +116,21 @@ def test_the_array_covers_every_runnable_pair_and_a_dropped_row_breaks_it():
     ARRAY, INFEASIBLE = covering_array()
     runnable = all_pairs() - INFEASIBLE
     assert uncovered(ARRAY, runnable) == set() and all(valid(r) for r in ARRAY)
-    assert len(ARRAY) <= 40, len(ARRAY)
+    assert len(ARRAY) <= 50, len(ARRAY)
     assert uncovered(ARRAY[:-1], runnable)  # the greedy's last row was taken for a pair no other row holds
     dims_seen = {(d, r[d]) for r in ARRAY for d in DIMENSIONS}
     assert dims_seen == {(d, v) for d, vs in DIMENSIONS.items() for v in vs}
 
 
 def refusals(pairs) -> dict:
-    """For each pair, the refusal of a row holding it (the first choice of every other dimension): the field
-    validate names and its message, or None where validate accepts the row."""
+    """For each pair, what validate says of a row holding it (the first choice of every other dimension): the field
+    it names and its message, or None where it accepts the row."""
     names, out = sorted(DIMENSIONS), {}
     for (a, x), (b, y) in sorted(pairs, key=str):
         others = [n for n in names if n not in (a, b)]
+        row = dict(zip(others, (DIMENSIONS[n][0] for n in others)), **{a: x, b: y})
         try:
-            _config(dict(zip(others, (DIMENSIONS[n][0] for n in others)), **{a: x, b: y})).validate()
+            _config(row).validate()
             out[((a, x), (b, y))] = None
         except ConfigError as e:
             out[((a, x), (b, y))] = (e.field, str(e))
@@ -132,12 +138,16 @@ def refusals(pairs) -> dict:
 
 
 def test_every_pair_no_row_can_hold_is_refused_naming_a_justified_field():
-    """Each pair no valid row holds is refused by validate with one message naming a field whose rule REFUSED
-    justifies, and saying what is allowed; each justified rule is met (none is kept for nothing)."""
+    """Each pair no valid row holds live is either refused by validate with one message naming a field whose rule
+    REFUSED justifies and saying what is allowed, or is a dp strategy beside a mesh that leaves dp = 1 (pp 4 on 4
+    ranks): accepted, and run as the degenerate case. Each justified rule is met (none is kept for nothing)."""
     found = refusals(covering_array()[1])
-    assert all(r is not None for r in found.values()), [p for p, r in found.items() if r is None]
-    assert {f for f, _ in found.values()} == set(REFUSED), {p: f for p, (f, _) in found.items()}
-    assert all("allowed" in message for _, message in found.values())
+    accepted = [p for p, r in found.items() if r is None]
+    assert all("dp_strategy" in dict(p) for p in accepted), accepted
+    assert {dict(p)["pp"] for p in accepted if "pp" in dict(p)} <= {4}
+    refused = {p: r for p, r in found.items() if r is not None}
+    assert {f for f, _ in refused.values()} == set(REFUSED), {p: f for p, (f, _) in refused.items()}
+    assert all("allowed" in message for _, message in refused.values())
 
 
 def test_a_dropped_refusal_rule_is_caught(monkeypatch):
@@ -156,6 +166,10 @@ def test_a_dropped_refusal_rule_is_caught(monkeypatch):
     assert list(found.values()) == [None]
 
 
+# beside the array: ZB-H1 over pp 2 with 4 micro-batches and full recompute, where a rank holds two I-recomputed graphs
+SPLIT_RECOMPUTE = MeshConfig(**dict(BASE, tp=1, pp=2, schedule="zb_h1", microbatches=4, batch=8, layers=4, recompute="full"))
+
+
 def _all(rank, world, configs, ctx):
     return [mesh.run_rank(rank, world, cfg, ctx) for cfg in configs]
 
@@ -163,15 +177,16 @@ def _all(rank, world, configs, ctx):
 @pytest.fixture(scope="module")
 def runs():
     ARRAY = covering_array()[0]
-    configs = [_config(r).validate() for r in ARRAY]
+    configs = [_config(r).validate() for r in ARRAY] + [SPLIT_RECOMPUTE.validate()]
     per_rank = spawn_ranks(_all, WORLD, configs, RunContext(timeout_s=900), preload=("torch.distributed.pipelining",))
     assert multiprocessing.active_children() == []
     return [(cfg, [per_rank[r][i] for r in range(WORLD)]) for i, cfg in enumerate(configs)]
 
 
 def test_every_row_of_the_array_runs_and_passes_every_check(runs):
+    assert len(runs) == len(covering_array()[0]) + 1
     failed = []
-    for (cfg, payloads), row in zip(runs, covering_array()[0]):
+    for (cfg, payloads), row in zip(runs, covering_array()[0] + [{"extra": "SPLIT_RECOMPUTE"}]):
         result = mesh.combine(cfg, payloads)
         if not result.passed:
             failed.append((row, [(c.name, c.error) for c in result.checks if not c.passed]))
@@ -194,13 +209,13 @@ def test_recompute_counted_as_one_forward_fails_the_byte_check(runs):
 def test_recompute_under_a_split_backward_holds_each_graph_from_i_to_w(runs, monkeypatch):
     """Worked by hand: stage inputs of 1 byte kept from F, each micro-batch's 10 bytes recomputed in I and held to W.
     In F0 F1 I0 I1 W0 W1 both graphs are alive after I1: 20 bytes. A formula that frees each graph at its I (as B
-    does) fails the activation check on the array's split-backward rows with full recompute."""
+    does) fails the activation check of SPLIT_RECOMPUTE's run."""
     from backend.parallel import mesh_train
 
     order = [("F", 0, 1), ("F", 1, 1), ("I", 0, 1), ("I", 1, 1), ("W", 0, 1), ("W", 1, 1)]
     assert mesh_train.peak_in_flight(order, {1: {0: 10, 1: 10}}, {1: {0: 1, 1: 1}}) == 20
-    rows = [(c, p) for c, p in runs if c.recompute == "full" and c.plan.split_backward]
-    assert rows
+    rows = runs[-1:]  # SPLIT_RECOMPUTE
+    assert rows[0][0].recompute == "full" and rows[0][0].schedule == "zb_h1"
     right = mesh_train.peak_in_flight
 
     def freed_at_i(order, per_action, kept=None):
