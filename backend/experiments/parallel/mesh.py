@@ -60,6 +60,8 @@ PRESET_NOTES = {
 class MeshConfig(TPConfig):
     world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x ep x tp")
     tp: int = setting(2, min=1, max=8, help="tensor-parallel degree (innermost: neighbouring ranks)")
+    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards, each "
+                                   "all-reduce a reduce-scatter and an all-gather, stages hand on sequence shards")
     pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp x ep)")
     cp: int = setting(1, min=1, max=8, help="context-parallel degree: each sequence's positions split over cp ranks "
                                             "(zigzag), keys and values passed round a ring")
@@ -142,6 +144,12 @@ class MeshConfig(TPConfig):
             raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
+        if self.sp and self.cp > 1:
+            raise ConfigError("sp", "true with cp > 1: sequence parallel inside context parallel's shards is not built "
+                                    "(allowed: false, or true with cp = 1)")
+        if self.sp and self.experts:
+            raise ConfigError("sp", "true with MoE blocks: sequence parallel around routed experts is not built (allowed: "
+                                    "false, or true with experts = 0)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
@@ -186,7 +194,7 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
     sizes = _microbatch_sizes(config, payload["coords"])
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
-    act = sum(b * s * h * 8 for b in sizes)  # one activation (or its gradient) per micro-batch
+    act = sum(b * s * h * 8 for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
     # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
@@ -196,11 +204,25 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
     forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
-    tp = sum(r["sent_bytes"] * (forwards if r["phase"] == "forward" else 1)
-             for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
-             for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
+
+    split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
+
+    def times(r: dict, st: int, mb: int) -> int:
+        """How often a collective of one forward and backward runs: a forward's twice under full recompute; under SP
+        a split backward's W (on stages past the first, whose I took the input gradient) reruns each gathering
+        linear's one backward (sp.GatherLinear computes both gradients), its re-gather and reduce-scatter again."""
+        if r["phase"] == "forward":
+            return forwards
+        rerun = config.sp and st > 0 and (st, mb) in split and (r["name"].endswith("(re-gather)") or r["op"] == "reduce_scatter")
+        return 2 if rerun else 1
+    tp = sum(r["sent_bytes"] * times(r, st, mb)
+             for mb, b in enumerate(sizes) if config.tp > 1 for st, layers in payload["stages"].items()
+             for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
-                                           dense_ffn=not config.experts))
+                                           dense_ffn=not config.experts) if r["name"] != "norm weight gradients")
+    if config.sp and config.tp > 1:  # the norms' gradients, summed over tp once a step (not per micro-batch)
+        tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, 8, payload["coords"]["tp"])
+                  for st, layers in payload["stages"].items())
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
@@ -216,7 +238,9 @@ def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
     """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
     b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only)."""
     sizes = _microbatch_sizes(config, payload["coords"])
-    return {st: {j: b * (config.seq // config.cp) * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
+    shard = config.seq // config.cp
+    return {st: {j: b * 8 * (shard if st == 0 else shard // (config.tp if config.sp else 1) * config.d_model)
+                 for j, b in enumerate(sizes)}
             for st in payload["stages"]}
 
 
@@ -304,7 +328,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
     out = {}
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
-                                    config.d_ff, config.tp, False, ring)
+                                    config.d_ff, config.tp, config.sp, ring)
         for stage, layers in payload["stages"].items():
             elements = s * config.d_head
             for layer in layers:
