@@ -398,7 +398,7 @@ def combine(config: MeshConfig, payloads) -> Result:
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "experts": config.experts, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts, "steps": config.steps,
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
