@@ -47,7 +47,7 @@ REFUSED = {
 def _config(row: dict) -> MeshConfig:
     """The row's choices on the tiny LLaMA: layers enough for the stages (4, or 8 for 8 stages), a batch giving every
     micro-batch of every dp x ep rank a sequence (8, or 16)."""
-    cfg = MeshConfig(**BASE, **row)
+    cfg = MeshConfig(**{**BASE, **row})
     dp = WORLD // (cfg.tp * cfg.pp * cfg.cp * cfg.ep) or 1
     cfg.layers = max(4, cfg.num_stages)
     cfg.batch = max(8, dp * cfg.ep * cfg.plan.microbatches(cfg.microbatches))
@@ -173,6 +173,8 @@ def test_a_dropped_refusal_rule_is_caught(monkeypatch):
 
 # beside the array: ZB-H1 over pp 2 with 4 micro-batches and full recompute, where a rank holds two I-recomputed graphs
 SPLIT_RECOMPUTE = MeshConfig(**dict(BASE, tp=1, pp=2, schedule="zb_h1", microbatches=4, batch=8, layers=4, recompute="full"))
+# and sizes tp does not split without SP: an odd sequence and a d_model of 18 over tp 2
+UNSPLIT = MeshConfig(**dict(BASE, tp=2, pp=2, seq=7, d_model=18, batch=4, layers=4))
 
 
 def _all(rank, world, configs, ctx):
@@ -182,16 +184,16 @@ def _all(rank, world, configs, ctx):
 @pytest.fixture(scope="module")
 def runs():
     ARRAY = covering_array()[0]
-    configs = [_config(r).validate() for r in ARRAY] + [SPLIT_RECOMPUTE.validate()]
+    configs = [_config(r).validate() for r in ARRAY] + [SPLIT_RECOMPUTE.validate(), UNSPLIT.validate()]
     per_rank = spawn_ranks(_all, WORLD, configs, RunContext(timeout_s=900), preload=("torch.distributed.pipelining",))
     assert multiprocessing.active_children() == []
     return [(cfg, [per_rank[r][i] for r in range(WORLD)]) for i, cfg in enumerate(configs)]
 
 
 def test_every_row_of_the_array_runs_and_passes_every_check(runs):
-    assert len(runs) == len(covering_array()[0]) + 1
+    assert len(runs) == len(covering_array()[0]) + 2
     failed = []
-    for (cfg, payloads), row in zip(runs, covering_array()[0] + [{"extra": "SPLIT_RECOMPUTE"}]):
+    for (cfg, payloads), row in zip(runs, covering_array()[0] + [{"extra": "SPLIT_RECOMPUTE"}, {"extra": "UNSPLIT"}]):
         result = mesh.combine(cfg, payloads)
         if not result.passed:
             failed.append((row, [(c.name, c.error) for c in result.checks if not c.passed]))
@@ -219,7 +221,7 @@ def test_recompute_under_a_split_backward_holds_each_graph_from_i_to_w(runs, mon
 
     order = [("F", 0, 1), ("F", 1, 1), ("I", 0, 1), ("I", 1, 1), ("W", 0, 1), ("W", 1, 1)]
     assert mesh_train.peak_in_flight(order, {1: {0: 10, 1: 10}}, {1: {0: 1, 1: 1}}) == 20
-    rows = runs[-1:]  # SPLIT_RECOMPUTE
+    rows = runs[-2:-1]  # SPLIT_RECOMPUTE
     assert rows[0][0].recompute == "full" and rows[0][0].schedule == "zb_h1"
     right = mesh_train.peak_in_flight
 
@@ -243,3 +245,12 @@ def test_sp_under_a_split_backward_counted_without_ws_rerun_fails(runs):
         whole = [dict(p, order_actions=[a for a in p["order_actions"] if a[0] != "W"]) for p in payloads]
         model = {p["rank"]: mesh.predicted_bytes(cfg, p, mesh.expert_rows(cfg, routing, p)) for p in whole}
         assert any(model[p["rank"]]["tp"] != p["bytes"]["tp"] for p in payloads), cfg
+
+
+def test_sizes_tp_does_not_split_are_not_refused():
+    """Without SP the sequence is not split over tp and d_model never is: seq 7 and d_model 18 on tp 2 validate (UNSPLIT,
+    run beside the array, passes every check); under SP the sequence must divide."""
+    MeshConfig(**dict(BASE, tp=2, pp=2, seq=7, d_model=18)).validate()
+    with pytest.raises(ConfigError) as info:
+        MeshConfig(**dict(BASE, tp=2, pp=2, seq=7, sp=True)).validate()
+    assert info.value.field == "seq" and "allowed" in str(info.value)
