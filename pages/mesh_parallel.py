@@ -33,7 +33,8 @@ def render(result: dict, rec) -> None:
     cols[2].metric("context cp", m["cp"], help="context-parallel ranks (ring attention)")
     cols[3].metric("expert ep", m.get("ep", 1), help=f"expert-parallel ranks; {m.get('experts', 0)} routed experts per "
                                                      "block (0: dense feed-forwards)")
-    cols[4].metric("tensor tp", m["tp"], help="tensor-parallel ranks")
+    cols[4].metric("tensor tp", f"{m['tp']} + SP" if m.get("sp") else m["tp"],
+                   help="tensor-parallel ranks (+ SP: norms on sequence shards, Megatron's sequence parallel)")
     cols[5].metric("final loss", f"{m['final_loss']:.4f}", help="cross entropy, nats per token")
     st.caption("Edges join the ranks of each process group: tp (blue) all-reduce activations inside a layer, pp (red) "
                "send activations and gradients between stages, cp (purple) pass keys and values round a ring inside "

@@ -214,10 +214,12 @@ def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
     assert not checks["parameters, gradients and optimizer states per rank equal the zero1 memory model"].passed
 
 
-def test_zero1_needs_data_parallel_ranks():
-    with pytest.raises(ConfigError) as info:
-        MeshConfig.from_dict({"dp_strategy": "zero1"})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
-    assert info.value.field == "dp_strategy" and "allowed" in str(info.value)
+def test_zero_over_one_dp_rank_is_the_degenerate_case_not_a_refusal():
+    """ZeRO (or DDP) over dp = 1 runs as DeepSpeed and FSDP do on one rank: nothing sent, nothing sharded (its runs are
+    in tests/test_mesh_covering.py's array)."""
+    cfg = MeshConfig.from_dict({"dp_strategy": "zero3"})  # defaults: pp 2 x tp 2 on 4 ranks, dp 1
+    assert cfg.dp == 1 and mesh.dp_memory("zero3", 10, 1) == mesh.dp_memory("allreduce", 10, 1)
+    assert mesh.dp_bytes("zero3", [10], 1, 3, 4096) == 0
 
 
 def test_each_pipelines_replay_equals_the_makespan_model_and_a_wrong_dependency_fails(schedule_runs, monkeypatch):

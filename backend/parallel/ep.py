@@ -95,9 +95,10 @@ class ExpertParallelMoE(nn.Module):
         y = torch.zeros_like(x) if self.shared is None else self.shared(x)
         y = y.index_add(0, token, back * routing.weights[token, slot, None])
         routed = torch.bincount(routing.indices.flatten(), minlength=self.n_experts)
-        self.stats.append({"tokens": x.shape[0], "routed": routed.tolist(), "kept": per_expert.tolist(),
-                           "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
-                           "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
+        if torch.is_grad_enabled():  # one per call: a no-grad forward (full recompute's first pass) is rerun in B
+            self.stats.append({"tokens": x.shape[0], "routed": routed.tolist(), "kept": per_expert.tolist(),
+                               "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
+                               "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
         return y
 
 

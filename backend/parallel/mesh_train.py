@@ -19,6 +19,8 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
             with and without it, one step each, timed and FLOP-counted, gradients discarded
 Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
 every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
+  sp        (sequence parallel, with tp) the norms run on sequence shards, stages hand on those shards, and the norm
+            weights' gradients are summed over tp once a step (Megatron-LM's all-reduce of layer-norm gradients)
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -46,7 +48,7 @@ from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
-from backend.parallel.tp import part
+from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
 from backend.parallel.workload import flat_params, load_flat
@@ -79,8 +81,10 @@ class MeshStage:
     positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
-    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int):
+    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
+                 sp: int = 1):
         self.chunk = self.module = chunk  # (module: what the executor reads)
+        self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
@@ -92,7 +96,8 @@ class MeshStage:
         return self.inputs[mb]
 
     def input_like(self, mb: int) -> torch.Tensor:
-        return torch.empty((*self.inputs[mb].shape, self.d_model), dtype=torch.float64)
+        b, s = self.inputs[mb].shape
+        return torch.empty((b, s // self.sp, self.d_model), dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
@@ -122,7 +127,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     reference = reference_model(config)
-    chunks = {s: parallelize(reference, tp, stage=s, stages=S, ep=ep, cp=shard) for s in plan.stages_on(me, p, config.virtual_stages)}
+    chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard)
+              for s in plan.stages_on(me, p, config.virtual_stages)}
     model = nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})  # every chunk's weights, in stage order
     for c in chunks.values():
         apply_selective_recompute(c, config.recompute == "selective")
@@ -141,8 +147,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
 
     def make_stages():
-        return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq)
-                for s, c in chunks.items()}
+        return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
+                             config.tp if config.sp else 1) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -157,6 +163,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         pp_bytes += walk["sent_bytes"]
         if checkpoint:
             checkpoint.mid_step(step)
+        if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
+            sum_norm_grads(model, tp)
         grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
         grads = sum_gradients(cp, grads, "context-parallel gradients")
         if ep.n > 1:

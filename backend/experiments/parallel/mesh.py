@@ -34,7 +34,8 @@ PRESETS = {
     "seed002": {"world_size": 8, "pp": 4, "tp": 1, "layers": 4},
     "3d8": {"world_size": 8, "pp": 2, "tp": 2},
     "moe_ep": {"world_size": 4, "pp": 2, "tp": 1, "ep": 2, "experts": 4},
-    "megatron": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
+    "megatron": {"world_size": 8, "tp": 2, "sp": True, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
+                 "dp_strategy": "zero1"},
     "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
     "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
     "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
@@ -48,7 +49,7 @@ PRESET_NOTES = {
     "seed002": "seed 002: 8 ranks as two 4-stage pipelines (GPipe) with data parallel between them",
     "3d8": "pp 2 x dp 2 x tp 2 on 8 ranks, every dimension live",
     "moe_ep": "MoE: 4 experts over ep 2, pipeline 2 (4 ranks)",
-    "megatron": "Megatron-LM style: TP 2 + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks; no SP here)",
+    "megatron": "Megatron-LM style: TP 2 + SP + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks)",
     "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 (tp 1 to fit)",
     "torchtitan": "torchtitan style: FSDP (ZeRO-3, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
     "torchtitan4": "torchtitan style on 4 ranks: FSDP (ZeRO-3) + 1F1B, pp 2 x dp 2",
@@ -64,6 +65,8 @@ PRESET_NOTES = {
 class MeshConfig(TPConfig):
     world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x ep x tp")
     tp: int = setting(2, min=1, max=8, help="tensor-parallel degree (innermost: neighbouring ranks)")
+    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards, each "
+                                   "all-reduce a reduce-scatter and an all-gather, stages hand on sequence shards")
     pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp x ep)")
     cp: int = setting(1, min=1, max=8, help="context-parallel degree: each sequence's positions split over cp ranks "
                                             "(zigzag), keys and values passed round a ring")
@@ -82,9 +85,10 @@ class MeshConfig(TPConfig):
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
                                     "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
     recompute: str = setting("none", choices=RECOMPUTE, help="activation recompute per stage: full keeps only each "
-                             "stage's input from F to B and reruns its forward in the backward (B or I; tp = cp = ep = 1, "
-                             "dense); selective (Korthikanti) recomputes only each attention core softmax(QKᵀ)V, keeping "
-                             "q, k, v (cp = 1). Its price is measured against the same plan without it")
+                             "stage's input from F to B and reruns its forward, with its tp, cp and ep collectives, in the "
+                             "backward (in I under a split backward, held to W); selective (Korthikanti) recomputes only "
+                             "each attention core softmax(QKᵀ)V, keeping q, k, v (cp = 1). Its price is measured against "
+                             "the same plan without it")
     compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
                                       "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
                                       "activations per rank side by side, each run checked as usual")
@@ -127,6 +131,12 @@ class MeshConfig(TPConfig):
         return "tp", self.tp
 
     @property
+    def tp_divided(self) -> tuple[str, ...]:
+        """What apply_tp splits here: heads, SwiGLU columns and vocabulary; the sequence only under SP. d_model is never
+        split (pp 2 x tp 2 with seq 7 and d_model 18 runs and passes every check)."""
+        return ("n_heads", "n_kv_heads", "d_ff", "vocab") + (("seq",) if self.sp else ())
+
+    @property
     def plan(self):
         return SCHEDULES[self.schedule]
 
@@ -156,25 +166,20 @@ class MeshConfig(TPConfig):
             raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
+        if self.sp and self.cp > 1:
+            raise ConfigError("sp", "true with cp > 1: sequence parallel inside context parallel's shards is not built "
+                                    "(allowed: false, or true with cp = 1)")
+        if self.sp and self.experts:
+            raise ConfigError("sp", "true with MoE blocks: sequence parallel around routed experts is not built (allowed: "
+                                    "false, or true with experts = 0)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
         plan = self.plan
-        if self.dp_strategy != "allreduce" and self.dp == 1:
-            raise ConfigError("dp_strategy", f"{self.dp_strategy} works over the dp ranks, and dp = world_size / (tp x pp x "
-                                             f"cp x ep) = 1 here (allowed: allreduce, or {self.dp_strategy} with dp > 1)")
-        if self.recompute == "full" and self.experts:
-            raise ConfigError("recompute", f"full with experts = {self.experts}: the recomputed forward would route its "
-                                           "tokens again and count each MoE call twice (allowed: none or selective, or "
-                                           "full with experts = 0)")
         if self.recompute == "selective" and self.cp > 1:
             raise ConfigError("recompute", f"selective with cp = {self.cp}: ring attention keeps no a·s² scores to drop, "
                                            "and recomputing it would send the K/V ring again (allowed: none or full, or "
                                            "selective with cp = 1)")
-        if self.recompute == "full" and self.tp * self.cp * self.ep > 1:
-            raise ConfigError("recompute", f"full with tp x cp x ep = {self.tp * self.cp * self.ep}: the recomputed forward "
-                                           "would repeat their collectives, which the byte model does not count yet "
-                                           "(allowed: none, or full with tp = cp = ep = 1)")
         if self.compare_schedules and self.pp == 1:
             raise ConfigError("compare_schedules", "true with pp = 1: there is no pipeline to schedule (allowed: false, "
                                                    "or true with pp > 1)")
@@ -185,12 +190,11 @@ class MeshConfig(TPConfig):
             raise ConfigError("layers", f"{self.layers} does not divide into {self.num_stages} stages (pp={self.pp} x "
                                         f"{plan.chunks(self.virtual_stages)} chunks; allowed: a multiple of {self.num_stages})")
         least = plan.min_microbatches_fn(self.pp) if plan.min_microbatches_fn else 1
-        if plan.interleaved and self.virtual_stages > 1:
-            least = self.pp
+        if plan.interleaved and self.virtual_stages > 1:  # torch's ScheduleInterleaved1F1B: rounds of m // pp (>= 1)
             rounds = max(1, self.microbatches // self.pp)
-            if self.microbatches >= least and self.microbatches % rounds:
+            if self.microbatches % rounds:
                 raise ConfigError("microbatches", f"{self.microbatches} is not a multiple of its {rounds} rounds (m // pp); "
-                                                  "allowed: a multiple of pp, or m with m % (m // pp) == 0")
+                                                  "allowed: fewer than 2 pp, a multiple of pp, or m with m % (m // pp) == 0")
         if self.microbatches < least:
             raise ConfigError("microbatches", f"{self.microbatches}: {plan.title} on pp={self.pp} needs at least {least} "
                                               f"micro-batches (allowed: >= {least})")
@@ -238,7 +242,7 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
     sizes = _microbatch_sizes(config, payload["coords"])
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
-    act = sum(b * s * h * 8 for b in sizes)  # one activation (or its gradient) per micro-batch
+    act = sum(b * s * h * 8 for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
     # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
@@ -247,13 +251,30 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
     def gradients(k: int) -> int:
         return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
-    tp = sum(r["sent_bytes"] for b in sizes if config.tp > 1 for st, layers in payload["stages"].items()
-             for r in expected_collectives(config, config.tp, False, batch=b, seq=s, layers=len(layers),
+    forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
+
+    split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
+
+    def times(r: dict, st: int, mb: int) -> int:
+        """How often a collective of one forward and backward runs: a forward's twice under full recompute; under SP
+        a split backward's W (on stages past the first, whose I took the input gradient) reruns each gathering
+        linear's one backward (sp.GatherLinear computes both gradients), its re-gather and reduce-scatter again."""
+        if r["phase"] == "forward":
+            return forwards
+        rerun = config.sp and st > 0 and (st, mb) in split and (r["name"].endswith("(re-gather)") or r["op"] == "reduce_scatter")
+        return 2 if rerun else 1
+    tp = sum(r["sent_bytes"] * times(r, st, mb)
+             for mb, b in enumerate(sizes) if config.tp > 1 for st, layers in payload["stages"].items()
+             for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
-                                           dense_ffn=not config.experts))
+                                           dense_ffn=not config.experts) if r["name"] != "norm weight gradients")
+    if config.sp and config.tp > 1:  # the norms' gradients, summed over tp once a step (not per micro-batch)
+        tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, 8, payload["coords"]["tp"])
+                  for st, layers in payload["stages"].items())
     return {"tp": steps * tp, "pp": steps * act * crossings,
-            # per layer: forward cp-1 K/V blocks; backward cp-1 K/V blocks and cp dK/dV blocks (the last one home)
-            "cp ring": steps * payload["layers_here"] * kv_block * (3 * config.cp - 2) if config.cp > 1 else 0,
+            # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
+            "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
+            if config.cp > 1 else 0,
             "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
@@ -262,10 +283,12 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
 
 
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
-    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s token ids (int64) on stage 0, a
-    b x s x d_model float64 activation on the others."""
+    """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
+    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only)."""
     sizes = _microbatch_sizes(config, payload["coords"])
-    return {st: {j: b * config.seq * 8 * (1 if st == 0 else config.d_model) for j, b in enumerate(sizes)}
+    shard = config.seq // config.cp
+    return {st: {j: b * 8 * (shard if st == 0 else shard // (config.tp if config.sp else 1) * config.d_model)
+                 for j, b in enumerate(sizes)}
             for st in payload["stages"]}
 
 
@@ -328,14 +351,16 @@ def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) 
 def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> int:
     """One MoE call's all-to-all bytes from ep rank coords["ep"]: the per-expert counts ((ep-1) messages of E/ep
     numbers), then forward dispatch (its rows for other ranks' experts), combine (other ranks' rows for its experts,
-    returned), and their backwards again: 2 (out + in) rows of d_model float64."""
+    returned), and their backwards again: 2 (out + in) rows of d_model float64. Full recompute runs the forward's
+    counts, dispatch and combine twice."""
     n, per, me = config.ep, config.experts // config.ep, coords["ep"]
     if n == 1:
         return 0
+    forwards = 2 if config.recompute == "full" else 1
     mine = slice(me * per, (me + 1) * per)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
-    return (n - 1) * per * 8 + 2 * (out_rows + in_rows) * config.d_model * 8
+    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * 8
 
 
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
@@ -351,7 +376,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
     out = {}
     for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
-                                    config.d_ff, config.tp, False, ring)
+                                    config.d_ff, config.tp, config.sp, ring)
         if config.recompute == "selective":  # Korthikanti: the core's scores are recomputed, q, k, v kept
             block.pop("softmax output (a·s²·b)")
         for stage, layers in payload["stages"].items():
@@ -432,7 +457,7 @@ def combine(config: MeshConfig, payloads) -> Result:
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "experts": config.experts, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts, "steps": config.steps,
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]

@@ -53,9 +53,12 @@ class TPConfig(Config):
     def tp_degree(self) -> tuple[str, int]:
         return "world_size", self.world_size
 
+    # the sizes split over the tensor-parallel ranks (heads, SwiGLU columns, vocabulary; the sequence under SP)
+    tp_divided = ("n_heads", "n_kv_heads", "d_ff", "vocab", "d_model", "seq")
+
     def check(self) -> None:
         name, t = self.tp_degree
-        for field in ("n_heads", "n_kv_heads", "d_ff", "vocab", "d_model", "seq"):
+        for field in self.tp_divided:
             if getattr(self, field) % t:
                 raise ConfigError(field, f"{getattr(self, field)} does not divide by {name}={t}, the tensor-parallel "
                                          f"degree (allowed: a multiple of {t})")
