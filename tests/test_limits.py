@@ -119,3 +119,69 @@ def test_every_refusal_from_the_maxima_says_what_fits(monkeypatch):
     for exp in experiments.all_experiments():
         config = exp.make_config(largest_accepted(exp))
         assert config.estimate().memory_bytes <= limits.memory_budget(), exp.name
+
+
+# --- each estimate against its measurement (bench/limits.py's JSON; the runs are not repeated here) ---------------
+RESULTS = REPO / "bench" / "results"
+WITHIN = 3.0  # an estimate is at least its measurement and at most this many times it
+
+
+def estimate_errors(rows: list[dict], estimate) -> list[str]:
+    """Each measured row whose estimate (today's code, `estimate(row)`) falls under its measurement or passes WITHIN
+    times it: memory against the run's peak, seconds (the deliberate waits left out) against its CPU seconds."""
+    errors = []
+    for row in rows:
+        est = estimate(row)
+        label = f"{row['experiment']} {row.get('trace', '')}".strip()
+        if row["status"] != "succeeded":
+            errors.append(f"{label}: measured run {row['status']}")
+            continue
+        memory = est.memory_bytes / row["peak_bytes"]
+        seconds = (est.seconds - est.wait_s) / max(row["run_cpu_s"], 0.01)
+        for what, ratio, got in (("memory", memory, f"{row['peak_bytes'] / 2**20:.0f} MiB"),
+                                 ("time", seconds, f"{row['run_cpu_s']} CPU s")):
+            if not 1.0 <= ratio <= WITHIN:
+                errors.append(f"{label}: {what} estimate {ratio:.2f}x the measured {got}")
+    return errors
+
+
+def _current_estimate(row: dict):
+    from backend import experiments
+
+    return experiments.get(row["experiment"]).config_cls.from_dict(row["config"]).estimate()
+
+
+def _rows(name: str) -> list[dict]:
+    return json.loads((RESULTS / name).read_text())["rows"]
+
+
+@pytest.mark.parametrize("name", ["limits.json", "limits_defaults.json"])
+def test_every_estimate_is_within_3x_of_its_measurement(name):
+    from backend import experiments
+
+    rows = _rows(name)
+    assert {r["experiment"] for r in rows} >= {e.name for e in experiments.all_experiments()}, "experiments not measured"
+    assert all("run_cpu_s" in r for r in rows)
+    assert estimate_errors(rows, _current_estimate) == []
+
+
+def test_the_defaults_measured_are_todays_defaults():
+    from backend import experiments
+
+    for row in _rows("limits_defaults.json"):
+        exp = experiments.get(row["experiment"])
+        assert row["config"] == exp.config_cls().to_dict(), f"{exp.name}: its defaults changed since measured"
+
+
+def test_the_3x_check_fails_an_estimate_under_or_far_over_its_measurement():
+    """The rule broken both ways on real rows: an estimate halved, then multiplied by four, is reported for each."""
+    from backend.limits import Estimate
+
+    rows = _rows("limits_defaults.json")
+    assert estimate_errors(rows, _current_estimate) == []
+    for scale, word in ((0.5, "under"), (4.0, "over")):
+        def scaled(row):
+            est = _current_estimate(row)
+            return Estimate(int(est.memory_bytes * scale), est.seconds * scale, est.wait_s * scale)
+        errors = estimate_errors(rows, scaled)
+        assert len(errors) == 2 * len(rows), (word, errors)

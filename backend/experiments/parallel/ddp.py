@@ -25,7 +25,8 @@ class DDPConfig(WorkloadConfig):
         """The workload's, plus the simulated network's delay on every bucket of every step."""
         base = super().estimate()
         buckets = -(-self.layers * (self.hidden * self.hidden + self.hidden) * 8 // (self.bucket_kb * 1024))
-        return Estimate(base.memory_bytes, base.seconds + 2 * self.steps * buckets * self.comm_delay_ms / 1000)
+        wait = 2 * self.steps * buckets * self.comm_delay_ms / 1000
+        return Estimate(base.memory_bytes, base.seconds + wait, base.wait_s + wait)
 
 
 def run_rank(rank, world, config: DDPConfig, ctx):

@@ -23,7 +23,8 @@ class PSConfig(WorkloadConfig):
     def estimate(self):
         """The workload's, plus the straggler's wait on every step."""
         base = super().estimate()
-        return Estimate(base.memory_bytes, base.seconds + 2 * self.steps * self.straggler_ms / 1000)
+        wait = 2 * self.steps * self.straggler_ms / 1000
+        return Estimate(base.memory_bytes, base.seconds + wait, base.wait_s + wait)
 
     def check(self) -> None:
         super().check()
