@@ -42,11 +42,13 @@ MiB = 1 << 20
 LOAD_FACTOR = 1.5
 PROCESS_BYTES = 300 * MiB   # anonymous memory of a process with torch and the experiments imported: 150-250 MiB measured
 LEADER_S = 0.5              # the leader's own work around its run (store rows, artifacts, exit): 0.4-0.5 s measured
-FORK_SERVER_S = 1.5         # the ranks' fork server importing torch and the backend once per run: ~1.5 s
-RANK_START_S = 0.4          # one rank forked from it, joining the gloo group: (3.9 - 1.8) s / 6 more ranks measured
-FLOPS = 5e9                 # dense floating-point operations per CPU second (float64 and small matrices: 3-30e9 measured)
-BYTES_PER_S = 0.5e9         # bytes per CPU second a copy, a send or a store of a run moves (1.6e9 for a plain copy)
-OP_S = 100e-6               # one Python-level step (several torch ops: one small op is ~3 us of CPU)
+FORK_SERVER_S = 1.0         # the ranks' fork server importing torch and the backend once per run
+RANK_START_S = 0.3          # one rank forked from it, joining the gloo group (comm.selftest: 1.3 s at 2 ranks, 3.4 s at 8)
+FLOPS = 5e9                 # dense floating-point operations per CPU second (float64 and small matrices: 3-10e9 measured;
+                            # 1024-wide float32 products reach 6e10)
+BYTES_PER_S = 2e9           # bytes per CPU second a tensor copy or elementwise op moves (1.6e9 for a plain copy measured)
+OP_S = 25e-6                # one Python-level step: a few small torch ops (~3 us of CPU each measured) and the interpreter
+WAIT_CPU = 0.25            # CPU seconds per second a run waits on purpose (ranks polling in gloo): 0.19-0.24 measured
 DYNAMO_IMPORT_S = 1.5       # a process's first torch.optim step imports torch._dynamo: 1.1-1.5 s of CPU measured
 _SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 
@@ -81,16 +83,21 @@ class Estimate:
 
 
 def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops: float = 0, ranks: int = 0,
-         seconds: float = 0, wait_s: float = 0) -> Estimate:
+         seconds: float = 0) -> Estimate:
     """A run's estimate from its work: the bytes it holds at its peak (beyond its processes' own), the
     floating-point operations it computes, the bytes it copies or sends, the Python-level steps it takes,
     the ranks it spawns besides its leader (and their fork server), any fixed CPU seconds (a compiler, a probe),
-    all CPU seconds of the process tree taken LOAD_FACTOR times as wall time; and `wait_s`, seconds it waits on purpose (a
-    simulated network delay, a straggler), wall time that costs no CPU."""
+    all CPU seconds of the process tree, taken LOAD_FACTOR times as wall time."""
     start = (FORK_SERVER_S + RANK_START_S * ranks) if ranks else 0.0
     processes = 1 + ranks + (1 if ranks else 0)  # the leader, its ranks and the fork server they come from
     cpu = LEADER_S + start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds
-    return Estimate(int(processes * PROCESS_BYTES + data_bytes), LOAD_FACTOR * cpu + wait_s, wait_s)
+    return Estimate(int(processes * PROCESS_BYTES + data_bytes), LOAD_FACTOR * cpu)
+
+
+def with_wait(estimate: Estimate, wait_s: float) -> Estimate:
+    """`estimate` plus `wait_s` seconds its run waits on purpose (a simulated network delay, a straggler): wall time,
+    during which the other ranks, waiting in gloo, burn WAIT_CPU CPU seconds a second."""
+    return Estimate(estimate.memory_bytes, estimate.seconds + wait_s + LOAD_FACTOR * WAIT_CPU * wait_s, estimate.wait_s + wait_s)
 
 
 def fits(config: Config, **change) -> bool:

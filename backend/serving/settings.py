@@ -25,8 +25,8 @@ BIG = {"engine": {"profile_requests": 48, "held_out_requests": 40, "sweep_reques
        "simulate": {"profile_requests": 32, "held_out_requests": 32, "sweep_requests": 1000, "n_requests": 30_000}}
 # Cost per request, measured on the loaded 2-core box at the defaults (with margin): the engine served 24 requests in
 # 4.1 s of its thread's CPU time; the simulator 100,000 requests in 29 s of CPU at load 12 (wall clock up to 3x that).
-REAL_REQUEST_S = 0.35
-SIMULATED_REQUEST_S = 1e-3
+REAL_REQUEST_S = 0.07  # CPU seconds a real request takes (bench/limits.py: ~0.05 measured)
+SIMULATED_REQUEST_S = 0.6e-3  # CPU seconds a simulated request takes (~0.6 ms measured)
 
 
 @dataclasses.dataclass

@@ -48,13 +48,15 @@ class FlashConfig(Config):
     cost_drivers = ("seq_len", "batch", "heads")
 
     def estimate(self):
-        """The reference holds every score in float64; each tile costs interpreter or loop steps (measured: a
-        Triton program in the interpreter takes ~0.15-0.25 s)."""
+        """The reference holds every score in float64. In Triton's interpreter a program (one query block of one head)
+        costs ~37 ms of CPU before its loop and ~2 ms a key block (bench/limits.py: 384 one-block programs took 14 s, 24
+        programs of 4 key blocks 0.9 s); the tiled path is a few torch ops a tile."""
         bh, s = self.batch * self.heads, self.seq_len
         passes = 3 if self.backward else 1  # a backward pass is about two forwards
-        tiles = bh * -(-s // self.block_m) * -(-s // self.block_n) * passes
-        return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2,
-                    ops=tiles * {"triton": 2500, "tiled": 40, "naive": 0}[self.impl])
+        programs = bh * -(-s // self.block_m) * passes
+        tiles = programs * -(-s // self.block_n)
+        steps = programs * 1500 + tiles * 80 if self.impl == "triton" else tiles * 40 if self.impl == "tiled" else 0
+        return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2, ops=steps)
 
     def check(self) -> None:
         gpu = torch.cuda.is_available()

@@ -12,13 +12,11 @@ from backend.kvcache.serving import simulate_contiguous, simulate_paged, synthet
 from backend.result import Check, Result
 from backend.uploads import load_trace
 
-# CPU seconds of the two simulations, measured per piece (bench/limits.py --serve-traces), and the loaded box's
-# wall time per CPU second on top (2 cores shared with a browser and other runs).
+# CPU seconds of the two simulations, measured per piece (bench/limits.py --serve-traces); cost() adds the load.
 SERVE_STEP_S = 1.5e-6            # one scheduler step of both simulators, nothing running
 SERVE_SAMPLE_BLOCK_S = 4e-9      # the paged sample sums every block's fill every 5 steps: ~19 ns a block
 SERVE_TOKEN_S = 2e-6             # one decoded token (paged grow + contiguous)
-SERVE_SNAPSHOT_BLOCK_S = 0.7e-6  # one block of one pool snapshot (invariants, the drawn pool, its JSON)
-SERVE_LOAD = 8.0  # wall per CPU second of the simulations: up to 7.7 measured at load average 6 (bench/results/limits_serve_traces.json)
+SERVE_SNAPSHOT_BLOCK_S = 1.4e-6  # one block of one pool snapshot (invariants, the drawn pool, its JSON): 65,536 blocks measured
 
 
 @dataclasses.dataclass
@@ -52,8 +50,8 @@ class ServeConfig(Config):
         """Two scheduler simulations, each a Python loop over scheduler steps until the last request arrives and
         drains. Measured per piece (bench/limits.py --serve-traces, CPU of the two simulations on this 2-core box):
         a step ~1.3 us; a decoded token ~1.7 us; the paged sample every 5 steps sums every block (~19 ns a block);
-        a pool snapshot (~60, then 30 more per doubling of the steps) ~0.6 us a block. Wall time on a loaded box is
-        taken as SERVE_LOAD times that CPU time."""
+        a pool snapshot (~60, then 30 more per doubling of the steps) ~1.4 us a block (12.9 s of CPU for 3,000 requests
+        over 65,536 blocks)."""
         if self.trace == "synthetic":
             requests, span = self.n_requests, self.n_requests / self.rate
             mean_prompt, mean_output = 190.0, 230.0  # the synthetic log-normals' means (exp(5 + 0.8^2/2), exp(5 + 0.9^2/2))
@@ -69,8 +67,8 @@ class ServeConfig(Config):
         snapshots = steps / 20 if steps < 1220 else 61 + 30 * math.log2(steps / 1220)
         cpu = (steps * (SERVE_STEP_S + self.num_blocks * SERVE_SAMPLE_BLOCK_S) + tokens * SERVE_TOKEN_S
                + snapshots * self.num_blocks * SERVE_SNAPSHOT_BLOCK_S)
-        return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
-                    seconds=SERVE_LOAD * cpu)
+        return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 500,
+                    seconds=cpu)
 
     def check(self) -> None:
         capacity = self.num_blocks * self.block_size

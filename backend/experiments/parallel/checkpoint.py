@@ -55,7 +55,7 @@ class CheckpointConfig(WorkloadConfig):
         return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
                     flops=runs * 2 * 6 * self.batch * params * self.steps,
                     moved_bytes=runs * self.steps * params * 8 * 4 * self.world_size + saves * 3 * params * 8 * 4,
-                    ops=runs * self.steps * self.layers * 1000 * (self.world_size + 2) + saves * 20000 * self.world_size,
+                    ops=runs * self.steps * self.layers * 250 * (self.world_size + 2) + saves * 5000 * self.world_size,
                     ranks=runs * self.world_size)
 
 
