@@ -156,14 +156,21 @@ def _rows(name: str) -> list[dict]:
     return json.loads((RESULTS / name).read_text())["rows"]
 
 
+# Experiments whose largest-settings row in limits.json predates the run's CPU seconds (measured before the cost model
+# was put in CPU seconds, not yet measured again): a gap, listed so that it stays visible; the test fails once a
+# listed experiment's row is measured again.
+NOT_REMEASURED: set[str] = set()
+
+
 @pytest.mark.parametrize("name", ["limits.json", "limits_defaults.json"])
 def test_every_estimate_is_within_3x_of_its_measurement(name):
     from backend import experiments
 
     rows = _rows(name)
     assert {r["experiment"] for r in rows} >= {e.name for e in experiments.all_experiments()}, "experiments not measured"
-    assert all("run_cpu_s" in r for r in rows)
-    assert estimate_errors(rows, _current_estimate) == []
+    gaps = NOT_REMEASURED if name == "limits.json" else set()
+    assert {r["experiment"] for r in rows if "run_cpu_s" not in r} == gaps
+    assert estimate_errors([r for r in rows if r["experiment"] not in gaps], _current_estimate) == []
 
 
 def test_every_uploaded_trace_estimate_is_within_3x_of_its_measurement(tmp_path, monkeypatch):
@@ -179,6 +186,14 @@ def test_every_uploaded_trace_estimate_is_within_3x_of_its_measurement(tmp_path,
     for _, data, _ in serve_traces():
         uploads.save_trace(data)
     assert estimate_errors(rows, _current_estimate) == []
+
+
+def test_runs_the_bench_stopped_had_used_no_more_than_their_estimate():
+    """Largest-settings runs that the bench's own wall-clock limit stopped on the loaded box: their CPU seconds so far
+    are a lower bound of the run's, which the estimate must not fall under."""
+    for row in json.loads((RESULTS / "limits.json").read_text()).get("stopped", []):
+        est = _current_estimate(row)
+        assert est.seconds - est.wait_s >= row["run_cpu_s"], (row["experiment"], est, row["run_cpu_s"])
 
 
 def test_the_defaults_measured_are_todays_defaults():
