@@ -94,6 +94,11 @@ def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops
     return Estimate(int(processes * PROCESS_BYTES + data_bytes), LOAD_FACTOR * cpu)
 
 
+def plus_cpu(estimate: Estimate, cpu_s: float) -> Estimate:
+    """`estimate` plus `cpu_s` more CPU seconds of work (taken LOAD_FACTOR times as wall time, as cost() does)."""
+    return Estimate(estimate.memory_bytes, estimate.seconds + LOAD_FACTOR * cpu_s, estimate.wait_s)
+
+
 def with_wait(estimate: Estimate, wait_s: float) -> Estimate:
     """`estimate` plus `wait_s` seconds its run waits on purpose (a simulated network delay, a straggler): wall time,
     during which the other ranks, waiting in gloo, burn WAIT_CPU CPU seconds a second."""

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from backend.config import ConfigError, setting
-from backend.limits import DYNAMO_IMPORT_S, LOAD_FACTOR, OP_S
+from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu
 from backend.experiments import define
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.cp import positions
@@ -108,7 +108,7 @@ class MeshConfig(TPConfig):
         base = decoder_cost(self, self.world_size + 1, passes=self.steps, seconds=DYNAMO_IMPORT_S)
         ring_steps = self.world_size * self.steps * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         actions = self.world_size * self.steps * self.microbatches * self.layers
-        return dataclasses.replace(base, seconds=base.seconds + LOAD_FACTOR * (ring_steps * 200 + actions * 600) * OP_S)
+        return plus_cpu(base, (ring_steps * 200 + actions * 600) * OP_S)
 
     @property
     def tp_degree(self):
