@@ -160,18 +160,8 @@ def _rows(name: str) -> list[dict]:
 # was put in CPU seconds, not yet measured again): a gap, listed so that it stays visible; the test fails once a
 # listed experiment's row is measured again.
 NOT_REMEASURED: set[str] = {
-    "collectives.run",
-    "decoding.speculative",
-    "estimate.training",
     "graph.autodiff",
-    "graph.placement",
-    "hardware.latency",
-    "kvcache.paged_decode",
     "numerics.mixed_precision",
-    "parallel.ddp",
-    "parallel.fsdp",
-    "parallel.mesh",
-    "parallel.zero",
     "serving.engine",
     "serving.simulate",
 }

@@ -41,11 +41,11 @@ class PagedDecodeConfig(Config):
     def estimate(self):
         """Each decode step runs the paged kernel in Triton's interpreter over every block of every sequence and
         head, and a token-by-token reference over the whole context: a step's cost grows with the square of the
-        context length. At the defaults (2 sequences x 6 tokens) 4.9 s of CPU measured (bench/limits.py; 21 s before the
+        context length. At the defaults (2 sequences x 6 tokens) 4.9 s of CPU measured, 12.5 s at 12 tokens (bench/limits.py; 21 s before the
         kernel and reference got faster)."""
         lengths = range(self.prompt_len + 20, self.prompt_len + 21 + self.new_tokens)
         pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
-        return cost(data_bytes=2 * pool, seconds=1.5 + 0.00015 * self.sequences * (self.n_heads / 4) * sum(n * n for n in lengths))
+        return cost(data_bytes=2 * pool, seconds=1.5 + 0.0003 * self.sequences * (self.n_heads / 4) * sum(n * n for n in lengths))
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):
