@@ -48,7 +48,7 @@ FLOPS = 5e9                 # dense floating-point operations per CPU second (fl
                             # 1024-wide float32 products reach 6e10)
 BYTES_PER_S = 2e9           # bytes per CPU second a tensor copy or elementwise op moves (1.6e9 for a plain copy measured)
 OP_S = 25e-6                # one Python-level step: a few small torch ops (~3 us of CPU each measured) and the interpreter
-WAIT_CPU = 0.25            # CPU seconds per second a run waits on purpose (ranks polling in gloo): 0.19-0.24 measured
+WAIT_CPU = 0.25             # CPU seconds per second a run waits on purpose (ranks polling in gloo): 0.19-0.24 measured
 DYNAMO_IMPORT_S = 1.5       # a process's first torch.optim step imports torch._dynamo: 1.1-1.5 s of CPU measured
 _SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 

@@ -159,12 +159,7 @@ def _rows(name: str) -> list[dict]:
 # Experiments whose largest-settings row in limits.json predates the run's CPU seconds (measured before the cost model
 # was put in CPU seconds, not yet measured again): a gap, listed so that it stays visible; the test fails once a
 # listed experiment's row is measured again.
-NOT_REMEASURED: set[str] = {
-    "graph.autodiff",
-    "numerics.mixed_precision",
-    "serving.engine",
-    "serving.simulate",
-}
+NOT_REMEASURED: set[str] = set()
 
 
 @pytest.mark.parametrize("name", ["limits.json", "limits_defaults.json"])
