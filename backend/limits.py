@@ -3,9 +3,9 @@
 Two numbers bound every run, whoever starts it (page, CLI, torchrun):
 - memory: EXPLORER_RUN_MEMORY_GIB (default 4), for all the job's processes together;
 - time:   EXPLORER_JOB_TIMEOUT_S (default 120 s), wall clock from start to result.
-Each Config's estimate() predicts both from its settings with `cost()` below (constants calibrated on a
-2-core CPU; bench/limits.py measures every experiment at its largest accepted settings and checks no
-estimate falls below its measurement), and `check_budget()` refuses a run predicted to pass them, naming
+Each Config's estimate() predicts both from its settings with `cost()` below (CPU seconds measured on a
+2-core CPU, times a stated load factor; bench/limits.py measures every experiment at its largest accepted settings
+and at its defaults, and tests/test_limits.py holds each estimate within 1x-3x of those measurements), and `check_budget()` refuses a run predicted to pass them, naming
 the setting that drives the cost (the Config's `cost_drivers`, most influential first) and the largest
 value of it that fits. The limits further below stop a run that passes them anyway.
 
@@ -35,12 +35,21 @@ from backend.config import Config, ConfigError
 
 GIB = 1 << 30
 MiB = 1 << 20
-PROCESS_BYTES = 400 * MiB  # anonymous memory of a process with torch and the experiments imported (~250 MiB measured)
-RANK_START_S = 15.0        # seconds to start one spawned rank (its imports) on a loaded 2-core box; two start at a time
-FLOPS = 5e9                # dense floating-point operations per second a run gets, whatever its rank count (2 shared cores)
-BYTES_PER_S = 0.5e9        # bytes per second a copy, a send or a store of a run moves
-OP_S = 100e-6              # one Python-level step: interpreter and torch dispatch overhead, on a loaded box
-DYNAMO_IMPORT_S = 35.0     # a process's first torch.optim optimizer or FlopCounterMode imports torch._dynamo: 9-23 s measured loaded
+# The cost model. Every time constant is CPU seconds of the run's process tree (leader and ranks), measured on this
+# 2-core box; CPU seconds do not depend on the load, wall seconds do. Load assumption: a run's wall time is taken as
+# LOAD_FACTOR times its CPU time, i.e. it shares the 2 cores with about one other busy process (more load stretches
+# it further). bench/limits.py measures each estimate against the run's CPU seconds and peak memory.
+LOAD_FACTOR = 1.5
+PROCESS_BYTES = 300 * MiB   # anonymous memory of a process with torch and the experiments imported: 150-250 MiB measured
+LEADER_S = 0.5              # the leader's own work around its run (store rows, artifacts, exit): 0.4-0.5 s measured
+FORK_SERVER_S = 1.0         # the ranks' fork server importing torch and the backend once per run
+RANK_START_S = 0.3          # one rank forked from it, joining the gloo group (comm.selftest: 1.3 s at 2 ranks, 3.4 s at 8)
+FLOPS = 5e9                 # dense floating-point operations per CPU second (float64 and small matrices: 3-10e9 measured;
+                            # 1024-wide float32 products reach 6e10)
+BYTES_PER_S = 2e9           # bytes per CPU second a tensor copy or elementwise op moves (1.6e9 for a plain copy measured)
+OP_S = 25e-6                # one Python-level step: a few small torch ops (~3 us of CPU each measured) and the interpreter
+WAIT_CPU = 0.25             # CPU seconds per second a run waits on purpose (ranks polling in gloo): 0.19-0.24 measured
+DYNAMO_IMPORT_S = 1.5       # a process's first torch.optim step imports torch._dynamo: 1.1-1.5 s of CPU measured
 _SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 
 
@@ -69,18 +78,31 @@ def check_timeout(value: float | None) -> float:
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     memory_bytes: int
-    seconds: float
+    seconds: float       # wall seconds under the load assumption (LOAD_FACTOR), waits included
+    wait_s: float = 0.0  # of which the run waits on purpose, using no CPU
 
 
 def cost(*, data_bytes: float = 0, flops: float = 0, moved_bytes: float = 0, ops: float = 0, ranks: int = 0,
          seconds: float = 0) -> Estimate:
     """A run's estimate from its work: the bytes it holds at its peak (beyond its processes' own), the
     floating-point operations it computes, the bytes it copies or sends, the Python-level steps it takes,
-    the ranks it spawns besides its leader (and their fork server), and any fixed seconds (a compiler, a probe, a deliberate wait)."""
-    start = RANK_START_S * ranks / 2
+    the ranks it spawns besides its leader (and their fork server), any fixed CPU seconds (a compiler, a probe),
+    all CPU seconds of the process tree, taken LOAD_FACTOR times as wall time."""
+    start = (FORK_SERVER_S + RANK_START_S * ranks) if ranks else 0.0
     processes = 1 + ranks + (1 if ranks else 0)  # the leader, its ranks and the fork server they come from
-    return Estimate(int(processes * PROCESS_BYTES + data_bytes),
-                    start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds)
+    cpu = LEADER_S + start + flops / FLOPS + moved_bytes / BYTES_PER_S + ops * OP_S + seconds
+    return Estimate(int(processes * PROCESS_BYTES + data_bytes), LOAD_FACTOR * cpu)
+
+
+def plus_cpu(estimate: Estimate, cpu_s: float) -> Estimate:
+    """`estimate` plus `cpu_s` more CPU seconds of work (taken LOAD_FACTOR times as wall time, as cost() does)."""
+    return Estimate(estimate.memory_bytes, estimate.seconds + LOAD_FACTOR * cpu_s, estimate.wait_s)
+
+
+def with_wait(estimate: Estimate, wait_s: float) -> Estimate:
+    """`estimate` plus `wait_s` seconds its run waits on purpose (a simulated network delay, a straggler): wall time,
+    during which the other ranks, waiting in gloo, burn WAIT_CPU CPU seconds a second."""
+    return Estimate(estimate.memory_bytes, estimate.seconds + wait_s + LOAD_FACTOR * WAIT_CPU * wait_s, estimate.wait_s + wait_s)
 
 
 def fits(config: Config, **change) -> bool:

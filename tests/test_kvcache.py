@@ -420,8 +420,9 @@ def test_an_upload_arriving_at_the_last_allowed_step_is_accepted():
 
 
 def test_the_serve_estimate_covers_a_measured_run_without_overshooting_it():
-    """The estimate against the run measured here (its wall time, in this process): at least the measurement, at
-    most 20 times it (the old estimate was 130 times over for one late request)."""
+    """The estimate against the run measured here (its CPU time, in this process: the estimate is CPU seconds times
+    limits.LOAD_FACTOR, and CPU time does not depend on the box's load): at least the measurement, at most 20 times it
+    (the old estimate was 130 times over for one late request)."""
     import time
 
     from backend.experiments import RunContext
@@ -429,9 +430,9 @@ def test_the_serve_estimate_covers_a_measured_run_without_overshooting_it():
     exp = experiments.get("kvcache.serve")
     trace = "arrival,prompt_len,output_len\n" + "".join(f"{i * 6},{50 + i % 90},{20 + i % 150}\n" for i in range(3000))
     config = exp.make_config({"trace": _upload(trace.encode()), "num_blocks": "4096"})
-    start = time.perf_counter()
+    start = time.process_time()
     result = exp.run(config, RunContext())
-    measured = time.perf_counter() - start
+    measured = time.process_time() - start
     assert result.passed
     assert measured <= config.estimate().seconds <= 20 * measured, (measured, config.estimate().seconds)
 

@@ -21,8 +21,8 @@ from backend.uploads import load_trace
 MAX_LEN = 256  # prompt + output tokens of the longest request a trace may hold
 # Cost per request, measured on the loaded 2-core box at the defaults (with margin): the engine served 24 requests in
 # 4.1 s of its thread's CPU time; the simulator 100,000 requests in 29 s of CPU at load 12 (wall clock up to 3x that).
-REAL_REQUEST_S = 0.35
-SIMULATED_REQUEST_S = 1e-3
+REAL_REQUEST_S = 0.07  # CPU seconds a real request takes (bench/limits.py: ~0.05 measured)
+SIMULATED_REQUEST_S = 0.4e-3  # CPU seconds a simulated request takes (serving.simulate: 13.4 s of CPU at 5,000, 15.6 s at 30,000)
 
 
 @dataclasses.dataclass

@@ -48,13 +48,17 @@ class FlashConfig(Config):
     cost_drivers = ("seq_len", "batch", "heads")
 
     def estimate(self):
-        """The reference holds every score in float64; each tile costs interpreter or loop steps (measured: a
-        Triton program in the interpreter takes ~0.15-0.25 s)."""
+        """The reference holds every score in float64. Triton's interpreter starts in ~0.4 s of CPU, then a program
+        (one query block of one head) costs ~7.5 ms before its loop and ~1.5 ms a key block (bench/limits.py: 768
+        one-block programs took 7.3 s of CPU, 24 programs of 4 key blocks 1.35 s); the tiled path is a few torch ops a tile."""
         bh, s = self.batch * self.heads, self.seq_len
         passes = 3 if self.backward else 1  # a backward pass is about two forwards
-        tiles = bh * -(-s // self.block_m) * -(-s // self.block_n) * passes
-        return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2,
-                    ops=tiles * {"triton": 2500, "tiled": 40, "naive": 0}[self.impl])
+        programs = bh * -(-s // self.block_m) * passes
+        tiles = programs * -(-s // self.block_n)
+        triton = self.impl == "triton"
+        steps = programs * 300 + tiles * 60 if triton else tiles * 40 if self.impl == "tiled" else 0
+        return cost(data_bytes=4 * bh * s * s * 8, flops=4 * bh * s * s * self.head_dim * passes * 2, ops=steps,
+                    seconds=0.4 if triton else 0.0)
 
     def check(self) -> None:
         gpu = torch.cuda.is_available()

@@ -63,7 +63,7 @@ class KVCacheConfig(Config):
         scores = self.n_heads * self.context * self.context * 4  # the full recomputation's attention, per layer
         return cost(data_bytes=3 * params * 4 + 4 * self.context * self.n_layers * self.n_heads * self.d_head * 4 + 3 * scores,
                     flops=variants * 3 * 2 * params * self.context,
-                    ops=variants * 3 * self.context * self.n_layers * (40 + 2 * self.n_heads))
+                    ops=variants * 3 * self.context * self.n_layers * (2 + self.n_heads / 4))  # 0.35 s at 2 layers, 1.6 s at 7 measured
 
     def check(self) -> None:
         if self.n_heads % self.n_kv_heads:

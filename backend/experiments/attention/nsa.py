@@ -64,11 +64,16 @@ class NSAConfig(Config):
             keys = min(top_n * self.sel_block, length) + min(self.window, length) + length // self.cmp_stride
             return 4 * (2 * groups * length * keys * d + 3 * groups * per_group * length * keys)
 
-        passes = [pass_bytes(n, self.kv_heads, self.top_n), pass_bytes(n, self.kv_heads, -(-n // self.sel_block))]
-        passes += [pass_bytes(length, 1, self.top_n) for length in self.sizes()]
+        main = [pass_bytes(n, self.kv_heads, self.top_n), pass_bytes(n, self.kv_heads, -(-n // self.sel_block))]
+        sweep = [pass_bytes(length, 1, self.top_n) for length in self.sizes()]
+        passes = main + sweep
         programs = n * self.kv_heads * self.top_n if self.impl == "triton" else 0
         dense = 4 * 4 * self.heads * n * n
-        return cost(data_bytes=3 * max(passes) // 2 + dense, flops=sum(passes) * d // 2 + dense * d // 4, moved_bytes=3 * (sum(passes) + dense),
+        # the bytes above bound what the passes hold; their work is far less than one flop per held element times d
+        # (measured: 1.6 s of CPU at N = 512, 5.5 s at N = 2,048, bench/limits.py), hence the 1/8 and the 3/4
+        # the sweep's one-group passes hold about a quarter of their count at once (0.44 GiB peak at the defaults)
+        return cost(data_bytes=3 * max(main) // 2 + max(sweep, default=0) // 4 + dense, flops=(sum(passes) * d // 2 + dense * d // 4) / 8,
+                    moved_bytes=3 * (sum(passes) + dense) / 4,
                     ops=n * 30 + 64 * n // self.sel_block + programs * 100 + 5000
                     + min(REFERENCE_DOTS, n * self.heads * (n // self.cmp_stride) // 2) // 4)
 

@@ -57,14 +57,16 @@ class GemmConfig(Config):
     cost_drivers = ("m", "n", "k", "sweep_sizes")
 
     def estimate(self):
-        """Triton's interpreter dominates on a CPU: ~60 ms a program-step measured under load (the main GEMM, the
-        seed's 5x5 and the sweep), besides fp64 and same-dtype torch references for C."""
+        """Triton's interpreter dominates on a CPU: ~3.6 ms of CPU a program-step (the main GEMM, the seed's 5x5 and the
+        sweep) and ~0.3 s to start (fitted to 1.2 s of CPU at the defaults and 3.9 s at m = 3200, bench/limits.py),
+        besides fp64 and same-dtype torch references for C."""
         steps = interpreter_steps(self.m, self.n, self.k, self.block_m, self.block_n, self.block_k) + 1
         steps += sum(interpreter_steps(s, s, s, bm, bn, SWEEP_BLOCK_K) for s in self.sizes() for bm, bn in SWEEP_TILES)
         if torch.cuda.is_available():
             steps = 0
         elements = self.m * self.k + self.k * self.n + self.m * self.n + 3 * max(self.sizes(), default=0) ** 2
-        return cost(data_bytes=elements * 8 * 4, flops=3 * 2 * self.m * self.n * self.k, ops=steps * 600 + 3000)
+        return cost(data_bytes=elements * 8 * 4, flops=3 * 2 * self.m * self.n * self.k,
+                    ops=steps * 150 + 11_000)
 
     def sizes(self) -> list[int]:
         return list(self.sweep_sizes)

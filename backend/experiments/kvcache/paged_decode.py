@@ -42,11 +42,11 @@ class PagedDecodeConfig(Config):
     def estimate(self):
         """Each decode step runs the paged kernel in Triton's interpreter over every block of every sequence and
         head, and a token-by-token reference over the whole context: a step's cost grows with the square of the
-        context length. Calibrated on this 2-core box with 1.5x margin: 2 sequences x 6 tokens took 21 s of CPU,
-        x 12 tokens 51 s (a linear per-step model gave 25 and 46 s, and its largest accepted run passed 120 s)."""
+        context length. At the defaults (2 sequences x 6 tokens) 4.9 s of CPU measured, 12.5 s at 12 tokens (bench/limits.py; 21 s before the
+        kernel and reference got faster)."""
         lengths = range(self.prompt_len + 20, self.prompt_len + 21 + self.new_tokens)
         pool = self.num_blocks * self.block_size * self.n_kv_heads * 64 * 2 * 4 * 4
-        return cost(data_bytes=2 * pool, seconds=5 + 0.0019 * self.sequences * (self.n_heads / 4) * sum(n * n for n in lengths))
+        return cost(data_bytes=2 * pool, seconds=1.5 + 0.0003 * self.sequences * (self.n_heads / 4) * sum(n * n for n in lengths))
 
     def check(self) -> None:
         if self.block_size & (self.block_size - 1):

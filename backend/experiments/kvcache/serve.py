@@ -15,8 +15,8 @@ from backend.serving.allocator_sim import simulate_contiguous, simulate_paged
 from backend.serving.workload import Trace, sharegpt_system_prompts
 from backend.uploads import load_trace
 
-# CPU seconds of the two simulations, fitted per piece on this 2-core box (least squares over 7 settings, within 15%),
-# and the loaded box's wall time per CPU second on top (2 cores shared with a browser and other runs).
+# CPU seconds of the two simulations, fitted per piece on this 2-core box (least squares over 7 settings, within 15%);
+# cost() adds the load.
 PAGED_STEP_S = 16e-6             # one busy step of the scheduler over the paged manager
 PAGED_TOKEN_S = 2.1e-6           # one decoded token there (a grow when it opens or fills a block, prefix hashing)
 PAGED_SAMPLE_BLOCK_S = 2e-9      # every 5 steps the sample sums every block's fill
@@ -24,7 +24,6 @@ PAGED_SNAPSHOT_BLOCK_S = 1.7e-6  # one block of one pool snapshot (invariants, t
 CONTIGUOUS_STEP_S = 32e-6        # one busy step over the contiguous allocator (more requests wait: more steps, fewer tokens each)
 CONTIGUOUS_TOKEN_S = 0.4e-6
 SERVE_MARGIN = 1.2
-SERVE_LOAD = 8.0  # wall per CPU second of the simulations: up to 7.7 measured at load average 6 (bench/results/limits_serve_traces.json)
 
 
 @dataclasses.dataclass
@@ -58,8 +57,7 @@ class ServeConfig(Config):
         """Two runs of the scheduler over the trace, one step at a time until the last request arrives and drains;
         a step with nothing running is skipped, so only busy steps cost (at most one per decoded token and request).
         The paged pool holds about its slots / mean length requests at once, the contiguous buffer one per
-        max_model_len slots: the second drains the same tokens in more steps. Wall time on a loaded box is taken as
-        SERVE_LOAD times the CPU time."""
+        max_model_len slots: the second drains the same tokens in more steps."""
         if self.trace == "synthetic":
             requests, span = self.n_requests, self.n_requests / self.rate
             mean_prompt, mean_output = 190.0, 230.0  # the synthetic log-normals' means (exp(5 + 0.8^2/2), exp(5 + 0.9^2/2))
@@ -77,7 +75,7 @@ class ServeConfig(Config):
         cpu = (busy[0] * (PAGED_STEP_S + self.num_blocks / 5 * PAGED_SAMPLE_BLOCK_S) + tokens * PAGED_TOKEN_S
                + snapshots * self.num_blocks * PAGED_SNAPSHOT_BLOCK_S + busy[1] * CONTIGUOUS_STEP_S + tokens * CONTIGUOUS_TOKEN_S)
         return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
-                    seconds=SERVE_LOAD * SERVE_MARGIN * cpu)
+                    seconds=SERVE_MARGIN * cpu)
 
     def check(self) -> None:
         capacity = self.num_blocks * self.block_size

@@ -47,11 +47,11 @@ class RoutingConfig(Config):
     def estimate(self):
         """The reference layer runs each token through each of its experts alone, for four routers: top_k + 1 +
         2·(top_k + shared) expert calls per token, each a slice, a SwiGLU module call and a weighted add (measured
-        1.7 ms a call on the loaded box); the gate runs once per balancing step."""
+        ~0.15 ms of CPU a call at the defaults, bench/limits.py); the gate runs once per balancing step."""
         expert_calls = self.tokens * (3 * self.top_k + 1 + 2 * min(self.n_shared, 1))
         expert_flops = 3 * 2 * self.d_model * self.d_ff * (1 + self.n_shared)
         return cost(data_bytes=self.n_experts * 3 * self.d_model * self.d_ff * 8 * 2 + self.tokens * self.n_experts * 8 * 40,
-                    flops=expert_calls * expert_flops * 2, ops=expert_calls * 20 + self.bias_steps * 20 + 5000)
+                    flops=expert_calls * expert_flops, ops=expert_calls * 6 + self.bias_steps * 20 + 5000)
 
     def check(self) -> None:
         if self.n_experts % self.n_groups:

@@ -43,14 +43,15 @@ class MixedPrecisionConfig(Config):
     def estimate(self):
         """Five trainings of `steps` steps, plus an fp32 backward on every count_every-th step of four of them. CPU fp16
         is slow on elementwise work, which the logits (tokens × vocab) and attention scores (T² per head) dominate:
-        about 100 bytes moved per element per step (measured 0.2 s per step of 64×128 tokens in fp16 on the loaded box)."""
+        about 80 bytes moved per element per step, and ~8 ms of CPU a small step (bench/limits.py: 5 s of CPU at the
+        defaults, ~18 s for 2 steps of 64×128 tokens over a 2,048-token vocabulary)."""
         steps = 5 * self.steps + 4 * -(-self.steps // self.count_every) + 1
         tokens = self.batch * self.seq_len
         L, H, d = SHAPE["n_layers"], SHAPE["n_heads"], SHAPE["d_model"]
         weights = L * (4 * d * d + 3 * d * SHAPE["d_ff"]) + self.vocab * d
         elements = tokens * self.vocab + L * self.batch * H * self.seq_len ** 2
         return cost(data_bytes=elements * 60 + self.steps * tokens * 8, flops=steps * tokens * (6 * weights + 12 * L * self.seq_len * d),
-                    moved_bytes=steps * elements * 100, ops=steps * 1500, seconds=DYNAMO_IMPORT_S)
+                    moved_bytes=steps * elements * 80, ops=steps * 300, seconds=DYNAMO_IMPORT_S)
 
 
 def histogram(magnitudes: dict[str, torch.Tensor]) -> list[dict]:

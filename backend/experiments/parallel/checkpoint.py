@@ -82,7 +82,7 @@ class CheckpointConfig(WorkloadConfig):
         return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
                     flops=runs * 2 * 6 * self.batch * params * self.steps,
                     moved_bytes=runs * self.steps * params * 8 * 4 * self.world_size + saves * 3 * params * 8 * 4,
-                    ops=runs * self.steps * self.layers * 1000 * (self.world_size + 2) + saves * 20000 * self.world_size,
+                    ops=runs * self.steps * self.layers * 250 * (self.world_size + 2) + saves * 5000 * self.world_size,
                     ranks=(2 if self.kill_rank >= 0 else 1) * self.world_size)  # the regrouped ranks are the same processes
 
 

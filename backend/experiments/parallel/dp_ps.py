@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from backend.config import ConfigError, setting
-from backend.limits import Estimate
+from backend.limits import with_wait
 from backend.experiments import define
 from backend.parallel import dp_ps
 from backend.parallel.dp_ps import combine_ps
@@ -23,7 +23,7 @@ class PSConfig(WorkloadConfig):
     def estimate(self):
         """The workload's, plus the straggler's wait on every step."""
         base = super().estimate()
-        return Estimate(base.memory_bytes, base.seconds + 2 * self.steps * self.straggler_ms / 1000)
+        return with_wait(base, 2 * self.steps * self.straggler_ms / 1000)
 
     def check(self) -> None:
         super().check()

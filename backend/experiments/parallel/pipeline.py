@@ -67,7 +67,8 @@ class PipelineConfig(Config):
         # recomputation, the same run again without it (4/3 of a step each, warm-up and timed)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
-                    ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size)
+                    ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
+                    seconds=2.0)  # the fork server imports torch.distributed.pipelining (6.7 s of CPU at the defaults measured)
 
     def for_schedule(self, name: str) -> dict:
         """These settings under schedule `name` (side by side): the options that schedule lacks turned off."""

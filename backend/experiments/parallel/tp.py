@@ -46,8 +46,8 @@ class TPConfig(Config):
     def estimate(self):
         """Every rank runs the whole model besides its shards: the reference (forward, backward and a forward per
         sequence), TP, TP + SP, the model alone, and DTensor's block: about five passes of the whole model each; each
-        rank's first DTensor imports torch.distributed.tensor (seconds of CPU, the ranks sharing two cores)."""
-        return decoder_cost(self, self.world_size, passes=5, seconds=5.0 * self.world_size)
+        rank's first DTensor imports torch.distributed.tensor (~2 s of CPU a rank)."""
+        return decoder_cost(self, self.world_size, passes=5, seconds=2.0 * self.world_size)  # 5.6 s of CPU at the defaults measured
 
     @property
     def tp_degree(self) -> tuple[str, int]:
