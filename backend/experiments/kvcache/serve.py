@@ -74,7 +74,7 @@ class ServeConfig(Config):
         snapshots = busy[0] / 20 if busy[0] < 1220 else 61 + 30 * math.log2(busy[0] / 1220)
         cpu = (busy[0] * (PAGED_STEP_S + self.num_blocks / 5 * PAGED_SAMPLE_BLOCK_S) + tokens * PAGED_TOKEN_S
                + snapshots * self.num_blocks * PAGED_SNAPSHOT_BLOCK_S + busy[1] * CONTIGUOUS_STEP_S + tokens * CONTIGUOUS_TOKEN_S)
-        return cost(data_bytes=2 * span * 600 + requests * 3000 + self.num_blocks * 30 * 400,
+        return cost(data_bytes=2 * busy[0] * 600 + requests * 3000 + self.num_blocks * 30 * 400,
                     seconds=SERVE_MARGIN * cpu)
 
     def check(self) -> None:

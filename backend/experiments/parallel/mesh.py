@@ -120,13 +120,14 @@ class MeshConfig(TPConfig):
         as the whole, for the bubbles and re-sends). The leader's torch.optim.Adam imports torch._dynamo; the ranks'
         hand-written Adam does not. Each ring attention step is a few Python-level sends and block updates: 3cp - 2
         of them per layer per micro-batch per step on every rank. The executor's actions (a micro-batch through a
-        layer on a rank: sends, receives, bookkeeping) ~15 ms of CPU each (6 s of CPU at 3 steps, ~38 s at 49 measured)."""
+        layer on a rank: sends, receives, bookkeeping) ~10 ms of CPU each (5.3 s of CPU at the defaults, 18.4 s at 49 steps,
+        measured at load 3.5-5)."""
         passes = self.steps + 6 * min(self.steps, 2) * self.compare_schedules  # the other schedules run the same plan
         passes += 4 * (self.recompute != "none")  # recompute's price: 4 steps with and without it
         base = decoder_cost(self, self.world_size + 1, passes=passes, seconds=DYNAMO_IMPORT_S)
         ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         actions = self.world_size * passes * self.microbatches * self.layers
-        return plus_cpu(base, (ring_steps * 200 + actions * 600) * OP_S)
+        return plus_cpu(base, (ring_steps * 200 + actions * 400) * OP_S)
 
     @property
     def tp_degree(self):
