@@ -367,7 +367,8 @@ def measure(config: PipelineConfig, payloads: list[dict]) -> SimpleNamespace:
     one_core = replayed(compute, config.num_stages)
     replay_makespan, replay_bubble = bubbles(one_core, p)
     model, idle = plan.bubble(p, m, v), idle_split(events, p)
-    per_stage = [stage_row(config, pl, compute, wall_bubble, replay_bubble, idle, model) for pl in payloads]
+    per_stage = [stage_row(pl, compute, wall_bubble, replay_bubble, idle, model, plan.live_bound(p, m, pl["rank"], v))
+                 for pl in payloads]
     cpu = {row["rank"]: row["cpu_ms"] for row in per_stage}
     bottleneck = max(cpu, key=cpu.get)  # the stage that sets the pace; the others also idle for the imbalance
     return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, start=min(e["ts"] for e in compute),
@@ -378,16 +379,16 @@ def measure(config: PipelineConfig, payloads: list[dict]) -> SimpleNamespace:
                            mean_bubble=sum(wall_bubble.values()) / p, mean_replayed=sum(replay_bubble.values()) / p)
 
 
-def stage_row(config, pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, model: float) -> dict:
-    """One rank's row of the stages table: busy and CPU time, its bubbles, its idle split and its peak live activations."""
-    r, plan = pl["rank"], config.plan
+def stage_row(pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, model: float, live_bound: int) -> dict:
+    """One rank's row of the stages table: busy and CPU time, its bubbles, its idle split and its peak live activations
+    beside the schedule's bound."""
+    r = pl["rank"]
     return {"rank": r, "busy_ms": sum(e["dur"] for e in compute if e["rank"] == r) / 1e3,
             "cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r) / 1e3,
             "forward_cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r and e["args"]["kind"] == "F") / 1e3,
             "bubble_wall": wall_bubble[r], "bubble_replayed": replay_bubble[r], "bubble_model": model,
             **{f"{part}_ms": idle[r][part] / 1e3 for part in ("idle", "transfer", "waiting", "between")},
-            "peak_live": pl["peak_live"], "peak_live_bound": plan.live_bound(config.world_size, plan.microbatches(config.microbatches), r,
-                                                                          plan.chunks(config.virtual_stages))}
+            "peak_live": pl["peak_live"], "peak_live_bound": live_bound}
 
 
 def max_grad_error(pairs) -> float:
