@@ -195,10 +195,9 @@ def noise_evidence(cost: CostModel, tables: list[dict], rounds: list[list[int]])
             "decode_only_steps": decodes}
 
 
-def main(quick: bool) -> None:
-    torch.set_num_threads(1)
-    model = tiny_llama(0)
-    load = os.getloadavg()
+def engine_runs(model) -> tuple[list, dict, CostModel]:
+    """Every engine run (the profiles, then each held-out trace ENGINE_REPEATS times) interleaved step by step, and
+    the cost model fitted to the profiles. Returns (the runs' schedulers, their figures, the cost model)."""
     t0, cpu0 = time.perf_counter(), time.process_time()
     runs = PROFILES + [run for run in HELD_OUT.values() for _ in range(ENGINE_REPEATS)]
     # each repeat joins later: the same machine, other moments
@@ -214,39 +213,44 @@ def main(quick: bool) -> None:
     cost = CostModel.fit([s.log.table() for s in scheds[:len(PROFILES)]], rounds=[s.rounds for s in scheds[:len(PROFILES)]],
                          per_swapped_block=probe.swap_seconds_per_block(), designed=probe.designed_steps(CONFIG))
     print(f"{len(runs)} engine runs interleaved in {engine_wall:.0f} s wall, {engine_cpu:.0f} s CPU; cost model: {cost}")
-    held_out = []
-    for i, (name, (trace, config)) in enumerate(HELD_OUT.items()):
-        engine = scheds[len(PROFILES) + ENGINE_REPEATS * i:len(PROFILES) + ENGINE_REPEATS * (i + 1)]
-        reals = [latency_summary(s) for s in engine]
-        real = reals[0]
-        sim = expected_summary(trace, config, cost)  # the mean of 32 noise draws: the prediction, not one sample of it
-        errors = fidelity(real, sim)
-        repeats = [fidelity(real, again) for again in reals[1:]]
-        mean = {k: float(np.mean([r[k] for r in reals])) for k in FIDELITY_KEYS}
-        sem = {k: float(np.std([r[k] for r in reals], ddof=1) / np.sqrt(len(reals)) / mean[k]) for k in FIDELITY_KEYS}
-        errors_vs_mean = fidelity(mean, sim)
-        steps = engine[0].log.table()
-        own_path = latency_summary(simulate(trace, config, cost, noise_path=cost.relative_residuals(steps)))
-        others = []
-        for seed in range(100, 104):  # single draws (other seeds than the prediction's), against the prediction: the spread one draw would have had
-            others.append(fidelity(sim, latency_summary(simulate(trace, config, cost, noise_seed=seed))))
-        held_out.append({"trace": name, "requests": len(trace), "real": real, "real_repeats": reals[1:], "simulated": sim,
-                         "error": errors, "worst": max(abs(errors[k]) for k in FIDELITY_KEYS),
-                         "engine_vs_itself": {k: max((r[k] for r in repeats), key=abs) for k in FIDELITY_KEYS},
-                         "engine_spread": max(abs(r[k]) for r in repeats for k in FIDELITY_KEYS),
-                         "engine_mean": mean, "engine_mean_standard_error": sem,
-                         "error_vs_engine_mean": errors_vs_mean,
-                         "worst_vs_engine_mean": max(abs(errors_vs_mean[k]) for k in FIDELITY_KEYS),
-                         "cost_model_step_error": cost.step_error(steps),
-                         "error_given_the_runs_own_noise_path": fidelity(real, own_path),
-                         "one_draw_vs_prediction": {k: max(abs(o[k]) for o in others) for k in FIDELITY_KEYS}})
-        print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (vs the mean of {len(reals)} runs {100 * errors_vs_mean[k]:+.1f}% "
-                                      f"± {100 * sem[k]:.1f})" for k, v in errors.items()))
-    held_scheds = scheds[len(PROFILES):]
-    noise = noise_evidence(cost, [s.log.table() for s in held_scheds], [s.rounds for s in held_scheds])
-    print("noise: sd/predicted by predicted step " + ", ".join(f"{b['predicted_ms']:.1f} ms {100 * b['sd_over_predicted']:.0f}%" for b in noise["spread_by_predicted_step"])
-          + "; autocorrelation measured " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["measured"])
-          + " fitted " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["fitted"]))
+    figures = {"runs": len(runs), "profile_requests": N, "held_out_requests": N_HELD_OUT, "runs_per_held_out_trace": ENGINE_REPEATS,
+               "wall_s": engine_wall, "cpu_s": engine_cpu, "host_steal": engine_steal.summary()}
+    return scheds, figures, cost
+
+
+def held_out_fidelity(name: str, trace, config, cost, engine: list) -> dict:
+    """One held-out trace: the simulator's prediction (mean of 32 noise draws) against the engine's first run and
+    the mean of its repeats, the cost model's step error, the simulator on the run's own noise path, and how far
+    single draws stray from the prediction."""
+    reals = [latency_summary(s) for s in engine]
+    real = reals[0]
+    sim = expected_summary(trace, config, cost)  # the mean of 32 noise draws: the prediction, not one sample of it
+    errors = fidelity(real, sim)
+    repeats = [fidelity(real, again) for again in reals[1:]]
+    mean = {k: float(np.mean([r[k] for r in reals])) for k in FIDELITY_KEYS}
+    sem = {k: float(np.std([r[k] for r in reals], ddof=1) / np.sqrt(len(reals)) / mean[k]) for k in FIDELITY_KEYS}
+    errors_vs_mean = fidelity(mean, sim)
+    steps = engine[0].log.table()
+    own_path = latency_summary(simulate(trace, config, cost, noise_path=cost.relative_residuals(steps)))
+    others = []
+    for seed in range(100, 104):  # single draws (other seeds than the prediction's), against the prediction: the spread one draw would have had
+        others.append(fidelity(sim, latency_summary(simulate(trace, config, cost, noise_seed=seed))))
+    print(f"{name}: " + ", ".join(f"{k} {100 * v:+.1f}% (vs the mean of {len(reals)} runs {100 * errors_vs_mean[k]:+.1f}% "
+                                  f"± {100 * sem[k]:.1f})" for k, v in errors.items()))
+    return {"trace": name, "requests": len(trace), "real": real, "real_repeats": reals[1:], "simulated": sim,
+            "error": errors, "worst": max(abs(errors[k]) for k in FIDELITY_KEYS),
+            "engine_vs_itself": {k: max((r[k] for r in repeats), key=abs) for k in FIDELITY_KEYS},
+            "engine_spread": max(abs(r[k]) for r in repeats for k in FIDELITY_KEYS),
+            "engine_mean": mean, "engine_mean_standard_error": sem,
+            "error_vs_engine_mean": errors_vs_mean,
+            "worst_vs_engine_mean": max(abs(errors_vs_mean[k]) for k in FIDELITY_KEYS),
+            "cost_model_step_error": cost.step_error(steps),
+            "error_given_the_runs_own_noise_path": fidelity(real, own_path),
+            "one_draw_vs_prediction": {k: max(abs(o[k]) for o in others) for k in FIDELITY_KEYS}}
+
+
+def simulator_speed(cost, quick: bool) -> list[dict]:
+    """Wall and CPU seconds to simulate 10k, 100k (and 1M) ShareGPT-like requests, with the host's steal beside them."""
     speed = []
     for n in (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000):
         trace = sharegpt_like(n, 8.0, 3)
@@ -257,12 +261,29 @@ def main(quick: bool) -> None:
         speed.append({"requests": n, "steps": len(sched.log), "wall_s": wall, "cpu_s": cpu,
                       "requests_per_s": n / wall, "host_steal": steal.summary(), "summary": latency_summary(sched)})
         print(f"{n:,} requests, {len(sched.log):,} steps: {wall:.1f} s wall, {cpu:.1f} s CPU ({n / wall:,.0f} requests/s)")
+    return speed
+
+
+def main(quick: bool) -> None:
+    torch.set_num_threads(1)
+    model = tiny_llama(0)
+    load = os.getloadavg()
+    scheds, engine_figures, cost = engine_runs(model)
+    held_out = []
+    for i, (name, (trace, config)) in enumerate(HELD_OUT.items()):
+        engine = scheds[len(PROFILES) + ENGINE_REPEATS * i:len(PROFILES) + ENGINE_REPEATS * (i + 1)]
+        held_out.append(held_out_fidelity(name, trace, config, cost, engine))
+    held_scheds = scheds[len(PROFILES):]
+    noise = noise_evidence(cost, [s.log.table() for s in held_scheds], [s.rounds for s in held_scheds])
+    print("noise: sd/predicted by predicted step " + ", ".join(f"{b['predicted_ms']:.1f} ms {100 * b['sd_over_predicted']:.0f}%" for b in noise["spread_by_predicted_step"])
+          + "; autocorrelation measured " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["measured"])
+          + " fitted " + " ".join(f"{v:.2f}" for v in noise["autocorrelation"]["fitted"]))
+    speed = simulator_speed(cost, quick)
     by_n = {row["requests"]: row for row in speed}
     out = {"benchmark": "serving", "device": describe(), "code_version": experiments.code_version(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
-           "engine_runs": {"runs": len(runs), "profile_requests": N, "held_out_requests": N_HELD_OUT, "runs_per_held_out_trace": ENGINE_REPEATS,
-                           "wall_s": engine_wall, "cpu_s": engine_cpu, "host_steal": engine_steal.summary()},
+           "engine_runs": engine_figures,
            "cost_model": cost.as_dict(), "fidelity": held_out, "noise": noise, "speed": speed,
            "targets": {"fidelity within 5% of the engine's first run (every figure, every held-out trace)": all(h["worst"] <= 0.05 for h in held_out),
                        f"fidelity within 5% of the mean of the engine's {ENGINE_REPEATS} runs": all(h["worst_vs_engine_mean"] <= 0.05 for h in held_out),

@@ -133,9 +133,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     for c in chunks.values():
         apply_selective_recompute(c, config.recompute == "selective")
     params = list(model.parameters())
-    experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
-    replicated_over_ep = torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(
-        torch.tensor([p_.numel() for p_ in params]))
+    replicated_over_ep = replicated_mask(chunks, params)
     weights = flat_params(model)
     sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
@@ -165,20 +163,12 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
-        grads = sum_gradients(cp, grads, "context-parallel gradients")
-        if ep.n > 1:
-            grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
-        weights = sync.update(grads, step)
+        weights = sync.update(gradients_over_cp_ep(params, cp, ep, replicated_over_ep), step)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
         step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
-        reported = torch.tensor([walk["loss"]], dtype=torch.float64)
-        for dim in ("dp", "cp", "ep"):  # reporting only: the step's loss, on the last stage
-            if mesh.size(dim) > 1:
-                dist.all_reduce(reported, group=mesh.group(dim))
-        losses.append(reported.item())
+        losses.append(reported_loss(walk["loss"], mesh))
         if checkpoint:
             checkpoint.after_step(step, losses[-1])
         if progress and rank == 0:
@@ -186,7 +176,6 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     if checkpoint:
         checkpoint.finish()
     load_flat(model, sync.final_weights())  # (zero3: one more all-gather, to report the trained weights)
-    n_params = sum(p_.numel() for p_ in params)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
@@ -197,16 +186,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "param_numels": [p_.numel() for p_ in params],
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": {"tp": tp.sent_bytes, "pp": pp_bytes, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
-                      "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes,
-                      "ep all-to-all": sum(r["sent_bytes"] for r in ep.log if r["name"] in ("dispatch", "combine", "counts")),
-                      "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")},
+            "bytes": bytes_by_dimension(tp, pp_bytes, shard, dp, cp, ep),
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
-            "flat_numel": n_params, "layers": sorted(i for ls in layers.values() for i in ls),
+            "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
-            "trace": {**tracer.payload(), "events": list(tracer.events) + [  # a group of one sends nothing: no dim
-                {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]},
-            "step_us": step_us}
+            "trace": merged_trace(tracer, along, mesh), "step_us": step_us}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload
@@ -226,6 +210,44 @@ class _Counted:
             out = self.stage.forward(x, mb)
         self.log.append({"stage": self.stage.index, "mb": mb, "grad": torch.is_grad_enabled(), "flops": counter.total})
         return out
+
+
+def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
+    """One flag per element of the flat parameters: True where it is not a routed expert's (replicated over ep)."""
+    experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
+    return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
+
+
+def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor) -> torch.Tensor:
+    """The flat gradient summed over the context-parallel ranks, and over ep where the weights are replicated."""
+    grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
+    grads = sum_gradients(cp, grads, "context-parallel gradients")
+    if ep.n > 1:
+        grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
+    return grads
+
+
+def reported_loss(loss: float, mesh: DeviceMesh) -> float:
+    """Reporting only: the step's loss on the last stage, summed over dp, cp and ep."""
+    reported = torch.tensor([loss], dtype=torch.float64)
+    for dim in ("dp", "cp", "ep"):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(reported, group=mesh.group(dim))
+    return reported.item()
+
+
+def bytes_by_dimension(tp: Wire, pp_bytes: int, shard, dp: Wire, cp: Wire, ep: Wire) -> dict:
+    """Bytes this rank sent, per dimension and purpose."""
+    return {"tp": tp.sent_bytes, "pp": pp_bytes, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
+            "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes,
+            "ep all-to-all": sum(r["sent_bytes"] for r in ep.log if r["name"] in ("dispatch", "combine", "counts")),
+            "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")}
+
+
+def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:
+    """The pipeline's events, then each dimension's, tagged with the dimension (a group of one sends nothing: no dim)."""
+    return {**tracer.payload(), "events": list(tracer.events) + [
+        {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]}
 
 
 def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank, last_walk) -> dict:

@@ -237,10 +237,25 @@ def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float
     return f_lin * (k + o + h * ffn) / (q + k + v + o + 3 * h * ffn)
 
 
-def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency) -> dict:
-    """Seconds of one step: per-action costs of a pipeline chunk, the pipeline makespan, exposed DP and the optimizer."""
+@dataclasses.dataclass(frozen=True)
+class ChunkCompute:
+    """Forward seconds of one pipeline chunk on one micro-batch (a third of the training FLOPs): matmuls, attention,
+    and Megatron's unfused softmax traffic (forward, backward); what recompute repeats; the head's forward."""
+    layers: float
+    tokens: float
+    f_lin: float
+    f_att: float
+    f_sm: float
+    b_sm: float
+    recompute_flops: float
+    recompute_f: float
+    head_f: float
+
+
+def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency) -> ChunkCompute:
+    """FLOPs per token per layer over peak × the fitted efficiency; GPT rows (Megatron's unfused attention) add the
+    s×s scores' HBM traffic as memory-bound time; selective or full recompute repeats part of the forward."""
     t, cp, b, s = plan.tp, plan.cp, plan.micro_batch, plan.seq_len
-    m = microbatches(plan, dp)
     peak = cluster.gpu.fp8_flops if plan.precision == "fp8" else cluster.gpu.bf16_flops
     tokens_local = b * s / cp
     per_tok = M.training_flops_per_token(model, s, M.causal(model))
@@ -248,64 +263,90 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     layer_lin = (per_tok["linear"] - head_lin) / model.layers   # forward+backward FLOPs per token per layer
     layer_att = per_tok["attention"] / model.layers
     chunk_layers = stage_layers(model, plan) / plan.vp
-    # forward seconds of one chunk on one micro-batch: a third of the training FLOPs
     f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
     f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
-    # Megatron's unfused attention (GPT models): the s×s scores pass through HBM (memory-bound, apart from the FLOPs)
     f_sm, b_sm = ((x * chunk_layers / cluster.gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
                   if not M.causal(model) else (0.0, 0.0))
     recompute_flops = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
     recompute_f = recompute_flops + (f_sm if plan.recompute == "full" or (plan.recompute == "selective" and model.gpt) else 0.0)
-    # tensor parallel: exposed
+    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
+    return ChunkCompute(chunk_layers, tokens_local, f_lin, f_att, f_sm, b_sm, recompute_flops, recompute_f, head_f)
+
+
+def tp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
+    """Tensor parallel, exposed: the chunk's f/g collectives (dense and MoE layers' bytes) plus α per ring step."""
+    t, cp = plan.tp, plan.cp
     tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
     moe_frac = _moe_fraction(model)
-    tp_bytes = ((1 - moe_frac) * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp)
-                + moe_frac * costs.tp_bytes_per_layer(b, s // cp, model.hidden, t, plan.sp, dense_ffn=False)) * chunk_layers
-    n_coll = 4 * chunk_layers * (2 if plan.sp else 1)
-    tp_s = tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0
-    # context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
-    # (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)
+    tp_bytes = ((1 - moe_frac) * costs.tp_bytes_per_layer(plan.micro_batch, plan.seq_len // cp, model.hidden, t, plan.sp)
+                + moe_frac * costs.tp_bytes_per_layer(plan.micro_batch, plan.seq_len // cp, model.hidden, t, plan.sp,
+                                                      dense_ffn=False)) * chunk.layers
+    n_coll = 4 * chunk.layers * (2 if plan.sp else 1)
+    return tp_kind, (tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0)
+
+
+def cp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
+    """Context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
+    (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)."""
+    t, cp = plan.tp, plan.cp
     cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
-    kv_numel = int(b * (s // cp) * model.kv_width / t)
+    kv_numel = int(plan.micro_batch * (plan.seq_len // cp) * model.kv_width / t)
     steps = 3 * (cp - 1) if plan.cp_comm == "ring" else 2 * (cp - 1)
-    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel, cp) / cp_bw + steps * cp_lat) * chunk_layers if cp > 1 else 0.0
-    cp_s = max(0.0, cp_comm - 3 * f_att) if plan.cp_comm == "ring" else cp_comm
-    # expert parallel: dispatch and combine all-to-all, forward and backward, exposed
-    ep_kind, ep_bw, ep_lat = _link(cluster, t * cp, plan.ep)
-    a2a = 2 * tokens_local * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
-    ep_s = 2 * moe_frac * chunk_layers * (a2a / ep_bw + 2 * ep_lat) if plan.ep > 1 else 0.0
-    # pipeline: one activation (or its gradient) per action over the stage boundary
-    pp_kind, pp_bw, pp_lat = _link(cluster, t * cp * dp, plan.pp)
-    act = b * (s // cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
-    p2p = (act / pp_bw + pp_lat) if plan.pp > 1 else 0.0
-    F = f_lin + f_att + f_sm + (tp_s + cp_s + ep_s) / 3 + p2p
-    B = 2 * (f_lin + f_att) + b_sm + recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
-    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
+    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel, cp) / cp_bw + steps * cp_lat) * chunk.layers if cp > 1 else 0.0
+    return cp_kind, (max(0.0, cp_comm - 3 * chunk.f_att) if plan.cp_comm == "ring" else cp_comm)
+
+
+def ep_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
+    """Expert parallel: dispatch and combine all-to-all in the MoE layers, forward and backward, exposed."""
+    t = plan.tp
+    ep_kind, ep_bw, ep_lat = _link(cluster, t * plan.cp, plan.ep)
+    a2a = 2 * chunk.tokens * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
+    return ep_kind, (2 * _moe_fraction(model) * chunk.layers * (a2a / ep_bw + 2 * ep_lat) if plan.ep > 1 else 0.0)
+
+
+def pp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> tuple[str, float]:
+    """Pipeline: one activation (or its gradient) per action over the stage boundary (sequence-sharded under SP)."""
+    t = plan.tp
+    pp_kind, pp_bw, pp_lat = _link(cluster, t * plan.cp * dp, plan.pp)
+    act = plan.micro_batch * (plan.seq_len // plan.cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
+    return pp_kind, ((act / pp_bw + pp_lat) if plan.pp > 1 else 0.0)
+
+
+def pipeline_seconds(plan: Plan, m: int, F: float, B: float, head_f: float) -> tuple[float, float]:
+    """(makespan, the busiest rank's busy time) of m micro-batches: the schedule's makespan function (1F1B, GPipe) with
+    the head on the last rank, else busy ÷ (1 − its bubble formula)."""
     sched = schedules.SCHEDULES[plan.schedule]
     v, p = plan.vp, plan.pp
     if p == 1:
         pipe = m * (F + B + 3 * head_f)
-        busy = pipe
-    elif sched.makespan_fn:
+        return pipe, pipe
+    if sched.makespan_fn:
         f = [v * F] * p
         bw = [v * B] * p
         f[-1] += head_f
         bw[-1] += 2 * head_f
-        pipe = sched.makespan_fn(f, bw, m)
-        busy = m * (f[-1] + bw[-1])
-    else:
-        busy = m * (v * (F + B) + 3 * head_f)
-        pipe = busy / (1 - sched.bubble(p, m, v))
-    # data parallel
-    mem_layers = stage_layers(model, plan)
+        return sched.makespan_fn(f, bw, m), m * (f[-1] + bw[-1])
+    busy = m * (v * (F + B) + 3 * head_f)
+    return busy / (1 - sched.bubble(p, m, v)), busy
+
+
+def rank_parameters(model: M.ModelSpec, plan: Plan) -> tuple[float, float, float]:
+    """(all, dense, expert) parameters on one rank, roughly: the model over t·p, the embedding and head on the ends,
+    experts further split over ep."""
+    t, p = plan.tp, plan.pp
     c = M.counts(model)
     psi = (c["total"] - (c["embedding"] + c["head"]) * (1 - 1 / p)) / (t * p)  # this rank's parameters, roughly
     if model.experts:
         expert_total = model.moe_layers * model.experts * c["expert"]
-        psi_expert = expert_total / (t * p * plan.ep)
-        psi_dense = psi - expert_total / (t * p)
-    else:
-        psi_expert, psi_dense = 0.0, psi
+        return psi, psi - expert_total / (t * p), expert_total / (t * p * plan.ep)
+    return psi, psi, 0.0
+
+
+def dp_comm_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> tuple[str, float]:
+    """Data parallel's ring time per step: gradient reduce-scatter/all-reduce and parameter gathers of the strategy
+    (HSDP: FSDP inside the shard group plus DDP across replicas), experts' gradients over their own DP group."""
+    t, cp = plan.tp, plan.cp
+    psi, psi_dense, psi_expert = rank_parameters(model, plan)
     dp_kind, dp_bw, dp_lat = _link(cluster, t * cp, dp)
     strategy = plan.dp_strategy
     if strategy == "hsdp":
@@ -321,23 +362,41 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
         edp = max(1, dp // plan.ep)
         e_kind, e_bw, e_lat = _link(cluster, t * cp * plan.ep, edp)
         dp_comm += costs.dp_sent_bytes(strategy if strategy != "hsdp" else "fsdp", psi_expert, edp, plan.grad_bytes) / e_bw if edp > 1 else 0.0
-    compute_total = busy
-    if strategy in ("zero3", "fsdp", "hsdp"):
+    return dp_kind, dp_comm
+
+
+def dp_exposed_seconds(model: M.ModelSpec, plan: Plan, dp_comm: float, m: int, busy: float, B: float) -> float:
+    """What data parallel leaves exposed: FSDP/ZeRO-3 prefetch hides every gather and reduce-scatter behind the
+    compute except the first layer's gather; DDP/ZeRO-1/2 hide the gradient reduce-scatter behind the last
+    micro-batch's backward, the parameter all-gather after the optimizer is exposed."""
+    if plan.dp_strategy in ("zero3", "fsdp", "hsdp"):
         per_mb = dp_comm * (m if m > 1 else 1)
-        first_gather = dp_comm / max(1, mem_layers) / 3
-        dp_exposed = max(0.0, per_mb - compute_total) + first_gather
-    else:
-        grad_part = dp_comm * (2 / 3 if strategy != "ddp" else 1.0)
-        dp_exposed = max(0.0, grad_part - v * B) + (dp_comm - grad_part)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * psi / (dp if strategy != "ddp" else 1) / cluster.gpu.hbm_bw
-    total = pipe + dp_exposed + optimizer
-    compute = m * (v * (3 * (f_lin + f_att) + f_sm + b_sm) + 3 * head_f)
+        first_gather = dp_comm / max(1, stage_layers(model, plan)) / 3
+        return max(0.0, per_mb - busy) + first_gather
+    grad_part = dp_comm * (2 / 3 if plan.dp_strategy != "ddp" else 1.0)
+    return max(0.0, grad_part - plan.vp * B) + (dp_comm - grad_part)
+
+
+def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficiency) -> dict:
+    """Seconds of one step: per-action costs of a pipeline chunk (compute plus a share of each dimension's exposed
+    communication), the pipeline makespan, exposed DP and the optimizer."""
+    m, v, p = microbatches(plan, dp), plan.vp, plan.pp
+    c = chunk_compute(model, cluster, plan, eff)
+    (tp_kind, tp_s), (cp_kind, cp_s) = tp_seconds(model, cluster, plan, c), cp_seconds(model, cluster, plan, c)
+    (ep_kind, ep_s), (pp_kind, p2p) = ep_seconds(model, cluster, plan, c), pp_seconds(model, cluster, plan, dp)
+    F = c.f_lin + c.f_att + c.f_sm + (tp_s + cp_s + ep_s) / 3 + p2p
+    B = 2 * (c.f_lin + c.f_att) + c.b_sm + c.recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
+    pipe, busy = pipeline_seconds(plan, m, F, B, c.head_f)
+    dp_kind, dp_comm = dp_comm_seconds(model, cluster, plan, dp)
+    dp_exposed = dp_exposed_seconds(model, plan, dp_comm, m, busy, B)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * rank_parameters(model, plan)[0] / (dp if plan.dp_strategy != "ddp" else 1) / cluster.gpu.hbm_bw
     exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
-    bubble = max(0.0, pipe - busy)
-    return {"step_s": total, "compute_s": compute, "recompute_s": m * v * recompute_f, "bubble_s": bubble,
+    return {"step_s": pipe + dp_exposed + optimizer,
+            "compute_s": m * (v * (3 * (c.f_lin + c.f_att) + c.f_sm + c.b_sm) + 3 * c.head_f),
+            "recompute_s": m * v * c.recompute_f, "bubble_s": max(0.0, pipe - busy),
             "exposed_s": exposed, "optimizer_s": optimizer, "pipeline_s": pipe, "m": m,
-            "F": F, "B": B, "head_f": head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},
-            "recompute_flops_fraction": recompute_flops / (3 * (f_lin + f_att)) if f_lin + f_att else 0.0}
+            "F": F, "B": B, "head_f": c.head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},
+            "recompute_flops_fraction": c.recompute_flops / (3 * (c.f_lin + c.f_att)) if c.f_lin + c.f_att else 0.0}
 
 
 def evaluate(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency, tokens_to_train: float = 0.0,

@@ -357,45 +357,63 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
     return exact, near, metrics, model.idle
 
 
-def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
+def measure(config: PipelineConfig, payloads: list[dict]) -> SimpleNamespace:
+    """The step's figures from the ranks' traces: wall-clock and replayed (one core per rank) bubbles, the idle split,
+    each rank's row, and the busiest stage, which sets the pace."""
     plan, p = config.plan, config.world_size
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     events = [e for pl in payloads for e in pl["trace"]["events"]]
     compute = [e for e in events if e["lane"] == "compute"]
-    start = min(e["ts"] for e in compute)
     makespan, wall_bubble = bubbles(compute, p)
     one_core = replayed(compute, config.num_stages)
     replay_makespan, replay_bubble = bubbles(one_core, p)
-    per_stage, checks, notes = [], [], []
-    model = plan.bubble(p, m, v)
-    idle = idle_split(events, p)
-    for pl in payloads:
-        r = pl["rank"]
-        per_stage.append({"rank": r, "busy_ms": sum(e["dur"] for e in compute if e["rank"] == r) / 1e3,
-                          "cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r) / 1e3,
-                          "forward_cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r and e["args"]["kind"] == "F") / 1e3,
-                          "bubble_wall": wall_bubble[r], "bubble_replayed": replay_bubble[r], "bubble_model": model,
-                          **{f"{part}_ms": idle[r][part] / 1e3 for part in ("idle", "transfer", "waiting", "between")},
-                          "peak_live": pl["peak_live"], "peak_live_bound": plan.live_bound(p, m, r, v)})
-    checks.append(Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
-                        0, reference=f"{plan.title}: {plan.live_bound_source}"))
+    model, idle = plan.bubble(p, m, v), idle_split(events, p)
+    per_stage = [stage_row(pl, compute, wall_bubble, replay_bubble, idle, model, plan.live_bound(p, m, pl["rank"], v))
+                 for pl in payloads]
+    cpu = {row["rank"]: row["cpu_ms"] for row in per_stage}
+    bottleneck = max(cpu, key=cpu.get)  # the stage that sets the pace; the others also idle for the imbalance
+    return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, start=min(e["ts"] for e in compute),
+                           makespan=makespan, wall_bubble=wall_bubble, one_core=one_core,
+                           replay_makespan=replay_makespan, replay_bubble=replay_bubble, model=model, idle=idle,
+                           per_stage=per_stage, bottleneck=bottleneck, pace=replay_bubble[bottleneck],
+                           imbalance=(max(cpu.values()) - min(cpu.values())) / max(cpu.values()),
+                           mean_bubble=sum(wall_bubble.values()) / p, mean_replayed=sum(replay_bubble.values()) / p)
+
+
+def stage_row(pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, model: float, live_bound: int) -> dict:
+    """One rank's row of the stages table: busy and CPU time, its bubbles, its idle split and its peak live activations
+    beside the schedule's bound."""
+    r = pl["rank"]
+    return {"rank": r, "busy_ms": sum(e["dur"] for e in compute if e["rank"] == r) / 1e3,
+            "cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r) / 1e3,
+            "forward_cpu_ms": sum(e["cpu_us"] for e in compute if e["rank"] == r and e["args"]["kind"] == "F") / 1e3,
+            "bubble_wall": wall_bubble[r], "bubble_replayed": replay_bubble[r], "bubble_model": model,
+            **{f"{part}_ms": idle[r][part] / 1e3 for part in ("idle", "transfer", "waiting", "between")},
+            "peak_live": pl["peak_live"], "peak_live_bound": live_bound}
+
+
+def max_grad_error(pairs) -> float:
+    """The largest |difference| over (numpy gradient, float64 reference tensor) pairs."""
+    return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
+
+
+def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[dict]) -> list[Check]:
+    """Peak live activations against the schedule's bound, gradients against one float64 process, and each rank's op
+    order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
+    plan = config.plan
+    checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
+                    0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
         ref = reference_grads(config)
-        worst = 0.0
-        for pl in payloads:
-            for s, grads in pl["grads"].items():
-                for g, rg in zip(grads, ref[int(s)]):
-                    worst = max(worst, (torch.from_numpy(g) - rg).abs().max().item())
+        worst = max([0.0] + [max_grad_error(zip(grads, ref[int(s)])) for pl in payloads for s, grads in pl["grads"].items() if grads])
         checks.append(Check("gradients equal one process running the whole model on the whole batch", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64", detail="max |difference| over every parameter"))
-    for r in range(p):
+    for r in range(config.world_size):
         theirs = payloads[r]["torch_order"]
         if theirs is not None:
             mine = payloads[r]["order"]
             checks.append(Check(f"rank {r}: op order equals torch.distributed.pipelining's", 0 if mine == theirs else 1, 0,
                                 reference=f"PyTorch {config.schedule} schedule code", detail=" ".join(mine[:12]) + " …"))
-    if torch_peer_refusal(config):
-        notes.append(torch_peer_refusal(config))
     if all("torch_peer" in pl for pl in payloads):
         ours = ["".join(a[len(str(pl["rank"]))] for a in pl["order"]) for pl in payloads]
         theirs = [pl["torch_peer"]["order"] for pl in payloads]
@@ -403,105 +421,148 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
         ref = reference_grads(config)
-        worst = max((torch.from_numpy(g) - rg).abs().max().item()
-                    for pl in payloads for g, rg in zip(pl["torch_peer"]["grads"], ref[pl["rank"]]))
+        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref[pl["rank"]])) for pl in payloads)
         checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64"))
-    versions = [dict(v_, rank=pl["rank"]) for pl in payloads for v_ in pl["versions"]]
-    errors = [e for pl in payloads for e in pl["grad_errors"]]
-    if plan.asynchronous:
-        mismatched = sum(1 for v_ in versions if v_["forward_version"] != v_.get("backward_version"))
-        if config.weight_stashing:
-            checks.append(Check("weight stashing: every backward used its forward's weight version", mismatched, 0,
-                                reference="the versions recorded at F and B"))
-        else:
-            notes.append(f"Without stashing, {mismatched} of {len(versions)} micro-batch backwards ran on newer weights than "
-                         f"their forward; mean relative gradient error {sum(e['relative_error'] for e in errors) / max(1, len(errors)):.3g}.")
-            checks.append(Check("without stashing, some backward sees other weights than its forward", 0 if mismatched else 1, 0,
-                                reference="seed 000: the inconsistency PipeDream's stashing removes"))
-        by_mb = {}
-        for v_ in versions:
-            by_mb.setdefault(v_["mb"], set()).add(v_["forward_version"])
-        spread = sum(len(vs) > 1 for vs in by_mb.values())
-        if config.vertical_sync:
-            checks.append(Check("vertical sync: every stage ran each micro-batch on the same weight version", spread, 0,
-                                reference="stage 0's version at the micro-batch's forward"))
-        else:
-            notes.append(f"Without vertical sync, {spread} of {len(by_mb)} micro-batches ran on different weight versions "
-                         "on different stages.")
-        seed_check = pipedream_seed_example(config, versions)
-        if seed_check:
-            checks.append(seed_check)
-        else:
-            notes.append("Seed 000's PipeDream example (micro-batch 5's weight versions) is drawn for 4 machines and at "
-                         "least 5 micro-batches: set world_size 4 and microbatches ≥ 5 to have it checked.")
-    gantt = [{"rank": e["rank"], "lane": e["lane"], "name": e["name"], "kind": e["args"].get("kind", e["lane"]),
-              "mb": e["args"].get("mb"), "stage": e["args"].get("stage"),
-              "start_ms": (e["ts"] - start) / 1e3, "end_ms": (e["ts"] + e["dur"] - start) / 1e3} for e in events]
-    live = [{"rank": pl["rank"], "t_ms": (t["t_us"] - start) / 1e3, "live": t["live"]} for pl in payloads for t in pl["timeline"]]
-    gantt += [{"rank": e["rank"], "lane": "replayed", "name": e["name"], "kind": e["args"]["kind"], "mb": e["args"]["mb"],
-               "stage": e["args"]["stage"], "start_ms": e["ts"] / 1e3, "end_ms": (e["ts"] + e["dur"]) / 1e3} for e in one_core]
-    mean_bubble = sum(wall_bubble.values()) / p
-    mean_replayed = sum(replay_bubble.values()) / p
-    cpu = {row["rank"]: row["cpu_ms"] for row in per_stage}
-    bottleneck = max(cpu, key=cpu.get)  # the stage that sets the pace; the others also idle for the imbalance
-    pace = replay_bubble[bottleneck]
-    imbalance = (max(cpu.values()) - min(cpu.values())) / max(cpu.values())
-    mean_action = sum(e["cpu_us"] for e in compute) / len(compute)
-    metrics = {"schedule": config.schedule, "bubble_formula": plan.bubble_formula, "p": p, "m": m, "v": v,
-               "makespan_ms": round(makespan / 1e3, 3),
-               "makespan_replayed_ms": round(replay_makespan / 1e3, 3),
-               "bubble_measured": round(mean_bubble, 4), "bubble_replayed": round(pace, 4),
-               "bubble_replayed_mean": round(mean_replayed, 4), "bubble_model": round(model, 4),
-               "bubble_gap_pp": round(100 * (pace - model), 2), "stage_imbalance": round(imbalance, 4),
-               "mean_action_cpu_ms": round(mean_action / 1e3, 3),
-               "idle_transfer_share": round(sum(i["transfer"] for i in idle.values()) / max(1e-9, sum(i["idle"] for i in idle.values())), 4),
-               "recv_transfer_ms": round(sum(i["transfer"] for i in idle.values()) / 1e3 / max(1, sum(e["lane"] == "recv" for e in events)), 4)}
-    cores = os.cpu_count() or 1
-    if cores < p:
-        notes.append(f"{p} ranks share this machine's {cores} cores, so the wall-clock timeline shows their contention "
-                     f"(bubble {100 * mean_bubble:.1f} % on the wall clock). The replay gives every rank a core of its own and each "
-                     f"action its measured CPU time: the busiest stage (rank {bottleneck}) idles {100 * pace:.1f} %, against "
-                     f"{100 * model:.1f} % from {plan.bubble_formula}.")
-    notes.append(f"Stages differ in cost by {100 * imbalance:.0f} % (the last computes the loss, the first no input gradient), "
-                 f"so the lighter stages also wait for the busiest: {100 * mean_replayed:.1f} % idle on average in the replay.")
-    if plan.published_idle_fn:
-        median = median_costs(compute)
-        kinds = {k: [c for (_, kind, _), c in median.items() if kind == k] for k in ("F", "I", "W", "B")}
-        per = {k: sum(kinds[k]) / len(kinds[k]) for k in ("F", "W")}  # every chunk runs some I and W, and all its F
-        per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
-        idle = plan.published_idle_fn(p, per["F"], per["I"], per["W"])
-        metrics["bubble_published_measured_costs"] = round(idle / (idle + 2 * m * sum(per.values())), 4)
-        metrics["published_idle_formula"] = plan.published_idle_formula
-        notes.append(f"{plan.published_idle_formula}, with this run's median chunk costs (F {per['F'] / 1e3:.2f}, "
-                     f"I {per['I'] / 1e3:.2f}, W {per['W'] / 1e3:.2f} ms): {100 * metrics['bubble_published_measured_costs']:.1f} % "
-                     f"idle, beside {100 * pace:.1f} % replayed. The table's figure assumes the F&B pair overlapped; "
-                     f"run one after the other, this order idles p − 1 chunk-forwards per rank when F = I = W.")
-    exact, near, model_metrics, model_idle = makespan_checks(config, compute, replay_bubble)
-    metrics.update(model_metrics, bubble_makespan_model=round(model_idle[bottleneck], 4))
-    for row in per_stage:
-        row["bubble_makespan_model"] = model_idle[row["rank"]]
-    checks.append(exact)  # the same costs on both sides: no jitter, whatever the actions' length
+    return checks
+
+
+def pipedream_checks(config: PipelineConfig, versions: list[dict], errors: list[dict]) -> tuple[list[Check], list[str]]:
+    """PipeDream's weight versions: with stashing every backward uses its forward's version, with vertical sync every
+    stage runs a micro-batch on one version, and seed 000's example; what is switched off is described instead."""
+    checks, notes = [], []
+    mismatched = sum(1 for v_ in versions if v_["forward_version"] != v_.get("backward_version"))
+    if config.weight_stashing:
+        checks.append(Check("weight stashing: every backward used its forward's weight version", mismatched, 0,
+                            reference="the versions recorded at F and B"))
+    else:
+        notes.append(f"Without stashing, {mismatched} of {len(versions)} micro-batch backwards ran on newer weights than "
+                     f"their forward; mean relative gradient error {sum(e['relative_error'] for e in errors) / max(1, len(errors)):.3g}.")
+        checks.append(Check("without stashing, some backward sees other weights than its forward", 0 if mismatched else 1, 0,
+                            reference="seed 000: the inconsistency PipeDream's stashing removes"))
+    by_mb = {}
+    for v_ in versions:
+        by_mb.setdefault(v_["mb"], set()).add(v_["forward_version"])
+    spread = sum(len(vs) > 1 for vs in by_mb.values())
+    if config.vertical_sync:
+        checks.append(Check("vertical sync: every stage ran each micro-batch on the same weight version", spread, 0,
+                            reference="stage 0's version at the micro-batch's forward"))
+    else:
+        notes.append(f"Without vertical sync, {spread} of {len(by_mb)} micro-batches ran on different weight versions "
+                     "on different stages.")
+    seed_check = pipedream_seed_example(config, versions)
+    if seed_check:
+        checks.append(seed_check)
+    else:
+        notes.append("Seed 000's PipeDream example (micro-batch 5's weight versions) is drawn for 4 machines and at "
+                     "least 5 micro-batches: set world_size 4 and microbatches ≥ 5 to have it checked.")
+    return checks, notes
+
+
+def step_metrics(config: PipelineConfig, fig: SimpleNamespace) -> dict:
+    """The step's headline figures: makespans, bubbles (wall, replayed at the busiest stage and on average, textbook),
+    stage imbalance, the mean action and the share of idle time spent in transfers."""
+    plan, idle, events = config.plan, fig.idle, fig.events
+    return {"schedule": config.schedule, "bubble_formula": plan.bubble_formula, "p": fig.p, "m": fig.m, "v": fig.v,
+            "makespan_ms": round(fig.makespan / 1e3, 3),
+            "makespan_replayed_ms": round(fig.replay_makespan / 1e3, 3),
+            "bubble_measured": round(fig.mean_bubble, 4), "bubble_replayed": round(fig.pace, 4),
+            "bubble_replayed_mean": round(fig.mean_replayed, 4), "bubble_model": round(fig.model, 4),
+            "bubble_gap_pp": round(100 * (fig.pace - fig.model), 2), "stage_imbalance": round(fig.imbalance, 4),
+            "mean_action_cpu_ms": round(sum(e["cpu_us"] for e in fig.compute) / len(fig.compute) / 1e3, 3),
+            "idle_transfer_share": round(sum(i["transfer"] for i in idle.values()) / max(1e-9, sum(i["idle"] for i in idle.values())), 4),
+            "recv_transfer_ms": round(sum(i["transfer"] for i in idle.values()) / 1e3 / max(1, sum(e["lane"] == "recv" for e in events)), 4)}
+
+
+def published_idle(config: PipelineConfig, fig: SimpleNamespace) -> tuple[dict, list[str]]:
+    """The published table's idle formula (DualPipe-V) fed with this run's median chunk costs, beside the replay."""
+    plan = config.plan
+    if not plan.published_idle_fn:
+        return {}, []
+    median = median_costs(fig.compute)
+    kinds = {k: [c for (_, kind, _), c in median.items() if kind == k] for k in ("F", "I", "W", "B")}
+    per = {k: sum(kinds[k]) / len(kinds[k]) for k in ("F", "W")}  # every chunk runs some I and W, and all its F
+    per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
+    idle = plan.published_idle_fn(fig.p, per["F"], per["I"], per["W"])
+    bubble = round(idle / (idle + 2 * fig.m * sum(per.values())), 4)
+    note = (f"{plan.published_idle_formula}, with this run's median chunk costs (F {per['F'] / 1e3:.2f}, "
+            f"I {per['I'] / 1e3:.2f}, W {per['W'] / 1e3:.2f} ms): {100 * bubble:.1f} % "
+            f"idle, beside {100 * fig.pace:.1f} % replayed. The table's figure assumes the F&B pair overlapped; "
+            f"run one after the other, this order idles p − 1 chunk-forwards per rank when F = I = W.")
+    return {"bubble_published_measured_costs": bubble, "published_idle_formula": plan.published_idle_formula}, [note]
+
+
+def bubble_notes(config: PipelineConfig, fig: SimpleNamespace) -> list[str]:
+    """Why the wall-clock bubble differs from the replayed one (ranks sharing cores) and from the formula (unequal stages)."""
+    notes, cores = [], os.cpu_count() or 1
+    if cores < fig.p:
+        notes.append(f"{fig.p} ranks share this machine's {cores} cores, so the wall-clock timeline shows their contention "
+                     f"(bubble {100 * fig.mean_bubble:.1f} % on the wall clock). The replay gives every rank a core of its own and each "
+                     f"action its measured CPU time: the busiest stage (rank {fig.bottleneck}) idles {100 * fig.pace:.1f} %, against "
+                     f"{100 * fig.model:.1f} % from {config.plan.bubble_formula}.")
+    notes.append(f"Stages differ in cost by {100 * fig.imbalance:.0f} % (the last computes the loss, the first no input gradient), "
+                 f"so the lighter stages also wait for the busiest: {100 * fig.mean_replayed:.1f} % idle on average in the replay.")
+    return notes
+
+
+def timed_check(config: PipelineConfig, compute: list[dict], near: Check) -> tuple[list[Check], list[str]]:
+    """The replayed bubble against the makespan model is checked only where actions are long enough to time and the
+    schedule flushes; otherwise it is shown, with the reason."""
     forward = sum(e["cpu_us"] for e in compute if e["args"]["kind"] == "F") / sum(e["args"]["kind"] == "F" for e in compute)
     if forward < MIN_TIMED_ACTION_US:
-        notes.append(f"Forwards average {forward:.0f} µs of CPU, too short to time against the clock's jitter, so "
-                     f"the replayed bubble's distance from the makespan model ({100 * near.error:.1f} points) is shown but not "
-                     f"checked (a larger hidden size makes each action longer).")
-    elif plan.asynchronous:
-        notes.append(f"PipeDream's backward carries its weight update and stash copy, whose CPU time varies several-fold "
-                     f"from one micro-batch to the next here, and it has no flush (this step's bubble is one batch's picture): "
-                     f"the replayed bubble is {100 * near.error:.1f} points from the makespan model, shown, not checked.")
-    else:
-        checks.append(near)
+        return [], [f"Forwards average {forward:.0f} µs of CPU, too short to time against the clock's jitter, so "
+                    f"the replayed bubble's distance from the makespan model ({100 * near.error:.1f} points) is shown but not "
+                    f"checked (a larger hidden size makes each action longer)."]
+    if config.plan.asynchronous:
+        return [], [f"PipeDream's backward carries its weight update and stash copy, whose CPU time varies several-fold "
+                    f"from one micro-batch to the next here, and it has no flush (this step's bubble is one batch's picture): "
+                    f"the replayed bubble is {100 * near.error:.1f} points from the makespan model, shown, not checked."]
+    return [near], []
+
+
+def gantt_rows(fig: SimpleNamespace, payloads: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The Gantt table (every recorded event, then the one-core replay, in ms from the step's start) and live activations."""
+    start = fig.start
+    gantt = [{"rank": e["rank"], "lane": e["lane"], "name": e["name"], "kind": e["args"].get("kind", e["lane"]),
+              "mb": e["args"].get("mb"), "stage": e["args"].get("stage"),
+              "start_ms": (e["ts"] - start) / 1e3, "end_ms": (e["ts"] + e["dur"] - start) / 1e3} for e in fig.events]
+    gantt += [{"rank": e["rank"], "lane": "replayed", "name": e["name"], "kind": e["args"]["kind"], "mb": e["args"]["mb"],
+               "stage": e["args"]["stage"], "start_ms": e["ts"] / 1e3, "end_ms": (e["ts"] + e["dur"]) / 1e3} for e in fig.one_core]
+    live = [{"rank": pl["rank"], "t_ms": (t["t_us"] - start) / 1e3, "live": t["live"]} for pl in payloads for t in pl["timeline"]]
+    return gantt, live
+
+
+def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
+    """measure -> check -> describe: the step's figures, its checks (order, gradients, weight versions, the makespan
+    model), then the metrics, notes and tables the page draws."""
+    fig = measure(config, payloads)
+    checks = order_checks(config, payloads, fig.per_stage)
+    notes = [torch_peer_refusal(config)] if torch_peer_refusal(config) else []
+    versions = [dict(v_, rank=pl["rank"]) for pl in payloads for v_ in pl["versions"]]
+    errors = [e for pl in payloads for e in pl["grad_errors"]]
+    if config.plan.asynchronous:
+        more_checks, more_notes = pipedream_checks(config, versions, errors)
+        checks, notes = checks + more_checks, notes + more_notes
+    metrics = step_metrics(config, fig)
+    published, published_notes = published_idle(config, fig)
+    metrics.update(published)
+    notes += bubble_notes(config, fig) + published_notes
+    exact, near, model_metrics, model_idle = makespan_checks(config, fig.compute, fig.replay_bubble)
+    metrics.update(model_metrics, bubble_makespan_model=round(model_idle[fig.bottleneck], 4))
+    for row in fig.per_stage:
+        row["bubble_makespan_model"] = model_idle[row["rank"]]
+    timed, timed_notes = timed_check(config, fig.compute, near)
+    checks, notes = checks + [exact] + timed, notes + timed_notes  # exact: the same costs on both sides, no jitter
     price = []
     if config.recompute:
         more_checks, more_metrics, price, more_notes = recompute.price(config, payloads, stage_layers)
         checks, notes = checks + more_checks, notes + more_notes
         metrics.update(more_metrics)
+    gantt, live = gantt_rows(fig, payloads)
     return Result(metrics=metrics, checks=checks, notes=notes,
-                  tables={"gantt": gantt, "stages": per_stage, "live": live, "versions": versions, "grad_errors": errors,
+                  tables={"gantt": gantt, "stages": fig.per_stage, "live": live, "versions": versions, "grad_errors": errors,
                           "recompute": price},
-                  trace_events=events)
+                  trace_events=fig.events)
 
 
 EXPERIMENT = define(__name__, PipelineConfig,

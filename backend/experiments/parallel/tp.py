@@ -149,138 +149,207 @@ def _neighbour_shard(ref_grads, config, wire):
     return ref_grads["blocks.0.ffn.down.weight"][:, j * cols:(j + 1) * cols]
 
 
-def combine(config: TPConfig, payloads) -> Result:
-    n = config.world_size
-    checks, tables, metrics, notes = [], {}, {"world_size": n}, []
-    collectives, memory = [], []
+def numeric_checks(mode: str, ranks: list[dict]) -> list[Check]:
+    """One layout's loss, logits and gradient shards against the single-process float64 reference."""
+    return [Check(f"{mode}: loss equals one process", max(r["loss_error"] for r in ranks), TOL,
+                  reference="the TinyDecoder (backend/models/llama.py), float64, one process"),
+            Check(f"{mode}: each rank's logits equal its vocabulary slice of the reference's",
+                  max(r["logits_error"] for r in ranks), TOL, reference="single-process logits"),
+            Check(f"{mode}: every parameter shard's gradient equals the reference's gradient cut the same way",
+                  max(max(r["grad_errors"].values()) for r in ranks), TOL, reference="single-process autograd")]
+
+
+def bytes_against_model(mode: str, payloads: list[dict], model: list[dict]) -> tuple[list[dict], list[Check]]:
+    """Each rank's logged bytes per (phase, op, name) against the ring-volume model; rank 0's rows for the table."""
+    key = lambda r: (r["phase"], r["op"], r["name"])  # noqa: E731
+    predicted = {}
+    for r in model:
+        predicted[key(r)] = predicted.get(key(r), 0) + r["sent_bytes"]
+    rows, checks = [], []
+    for p in payloads:
+        got = p["modes"][mode]["log"]
+        measured = {}
+        for r in got:
+            measured[key(r)] = measured.get(key(r), 0) + r["sent_bytes"]
+        if p["rank"] == 0:
+            rows += [{"mode": mode, "phase": k[0], "op": k[1], "name": k[2], "calls": sum(key(r) == k for r in got),
+                      "sent_bytes": v, "model_bytes": predicted.get(k)} for k, v in measured.items()]
+        diff = sum(abs(measured.get(k, 0) - predicted.get(k, 0)) for k in set(measured) | set(predicted))
+        checks.append(Check(f"{mode}: bytes rank {p['rank']} sent, collective by collective, equal the model", diff, 0,
+                            reference="ring volumes: all-reduce 2(t-1)/t, reduce-scatter (t-1)/t of the tensor, "
+                                      "all-gather (t-1) x the shard; one all-reduce of b*s*h per layer forward (g), one backward (f)"))
+    return rows, checks
+
+
+def memory_row(config: TPConfig, layout: str, rank: int, measured: int, t: int, sp: bool) -> dict:
+    """Measured activation bytes beside Korthikanti's accounting of this block (float64, + RoPE's cos and sin tables,
+    shared by the layers) and the paper's GPT-block figure."""
     b, s, h = config.batch, config.seq, config.d_model
-    for mode, sp in (("TP", False), ("TP + SP", True)):
-        ranks = [p["modes"][mode] for p in payloads]
-        checks.append(Check(f"{mode}: loss equals one process", max(r["loss_error"] for r in ranks), TOL,
-                            reference="the TinyDecoder (backend/models/llama.py), float64, one process"))
-        checks.append(Check(f"{mode}: each rank's logits equal its vocabulary slice of the reference's",
-                            max(r["logits_error"] for r in ranks), TOL, reference="single-process logits"))
-        checks.append(Check(f"{mode}: every parameter shard's gradient equals the reference's gradient cut the same way",
-                            max(max(r["grad_errors"].values()) for r in ranks), TOL, reference="single-process autograd"))
-        model = expected_collectives(config, n, sp)
-        for p in payloads:
-            got = p["modes"][mode]["log"]
-            key = lambda r: (r["phase"], r["op"], r["name"])  # noqa: E731
-            measured, predicted = {}, {}
-            for r in got:
-                measured[key(r)] = measured.get(key(r), 0) + r["sent_bytes"]
-            for r in model:
-                predicted[key(r)] = predicted.get(key(r), 0) + r["sent_bytes"]
-            if p["rank"] == 0:
-                collectives += [{"mode": mode, "phase": k[0], "op": k[1], "name": k[2], "calls": sum(key(r) == k for r in got),
-                                 "sent_bytes": v, "model_bytes": predicted.get(k)} for k, v in measured.items()]
-            diff = sum(abs(measured.get(k, 0) - predicted.get(k, 0)) for k in set(measured) | set(predicted))
-            checks.append(Check(f"{mode}: bytes rank {p['rank']} sent, collective by collective, equal the model", diff, 0,
-                                reference="ring volumes: all-reduce 2(t-1)/t, reduce-scatter (t-1)/t of the tensor, "
-                                          "all-gather (t-1) x the shard; one all-reduce of b*s*h per layer forward (g), one backward (f)"))
-        per_layer = [r for r in model if r["name"] == "mlp" and r["phase"] == "forward"]
-        metrics[f"{mode} MLP forward bytes per rank per layer"] = sum(r["sent_bytes"] for r in per_layer) // config.layers
-        for phase in ("forward", "backward"):
-            metrics[f"{mode} {phase} bytes per rank per step"] = sum(r["sent_bytes"] for r in model if r["phase"] == phase)
-        formula = sum(activation_elements(b, s, h, config.n_heads, config.n_heads * config.d_head, config.d_ff, n, sp).values())
-        formula_bytes = config.layers * formula * 8 + s * config.d_head * 8  # + RoPE's cos and sin tables, shared by the layers
-        for p in payloads:
-            got = p["modes"][mode]["activation_bytes"]
-            memory.append({"layout": f"{mode}, t={n}", "rank": p["rank"], "measured_bytes": got, "formula_bytes": formula_bytes,
-                           "paper_gpt_block_bytes": config.layers * korthikanti_bytes(b, s, h, config.n_heads, n, sp)})
-        checks.append(Check(f"{mode}: activation memory per rank within 10 % of the formula",
-                            max(abs(m["measured_bytes"] / m["formula_bytes"] - 1) for m in memory if m["layout"].startswith(mode + ",")),
-                            0.10, reference="Korthikanti et al.'s accounting applied to this block (sp.activation_elements)"))
-        wrong = max(r["wrong_shard_error"] for r in ranks)
-        metrics[f"{mode} wrong-shard gradient error"] = wrong
-    one = sum(activation_elements(b, s, h, config.n_heads, config.n_heads * config.d_head, config.d_ff, 1, False).values())
-    memory.append({"layout": "one rank, t=1", "rank": 0, "measured_bytes": payloads[0]["activation_bytes_one_rank"],
-                   "formula_bytes": config.layers * one * 8 + s * config.d_head * 8,
-                   "paper_gpt_block_bytes": config.layers * korthikanti_bytes(b, s, h, config.n_heads, 1, False)})
-    checks.append(Check("one rank: activation memory within 10 % of the formula",
-                        abs(memory[-1]["measured_bytes"] / memory[-1]["formula_bytes"] - 1), 0.10, reference="same formula, t = 1"))
-    tables["collectives"], tables["memory"] = collectives, memory
-    tables["shards"] = [{"rank": p["rank"], "parameter": k, "shape": " x ".join(map(str, v)), "elements": math.prod(v)}
-                        for p in payloads for k, v in p["modes"]["TP"]["shards"].items()]
-    if "worked" in payloads[0]:
-        tables["worked_examples"] = [row for p in payloads for row in p["worked"]]
-        e = payloads[0]["worked_errors"]
-        checks.append(Check("seed 000 worked examples: column and row splits give X W", max(e["column_error"], e["row_error"]), 0,
-                            reference="X W in one process"))
-        checks.append(Check("seed 002: tanh on column shards before the gather equals tanh(X W)", e["column_activation_error"], 0,
-                            reference="tanh(X W)"))
-        metrics["row split: error of summing tanh of partial sums"] = e["row_activation_error"]
-        notes.append(f"Seed 002: a row split cannot apply the activation before the sum: tanh(Y_0) + tanh(Y_1) misses "
-                     f"tanh(Y_0 + Y_1) by {e['row_activation_error']:.3f} here, so Megatron puts the column split first.")
+    formula = sum(activation_elements(b, s, h, config.n_heads, config.n_heads * config.d_head, config.d_ff, t, sp).values())
+    return {"layout": layout, "rank": rank, "measured_bytes": measured, "formula_bytes": config.layers * formula * 8 + s * config.d_head * 8,
+            "paper_gpt_block_bytes": config.layers * korthikanti_bytes(b, s, h, config.n_heads, t, sp)}
+
+
+def mode_metrics(config: TPConfig, mode: str, model: list[dict], ranks: list[dict]) -> dict:
+    """One layout's predicted bytes per layer and per step, and the error a wrong shard's gradient would have."""
+    per_layer = [r for r in model if r["name"] == "mlp" and r["phase"] == "forward"]
+    metrics = {f"{mode} MLP forward bytes per rank per layer": sum(r["sent_bytes"] for r in per_layer) // config.layers}
+    for phase in ("forward", "backward"):
+        metrics[f"{mode} {phase} bytes per rank per step"] = sum(r["sent_bytes"] for r in model if r["phase"] == phase)
+    metrics[f"{mode} wrong-shard gradient error"] = max(r["wrong_shard_error"] for r in ranks)
+    return metrics
+
+
+def measure_mode(config: TPConfig, payloads: list[dict], mode: str, sp: bool) -> tuple[list[Check], dict, list, list]:
+    """One layout (TP, or TP + SP): its numeric checks, bytes per collective against the model, activation memory
+    against the formula. Returns (checks, metrics, collective rows, memory rows)."""
+    n, ranks = config.world_size, [p["modes"][mode] for p in payloads]
+    model = expected_collectives(config, n, sp)
+    collectives, byte_checks = bytes_against_model(mode, payloads, model)
+    memory = [memory_row(config, f"{mode}, t={n}", p["rank"], p["modes"][mode]["activation_bytes"], n, sp) for p in payloads]
+    memory_check = Check(f"{mode}: activation memory per rank within 10 % of the formula",
+                         max(abs(m["measured_bytes"] / m["formula_bytes"] - 1) for m in memory), 0.10,
+                         reference="Korthikanti et al.'s accounting applied to this block (sp.activation_elements)")
+    return numeric_checks(mode, ranks) + byte_checks + [memory_check], mode_metrics(config, mode, model, ranks), collectives, memory
+
+
+def seed_examples(payloads: list[dict]) -> tuple[list[Check], dict, list[str], list[dict]]:
+    """Seed 000's and 002's 2x2 examples (run at t = 2): column and row splits give X W; tanh commutes with the column
+    split only. Returns (checks, metrics, notes, table rows); nothing at other t."""
+    if "worked" not in payloads[0]:
+        return [], {}, [], []
+    e = payloads[0]["worked_errors"]
+    checks = [Check("seed 000 worked examples: column and row splits give X W", max(e["column_error"], e["row_error"]), 0,
+                    reference="X W in one process"),
+              Check("seed 002: tanh on column shards before the gather equals tanh(X W)", e["column_activation_error"], 0,
+                    reference="tanh(X W)")]
+    note = (f"Seed 002: a row split cannot apply the activation before the sum: tanh(Y_0) + tanh(Y_1) misses "
+            f"tanh(Y_0 + Y_1) by {e['row_activation_error']:.3f} here, so Megatron puts the column split first.")
+    return (checks, {"row split: error of summing tanh of partial sums": e["row_activation_error"]}, [note],
+            [row for p in payloads for row in p["worked"]])
+
+
+def dtensor_tables(payloads: list[dict]) -> dict:
+    """DTensor's parallelize_module beside our layers, per layer (errors, collectives, bytes), and every call it issued."""
     peer = payloads[0]["dtensor"]
-    tables["dtensor"] = [{"layer": k, "output_error": row["output_error"], "input_grad_error": row["input_grad_error"],
-                          "weight_grad_error": row["weight_grad_error"],
-                          "dtensor_collectives": ", ".join(f"{op} {c}" for op, c in row["dtensor_collectives"].items()),
-                          "ours_collectives": OURS_COLLECTIVES[k],
-                          "dtensor_bytes_model": row["dtensor_model_bytes"], "dtensor_bytes_written": row["dtensor_written_payload"],
-                          "ours_bytes_model": row["ours_model_bytes"], "ours_bytes_written": row["ours_written_payload"]}
-                         for k, row in peer.items()]
-    tables["dtensor_collectives"] = [{"layer": k, "rank": p["rank"], "call": i, **c} for p in payloads
-                                     for k, row in p["dtensor"].items() for i, c in enumerate(row["dtensor_issued"])]
+    return {"dtensor": [{"layer": k, "output_error": row["output_error"], "input_grad_error": row["input_grad_error"],
+                         "weight_grad_error": row["weight_grad_error"],
+                         "dtensor_collectives": ", ".join(f"{op} {c}" for op, c in row["dtensor_collectives"].items()),
+                         "ours_collectives": OURS_COLLECTIVES[k],
+                         "dtensor_bytes_model": row["dtensor_model_bytes"], "dtensor_bytes_written": row["dtensor_written_payload"],
+                         "ours_bytes_model": row["ours_model_bytes"], "ours_bytes_written": row["ours_written_payload"]}
+                        for k, row in peer.items()],
+            "dtensor_collectives": [{"layer": k, "rank": p["rank"], "call": i, **c} for p in payloads
+                                    for k, row in p["dtensor"].items() for i, c in enumerate(row["dtensor_issued"])]}
+
+
+def dtensor_bytes_checks(payloads: list[dict]) -> tuple[list[Check], list[str]]:
+    """DTensor's collectives as our recorder saw them against CommDebugMode, and the bytes each rank wrote to its
+    sockets (DTensor's and ours) against the volumes logged; a note where /proc/self/io is missing."""
     rows = [row for p in payloads for row in p["dtensor"].values()]
-    checks.append(Check("DTensor's collectives as our recorder saw them agree with CommDebugMode's counts",
-                        sum(not r["recorder_agrees"] for r in rows), 0, reference="torch.distributed.tensor.debug.CommDebugMode"))
-    if all(r["dtensor_written_payload"] is not None and r["ours_written_payload"] is not None for r in rows):
-        checks.append(Check("DTensor: bytes each rank wrote to its sockets equal gloo's volumes for the collectives it issued",
-                            max(abs(r["dtensor_written_payload"] - r["dtensor_model_bytes"]) for r in rows), 0,
-                            reference="/proc/self/io (write calls x gloo's 48 B preamble taken off); ring all-reduce "
-                                      "2(t-1)/t, all-gather (t-1) x input; gloo's reduce-scatter moves an all-reduce's volume"))
-        checks.append(Check("ours: bytes each rank wrote to its sockets equal our wire log, layer by layer",
-                            max(abs(r["ours_written_payload"] - r["ours_model_bytes"]) for r in rows), 0,
-                            reference="/proc/self/io against the bytes our collectives logged"))
-    else:
-        notes.append("Bytes written were not measured: this system has no /proc/self/io.")
-    for k, row in peer.items():
-        metrics[f"DTensor / ours bytes, {k}"] = row["dtensor_model_bytes"] / row["ours_model_bytes"]
-    sp_block = peer["block: SequenceParallel norms, Colwise, Rowwise"]
-    notes.append("DTensor against ours, bytes: DTensor all-reduces the input gradient of each ColwiseParallel module "
-                 "separately (gate and up; wq, wk and wv), where ours fuses the column-parallel weights that read one input "
-                 f"and all-reduces once (MLP {metrics['DTensor / ours bytes, MLP: Colwise, Rowwise']:g}x, attention "
-                 f"{metrics['DTensor / ours bytes, attention: Colwise, Rowwise']:g}x our bytes). With sequence parallel "
-                 f"({sp_block['dtensor_model_bytes']:,} B against {sp_block['ours_model_bytes']:,} B) two things pull opposite "
-                 "ways: gloo has no reduce-scatter of its own (it all-reduces the whole tensor and keeps a slice, twice a "
-                 "ring reduce-scatter's bytes), while DTensor keeps each gathered input for the weight gradient instead of "
-                 "gathering it again in backward as ours does (fewer bytes, more memory).")
-    checks.append(Check("DTensor parallelize_module (Colwise, Rowwise, SequenceParallel) equals our layers: outputs and gradients",
-                        max(max(r["output_error"], r["input_grad_error"], r["weight_grad_error"]) for r in peer.values()), TOL,
-                        reference="torch.distributed.tensor.parallel on the same weights"))
+    checks = [Check("DTensor's collectives as our recorder saw them agree with CommDebugMode's counts",
+                    sum(not r["recorder_agrees"] for r in rows), 0, reference="torch.distributed.tensor.debug.CommDebugMode")]
+    if not all(r["dtensor_written_payload"] is not None and r["ours_written_payload"] is not None for r in rows):
+        return checks, ["Bytes written were not measured: this system has no /proc/self/io."]
+    checks.append(Check("DTensor: bytes each rank wrote to its sockets equal gloo's volumes for the collectives it issued",
+                        max(abs(r["dtensor_written_payload"] - r["dtensor_model_bytes"]) for r in rows), 0,
+                        reference="/proc/self/io (write calls x gloo's 48 B preamble taken off); ring all-reduce "
+                                  "2(t-1)/t, all-gather (t-1) x input; gloo's reduce-scatter moves an all-reduce's volume"))
+    checks.append(Check("ours: bytes each rank wrote to its sockets equal our wire log, layer by layer",
+                        max(abs(r["ours_written_payload"] - r["ours_model_bytes"]) for r in rows), 0,
+                        reference="/proc/self/io against the bytes our collectives logged"))
+    return checks, []
+
+
+def dtensor_peer_checks(peer: dict) -> list[Check]:
+    """DTensor's layers equal ours (outputs and gradients), and issue one all-reduce per column-parallel module."""
     # DTensor all-reduces the input gradient once per ColwiseParallel module (gate, up; wq, wk, wv); ours fuses
     # the column-parallel weights that read one input (as Megatron fuses QKV), so it all-reduces once
     columns = {"MLP: Colwise, Rowwise": 2, "attention: Colwise, Rowwise": 3}
-    checks.append(Check("DTensor's collectives: one all-reduce forward, one backward per column-parallel module",
-                        max(abs(peer[k]["dtensor_collectives"].get("all_reduce", 0) - 1 - c) for k, c in columns.items()), 0,
-                        reference="CommDebugMode's counts", detail="ours: one forward, one backward per layer (fused)"))
-    mk = b * s * h
+    return [Check("DTensor parallelize_module (Colwise, Rowwise, SequenceParallel) equals our layers: outputs and gradients",
+                  max(max(r["output_error"], r["input_grad_error"], r["weight_grad_error"]) for r in peer.values()), TOL,
+                  reference="torch.distributed.tensor.parallel on the same weights"),
+            Check("DTensor's collectives: one all-reduce forward, one backward per column-parallel module",
+                  max(abs(peer[k]["dtensor_collectives"].get("all_reduce", 0) - 1 - c) for k, c in columns.items()), 0,
+                  reference="CommDebugMode's counts", detail="ours: one forward, one backward per layer (fused)")]
+
+
+def dtensor_note(peer: dict, metrics: dict) -> str:
+    """Why DTensor's bytes differ from ours: unfused column-parallel all-reduces, gloo's reduce-scatter, kept inputs."""
+    sp_block = peer["block: SequenceParallel norms, Colwise, Rowwise"]
+    return ("DTensor against ours, bytes: DTensor all-reduces the input gradient of each ColwiseParallel module "
+            "separately (gate and up; wq, wk and wv), where ours fuses the column-parallel weights that read one input "
+            f"and all-reduces once (MLP {metrics['DTensor / ours bytes, MLP: Colwise, Rowwise']:g}x, attention "
+            f"{metrics['DTensor / ours bytes, attention: Colwise, Rowwise']:g}x our bytes). With sequence parallel "
+            f"({sp_block['dtensor_model_bytes']:,} B against {sp_block['ours_model_bytes']:,} B) two things pull opposite "
+            "ways: gloo has no reduce-scatter of its own (it all-reduces the whole tensor and keeps a slice, twice a "
+            "ring reduce-scatter's bytes), while DTensor keeps each gathered input for the weight gradient instead of "
+            "gathering it again in backward as ours does (fewer bytes, more memory).")
+
+
+def tp_against_pp(config: TPConfig, payloads: list[dict]) -> tuple[list[dict], list[Check], str]:
+    """Seed 004: TP's all-reduce of a layer's M x K output (2(t-1)MK in all) against the pipeline's one send of MK,
+    measured at the stage boundary; the activation that crossed it must carry on to the reference's loss."""
+    n, mk = config.world_size, config.batch * config.seq * config.d_model
     tp_ar = ring_bytes("all_reduce", mk, n, 8)
     stage0, stage1 = payloads[0]["pp"], payloads[1]["pp"]
-    tables["tp_vs_pp"] = [
+    table = [
         {"strategy": "TP: all-reduce of the layer's M x K output", "bytes per rank": tp_ar, "bytes, all ranks": tp_ar * n,
          "in units of MK": tp_ar * n / (mk * 8), "socket bytes, rank 0": None},
         {"strategy": f"PP: stage 0 sends layer 0's output ({' x '.join(map(str, stage0['shape']))}) to stage 1",
          "bytes per rank": stage0["logged_bytes"], "bytes, all ranks": stage0["logged_bytes"],
          "in units of MK": stage0["logged_bytes"] / (mk * 8), "socket bytes, rank 0": stage0["written_payload"]}]
-    checks.append(Check("seed 004: the pipeline send of layer 0's output moves MK", abs(stage0["logged_bytes"] - mk * 8), 0,
-                        reference="M x K float64 elements (M = b·s, K = h)"))
+    checks = [Check("seed 004: the pipeline send of layer 0's output moves MK", abs(stage0["logged_bytes"] - mk * 8), 0,
+                    reference="M x K float64 elements (M = b·s, K = h)")]
     if stage0["written_payload"] is not None:
         checks.append(Check("seed 004: the bytes stage 0 wrote to its socket for that send are MK", abs(stage0["written_payload"] - mk * 8), 0,
                             reference="/proc/self/io (write calls x gloo's 48 B preamble taken off)"))
     checks.append(Check("the activation that crossed the stage boundary carries on: stage 1's loss equals one process's",
                         stage1["loss_error"], TOL, reference="the whole TinyDecoder in one process"))
-    notes.append(f"Seed 004's 2MK: a ring all-reduce sends 2(t-1)/t MK per rank, 2(t-1)MK in all: "
-                 f"{tp_ar * n / (mk * 8):g} MK at t={n}, against MK for the pipeline's send of the same output.")
-    notes.append("Sequence parallel moves the same bytes as tensor parallel in forward (an all-gather plus a reduce-scatter "
-                 "is an all-reduce). In backward it moves more: "
-                 f"{metrics['TP + SP backward bytes per rank per step']:,} B against {metrics['TP backward bytes per rank per step']:,} B "
-                 "per rank here, because each column-parallel linear gathers its input again to form its weight gradient "
-                 "(it kept only its sequence shard: the memory SP saves), and the replicated norm weights' gradients are summed.")
-    notes.append("Activation memory: this block saves three tensors per RMSNorm (it is written as elementwise ops, where the "
-                 "paper assumes a fused LayerNorm saving its input), has no dropout masks, and SwiGLU keeps 4 x d_ff per "
-                 "token where GPT's GELU MLP keeps 4h + 4h + h; the paper's GPT-block figure (fp16) is shown beside ours.")
+    note = (f"Seed 004's 2MK: a ring all-reduce sends 2(t-1)/t MK per rank, 2(t-1)MK in all: "
+            f"{tp_ar * n / (mk * 8):g} MK at t={n}, against MK for the pipeline's send of the same output.")
+    return table, checks, note
+
+
+def closing_notes(metrics: dict) -> list[str]:
+    """What sequence parallel costs in backward bytes, and how this block's activation accounting differs from the paper's."""
+    return ["Sequence parallel moves the same bytes as tensor parallel in forward (an all-gather plus a reduce-scatter "
+            "is an all-reduce). In backward it moves more: "
+            f"{metrics['TP + SP backward bytes per rank per step']:,} B against {metrics['TP backward bytes per rank per step']:,} B "
+            "per rank here, because each column-parallel linear gathers its input again to form its weight gradient "
+            "(it kept only its sequence shard: the memory SP saves), and the replicated norm weights' gradients are summed.",
+            "Activation memory: this block saves three tensors per RMSNorm (it is written as elementwise ops, where the "
+            "paper assumes a fused LayerNorm saving its input), has no dropout masks, and SwiGLU keeps 4 x d_ff per "
+            "token where GPT's GELU MLP keeps 4h + 4h + h; the paper's GPT-block figure (fp16) is shown beside ours."]
+
+
+def combine(config: TPConfig, payloads) -> Result:
+    """measure -> check -> describe: each layout (TP, TP + SP) against one process and the byte and memory models, one
+    rank's memory, the seed's worked examples, DTensor as the peer, and TP's all-reduce beside the pipeline's send."""
+    checks, metrics, collectives, memory = [], {"world_size": config.world_size}, [], []
+    for mode, sp in (("TP", False), ("TP + SP", True)):
+        more_checks, more_metrics, more_collectives, more_memory = measure_mode(config, payloads, mode, sp)
+        checks, collectives, memory = checks + more_checks, collectives + more_collectives, memory + more_memory
+        metrics.update(more_metrics)
+    memory.append(memory_row(config, "one rank, t=1", 0, payloads[0]["activation_bytes_one_rank"], 1, False))
+    checks.append(Check("one rank: activation memory within 10 % of the formula",
+                        abs(memory[-1]["measured_bytes"] / memory[-1]["formula_bytes"] - 1), 0.10, reference="same formula, t = 1"))
+    tables = {"collectives": collectives, "memory": memory,
+              "shards": [{"rank": p["rank"], "parameter": k, "shape": " x ".join(map(str, v)), "elements": math.prod(v)}
+                         for p in payloads for k, v in p["modes"]["TP"]["shards"].items()]}
+    worked_checks, worked_metrics, notes, worked_rows = seed_examples(payloads)
+    if worked_rows:
+        tables["worked_examples"] = worked_rows
+    checks += worked_checks
+    metrics.update(worked_metrics)
+    peer = payloads[0]["dtensor"]
+    tables.update(dtensor_tables(payloads))
+    byte_checks, byte_notes = dtensor_bytes_checks(payloads)
+    checks, notes = checks + byte_checks + dtensor_peer_checks(peer), notes + byte_notes
+    metrics.update({f"DTensor / ours bytes, {k}": row["dtensor_model_bytes"] / row["ours_model_bytes"] for k, row in peer.items()})
+    tables["tp_vs_pp"], pp_checks, pp_note = tp_against_pp(config, payloads)
+    checks += pp_checks
+    notes += [dtensor_note(peer, metrics), pp_note] + closing_notes(metrics)
     return Result(metrics=metrics, checks=checks, tables=tables, notes=notes,
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 

@@ -118,105 +118,135 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
     and the bytes this rank sent to other pipeline ranks; with a meter, the activation bytes autograd saves per
     (stage, micro-batch), the forwards, recomputations and backwards executed per stage and each recomputation's
     CPU time (recomputation's price)."""
-    if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used
-        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-    saved: dict[tuple[int, int], dict] = {}
-    local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
-    pending_sends, live, peak, timeline, versions, grad_errors, loss_sum, sent = [], 0, 0, [], [], [], 0.0, [0]
-    version = {s: 0 for s in stages}
-    executed, recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+    walk = RankWalk(plan, stages, pp_ranks, me, p, m, tracer, recompute, pipedream, meter)
+    for kind, mb, s in order:
+        if kind == "F":
+            walk.forward(mb, s)
+        elif kind in ("B", "I"):
+            walk.backward(kind, mb, s)
+        elif kind == "W":
+            walk.weight(mb, s)
+        walk.timeline.append({"t_us": tracer.now_us(), "live": walk.live})
+    return walk.finish()
 
-    def saving(key, params=()):
-        return meter.saving(key, [*stages[key[0]].module.parameters(), *params]) if meter else nullcontext()
-    history = {s: {0: {k: v.detach().clone() for k, v in st.module.named_parameters()}} for s, st in stages.items()} \
-        if pipedream else {}
 
-    def send(t, to_stage, s, mb, grad):
-        to = plan.rank_of(to_stage, p)
-        if to == me:
-            local[(s, mb, grad)] = t.detach()
+class RankWalk:
+    """One rank's state while it walks its actions: what each micro-batch saved, boundaries handed over in memory,
+    sends in flight, live activations and their peak, and PipeDream's weight versions; one method per action kind."""
+
+    def __init__(self, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
+                 recompute: bool, pipedream, meter: ActivationMeter | None):
+        self.plan, self.stages, self.pp_ranks, self.me, self.p, self.m, self.tracer = plan, stages, pp_ranks, me, p, m, tracer
+        self.recompute, self.pipedream, self.meter = recompute, pipedream, meter
+        self.saved: dict[tuple[int, int], dict] = {}
+        self.local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
+        self.pending_sends, self.live, self.peak, self.timeline, self.versions, self.grad_errors = [], 0, 0, [], [], []
+        self.loss_sum, self.sent = 0.0, 0
+        self.version = {s: 0 for s in stages}
+        self.executed, self.recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+        if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used, before any action
+            from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+            self.backward_input, self.backward_weight = stage_backward_input, stage_backward_weight
+        self.history = {s: {0: {k: v.detach().clone() for k, v in st.module.named_parameters()}} for s, st in stages.items()} \
+            if pipedream else {}
+
+    def saving(self, key, params=()):
+        """The meter's record of what autograd saves for (stage, micro-batch) while the body runs, or nothing."""
+        return self.meter.saving(key, [*self.stages[key[0]].module.parameters(), *params]) if self.meter else nullcontext()
+
+    def send(self, t, to_stage, s, mb, grad):
+        to = self.plan.rank_of(to_stage, self.p)
+        if to == self.me:
+            self.local[(s, mb, grad)] = t.detach()
         else:
-            pending_sends.append(dist.isend(t.detach().contiguous(), pp_ranks[to], tag=_tag(s, mb, grad, m)))
-            sent[0] += t.numel() * t.element_size()
+            self.pending_sends.append(dist.isend(t.detach().contiguous(), self.pp_ranks[to], tag=_tag(s, mb, grad, self.m)))
+            self.sent += t.numel() * t.element_size()
 
-    def recv(buf, from_stage, s_tag, mb, grad, what):
-        frm = plan.rank_of(from_stage, p)
-        if frm == me:
-            return local.pop((s_tag, mb, grad))
-        with tracer.span("recv", f"recv {what} {mb}", stage=from_stage, mb=mb):
-            dist.recv(buf, pp_ranks[frm], tag=_tag(s_tag, mb, grad, m))
+    def recv(self, buf, from_stage, s_tag, mb, grad, what):
+        frm = self.plan.rank_of(from_stage, self.p)
+        if frm == self.me:
+            return self.local.pop((s_tag, mb, grad))
+        with self.tracer.span("recv", f"recv {what} {mb}", stage=from_stage, mb=mb):
+            dist.recv(buf, self.pp_ranks[frm], tag=_tag(s_tag, mb, grad, self.m))
         return buf
 
-    for action in order:
-        kind, mb, s = action
-        st = stages[s]
-        if kind == "F":
-            x = st.input(mb) if s == 0 else recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
-            params = None
-            if pipedream:
-                use = vertical_version(pipedream, p, mb) if pipedream.vertical_sync else version[s]
-                params = {k: v.clone().requires_grad_() for k, v in history[s][use].items()}
-            with tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), saving((s, mb), (params or {}).values()):
-                if recompute:  # keep only the stage input; the backward recomputes the rest
-                    with torch.no_grad():
-                        out = st.forward(x, mb)
-                    if meter:
-                        meter.keep((s, mb), x)
-                else:
-                    out = st.forward(x, mb, params) if params else st.forward(x, mb)
-            executed[s]["F"] += 1
-            if st.last:
-                loss_sum += out.item()
-            saved[(s, mb)] = {"x": x, "out": out, "params": params}
-            if pipedream:
-                versions.append({"stage": s, "mb": mb, "forward_version": use})
-            if not st.last:
-                send(out, s + 1, s, mb, False)
-            live += 1
-            peak = max(peak, live)
-        elif kind in ("B", "I"):
-            sv = saved[(s, mb)]
-            grad_out = None if st.last else recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
-            with tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
-                if recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
-                    cpu_start = time.thread_time_ns()
-                    with saving((s, mb)):
-                        sv["out"] = st.forward(sv["x"], mb)
-                    recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
-                    executed[s]["R"] += 1
-                executed[s]["B"] += 1
-                if pipedream:
-                    _pipedream_backward(pipedream, st, sv, grad_out, s, mb, version, versions, grad_errors)
-                    history[s][version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
-                elif kind == "B":
-                    torch.autograd.backward(sv["out"], grad_out)
-                elif s > 0:  # I: the input gradient, and what W needs kept
-                    _, sv["groups"] = stage_backward_input([sv["out"]], None if grad_out is None else [grad_out],
-                                                           [sv["x"]], st.module.parameters())
-                else:  # the first stage has no input gradient: W runs its whole backward
-                    sv["grad_out"] = grad_out
+    def forward(self, mb: int, s: int):
+        """F: receive the input (or take the batch on stage 0), run the stage, keep what backward needs, send the output on."""
+        st = self.stages[s]
+        x = st.input(mb) if s == 0 else self.recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
+        params = None
+        if self.pipedream:
+            use = vertical_version(self.pipedream, self.p, mb) if self.pipedream.vertical_sync else self.version[s]
+            params = {k: v.clone().requires_grad_() for k, v in self.history[s][use].items()}
+        with self.tracer.span("compute", f"F{mb}", kind="F", stage=s, mb=mb), self.saving((s, mb), (params or {}).values()):
+            if self.recompute:  # keep only the stage input; the backward recomputes the rest
+                with torch.no_grad():
+                    out = st.forward(x, mb)
+                if self.meter:
+                    self.meter.keep((s, mb), x)
+            else:
+                out = st.forward(x, mb, params) if params else st.forward(x, mb)
+        self.executed[s]["F"] += 1
+        if st.last:
+            self.loss_sum += out.item()
+        self.saved[(s, mb)] = {"x": x, "out": out, "params": params}
+        if self.pipedream:
+            self.versions.append({"stage": s, "mb": mb, "forward_version": use})
+        if not st.last:
+            self.send(out, s + 1, s, mb, False)
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+
+    def backward(self, kind: str, mb: int, s: int):
+        """B (whole backward) or I (input gradient only): receive the output's gradient, recompute the forward if only
+        the input was kept, run the backward, send the input's gradient back."""
+        st, sv = self.stages[s], self.saved[(s, mb)]
+        grad_out = None if st.last else self.recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
+        with self.tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
+            if self.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
+                cpu_start = time.thread_time_ns()
+                with self.saving((s, mb)):
+                    sv["out"] = st.forward(sv["x"], mb)
+                self.recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
+                self.executed[s]["R"] += 1
+            self.executed[s]["B"] += 1
+            if self.pipedream:
+                _pipedream_backward(self.pipedream, st, sv, grad_out, s, mb, self.version, self.versions, self.grad_errors)
+                self.history[s][self.version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
+            elif kind == "B":
+                torch.autograd.backward(sv["out"], grad_out)
+            elif s > 0:  # I: the input gradient, and what W needs kept
+                _, sv["groups"] = self.backward_input([sv["out"]], None if grad_out is None else [grad_out],
+                                                       [sv["x"]], st.module.parameters())
+            else:  # the first stage has no input gradient: W runs its whole backward
+                sv["grad_out"] = grad_out
+        if s > 0:
+            self.send(sv["x"].grad, s - 1, s - 1, mb, True)
+        if kind == "B":
+            self.live -= 1
+            del self.saved[(s, mb)]
+            if self.meter:
+                self.meter.free((s, mb))
+
+    def weight(self, mb: int, s: int):
+        """W: the weight gradients from what I kept (the first stage: its whole backward); frees the micro-batch."""
+        st, sv = self.stages[s], self.saved.pop((s, mb))
+        with self.tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
             if s > 0:
-                send(sv["x"].grad, s - 1, s - 1, mb, True)
-            if kind == "B":
-                live -= 1
-                del saved[(s, mb)]
-                if meter:
-                    meter.free((s, mb))
-        elif kind == "W":
-            sv = saved.pop((s, mb))
-            with tracer.span("compute", f"W{mb}", kind="W", stage=s, mb=mb):
-                if s > 0:
-                    stage_backward_weight(st.module.parameters(), sv["groups"])
-                else:
-                    torch.autograd.backward(sv["out"], sv["grad_out"])
-            live -= 1
-            if meter:
-                meter.free((s, mb))
-        timeline.append({"t_us": tracer.now_us(), "live": live})
-    for req in pending_sends:
-        req.wait()
-    return {"loss": loss_sum, "sent_bytes": sent[0], "peak_live": peak, "timeline": timeline, "versions": versions,
-            "grad_errors": grad_errors, "executed": executed, "recompute_cpu_us": recompute_cpu_us}
+                self.backward_weight(st.module.parameters(), sv["groups"])
+            else:
+                torch.autograd.backward(sv["out"], sv["grad_out"])
+        self.live -= 1
+        if self.meter:
+            self.meter.free((s, mb))
+
+    def finish(self) -> dict:
+        """Wait for the sends in flight; the walk's figures."""
+        for req in self.pending_sends:
+            req.wait()
+        return {"loss": self.loss_sum, "sent_bytes": self.sent, "peak_live": self.peak, "timeline": self.timeline,
+                "versions": self.versions, "grad_errors": self.grad_errors, "executed": self.executed,
+                "recompute_cpu_us": self.recompute_cpu_us}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
