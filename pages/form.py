@@ -72,14 +72,32 @@ def trace_upload(experiment: str, arrival_unit: str, store_root: Path) -> None:
                             type="csv", max_upload_size=1, key="trace-upload",
                             help=f"at most {uploads.MAX_BYTES // 1024} KiB, {uploads.MAX_ROWS:,} rows, "
                                  f"arrivals up to {uploads.MAX_ARRIVAL:,} {arrival_unit}")
-    if file is None:
-        return
+    if file is not None:
+        _use_upload(experiment, "trace", lambda: uploads.save_trace(file.getvalue(), store_root))
+
+
+def model_config_upload(experiment: str, store_root: Path) -> None:
+    """Your own model's config.json: checked and stored on the server under its content hash (in the run store at
+    `store_root`), which the run's `model` setting (and so the link) carries."""
+    from backend import uploads
+    from backend.plan import models
+
+    file = st.file_uploader("Your model's config.json (Hugging Face format)", type="json", max_upload_size=1, key="config-upload",
+                            help=f"at most {uploads.MAX_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
+                                 "num_attention_heads, vocab_size and intermediate_size (or GPT-2's n_embd, n_layer, n_head) required")
+    if file is not None:
+        _use_upload(experiment, "model", lambda: models.save_config(file.getvalue(), store_root))
+
+
+def _use_upload(experiment: str, field: str, save) -> None:
+    """Store an upload (save() checks it and returns its content hash; ValueError says what is wrong) and make its hash
+    the setting `field`, in the URL and in the form, while it is selected."""
     try:
-        digest = uploads.save_trace(file.getvalue(), store_root)
+        digest = save()
     except ValueError as err:
-        st.error(escape(f"trace: {err}"))
+        st.error(escape(f"{field}: {err}"))
         return
-    if st.query_params.get("trace") != digest:
-        st.query_params["trace"] = digest
-        st.session_state[f"{experiment}.trace"] = digest  # the form's trace field
-    st.caption(f"Uploaded: the runs below use trace `{digest[:12]}…` while it is selected.")
+    if st.query_params.get(field) != digest:
+        st.query_params[field] = digest
+        st.session_state[f"{experiment}.{field}"] = digest  # the form's field
+    st.caption(f"Uploaded: the runs below use {field} `{digest[:12]}…` while it is selected.")

@@ -1,27 +1,12 @@
 """3D parallel: the tiny LLaMA (dense or MoE) trained on a pp x dp x cp x ep x tp mesh of gloo ranks."""
 import altair as alt
-import networkx as nx
 import pandas as pd
 import streamlit as st
 
-from backend import experiments
-from backend.graph.dot import to_dot
 from pages import mesh_views, timeline, ui
 
 st.title("3D parallel")
-DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6", "ep": "#d4a017"}
-
-
-def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
-    g = nx.DiGraph()
-    for r in ranks:
-        coords = " · ".join(f"{d} {r[d]}" for d in DIM_COLORS if d in r)
-        g.add_node(r["rank"], label=f"rank {r['rank']}\n{coords}\n{r['layers']} blocks")
-    for grp in groups:
-        members = grp["ranks"]
-        for a, b in zip(members, members[1:]):
-            g.add_edge(a, b, label=grp["dimension"], color=DIM_COLORS[grp["dimension"]])
-    return to_dot(g, rankdir="LR")
+DIMS = ("tp", "dp", "pp", "cp", "ep")  # the order a rank's mesh coordinates are read in
 
 
 def render(result: dict, rec) -> None:
@@ -40,7 +25,10 @@ def render(result: dict, rec) -> None:
                "send activations and gradients between stages, cp (purple) pass keys and values round a ring inside "
                "each attention and sum gradients, ep (gold) send each token to its experts' rank and back (all-to-all), "
                "dp (green) all-reduce gradients.")
-    st.graphviz_chart(mesh_graph(t["ranks"], t["groups"]))
+    if t.get("graph_dot"):
+        st.graphviz_chart(t["graph_dot"][0]["dot"])
+    else:
+        st.caption("Run it again to see the mesh's process groups drawn (runs stored before the graph was part of the result).")
     left, right = st.columns(2)
     loss = pd.DataFrame(t["loss"])
     left.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
@@ -72,7 +60,7 @@ def render(result: dict, rec) -> None:
     if t.get("recompute"):
         mesh_views.recompute_price(result)
     ranks = pd.DataFrame(t["ranks"])
-    dims = [d for d in DIM_COLORS if d in ranks]
+    dims = [d for d in DIMS if d in ranks]
     ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))
     sent = [c for c in ranks if c.endswith(" bytes sent")]
     st.markdown("**Bytes each rank sent, by process group** (measured)")
@@ -88,11 +76,7 @@ def render(result: dict, rec) -> None:
     timeline.run_timeline(rec, title="One run across all ranks: forwards and backwards per micro-batch, stage sends, TP and DP collectives, CP ring messages")
 
 
-preset_columns, mesh_config = st.columns(4), experiments.get("parallel.mesh").config_cls
-for i, (name, preset) in enumerate(mesh_config.presets.items()):
-    if preset_columns[i % 4].button(f"Preset: {name}", help=mesh_config.preset_notes[name]):
-        st.query_params.from_dict({k: str(v) for k, v in preset.items()})
-        st.rerun()
+ui.preset_buttons("parallel.mesh")
 ui.experiment_page(
     "parallel.mesh", render,
     intro="Ranks laid out on a pp x dp x cp x ep x tp mesh (tensor parallel innermost). Each rank holds one pipeline stage's "

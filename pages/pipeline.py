@@ -3,8 +3,6 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from backend import experiments
-from backend.config import ConfigError
 from pages import recompute_view, ui
 
 st.title("Pipeline parallel")
@@ -119,17 +117,17 @@ def render(result: dict, rec) -> None:
         ui.table(versions)
 
     st.subheader("Side by side")
-    config_cls = experiments.get("parallel.pipeline").config_cls
-    schedules = config_cls.field_of("schedule").metadata["choices"]
-    other = st.selectbox("compare with schedule", [s for s in schedules if s != rec.config["schedule"]], key=f"cmp-{rec.id}")
+    others = {row["schedule"]: row for row in result["tables"].get("side_by_side", [])}
+    if not others:
+        st.caption("Run it again to compare it with another schedule side by side (runs stored before the comparison "
+                   "settings were part of the result).")
+        return
+    other = st.selectbox("compare with schedule", list(others), key=f"cmp-{rec.id}")
     compare_id = st.query_params.get("compare")
     if st.button(f"Run {other} on the same settings"):
-        try:
-            settings = config_cls.from_dict(rec.config).for_schedule(other)
-            compare_id = ui.runner().submit("parallel.pipeline", settings)
+        compare_id = ui.submit("parallel.pipeline", others[other]) or compare_id
+        if compare_id:
             st.query_params["compare"] = compare_id
-        except ConfigError as err:
-            st.error(str(err))
     if compare_id:
         left, right = st.columns(2)
         with left:

@@ -1,35 +1,12 @@
 """Plan a training run: one plan's memory, step and Gantt (plan.training), or every plan ranked (plan.search)."""
-from html import escape
-
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import form, ui
 
 GiB = 2 ** 30
 VIEWS = {"plan.training": "One plan", "plan.search": "Search every plan"}
-
-
-def config_upload(experiment: str) -> None:
-    """Your own config.json: checked and stored on the server under its content hash, which the `model` setting carries."""
-    from backend import uploads
-    from backend.plan import models
-
-    file = st.file_uploader("Your model's config.json (Hugging Face format)", type="json", max_upload_size=1, key="config-upload",
-                            help=f"at most {uploads.MAX_BYTES // 1024} KiB; hidden_size, num_hidden_layers, "
-                                 "num_attention_heads, vocab_size and intermediate_size (or GPT-2's n_embd, n_layer, n_head) required")
-    if file is None:
-        return
-    try:
-        digest = models.save_config(file.getvalue(), ui.store().root)
-    except ValueError as err:
-        st.error(escape(f"model: {err}"))
-        return
-    if st.query_params.get("model") != digest:
-        st.query_params["model"] = digest
-        st.session_state[f"{experiment}.model"] = digest
-    st.caption(f"Uploaded: the runs below use model `{digest[:12]}…` while it is selected.")
 
 
 def published(rows: list[dict]) -> None:
@@ -128,7 +105,7 @@ view = st.segmented_control("View", list(VIEWS), default=default, format_func=VI
 if shown and shown.experiment != view:
     st.query_params.pop("run")
 st.query_params["view"] = view
-config_upload(view)
+form.model_config_upload(view, ui.store().root)
 ui.experiment_page(
     view, render_training if view == "plan.training" else render_search, page_params=("view",),
     intro="A real model on a real cluster, predicted: memory per GPU, the step's time, MFU and days. Byte, memory and "

@@ -163,18 +163,14 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
     shown = store().get(run_id) if run_id else None
     values = settings_form(exp, shown.config if shown and experiment_of(shown) == name else None)
     if values is not None:
-        try:
-            run_id = runner().submit(name, values, owner=current_user())
-        except (ConfigError, QueueFull) as err:
-            st.error(escape(str(err)))
+        run_id = submit(name, values)
+        if run_id is None:
             return
         kept = {k: st.query_params[k] for k in page_params if k in st.query_params}
         st.query_params.from_dict({**kept, **{k: str(v) for k, v in values.items()}, "run": run_id})
     elif run_id is None and _opens_on_the_default_run() and not any(f.name in st.query_params for f in exp.config_cls.fields()):
-        try:  # a first visit: the run of the defaults, found by its digest if it exists, else started now
-            run_id = runner().submit(name, {}, owner=current_user())
-        except (ConfigError, QueueFull) as err:  # the defaults over this server's budget, or a full queue
-            st.error(escape(str(err)))
+        run_id = submit(name, {})  # a first visit: the run of the defaults, found by its digest if it exists, else started now
+        if run_id is None:  # the defaults over this server's budget, or a full queue
             return
         st.query_params["run"] = run_id
     if run_id:
@@ -184,6 +180,27 @@ def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro:
         latest = runs_of(name, statuses=("succeeded",), limit=1)
         if latest:
             st.caption(f"Or open the latest run of {name}: [{latest[0].id}](?run={latest[0].id})")
+
+
+def submit(name: str, settings: dict) -> str | None:
+    """Start a run of `name` (or find the stored run of the same settings) as the signed-in user; a refusal (a setting
+    out of its range, over the server's budget, a full queue) is shown as an error naming the field, and gives None."""
+    try:
+        return runner().submit(name, settings, owner=current_user())
+    except (ConfigError, QueueFull) as err:
+        st.error(escape(str(err)))
+        return None
+
+
+def preset_buttons(name: str, per_row: int = 4) -> None:
+    """An experiment's presets (its Config's `presets`, each with a one-line note in `preset_notes`) as buttons that
+    put the preset's settings in the URL, for the form to show and the next Run to use."""
+    config_cls = experiments.get(name).config_cls
+    cols = st.columns(per_row)
+    for i, (preset, values) in enumerate(config_cls.presets.items()):
+        if cols[i % per_row].button(f"Preset: {preset}", help=config_cls.preset_notes[preset]):
+            st.query_params.from_dict({k: str(v) for k, v in values.items()})
+            st.rerun()
 
 
 def _opens_on_the_default_run() -> bool:

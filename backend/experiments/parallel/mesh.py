@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import networkx as nx
 import torch
 
 from backend.config import ConfigError, setting
+from backend.graph.dot import to_dot
 from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu
 from backend.experiments import define
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
@@ -469,7 +471,8 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_split": split_rows, "step_lanes": lane_rows,
                                                           "step_replayed": replay_rows,
-                                                          "schedules": schedule_rows},
+                                                          "schedules": schedule_rows,
+                                                          "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
@@ -582,7 +585,7 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
     with one core per rank from their measured CPU times (tp, cp and ep collectives run inside them), and the
     makespan model fed with their mean costs, checked equal to the replay at those same costs action by action.
     Returns the checks, the replayed step time, per rank its replayed and modelled idle, and the replayed actions."""
-    plan, m = config.plan, config.plan.microbatches(config.microbatches)
+    m = config.plan.microbatches(config.microbatches)
     lines: dict[tuple, list[dict]] = {}
     for p in payloads:
         steps = [e for e in p["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W")]
@@ -615,6 +618,24 @@ def routing_mismatches(payload: dict, expected: list[torch.Tensor]) -> int:
         nth = sum(1 for d in calls[:j] if d["layer"] == c["layer"])  # this block's nth call: step x micro-batches + mb
         mine[nth * len(order) + order.index(c["layer"])] = torch.tensor(c["kept"])
     return sum(int((mine[i] - rows[payload["coords"]["ep"]]).abs().sum()) for i, rows in enumerate(expected))
+
+
+# The page's colour per process-group dimension (its caption names them), in the order a rank's coordinates are read.
+DIM_COLORS = {"tp": "#1f6fd1", "dp": "#76b041", "pp": "#e4572e", "cp": "#9b59b6", "ep": "#d4a017"}
+
+
+def mesh_graph(ranks: list[dict], groups: list[dict]) -> str:
+    """The mesh as Graphviz DOT: a node per rank (its coordinates and blocks), and each process group drawn as a
+    chain of edges through its ranks in the dimension's colour (a chain, not a clique: legible at 8 ranks)."""
+    g = nx.DiGraph()
+    for r in ranks:
+        coords = " · ".join(f"{d} {r[d]}" for d in DIM_COLORS if d in r)
+        g.add_node(r["rank"], label=f"rank {r['rank']}\n{coords}\n{r['layers']} blocks")
+    for grp in groups:
+        members = grp["ranks"]
+        for a, b in zip(members, members[1:]):
+            g.add_edge(a, b, label=grp["dimension"], color=DIM_COLORS[grp["dimension"]])
+    return to_dot(g, rankdir="LR")
 
 
 def _groups(config) -> list[dict]:

@@ -561,8 +561,14 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     gantt, live = gantt_rows(fig, payloads)
     return Result(metrics=metrics, checks=checks, notes=notes,
                   tables={"gantt": gantt, "stages": fig.per_stage, "live": live, "versions": versions, "grad_errors": errors,
-                          "recompute": price},
+                          "recompute": price, "side_by_side": side_by_side(config)},
                   trace_events=fig.events)
+
+
+def side_by_side(config: PipelineConfig) -> list[dict]:
+    """This run's settings under each other schedule (for_schedule: the options it lacks turned off), one row each:
+    what the page submits to run the same plan beside this one."""
+    return [config.for_schedule(name) for name in SCHEDULES if name != config.schedule]
 
 
 EXPERIMENT = define(__name__, PipelineConfig,
