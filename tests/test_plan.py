@@ -379,7 +379,12 @@ def test_live_dp_bytes_check_fails_when_the_volume_rule_is_wrong(live_run, monke
     assert not live.dp_bytes_check(LIVE_PLAN, result).passed
 
 
-@pytest.mark.parametrize("change, field", [({"recompute": "selective"}, "recompute"), ({"dp_strategy": "hsdp", "hsdp_shard": 2}, "dp_strategy"),
+def test_live_check_mirrors_selective_recompute():
+    plan = dataclasses.replace(LIVE_PLAN, vp=1, schedule="1f1b", recompute="selective")
+    assert live.settings(plan, M.load("llama-3-8b"), 2)["recompute"] == "selective"
+
+
+@pytest.mark.parametrize("change, field", [({"recompute": "selective", "cp": 2, "cp_comm": "ring"}, "recompute"), ({"dp_strategy": "hsdp", "hsdp_shard": 2}, "dp_strategy"),
                                            ({"vp": 8, "pp": 2}, "vp"), ({"cp": 2, "cp_comm": "allgather"}, "cp_comm"),
                                            ({"tp": 2, "pp": 2, "cp": 2}, "tp")])
 def test_live_check_refuses_what_it_cannot_mirror_by_name(change, field):

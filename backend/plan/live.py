@@ -24,9 +24,6 @@ FIELD = {"virtual_stages": "vp", "layers": "pp", "world_size": "pp", "batch": "m
 
 def settings(plan, model, dp: int) -> dict:
     """parallel.mesh settings mirroring the plan; ConfigError naming the plan's field the tiny run cannot mirror."""
-    if plan.recompute == "selective":
-        raise ConfigError("recompute", "selective cannot be run live: parallel.mesh recomputes none or full "
-                                       "(allowed with live_check: none, full)")
     if plan.dp_strategy not in MESH_STRATEGY:
         raise ConfigError("dp_strategy", f"{plan.dp_strategy} cannot be run live: parallel.mesh shards over one dp group "
                                          f"(allowed with live_check: {', '.join(MESH_STRATEGY)})")
