@@ -160,8 +160,10 @@ def _no_exception(page, where: str) -> None:
     assert exceptions.count() == 0, f"{where}: {exceptions.first.inner_text()[:2000]}"
 
 
-def _finished_run(page, run_id: str | None = None) -> str:
-    """Wait for the run shown on the page (or the run `run_id`) to reach a final state; its id."""
+def _finished_run(page, run_id: str | None = None, retries: int = 1) -> str:
+    """Wait for the run shown on the page (or the run `run_id`) to reach a final state; its id. An error alert gone
+    before it could be read (a rerun redrawing the page) is not a refusal: the wait goes on, once, for the run the
+    page's URL names then."""
     from playwright.sync_api import expect
 
     which = re.escape(run_id) if run_id else r"\w{12}"
@@ -169,7 +171,11 @@ def _finished_run(page, run_id: str | None = None) -> str:
     refused = page.locator("[data-testid=stAlertContentError]")  # settings refused: no run at all
     expect(final.or_(refused).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
     if not final.count():
-        pytest.fail(f"the settings were refused: {' | '.join(refused.all_inner_texts())}")
+        texts = [t for t in refused.all_inner_texts() if t.strip()]
+        if texts or not retries:
+            pytest.fail(f"the settings were refused: {' | '.join(texts)}")
+        shown = parse_qs(urlparse(page.url).query).get("run", [run_id])[0]
+        return _finished_run(page, shown, retries - 1)
     header = final.first.inner_text()
     run_id = re.search(r"Run (\w{12})", header).group(1)
     if "succeeded" not in header:
