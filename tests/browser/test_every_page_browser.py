@@ -346,6 +346,7 @@ def _choose(page, field: str, value) -> None:
     expect(select.get_by_role("combobox")).to_have_value(str(value))
 
 
+@pytest.mark.timeout(600)  # the defaults' run drawn, a choice, a second run: on 2 cores beside the rest of the suite
 @pytest.mark.parametrize("url_path", list(NON_DEFAULT))
 def test_a_non_default_choice_runs(app, url_path):
     url, browser, timings = app
