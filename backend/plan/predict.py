@@ -2,9 +2,11 @@
 communication per dimension and pipeline bubble, throughput, MFU and days to train.
 
 The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
-  compute   FLOPs of each layer (models.training_flops_per_token, FlopCounterMode's formula) over peak × an
-            efficiency: the matmuls' per GPU family (Ampere; Hopper at 700 W; the 500 W H100 96GB), attention's a
-            fixed ratio of it (the constants fitted in published.py on the calibration rows only)
+  compute   each layer's GEMMs from their shapes (backend/plan/compute.py: 128×256 tiles in waves on the GPU's SMs,
+            the roofline for small ones) at a fitted share of peak per GPU family (Ampere; Hopper at 700 W; the 500 W
+            H100 96GB); attention's FLOPs (models.training_flops_per_token, FlopCounterMode's formula) at a fixed
+            ratio of it; the elementwise ops' HBM bytes, eager or fused (the constants fitted in published.py on the
+            calibration rows only)
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
@@ -22,6 +24,7 @@ import math
 from backend.config import ConfigError
 from backend.parallel import costs
 from backend.parallel.pp import schedules
+from backend.plan import compute as C
 from backend.plan import models as M
 from backend.plan import transients as T
 from backend.plan.clusters import Cluster
@@ -81,6 +84,7 @@ class Plan:
     seq_len: int = 8192
     recompute: str = "selective"
     precision: str = "bf16"           # bf16 | fp8 (matmuls in FP8 where the GPU has it)
+    fused: bool = True                # elementwise ops fused (torch.compile, Megatron's kernels); False: eager PyTorch
     grad_bytes: int = 4               # 4: fp32 main gradients (Megatron); 2: bf16
 
 
@@ -239,38 +243,55 @@ def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCompute:
-    """Forward seconds of one pipeline chunk on one micro-batch (a third of the training FLOPs): matmuls, attention,
-    and Megatron's unfused softmax traffic (forward, backward); what recompute repeats; the head's forward."""
+    """Seconds of one pipeline chunk on one micro-batch: the GEMMs' forward and backward (backend/plan/compute.py),
+    attention's forward (its backward twice that), the elementwise ops' forward (backward twice), Megatron's unfused
+    softmax traffic (forward, backward); what recompute repeats (its matmul and attention part apart); the head's
+    forward."""
     layers: float
     tokens: float
     f_lin: float
+    b_lin: float
     f_att: float
+    f_ew: float
     f_sm: float
     b_sm: float
     recompute_flops: float
     recompute_f: float
     head_f: float
 
+    @property
+    def forward(self) -> float:
+        return self.f_lin + self.f_att + self.f_ew + self.f_sm
+
+    @property
+    def backward(self) -> float:
+        return self.b_lin + 2 * self.f_att + C.BACKWARD_FACTOR * self.f_ew + self.b_sm
+
 
 def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency) -> ChunkCompute:
-    """FLOPs per token per layer over peak × the fitted efficiency; GPT rows (Megatron's unfused attention) add the
-    s×s scores' HBM traffic as memory-bound time; selective or full recompute repeats part of the forward."""
+    """Each layer's GEMMs from their shapes on the GPU's SMs (compute.linear_seconds: wave quantization and the
+    roofline, at the fitted efficiency), attention's FLOPs over peak × its fitted ratio, the elementwise ops' bytes
+    (eager or fused) over HBM; GPT rows (Megatron's unfused attention) add the s×s scores' HBM traffic; selective or
+    full recompute repeats part of the forward."""
     t, cp, b, s = plan.tp, plan.cp, plan.micro_batch, plan.seq_len
-    peak = cluster.gpu.fp8_flops if plan.precision == "fp8" else cluster.gpu.bf16_flops
-    tokens_local = b * s / cp
+    gpu = cluster.gpu
+    peak = gpu.fp8_flops if plan.precision == "fp8" else gpu.bf16_flops
+    tokens_local = b * s // cp
     per_tok = M.training_flops_per_token(model, s, M.causal(model))
-    head_lin = 6.0 * model.vocab * model.hidden
-    layer_lin = (per_tok["linear"] - head_lin) / model.layers   # forward+backward FLOPs per token per layer
     layer_att = per_tok["attention"] / model.layers
     chunk_layers = stage_layers(model, plan) / plan.vp
-    f_lin = tokens_local * layer_lin * chunk_layers / 3 / t / (peak * eff.linear(cluster.gpu))
-    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (cluster.gpu.bf16_flops * eff.attention(cluster.gpu))
-    f_sm, b_sm = ((x * chunk_layers / cluster.gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
+    lin = eff.linear(gpu)
+    f_lin, b_lin = (x * chunk_layers for x in C.linear_seconds(model, tokens_local, t, plan.ep, gpu, peak, lin))
+    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (gpu.bf16_flops * eff.attention(gpu))
+    f_ew = tokens_local * C.elementwise_bytes(model, t, plan.sp, plan.fused) * chunk_layers / gpu.hbm_bw
+    f_sm, b_sm = ((x * chunk_layers / gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
                   if not M.causal(model) else (0.0, 0.0))
     recompute_flops = {"none": 0.0, "selective": selective_recompute(model, f_lin, f_att), "full": f_lin + f_att}[plan.recompute]
-    recompute_f = recompute_flops + (f_sm if plan.recompute == "full" or (plan.recompute == "selective" and model.gpt) else 0.0)
-    head_f = tokens_local * head_lin / 3 / t / (peak * eff.linear(cluster.gpu))
-    return ChunkCompute(chunk_layers, tokens_local, f_lin, f_att, f_sm, b_sm, recompute_flops, recompute_f, head_f)
+    softmax_again = plan.recompute == "full" or (plan.recompute == "selective" and model.gpt)
+    elementwise_again = plan.recompute == "full" or (plan.recompute == "selective" and not model.gpt)
+    recompute_f = recompute_flops + (f_sm if softmax_again else 0.0) + (f_ew if elementwise_again else 0.0)
+    head_f = C.head_seconds(model, tokens_local, t, gpu, peak, lin)
+    return ChunkCompute(chunk_layers, tokens_local, f_lin, b_lin, f_att, f_ew, f_sm, b_sm, recompute_flops, recompute_f, head_f)
 
 
 def tp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
@@ -384,15 +405,15 @@ def step(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Efficie
     c = chunk_compute(model, cluster, plan, eff)
     (tp_kind, tp_s), (cp_kind, cp_s) = tp_seconds(model, cluster, plan, c), cp_seconds(model, cluster, plan, c)
     (ep_kind, ep_s), (pp_kind, p2p) = ep_seconds(model, cluster, plan, c), pp_seconds(model, cluster, plan, dp)
-    F = c.f_lin + c.f_att + c.f_sm + (tp_s + cp_s + ep_s) / 3 + p2p
-    B = 2 * (c.f_lin + c.f_att) + c.b_sm + c.recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
+    F = c.forward + (tp_s + cp_s + ep_s) / 3 + p2p
+    B = c.backward + c.recompute_f + 2 * (tp_s + cp_s + ep_s) / 3 + p2p
     pipe, busy = pipeline_seconds(plan, m, F, B, c.head_f)
     dp_kind, dp_comm = dp_comm_seconds(model, cluster, plan, dp)
     dp_exposed = dp_exposed_seconds(model, plan, dp_comm, m, busy, B)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * rank_parameters(model, plan)[0] / (dp if plan.dp_strategy != "ddp" else 1) / cluster.gpu.hbm_bw
     exposed = {"tp": m * v * (tp_s), "cp": m * v * cp_s, "ep": m * v * ep_s, "pp": m * v * 2 * p2p if p > 1 else 0.0, "dp": dp_exposed}
     return {"step_s": pipe + dp_exposed + optimizer,
-            "compute_s": m * (v * (3 * (c.f_lin + c.f_att) + c.f_sm + c.b_sm) + 3 * c.head_f),
+            "compute_s": m * (v * (c.forward + c.backward) + 3 * c.head_f),
             "recompute_s": m * v * c.recompute_f, "bubble_s": max(0.0, pipe - busy),
             "exposed_s": exposed, "optimizer_s": optimizer, "pipeline_s": pipe, "m": m,
             "F": F, "B": B, "head_f": c.head_f, "links": {"tp": tp_kind, "cp": cp_kind, "ep": ep_kind, "pp": pp_kind, "dp": dp_kind},

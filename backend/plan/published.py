@@ -81,8 +81,10 @@ _NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140
 _TTA = "torchtitan docs/performance.md (2024): FSDP2 on 64 A100 80GB; Llama 3 at seq 8192, Llama 2 at 4096"
 
 
-def _tt(nodes: int, micro: int = 2, seq: int = 8192, recompute: str = "selective") -> Plan:
-    return Plan(tp=1, dp_strategy="fsdp", micro_batch=micro, global_batch=micro * 8 * nodes, seq_len=seq, recompute=recompute, grad_bytes=2)
+def _tt(nodes: int, micro: int = 2, seq: int = 8192, recompute: str = "selective", fused: bool = False) -> Plan:
+    """A torchtitan FSDP run: eager PyTorch unless the row used torch.compile (its train configs: compile = false)."""
+    return Plan(tp=1, dp_strategy="fsdp", micro_batch=micro, global_batch=micro * 8 * nodes, seq_len=seq, recompute=recompute,
+                grad_bytes=2, fused=fused)
 
 
 _CAL_H100 = "torchtitan 8B, 8 H100: tokens/s/GPU"
@@ -105,6 +107,10 @@ ROWS = [
     Row("Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
         dataclasses.replace(_L3_PLAN, cp=16, cp_comm="allgather", seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
     Row("torchtitan 8B, 128 H100: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "tokens_per_s_per_gpu", 5605, 0.10, _TT),
+    Row("torchtitan 8B, 8 H100, torch.compile: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1, fused=True),
+        "tokens_per_s_per_gpu", 6667, 0.10, _TT + "; FSDP + torch.compile (Table 1)"),
+    Row("torchtitan 8B, 128 H100, torch.compile: tokens/s/GPU", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16, fused=True),
+        "tokens_per_s_per_gpu", 6514, 0.10, _TT + "; FSDP + torch.compile (Table 3)"),
     Row("torchtitan 8B, 128 H100: memory (max reserved)", "validation", "llama-3-8b", "H100 SXM 96GB", 16, _tt(16), "reserved_gib", 67.0, 0.05, _TT),
     Row("Llama 3 405B, 8,192 H100: BF16 MFU", "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "mfu", 0.43, 0.10, _L3),
     Row(_CAL_GPT3, "calibration", "gpt-3-175b", "A100 80GB SXM", 128, _NR_PLAN, "hardware_tflops_per_gpu", 140, 0.10, _NR),
