@@ -4,8 +4,8 @@ Analytic memory rows (exact formulas, to the last printed digit): Korthikanti et
 (Rajbhandari et al. 2020), Fig. 1. Measured rows: torchtitan's H100 benchmark (docs/performance.md, Table 1 and its
 128-GPU run), the Llama 3 paper's 405B pre-training, Narayanan et al. 2021's GPT-3 175B on 1,024 A100s.
 
-The constants (matmul efficiency on Ampere, on Hopper at 700 W and on the 500 W H100 96GB, attention's ratio to it,
-the caching allocator's fragmentation fraction) are fitted ONLY on the rows
+The constants (the share of peak a full wave of GEMM tiles sustains on Ampere, on Hopper at 700 W and on the 500 W
+H100 96GB; attention's ratio to it; the caching allocator's fragmentation fraction) are fitted ONLY on the rows
 marked "calibration"; every "validation" row is predicted with those constants and its error reported apart.
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ class Row:
 
 _TT = "torchtitan docs/performance.md (Dec 2024): Llama 3.1 8B, FSDP, H100 96GB HBM2e 500 W, local batch 2, seq 8192, selective AC"
 _L3 = "Llama 3 paper (Dubey et al. 2024), Table 4: 405B, 8,192 H100, TP 8, CP 1, PP 16, DP 64, seq 8,192, 16M tokens a batch; Sec. 3.3.2: interleaved, one layer removed from the first and the last stage so that 'the first model chunk on the first stage has only the embedding': one-layer chunks, v = 128/16 = 8"
-_L3_16K = "Llama 3 paper, Table 4: 16,384 H100, TP 8, PP 16, DP 128 at seq 8,192 (400 TFLOP/s, 41%) or CP 16, DP 8 at 131,072 (380, 38%), 16M tokens a batch"
+_L3_16K = ("Llama 3 paper, Table 4: 16,384 H100, TP 8, PP 16, DP 128 at seq 8,192 (400 TFLOP/s, 41%) or CP 16, DP 8 at 131,072 "
+           "(380, 38%), 16M tokens a batch; v = 8 inferred from Sec. 3.3.2 (one-layer chunks), the paper prints no v")
 _NR = "Narayanan et al. 2021, Sec. 5.1: GPT-3 175B, 1,024 A100, batch 1,536, 140 TFLOP/s per GPU (recompute counted), 300B tokens"
 
 
@@ -92,6 +93,7 @@ _CAL_L3 = "Llama 3 405B, 8,192 H100: TFLOP/s per GPU"
 _CAL_A100 = "torchtitan Llama 3 8B, 64 A100: tokens/s/GPU"
 _CAL_GPT3 = "GPT-3 175B, 1,024 A100: TFLOP/s per GPU"
 _CAL_MEM = "torchtitan 8B, 8 H100: memory (max reserved)"
+DP128 = "Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU"
 
 
 _L3_PLAN = Plan(tp=8, pp=16, vp=8, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
@@ -102,7 +104,7 @@ ROWS = [
     Row(_CAL_H100, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "tokens_per_s_per_gpu", 5762, 0.10, _TT),
     Row(_CAL_MEM, "calibration", "llama-3-8b", "H100 SXM 96GB", 1, _tt(1), "reserved_gib", 82.4, 0.05, _TT),
     Row(_CAL_L3, "calibration", "llama-3.1-405b", "H100 SXM 80GB", 1024, _L3_PLAN, "model_tflops_per_gpu", 430, 0.10, _L3),
-    Row("Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
+    Row(DP128, "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
         dataclasses.replace(_L3_PLAN, global_batch=2048), "model_tflops_per_gpu", 400, 0.10, _L3_16K),
     Row("Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU", "validation", "llama-3.1-405b", "H100 SXM 80GB", 2048,
         dataclasses.replace(_L3_PLAN, cp=16, cp_comm="allgather", seq_len=131072, global_batch=128), "model_tflops_per_gpu", 380, 0.10, _L3_16K),
@@ -123,6 +125,32 @@ ROWS = [
     Row("torchtitan Llama 2 70B, 64 A100: tokens/s/GPU", "validation", "llama-2-70b", "A100 80GB SXM", 8, _tt(8, 2, 4096, "full"),
         "tokens_per_s_per_gpu", 353, 0.10, _TTA + "; bs 2, full AC"),
 ]
+
+
+H100_NVL_BF16 = 835.5e12
+H100_NVL_SOURCE = ("H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense; torchtitan's benchmark docs: the 500 W "
+                   "H100 96GB's peak lies between the NVL's and the SXM's (989), its exact value unknown")
+def hopper_500w_account(eff: Efficiency) -> dict:
+    """The fitted 500 W constant over the 700 W one, the most the power cap can take by torchtitan's own bound (the
+    card's peak at least the NVL's), and the factor neither explains."""
+    ratio = eff.hopper_500w / eff.hopper
+    floor = H100_NVL_BF16 / GPUS["H100 SXM 80GB"].bf16_flops
+    return {"fitted 500 W ÷ 700 W": ratio, "power cap at most (NVL ÷ SXM peak)": floor, "unexplained factor": ratio / floor,
+            "source": H100_NVL_SOURCE}
+
+
+def dp128_by_virtual_stages(eff: Efficiency, stages=(8, 4, 2)) -> list[dict]:
+    """The DP-128 row as the 8,192-GPU calibration row's published 430 × the model's ratio of the two rows, at each
+    count of virtual stages: the fitted Hopper constant cancels in the ratio; what is left is the bubble (16 instead
+    of 32 micro-batches) and data parallel's exposed time, and v, which the paper does not print."""
+    rows = {r.name: r for r in ROWS}
+    cal, val = rows[_CAL_L3], rows[DP128]
+    out = []
+    for v in stages:
+        c, d = (dataclasses.replace(r, plan=dataclasses.replace(r.plan, vp=v)) for r in (cal, val))
+        got = cal.published * predict_row(d, eff) / predict_row(c, eff)
+        out.append({"virtual stages": v, "predicted": got, "published": val.published, "error": got / val.published - 1})
+    return out
 
 
 def predict_row(row: Row, eff: Efficiency) -> float:

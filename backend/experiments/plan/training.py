@@ -46,6 +46,8 @@ class PlanTrainingConfig(Config):
     recompute: str = setting("selective", choices=RECOMPUTE, help="activation recomputation")
     precision: str = setting("bf16", choices=("bf16", "fp8"), help="matmul precision (fp8 where the GPU has it)")
     grad_bytes: int = setting(2, choices=(2, 4), help="bytes per gradient element (4: fp32 main gradients)")
+    fused: bool = setting(True, help="elementwise ops fused (torch.compile, Megatron's kernels); off: eager PyTorch, each op "
+                                     "its own pass over HBM")
     tokens_b: float = setting(2000.0, min=0.001, max=1e6, help="tokens to train, billions")
     live_check: bool = setting(False, help="also run the plan scaled down through parallel.mesh (tiny widths, each dimension "
                                            "above 1 at 2, at most 8 gloo ranks; the plan's schedule, virtual stages, dp "
@@ -66,7 +68,7 @@ class PlanTrainingConfig(Config):
         return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
                     dp_strategy=self.dp_strategy, hsdp_shard=self.hsdp_shard, micro_batch=self.micro_batch,
                     global_batch=self.global_batch, seq_len=self.seq_len, recompute=self.recompute,
-                    precision=self.precision, grad_bytes=self.grad_bytes)
+                    precision=self.precision, grad_bytes=self.grad_bytes, fused=self.fused)
 
     def check(self) -> None:
         from backend.plan.predict import validate
@@ -132,9 +134,10 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                          {"part": "pipeline bubble", "seconds": t["bubble_s"]}, {"part": "optimizer step", "seconds": t["optimizer_s"]}]
                 + [{"part": f"exposed {k} communication", "seconds": v} for k, v in t["exposed_s"].items()],
                 "gantt": bars, "links": links, "published_exact": exact, "published": rows,
+                "hopper_500w": [published.hopper_500w_account(eff)], "dp128_by_virtual_stages": published.dp128_by_virtual_stages(eff),
                 "live": [live_row] if live_row else []},
         checks=checks,
-        notes=[f"A model, not a measurement: constants fitted on the calibration rows (matmuls {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
+        notes=[f"A model, not a measurement: constants fitted on the calibration rows (GEMM tiles in full waves at {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
                f"attention {eff.attention(cl.gpu):.3f}, allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
 
 
