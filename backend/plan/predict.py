@@ -41,8 +41,9 @@ OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """The fitted constants: the fraction of peak matmuls reach on each GPU family, attention's efficiency as a
-    fixed ratio of it, and the caching allocator's fragmentation as a fraction of the allocated peak."""
+    """The fitted constants: the share of peak a full wave of GEMM tiles sustains on each GPU family (what the tiles,
+    waves and L2 feed of backend/plan/compute.py do not explain), attention's efficiency as a fixed ratio of it, and
+    the caching allocator's fragmentation as a fraction of the allocated peak."""
     ampere: float = 0.6
     hopper: float = 0.6
     attention_ratio: float = 0.5
