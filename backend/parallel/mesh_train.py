@@ -50,6 +50,7 @@ from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
+from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire
 from backend.parallel.workload import flat_params, load_flat
 from backend.trace import Tracer
@@ -123,9 +124,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
     tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), along["cp"]) if config.cp > 1 else None
-    columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
+    split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
     reference = reference_model(config)
     chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard)
               for s in plan.stages_on(me, p, config.virtual_stages)}
@@ -142,10 +143,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         t.t0_ns = tracer.t0_ns
     step_us = []  # each step's (start, end) on this rank
     losses, activations, kept, pp_bytes = [], {}, {}, 0
-    mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
+    every = tokens(config)
+    batches = [every[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
 
     def make_stages():
-        return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
+        return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
                              config.tp if config.sp else 1) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
