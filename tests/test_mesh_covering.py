@@ -21,7 +21,7 @@ from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel.pp.schedules import SCHEDULES
 
-pytestmark = pytest.mark.serial  # 53 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
+pytestmark = pytest.mark.serial  # 51 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
 
 WORLD = 4
 DIMENSIONS = {

@@ -19,8 +19,10 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
             with and without it, one step each, timed and FLOP-counted, gradients discarded
 Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
 every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
-  sp        (sequence parallel, with tp) the norms run on sequence shards, stages hand on those shards, and the norm
-            weights' gradients are summed over tp once a step (Megatron-LM's all-reduce of layer-norm gradients)
+  sp        (sequence parallel, with tp) the norms run on sequence shards (beside cp, shards of the cp shard, gathered
+            for the ring attention's tp-local heads), stages hand on those shards, MoE layers route only their shard's
+            tokens over ep, and the norm (and MoE) weights' gradients are summed over tp once a step (Megatron-LM's
+            all-reduce of layer-norm gradients). Which tokens a rank holds: parallel/token_split.py
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;

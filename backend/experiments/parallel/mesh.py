@@ -68,8 +68,9 @@ PRESET_NOTES = {
 class MeshConfig(TPConfig):
     world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x ep x tp")
     tp: int = setting(2, min=1, max=8, help="tensor-parallel degree (innermost: neighbouring ranks)")
-    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards, each "
-                                   "all-reduce a reduce-scatter and an all-gather, stages hand on sequence shards")
+    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards (of the "
+                                   "cp shard, beside cp), each all-reduce a reduce-scatter and an all-gather, stages hand "
+                                   "on sequence shards, MoE layers route only their shard's tokens")
     pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp x ep)")
     cp: int = setting(1, min=1, max=8, help="context-parallel degree: each sequence's positions split over cp ranks "
                                             "(zigzag), keys and values passed round a ring")
