@@ -145,8 +145,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         t.t0_ns = tracer.t0_ns
     step_us = []  # each step's (start, end) on this rank
     losses, activations, kept, pp_bytes = [], {}, {}, 0
-    every = tokens(config)
-    batches = [every[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
+    batches = [tokens(config)[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
 
     def make_stages():
         return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
