@@ -231,3 +231,13 @@ def test_the_token_split_equals_a_derivation_by_hand_and_covers_every_token():
 def test_a_contiguous_cp_split_disagrees_with_the_derivation(monkeypatch):
     monkeypatch.setattr(split_module, "cp_positions", lambda seq, i, n, split: torch.arange(i * seq // n, (i + 1) * seq // n))
     assert _disagreements() > 0
+
+
+def test_sp_beside_cp_needs_each_cp_shard_to_split_over_tp():
+    """seq 12 holds cp 2's four zigzag chunks, but each cp shard's 6 positions do not split over tp 4: refused by name
+    with the unit allowed (lcm(2cp, cp x tp) = 8); seq 16 runs the same mesh's validation."""
+    from backend.config import ConfigError
+    with pytest.raises(ConfigError) as info:
+        MeshConfig(**dict(BASE, world_size=8, cp=2, tp=4, seq=12)).validate()
+    assert info.value.field == "seq" and "a multiple of 8" in str(info.value)
+    MeshConfig(**dict(BASE, world_size=8, cp=2, tp=4, seq=16)).validate()
