@@ -21,7 +21,7 @@ from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel.pp.schedules import SCHEDULES
 
-pytestmark = pytest.mark.serial  # 53 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
+pytestmark = pytest.mark.serial  # 51 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
 
 WORLD = 4
 DIMENSIONS = {
@@ -43,8 +43,6 @@ REFUSED = {
     "microbatches": "DualPipe-V's order is built for at least 2p micro-batches (torch's ScheduleDualPipeV refuses fewer)",
     "recompute": "selective recompute drops the attention core's a·s² scores: ring attention (cp > 1) keeps none, and "
                  "recomputing it would send the K/V ring again",
-    "sp": "NOT BUILT, not impossible: sequence parallel beside context parallel (Megatron-LM runs both) or around MoE "
-          "experts; apply_cp and apply_tp refuse them",
 }
 
 
@@ -129,6 +127,16 @@ def test_the_array_covers_every_runnable_pair_and_a_dropped_row_breaks_it():
     assert uncovered(ARRAY[:-1], runnable)  # the greedy's last row was taken for a pair no other row holds
     dims_seen = {(d, r[d]) for r in ARRAY for d in DIMENSIONS}
     assert dims_seen == {(d, v) for d, vs in DIMENSIONS.items() for v in vs}
+
+
+def test_sequence_parallel_beside_cp_and_moe_is_covered_live():
+    """Issue #27: sp beside cp and sp with MoE blocks (and ep) were refused as not built; now every such pair is held
+    live (tp > 1) by a row of the array that runs and passes every check."""
+    ARRAY, INFEASIBLE = covering_array()
+    wanted = {(("cp", 2), ("sp", True)), (("experts", 4), ("sp", True)), (("ep", 2), ("sp", True))}
+    assert not wanted & INFEASIBLE and not uncovered(ARRAY, wanted)
+    assert any(r["sp"] and r["tp"] == 2 and r["cp"] == 2 for r in ARRAY)
+    assert any(r["sp"] and r["tp"] == 2 and r["experts"] for r in ARRAY)
 
 
 def refusals(pairs) -> dict:

@@ -147,10 +147,21 @@ def test_refusals_name_what_is_not_built():
     mla = TinyDecoder(dataclasses.replace(reference.shape, variant="mla")).double()
     with pytest.raises(ValueError, match="multi-head latent attention"):
         parallelize(mla, alone)
-    moe = TinyDecoder(dataclasses.replace(reference.shape, n_experts=4)).double()
-    with pytest.raises(ValueError, match="sequence parallel with MoE"):
-        parallelize(moe, alone, sp=True)
     with pytest.raises(ValueError, match="n_kv_heads=1 does not divide by the tensor-parallel degree 2"):
         parallelize(TinyDecoder(dataclasses.replace(reference.shape, variant="mqa")).double(), Rank(0, 2))
-    with pytest.raises(ValueError, match="sequence parallel and context parallel"):
-        parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, 0, 1, [0], Tracer(0)))
+
+
+def test_sp_beside_moe_and_cp_builds_and_marks_what_its_shard_alone_trains():
+    """SP with MoE blocks: the MoE layer (router, experts, shared expert) runs on each tp rank's sequence shard, so its
+    weights are summed over tp as the norms' are (tagged sequence_parallel); attention and the head are not. Without SP
+    nothing is tagged. SP beside cp builds (the runs are in test_mesh_sp_combo)."""
+    cfg, reference, _ = _model()
+    alone = Wire.alone(0, Tracer(0))
+    moe = TinyDecoder(dataclasses.replace(reference.shape, n_experts=4)).double()
+    for sp in (True, False):
+        model = parallelize(moe, alone, sp=sp, ep=alone)
+        tagged = {k for k, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
+        ffn = {k for k in dict(model.named_parameters()) if ".ffn." in k}
+        norms = {k for k in dict(model.named_parameters()) if "norm" in k}
+        assert tagged == ((ffn | norms) if sp else set()) and ffn and norms
+    parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, 0, 1, [0], Tracer(0)))

@@ -176,8 +176,6 @@ def apply_cp(model, shard: SequenceShard):
     """The model's attention, in place, over this rank's positions `shard.mine` of each sequence: RoPE at those
     global positions and ring attention over the cp group in place of the whole-sequence softmax. Costs n-1 K/V
     blocks sent per layer forward, n-1 K/V and n dK/dV blocks backward, and no s x s scores kept."""
-    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
-        raise ValueError("sequence parallel and context parallel together are not built")
     for block in model.blocks:
         block.attn.core = shard
     return model

@@ -19,8 +19,10 @@ each sequence on context-parallel shard mesh.index("cp") of the positions (zigza
             with and without it, one step each, timed and FLOP-counted, gradients discarded
 Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
 every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
-  sp        (sequence parallel, with tp) the norms run on sequence shards, stages hand on those shards, and the norm
-            weights' gradients are summed over tp once a step (Megatron-LM's all-reduce of layer-norm gradients)
+  sp        (sequence parallel, with tp) the norms run on sequence shards (beside cp, shards of the cp shard, gathered
+            for the ring attention's tp-local heads), stages hand on those shards, MoE layers route only their shard's
+            tokens over ep, and the norm (and MoE) weights' gradients are summed over tp once a step (Megatron-LM's
+            all-reduce of layer-norm gradients). Which tokens a rank holds: parallel/token_split.py
 Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
 over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
@@ -50,6 +52,7 @@ from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
+from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire
 from backend.parallel.workload import flat_params, load_flat
 from backend.trace import Tracer
@@ -123,9 +126,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
     tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), along["cp"]) if config.cp > 1 else None
-    columns = shard.mine if shard else slice(None)  # this rank's positions of every sequence
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
+    split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
     reference = reference_model(config)
     chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard)
               for s in plan.stages_on(me, p, config.virtual_stages)}
@@ -142,10 +145,10 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         t.t0_ns = tracer.t0_ns
     step_us = []  # each step's (start, end) on this rank
     losses, activations, kept, pp_bytes = [], {}, {}, 0
-    mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
+    batches = [tokens(config)[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
 
     def make_stages():
-        return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
+        return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
                              config.tp if config.sp else 1) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):

@@ -149,7 +149,9 @@ def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
     groups; gate and up fused column-parallel, down row-parallel; embedding, head and loss by vocabulary). Costs
     per layer two all-reduces of b·s·h forward (g) and two backward (f); with `sp` the norms see sequence shards
     (each all-reduce becomes an all-gather and a reduce-scatter, the gathered inputs re-gathered in backward) and
-    the norm weights' gradients need summing (sum_norm_grads). MoE feed-forwards are left to apply_ep."""
+    the norm weights' gradients need summing (sum_norm_grads). MoE feed-forwards are left to apply_ep: without SP every
+    tp rank runs them alike on the whole sequence; with SP each on its sequence shard (no tp collective around them,
+    Megatron's SP + EP), so their gradients, like the norms', are summed over tp."""
     s, r, n = model.shape, wire.index, wire.n
     if s.variant == "mla":
         raise ValueError("tensor parallel of multi-head latent attention is not built (variant: mha, mqa or gqa)")
@@ -173,8 +175,9 @@ def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
             gate, up, down = f.gate, f.up, f.down
             del f.gate, f.up, f.down
             f.w13, f.down = ColumnParallelLinear([(gate, cols), (up, cols)], wire, sp, "mlp"), RowParallelLinear(down, cols, wire, sp, "mlp")
-        elif sp:
-            raise ValueError("sequence parallel with MoE blocks is not built")
+        else:  # MoE: replicated over tp; under SP it routes this rank's sequence shard only (apply_ep), so it is
+            for p in f.parameters():  # trained by that shard alone, as the norms are
+                p.sequence_parallel = sp
         for norm in (block.attn_norm, block.ffn_norm):
             norm.weight.sequence_parallel = sp
     if model.head is not None:
@@ -186,8 +189,8 @@ def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
 
 
 def sum_norm_grads(module: nn.Module, wire) -> None:
-    """Under SP each rank's norm weights saw only its sequence shard: sum their gradients (Megatron's all-reduce
-    of layer-norm gradients). Under plain TP f already made them whole, so only SP calls this."""
+    """Under SP each rank's norm weights (and MoE layers) saw only its sequence shard: sum their gradients (Megatron's
+    all-reduce of layer-norm gradients). Under plain TP f already made them whole, so only SP calls this."""
     for p in module.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             p.grad = wire.all_reduce(p.grad, "backward", "norm weight gradients")

@@ -34,7 +34,8 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
     """Every collective of one forward and backward on rank `index` of n: (phase, op, name, numel, sent_bytes), in
     the order run. By default the whole model on config's batch; a pipeline stage gives its `layers`, whether it is
     the `first` (embedding) and `last` (head, loss), and its micro-batch's `batch` and (context-parallel) `seq`.
-    Without `dense_ffn` (MoE blocks, run alike on every tp rank) the MLP's two all-reduces are absent."""
+    Without `dense_ffn` (MoE blocks: run alike on every tp rank, or under SP each on its sequence shard) the MLP's
+    collectives are absent; the norm-gradient rows count the norms only (an MoE layer's gradients are summed too)."""
     b, s, L = batch or config.batch, seq or config.seq, config.layers if layers is None else layers
     nh, tokens_, h = b * s * config.d_model, b * s, config.d_model
     rows = []
@@ -45,7 +46,7 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
         if first:
             add("forward", "reduce_scatter", "embedding", nh)
         for _ in range(L):
-            for name in ("attention", "mlp"):
+            for name in ("attention", "mlp") if dense_ffn else ("attention",):
                 add("forward", "all_gather", name, nh // n)
                 add("forward", "reduce_scatter", name, nh)
         if last:

@@ -3,6 +3,7 @@ whole batch."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import networkx as nx
@@ -13,7 +14,6 @@ from backend.graph.dot import to_dot
 from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu
 from backend.experiments import define
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
-from backend.parallel.cp import positions
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
@@ -26,6 +26,7 @@ from backend.parallel.sp import activation_elements
 from backend.parallel.step_split import CATEGORIES, lanes, split
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
+from backend.parallel.token_split import TokenSplit, token_split
 from backend.parallel.wire import ring_bytes
 from backend.result import Check, Result
 
@@ -67,8 +68,9 @@ PRESET_NOTES = {
 class MeshConfig(TPConfig):
     world_size: int = setting(4, min=1, max=8, help="ranks: pp x dp x cp x ep x tp")
     tp: int = setting(2, min=1, max=8, help="tensor-parallel degree (innermost: neighbouring ranks)")
-    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards, each "
-                                   "all-reduce a reduce-scatter and an all-gather, stages hand on sequence shards")
+    sp: bool = setting(False, help="sequence parallel (Megatron-LM) over the tp ranks: norms on sequence shards (of the "
+                                   "cp shard, beside cp), each all-reduce a reduce-scatter and an all-gather, stages hand "
+                                   "on sequence shards, MoE layers route only their shard's tokens")
     pp: int = setting(2, min=1, max=8, help="pipeline stages (outermost); dp = world_size / (tp x pp x cp x ep)")
     cp: int = setting(1, min=1, max=8, help="context-parallel degree: each sequence's positions split over cp ranks "
                                             "(zigzag), keys and values passed round a ring")
@@ -171,15 +173,13 @@ class MeshConfig(TPConfig):
             raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
-        if self.sp and self.cp > 1:
-            raise ConfigError("sp", "true with cp > 1: sequence parallel inside context parallel's shards is not built "
-                                    "(allowed: false, or true with cp = 1)")
-        if self.sp and self.experts:
-            raise ConfigError("sp", "true with MoE blocks: sequence parallel around routed experts is not built (allowed: "
-                                    "false, or true with experts = 0)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
+        if self.sp and self.seq % (self.cp * self.tp):
+            unit = math.lcm(2 * self.cp if self.cp > 1 else 1, self.cp * self.tp)
+            raise ConfigError("seq", f"{self.seq}: under sequence parallel each cp shard's {self.seq // self.cp} positions "
+                                     f"split over tp={self.tp} (allowed: a multiple of {unit})")
         plan = self.plan
         if self.recompute == "selective" and self.cp > 1:
             raise ConfigError("recompute", f"selective with cp = {self.cp}: ring attention keeps no a·s² scores to drop, "
@@ -236,18 +236,23 @@ def schedule_plans(config: MeshConfig) -> dict[str, "MeshConfig | str"]:
     return out
 
 
+def split_of(config: MeshConfig, coords: dict) -> TokenSplit:
+    """The tokens the rank at `coords` holds (parallel/token_split.py: the split mesh_train feeds it)."""
+    return token_split(config.batch, config.seq, config.plan.microbatches(config.microbatches),
+                       {d: getattr(config, d) for d in DIMS}, coords, config.sp)
+
+
 def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
     """Sequences per micro-batch on the rank at `coords`: the batch split over dp x ep, then into micro-batches."""
-    mine = torch.arange(config.batch).tensor_split(config.dp * config.ep)[coords["dp"] * config.ep + coords["ep"]]
-    return [len(s) for s in mine.tensor_split(config.plan.microbatches(config.microbatches))]
+    return split_of(config, coords).microbatch_sizes
 
 
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
-    s, h, steps = config.seq // config.cp, config.d_model, config.steps
-    sizes = _microbatch_sizes(config, payload["coords"])
+    split = split_of(config, payload["coords"])
+    s, h, steps, sizes = len(split.positions), config.d_model, config.steps, split.microbatch_sizes
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
-    act = sum(b * s * h * 8 for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
+    act = sum(b * len(split.sp_positions) * h * 8 for b in sizes)  # per micro-batch (SP: a sequence shard)
     # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
@@ -273,9 +278,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
              for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
                                            dense_ffn=not config.experts) if r["name"] != "norm weight gradients")
-    if config.sp and config.tp > 1:  # the norms' gradients, summed over tp once a step (not per micro-batch)
-        tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, 8, payload["coords"]["tp"])
-                  for st, layers in payload["stages"].items())
+    if config.sp and config.tp > 1:  # the norms' (and MoE layers') gradients, summed over tp once a step
+        tp += sum(ring_bytes("all_reduce", numel, config.tp, 8, payload["coords"]["tp"])
+                  for st, layers in payload["stages"].items() for numel in sequence_parallel_numels(config, len(layers), st == S - 1))
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
@@ -287,13 +292,22 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
                                                config.ep, 8) if config.ep > 1 else 0}
 
 
+def sequence_parallel_numels(config: MeshConfig, layers: int, last: bool) -> list[int]:
+    """Under SP, the parameters a stage's tp ranks each train on their sequence shard alone, summed over tp once a step
+    (one all-reduce each): two RMSNorm weights (h) per block and the final norm's on the last stage; an MoE block's
+    router (E·h) and the gate, up and down (h·d_ff each) of this rank's E/ep routed experts and of the shared expert."""
+    h, moe = config.d_model, []
+    if config.experts:
+        moe = [config.experts * h] + [h * config.d_ff] * 3 * (config.experts // config.ep + 1)
+    return ([h, h] + moe) * layers + [h] * last
+
+
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
     """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
-    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only)."""
-    sizes = _microbatch_sizes(config, payload["coords"])
-    shard = config.seq // config.cp
-    return {st: {j: b * 8 * (shard if st == 0 else shard // (config.tp if config.sp else 1) * config.d_model)
-                 for j, b in enumerate(sizes)}
+    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only; under SP its tp share)."""
+    split = split_of(config, payload["coords"])
+    return {st: {j: b * 8 * (len(split.positions) if st == 0 else len(split.sp_positions) * config.d_model)
+                 for j, b in enumerate(split.microbatch_sizes)}
             for st in payload["stages"]}
 
 
@@ -335,21 +349,17 @@ def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
     """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
-    assignments each ep peer routes to each expert: a tensor (ep, experts)."""
+    assignments each ep peer routes to each expert: a tensor (ep, experts). A peer routes its own sequences at the
+    positions its MoE layer holds (its cp shard; under SP its tp share of that)."""
     if not config.experts:
         return []
-    m = config.plan.microbatches(config.microbatches)
-    columns = positions(config.seq, payload["coords"]["cp"], config.cp, "zigzag") if config.cp > 1 else slice(None)
+    peers = [split_of(config, {**payload["coords"], "ep": e}) for e in range(config.ep)]
     out = []
     for step in range(config.steps):
-        for mb in range(m):
+        for mb in range(config.plan.microbatches(config.microbatches)):
             for layer in payload["layers"]:
-                rows = []
-                for e in range(config.ep):
-                    seqs = torch.arange(config.batch).tensor_split(config.dp * config.ep)[payload["coords"]["dp"] * config.ep + e]
-                    chosen = routing[step][layer][seqs.tensor_split(m)[mb]][:, columns]
-                    rows.append(torch.bincount(chosen.flatten(), minlength=config.experts))
-                out.append(torch.stack(rows))
+                chosen = [routing[step][layer][peer.sequences[mb]][:, peer.sp_positions] for peer in peers]
+                out.append(torch.stack([torch.bincount(c.flatten(), minlength=config.experts) for c in chosen]))
     return out
 
 
@@ -371,15 +381,17 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
     """Bytes each (stage, micro-batch) forward saves on this rank: sp.activation_elements x the stage's blocks (+ RoPE's
     tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its
-    experts computed in the first step (the one measured) taken from the reference's routing."""
-    s = config.seq // config.cp
+    experts computed in the first step (the one measured) taken from the reference's routing; under SP it routes only
+    its sequence shard's tokens."""
+    split = split_of(config, payload["coords"])
+    s = len(split.positions)
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
     order = payload["layers"]
     first_step = rows[:config.plan.microbatches(config.microbatches) * len(order)]
     per = config.experts // config.ep
     mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
     out = {}
-    for j, b in enumerate(_microbatch_sizes(config, payload["coords"])):
+    for j, b in enumerate(split.microbatch_sizes):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
                                     config.d_ff, config.tp, config.sp, ring)
         if config.recompute == "selective":  # Korthikanti: the core's scores are recomputed, q, k, v kept
@@ -389,7 +401,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
             for layer in layers:
                 if config.experts:
                     block["SwiGLU gate, up, silu, product"] = sum(moe_activation_elements(
-                        b * s, int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
+                        b * len(split.sp_positions), int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
             out[(stage, j)] = elements * 8
