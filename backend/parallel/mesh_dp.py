@@ -21,7 +21,7 @@ from backend.parallel.wire import Wire
 from backend.parallel.workload import Adam
 from backend.parallel.zero import Sharded
 
-STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3")
+STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: backend/parallel/fsdp.FullyShardedStages
 
 
 def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:

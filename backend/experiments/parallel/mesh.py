@@ -3,6 +3,7 @@ whole batch."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import networkx as nx
@@ -280,7 +281,8 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
             if config.cp > 1 else 0,
-            "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
+            "dp gradients": fsdp2_bytes(payload["param_shapes"], config.dp, steps) if config.dp_strategy == "fsdp2" else
+            dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
@@ -321,6 +323,35 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
         return steps * sum(all_reduce(b) for b in buckets if b)
     gather = ring_bytes("all_gather", pad(n) // k, k, 8)
     return steps * (ring_bytes("reduce_scatter", pad(n), k, 8) + gather) + (gather if strategy == "zero3" else 0)
+
+
+def fsdp2_rows(rows: int, k: int, index: int) -> int:
+    """Rows of a dim-0 of `rows` on dp rank `index` of k, as torch.chunk cuts it: ⌈rows/k⌉ each, the last ones fewer
+    or none (FSDP2's Shard(0))."""
+    per = -(-rows // k)
+    return max(0, min(per, rows - index * per))
+
+
+def fsdp2_bytes(shapes: dict, k: int, steps: int) -> int:
+    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per stage chunk (one fully_shard unit) and per step
+    one ring all-gather of its padded shard (every parameter's ⌈rows/k⌉ rows, FSDP2 pads the short ones) and one ring
+    reduce-scatter of k such shards (the unsharded gradients padded the same way): ZeRO-3's 2ψ(k-1)/k per step with ψ
+    the padded size; plus one all-gather at the end to report the trained weights."""
+    if k == 1:
+        return 0
+    total = 0
+    for chunk in shapes.values():
+        shard = sum(fsdp2_rows(s[0], k, 0) * math.prod(s[1:]) for s in chunk)
+        gather = ring_bytes("all_gather", shard, k, 8)
+        total += steps * (gather + ring_bytes("reduce_scatter", k * shard, k, 8)) + gather
+    return total
+
+
+def fsdp2_memory(shapes: dict, k: int, index: int) -> dict[str, int]:
+    """FSDP2's bytes kept between steps on dp rank `index` (float64): the local rows of every parameter (torch.chunk's,
+    unpadded), as many gradient elements, and Adam's m and v for them: ZeRO-3's split with FSDP2's per-parameter cut."""
+    mine = sum(fsdp2_rows(s[0], k, index) * math.prod(s[1:]) for chunk in shapes.values() for s in chunk)
+    return {"parameters": 8 * mine, "gradients": 8 * mine, "optimizer states": 16 * mine}
 
 
 def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
@@ -431,7 +462,8 @@ def combine(config: MeshConfig, payloads) -> Result:
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
-    states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
+    states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
+              else dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
                         sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
                         reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
