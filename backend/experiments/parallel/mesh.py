@@ -40,9 +40,9 @@ PRESETS = {
     "megatron": {"world_size": 8, "tp": 2, "sp": True, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                  "dp_strategy": "zero1"},
     "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
-    "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
-    "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
-    "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
+    "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
+    "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
+    "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
     "llama3": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2, "schedule": "1f1b"},
     "deepseek_v3": {"world_size": 8, "tp": 1, "pp": 2, "ep": 2, "experts": 4, "schedule": "dualpipe_v",
                     "microbatches": 4, "batch": 16, "d_model": 16, "d_ff": 32, "dp_strategy": "zero1"},
@@ -54,9 +54,9 @@ PRESET_NOTES = {
     "moe_ep": "MoE: 4 experts over ep 2, pipeline 2 (4 ranks)",
     "megatron": "Megatron-LM style: TP 2 + SP + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks)",
     "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 (tp 1 to fit)",
-    "torchtitan": "torchtitan style: FSDP (ZeRO-3, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
-    "torchtitan4": "torchtitan style on 4 ranks: FSDP (ZeRO-3) + 1F1B, pp 2 x dp 2",
-    "torchtitan_cp": "torchtitan style with context parallel: FSDP (ZeRO-3) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "torchtitan": "torchtitan style: FSDP2 (PyTorch's fully_shard, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "torchtitan4": "torchtitan style on 4 ranks: FSDP2 (fully_shard) + 1F1B, pp 2 x dp 2",
+    "torchtitan_cp": "torchtitan style with context parallel: FSDP2 (fully_shard) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
     "llama3": "Llama 3's dimensions tp 2, cp 2, pp 2 with 1F1B (8 ranks; dp 1 at this size; this mesh nests dp outside cp, "
               "Llama 3 puts dp outermost, the same groups when dp = 1)",
     "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 to fit the run budget)",
@@ -86,7 +86,8 @@ class MeshConfig(TPConfig):
     dp_strategy: str = setting("allreduce", choices=STRATEGIES,
                                help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
-                                    "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
+                                    "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start); FSDP2 (PyTorch's "
+                                    "fully_shard on each stage over the dp group, reshard_after_forward=False under pp)")
     recompute: str = setting("none", choices=RECOMPUTE, help="activation recompute per stage: full keeps only each "
                              "stage's input from F to B and reruns its forward, with its tp, cp and ep collectives, in the "
                              "backward (in I under a split backward, held to W); selective (Korthikanti) recomputes only "
@@ -468,7 +469,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                         sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
                         reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
                                   "on the rank); ZeRO-1 shards the 16ψ, ZeRO-2 also the gradients, ZeRO-3 also the weights, "
-                                  "each to ⌈ψ/dp⌉; kept between steps"))
+                                  "each to ⌈ψ/dp⌉; FSDP2 each parameter's dim-0 rows as torch.chunk cuts them; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
     acts = [r for r in memory if r["category"] == "activations"]
