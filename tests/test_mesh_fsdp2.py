@@ -1,5 +1,5 @@
 """dp_strategy fsdp2 in the mesh: PyTorch's fully_shard on each stage over the dp group, equal to one process in float64
-within 1e-9 beside tp, sp, cp and pp; its dp bytes (counted on our ring, which runs FSDP2's collectives) and its
+within 1e-9 beside tp, sp, cp, ep and pp under every schedule, with full and selective recompute; its dp bytes (counted on our ring, which runs FSDP2's collectives) and its
 memory per rank against figures worked here from the parameter shapes with torch.chunk and ceil; FSDP2's own
 averaging (a wrong 1/dp), ZeRO-3's flat shard or a byte model without FSDP2's padding each fail."""
 import contextlib
@@ -25,6 +25,13 @@ PLANS = {
     "tp2 sp dp2": dict(d_model=16, tp=2, pp=1, sp=True),
     "cp2 dp2": dict(d_model=16, tp=1, pp=1, cp=2),
     "dp4 averaged": dict(d_model=18, tp=1, pp=1),  # FSDP2's default divide factor left on: a wrong 1/dp
+    # every other schedule over pp 2 x dp 2 (split backwards, two chunks a rank, V shapes), recompute, and MoE over ep
+    "naive full recompute": dict(d_model=16, tp=1, pp=2, schedule="naive", recompute="full"),
+    "interleaved": dict(d_model=16, tp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2),
+    "zb_h1 selective": dict(d_model=16, tp=1, pp=2, schedule="zb_h1", recompute="selective"),
+    "zb_v": dict(d_model=16, tp=1, pp=2, schedule="zb_v"),
+    "dualpipe_v": dict(d_model=16, tp=1, pp=2, schedule="dualpipe_v", microbatches=4),
+    "ep2 dp2 gpipe": dict(d_model=16, tp=1, pp=1, ep=2, experts=4),
 }
 
 

@@ -206,10 +206,15 @@ class FullyShardedStages:
             for p, g, (adam, m, v) in zip(self.shards, grads, self.adams):
                 adam.update(p.to_local(), g, m, v)
 
-    def final_weights(self):
-        """The trained weights on the modules (one more all-gather, as ZeRO-3's report); None: nothing to load."""
+    def load_final(self, model) -> None:
+        """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
+        as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
         self._unshard("final")
-        return None
+        self.entry_of = {}
+
+    def entry(self, chunk):
+        """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""
+        return self.entry_of.get(id(chunk))
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank keeps between steps: the DTensors' local shards (FSDP2's padding apart) and Adam's m, v."""

@@ -42,8 +42,7 @@ import torch.nn as nn
 
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
-from backend.parallel.fsdp import FullyShardedStages
-from backend.parallel.mesh_dp import DataParallel, sum_gradients
+from backend.parallel.mesh_dp import data_parallel, sum_gradients
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
@@ -140,8 +139,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     weights = flat_params(model)
-    sync = FullyShardedStages(model, mesh.group("dp"), rank, dp, along["dp"], config.lr) if config.dp_strategy == "fsdp2" \
-        else DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: mesh_dp.py
+    sync = data_parallel(config, model, weights, params, mesh, dp, along["dp"])  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -150,10 +148,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     losses, activations, kept, pp_bytes = [], {}, {}, 0
     mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
 
-    def make_stages(hooked: bool = True):  # hooked: through FSDP2's module (fsdp2; not for recompute's price, after training)
-        entries = getattr(sync, "entry_of", {}) if hooked else {}
+    def make_stages():  # (fsdp2: each stage called through its fully_shard-ed module, sync.entry)
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1, entries.get(id(c))) for s, c in chunks.items()}
+                             config.tp if config.sp else 1, sync.entry(c)) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -182,9 +179,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    final = sync.final_weights()  # (zero3, fsdp2: one more all-gather, to report the trained weights)
-    if final is not None:
-        load_flat(model, final)
+    sync.load_final(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
@@ -201,7 +196,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
             "trace": merged_trace(tracer, along, mesh), "step_us": step_us}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
-        payload["price"] = recompute_price(config, order, plan, chunks, lambda: make_stages(False), mesh.ranks("pp"), me, p, m, rank, walk)
+        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload
 
 
