@@ -64,8 +64,8 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
             row["run"] = name
     result.tables["volume"] = [{"rank": p["rank"], "sent_bytes": p["bytes"]["dp gradients"],
                                 "formula_bytes": mesh.predicted_bytes(plan, p, [])["dp gradients"],
-                                "counted": "bytes our ring send/recv moved over the run (ZeRO-3, FSDP2: with the "
-                                           "final all-gather that reports the weights)"} for p in payloads]
+                                "counted": "our ring's send/recv, whole run"} for p in payloads]
     result.notes.append(f"The {LLAMA} (d_model {plan.d_model}, {plan.layers} blocks, {plan.batch} sequences of {plan.seq} "
-                        f"tokens) trained by parallel.mesh's loop with tp = pp = cp = ep = 1: every rank data parallel.")
+                        f"tokens) trained by parallel.mesh's loop with tp = pp = cp = ep = 1: every rank data parallel. Bytes are the "
+                        "whole run's (ZeRO-3 and FSDP2 add one all-gather at the end to report the weights).")
     return result
