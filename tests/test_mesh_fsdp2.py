@@ -120,7 +120,7 @@ def test_fsdp2_averaging_is_a_wrong_1_over_dp(runs):
     """FSDP2's default divides the summed gradients by dp; each micro-batch's loss is already its share of the global
     mean, so the parameters then drift from one process far beyond 1e-9."""
     cfg, payloads = runs["dp4 averaged"]
-    assert not _checks(cfg, payloads)[PARAMS].passed
+    assert _checks(cfg, payloads)[PARAMS].error > 1e-6  # 1.7e-3 measured: Adam's eps does not hide a 1/4 on the gradients
 
 
 def test_a_wrong_shard_fails(runs):
