@@ -130,6 +130,24 @@ class StageEntry(torch.nn.Module):
         return fn(x, mb)
 
 
+def reduce_gradients(entry) -> None:
+    """After a pipeline's last backward: FSDP2's post_backward on the module's parameter groups with gradient sync on
+    (the reduce-scatter, then reshard), as torch.distributed.pipelining's perform_reduce_grad does (FSDP2 has no public
+    call for it: the pipeline's backwards do not run through its autograd hooks' last one); sync off again after."""
+    from torch.distributed.fsdp import fully_shard
+
+    entry.set_is_last_backward(True)
+    entry.set_reshard_after_backward(True)
+    entry.set_requires_gradient_sync(True)
+    state = fully_shard.state(entry)
+    for s in state._state_ctx.all_states:
+        for group in s._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    entry.set_reshard_after_backward(False)
+    entry.set_requires_gradient_sync(False)
+
+
 class FullyShardedStages:
     """dp_strategy fsdp2 in the mesh: PyTorch's fully_shard on each of this rank's stage chunks over torch's DeviceMesh
     of the dp group, torchtitan's shape under a pipeline. The parameters are DTensors sharded on dim 0 (torch.chunk's
@@ -182,24 +200,13 @@ class FullyShardedStages:
         """`grads`: the flat unsharded gradients already summed over cp (and ep where replicated), written back onto
         FSDP2's unsharded parameters; then FSDP2's post_backward on every chunk (the reduce-scatter over dp on the
         Wire, and reshard), and Adam on the local shards. Returns None: the modules hold the shards, nothing to load."""
-        from torch.distributed.fsdp import fully_shard
-
         at = 0
         for p in self.model.parameters():
             p.grad.copy_(grads[at:at + p.numel()].view_as(p))
             at += p.numel()
         with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
             for e in self.entries:
-                e.set_is_last_backward(True)
-                e.set_reshard_after_backward(True)
-                e.set_requires_gradient_sync(True)
-                state = fully_shard.state(e)
-                for s in state._state_ctx.all_states:
-                    for group in s._fsdp_param_groups:
-                        group.post_backward()
-                state._root_post_backward_final_callback()
-                e.set_reshard_after_backward(False)
-                e.set_requires_gradient_sync(False)
+                reduce_gradients(e)
         grads = [p.grad.to_local() for p in self.shards]
         self.grads_kept = sum(g.numel() for g in grads)
         with self.tracer.span("compute", f"adam {step}", kind="optimizer"), torch.no_grad():
