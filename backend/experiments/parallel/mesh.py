@@ -678,7 +678,7 @@ def _groups(config) -> list[dict]:
 
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
-                    "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP all-reduce), equal to one "
+                    "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP by all-reduce, DDP, ZeRO-1/2/3 or FSDP2), equal to one "
                     "process on the whole batch",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm", "recv"),
                     preload=("torch.distributed.pipelining",))  # the split-backward schedules use its I/W (2.6 s to import)
