@@ -10,7 +10,8 @@ st.title("Data parallel & ZeRO")
 
 STRATEGIES = {"Parameter server": "parallel.dp_ps", "DDP (ours, beside torch DDP)": "parallel.ddp", "ZeRO-1/2/3 (ours)": "parallel.zero", "FSDP2 (PyTorch)": "parallel.fsdp"}
 SPMD = ("parallel.ddp", "parallel.zero", "parallel.fsdp")  # the strategies with a memory-per-rank table to compare
-BASE = ("world_size", "hidden", "layers", "batch", "steps", "lr", "seed")
+BASE = ("world_size", "hidden", "layers", "batch", "steps", "lr", "seed", "model")
+MODEL_NAMES = {"mlp": "the Linear+tanh MLP (loss: mean squared error)", "tiny_llama": "the tiny LLaMA, through the mesh's loop (loss: cross entropy)"}
 
 
 def memory_chart(rows: pd.DataFrame, x: str, title: str) -> alt.Chart:
@@ -74,34 +75,39 @@ def render(result: dict, rec) -> None:
     offloaded = bool(result["tables"].get("moved"))
     if offloaded:  # one bar per rank and pool
         memory["rank"] = memory["rank"] + " · " + memory["pool"]
+    model = result["metrics"].get("model", "mlp")
+    st.caption(f"Model: {MODEL_NAMES[model]}.")
     left, right = st.columns(2)
     left.altair_chart(memory_chart(memory, "rank", f"Memory per rank{' and pool' if offloaded else ''}: "
                                                    f"{result['metrics']['strategy']}"), width="stretch")
     loss = pd.DataFrame(result["tables"]["loss"])
     right.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss (mean squared error)", scale=alt.Scale(zero=False)),
+        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss (cross entropy, nats)" if model == "tiny_llama" else "loss (mean squared error)",
+                                   scale=alt.Scale(zero=False)),
         color=alt.Color("run:N"), strokeDash="run:N").properties(height=260, title="Loss against the one-process reference"), width="stretch")
     ui.table(memory)
     volume = pd.DataFrame(result["tables"]["volume"])
     if not volume.empty:
-        st.subheader("Bytes sent per rank per step")
+        st.subheader("Bytes sent per rank" + ("" if model == "tiny_llama" else " per step"))
         ui.table(volume)
     if offloaded:
         offload_section(result)
     timeline.run_timeline(rec, title="Per-rank timeline: compute and communication")
 
     st.subheader("Compare strategies on these settings")
-    base = {k: rec.config[k] for k in BASE}
-    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2 and both with CPU offload on these settings"):
-        for name, extra in (("parallel.ddp", {}), ("parallel.zero", {"stage": 1}), ("parallel.zero", {"stage": 2}),
-                            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {}),
-                            ("parallel.zero", {"stage": 2, "offload": True}), ("parallel.fsdp", {"offload": True})):
+    base = {k: rec.config.get(k, "mlp") if k == "model" else rec.config[k] for k in BASE}  # (runs before the model setting: mlp)
+    llama = base["model"] == "tiny_llama"  # the mesh's loop: DDP without overlap, no offload
+    runs = [("parallel.ddp", {"overlap": False} if llama else {}), ("parallel.zero", {"stage": 1}), ("parallel.zero", {"stage": 2}),
+            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {})]
+    runs += [] if llama else [("parallel.zero", {"stage": 2, "offload": True}), ("parallel.fsdp", {"offload": True})]
+    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2" + ("" if llama else " and both with CPU offload") + " on these settings"):
+        for name, extra in runs:
             ui.runner().submit(name, {**base, **extra})
         st.info("Queued; the comparison fills in as they finish (reload).")
     rows = []
     for name in SPMD:
         for other in ui.runs_of(name, statuses=("succeeded",), limit=200):
-            if all(other.config.get(k) == v for k, v in base.items()):
+            if all(other.config.get(k, "mlp" if k == "model" else None) == v for k, v in base.items()):
                 res = other.result()
                 label = res["metrics"]["strategy"]
                 if any(r["run"] == label for r in rows):
@@ -117,5 +123,6 @@ choice = st.radio("strategy", list(STRATEGIES), horizontal=True,
                   if st.query_params.get("strategy") in STRATEGIES.values() else 0)
 st.query_params["strategy"] = STRATEGIES[choice]
 ui.experiment_page(STRATEGIES[choice], render, page_params=("strategy",),
-                   intro="Every strategy trains the same float64 MLP with the same Adam, checked step by step against one "
-                         "process training the whole batch.")
+                   intro="Every strategy trains the same float64 model (the MLP, or with model = tiny_llama the tiny LLaMA of "
+                         "the other parallel pages through the mesh's loop) with the same Adam, checked step by step against "
+                         "one process training the whole batch.")

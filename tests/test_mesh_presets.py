@@ -110,7 +110,7 @@ def test_presets_fill_their_settings_and_each_has_a_note():
         assert all(getattr(cfg, k) == v for k, v in values.items()), name
     cfg = MeshConfig.from_dict({"preset": "megatron4", "microbatches": "4", "batch": "8"})  # chosen beside it: kept
     assert (cfg.microbatches, cfg.batch, cfg.schedule, cfg.dp) == (4, 8, "interleaved_1f1b", 2)
-    assert {PRESETS[n]["dp_strategy"] for n in ("megatron", "torchtitan", "deepseek_v3")} == {"zero1", "zero3"}
+    assert {PRESETS[n]["dp_strategy"] for n in ("megatron", "torchtitan", "deepseek_v3")} == {"zero1", "fsdp2"}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])

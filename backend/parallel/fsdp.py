@@ -79,3 +79,152 @@ class FSDP2(Strategy):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def dp_device_mesh(group, rank: int):
+    """torch's DeviceMesh over an existing dp process group (from_group: no new group, so ranks outside it need not
+    join); a dp of one (group None) gets a group of this rank alone (local synchronisation: only it calls)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group if group is not None else dist.new_group([rank], use_local_synchronization=True), "cpu")
+
+
+class WireAllGather:
+    """FSDP2's all-gather (set_custom_all_gather) run as our ring over the dp Wire, so every byte it sends is counted
+    on the wire and its span is on the dp lane. FSDP2 hands one flat buffer: every parameter's dim-0 shard, padded."""
+
+    def __init__(self, wire, phase: str = "forward"):
+        self.wire, self.phase = wire, phase
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        output_tensor.copy_(self.wire.all_gather(input_tensor, 0, self.phase, "fsdp2 parameters"))
+        return None
+
+
+class WireReduceScatter(WireAllGather):
+    """FSDP2's reduce-scatter of the flat padded gradient buffer, as our ring over the dp Wire (a sum: the divide
+    factor is set to 1, since each micro-batch's loss is already its share of the global mean)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"FSDP2 asked for a {op} reduce-scatter; the mesh sums (gradient divide factor 1)")
+        output_tensor.copy_(self.wire.reduce_scatter(input_tensor, 0, "backward", "fsdp2 gradients"))
+        return None
+
+
+class StageEntry(torch.nn.Module):
+    """One pipeline stage's chunk as the module FSDP2 wraps: its forward runs the stage's forward (`fn`), so
+    fully_shard's hooks, which fire on a module call, see every forward and backward of the stage."""
+
+    def __init__(self, chunk: torch.nn.Module):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, fn, x, mb):
+        return fn(x, mb)
+
+
+def reduce_gradients(entry) -> None:
+    """After a pipeline's last backward: FSDP2's post_backward on the module's parameter groups with gradient sync on
+    (the reduce-scatter, then reshard), as torch.distributed.pipelining's perform_reduce_grad does (FSDP2 has no public
+    call for it: the pipeline's backwards do not run through its autograd hooks' last one); sync off again after."""
+    from torch.distributed.fsdp import fully_shard
+
+    entry.set_is_last_backward(True)
+    entry.set_reshard_after_backward(True)
+    entry.set_requires_gradient_sync(True)
+    state = fully_shard.state(entry)
+    for s in state._state_ctx.all_states:
+        for group in s._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    entry.set_reshard_after_backward(False)
+    entry.set_requires_gradient_sync(False)
+
+
+class FullyShardedStages:
+    """dp_strategy fsdp2 in the mesh: PyTorch's fully_shard on each of this rank's stage chunks over torch's DeviceMesh
+    of the dp group, torchtitan's shape under a pipeline. The parameters are DTensors sharded on dim 0 (torch.chunk's
+    rows, padded for the collectives) between steps; each step's start unshards every chunk once (reshard_after_forward
+    False: not again per micro-batch), the pipeline's backwards accumulate unsharded gradients with gradient sync off,
+    and after the last one FSDP2's own post_backward reduce-scatters them (what torch.distributed.pipelining's
+    perform_reduce_grad calls) and reshards. Adam (the workload's, elementwise) updates each local shard. FSDP2's
+    all-gather and reduce-scatter run on the dp Wire (set_custom_all_gather / _reduce_scatter), so bytes are counted.
+    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored."""
+
+    strategy = "fsdp2"
+
+    def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float):
+        from torch.distributed.fsdp import fully_shard
+
+        from backend.parallel.workload import Adam
+
+        self.model, self.tracer, self.lr = model, tracer, lr
+        self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
+                      for n, p in model.named_parameters()}
+        mesh = dp_device_mesh(group, rank)
+        self.entries = []
+        for chunk in model.values():
+            entry = StageEntry(chunk)
+            fully_shard(entry, mesh=mesh, reshard_after_forward=False)
+            entry.set_custom_all_gather(WireAllGather(dp))
+            entry.set_custom_reduce_scatter(WireReduceScatter(dp))
+            entry.set_gradient_divide_factor(1.0)
+            entry.set_reshard_after_backward(False)
+            entry.set_requires_gradient_sync(False)
+            self.entries.append(entry)
+        self.entry_of = {id(c): e for c, e in zip(model.values(), self.entries)}
+        self.shards = [p for p in model.parameters()]  # DTensors
+        self.adams = [(Adam(lr), torch.zeros_like(p.to_local()), torch.zeros_like(p.to_local())) for p in self.shards]
+        self.grads_kept = 0
+
+    def _unshard(self, step) -> None:
+        with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
+            for e in self.entries:
+                e.unshard()
+        for n, p in self.model.named_parameters():  # FSDP2's unsharded parameters are new objects
+            for a, v in self.attrs[n].items():
+                setattr(p, a, v)
+
+    def weights_for_step(self, step: int):
+        self._unshard(step)
+        return None
+
+    def update(self, grads: torch.Tensor, step: int) -> None:
+        """`grads`: the flat unsharded gradients already summed over cp (and ep where replicated), written back onto
+        FSDP2's unsharded parameters; then FSDP2's post_backward on every chunk (the reduce-scatter over dp on the
+        Wire, and reshard), and Adam on the local shards. Returns None: the modules hold the shards, nothing to load."""
+        at = 0
+        for p in self.model.parameters():
+            p.grad.copy_(grads[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
+            for e in self.entries:
+                reduce_gradients(e)
+        grads = [p.grad.to_local() for p in self.shards]
+        self.grads_kept = sum(g.numel() for g in grads)
+        with self.tracer.span("compute", f"adam {step}", kind="optimizer"), torch.no_grad():
+            for p, g, (adam, m, v) in zip(self.shards, grads, self.adams):
+                adam.update(p.to_local(), g, m, v)
+
+    def load_final(self, model) -> None:
+        """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
+        as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
+        self._unshard("final")
+        self.entry_of = {}
+
+    def entry(self, chunk):
+        """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""
+        return self.entry_of.get(id(chunk))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: the DTensors' local shards (FSDP2's padding apart) and Adam's m, v."""
+        params = sum(p.to_local().numel() for p in self.shards)
+        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
+                "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}

@@ -18,10 +18,19 @@ import torch
 
 from backend.parallel.ddp import make_buckets
 from backend.parallel.wire import Wire
-from backend.parallel.workload import Adam
+from backend.parallel.workload import Adam, load_flat
 from backend.parallel.zero import Sharded
 
-STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3")
+STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: backend/parallel/fsdp.FullyShardedStages
+
+
+def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: Wire, tracer):
+    """This rank's dp strategy for its stage chunks (`model`, a ModuleDict): ours over the flat vector, or FSDP2's."""
+    if config.dp_strategy == "fsdp2":
+        from backend.parallel.fsdp import FullyShardedStages
+
+        return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr)
+    return DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)
 
 
 def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
@@ -79,6 +88,14 @@ class DataParallel:
 
     def final_weights(self) -> torch.Tensor:
         return self.weights if self.weights is not None else self.zero.gather(0, torch.float64)
+
+    def load_final(self, model) -> None:
+        """The trained weights into `model`, to report them (zero3: one more all-gather)."""
+        load_flat(model, self.final_weights())
+
+    def entry(self, chunk):
+        """The module a stage's forward is called through: none, the chunk's own methods are (FSDP2's differs)."""
+        return None
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank keeps between steps by category (float64 throughout)."""

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
-from backend.parallel.mesh_dp import DataParallel, sum_gradients
+from backend.parallel.mesh_dp import data_parallel, sum_gradients
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
@@ -85,8 +85,9 @@ class MeshStage:
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
     def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1):
+                 sp: int = 1, entry: nn.Module | None = None):
         self.chunk = self.module = chunk  # (module: what the executor reads)
+        self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward is called through (fsdp.StageEntry)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
@@ -103,6 +104,9 @@ class MeshStage:
         return torch.empty((b, s // self.sp, self.d_model), dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+        return self._forward(x, mb) if self.entry is None else self.entry(self._forward, x, mb)
+
+    def _forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
         if self.chunk.embed is not None:
             x = self.chunk.embed(x)
@@ -138,7 +142,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     weights = flat_params(model)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
+    sync = data_parallel(config, model, weights, params, mesh, dp, along["dp"])  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -147,9 +151,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     losses, activations, kept, pp_bytes = [], {}, {}, 0
     batches = [tokens(config)[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
 
-    def make_stages():
+    def make_stages():  # (fsdp2: each stage called through its fully_shard-ed module, sync.entry)
         return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1) for s, c in chunks.items()}
+                             config.tp if config.sp else 1, sync.entry(c)) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -166,7 +170,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        weights = sync.update(gradients_over_cp_ep(params, cp, ep, replicated_over_ep), step)
+        weights = sync.update(gradients_over_cp_ep(list(model.parameters()), cp, ep, replicated_over_ep), step)  # (fsdp2: unsharded)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
@@ -178,7 +182,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    load_flat(model, sync.final_weights())  # (zero3: one more all-gather, to report the trained weights)
+    sync.load_final(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
@@ -186,7 +190,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
-            "param_numels": [p_.numel() for p_ in params],
+            "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
             "bytes": bytes_by_dimension(tp, pp_bytes, shard, dp, cp, ep),

@@ -40,9 +40,9 @@ PRESETS = {
     "megatron": {"world_size": 8, "tp": 2, "sp": True, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                  "dp_strategy": "zero1"},
     "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
-    "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
-    "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
-    "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "zero3"},
+    "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
+    "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
+    "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
     "llama3": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2, "schedule": "1f1b"},
     "deepseek_v3": {"world_size": 8, "tp": 1, "pp": 2, "ep": 2, "experts": 4, "schedule": "dualpipe_v",
                     "microbatches": 4, "batch": 16, "d_model": 16, "d_ff": 32, "dp_strategy": "zero1"},
@@ -54,9 +54,9 @@ PRESET_NOTES = {
     "moe_ep": "MoE: 4 experts over ep 2, pipeline 2 (4 ranks)",
     "megatron": "Megatron-LM style: TP 2 + SP + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks)",
     "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 (tp 1 to fit)",
-    "torchtitan": "torchtitan style: FSDP (ZeRO-3, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
-    "torchtitan4": "torchtitan style on 4 ranks: FSDP (ZeRO-3) + 1F1B, pp 2 x dp 2",
-    "torchtitan_cp": "torchtitan style with context parallel: FSDP (ZeRO-3) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "torchtitan": "torchtitan style: FSDP2 (PyTorch's fully_shard, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
+    "torchtitan4": "torchtitan style on 4 ranks: FSDP2 (fully_shard) + 1F1B, pp 2 x dp 2",
+    "torchtitan_cp": "torchtitan style with context parallel: FSDP2 (fully_shard) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
     "llama3": "Llama 3's dimensions tp 2, cp 2, pp 2 with 1F1B (8 ranks; dp 1 at this size; this mesh nests dp outside cp, "
               "Llama 3 puts dp outermost, the same groups when dp = 1)",
     "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 to fit the run budget)",
@@ -87,7 +87,8 @@ class MeshConfig(TPConfig):
     dp_strategy: str = setting("allreduce", choices=STRATEGIES,
                                help="over dp: all-reduce the gradients; DDP (the same sum in buckets); ZeRO-1 (reduce-scatter, "
                                     "Adam on this rank's shard, all-gather the weights); ZeRO-2 (and keep only the gradient "
-                                    "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start)")
+                                    "shard); ZeRO-3 (and the weights sharded between steps, gathered at each step's start); FSDP2 (PyTorch's "
+                                    "fully_shard on each stage over the dp group, reshard_after_forward=False under pp)")
     recompute: str = setting("none", choices=RECOMPUTE, help="activation recompute per stage: full keeps only each "
                              "stage's input from F to B and reruns its forward, with its tp, cp and ep collectives, in the "
                              "backward (in I under a split backward, held to W); selective (Korthikanti) recomputes only "
@@ -285,7 +286,8 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
             if config.cp > 1 else 0,
-            "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
+            "dp gradients": fsdp2_bytes(payload["param_shapes"], config.dp, steps) if config.dp_strategy == "fsdp2" else
+            dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
@@ -335,6 +337,35 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
         return steps * sum(all_reduce(b) for b in buckets if b)
     gather = ring_bytes("all_gather", pad(n) // k, k, 8)
     return steps * (ring_bytes("reduce_scatter", pad(n), k, 8) + gather) + (gather if strategy == "zero3" else 0)
+
+
+def fsdp2_rows(rows: int, k: int, index: int) -> int:
+    """Rows of a dim-0 of `rows` on dp rank `index` of k, as torch.chunk cuts it: ⌈rows/k⌉ each, the last ones fewer
+    or none (FSDP2's Shard(0))."""
+    per = -(-rows // k)
+    return max(0, min(per, rows - index * per))
+
+
+def fsdp2_bytes(shapes: dict, k: int, steps: int) -> int:
+    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per stage chunk (one fully_shard unit) and per step
+    one ring all-gather of its padded shard (every parameter's ⌈rows/k⌉ rows, FSDP2 pads the short ones) and one ring
+    reduce-scatter of k such shards (the unsharded gradients padded the same way): ZeRO-3's 2ψ(k-1)/k per step with ψ
+    the padded size; plus one all-gather at the end to report the trained weights."""
+    if k == 1:
+        return 0
+    total = 0
+    for chunk in shapes.values():
+        shard = sum(fsdp2_rows(s[0], k, 0) * math.prod(s[1:]) for s in chunk)
+        gather = ring_bytes("all_gather", shard, k, 8)
+        total += steps * (gather + ring_bytes("reduce_scatter", k * shard, k, 8)) + gather
+    return total
+
+
+def fsdp2_memory(shapes: dict, k: int, index: int) -> dict[str, int]:
+    """FSDP2's bytes kept between steps on dp rank `index` (float64): the local rows of every parameter (torch.chunk's,
+    unpadded), as many gradient elements, and Adam's m and v for them: ZeRO-3's split with FSDP2's per-parameter cut."""
+    mine = sum(fsdp2_rows(s[0], k, index) * math.prod(s[1:]) for chunk in shapes.values() for s in chunk)
+    return {"parameters": 8 * mine, "gradients": 8 * mine, "optimizer states": 16 * mine}
 
 
 def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
@@ -443,12 +474,13 @@ def combine(config: MeshConfig, payloads) -> Result:
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
-    states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
+    states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
+              else dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
                         sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
                         reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
                                   "on the rank); ZeRO-1 shards the 16ψ, ZeRO-2 also the gradients, ZeRO-3 also the weights, "
-                                  "each to ⌈ψ/dp⌉; kept between steps"))
+                                  "each to ⌈ψ/dp⌉; FSDP2 each parameter's dim-0 rows as torch.chunk cuts them; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
     acts = [r for r in memory if r["category"] == "activations"]
@@ -657,7 +689,7 @@ def _groups(config) -> list[dict]:
 
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
-                    "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP all-reduce), equal to one "
+                    "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP by all-reduce, DDP, ZeRO-1/2/3 or FSDP2), equal to one "
                     "process on the whole batch",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm", "recv"),
                     preload=("torch.distributed.pipelining",))  # the split-backward schedules use its I/W (2.6 s to import)

@@ -5,6 +5,7 @@ import dataclasses
 
 from backend.config import ConfigError, setting
 from backend.experiments import define
+from backend.experiments.parallel import dp_model
 from backend.parallel.loop import start_rank, train
 from backend.parallel.reconcile import combine
 from backend.parallel.workload import PRECISIONS, WorkloadConfig
@@ -17,6 +18,7 @@ class ZeroConfig(WorkloadConfig):
     precision: str = setting("fp64", choices=("fp64", "bf16_mixed"),
                              help="fp64 throughout, or bf16 compute with fp32 master weights and Adam states (stages 1, 2)")
     offload: bool = setting(False, help="ZeRO-Offload (stages 1, 2): master shard, Adam states and the Adam step on the host pool")
+    model: str = dp_model.model_setting()
 
     def check(self) -> None:
         super().check()
@@ -24,13 +26,25 @@ class ZeroConfig(WorkloadConfig):
             raise ConfigError("precision", "bf16_mixed is built for stages 1 and 2 (allowed with stage=3: fp64)")
         if self.offload and self.stage == 3:
             raise ConfigError("offload", "ZeRO-Offload is built on stages 1 and 2 (allowed with stage=3: false)")
+        dp_model.check_plan(self, f"zero{self.stage}", MLP_ONLY)
+
+    def estimate(self):
+        return dp_model.mesh_plan(self, f"zero{self.stage}").estimate() if self.model == "tiny_llama" else super().estimate()
+
+
+MLP_ONLY = {"precision": ("fp64", "the mesh's loop trains in float64 here (mixed precision is parallel.mesh's own setting)"),
+            "offload": (False, "ZeRO-Offload's host pool is built on the MLP loop's ZeRO")}
 
 
 def run_rank(rank, world, config: ZeroConfig, ctx):
+    if config.model == "tiny_llama":
+        return dp_model.run_rank(rank, world, config, ctx, f"zero{config.stage}")
     mesh, tracer = start_rank(rank, world)
     return train(ZeRO(config.workload, mesh, tracer, PRECISIONS[config.precision], stage=config.stage,
                       offload=config.offload), ctx.progress)
 
 
 EXPERIMENT = define(__name__, ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))
+                    rank_fn=run_rank, lanes=("compute", "collective", "comm"),
+                    combine=lambda config, reports: dp_model.combine(config, reports, f"zero{config.stage}", f"zero{config.stage}")
+                    if config.model == "tiny_llama" else combine(config, reports))

@@ -1,0 +1,71 @@
+"""(A package, not a module: the experiment registry requires every module here to define an experiment.)
+The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `mlp`, the Linear+tanh
+workload of backend/parallel/loop.py (where the teaching views live: DDP's bucket overlap during backward, torch DDP as
+the peer, bf16 mixed precision, CPU offload), or `tiny_llama`, the one model every other parallel page trains, run as a
+dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one micro-batch) through the mesh's own loop and dp strategy
+(backend/parallel/mesh_dp.py; FSDP2: backend/parallel/fsdp.FullyShardedStages) and checked by the mesh's checks:
+parameters and losses against one float64 process, dp bytes and memory per rank against the models."""
+from __future__ import annotations
+
+from backend.config import ConfigError, setting
+from backend.result import Result
+
+MODELS = ("mlp", "tiny_llama")
+LLAMA = "tiny LLaMA"
+
+
+def model_setting():
+    return setting("mlp", choices=MODELS, help="mlp: the Linear+tanh workload (DDP's overlap, torch's peers, bf16, "
+                   "offload); tiny_llama: the one model of the other parallel pages (hidden as d_model, layers as blocks, "
+                   "batch as 8-token sequences), trained by the mesh's loop as a dp-only plan")
+
+
+def mesh_plan(config, dp_strategy: str):
+    """The experiment's settings as parallel.mesh's plan: every rank data parallel, the tiny LLaMA d_model = hidden."""
+    from backend.experiments.parallel.mesh import MeshConfig
+
+    return MeshConfig(world_size=config.world_size, tp=1, pp=1, microbatches=1, dp_strategy=dp_strategy, layers=config.layers,
+                      d_model=config.hidden, batch=config.batch, steps=config.steps, lr=config.lr, seed=config.seed,
+                      bucket_kb=getattr(config, "bucket_kb", 4))
+
+
+def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
+    """With tiny_llama: each MLP-only setting (name: (the value the mesh's loop runs, why)) at that value, and the mesh's
+    plan valid; a refusal of the plan names this experiment's own setting (d_model is `hidden` here)."""
+    if config.model != "tiny_llama":
+        return
+    for name, (allowed, why) in mlp_only.items():
+        if getattr(config, name) != allowed:
+            raise ConfigError(name, f"{getattr(config, name)} with model=tiny_llama: {why} (allowed with tiny_llama: "
+                                    f"{str(allowed).lower()}, or model=mlp)")
+    try:
+        mesh_plan(config, dp_strategy).validate()
+    except ConfigError as err:
+        raise ConfigError("hidden" if err.field == "d_model" else err.field, str(err).split(": ", 1)[-1]) from None
+
+
+def run_rank(rank, world, config, ctx, dp_strategy: str):
+    from backend.experiments.parallel import mesh
+
+    return mesh.run_rank(rank, world, mesh_plan(config, dp_strategy), ctx)
+
+
+def combine(config, payloads, dp_strategy: str, label: str) -> Result:
+    """The mesh's result, with what the data-parallel page reads: the strategy and model, and the dp bytes per rank
+    (sent on our ring, against the mesh's byte model)."""
+    from backend.experiments.parallel import mesh
+
+    plan = mesh_plan(config, dp_strategy)
+    result = mesh.combine(plan, payloads)
+    name = f"{label} · {LLAMA}"
+    result.metrics.update({"strategy": name, "model": "tiny_llama", "world_size": config.world_size})
+    for row in result.tables["loss"]:
+        if not row["run"].startswith("reference"):
+            row["run"] = name
+    result.tables["volume"] = [{"rank": p["rank"], "sent_bytes": p["bytes"]["dp gradients"],
+                                "formula_bytes": mesh.predicted_bytes(plan, p, [])["dp gradients"],
+                                "counted": "our ring's send/recv, whole run"} for p in payloads]
+    result.notes.append(f"The {LLAMA} (d_model {plan.d_model}, {plan.layers} blocks, {plan.batch} sequences of {plan.seq} "
+                        f"tokens) trained by parallel.mesh's loop with tp = pp = cp = ep = 1: every rank data parallel. Bytes are the "
+                        "whole run's (ZeRO-3 and FSDP2 add one all-gather at the end to report the weights).")
+    return result

@@ -1,0 +1,96 @@
+"""The data-parallel experiments with model = tiny_llama: DDP, ZeRO-1/2/3 and FSDP2 train the one model as a dp-only
+plan of parallel.mesh, equal to one float64 process, dp bytes and memory against the models; 3 ranks, so the shards
+are uneven; what only the MLP's loop does is refused by name; the page draws such a run and names the model."""
+import copy
+import math
+import multiprocessing
+
+import pytest
+import torch
+
+from backend.comm.spawn import spawn_ranks
+from backend.experiments import RunContext
+from backend.experiments.parallel import ddp, fsdp, zero
+from backend.experiments.parallel.ddp import DDPConfig
+from backend.experiments.parallel.fsdp import FSDPConfig
+from backend.experiments.parallel.zero import ZeroConfig
+from tests.sweep import assert_refused
+
+BASE = dict(world_size=3, hidden=10, layers=2, batch=6, steps=2, model="tiny_llama")  # 10 rows over 3: 4, 4, 2
+CASES = {"ddp": (ddp, DDPConfig(overlap=False, bucket_kb=1, **BASE)), "zero1": (zero, ZeroConfig(stage=1, **BASE)),
+         "zero2": (zero, ZeroConfig(stage=2, **BASE)), "zero3": (zero, ZeroConfig(stage=3, **BASE)),
+         "fsdp2": (fsdp, FSDPConfig(**BASE))}
+
+
+def _all(rank, world, cases, ctx):
+    import importlib
+
+    return [importlib.import_module(name).run_rank(rank, world, cfg, ctx) for name, cfg in cases]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = [(module.__name__, cfg.validate()) for module, cfg in CASES.values()]
+    per_rank = spawn_ranks(_all, 3, cases, RunContext(timeout_s=600))
+    assert multiprocessing.active_children() == []
+    return {name: (module, cfg, [per_rank[r][i] for r in range(3)]) for i, (name, (module, cfg)) in enumerate(CASES.items())}
+
+
+def test_every_strategy_on_the_tiny_llama_equals_one_process_and_its_models(runs):
+    for name, (module, cfg, payloads) in runs.items():
+        result = module.EXPERIMENT.combine(cfg, payloads)
+        assert result.passed, (name, [(c.name, c.error) for c in result.checks if not c.passed])
+        assert result.metrics["model"] == "tiny_llama" and result.metrics["strategy"] == f"{name} · tiny LLaMA"
+        assert result.checks[0].error < 1e-9
+        assert all(v["sent_bytes"] == v["formula_bytes"] > 0 for v in result.tables["volume"])
+        assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
+
+
+def test_memory_shrinks_stage_by_stage_and_fsdp2_cuts_rows(runs):
+    """ZeRO-1, 2, 3 shard optimizer states, then gradients, then parameters (rank 0: ⌈ψ/3⌉ of ψ); FSDP2 cuts each
+    parameter's rows as torch.chunk does (10 rows over 3: 4, 4, 2), so its rank 2 holds less than its rank 0."""
+    held = {name: payloads[0]["memory"] for name, (_, _, payloads) in runs.items()}
+    assert held["zero1"]["optimizer states"] < held["ddp"]["optimizer states"]
+    assert held["zero2"]["gradients"] < held["zero1"]["gradients"] == held["ddp"]["gradients"]
+    assert held["zero3"]["parameters"] < held["zero2"]["parameters"] == held["ddp"]["parameters"]
+    psi = runs["zero3"][2][0]["flat_numel"]
+    assert held["zero3"]["parameters"] == 8 * math.ceil(psi / 3)
+    fsdp2 = sorted(runs["fsdp2"][2], key=lambda p: p["coords"]["dp"])
+    shapes = [s for chunk in fsdp2[0]["param_shapes"].values() for s in chunk]
+    for p in fsdp2:
+        rows = sum(torch.empty(s[0]).chunk(3)[p["coords"]["dp"]].numel() * math.prod(s[1:]) for s in shapes)
+        assert p["memory"]["parameters"] == 8 * rows
+    assert fsdp2[2]["memory"]["parameters"] < fsdp2[0]["memory"]["parameters"]
+
+
+def test_a_wrong_shard_or_wrong_bytes_fail(runs):
+    module, cfg, payloads = runs["zero3"][0], runs["zero3"][1], copy.deepcopy(runs["zero3"][2])
+    name = next(k for k, v in payloads[1]["params"].items() if v.ndim == 2)
+    payloads[1]["params"][name] = payloads[1]["params"][name][::-1].copy()
+    payloads[2]["bytes"]["dp gradients"] += 8
+    failed = {c.name for c in module.EXPERIMENT.combine(cfg, payloads).checks if not c.passed}
+    assert "final parameters: every rank's shard equals one process on the whole batch" in failed
+    assert "rank 2: tensor, pipeline, ring and gradient bytes equal the model" in failed
+
+
+@pytest.mark.parametrize("config_cls, values, field", [
+    (DDPConfig, {"model": "tiny_llama"}, "overlap"),  # the mesh's DDP sums after the backward: no overlap
+    (DDPConfig, {"model": "tiny_llama", "overlap": "false", "comm_delay_ms": "5"}, "comm_delay_ms"),
+    (ZeroConfig, {"model": "tiny_llama", "precision": "bf16_mixed"}, "precision"),
+    (ZeroConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
+    (FSDPConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
+    (FSDPConfig, {"model": "tiny_llama", "hidden": "1024"}, "hidden"),  # the tiny LLaMA's d_model stops at 512
+])
+def test_what_only_the_mlp_loop_does_is_refused_by_name(config_cls, values, field):
+    assert_refused(config_cls, values, field)
+
+
+def test_the_page_names_the_model_it_ran():
+    from tests.test_pages import _app, _recorded
+
+    rid = _recorded("parallel.fsdp", {"world_size": "2", "hidden": "8", "layers": "2", "batch": "4", "steps": "2",
+                                      "model": "tiny_llama"})
+    at = _app("pages/data_parallel.py", strategy="parallel.fsdp", run=rid)
+    assert not at.exception, at.exception
+    assert any("tiny LLaMA" in c.value for c in at.caption)
+    assert any("checks against independent references passed" in s.value for s in at.success)
