@@ -26,6 +26,11 @@ over micro-batches, dp and cp ranks are those of one process on the whole batch,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
 the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
 
+Precision (config.precision, workload.Precision): the stage modules, so their activations, the pipeline's sends and
+the tp, sp, cp and ep collectives, are in the compute dtype; the flat gradients are cast to the reduce dtype before
+the cp, ep and dp sums; Adam steps the master copy (mesh_dp.DataParallel), from which the compute copy is cast. The
+reference (`reference_training`) follows the same recipe in one process, with torch.optim.Adam on the master copy.
+
 With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
 are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
 everything else (each trains on its own slice of the batch, split over dp x ep), and their tokens reach the
@@ -51,28 +56,39 @@ from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
-from backend.parallel.workload import flat_params, load_flat
+from backend.parallel.workload import FP64, PRECISIONS, Precision, flat_params, load_flat
 from backend.trace import Tracer
 
 
-def reference_training(config) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final weights. Every step sees the
-    same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it."""
-    model = reference_model(config)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+def reference_training(config, precision: Precision = FP64) -> dict:
+    """One process, the whole batch, the same Adam: losses per step and the final (master) weights. Every step sees
+    the same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it.
+    `precision`: the model runs in its compute dtype on a copy of master weights in its master dtype, which
+    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model)."""
+    master = reference_model(config).to(precision.master)
+    initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
+    model = master if not precision.mixed else reference_model(config).to(precision.compute)
+    opt = torch.optim.Adam(master.parameters(), lr=config.lr)
     losses, routing = [], []
     for step in range(config.steps):
         if config.experts:
             for b in model.blocks:
                 b.ffn.routing_log = []  # this step's choices, one entry per sequence
         opt.zero_grad()
+        if precision.mixed:
+            model.load_state_dict(master.state_dict())  # the compute copy: the master cast (copy_ casts)
+            model.zero_grad(set_to_none=True)
         loss = model.loss(tokens(config))
         loss.backward()
+        if precision.mixed:
+            for p_, q in zip(master.parameters(), model.parameters()):
+                p_.grad = q.grad.to(precision.master)
         opt.step()
         losses.append(loss.item())
         if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
             routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
-    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}, "routing": routing}
+    return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
+            "initial": initial}
 
 
 class MeshStage:
@@ -82,13 +98,13 @@ class MeshStage:
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
     def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1):
+                 sp: int = 1, dtype: torch.dtype = torch.float64):
         self.chunk = self.module = chunk  # (module: what the executor reads)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
-        self.d_model, self.global_tokens = d_model, global_tokens
+        self.d_model, self.global_tokens, self.dtype = d_model, global_tokens, dtype  # dtype: the activations'
         self.activations: dict[int, int] | None = None  # set to a dict to record
         self.kept: dict[int, int] = {}
 
@@ -97,7 +113,7 @@ class MeshStage:
 
     def input_like(self, mb: int) -> torch.Tensor:
         b, s = self.inputs[mb].shape
-        return torch.empty((b, s // self.sp, self.d_model), dtype=torch.float64)
+        return torch.empty((b, s // self.sp, self.d_model), dtype=self.dtype)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
@@ -134,8 +150,12 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         apply_selective_recompute(c, config.recompute == "selective")
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
-    weights = flat_params(model)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb)  # over dp: parallel/mesh_dp.py
+    precision = PRECISIONS[config.precision]
+    weights = flat_params(model).to(precision.master)  # the master copy, from the float64 initial weights
+    model.to(precision.compute)
+    load_flat(model, weights)  # the compute copy: the master cast, as the reference casts it
+    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb,
+                        precision)  # over dp: parallel/mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -146,7 +166,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
 
     def make_stages():
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1) for s, c in chunks.items()}
+                             config.tp if config.sp else 1, precision.compute) for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -163,7 +183,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        weights = sync.update(gradients_over_cp_ep(params, cp, ep, replicated_over_ep), step)
+        weights = sync.update(gradients_over_cp_ep(params, cp, ep, replicated_over_ep, precision.reduce), step)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
@@ -175,12 +195,12 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    load_flat(model, sync.final_weights())  # (zero3: one more all-gather, to report the trained weights)
+    master = sync.final_weights()  # (ZeRO: one more all-gather, to report the trained master weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
+            "losses": losses, "params": named_slices(model, master), "precision": config.precision,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params],
@@ -218,9 +238,20 @@ def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
 
 
-def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor) -> torch.Tensor:
-    """The flat gradient summed over the context-parallel ranks, and over ep where the weights are replicated."""
-    grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
+def named_slices(model: nn.Module, flat: torch.Tensor) -> dict:
+    """A flat vector (in the order of model.parameters()) cut into each named parameter's shape, as float64 arrays."""
+    out, at = {}, 0
+    for name, p_ in model.named_parameters():
+        out[name] = flat[at:at + p_.numel()].view(p_.shape).double().numpy().copy()
+        at += p_.numel()
+    return out
+
+
+def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
+                         reduce: torch.dtype = torch.float64) -> torch.Tensor:
+    """The flat gradient, cast to the reduce dtype, summed over the context-parallel ranks, and over ep where the
+    weights are replicated."""
+    grads = torch.cat([p_.grad.reshape(-1) for p_ in params]).to(reduce)
     grads = sum_gradients(cp, grads, "context-parallel gradients")
     if ep.n > 1:
         grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")

@@ -27,9 +27,17 @@ from backend.parallel.step_split import CATEGORIES, lanes, split
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
+from backend.parallel.workload import PRECISIONS
 from backend.result import Check, Result
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
+# Other precisions against one process running the same recipe: (relative L2 error of the final parameters, absolute
+# loss error, why). The ranks regroup every sum (tp shards' partial products added in the all-reduce's ring order,
+# micro-batch and dp slices' gradients summed apart), so each rounds differently from one process: a few units in the
+# last place of the compute dtype per step, which Adam's m/√v then passes on at up to lr per element.
+PRECISION_TOL = {"fp32": (1e-4, 1e-4, "PLACEHOLDER"), "bf16_mixed": (1e-2, 1e-2, "PLACEHOLDER")}
+# ... and against float64: the compute dtype's own rounding of weights, activations and gradients, a bound not an equality
+FP64_BOUND = {"fp32": (1e-3, 1e-3, "PLACEHOLDER"), "bf16_mixed": (1e-1, 1e-1, "PLACEHOLDER")}
 # Presets at tiny scale: each fills the settings it names (one line each, in PRESET_NOTES). The real systems run these
 # shapes at thousands of GPUs; here every dimension is 2 so each strategy is live and checked on 4 or 8 ranks.
 PRESETS = {
@@ -94,6 +102,10 @@ class MeshConfig(TPConfig):
     compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
                                       "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
                                       "activations per rank side by side, each run checked as usual")
+    precision: str = setting("fp64", choices=("fp64", "fp32", "bf16_mixed"),
+                             help="fp64 throughout (exact checks); fp32 throughout; bf16_mixed: bf16 weights, activations "
+                                  "and tp/sp/cp/ep/pp messages, fp32 master weights, Adam m and v, and fp32 gradient sums "
+                                  "over cp, ep and dp (FSDP's MixedPrecision(reduce_dtype=fp32), Megatron's fp32 main grads)")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -245,17 +257,18 @@ def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
+    c, r_ = _items(config, "compute"), _items(config, "reduce")  # bytes per element: activations, gradient sums
     sizes = _microbatch_sizes(config, payload["coords"])
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
-    act = sum(b * s * h * 8 for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
+    act = sum(b * s * h * c for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
     # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
-    kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * 8 for b in sizes)
+    kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * c for b in sizes)
     n = payload["flat_numel"]
 
     def gradients(k: int) -> int:
-        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
+        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, r_) if k > 1 else 0
     forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
 
     split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
@@ -272,43 +285,53 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
              for mb, b in enumerate(sizes) if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
-                                           dense_ffn=not config.experts) if r["name"] != "norm weight gradients")
+                                           dense_ffn=not config.experts, item=c) if r["name"] != "norm weight gradients")
     if config.sp and config.tp > 1:  # the norms' gradients, summed over tp once a step (not per micro-batch)
-        tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, 8, payload["coords"]["tp"])
+        tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, c, payload["coords"]["tp"])
                   for st, layers in payload["stages"].items())
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
             if config.cp > 1 else 0,
-            "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
+            "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024,
+                                     config.precision),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
-                                               config.ep, 8) if config.ep > 1 else 0}
+                                               config.ep, r_) if config.ep > 1 else 0}
+
+
+def _items(config: MeshConfig, which: str) -> int:
+    """Bytes per element of the precision's compute, master or reduce dtype, read off torch's own dtypes (so a
+    precision whose recipe changes is counted by what it names, not by a second table here)."""
+    return torch.empty(0, dtype=getattr(PRECISIONS[config.precision], which)).element_size()
 
 
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
     """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
-    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only)."""
+    b x s/cp x d_model activation in the compute dtype on the others (each rank holds its cp positions only)."""
     sizes = _microbatch_sizes(config, payload["coords"])
-    shard = config.seq // config.cp
-    return {st: {j: b * 8 * (shard if st == 0 else shard // (config.tp if config.sp else 1) * config.d_model)
+    shard, c = config.seq // config.cp, _items(config, "compute")
+    return {st: {j: b * (8 * shard if st == 0 else c * shard // (config.tp if config.sp else 1) * config.d_model)
                  for j, b in enumerate(sizes)}
             for st in payload["stages"]}
 
 
-def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int) -> int:
-    """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements (float64), each
-    collective a ring over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce,
-    DDP and ZeRO-1/2 alike). DDP: one all-reduce per bucket, buckets filled in reverse parameter order and closed
-    once they reach bucket_bytes. ZeRO-3: the same reduce-scatter and all-gather per step, plus one all-gather at
-    the end to report the trained weights."""
+def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int, precision: str = "fp64") -> int:
+    """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements, each collective a ring
+    over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce, DDP and ZeRO-1/2
+    alike). Gradients travel in the reduce dtype, ZeRO's weights in the compute dtype. DDP: one all-reduce per
+    bucket, buckets filled in reverse parameter order and closed once their gradients reach bucket_bytes. ZeRO-3:
+    the same reduce-scatter and all-gather per step, plus one all-gather of the master weights at the end to report
+    the trained weights."""
     if k == 1:
         return 0
+    p = PRECISIONS[precision]
+    grad, weight, master = (torch.empty(0, dtype=d).element_size() for d in (p.reduce, p.compute, p.master))
     pad = lambda e: -(-e // k) * k  # noqa: E731
 
     def all_reduce(e: int) -> int:
-        return ring_bytes("all_reduce", pad(e), k, 8)
+        return ring_bytes("all_reduce", pad(e), k, grad)
     n = sum(numels)
     if strategy == "allreduce":
         return steps * all_reduce(n)
@@ -316,21 +339,29 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
         buckets = [0]
         for e in reversed(numels):
             buckets[-1] += e
-            if buckets[-1] * 8 >= bucket_bytes:
+            if buckets[-1] * grad >= bucket_bytes:
                 buckets.append(0)
         return steps * sum(all_reduce(b) for b in buckets if b)
-    gather = ring_bytes("all_gather", pad(n) // k, k, 8)
-    return steps * (ring_bytes("reduce_scatter", pad(n), k, 8) + gather) + (gather if strategy == "zero3" else 0)
+    gather = ring_bytes("all_gather", pad(n) // k, k, weight)
+    report = ring_bytes("all_gather", pad(n) // k, k, master)  # the trained master weights, gathered to report them
+    return steps * (ring_bytes("reduce_scatter", pad(n), k, grad) + gather) + (report if strategy == "zero3" else 0)
 
 
-def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
-    """Seed 000's table in float64: bytes a rank keeps between steps for ψ = n parameters over k dp ranks. Every
-    strategy holds Adam's m and v for what it updates (ZeRO: ⌈ψ/k⌉, the vector padded to a multiple of k); ZeRO-2
-    keeps only its gradient shard; ZeRO-3 its parameter shard too."""
-    shard = -(-n // k)
+def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[str, int]:
+    """Seed 000's table: bytes a rank keeps between steps for ψ = n parameters over k dp ranks. Every strategy holds
+    Adam's m and v for what it updates (ZeRO: ⌈ψ/k⌉, the vector padded to a multiple of k); ZeRO-2 keeps only its
+    gradient shard; ZeRO-3 its parameter shard too. Weights at the compute dtype's item size, gradients at the
+    reduce dtype's, m and v at the master's (fp64: 8ψ + 8ψ + 16ψ). Mixed precision keeps the master copy apart,
+    sharded as Adam's states are (ZeRO's K = 12: 4ψ master + 8ψ m, v), and ZeRO-3 then no compute copy between steps."""
+    p, shard = PRECISIONS[precision], -(-n // k)
+    c, g, m = (torch.empty(0, dtype=d).element_size() for d in (p.compute, p.reduce, p.master))
     sharded = {"allreduce": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[strategy]
-    return {"parameters": 8 * (shard if sharded >= 3 else n), "gradients": 8 * (shard if sharded >= 2 else n),
-            "optimizer states": 16 * (shard if sharded >= 1 else n)}
+    states = shard if sharded >= 1 else n
+    out = {"parameters": c * (shard if sharded >= 3 else n), "gradients": g * (shard if sharded >= 2 else n),
+           "optimizer states": 2 * m * states}
+    if p.mixed:
+        out.update({"parameters": 0 if sharded >= 3 else c * n, "master weights": m * states})
+    return out
 
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
@@ -356,7 +387,7 @@ def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) 
 def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> int:
     """One MoE call's all-to-all bytes from ep rank coords["ep"]: the per-expert counts ((ep-1) messages of E/ep
     numbers), then forward dispatch (its rows for other ranks' experts), combine (other ranks' rows for its experts,
-    returned), and their backwards again: 2 (out + in) rows of d_model float64. Full recompute runs the forward's
+    returned), and their backwards again: 2 (out + in) rows of d_model in the compute dtype (counts: int64). Full recompute runs the forward's
     counts, dispatch and combine twice."""
     n, per, me = config.ep, config.experts // config.ep, coords["ep"]
     if n == 1:
@@ -365,7 +396,7 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     mine = slice(me * per, (me + 1) * per)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
-    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * 8
+    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _items(config, "compute")
 
 
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
@@ -392,24 +423,58 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
                         b * s, int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
-            out[(stage, j)] = elements * 8
+            out[(stage, j)] = elements * _items(config, "compute")
     return out
+
+
+def parameter_errors(payloads, ref: dict) -> tuple[float, float]:
+    """Every rank's final (master) shards against the reference's, cut as they were: the largest absolute difference,
+    and the L2 norm of the differences relative to the L2 norm of what training moved the reference's weights,
+    ‖p − p_ref‖ ÷ ‖p_ref − p_ref(0)‖ over all shards (0: equal; 1: as far off as the whole update)."""
+    worst, diff2, moved2 = 0.0, 0.0, 0.0
+    for p in payloads:
+        expected, start = cut(ref["state"], p["sources"]), cut(ref["initial"], p["sources"])
+        for k, v in p["params"].items():
+            d = torch.from_numpy(v) - expected[k]
+            worst, diff2 = max(worst, d.abs().max().item()), diff2 + d.square().sum().item()
+            moved2 += (expected[k] - start[k]).square().sum().item()
+    return worst, (diff2 / moved2) ** 0.5
+
+
+def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> list[Check]:
+    """Final parameters and every step's loss against one process on the whole batch. fp64: within TOL. Otherwise
+    against one process running the same precision recipe, within PRECISION_TOL's bound for it, and against the
+    float64 one within FP64_BOUND's looser one."""
+    param_err, param_rel = parameter_errors(payloads, ref)
+    loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
+    if config.precision == "fp64":
+        return [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
+                      reference="TinyDecoder, float64, torch.optim.Adam, one process"),
+                Check("every step's loss equals the reference", loss_err, TOL, reference="one process")]
+    ref64 = reference_training(config)
+    err64, rel64 = parameter_errors(payloads, ref64)
+    loss64 = max(abs(a - b) for a, b in zip(last["losses"], ref64["losses"]))
+    (p_tol, l_tol, why), (p_bound, l_bound, why64) = PRECISION_TOL[config.precision], FP64_BOUND[config.precision]
+    same = f"TinyDecoder, one process, the same {config.precision} recipe, torch.optim.Adam on the master weights"
+    return [Check(f"final parameters equal one process in {config.precision} (relative L2 error)", param_rel, p_tol,
+                  reference=same, detail=f"{why}; largest element difference {param_err:.2e}"),
+            Check(f"every step's loss equals one process in {config.precision}", loss_err, l_tol, reference=same, detail=why),
+            Check("final parameters near one process in float64 (relative L2 error)", rel64, p_bound,
+                  reference="TinyDecoder, float64, torch.optim.Adam, one process",
+                  detail=f"{why64}; largest element difference {err64:.2e}"),
+            Check("every step's loss near one process in float64", loss64, l_bound,
+                  reference="TinyDecoder, float64, torch.optim.Adam, one process", detail=why64)]
 
 
 def combine(config: MeshConfig, payloads) -> Result:
     # one thread: a tiny model's ops are far too small to split, and two threads spinning on two shared cores made
     # the reference 10x slower (0.6 s against 8 s measured at load 10)
     torch.set_num_threads(1)
-    ref = reference_training(config)
+    ref = reference_training(config, PRECISIONS[config.precision])  # one process, the same precision recipe
     last = next(p for p in payloads if p["last_stage"])
-    param_err = max((torch.from_numpy(v) - cut(ref["state"], p["sources"])[k]).abs().max().item()
-                    for p in payloads for k, v in p["params"].items())
-    loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
     covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
-    checks = [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
-                    reference="TinyDecoder, float64, torch.optim.Adam, one process"),
-              Check("every step's loss equals the reference", loss_err, TOL, reference="one process"),
-              Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
+    checks = against_one_process(config, payloads, last, ref) + [
+        Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
     rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
     for p in payloads:
         model = predicted_bytes(config, p, rows[p["rank"]])
@@ -431,7 +496,7 @@ def combine(config: MeshConfig, payloads) -> Result:
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
-    states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
+    states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
                         sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
                         reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
