@@ -31,13 +31,21 @@ from backend.parallel.workload import PRECISIONS
 from backend.result import Check, Result
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
-# Other precisions against one process running the same recipe: (relative L2 error of the final parameters, absolute
-# loss error, why). The ranks regroup every sum (tp shards' partial products added in the all-reduce's ring order,
-# micro-batch and dp slices' gradients summed apart), so each rounds differently from one process: a few units in the
-# last place of the compute dtype per step, which Adam's m/√v then passes on at up to lr per element.
-PRECISION_TOL = {"fp32": (1e-4, 1e-4, "PLACEHOLDER"), "bf16_mixed": (1e-2, 1e-2, "PLACEHOLDER")}
-# ... and against float64: the compute dtype's own rounding of weights, activations and gradients, a bound not an equality
-FP64_BOUND = {"fp32": (1e-3, 1e-3, "PLACEHOLDER"), "bf16_mixed": (1e-1, 1e-1, "PLACEHOLDER")}
+# Other precisions: the ranks regroup every sum (tp shards' partial products added in the ring's order, micro-batches'
+# and dp slices' gradients summed apart), so each rounds differently from one process. Adam passes that on unevenly:
+# an element whose gradient is smaller than the rounding noise may change sign, and its first steps move it by ±lr
+# either way. So the final weights are compared as ‖p − p_ref‖ ÷ ‖p_ref − p_ref(0)‖ (a share of the update), and the
+# losses relative to the loss, in units of the compute dtype's epsilon (bf16 2^-7, fp32 2^-23). Bounds measured on
+# the test configurations and the defaults (bf16: 0.050-0.057 of the update, loss within 1 bf16 ulp; fp32:
+# 5e-7-3e-5, loss within 3 eps) with a margin of about 3x; a lost master copy at lr 1e-3 (updates under a bf16 ulp
+# of the weights) is many times the bound (tests/test_mesh_precision.py).
+PRECISION_TOL = {  # against one process running the same recipe: (share of the update, loss in eps, why)
+    "fp32": (5e-4, 64, "fp32 sums regrouped over ranks, then passed through Adam's m/√v"),
+    "bf16_mixed": (0.15, 2, "bf16 activations and weight copies rounded in another order over ranks (the loss a bf16 "
+                            "value: 1 ulp = 2 eps relative), then passed through Adam's m/√v on the fp32 master")}
+FP64_BOUND = {  # against float64: the recipe's own rounding of weights, activations and gradients (a bound, not equality)
+    "fp32": (1e-3, 128, "fp32 rounding of everything float64 holds exactly enough"),
+    "bf16_mixed": (0.25, 4, "bf16 rounding of weights, activations and gradients; fp32 master and Adam")}
 # Presets at tiny scale: each fills the settings it names (one line each, in PRESET_NOTES). The real systems run these
 # shapes at thousands of GPUs; here every dimension is 2 so each strategy is live and checked on 4 or 8 ranks.
 PRESETS = {
@@ -186,6 +194,10 @@ class MeshConfig(TPConfig):
         if self.sp and self.cp > 1:
             raise ConfigError("sp", "true with cp > 1: sequence parallel inside context parallel's shards is not built "
                                     "(allowed: false, or true with cp = 1)")
+        if self.precision != "fp64" and self.experts:
+            raise ConfigError("precision", f"{self.precision} with MoE blocks: top-k routing on rounded activations flips "
+                                           "near-tied experts between the ranks and one process, and the routing and expert "
+                                           "byte checks compare the same routing (allowed: fp64 with experts > 0)")
         if self.sp and self.experts:
             raise ConfigError("sp", "true with MoE blocks: sequence parallel around routed experts is not built (allowed: "
                                     "false, or true with experts = 0)")
@@ -323,7 +335,7 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
     alike). Gradients travel in the reduce dtype, ZeRO's weights in the compute dtype. DDP: one all-reduce per
     bucket, buckets filled in reverse parameter order and closed once their gradients reach bucket_bytes. ZeRO-3:
     the same reduce-scatter and all-gather per step, plus one all-gather of the master weights at the end to report
-    the trained weights."""
+    the trained weights (so too ZeRO-1/2 in mixed precision, whose step-end gather was of the compute copy)."""
     if k == 1:
         return 0
     p = PRECISIONS[precision]
@@ -344,7 +356,8 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
         return steps * sum(all_reduce(b) for b in buckets if b)
     gather = ring_bytes("all_gather", pad(n) // k, k, weight)
     report = ring_bytes("all_gather", pad(n) // k, k, master)  # the trained master weights, gathered to report them
-    return steps * (ring_bytes("reduce_scatter", pad(n), k, grad) + gather) + (report if strategy == "zero3" else 0)
+    reported = strategy == "zero3" or p.mixed  # otherwise the last step's all-gather left the master whole on every rank
+    return steps * (ring_bytes("reduce_scatter", pad(n), k, grad) + gather) + (report if reported else 0)
 
 
 def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[str, int]:
@@ -453,17 +466,20 @@ def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> 
                 Check("every step's loss equals the reference", loss_err, TOL, reference="one process")]
     ref64 = reference_training(config)
     err64, rel64 = parameter_errors(payloads, ref64)
-    loss64 = max(abs(a - b) for a, b in zip(last["losses"], ref64["losses"]))
+    eps = torch.finfo(PRECISIONS[config.precision].compute).eps
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref["losses"])) / eps
+    loss64 = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref64["losses"])) / eps
     (p_tol, l_tol, why), (p_bound, l_bound, why64) = PRECISION_TOL[config.precision], FP64_BOUND[config.precision]
     same = f"TinyDecoder, one process, the same {config.precision} recipe, torch.optim.Adam on the master weights"
-    return [Check(f"final parameters equal one process in {config.precision} (relative L2 error)", param_rel, p_tol,
-                  reference=same, detail=f"{why}; largest element difference {param_err:.2e}"),
-            Check(f"every step's loss equals one process in {config.precision}", loss_err, l_tol, reference=same, detail=why),
-            Check("final parameters near one process in float64 (relative L2 error)", rel64, p_bound,
-                  reference="TinyDecoder, float64, torch.optim.Adam, one process",
-                  detail=f"{why64}; largest element difference {err64:.2e}"),
-            Check("every step's loss near one process in float64", loss64, l_bound,
-                  reference="TinyDecoder, float64, torch.optim.Adam, one process", detail=why64)]
+    f64 = "TinyDecoder, float64, torch.optim.Adam, one process"
+    return [Check(f"final parameters equal one process in {config.precision} (error as a share of the update)", param_rel,
+                  p_tol, reference=same, detail=f"{why}; largest element difference {param_err:.2e}"),
+            Check(f"every step's loss equals one process in {config.precision} (relative, in eps of the compute dtype)",
+                  loss_rel, l_tol, reference=same, detail=f"{why}; eps {eps:.3g}"),
+            Check("final parameters near one process in float64 (error as a share of the update)", rel64, p_bound,
+                  reference=f64, detail=f"{why64}; largest element difference {err64:.2e}"),
+            Check("every step's loss near one process in float64 (relative, in eps of the compute dtype)", loss64, l_bound,
+                  reference=f64, detail=f"{why64}; eps {eps:.3g}")]
 
 
 def combine(config: MeshConfig, payloads) -> Result:
@@ -498,10 +514,12 @@ def combine(config: MeshConfig, payloads) -> Result:
                            "formula_bytes": formula if cat == "activations" else None})
     states = {p["rank"]: dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
-                        sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
-                        reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
-                                  "on the rank); ZeRO-1 shards the 16ψ, ZeRO-2 also the gradients, ZeRO-3 also the weights, "
-                                  "each to ⌈ψ/dp⌉; kept between steps"))
+                        sum(abs(p["memory"].get(c, 0) - v) for p in payloads for c, v in states[p["rank"]].items()) +
+                        sum(v for p in payloads for c, v in p["memory"].items() if c not in states[p["rank"]] and c != "activations"),
+                        0, reference="seed 000 at each dtype's item size (fp64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v; "
+                                     "bf16_mixed: 2ψ bf16 weights, 4ψ fp32 gradients, 4ψ fp32 master, 8ψ fp32 m and v; ψ "
+                                     "the flat parameters on the rank); ZeRO-1 shards m, v (and the master), ZeRO-2 also the "
+                                     "gradients, ZeRO-3 also the weights, each to ⌈ψ/dp⌉; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
     acts = [r for r in memory if r["category"] == "activations"]
