@@ -63,9 +63,10 @@ class DataParallel:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
             return self.zero.gather(0, self.precision.compute)
 
-    def update(self, grads: torch.Tensor, step: int) -> torch.Tensor | None:
+    def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> torch.Tensor | None:
         """Sum `grads` over dp as the strategy does, Adam on what this rank owns; the full weights to load after the
-        step (None for zero3, which gathers them at the next step's start)."""
+        step (None for zero3, which gathers them at the next step's start). `skip` (a loss-scaled step that overflowed,
+        on every rank alike): the sum is made, then nothing is stepped or gathered (None: the weights stay)."""
         if self.zero:
             with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
                 grads = self.zero.reduce_scatter(0, grads)
@@ -77,6 +78,8 @@ class DataParallel:
         self.grads_kept, self.grad_item = grads.numel(), grads.element_size()  # zero2/zero3: the shard only
         if self.strategy == "zero1":
             self.grads_kept = self.zero.segs[0][1]  # zero1 keeps the full gradients; only Adam's state is sharded
+        if skip:
+            return None
         with self.tracer.span("compute", f"adam {step}", kind="optimizer"):
             self.adam.update(self.owned, grads.to(self.precision.master), self.m, self.v)
         if self.strategy in ("zero1", "zero2"):
@@ -92,8 +95,13 @@ class DataParallel:
         return self.zero.gather(0, self.precision.compute) if self.zero else self.owned.to(self.precision.compute)
 
     def final_weights(self) -> torch.Tensor:
-        """The trained master weights, whole (ZeRO: one more all-gather, in the master dtype: reporting, not training)."""
-        return self.zero.gather(0, self.precision.master) if self.zero else self.owned
+        """The trained master weights, whole: ZeRO-3, and ZeRO-1/2 in mixed precision (whose last all-gather was of the
+        compute copy), all-gather them once more in the master dtype (reporting, not training)."""
+        if not self.zero:
+            return self.owned
+        if self.strategy != "zero3" and not self.precision.mixed:
+            return self.weights  # the last step's all-gather left the master whole on every rank
+        return self.zero.gather(0, self.precision.master)
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank keeps between steps by category, each at its tensor's item size: the compute copy of the

@@ -30,6 +30,9 @@ Precision (config.precision, workload.Precision): the stage modules, so their ac
 the tp, sp, cp and ep collectives, are in the compute dtype; the flat gradients are cast to the reduce dtype before
 the cp, ep and dp sums; Adam steps the master copy (mesh_dp.DataParallel), from which the compute copy is cast. The
 reference (`reference_training`) follows the same recipe in one process, with torch.optim.Adam on the master copy.
+fp16 adds dynamic loss scaling (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule): the last stage's loss
+is multiplied by the scale S before the backward, the summed gradients divided by it; a step whose gradients hold an
+inf or NaN on any rank is skipped by every rank (the flag all-reduced over the world) and S halved.
 
 With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
 are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
@@ -56,20 +59,26 @@ from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
+from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.parallel.workload import FP64, PRECISIONS, Precision, flat_params, load_flat
+
+GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
 from backend.trace import Tracer
 
 
-def reference_training(config, precision: Precision = FP64) -> dict:
+def reference_training(config, precision: Precision = FP64, skip: tuple = ()) -> dict:
     """One process, the whole batch, the same Adam: losses per step and the final (master) weights. Every step sees
     the same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it.
     `precision`: the model runs in its compute dtype on a copy of master weights in its master dtype, which
-    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model)."""
+    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model).
+    fp16 runs under torch.amp.GradScaler; `skip`: steps not applied (those an fp16 run's loss scale skipped)."""
     master = reference_model(config).to(precision.master)
     initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
     model = master if not precision.mixed else reference_model(config).to(precision.compute)
     opt = torch.optim.Adam(master.parameters(), lr=config.lr)
-    losses, routing = [], []
+    losses, routing, scales, skipped = [], [], [], []
+    scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+              if scaled(precision) else None)
     for step in range(config.steps):
         if config.experts:
             for b in model.blocks:
@@ -79,16 +88,27 @@ def reference_training(config, precision: Precision = FP64) -> dict:
             model.load_state_dict(master.state_dict())  # the compute copy: the master cast (copy_ casts)
             model.zero_grad(set_to_none=True)
         loss = model.loss(tokens(config))
-        loss.backward()
+        (scaler.scale(loss) if scaler else loss).backward()
         if precision.mixed:
             for p_, q in zip(master.parameters(), model.parameters()):
-                p_.grad = q.grad.to(precision.master)
-        opt.step()
+                p_.grad = q.grad.to(precision.master)  # (still scaled: GradScaler unscales, checks and skips itself)
+        if scaler:
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scales[-1])
+        elif step not in skip:
+            opt.step()
         losses.append(loss.item())
         if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
             routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
     return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
-            "initial": initial}
+            "initial": initial, "scales": scales, "skipped": skipped}
+
+
+def scaled(precision: Precision) -> bool:
+    """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
+    return precision.compute == torch.float16
 
 
 class MeshStage:
@@ -98,13 +118,14 @@ class MeshStage:
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
     def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1, dtype: torch.dtype = torch.float64):
+                 sp: int = 1, dtype: torch.dtype = torch.float64, loss_scale: float = 1.0):
         self.chunk = self.module = chunk  # (module: what the executor reads)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens, self.dtype = d_model, global_tokens, dtype  # dtype: the activations'
+        self.loss_scale = loss_scale  # fp16: the loss scale S the backward starts from
         self.activations: dict[int, int] | None = None  # set to a dict to record
         self.kept: dict[int, int] = {}
 
@@ -128,7 +149,7 @@ class MeshStage:
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
-        return loss * (self.targets[mb].numel() / self.global_tokens)  # this micro-batch's share of the global mean
+        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
 
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
@@ -156,6 +177,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     load_flat(model, weights)  # the compute copy: the master cast, as the reference casts it
     sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb,
                         precision)  # over dp: parallel/mesh_dp.py
+    scaler = DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL) if scaled(precision) else None
+    scales, skipped = [], []
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -166,7 +189,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
 
     def make_stages():
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1, precision.compute) for s, c in chunks.items()}
+                             config.tp if config.sp else 1, precision.compute, scaler.scale if scaler else 1.0)
+                for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -183,12 +207,18 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        weights = sync.update(gradients_over_cp_ep(params, cp, ep, replicated_over_ep, precision.reduce), step)
+        grads, scale = gradients_over_cp_ep(params, cp, ep, replicated_over_ep, precision.reduce), scaler.scale if scaler else 1.0
+        overflow = scaler is not None and overflowed(grads)
+        weights = sync.update(grads / scale if scaler else grads, step, skip=overflow)  # (S a power of 2: exact)
+        if scaler:
+            scales.append(scale)
+            skipped.append(overflow)
+            scaler.update(overflow)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
         step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
-        losses.append(reported_loss(walk["loss"], mesh))
+        losses.append(reported_loss(walk["loss"] / scale, mesh))
         if checkpoint:
             checkpoint.after_step(step, losses[-1])
         if progress and rank == 0:
@@ -201,6 +231,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
            for call in getattr(b.ffn, "stats", [])]
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": named_slices(model, master), "precision": config.precision,
+            "loss_scales": scales, "skipped": skipped,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params],
@@ -256,6 +287,14 @@ def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: t
     if ep.n > 1:
         grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
     return grads
+
+
+def overflowed(grads: torch.Tensor) -> bool:
+    """Whether any rank's gradients hold an inf or NaN (an all-reduce of the flag over the world, so every rank skips
+    the same steps: each pipeline stage and shard sees only its own gradients)."""
+    flag = torch.tensor([0.0 if torch.isfinite(grads).all() else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def reported_loss(loss: float, mesh: DeviceMesh) -> float:

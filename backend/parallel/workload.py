@@ -83,7 +83,8 @@ class Precision:
 FP64 = Precision(torch.float64, torch.float64, torch.float64)
 FP32 = Precision(torch.float32, torch.float32, torch.float32)
 BF16_MIXED = Precision(torch.bfloat16, torch.float32, torch.float32)  # as FSDP's MixedPrecision(reduce_dtype=fp32)
-PRECISIONS = {"fp64": FP64, "fp32": FP32, "bf16_mixed": BF16_MIXED}
+FP16_MIXED = Precision(torch.float16, torch.float32, torch.float32)   # with dynamic loss scaling (Micikevicius et al.)
+PRECISIONS = {"fp64": FP64, "fp32": FP32, "bf16_mixed": BF16_MIXED, "fp16_mixed": FP16_MIXED}
 
 
 def make_model(w: Workload) -> nn.Sequential:

@@ -41,11 +41,15 @@ TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then di
 # of the weights) is many times the bound (tests/test_mesh_precision.py).
 PRECISION_TOL = {  # against one process running the same recipe: (share of the update, loss in eps, why)
     "fp32": (5e-4, 64, "fp32 sums regrouped over ranks, then passed through Adam's m/√v"),
-    "bf16_mixed": (0.15, 2, "bf16 activations and weight copies rounded in another order over ranks (the loss a bf16 "
-                            "value: 1 ulp = 2 eps relative), then passed through Adam's m/√v on the fp32 master")}
+    "bf16_mixed": (0.15, 2, "bf16 activations and weight copies rounded in another order over ranks, then passed "
+                            "through Adam's m/√v on the fp32 master"),
+    "fp16_mixed": (0.15, 8, "fp16 activations and weight copies rounded in another order over ranks, then passed through "
+                            "Adam's m/√v on the fp32 master")}
 FP64_BOUND = {  # against float64: the recipe's own rounding of weights, activations and gradients (a bound, not equality)
     "fp32": (1e-3, 128, "fp32 rounding of everything float64 holds exactly enough"),
-    "bf16_mixed": (0.25, 4, "bf16 rounding of weights, activations and gradients; fp32 master and Adam")}
+    "bf16_mixed": (0.25, 4, "bf16 rounding of weights, activations and gradients; fp32 master and Adam"),
+    "fp16_mixed": (0.25, 16, "fp16 rounding of weights, activations and gradients; fp32 master and Adam; steps the loss "
+                             "scale skipped")}
 # Presets at tiny scale: each fills the settings it names (one line each, in PRESET_NOTES). The real systems run these
 # shapes at thousands of GPUs; here every dimension is 2 so each strategy is live and checked on 4 or 8 ranks.
 PRESETS = {
@@ -110,10 +114,14 @@ class MeshConfig(TPConfig):
     compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
                                       "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
                                       "activations per rank side by side, each run checked as usual")
-    precision: str = setting("fp64", choices=("fp64", "fp32", "bf16_mixed"),
+    precision: str = setting("fp64", choices=("fp64", "fp32", "bf16_mixed", "fp16_mixed"),
                              help="fp64 throughout (exact checks); fp32 throughout; bf16_mixed: bf16 weights, activations "
                                   "and tp/sp/cp/ep/pp messages, fp32 master weights, Adam m and v, and fp32 gradient sums "
-                                  "over cp, ep and dp (FSDP's MixedPrecision(reduce_dtype=fp32), Megatron's fp32 main grads)")
+                                  "over cp, ep and dp (FSDP's MixedPrecision(reduce_dtype=fp32), Megatron's fp32 main grads); "
+                                  "fp16_mixed: the same in fp16, with dynamic loss scaling (GradScaler's rule: overflowing "
+                                  "steps skipped, the scale halved). The loss is computed in fp32")
+    init_loss_scale: int = setting(2 ** 16, min=1, max=2 ** 24, help="fp16_mixed: the loss scale S of the first step, a "
+                                   "power of 2 (GradScaler's default 65536); too large and the first steps overflow and are skipped")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -194,6 +202,12 @@ class MeshConfig(TPConfig):
         if self.sp and self.cp > 1:
             raise ConfigError("sp", "true with cp > 1: sequence parallel inside context parallel's shards is not built "
                                     "(allowed: false, or true with cp = 1)")
+        if self.init_loss_scale & (self.init_loss_scale - 1):
+            raise ConfigError("init_loss_scale", f"{self.init_loss_scale} is not a power of 2 (allowed: 1, 2, 4, ..., 2^24; "
+                                                 "dividing by a power of 2 unscales the gradients exactly)")
+        if self.init_loss_scale != 2 ** 16 and self.precision != "fp16_mixed":
+            raise ConfigError("init_loss_scale", f"{self.init_loss_scale} with precision {self.precision}: only fp16 is "
+                                                 "loss-scaled (allowed: 65536, or any power of 2 with fp16_mixed)")
         if self.precision != "fp64" and self.experts:
             raise ConfigError("precision", f"{self.precision} with MoE blocks: top-k routing on rounded activations flips "
                                            "near-tied experts between the ranks and one process, and the routing and expert "
@@ -297,7 +311,8 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
              for mb, b in enumerate(sizes) if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
-                                           dense_ffn=not config.experts, item=c) if r["name"] != "norm weight gradients")
+                                           dense_ffn=not config.experts, item=c, loss_item=max(c, 4))
+             if r["name"] != "norm weight gradients")
     if config.sp and config.tp > 1:  # the norms' gradients, summed over tp once a step (not per micro-batch)
         tp += sum((2 * len(layers) + (st == S - 1)) * ring_bytes("all_reduce", h, config.tp, c, payload["coords"]["tp"])
                   for st, layers in payload["stages"].items())
@@ -306,7 +321,7 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
             if config.cp > 1 else 0,
             "dp gradients": dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024,
-                                     config.precision),
+                                     config.precision, sum(payload.get("skipped", []))),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
@@ -329,13 +344,15 @@ def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
             for st in payload["stages"]}
 
 
-def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int, precision: str = "fp64") -> int:
+def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int, precision: str = "fp64",
+             skipped: int = 0) -> int:
     """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements, each collective a ring
     over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce, DDP and ZeRO-1/2
     alike). Gradients travel in the reduce dtype, ZeRO's weights in the compute dtype. DDP: one all-reduce per
     bucket, buckets filled in reverse parameter order and closed once their gradients reach bucket_bytes. ZeRO-3:
     the same reduce-scatter and all-gather per step, plus one all-gather of the master weights at the end to report
-    the trained weights (so too ZeRO-1/2 in mixed precision, whose step-end gather was of the compute copy)."""
+    the trained weights (so too ZeRO-1/2 in mixed precision, whose step-end gather was of the compute copy). A step
+    the loss scale `skipped` (fp16 overflow) still reduces its gradients, but ZeRO-1/2 gather nothing after it."""
     if k == 1:
         return 0
     p = PRECISIONS[precision]
@@ -357,7 +374,8 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
     gather = ring_bytes("all_gather", pad(n) // k, k, weight)
     report = ring_bytes("all_gather", pad(n) // k, k, master)  # the trained master weights, gathered to report them
     reported = strategy == "zero3" or p.mixed  # otherwise the last step's all-gather left the master whole on every rank
-    return steps * (ring_bytes("reduce_scatter", pad(n), k, grad) + gather) + (report if reported else 0)
+    gathers = steps if strategy == "zero3" else steps - skipped  # ZeRO-3 gathers at each step's start regardless
+    return steps * ring_bytes("reduce_scatter", pad(n), k, grad) + gathers * gather + (report if reported else 0)
 
 
 def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[str, int]:
@@ -451,6 +469,8 @@ def parameter_errors(payloads, ref: dict) -> tuple[float, float]:
             d = torch.from_numpy(v) - expected[k]
             worst, diff2 = max(worst, d.abs().max().item()), diff2 + d.square().sum().item()
             moved2 += (expected[k] - start[k]).square().sum().item()
+    if moved2 == 0:  # (every step skipped by the loss scale: nothing moved, nothing may differ)
+        return worst, 0.0 if diff2 == 0 else float("inf")
     return worst, (diff2 / moved2) ** 0.5
 
 
@@ -464,7 +484,7 @@ def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> 
         return [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
                       reference="TinyDecoder, float64, torch.optim.Adam, one process"),
                 Check("every step's loss equals the reference", loss_err, TOL, reference="one process")]
-    ref64 = reference_training(config)
+    ref64 = reference_training(config, skip=tuple(i for i, s in enumerate(ref["skipped"]) if s))  # (fp16: its skipped steps)
     err64, rel64 = parameter_errors(payloads, ref64)
     eps = torch.finfo(PRECISIONS[config.precision].compute).eps
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref["losses"])) / eps
@@ -482,6 +502,16 @@ def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> 
                   reference=f64, detail=f"{why64}; eps {eps:.3g}")]
 
 
+def loss_scale_check(payloads, ref: dict) -> Check:
+    """fp16: every rank's loss scale per step and the steps it skipped, against torch.amp.GradScaler's in one process."""
+    wrong = sum(p["loss_scales"] != ref["scales"] or p["skipped"] != ref["skipped"] for p in payloads)
+    mine = payloads[0]
+    return Check("every rank's loss scale and skipped steps equal torch.amp.GradScaler's", wrong, 0,
+                 reference="torch.amp.GradScaler('cpu', init_scale as set, growth_interval 2000) on one process's fp16 gradients",
+                 detail=f"scales {mine['loss_scales']}, skipped steps {[i for i, s in enumerate(mine['skipped']) if s]}; "
+                        f"GradScaler: {ref['scales']}, skipped {[i for i, s in enumerate(ref['skipped']) if s]}")
+
+
 def combine(config: MeshConfig, payloads) -> Result:
     # one thread: a tiny model's ops are far too small to split, and two threads spinning on two shared cores made
     # the reference 10x slower (0.6 s against 8 s measured at load 10)
@@ -491,6 +521,8 @@ def combine(config: MeshConfig, payloads) -> Result:
     covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
     checks = against_one_process(config, payloads, last, ref) + [
         Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
+    if ref["scales"]:
+        checks.append(loss_scale_check(payloads, ref))
     rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
     for p in payloads:
         model = predicted_bytes(config, p, rows[p["rank"]])
@@ -545,7 +577,8 @@ def combine(config: MeshConfig, payloads) -> Result:
            [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts,
+               "precision": config.precision, "steps": config.steps,
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
