@@ -14,6 +14,7 @@ from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel import mesh_train
+from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.parallel.workload import PRECISIONS, Precision
 
 BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=3)
@@ -22,18 +23,29 @@ BROKEN = {"no master copy": Precision(torch.bfloat16, torch.bfloat16, torch.floa
           "bf16 gradient sums": Precision(torch.bfloat16, torch.float32, torch.bfloat16)}
 
 
+class NoBackoff(DynamicLossScaler):
+    """A scaler that keeps its scale after an overflow (the step is still skipped)."""
+
+    def update(self, found_inf: bool) -> None:
+        super().update(False)
+
+
 @contextlib.contextmanager
 def _recipe(broken: str | None):
     if broken is None:
         yield
         return
-    saved = dict(mesh_train.PRECISIONS)
-    mesh_train.PRECISIONS["bf16_mixed"] = BROKEN[broken]
+    saved, scaler = dict(mesh_train.PRECISIONS), mesh_train.DynamicLossScaler
+    if broken == "no backoff":
+        mesh_train.DynamicLossScaler = NoBackoff
+    else:
+        mesh_train.PRECISIONS["bf16_mixed"] = BROKEN[broken]
     try:
         yield
     finally:
         mesh_train.PRECISIONS.clear()
         mesh_train.PRECISIONS.update(saved)
+        mesh_train.DynamicLossScaler = scaler
 
 
 def _all(rank, world, runs, ctx):
@@ -46,6 +58,7 @@ def _all(rank, world, runs, ctx):
 
 ZERO1 = dict(pp=2, tp=1, schedule="1f1b", dp_strategy="zero1", **BASE)  # pp 2 x dp 2: the master copy sharded
 SLOW = dict(ZERO1, lr=1e-3)  # updates below a bf16 ulp of most weights: only the fp32 master copy keeps them
+FP16 = dict(ZERO1, steps=5, precision="fp16_mixed", init_loss_scale=2 ** 21)  # overflows until the scale has backed off
 
 
 def _configs():
@@ -54,7 +67,9 @@ def _configs():
             (MeshConfig(precision="fp32", pp=1, tp=1, cp=2, dp_strategy="zero3", **BASE).validate(), None),
             (MeshConfig(precision="bf16_mixed", **SLOW).validate(), None),
             (MeshConfig(precision="bf16_mixed", **SLOW).validate(), "no master copy"),
-            (MeshConfig(precision="bf16_mixed", **ZERO1).validate(), "bf16 gradient sums")]
+            (MeshConfig(precision="bf16_mixed", **ZERO1).validate(), "bf16 gradient sums"),
+            (MeshConfig(**FP16).validate(), None),
+            (MeshConfig(**FP16).validate(), "no backoff")]
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +157,17 @@ def test_bad_precision_inputs(values, field):
     with pytest.raises(ConfigError) as info:
         MeshConfig.from_dict(values)
     assert info.value.field == field
+
+
+def test_fp16_loss_scale_skips_the_steps_gradscaler_skips(runs):
+    """fp16 from a loss scale of 2^21: the first steps overflow; every rank skips them together and halves the scale,
+    step for step as torch.amp.GradScaler does on one process, then trains; ZeRO-1 gathers no weights after a
+    skipped step (the byte model counts the skips). A scaler that does not back off fails the scale check."""
+    cfg, _, payloads = runs[6]
+    result = mesh.combine(cfg, payloads)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    skipped = payloads[0]["skipped"]
+    assert 0 < sum(skipped) < cfg.steps and all(p["skipped"] == skipped for p in payloads)
+    assert payloads[0]["loss_scales"][:3] == [2.0 ** 21, 2.0 ** 20, 2.0 ** 19]
+    name = "every rank's loss scale and skipped steps equal torch.amp.GradScaler's"
+    assert result.passed and not _checks(*runs[7][::2])[name].passed
