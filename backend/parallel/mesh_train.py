@@ -59,11 +59,11 @@ from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.wire import Wire
-from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.parallel.workload import FP64, PRECISIONS, Precision, flat_params, load_flat
+from backend.numerics.mixed_precision import DynamicLossScaler
+from backend.trace import Tracer
 
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
-from backend.trace import Tracer
 
 
 def reference_training(config, precision: Precision = FP64, skip: tuple = ()) -> dict:
@@ -109,6 +109,40 @@ def reference_training(config, precision: Precision = FP64, skip: tuple = ()) ->
 def scaled(precision: Precision) -> bool:
     """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
     return precision.compute == torch.float16
+
+
+def to_precision(model: nn.Module, precision: Precision) -> torch.Tensor:
+    """The master copy of the model's (float64) initial weights, flat in the master dtype; the model itself cast to the
+    compute dtype and loaded from it, as the reference casts it (a copy of the master, rounded once)."""
+    master = flat_params(model).to(precision.master)
+    model.to(precision.compute)
+    load_flat(model, master)
+    return master
+
+
+class LossScale:
+    """This rank's loss scale S: fp16's dynamic one (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule) with
+    each step's S and whether it was skipped recorded; otherwise S = 1 and no step is skipped."""
+
+    def __init__(self, config):
+        self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+                       if scaled(PRECISIONS[config.precision]) else None)
+        self.scales, self.skipped = [], []
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def unscale(self, grads: torch.Tensor) -> tuple[torch.Tensor, bool, float]:
+        """(grads ÷ S, whether any rank's gradients overflowed (the step is then skipped), S); records the step and
+        updates S. S is a power of 2, so the division is exact."""
+        if self.scaler is None:
+            return grads, False, 1.0
+        scale, overflow = self.scaler.scale, overflowed(grads)
+        self.scales.append(scale)
+        self.skipped.append(overflow)
+        self.scaler.update(overflow)
+        return grads / scale, overflow, scale
 
 
 class MeshStage:
@@ -171,25 +205,18 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         apply_selective_recompute(c, config.recompute == "selective")
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
-    precision = PRECISIONS[config.precision]
-    weights = flat_params(model).to(precision.master)  # the master copy, from the float64 initial weights
-    model.to(precision.compute)
-    load_flat(model, weights)  # the compute copy: the master cast, as the reference casts it
-    sync = DataParallel(config.dp_strategy, weights, params, dp, along["dp"], config.lr, config.bucket_kb,
-                        precision)  # over dp: parallel/mesh_dp.py
-    scaler = DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL) if scaled(precision) else None
-    scales, skipped = [], []
+    precision, loss_scale = PRECISIONS[config.precision], LossScale(config)
+    sync = DataParallel(config.dp_strategy, to_precision(model, precision), params, dp, along["dp"], config.lr, config.bucket_kb, precision)
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
         t.t0_ns = tracer.t0_ns
-    step_us = []  # each step's (start, end) on this rank
-    losses, activations, kept, pp_bytes = [], {}, {}, 0
+    step_us, losses, activations, kept, pp_bytes = [], [], {}, {}, 0  # step_us: each step's (start, end) on this rank
     mine = tokens(config).tensor_split(config.dp * config.ep)[mesh.index("dp") * config.ep + mesh.index("ep")]
 
     def make_stages():
         return {s: MeshStage(c, s, S, list(mine.tensor_split(m)), shard, columns, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1, precision.compute, scaler.scale if scaler else 1.0)
+                             config.tp if config.sp else 1, precision.compute, loss_scale.scale)
                 for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
@@ -207,13 +234,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        grads, scale = gradients_over_cp_ep(params, cp, ep, replicated_over_ep, precision.reduce), scaler.scale if scaler else 1.0
-        overflow = scaler is not None and overflowed(grads)
-        weights = sync.update(grads / scale if scaler else grads, step, skip=overflow)  # (S a power of 2: exact)
-        if scaler:
-            scales.append(scale)
-            skipped.append(overflow)
-            scaler.update(overflow)
+        grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(params, cp, ep, replicated_over_ep, precision.reduce))
+        weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
@@ -225,13 +247,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    master = sync.final_weights()  # (ZeRO: one more all-gather, to report the trained master weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": named_slices(model, master), "precision": config.precision,
-            "loss_scales": scales, "skipped": skipped,
+            "losses": losses, "params": named_slices(model, sync.final_weights()),  # (ZeRO: gathered once more to report)
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params],
@@ -241,7 +261,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
-            "trace": merged_trace(tracer, along, mesh), "step_us": step_us}
+            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload
