@@ -287,7 +287,7 @@ def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     s, h, steps = config.seq // config.cp, config.d_model, config.steps
-    c, r_ = _items(config, "compute"), _items(config, "reduce")  # bytes per element: activations, gradient sums
+    c, r_ = _item(config, "compute"), _item(config, "reduce")  # bytes per element: activations, gradient sums
     sizes = _microbatch_sizes(config, payload["coords"])
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
     act = sum(b * s * h * c for b in sizes) // (config.tp if config.sp else 1)  # per micro-batch (SP: a sequence shard)
@@ -332,17 +332,16 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
                                                config.ep, r_) if config.ep > 1 else 0}
 
 
-def _items(config: MeshConfig, which: str) -> int:
-    """Bytes per element of the precision's compute, master or reduce dtype, read off torch's own dtypes (so a
-    precision whose recipe changes is counted by what it names, not by a second table here)."""
-    return torch.empty(0, dtype=getattr(PRECISIONS[config.precision], which)).element_size()
+def _item(config: MeshConfig, which: str) -> int:
+    """Bytes per element of the precision's compute, master or reduce dtype (workload.Precision.item)."""
+    return PRECISIONS[config.precision].item(which)
 
 
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
     """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
     b x s/cp x d_model activation in the compute dtype on the others (each rank holds its cp positions only)."""
     sizes = _microbatch_sizes(config, payload["coords"])
-    shard, c = config.seq // config.cp, _items(config, "compute")
+    shard, c = config.seq // config.cp, _item(config, "compute")
     return {st: {j: b * (8 * shard if st == 0 else c * shard // (config.tp if config.sp else 1) * config.d_model)
                  for j, b in enumerate(sizes)}
             for st in payload["stages"]}
@@ -360,7 +359,7 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
     if k == 1:
         return 0
     p = PRECISIONS[precision]
-    grad, weight, master = (torch.empty(0, dtype=d).element_size() for d in (p.reduce, p.compute, p.master))
+    grad, weight, master = p.item("reduce"), p.item("compute"), p.item("master")
     pad = lambda e: -(-e // k) * k  # noqa: E731
 
     def all_reduce(e: int) -> int:
@@ -389,7 +388,7 @@ def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[st
     reduce dtype's, m and v at the master's (fp64: 8ψ + 8ψ + 16ψ). Mixed precision keeps the master copy apart,
     sharded as Adam's states are (ZeRO's K = 12: 4ψ master + 8ψ m, v), and ZeRO-3 then no compute copy between steps."""
     p, shard = PRECISIONS[precision], -(-n // k)
-    c, g, m = (torch.empty(0, dtype=d).element_size() for d in (p.compute, p.reduce, p.master))
+    c, g, m = p.item("compute"), p.item("reduce"), p.item("master")
     sharded = {"allreduce": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[strategy]
     states = shard if sharded >= 1 else n
     out = {"parameters": c * (shard if sharded >= 3 else n), "gradients": g * (shard if sharded >= 2 else n),
@@ -431,7 +430,7 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     mine = slice(me * per, (me + 1) * per)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
-    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _items(config, "compute")
+    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _item(config, "compute")
 
 
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
@@ -458,7 +457,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
                         b * s, int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
-            out[(stage, j)] = elements * _items(config, "compute")
+            out[(stage, j)] = elements * _item(config, "compute")
     return out
 
 
@@ -478,16 +477,16 @@ def parameter_errors(payloads, ref: dict) -> tuple[float, float]:
     return worst, (diff2 / moved2) ** 0.5
 
 
-def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> list[Check]:
+def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> tuple[list[Check], list[float]]:
     """Final parameters and every step's loss against one process on the whole batch. fp64: within TOL. Otherwise
     against one process running the same precision recipe, within PRECISION_TOL's bound for it, and against the
-    float64 one within FP64_BOUND's looser one."""
+    float64 one within FP64_BOUND's looser one. Returns the checks and the float64 run's losses (fp64: none apart)."""
     param_err, param_rel = parameter_errors(payloads, ref)
     loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
     if config.precision == "fp64":
         return [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
                       reference="TinyDecoder, float64, torch.optim.Adam, one process"),
-                Check("every step's loss equals the reference", loss_err, TOL, reference="one process")]
+                Check("every step's loss equals the reference", loss_err, TOL, reference="one process")], []
     ref64 = reference_training(config, skip=tuple(i for i, s in enumerate(ref["skipped"]) if s))  # (fp16: its skipped steps)
     err64, rel64 = parameter_errors(payloads, ref64)
     eps = torch.finfo(PRECISIONS[config.precision].compute).eps
@@ -503,7 +502,7 @@ def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> 
             Check("final parameters near one process in float64 (error as a share of the update)", rel64, p_bound,
                   reference=f64, detail=f"{why64}; largest element difference {err64:.2e}"),
             Check("every step's loss near one process in float64 (relative, in eps of the compute dtype)", loss64, l_bound,
-                  reference=f64, detail=f"{why64}; eps {eps:.3g}")]
+                  reference=f64, detail=f"{why64}; eps {eps:.3g}")], ref64["losses"]
 
 
 def loss_scale_check(payloads, ref: dict) -> Check:
@@ -523,8 +522,8 @@ def combine(config: MeshConfig, payloads) -> Result:
     ref = reference_training(config, PRECISIONS[config.precision])  # one process, the same precision recipe
     last = next(p for p in payloads if p["last_stage"])
     covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
-    checks = against_one_process(config, payloads, last, ref) + [
-        Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
+    checks, losses64 = against_one_process(config, payloads, last, ref)
+    checks.append(Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names"))
     if ref["scales"]:
         checks.append(loss_scale_check(payloads, ref))
     rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
@@ -578,7 +577,8 @@ def combine(config: MeshConfig, payloads) -> Result:
         checks.append(schedule_check)
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
-           [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
+           [{"step": i, "loss": v, "run": "reference (1 process" + ("" if config.precision == "fp64" else f", {config.precision}") + ")"}
+            for i, v in enumerate(ref["losses"])] + [{"step": i, "loss": v, "run": "float64 (1 process)"} for i, v in enumerate(losses64)]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
     metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts,
