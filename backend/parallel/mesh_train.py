@@ -76,7 +76,7 @@ def reference_training(config, precision: Precision = FP64, skip: tuple = ()) ->
     initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
     model = master if not precision.mixed else reference_model(config).to(precision.compute)
     opt = torch.optim.Adam(master.parameters(), lr=config.lr)
-    losses, routing, scales, skipped = [], [], [], []
+    losses, routing, scales, skipped, peaks = [], [], [], [], []
     scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
               if scaled(precision) else None)
     for step in range(config.steps):
@@ -92,7 +92,8 @@ def reference_training(config, precision: Precision = FP64, skip: tuple = ()) ->
         if precision.mixed:
             for p_, q in zip(master.parameters(), model.parameters()):
                 p_.grad = q.grad.to(precision.master)  # (still scaled: GradScaler unscales, checks and skips itself)
-        if scaler:
+        if scaler:  # (each step's largest fp16 gradient, inf on overflow: how near the step came to fp16's max)
+            peaks.append(max(q.grad.float().abs().max().item() for q in model.parameters()))
             scales.append(scaler.get_scale())
             scaler.step(opt)
             scaler.update()
@@ -103,7 +104,7 @@ def reference_training(config, precision: Precision = FP64, skip: tuple = ()) ->
         if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
             routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
     return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
-            "initial": initial, "scales": scales, "skipped": skipped}
+            "initial": initial, "scales": scales, "skipped": skipped, "peaks": peaks}
 
 
 def scaled(precision: Precision) -> bool:

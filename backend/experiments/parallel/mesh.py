@@ -125,7 +125,9 @@ class MeshConfig(TPConfig):
                                   "fp16_mixed: the same in fp16, with dynamic loss scaling (GradScaler's rule: overflowing "
                                   "steps skipped, the scale halved). The loss is computed in fp32")
     init_loss_scale: int = setting(2 ** 16, min=1, max=2 ** 24, help="fp16_mixed: the loss scale S of the first step, a "
-                                   "power of 2 (GradScaler's default 65536); too large and the first steps overflow and are skipped")
+                                   "power of 2 (GradScaler's default 65536); too large and the first steps overflow and are skipped. A step whose "
+                                   "largest gradient comes within rounding of fp16's max may overflow on the ranks and not in one "
+                                   "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -506,13 +508,17 @@ def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> 
 
 
 def loss_scale_check(payloads, ref: dict) -> Check:
-    """fp16: every rank's loss scale per step and the steps it skipped, against torch.amp.GradScaler's in one process."""
+    """fp16: every rank's loss scale per step and the steps it skipped, against torch.amp.GradScaler's in one process. A
+    step whose largest gradient comes within rounding of fp16's max (65504) may overflow on the ranks, whose sums are
+    grouped otherwise, and not in one process (or the reverse): the detail gives one process's peak per step."""
     wrong = sum(p["loss_scales"] != ref["scales"] or p["skipped"] != ref["skipped"] for p in payloads)
     mine = payloads[0]
     return Check("every rank's loss scale and skipped steps equal torch.amp.GradScaler's", wrong, 0,
                  reference="torch.amp.GradScaler('cpu', init_scale as set, growth_interval 2000) on one process's fp16 gradients",
                  detail=f"scales {mine['loss_scales']}, skipped steps {[i for i, s in enumerate(mine['skipped']) if s]}; "
-                        f"GradScaler: {ref['scales']}, skipped {[i for i, s in enumerate(ref['skipped']) if s]}")
+                        f"GradScaler: {ref['scales']}, skipped {[i for i, s in enumerate(ref['skipped']) if s]}; one process's "
+                        f"largest fp16 gradient per step {[round(g) if g == g and g != float('inf') else 'overflow' for g in ref['peaks']]} "
+                        f"(fp16 max 65504)")
 
 
 def combine(config: MeshConfig, payloads) -> Result:
