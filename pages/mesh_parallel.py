@@ -41,7 +41,7 @@ def render(result: dict, rec) -> None:
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
     ).properties(height=260, title=f"Memory per rank ({m.get('precision', 'fp64')})"), width="stretch")
     if m.get("precision", "fp64") != "fp64":
-        right.caption(f"{m['precision']}: weights and messages in the compute dtype, gradients summed in the reduce dtype; "
+        st.caption(f"{m['precision']}: weights and messages in the compute dtype, gradients summed in the reduce dtype; "
                       "Adam steps the master copy. Loss and weights are checked against one process in the same recipe and in float64.")
     if t.get("pipeline"):
         pipe = pd.DataFrame(t["pipeline"]).rename(columns={"bubble_replayed": "replayed", "bubble_makespan_model": "makespan model"})
