@@ -5,7 +5,8 @@ Loss = squared error summed over the global batch ÷ (global batch · width); ea
 slice of every step's batch and scales its partial loss the same way, so summing gradients over ranks
 gives the single-process gradient. Adam is PyTorch's formula, written out so a shard updates exactly
 the elements the full vector would. `Precision` says which dtype computes, which holds the master
-weights and Adam's states, and which reduces gradients (float64 throughout, or bf16 mixed precision).
+weights and Adam's states, and which reduces gradients (float64 throughout, or bf16 mixed precision; the mesh also
+runs fp32 throughout and fp16 mixed precision with loss scaling).
 """
 from __future__ import annotations
 
