@@ -39,7 +39,10 @@ def render(result: dict, rec) -> None:
     right.altair_chart(alt.Chart(memory).mark_bar().encode(
         x=alt.X("rank:O", title="rank"), y=alt.Y("measured_bytes:Q", title="bytes held (measured, B)"), color="category:N",
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
-    ).properties(height=260, title="Memory per rank"), width="stretch")
+    ).properties(height=260, title=f"Memory per rank ({m.get('precision', 'fp64')})"), width="stretch")
+    if m.get("precision", "fp64") != "fp64":
+        st.caption(f"{m['precision']}: weights and messages in the compute dtype, gradients summed in the reduce dtype; "
+                      "Adam steps the master copy. Loss and weights are checked against one process in the same recipe and in float64.")
     if t.get("pipeline"):
         pipe = pd.DataFrame(t["pipeline"]).rename(columns={"bubble_replayed": "replayed", "bubble_makespan_model": "makespan model"})
         pipe = pipe.melt(id_vars=["rank", "pp", "busy_ms"], value_vars=["replayed", "makespan model"], var_name="source",

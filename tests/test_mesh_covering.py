@@ -30,6 +30,7 @@ DIMENSIONS = {
     "virtual_stages": (1, 2), "microbatches": (1, 2, 4),
     "dp_strategy": ("allreduce", "ddp", "zero1", "zero2", "zero3"), "recompute": ("none", "full", "selective"),
     "n_kv_heads": (8, 2),  # MHA, and GQA with 4 query heads per KV head (8 query heads)
+    "precision": ("fp64", "bf16_mixed", "fp16_mixed"),
 }
 # the tiny LLaMA of tests/test_mesh_parallel.py; seq 8 holds cp 2's 4 zigzag chunks
 BASE = dict(world_size=WORLD, seq=8, d_model=16, n_heads=8, d_head=4, d_ff=16, vocab=16, steps=2)
@@ -43,6 +44,8 @@ REFUSED = {
     "microbatches": "DualPipe-V's order is built for at least 2p micro-batches (torch's ScheduleDualPipeV refuses fewer)",
     "recompute": "selective recompute drops the attention core's a·s² scores: ring attention (cp > 1) keeps none, and "
                  "recomputing it would send the K/V ring again",
+    "precision": "MoE routing on bf16 or fp16 activations flips near-tied experts between the ranks and one process, "
+                 "and the routing and expert-byte checks compare the very routing (DeepSeek-V3 routes in fp32 for this)",
 }
 
 

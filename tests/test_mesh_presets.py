@@ -73,7 +73,7 @@ def test_a_wrong_dp_scaling_fails(runs, monkeypatch, strategy):
     """A memory model that divides by 2 dp instead of dp (or a rank that kept the full state) fails the check."""
     cfg, payloads = copy.deepcopy(_strategy(runs, strategy))
     right = mesh.dp_memory
-    monkeypatch.setattr(mesh, "dp_memory", lambda s, n, k: right(s, n, 2 * k))
+    monkeypatch.setattr(mesh, "dp_memory", lambda s, n, k, *precision: right(s, n, 2 * k, *precision))
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[MEMORY.format(strategy)].passed
     monkeypatch.setattr(mesh, "dp_memory", right)
     payloads[0]["memory"]["gradients" if strategy != "zero1" else "optimizer states"] *= 2

@@ -10,7 +10,9 @@ PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel
          "pages/mesh_parallel.py#moe": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "ep": "2", "experts": "2",
                                                           "layers": "2", "steps": "2"}),
          "pages/mesh_parallel.py#depth": ("parallel.mesh", {"world_size": "2", "pp": "2", "tp": "1", "layers": "2", "steps": "2",
-                                                            "recompute": "selective", "compare_schedules": "true"})}
+                                                            "recompute": "selective", "compare_schedules": "true"}),
+         "pages/mesh_parallel.py#bf16": ("parallel.mesh", {"world_size": "2", "pp": "1", "tp": "1", "layers": "2", "steps": "2",
+                                                           "precision": "bf16_mixed", "dp_strategy": "zero1"})}
 
 
 def _app(page, **params):

@@ -88,7 +88,7 @@ class TinyDecoder(nn.Module):
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over a (b, t) batch."""
         logits = torch.stack([self(seq[:-1]) for seq in batch])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(at_least_fp32(logits.reshape(-1, logits.shape[-1])), batch[:, 1:].reshape(-1))
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The batched training path through the blocks: x (b, t, d) -> (b, t, d)."""
@@ -99,4 +99,10 @@ class TinyDecoder(nn.Module):
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm, head and mean cross entropy of x (b, t, d) against targets (b, t): (loss, logits)."""
         logits = self.head(self.norm(x))
-        return self.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), logits
+        return self.cross_entropy(at_least_fp32(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1)), logits
+
+
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """The loss's input in fp32 when the model computes in bf16 or fp16 (as autocast and Megatron-LM compute the cross
+    entropy; fp16's exp overflows, and a half-precision mean of many tokens rounds); fp32 and fp64 unchanged."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))

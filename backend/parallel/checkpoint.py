@@ -493,8 +493,8 @@ class MeshState:
         from backend.parallel.workload import load_flat
 
         self.sync.adam.step = int(state[f"{self.tag}.adam_step"])
-        if self.sync.strategy in ("zero1", "zero2"):
-            self.sync.weights = self.sync.zero.gather(0, torch.float64)
+        if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
+            self.sync.weights = self.sync.compute_weights()
         if self.sync.weights is not None:
             load_flat(self.model, self.sync.weights)
 

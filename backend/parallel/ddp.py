@@ -18,12 +18,13 @@ from backend.parallel.loop import Strategy
 from backend.parallel.workload import Adam, flat_params, load_flat
 
 
-def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """Reverse parameter order (the output layer's gradients are ready first), cut when a bucket reaches bucket_bytes."""
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, item: int | None = None) -> list[list[torch.nn.Parameter]]:
+    """Reverse parameter order (the output layer's gradients are ready first), cut when a bucket reaches bucket_bytes
+    (`item`: bytes per gradient element on the wire, when they are reduced in another dtype than the parameters')."""
     buckets, current, size = [], [], 0
     for p in reversed(params):
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += p.numel() * (item or p.element_size())
         if size >= bucket_bytes:
             buckets.append(current)
             current, size = [], 0

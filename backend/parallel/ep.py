@@ -81,7 +81,8 @@ class ExpertParallelMoE(nn.Module):
         per_expert = torch.bincount(expert, minlength=self.n_experts)
         send_rows = per_expert.view(n, per).sum(1).tolist()
         # each rank learns how many rows of each of its experts every other rank will send
-        recv_counts = wire.all_to_all(per_expert.view(n, per).to(x.dtype), [1] * n, [1] * n, "forward", "counts").long()
+        # (int64 whatever the activations' dtype: bf16 holds integers exactly only up to 256)
+        recv_counts = wire.all_to_all(per_expert.view(n, per), [1] * n, [1] * n, "forward", "counts").long()
         recv_rows = recv_counts.sum(1).tolist()
         rows = AllToAll.apply(x[token], send_rows, recv_rows, wire, "dispatch")
         # rows arrive grouped by source rank, each group sorted by expert: cut them per (source, expert)

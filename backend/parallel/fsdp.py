@@ -196,7 +196,7 @@ class FullyShardedStages:
         self._unshard(step)
         return None
 
-    def update(self, grads: torch.Tensor, step: int) -> None:
+    def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> None:
         """`grads`: the flat unsharded gradients already summed over cp (and ep where replicated), written back onto
         FSDP2's unsharded parameters; then FSDP2's post_backward on every chunk (the reduce-scatter over dp on the
         Wire, and reshard), and Adam on the local shards. Returns None: the modules hold the shards, nothing to load."""
@@ -218,6 +218,11 @@ class FullyShardedStages:
         as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
         self._unshard("final")
         self.entry_of = {}
+
+    def final_named(self, model) -> dict:
+        """The trained weights by name, as float64 arrays, after `load_final`."""
+        self.load_final(model)
+        return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
     def entry(self, chunk):
         """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""

@@ -11,26 +11,40 @@ summed-over-micro-batches gradients into updated weights, and what it keeps betw
              and kept through its micro-batches (torchtitan's FSDP under a pipeline: reshard_after_forward=False,
              so the gather is not repeated per micro-batch); 2ψ per step, plus one gather to report the weights
 Adam is elementwise, so updating a shard equals updating those elements of the full vector.
+Precision (workload.Precision): the gradients arrive in the reduce dtype and are summed in it; Adam steps the master
+copy (and keeps m, v) in the master dtype; the weights the model loads are cast to the compute dtype (ZeRO: the shard
+is cast, then all-gathered in the compute dtype, as Megatron's distributed optimizer and FSDP's param_dtype do). In
+mixed precision the master copy is a tensor of its own beside the compute copy; in fp64 or fp32 they are one tensor.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from backend.parallel.ddp import make_buckets
 from backend.parallel.wire import Wire
-from backend.parallel.workload import Adam, load_flat
+from backend.parallel.workload import FP64, Adam, Precision
 from backend.parallel.zero import Sharded
 
 STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: backend/parallel/fsdp.FullyShardedStages
 
 
-def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: Wire, tracer):
-    """This rank's dp strategy for its stage chunks (`model`, a ModuleDict): ours over the flat vector, or FSDP2's."""
+def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: Wire, tracer, precision: Precision = FP64):
+    """This rank's dp strategy for its stage chunks (`model`, a ModuleDict): ours over the flat (master) vector
+    `weights`, or FSDP2's (float64 only: MeshConfig refuses another precision with it)."""
     if config.dp_strategy == "fsdp2":
         from backend.parallel.fsdp import FullyShardedStages
 
         return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr)
-    return DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb)
+    return DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision)
+
+def named_slices(model: nn.Module, flat: torch.Tensor) -> dict:
+    """A flat vector (in the order of model.parameters()) cut into each named parameter's shape, as float64 arrays."""
+    out, at = {}, 0
+    for name, p_ in model.named_parameters():
+        out[name] = flat[at:at + p_.numel()].view(p_.shape).double().numpy().copy()
+        at += p_.numel()
+    return out
 
 
 def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
@@ -45,29 +59,33 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
 class DataParallel:
     """One strategy over `dp` for the flat vector `weights` of `params` (this rank's stages, in order)."""
 
-    def __init__(self, strategy: str, weights: torch.Tensor, params: list, dp: Wire, tracer, lr: float, bucket_kb: int = 4):
-        self.strategy, self.dp, self.tracer = strategy, dp, tracer
+    def __init__(self, strategy: str, weights: torch.Tensor, params: list, dp: Wire, tracer, lr: float, bucket_kb: int = 4,
+                 precision: Precision = FP64):
+        self.strategy, self.dp, self.tracer, self.precision = strategy, dp, tracer, precision
+        weights = weights.to(precision.master)
         self.zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if strategy.startswith("zero") else None
-        self.owned = self.zero.shards[0] if self.zero else weights
-        self.weights = None if strategy == "zero3" else weights  # zero3 keeps only its shard between steps
+        self.owned = self.zero.shards[0] if self.zero else weights  # the master copy this rank updates
+        # the compute copy the model loads (the same tensor unless mixed); zero3 keeps only its master shard between steps
+        self.weights = None if strategy == "zero3" else weights.to(precision.compute)
         self.adam, self.m, self.v = Adam(lr), torch.zeros_like(self.owned), torch.zeros_like(self.owned)
         offsets, at = {}, 0
         for p in params:
             offsets[id(p)], at = at, at + p.numel()
         self.buckets = [(min(offsets[id(p)] for p in b), max(offsets[id(p)] + p.numel() for p in b))
-                        for b in make_buckets(params, bucket_kb * 1024)] if strategy == "ddp" else []
-        self.grads_kept = 0
+                        for b in make_buckets(params, bucket_kb * 1024, precision.item("reduce"))] if strategy == "ddp" else []
+        self.grads_kept, self.grad_item = 0, precision.item("reduce")
 
     def weights_for_step(self, step: int) -> torch.Tensor | None:
         """The full weights to load before this step's forwards: zero3 gathers them from the shards; None: as loaded."""
         if self.strategy != "zero3":
             return None
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
-            return self.zero.gather(0, torch.float64)
+            return self.zero.gather(0, self.precision.compute)
 
-    def update(self, grads: torch.Tensor, step: int) -> torch.Tensor | None:
+    def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> torch.Tensor | None:
         """Sum `grads` over dp as the strategy does, Adam on what this rank owns; the full weights to load after the
-        step (None for zero3, which gathers them at the next step's start)."""
+        step (None for zero3, which gathers them at the next step's start). `skip` (a loss-scaled step that overflowed,
+        on every rank alike): the sum is made, then nothing is stepped or gathered (None: the weights stay)."""
         if self.zero:
             with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
                 grads = self.zero.reduce_scatter(0, grads)
@@ -76,29 +94,53 @@ class DataParallel:
                 grads[a:b] = sum_gradients(self.dp, grads[a:b], f"data-parallel gradients, bucket {i}")
         else:
             grads = sum_gradients(self.dp, grads, "data-parallel gradients")
-        self.grads_kept = grads.numel()  # zero2/zero3: the shard only (the full gradients are freed)
+        self.grads_kept, self.grad_item = grads.numel(), grads.element_size()  # zero2/zero3: the shard only
         if self.strategy == "zero1":
             self.grads_kept = self.zero.segs[0][1]  # zero1 keeps the full gradients; only Adam's state is sharded
+        if skip:
+            return None
         with self.tracer.span("compute", f"adam {step}", kind="optimizer"):
-            self.adam.update(self.owned, grads, self.m, self.v)
+            self.adam.update(self.owned, grads.to(self.precision.master), self.m, self.v)
         if self.strategy in ("zero1", "zero2"):
             with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
-                self.weights = self.zero.gather(0, torch.float64)
+                self.weights = self.compute_weights()
+        elif not self.zero:
+            self.weights = self.compute_weights()
         return self.weights
 
-    def final_weights(self) -> torch.Tensor:
-        return self.weights if self.weights is not None else self.zero.gather(0, torch.float64)
+    def compute_weights(self) -> torch.Tensor:
+        """The whole compute copy from the master: ZeRO all-gathers the shards cast to the compute dtype; otherwise
+        a cast (the master tensor itself unless mixed)."""
+        return self.zero.gather(0, self.precision.compute) if self.zero else self.owned.to(self.precision.compute)
 
-    def load_final(self, model) -> None:
-        """The trained weights into `model`, to report them (zero3: one more all-gather)."""
-        load_flat(model, self.final_weights())
+    def final_weights(self) -> torch.Tensor:
+        """The trained master weights, whole: ZeRO-3, and ZeRO-1/2 in mixed precision (whose last all-gather was of the
+        compute copy), all-gather them once more in the master dtype (reporting, not training)."""
+        if not self.zero:
+            return self.owned
+        if self.strategy != "zero3" and not self.precision.mixed:
+            return self.weights  # the last step's all-gather left the master whole on every rank
+        return self.zero.gather(0, self.precision.master)
+
+    def final_named(self, model) -> dict:
+        """The trained master weights by name, as float64 arrays (to report them)."""
+        return named_slices(model, self.final_weights())
 
     def entry(self, chunk):
         """The module a stage's forward is called through: none, the chunk's own methods are (FSDP2's differs)."""
         return None
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps by category (float64 throughout)."""
-        params = self.owned.numel() if self.strategy == "zero3" else self.zero.segs[0][1] if self.zero else self.owned.numel()
-        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
-                "optimizer states": sum(t.numel() * t.element_size() for t in (self.m, self.v))}
+        """Bytes this rank keeps between steps by category, each at its tensor's item size: the compute copy of the
+        weights (none between steps under ZeRO-3 unless not mixed: then its shard is the one copy), the master copy
+        apart from it (mixed precision only), the gradients Adam read, and Adam's m and v."""
+        if self.precision.mixed:
+            params = 0 if self.weights is None else self.weights.numel() * self.weights.element_size()
+        else:
+            params = self.owned.numel() if self.strategy == "zero3" else self.zero.segs[0][1] if self.zero else self.owned.numel()
+            params *= self.owned.element_size()
+        out = {"parameters": params, "gradients": self.grads_kept * self.grad_item,
+               "optimizer states": sum(t.numel() * t.element_size() for t in (self.m, self.v))}
+        if self.precision.mixed:
+            out["master weights"] = self.owned.numel() * self.owned.element_size()
+        return out

@@ -28,6 +28,14 @@ over micro-batches, dp and cp ranks are those of one process on the whole batch,
 updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
 the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
 
+Precision (config.precision, workload.Precision): the stage modules, so their activations, the pipeline's sends and
+the tp, sp, cp and ep collectives, are in the compute dtype; the flat gradients are cast to the reduce dtype before
+the cp, ep and dp sums; Adam steps the master copy (mesh_dp.DataParallel), from which the compute copy is cast. The
+reference (`reference_training`) follows the same recipe in one process, with torch.optim.Adam on the master copy.
+fp16 adds dynamic loss scaling (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule): the last stage's loss
+is multiplied by the scale S before the backward, the summed gradients divided by it; a step whose gradients hold an
+inf or NaN on any rank is skipped by every rank (the flag all-reduced over the world) and S halved.
+
 With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
 are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
 everything else (each trains on its own slice of the batch, split over dp x ep), and their tokens reach the
@@ -54,28 +62,91 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire
-from backend.parallel.workload import flat_params, load_flat
+from backend.parallel.workload import FP64, PRECISIONS, Precision, flat_params, load_flat
+from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
+GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
 
-def reference_training(config) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final weights. Every step sees the
-    same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it."""
-    model = reference_model(config)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    losses, routing = [], []
+
+def reference_training(config, precision: Precision = FP64, skip: tuple = ()) -> dict:
+    """One process, the whole batch, the same Adam: losses per step and the final (master) weights. Every step sees
+    the same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it.
+    `precision`: the model runs in its compute dtype on a copy of master weights in its master dtype, which
+    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model).
+    fp16 runs under torch.amp.GradScaler; `skip`: steps not applied (those an fp16 run's loss scale skipped)."""
+    master = reference_model(config).to(precision.master)
+    initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
+    model = master if not precision.mixed else reference_model(config).to(precision.compute)
+    opt = torch.optim.Adam(master.parameters(), lr=config.lr)
+    losses, routing, scales, skipped, peaks = [], [], [], [], []
+    scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+              if scaled(precision) else None)
     for step in range(config.steps):
         if config.experts:
             for b in model.blocks:
                 b.ffn.routing_log = []  # this step's choices, one entry per sequence
         opt.zero_grad()
+        if precision.mixed:
+            model.load_state_dict(master.state_dict())  # the compute copy: the master cast (copy_ casts)
+            model.zero_grad(set_to_none=True)
         loss = model.loss(tokens(config))
-        loss.backward()
-        opt.step()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if precision.mixed:
+            for p_, q in zip(master.parameters(), model.parameters()):
+                p_.grad = q.grad.to(precision.master)  # (still scaled: GradScaler unscales, checks and skips itself)
+        if scaler:  # (each step's largest fp16 gradient, inf on overflow: how near the step came to fp16's max)
+            peaks.append(max(q.grad.float().abs().max().item() for q in model.parameters()))
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scales[-1])
+        elif step not in skip:
+            opt.step()
         losses.append(loss.item())
         if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
             routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
-    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}, "routing": routing}
+    return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
+            "initial": initial, "scales": scales, "skipped": skipped, "peaks": peaks}
+
+
+def scaled(precision: Precision) -> bool:
+    """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
+    return precision.compute == torch.float16
+
+
+def to_precision(model: nn.Module, precision: Precision) -> torch.Tensor:
+    """The master copy of the model's (float64) initial weights, flat in the master dtype; the model itself cast to the
+    compute dtype and loaded from it, as the reference casts it (a copy of the master, rounded once)."""
+    master = flat_params(model).to(precision.master)
+    model.to(precision.compute)
+    load_flat(model, master)
+    return master
+
+
+class LossScale:
+    """This rank's loss scale S: fp16's dynamic one (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule) with
+    each step's S and whether it was skipped recorded; otherwise S = 1 and no step is skipped."""
+
+    def __init__(self, config):
+        self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+                       if scaled(PRECISIONS[config.precision]) else None)
+        self.scales, self.skipped = [], []
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def unscale(self, grads: torch.Tensor) -> tuple[torch.Tensor, bool, float]:
+        """(grads ÷ S, whether any rank's gradients overflowed (the step is then skipped), S); records the step and
+        updates S. S is a power of 2, so the division is exact."""
+        if self.scaler is None:
+            return grads, False, 1.0
+        scale, overflow = self.scaler.scale, overflowed(grads)
+        self.scales.append(scale)
+        self.skipped.append(overflow)
+        self.scaler.update(overflow)
+        return grads / scale, overflow, scale
 
 
 class MeshStage:
@@ -85,14 +156,15 @@ class MeshStage:
     record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
 
     def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1, entry: nn.Module | None = None):
+                 sp: int = 1, entry: nn.Module | None = None, dtype: torch.dtype = torch.float64, loss_scale: float = 1.0):
         self.chunk = self.module = chunk  # (module: what the executor reads)
         self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward is called through (fsdp.StageEntry)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
-        self.d_model, self.global_tokens = d_model, global_tokens
+        self.d_model, self.global_tokens, self.dtype = d_model, global_tokens, dtype  # dtype: the activations'
+        self.loss_scale = loss_scale  # fp16: the loss scale S the backward starts from
         self.activations: dict[int, int] | None = None  # set to a dict to record
         self.kept: dict[int, int] = {}
 
@@ -101,7 +173,7 @@ class MeshStage:
 
     def input_like(self, mb: int) -> torch.Tensor:
         b, s = self.inputs[mb].shape
-        return torch.empty((b, s // self.sp, self.d_model), dtype=torch.float64)
+        return torch.empty((b, s // self.sp, self.d_model), dtype=self.dtype)
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         return self._forward(x, mb) if self.entry is None else self.entry(self._forward, x, mb)
@@ -119,7 +191,7 @@ class MeshStage:
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
-        return loss * (self.targets[mb].numel() / self.global_tokens)  # this micro-batch's share of the global mean
+        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
 
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
@@ -141,19 +213,19 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         apply_selective_recompute(c, config.recompute == "selective")
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
-    weights = flat_params(model)
-    sync = data_parallel(config, model, weights, params, mesh, dp, along["dp"])  # over dp: parallel/mesh_dp.py
+    precision, loss_scale = PRECISIONS[config.precision], LossScale(config)
+    sync = data_parallel(config, model, to_precision(model, precision), params, mesh, dp, along["dp"], precision)  # mesh_dp.py
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
         t.t0_ns = tracer.t0_ns
-    step_us = []  # each step's (start, end) on this rank
-    losses, activations, kept, pp_bytes = [], {}, {}, 0
+    step_us, losses, activations, kept, pp_bytes = [], [], {}, {}, 0  # step_us: each step's (start, end) on this rank
     batches = [tokens(config)[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
 
     def make_stages():  # (fsdp2: each stage called through its fully_shard-ed module, sync.entry)
         return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1, sync.entry(c)) for s, c in chunks.items()}
+                             config.tp if config.sp else 1, sync.entry(c), precision.compute, loss_scale.scale)
+                for s, c in chunks.items()}
     start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -170,24 +242,26 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        weights = sync.update(gradients_over_cp_ep(list(model.parameters()), cp, ep, replicated_over_ep), step)  # (fsdp2: unsharded)
+        grads, overflow, scale = loss_scale.unscale(  # (fsdp2: the parameters are its unsharded ones, read afresh)
+            gradients_over_cp_ep(list(model.parameters()), cp, ep, replicated_over_ep, precision.reduce))
+        weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)
         model.zero_grad(set_to_none=True)
         step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
-        losses.append(reported_loss(walk["loss"], mesh))
+        losses.append(reported_loss(walk["loss"] / scale, mesh))
         if checkpoint:
             checkpoint.after_step(step, losses[-1])
         if progress and rank == 0:
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    sync.load_final(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
+    final = sync.final_named(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
            for call in getattr(b.ffn, "stats", [])]
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": {k: p_.detach().numpy().copy() for k, p_ in model.named_parameters()},
+            "losses": losses, "params": final,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
@@ -197,7 +271,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
-            "trace": merged_trace(tracer, along, mesh), "step_us": step_us}
+            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload
@@ -225,13 +299,25 @@ def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
 
 
-def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor) -> torch.Tensor:
-    """The flat gradient summed over the context-parallel ranks, and over ep where the weights are replicated."""
-    grads = torch.cat([p_.grad.reshape(-1) for p_ in params])
+
+
+def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
+                         reduce: torch.dtype = torch.float64) -> torch.Tensor:
+    """The flat gradient, cast to the reduce dtype, summed over the context-parallel ranks, and over ep where the
+    weights are replicated."""
+    grads = torch.cat([p_.grad.reshape(-1) for p_ in params]).to(reduce)
     grads = sum_gradients(cp, grads, "context-parallel gradients")
     if ep.n > 1:
         grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
     return grads
+
+
+def overflowed(grads: torch.Tensor) -> bool:
+    """Whether any rank's gradients hold an inf or NaN (an all-reduce of the flag over the world, so every rank skips
+    the same steps: each pipeline stage and shard sees only its own gradients)."""
+    flag = torch.tensor([0.0 if torch.isfinite(grads).all() else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def reported_loss(loss: float, mesh: DeviceMesh) -> float:

@@ -30,12 +30,14 @@ def tokens(config) -> torch.Tensor:
 
 def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, seq: int | None = None,
                          layers: int | None = None, first: bool = True, last: bool = True, index: int = 0,
-                         dense_ffn: bool = True) -> list[dict]:
+                         dense_ffn: bool = True, item: int = 8, loss_item: int | None = None) -> list[dict]:
     """Every collective of one forward and backward on rank `index` of n: (phase, op, name, numel, sent_bytes), in
     the order run. By default the whole model on config's batch; a pipeline stage gives its `layers`, whether it is
     the `first` (embedding) and `last` (head, loss), and its micro-batch's `batch` and (context-parallel) `seq`.
     Without `dense_ffn` (MoE blocks: run alike on every tp rank, or under SP each on its sequence shard) the MLP's
-    collectives are absent; the norm-gradient rows count the norms only (an MoE layer's gradients are summed too)."""
+    collectives are absent; the norm-gradient rows count the norms only (an MoE layer's gradients are summed too).
+    `item`: bytes per element of the activations (8: float64; the mesh's compute dtype); `loss_item`: of the cross
+    entropy's (at least fp32: models.llama.at_least_fp32), item if not given."""
     b, s, L = batch or config.batch, seq or config.seq, config.layers if layers is None else layers
     nh, tokens_, h = b * s * config.d_model, b * s, config.d_model
     rows = []
@@ -75,9 +77,9 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
             add("backward", "all_gather", "embedding", nh // n)
         for _ in range(2 * L + last):
             add("backward", "all_reduce", "norm weight gradients", h)
-    item = 8  # float64
     for r in rows:
-        r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, item, index)
+        size = (loss_item or item) if r["name"].startswith("cross entropy") else item
+        r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, size, index)
     return rows
 
 

@@ -5,7 +5,8 @@ Loss = squared error summed over the global batch ÷ (global batch · width); ea
 slice of every step's batch and scales its partial loss the same way, so summing gradients over ranks
 gives the single-process gradient. Adam is PyTorch's formula, written out so a shard updates exactly
 the elements the full vector would. `Precision` says which dtype computes, which holds the master
-weights and Adam's states, and which reduces gradients (float64 throughout, or bf16 mixed precision).
+weights and Adam's states, and which reduces gradients (float64 throughout, or bf16 mixed precision; the mesh also
+runs fp32 throughout and fp16 mixed precision with loss scaling).
 """
 from __future__ import annotations
 
@@ -81,8 +82,10 @@ class Precision:
 
 
 FP64 = Precision(torch.float64, torch.float64, torch.float64)
+FP32 = Precision(torch.float32, torch.float32, torch.float32)
 BF16_MIXED = Precision(torch.bfloat16, torch.float32, torch.float32)  # as FSDP's MixedPrecision(reduce_dtype=fp32)
-PRECISIONS = {"fp64": FP64, "bf16_mixed": BF16_MIXED}
+FP16_MIXED = Precision(torch.float16, torch.float32, torch.float32)   # with dynamic loss scaling (Micikevicius et al.)
+PRECISIONS = {"fp64": FP64, "fp32": FP32, "bf16_mixed": BF16_MIXED, "fp16_mixed": FP16_MIXED}
 
 
 def make_model(w: Workload) -> nn.Sequential:

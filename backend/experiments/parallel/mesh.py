@@ -28,9 +28,30 @@ from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
 from backend.parallel.wire import ring_bytes
+from backend.parallel.workload import PRECISIONS
 from backend.result import Check, Result
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
+# Other precisions: the ranks regroup every sum (tp shards' partial products added in the ring's order, micro-batches'
+# and dp slices' gradients summed apart), so each rounds differently from one process. Adam passes that on unevenly:
+# an element whose gradient is smaller than the rounding noise may change sign, and its first steps move it by ±lr
+# either way. So the final weights are compared as ‖p − p_ref‖ ÷ ‖p_ref − p_ref(0)‖ (a share of the update), and the
+# losses (computed in fp32 from the logits, models.llama.at_least_fp32) relative to the loss, in eps of the compute
+# dtype (bf16 2^-7, fp16 2^-10, fp32 2^-23). Measured on the test configurations, the defaults and the Megatron preset:
+# bf16 0.050-0.059 of the update, loss within 0.07 eps (0.23 against float64); fp16 0.016-0.019, 0.08 eps; fp32
+# 5e-7-3e-5, 3.6 eps (5.4 against float64). The bounds leave a margin of 2.5-16x; a lost master copy at lr 1e-3 (updates
+# under a bf16 ulp of most weights) measures 0.22 of the update (tests/test_mesh_precision.py).
+PRECISION_TOL = {  # against one process running the same recipe: (share of the update, loss in eps, why)
+    "fp32": (5e-4, 32, "fp32 sums regrouped over ranks, then passed through Adam's m/√v"),
+    "bf16_mixed": (0.15, 0.5, "bf16 activations and weight copies rounded in another order over ranks, then passed "
+                              "through Adam's m/√v on the fp32 master"),
+    "fp16_mixed": (0.15, 0.5, "fp16 activations and weight copies rounded in another order over ranks, then passed through "
+                              "Adam's m/√v on the fp32 master")}
+FP64_BOUND = {  # against float64: the recipe's own rounding of weights, activations and gradients (a bound, not equality)
+    "fp32": (1e-3, 64, "fp32 rounding of everything float64 holds exactly enough"),
+    "bf16_mixed": (0.25, 1, "bf16 rounding of weights, activations and gradients; fp32 master and Adam"),
+    "fp16_mixed": (0.25, 1, "fp16 rounding of weights, activations and gradients; fp32 master and Adam; the steps the loss "
+                            "scale skipped skipped there too")}
 # Presets at tiny scale: each fills the settings it names (one line each, in PRESET_NOTES). The real systems run these
 # shapes at thousands of GPUs; here every dimension is 2 so each strategy is live and checked on 4 or 8 ranks.
 PRESETS = {
@@ -38,8 +59,9 @@ PRESETS = {
     "3d8": {"world_size": 8, "pp": 2, "tp": 2},
     "moe_ep": {"world_size": 4, "pp": 2, "tp": 1, "ep": 2, "experts": 4},
     "megatron": {"world_size": 8, "tp": 2, "sp": True, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
-                 "dp_strategy": "zero1"},
-    "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1"},
+                 "dp_strategy": "zero1", "precision": "bf16_mixed"},
+    "megatron4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "dp_strategy": "zero1",
+                  "precision": "bf16_mixed"},
     "torchtitan": {"world_size": 8, "tp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
     "torchtitan4": {"world_size": 4, "tp": 1, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
     "torchtitan_cp": {"world_size": 8, "tp": 1, "cp": 2, "pp": 2, "schedule": "1f1b", "dp_strategy": "fsdp2"},
@@ -52,14 +74,16 @@ PRESET_NOTES = {
     "seed002": "seed 002: 8 ranks as two 4-stage pipelines (GPipe) with data parallel between them",
     "3d8": "pp 2 x dp 2 x tp 2 on 8 ranks, every dimension live",
     "moe_ep": "MoE: 4 experts over ep 2, pipeline 2 (4 ranks)",
-    "megatron": "Megatron-LM style: TP 2 + SP + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1), pp 2 x dp 2 (8 ranks)",
-    "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 (tp 1 to fit)",
+    "megatron": "Megatron-LM style: TP 2 + SP + interleaved 1F1B (2 chunks) + distributed optimizer (ZeRO-1) + bf16 with fp32 "
+                "master weights and gradient sums, pp 2 x dp 2 (8 ranks)",
+    "megatron4": "Megatron-LM style on 4 ranks: interleaved 1F1B (2 chunks) + ZeRO-1 over dp 2 + bf16 mixed precision (tp 1 to fit)",
     "torchtitan": "torchtitan style: FSDP2 (PyTorch's fully_shard, gathered once per step under PP) + TP 2 + 1F1B, pp 2 x dp 2 (8 ranks)",
     "torchtitan4": "torchtitan style on 4 ranks: FSDP2 (fully_shard) + 1F1B, pp 2 x dp 2",
     "torchtitan_cp": "torchtitan style with context parallel: FSDP2 (fully_shard) + CP 2 (ring, zigzag) + 1F1B, pp 2 x dp 2 (8 ranks)",
     "llama3": "Llama 3's dimensions tp 2, cp 2, pp 2 with 1F1B (8 ranks; dp 1 at this size; this mesh nests dp outside cp, "
               "Llama 3 puts dp outermost, the same groups when dp = 1)",
-    "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 to fit the run budget)",
+    "deepseek_v3": "DeepSeek-V3 style: EP 2 (4 experts) + DualPipe-V (4 micro-batches) + ZeRO-1, pp 2 x dp 2 (8 ranks; d_model 16 "
+                   "to fit the run budget; fp64: MoE routing in bf16 flips near ties, so the exact routing checks need it)",
     "ddp4": "DDP with 4 KiB gradient buckets over dp 2, 1F1B over pp 2 (4 ranks)",
 }
 
@@ -97,6 +121,16 @@ class MeshConfig(TPConfig):
     compare_schedules: bool = setting(False, help="also run this plan under every other pipeline schedule the mesh can "
                                       "run with it (interleaved with 2 chunks): replayed step time, bubble and peak "
                                       "activations per rank side by side, each run checked as usual")
+    precision: str = setting("fp64", choices=("fp64", "fp32", "bf16_mixed", "fp16_mixed"),
+                             help="fp64 throughout (exact checks); fp32 throughout; bf16_mixed: bf16 weights, activations "
+                                  "and tp/sp/cp/ep/pp messages, fp32 master weights, Adam m and v, and fp32 gradient sums "
+                                  "over cp, ep and dp (FSDP's MixedPrecision(reduce_dtype=fp32), Megatron's fp32 main grads); "
+                                  "fp16_mixed: the same in fp16, with dynamic loss scaling (GradScaler's rule: overflowing "
+                                  "steps skipped, the scale halved). The loss is computed in fp32")
+    init_loss_scale: int = setting(2 ** 16, min=1, max=2 ** 24, help="fp16_mixed: the loss scale S of the first step, a "
+                                   "power of 2 (GradScaler's default 65536); too large and the first steps overflow and are skipped. A step whose "
+                                   "largest gradient comes within rounding of fp16's max may overflow on the ranks and not in one "
+                                   "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
@@ -174,6 +208,20 @@ class MeshConfig(TPConfig):
             raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
+        if self.init_loss_scale & (self.init_loss_scale - 1):
+            raise ConfigError("init_loss_scale", f"{self.init_loss_scale} is not a power of 2 (allowed: 1, 2, 4, ..., 2^24; "
+                                                 "dividing by a power of 2 unscales the gradients exactly)")
+        if self.init_loss_scale != 2 ** 16 and self.precision != "fp16_mixed":
+            raise ConfigError("init_loss_scale", f"{self.init_loss_scale} with precision {self.precision}: only fp16 is "
+                                                 "loss-scaled (allowed: 65536, or any power of 2 with fp16_mixed)")
+        if self.precision != "fp64" and self.experts:
+            raise ConfigError("precision", f"{self.precision} with MoE blocks: top-k routing on rounded activations flips "
+                                           "near-tied experts between the ranks and one process, and the routing and expert "
+                                           "byte checks compare the same routing (allowed: fp64 with experts > 0)")
+        if self.precision != "fp64" and self.dp_strategy == "fsdp2":
+            raise ConfigError("precision", f"{self.precision} with dp_strategy fsdp2: FSDP2 in the mesh runs float64 only "
+                                           "(its MixedPrecisionPolicy is not wired) (allowed: fp64 with fsdp2, or another "
+                                           "dp_strategy)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
@@ -252,16 +300,17 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     split = split_of(config, payload["coords"])
     s, h, steps, sizes = len(split.positions), config.d_model, config.steps, split.microbatch_sizes
+    c, r_ = _item(config, "compute"), _item(config, "reduce")  # bytes per element: activations, gradient sums
     plan, me, S = config.plan, payload["coords"]["pp"], config.num_stages
-    act = sum(b * len(split.sp_positions) * h * 8 for b in sizes)  # per micro-batch (SP: a sequence shard)
+    act = sum(b * len(split.sp_positions) * h * c for b in sizes)  # per micro-batch (SP: a sequence shard)
     # stage boundaries that cross to another pp rank (a V's turn, stage pp-1 to pp, stays on its rank)
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
-    kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * 8 for b in sizes)
+    kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * c for b in sizes)
     n = payload["flat_numel"]
 
     def gradients(k: int) -> int:
-        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, 8) if k > 1 else 0
+        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, r_) if k > 1 else 0
     forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
 
     split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
@@ -278,20 +327,27 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
              for mb, b in enumerate(sizes) if config.tp > 1 for st, layers in payload["stages"].items()
              for r in expected_collectives(config, config.tp, config.sp, batch=b, seq=s, layers=len(layers),
                                            first=st == 0, last=st == S - 1, index=payload["coords"]["tp"],
-                                           dense_ffn=not config.experts) if r["name"] != "norm weight gradients")
+                                           dense_ffn=not config.experts, item=c, loss_item=max(c, 4))
+             if r["name"] != "norm weight gradients")
     if config.sp and config.tp > 1:  # the norms' (and MoE layers') gradients, summed over tp once a step
-        tp += sum(ring_bytes("all_reduce", numel, config.tp, 8, payload["coords"]["tp"])
+        tp += sum(ring_bytes("all_reduce", numel, config.tp, c, payload["coords"]["tp"])
                   for st, layers in payload["stages"].items() for numel in sequence_parallel_numels(config, len(layers), st == S - 1))
     return {"tp": steps * tp, "pp": steps * act * crossings,
             # per layer: forward cp-1 K/V blocks (each forward); backward cp-1 K/V blocks and cp dK/dV blocks (the last home)
             "cp ring": steps * payload["layers_here"] * kv_block * (forwards * (config.cp - 1) + 2 * config.cp - 1)
             if config.cp > 1 else 0,
             "dp gradients": fsdp2_bytes(payload["param_shapes"], config.dp, steps) if config.dp_strategy == "fsdp2" else
-            dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024),
+            dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024,
+                     config.precision, sum(payload.get("skipped", []))),
             "cp gradients": gradients(config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
             "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
-                                               config.ep, 8) if config.ep > 1 else 0}
+                                               config.ep, r_) if config.ep > 1 else 0}
+
+
+def _item(config: MeshConfig, which: str) -> int:
+    """Bytes per element of the precision's compute, master or reduce dtype (workload.Precision.item)."""
+    return PRECISIONS[config.precision].item(which)
 
 
 def sequence_parallel_numels(config: MeshConfig, layers: int, last: bool) -> list[int]:
@@ -306,25 +362,31 @@ def sequence_parallel_numels(config: MeshConfig, layers: int, last: bool) -> lis
 
 def kept_inputs(config: MeshConfig, payload: dict) -> dict[int, dict[int, int]]:
     """Full recompute keeps each (stage, micro-batch)'s input from F to B: b x s/cp token ids (int64) on stage 0, a
-    b x s/cp x d_model float64 activation on the others (each rank holds its cp positions only; under SP its tp share)."""
-    split = split_of(config, payload["coords"])
-    return {st: {j: b * 8 * (len(split.positions) if st == 0 else len(split.sp_positions) * config.d_model)
+    b x s/cp x d_model activation in the compute dtype on the others (each rank holds its cp positions only; under SP
+    its tp share)."""
+    split, c = split_of(config, payload["coords"]), _item(config, "compute")
+    return {st: {j: b * (8 * len(split.positions) if st == 0 else c * len(split.sp_positions) * config.d_model)
                  for j, b in enumerate(split.microbatch_sizes)}
             for st in payload["stages"]}
 
 
-def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int) -> int:
-    """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements (float64), each
-    collective a ring over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce,
-    DDP and ZeRO-1/2 alike). DDP: one all-reduce per bucket, buckets filled in reverse parameter order and closed
-    once they reach bucket_bytes. ZeRO-3: the same reduce-scatter and all-gather per step, plus one all-gather at
-    the end to report the trained weights."""
+def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes: int, precision: str = "fp64",
+             skipped: int = 0) -> int:
+    """Bytes one rank sends over dp in a run of `steps`, for parameters of `numels` elements, each collective a ring
+    over the vector zero-padded to a multiple of k (seed 000: 2ψ(k-1)/k per step for all-reduce, DDP and ZeRO-1/2
+    alike). Gradients travel in the reduce dtype, ZeRO's weights in the compute dtype. DDP: one all-reduce per
+    bucket, buckets filled in reverse parameter order and closed once their gradients reach bucket_bytes. ZeRO-3:
+    the same reduce-scatter and all-gather per step, plus one all-gather of the master weights at the end to report
+    the trained weights (so too ZeRO-1/2 in mixed precision, whose step-end gather was of the compute copy). A step
+    the loss scale `skipped` (fp16 overflow) still reduces its gradients, but ZeRO-1/2 gather nothing after it."""
     if k == 1:
         return 0
+    p = PRECISIONS[precision]
+    grad, weight, master = p.item("reduce"), p.item("compute"), p.item("master")
     pad = lambda e: -(-e // k) * k  # noqa: E731
 
     def all_reduce(e: int) -> int:
-        return ring_bytes("all_reduce", pad(e), k, 8)
+        return ring_bytes("all_reduce", pad(e), k, grad)
     n = sum(numels)
     if strategy == "allreduce":
         return steps * all_reduce(n)
@@ -332,11 +394,14 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
         buckets = [0]
         for e in reversed(numels):
             buckets[-1] += e
-            if buckets[-1] * 8 >= bucket_bytes:
+            if buckets[-1] * grad >= bucket_bytes:
                 buckets.append(0)
         return steps * sum(all_reduce(b) for b in buckets if b)
-    gather = ring_bytes("all_gather", pad(n) // k, k, 8)
-    return steps * (ring_bytes("reduce_scatter", pad(n), k, 8) + gather) + (gather if strategy == "zero3" else 0)
+    gather = ring_bytes("all_gather", pad(n) // k, k, weight)
+    report = ring_bytes("all_gather", pad(n) // k, k, master)  # the trained master weights, gathered to report them
+    reported = strategy == "zero3" or p.mixed  # otherwise the last step's all-gather left the master whole on every rank
+    gathers = steps if strategy == "zero3" else steps - skipped  # ZeRO-3 gathers at each step's start regardless
+    return steps * ring_bytes("reduce_scatter", pad(n), k, grad) + gathers * gather + (report if reported else 0)
 
 
 def fsdp2_rows(rows: int, k: int, index: int) -> int:
@@ -368,14 +433,21 @@ def fsdp2_memory(shapes: dict, k: int, index: int) -> dict[str, int]:
     return {"parameters": 8 * mine, "gradients": 8 * mine, "optimizer states": 16 * mine}
 
 
-def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
-    """Seed 000's table in float64: bytes a rank keeps between steps for ψ = n parameters over k dp ranks. Every
-    strategy holds Adam's m and v for what it updates (ZeRO: ⌈ψ/k⌉, the vector padded to a multiple of k); ZeRO-2
-    keeps only its gradient shard; ZeRO-3 its parameter shard too."""
-    shard = -(-n // k)
+def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[str, int]:
+    """Seed 000's table: bytes a rank keeps between steps for ψ = n parameters over k dp ranks. Every strategy holds
+    Adam's m and v for what it updates (ZeRO: ⌈ψ/k⌉, the vector padded to a multiple of k); ZeRO-2 keeps only its
+    gradient shard; ZeRO-3 its parameter shard too. Weights at the compute dtype's item size, gradients at the
+    reduce dtype's, m and v at the master's (fp64: 8ψ + 8ψ + 16ψ). Mixed precision keeps the master copy apart,
+    sharded as Adam's states are (ZeRO's K = 12: 4ψ master + 8ψ m, v), and ZeRO-3 then no compute copy between steps."""
+    p, shard = PRECISIONS[precision], -(-n // k)
+    c, g, m = p.item("compute"), p.item("reduce"), p.item("master")
     sharded = {"allreduce": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[strategy]
-    return {"parameters": 8 * (shard if sharded >= 3 else n), "gradients": 8 * (shard if sharded >= 2 else n),
-            "optimizer states": 16 * (shard if sharded >= 1 else n)}
+    states = shard if sharded >= 1 else n
+    out = {"parameters": c * (shard if sharded >= 3 else n), "gradients": g * (shard if sharded >= 2 else n),
+           "optimizer states": 2 * m * states}
+    if p.mixed:
+        out.update({"parameters": 0 if sharded >= 3 else c * n, "master weights": m * states})
+    return out
 
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
@@ -397,7 +469,7 @@ def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) 
 def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> int:
     """One MoE call's all-to-all bytes from ep rank coords["ep"]: the per-expert counts ((ep-1) messages of E/ep
     numbers), then forward dispatch (its rows for other ranks' experts), combine (other ranks' rows for its experts,
-    returned), and their backwards again: 2 (out + in) rows of d_model float64. Full recompute runs the forward's
+    returned), and their backwards again: 2 (out + in) rows of d_model in the compute dtype (counts: int64). Full recompute runs the forward's
     counts, dispatch and combine twice."""
     n, per, me = config.ep, config.experts // config.ep, coords["ep"]
     if n == 1:
@@ -406,7 +478,7 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     mine = slice(me * per, (me + 1) * per)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
-    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * 8
+    return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _item(config, "compute")
 
 
 def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
@@ -435,24 +507,79 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
                         b * len(split.sp_positions), int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
-            out[(stage, j)] = elements * 8
+            out[(stage, j)] = elements * _item(config, "compute")
     return out
+
+
+def parameter_errors(payloads, ref: dict) -> tuple[float, float]:
+    """Every rank's final (master) shards against the reference's, cut as they were: the largest absolute difference,
+    and the L2 norm of the differences relative to the L2 norm of what training moved the reference's weights,
+    ‖p − p_ref‖ ÷ ‖p_ref − p_ref(0)‖ over all shards (0: equal; 1: as far off as the whole update)."""
+    worst, diff2, moved2 = 0.0, 0.0, 0.0
+    for p in payloads:
+        expected, start = cut(ref["state"], p["sources"]), cut(ref["initial"], p["sources"])
+        for k, v in p["params"].items():
+            d = torch.from_numpy(v) - expected[k]
+            worst, diff2 = max(worst, d.abs().max().item()), diff2 + d.square().sum().item()
+            moved2 += (expected[k] - start[k]).square().sum().item()
+    if moved2 == 0:  # (every step skipped by the loss scale: nothing moved, nothing may differ)
+        return worst, 0.0 if diff2 == 0 else float("inf")
+    return worst, (diff2 / moved2) ** 0.5
+
+
+def against_one_process(config: MeshConfig, payloads, last: dict, ref: dict) -> tuple[list[Check], list[float]]:
+    """Final parameters and every step's loss against one process on the whole batch. fp64: within TOL. Otherwise
+    against one process running the same precision recipe, within PRECISION_TOL's bound for it, and against the
+    float64 one within FP64_BOUND's looser one. Returns the checks and the float64 run's losses (fp64: none apart)."""
+    param_err, param_rel = parameter_errors(payloads, ref)
+    loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
+    if config.precision == "fp64":
+        return [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
+                      reference="TinyDecoder, float64, torch.optim.Adam, one process"),
+                Check("every step's loss equals the reference", loss_err, TOL, reference="one process")], []
+    ref64 = reference_training(config, skip=tuple(i for i, s in enumerate(ref["skipped"]) if s))  # (fp16: its skipped steps)
+    err64, rel64 = parameter_errors(payloads, ref64)
+    eps = torch.finfo(PRECISIONS[config.precision].compute).eps
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref["losses"])) / eps
+    loss64 = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref64["losses"])) / eps
+    (p_tol, l_tol, why), (p_bound, l_bound, why64) = PRECISION_TOL[config.precision], FP64_BOUND[config.precision]
+    same = f"TinyDecoder, one process, the same {config.precision} recipe, torch.optim.Adam on the master weights"
+    f64 = "TinyDecoder, float64, torch.optim.Adam, one process"
+    return [Check(f"final parameters equal one process in {config.precision} (error as a share of the update)", param_rel,
+                  p_tol, reference=same, detail=f"{why}; largest element difference {param_err:.2e}"),
+            Check(f"every step's loss equals one process in {config.precision} (relative, in eps of the compute dtype)",
+                  loss_rel, l_tol, reference=same, detail=f"{why}; eps {eps:.3g}"),
+            Check("final parameters near one process in float64 (error as a share of the update)", rel64, p_bound,
+                  reference=f64, detail=f"{why64}; largest element difference {err64:.2e}"),
+            Check("every step's loss near one process in float64 (relative, in eps of the compute dtype)", loss64, l_bound,
+                  reference=f64, detail=f"{why64}; eps {eps:.3g}")], ref64["losses"]
+
+
+def loss_scale_check(payloads, ref: dict) -> Check:
+    """fp16: every rank's loss scale per step and the steps it skipped, against torch.amp.GradScaler's in one process. A
+    step whose largest gradient comes within rounding of fp16's max (65504) may overflow on the ranks, whose sums are
+    grouped otherwise, and not in one process (or the reverse): the detail gives one process's peak per step."""
+    wrong = sum(p["loss_scales"] != ref["scales"] or p["skipped"] != ref["skipped"] for p in payloads)
+    mine = payloads[0]
+    return Check("every rank's loss scale and skipped steps equal torch.amp.GradScaler's", wrong, 0,
+                 reference="torch.amp.GradScaler('cpu', init_scale as set, growth_interval 2000) on one process's fp16 gradients",
+                 detail=f"scales {mine['loss_scales']}, skipped steps {[i for i, s in enumerate(mine['skipped']) if s]}; "
+                        f"GradScaler: {ref['scales']}, skipped {[i for i, s in enumerate(ref['skipped']) if s]}; one process's "
+                        f"largest fp16 gradient per step {[round(g) if g == g and g != float('inf') else 'overflow' for g in ref['peaks']]} "
+                        f"(fp16 max 65504)")
 
 
 def combine(config: MeshConfig, payloads) -> Result:
     # one thread: a tiny model's ops are far too small to split, and two threads spinning on two shared cores made
     # the reference 10x slower (0.6 s against 8 s measured at load 10)
     torch.set_num_threads(1)
-    ref = reference_training(config)
+    ref = reference_training(config, PRECISIONS[config.precision])  # one process, the same precision recipe
     last = next(p for p in payloads if p["last_stage"])
-    param_err = max((torch.from_numpy(v) - cut(ref["state"], p["sources"])[k]).abs().max().item()
-                    for p in payloads for k, v in p["params"].items())
-    loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
     covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
-    checks = [Check("final parameters: every rank's shard equals one process on the whole batch", param_err, TOL,
-                    reference="TinyDecoder, float64, torch.optim.Adam, one process"),
-              Check("every step's loss equals the reference", loss_err, TOL, reference="one process"),
-              Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names")]
+    checks, losses64 = against_one_process(config, payloads, last, ref)
+    checks.append(Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names"))
+    if ref["scales"]:
+        checks.append(loss_scale_check(payloads, ref))
     rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
     for p in payloads:
         model = predicted_bytes(config, p, rows[p["rank"]])
@@ -475,12 +602,15 @@ def combine(config: MeshConfig, payloads) -> Result:
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
     states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
-              else dp_memory(config.dp_strategy, p["flat_numel"], config.dp) for p in payloads}
+              else dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
-                        sum(abs(p["memory"][c] - v) for p in payloads for c, v in states[p["rank"]].items()), 0,
-                        reference="seed 000 in float64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v (ψ the flat parameters "
-                                  "on the rank); ZeRO-1 shards the 16ψ, ZeRO-2 also the gradients, ZeRO-3 also the weights, "
-                                  "each to ⌈ψ/dp⌉; FSDP2 each parameter's dim-0 rows as torch.chunk cuts them; kept between steps"))
+                        sum(abs(p["memory"].get(c, 0) - v) for p in payloads for c, v in states[p["rank"]].items()) +
+                        sum(v for p in payloads for c, v in p["memory"].items() if c not in states[p["rank"]] and c != "activations"),
+                        0, reference="seed 000 at each dtype's item size (fp64: 8ψ weights, 8ψ gradients, 16ψ Adam m and v; "
+                                     "bf16_mixed: 2ψ bf16 weights, 4ψ fp32 gradients, 4ψ fp32 master, 8ψ fp32 m and v; ψ "
+                                     "the flat parameters on the rank); ZeRO-1 shards m, v (and the master), ZeRO-2 also the "
+                                     "gradients, ZeRO-3 also the weights, each to ⌈ψ/dp⌉; FSDP2 each parameter's dim-0 rows "
+                                     "as torch.chunk cuts them; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
     acts = [r for r in memory if r["category"] == "activations"]
@@ -503,10 +633,12 @@ def combine(config: MeshConfig, payloads) -> Result:
         checks.append(schedule_check)
     label = " ".join(f"{d}={getattr(config, d)}" for d in DIMS)
     loss = [{"step": i, "loss": v, "run": f"mesh {label}"} for i, v in enumerate(last["losses"])] + \
-           [{"step": i, "loss": v, "run": "reference (1 process)"} for i, v in enumerate(ref["losses"])]
+           [{"step": i, "loss": v, "run": "reference (1 process" + ("" if config.precision == "fp64" else f", {config.precision}") + ")"}
+            for i, v in enumerate(ref["losses"])] + [{"step": i, "loss": v, "run": "float64 (1 process)"} for i, v in enumerate(losses64)]
     ranks = [{"rank": p["rank"], **p["coords"], "layers": p["layers_here"], **{f"{k} bytes sent": v for k, v in p["bytes"].items()}}
              for p in payloads]
-    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts, "steps": config.steps,
+    metrics = {**{d: getattr(config, d) for d in DIMS}, "schedule": config.schedule, "sp": config.sp, "experts": config.experts,
+               "precision": config.precision, "steps": config.steps,
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
