@@ -82,6 +82,9 @@ class Schema:
         missing = [v for v in range(1, self.version) if v not in self.upgrades]
         if missing:
             raise ValueError(f"schema version {self.version} has no upgrade from version(s) {missing}")
+        strings = [name for name, columns in self.tables.items() if isinstance(columns, str)]
+        if strings:
+            raise ValueError(f"the columns of table(s) {strings} are a string, not a tuple of names")
         unknown = [k for k in self.optional if not (_matches(k, self.metrics) or k in self.tables)]
         if unknown:
             raise ValueError(f"optional keys the schema does not declare: {unknown}")

@@ -94,8 +94,8 @@ RESULT = Schema(
     ),
     tables={
         "gradients": ("element", "numeric", "ours", "tensor", "torch"),
-        "forward_dot": ("dot"),
-        "backward_dot": ("dot"),
+        "forward_dot": ("dot",),
+        "backward_dot": ("dot",),
     },
 )
 

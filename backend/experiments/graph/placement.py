@@ -133,7 +133,7 @@ RESULT = Schema(
         "placement": ("flops", "node", "op", "rank", "why"),
         "transfers": ("bytes", "dst", "src", "tag", "value"),
         "per_rank": ("compute_ms", "ops", "rank", "received_bytes", "sent_bytes"),
-        "graph_dot": ("dot"),
+        "graph_dot": ("dot",),
         "log": ("bytes", "event", "peer", "t_us", "tag", "value"),
     },
 )
