@@ -238,9 +238,10 @@ def test_an_old_stored_run_fails_to_draw_without_its_upgrade(monkeypatch):
     assert at.exception and "slowest" in str(at.exception[0].value)
 
 
-def test_the_cli_shows_an_old_run_upgraded():
+def test_the_cli_shows_an_old_run_upgraded(capsys):
     from backend.__main__ import main
 
-    rid = _store_old_run("hardware.roofline")
-    assert experiments.open_result("memory.roofline", _old("hardware.roofline"))["metrics"]["ridge_4090_fp32_flops_per_byte"] is None
+    rid = _store_old_run("hardware.roofline")  # stored under its old name, memory.roofline
     assert main(["show", rid, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["experiment"] == "memory.roofline" and shown["metrics"]["ridge_4090_fp32_flops_per_byte"] is None
