@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         body = {"run_id": rec.id, "experiment": rec.experiment, "status": rec.status, "config": rec.config,
                 "error": rec.error, "duration_s": rec.duration_s, "artifacts": {"result": rec.result_path, "trace": rec.trace_path}}
-        result = rec.result()
+        result = experiments.open_result(rec.experiment, rec.result())  # upgraded to its schema's version
         if result:
             body.update(metrics=result["metrics"], checks=result["checks"])
         print(json.dumps(body, indent=None if args.json else 1, default=str))

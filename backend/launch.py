@@ -156,7 +156,8 @@ def _report(exp, config, ctx, store, run_id: str, leader, gathered: list, args: 
     from backend import experiments, record
 
     report_exp = experiments.Experiment(exp.name, exp.config_cls, exp.summary,
-                                        run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes)
+                                        run_fn=lambda c, _ctx: exp.combine(c, gathered), lanes=exp.lanes,
+                                        schema=exp.schema)
     report = record.run_recorded(report_exp, config, ctx, store, run_id, args.out)
     leader.stop()
     print(json.dumps(report, default=str) if args.json else f"{exp.name} run {run_id} {report['status']}: {report.get('artifacts')}")

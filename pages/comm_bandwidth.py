@@ -53,10 +53,10 @@ def render(result: dict, rec) -> None:
         tooltip=tooltip)
     points = alt.Chart(long).mark_point(filled=True, size=25).encode(x=x, y=y, color="op:N", tooltip=tooltip)
     st.altair_chart((lines + points).properties(height=380, title="Bandwidth against message size").interactive(), width="stretch")
-    if "slowest" in result["tables"]:
+    if result["tables"]["slowest"]:
         slowest_rank_chart(pd.DataFrame(result["tables"]["slowest"]), table, world)
-    else:
-        st.caption("This run was stored before runs counted their slowest ranks: run it again to see them.")
+    else:  # a run of schema version 1
+        st.caption("This run did not count its slowest ranks (stored before runs did): run it again to see them.")
     with st.expander("Table"):
         ui.table(table)
     timeline.run_timeline(rec, title="Per-rank timeline of the sweep (each bar one timed call)")

@@ -108,7 +108,7 @@ def latest() -> tuple[dict, object] | None:
     runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
     if not runs:
         return None
-    result = runs[0].result()
+    result = ui.result_of(runs[0])
     return (result, runs[0]) if result else None
 
 

@@ -17,7 +17,7 @@ def render(result: dict, rec) -> None:
     cols[3].metric("IO model, flash", f"{m['io_model.flash_bytes'] / 2**20:,.2f} MiB",
                    help=f"Θ(N²d²/M); on-chip bytes per tile step M = {m['io_model.sram_bytes_per_step']:,}")
 
-    traffic = pd.DataFrame(tables.get("traffic", []))
+    traffic = pd.DataFrame(tables["traffic"])  # empty for the tiled path, which counts none
     if not traffic.empty:
         st.subheader("Global-memory bytes per tensor, counted as the kernel ran")
         st.altair_chart(alt.Chart(traffic).mark_bar().encode(
@@ -27,7 +27,7 @@ def render(result: dict, rec) -> None:
         if cfg["impl"] == "triton":
             st.caption("S and P never reach global memory: they live in registers/shared memory for one tile step.")
 
-    steps = tables.get("tile_steps", [])
+    steps = tables["tile_steps"]  # empty above 256 tokens
     if steps:
         st.subheader("Which tiles are on chip, step by step (batch 0, head 0)")
         i = st.slider("tile step", 0, len(steps) - 1, 0, key=f"tile-{rec.id}")
@@ -50,7 +50,7 @@ def render(result: dict, rec) -> None:
             x=alt.X("row:Q", title="row within the Q tile"), y=alt.Y("value:Q", title=None), color=alt.Color("variable:N", title=None),
             tooltip=["row", "variable", alt.Tooltip("value:Q", format=".4f")]).properties(height=260), width="stretch")
 
-    budget = tables.get("sram_budget")
+    budget = tables["sram_budget"]
     if budget:
         st.subheader(f"The SRAM budget (seed 003): {cfg['sram_kib']} KiB, d = {cfg['head_dim']}, {cfg['dtype']}")
         words = m["sram.words"]

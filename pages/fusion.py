@@ -58,7 +58,7 @@ def _graphs(t: dict) -> None:
     for d in t["graph_dot"]:  # one under the other, each full width: a backward graph has dozens of nodes
         st.markdown(f"**{d['phase'].capitalize()}**")
         graph_view.graph(d["dot"])
-    if t.get("saved"):
+    if t["saved"]:  # empty without the backward
         st.caption("Saved between forward and backward after the min cut")
         ui.table(pd.DataFrame(t["saved"]))
 

@@ -72,7 +72,7 @@ def _program_order(result: dict, cfg: dict) -> None:
 
 
 def _intensity(result: dict) -> None:
-    sweep = pd.DataFrame(result["tables"].get("sweep", []))
+    sweep = pd.DataFrame(result["tables"]["sweep"])
     if sweep.empty:
         return
     st.subheader("Arithmetic intensity against tile shape, from the kernel's counters")

@@ -71,7 +71,7 @@ def kv_short() -> None:
     """The INT8 KV cache from the latest numerics.int8 run, for the KV-cache page."""
     st.subheader("An INT8 KV cache")
     runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
-    result = runs[0].result() if runs else None
+    result = ui.result_of(runs[0]) if runs else None
     if not result:
         st.caption(f"No run of {EXPERIMENT} on this server yet: run it on the [Number formats page](number_formats) (view "
                    "\"INT8 quantisation\") and its INT8 cache's bytes and error appear here.")

@@ -23,8 +23,8 @@ def render(result: dict, rec) -> None:
         "saving_vs_mha_pct": st.column_config.NumberColumn("saving vs MHA", format="%.1f %%"),
         "bytes_per_token_per_layer": st.column_config.NumberColumn("measured (B)", format="%.0f"),
         "formula_bytes": st.column_config.NumberColumn("formula (B)", format="%.0f")})
-    fit = pd.DataFrame(tables.get("fit", []))
-    if not fit.empty:  # runs stored before the experiment wrote it draw without
+    fit = pd.DataFrame(tables["fit"])
+    if not fit.empty:  # empty in a run of schema version 1
         gpu_live = st.selectbox("GPU memory for this shape's cache", list(fit["gpu"].unique()), index=1, key=f"gpu-live-{rec.id}")
         ui.table(fit[fit["gpu"] == gpu_live][["variant", "tokens"]].rename(columns={"tokens": "tokens that fit (all layers, fp32)"}))
     st.caption(f"Shape: n_h={cfg['n_heads']}, n_g={cfg['n_kv_heads']}, d_h={cfg['d_head']}, d_c={cfg['d_c']}, "
@@ -64,22 +64,21 @@ def render(result: dict, rec) -> None:
             color="variant:N", tooltip=["variant", "context", alt.Tooltip("cache_bytes_read:Q", format=",")]).properties(height=260), width="stretch")
 
     st.subheader("MLA dataflow for one token (cached tensors in orange)")
-    dots = {row["form"]: row["dot"] for row in tables.get("mla_dataflow", [])}
+    dots = {row["form"]: row["dot"] for row in tables["mla_dataflow"]}
     if dots:
         mode = st.radio("form", list(dots), horizontal=True, key=f"mla-mode-{rec.id}")
         st.graphviz_chart(dots[mode])
     else:
-        st.caption("This run was stored before the experiment drew the dataflow: run it again to see it.")
+        st.caption("This run did not draw the dataflow (stored before runs did): run it again to see it.")
 
-    rope = pd.DataFrame(tables.get("mla_rope", []))
+    rope = pd.DataFrame(tables["mla_rope"])
     if not rope.empty:
         mla_rope(rope, result["metrics"])
 
     st.subheader("Published models, by formula (bf16 cache)")
     presets = pd.DataFrame(tables["presets"]).rename(columns={"tokens_that_fit": "tokens that fit"})
-    if "gpu" in presets:  # runs stored before every GPU was tabled hold the 80 GiB rows only
-        gpu = st.selectbox("GPU memory for the cache", list(presets["gpu"].unique()), index=1)
-        presets = presets[presets["gpu"] == gpu].drop(columns="gpu")
+    gpu = st.selectbox("GPU memory for the cache", list(presets["gpu"].unique()), index=min(1, presets["gpu"].nunique() - 1))
+    presets = presets[presets["gpu"] == gpu].drop(columns="gpu")
     ui.table(presets)
     st.caption("Formula, not a measurement: cache only (weights and activations need memory too), all layers, one sequence's tokens.")
     int8_view.kv_short()

@@ -14,7 +14,7 @@ PEAK_DASH = {"fp16/bf16 tensor (datasheet)": [7, 3], "fp32 (datasheet)": [2, 2],
 
 def peak(roof: dict) -> str:
     """Which peak a roof is drawn at: its precision, and whether that is a datasheet figure or measured here."""
-    return f"{roof.get('precision', 'fp16/bf16 tensor')} ({'measured' if 'measured' in roof['device'] else 'datasheet'})"
+    return f"{roof['precision']} ({'measured' if 'measured' in roof['device'] else 'datasheet'})"
 
 
 def render(result: dict, rec) -> None:
@@ -43,13 +43,13 @@ def render(result: dict, rec) -> None:
     st.caption("Lines: presets (datasheet peaks: a model; each GPU twice, dashed at its fp16 tensor-core peak and dotted at its "
                "fp32 peak, e.g. the RTX 4090 at 165.2 and seed 003's 82.58 TFLOP/s) and this CPU (solid, measured). Black: measured runs on "
                "this CPU. Coloured points: where naive and flash attention of the chosen shape would sit on each GPU (model).")
-    if "ridge_4090_fp32_flops_per_byte" in m:
+    if m["ridge_4090_fp32_flops_per_byte"] is not None:  # None in a run of schema version 1
         st.caption(f"RTX 4090 fp32: its roof turns flat at {m['ridge_4090_fp32_flops_per_byte']:.2f} FLOP/B (found on the roofline); "
                    "seed 003's 82.58 TFLOPS ÷ 1.01 TB/s gives 81.76, checked in this run's checks.")
 
     st.subheader("The hierarchy, level by level")
-    if "hierarchy" not in tables:
-        st.caption("This run was stored before runs tabled every preset's hierarchy: run it again to see it.")
+    if not tables["hierarchy"]:  # a run of schema version 1
+        st.caption("This run did not table every preset's hierarchy (stored before runs did): run it again to see it.")
         return
     every = pd.DataFrame(tables["hierarchy"])
     device = st.selectbox("device", list(dict.fromkeys(every["device"])), key=f"dev-{rec.id}")

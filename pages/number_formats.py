@@ -83,7 +83,7 @@ def render(result: dict, rec) -> None:
         tooltip=["method", "terms", alt.Tooltip("running_sum:Q", format=".6g")]).properties(height=300), width="stretch")
     errors = pd.DataFrame(t["sum_errors"])
     ui.table(errors, column_config=general(errors, digits=8))
-    stall = result["metrics"].get("fp16_stall_prediction")
+    stall = result["metrics"]["fp16_stall_prediction"]  # None where the values do not stall a plain FP16 sum
     if stall:
         st.markdown(f"Model: a plain FP16 sum of a constant v stops at the first 2^k whose half-gap 2^(k−11) is at least v: "
                     f"**{stall:g}** predicted; measured **{result['metrics']['fp16_plain_sum']:g}**. Kahan's compensation "

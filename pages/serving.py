@@ -57,8 +57,7 @@ def load_curve(load: pd.DataFrame, knee) -> None:
 
 
 def cost_model(m: dict, rows: list, steps: pd.DataFrame, measured: str) -> None:
-    if COST_SUMMARY in m:  # runs stored before the experiments wrote it: the table and the chart below still draw
-        st.markdown(m[COST_SUMMARY])
+    st.markdown(m[COST_SUMMARY])
     ui.table(pd.DataFrame(rows), column_config={"coefficient_us": st.column_config.NumberColumn(
         "µs per unit", format="%.4g", help="microseconds each unit of the term adds to a step")})
     top = float(max(steps["time_ms"].max(), steps["predicted_ms"].max()))
@@ -98,7 +97,7 @@ def render_engine(result: dict, rec) -> None:
     st.subheader("Latency: real and simulated, same trace")
     fidelity_table(m, "real", "simulated")
     latency_cdfs(pd.DataFrame(t["latency"]))
-    gaps = pd.DataFrame(t.get("token_gaps", []), columns=["request", "gap"])
+    gaps = pd.DataFrame(t["token_gaps"], columns=["request", "gap"])
     st.altair_chart(alt.Chart(gaps).transform_window(share="cume_dist()", sort=[{"field": "gap"}]).mark_line(
         interpolate="step-after").encode(
         x=alt.X("gap:Q", title="time between two output tokens of a request (s), the engine", scale=alt.Scale(type="log", nice=False)),
@@ -107,7 +106,7 @@ def render_engine(result: dict, rec) -> None:
     st.subheader("The cost model")
     cost_model(m, t["cost_model"], steps, "measured (held-out run)")
     st.subheader("Load curve")
-    load_curve(pd.DataFrame(t["load"]), m.get("knee_rate"))
+    load_curve(pd.DataFrame(t["load"]), m["knee_rate"])
     decode_view.short("batching")
 
 
@@ -122,7 +121,7 @@ def render_simulate(result: dict, rec) -> None:
     fidelity_table(m, "real", "simulated")
     latency_cdfs(pd.DataFrame(t["latency"]))
     st.subheader("Load curve (simulated)")
-    load_curve(pd.DataFrame(t["load"]), m.get("knee_rate"))
+    load_curve(pd.DataFrame(t["load"]), m["knee_rate"])
     st.subheader("Each knob, flipped once")
     knobs = pd.DataFrame(t["knobs"])
     ran = knobs.dropna(subset=["ttft_p90"]).assign(label=lambda d: d["knob"] + " " + d["setting"])

@@ -68,6 +68,11 @@ def experiment_of(rec: RunRecord) -> str:
     return experiments.canonical(rec.experiment)
 
 
+def result_of(rec: RunRecord) -> dict | None:
+    """A stored run's result as pages read it: upgraded to its experiment's schema version, read by declared keys."""
+    return experiments.open_result(rec.experiment, rec.result())
+
+
 def all_experiments() -> list[experiments.Experiment]:
     """Every registered experiment, by name (the Overview's map and the Runs page's filter)."""
     return experiments.all_experiments()
@@ -231,7 +236,7 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
     if rec.status != "succeeded":
         _stopped(rec)
         return
-    result = rec.result()
+    result = result_of(rec)
     if result is None:
         st.error(f"Run {rec.id} succeeded but its result file is missing ({rec.result_path}).")
         return

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from backend import limits
 from backend.config import Config, ConfigError
-from backend.result import Result
+from backend.result import Result, Schema
 from backend.trace import DEFAULT_LANES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +73,7 @@ class Experiment:
     combine: Callable[[Config, list[Any]], Result] | None = None
     lanes: tuple[str, ...] = DEFAULT_LANES
     preload: tuple[str, ...] = ()  # modules every rank imports: the fork server imports them once for all ranks
+    schema: Schema | None = None   # its result's declared keys and version (None: not declared yet, read as stored)
 
     @property
     def distributed(self) -> bool:
@@ -100,8 +101,18 @@ class Experiment:
                     ctx = dataclasses.replace(ctx, scratch_dir=scratch)
                 payloads = spawn_ranks(self.rank_fn, config.world_size, config, ctx, self.preload,
                                        restarts=getattr(config, "max_restarts", 0))
-                return self.combine(config, payloads)
-        return self.run_fn(config, ctx)
+                return self._stamped(self.combine(config, payloads))
+        return self._stamped(self.run_fn(config, ctx))
+
+    def _stamped(self, result: Result) -> Result:
+        return self.schema.stamp(result, self.name) if self.schema else result
+
+    def open_result(self, stored: dict | None) -> dict | None:
+        """A stored result.json as pages read it: upgraded to the schema's version, its keys checked (Schema.open);
+        as stored for an experiment that declares no schema yet."""
+        if stored is None or self.schema is None:
+            return stored
+        return self.schema.open(stored, self.name)
 
 
 _REGISTRY: dict[str, Experiment] = {}
@@ -179,6 +190,14 @@ def get(name: str) -> Experiment:
     if now not in _REGISTRY:
         raise ConfigError("experiment", f"unknown experiment {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[now]
+
+
+def open_result(name: str, stored: dict | None) -> dict | None:
+    """A stored run's result as it is read (Experiment.open_result), by the experiment's name now or an old one; as
+    stored when no experiment of that name is registered any more."""
+    _load_all()
+    exp = _REGISTRY.get(canonical(name))
+    return exp.open_result(stored) if exp else stored
 
 
 def run(name: str, **settings) -> Result:

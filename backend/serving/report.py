@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backend.serving.schema import COST_SUMMARY
 from backend.serving.scheduler import Scheduler
 from backend.serving.simulator import CostModel, describe_noise, latency_summary
 
@@ -80,3 +81,9 @@ def cost_model_summary(m: dict) -> str:
         text += " The simulator draws each step's noise from " + describe_noise(
             *(m[f"cost.{k}"] for k in ("drift_share", "drift_persistence", "slow_drift_share", "slow_drift_persistence"))) + "."
     return text
+
+
+def cost_summary_written(result: dict) -> None:
+    """Schema version 1 -> 2 of both serving experiments: a run stored before they wrote the cost model's paragraph
+    gets it from its own metrics."""
+    result["metrics"].setdefault(COST_SUMMARY, cost_model_summary(result["metrics"]))

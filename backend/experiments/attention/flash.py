@@ -23,7 +23,7 @@ from backend.attention.flash import io_model, online_softmax_example, online_sof
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from kernels.flash_attention import (TENSORS, closed_form_traffic, flash_backward, flash_forward, naive_attention,
                                      sdpa_reference)
 
@@ -142,12 +142,11 @@ def run(config: FlashConfig, ctx) -> Result:
     metrics.update(model_metrics)
     tables.update(model_tables)
     checks += model_checks
+    tables["tile_steps"] = steps = []
     if N <= 256:  # the tile schedule of (batch 0, head 0), replayed by the same algorithm in PyTorch, for the page
-        steps = []
         tiled_attention(q32[0, 0], k32[0, 0], v32[0, 0], config.causal, config.block_m, config.block_n,
                         on_step=lambda i, j, m, l: steps.append({"step": len(steps), "q_tile": i, "kv_tile": j,
                                                                  "m": m.tolist(), "l": l.tolist()}))
-        tables["tile_steps"] = steps
     if config.impl == "tiled" and N >= 8192:
         notes.append(f"Resident memory grew by {metrics['peak_resident_growth_bytes'] / 2**20:.1f} MiB while the tiled "
                      f"path ran; naive attention would hold {B * H * N * N * 4 / 2**30:.2f} GiB of scores.")
@@ -159,7 +158,7 @@ def attend(config: FlashConfig, q, k, v, do, ctx):
     the bytes it moved: counted inside the Triton kernels (checked against the closed form) or by the naive path.
     Returns the output, the gradients (None unless computed), metrics, tables and checks."""
     B, H, N, D = config.batch, config.heads, config.seq_len, config.head_dim
-    metrics, tables, checks = {}, {}, []
+    metrics, tables, checks = {}, {"traffic": []}, []  # the tiled path counts no traffic
     rss_before = _max_rss_bytes()
     start = time.perf_counter()
     grads = None
@@ -228,6 +227,31 @@ def models_and_seeds(config: FlashConfig, elem: int):
                                 "torch.softmax for the normalised result", detail=detail)], [note]
 
 
+def _v1_to_v2(result: dict) -> None:
+    """Version 1 left out the traffic table where nothing was counted (the tiled path) and the tile steps above 256
+    tokens; version 2 holds them empty."""
+    result["tables"].setdefault("traffic", [])
+    result["tables"].setdefault("tile_steps", [])
+
+
+RESULT = Schema(
+    metrics=(
+        "device", "impl", "hbm_bytes_counted", "seconds", "peak_resident_growth_bytes", "naive_scores_bytes_would_be",
+        "io_model.sram_bytes_per_step", "io_model.standard_bytes", "io_model.flash_bytes",
+        "io_model.flash_theta_N2d2_over_M", "forward_flops", "sram.Br", "sram.Bc", "sram.words", "sram.peak_words",
+    ),
+    tables={
+        "traffic": ("bytes", "pass", "tensor"),
+        "sram_budget": ("delta_words", "live_bytes", "live_words", "seed_delta_words", "seed_ledger_words",
+                        "seed_live_words", "step", "what"),
+        "online_softmax_example": ("block", "f", "f_block", "f_so_far", "l", "l_closed_form", "m", "m_before",
+                                   "reference_softmax", "rescale_exp(m_old-m)", "softmax"),
+        "tile_steps": ("kv_tile", "l", "m", "q_tile", "step"),  # (batch 0, head 0) up to 256 tokens, else empty
+    },
+    optional=("hbm_bytes_counted",),  # the tiled path counts no traffic
+    version=2, upgrades={1: _v1_to_v2},
+)
+
 EXPERIMENT = define(__name__, FlashConfig,
          "attention naive, tiled (PyTorch) or FlashAttention-2 in Triton: error vs SDPA, traffic counted in the kernel",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

@@ -23,7 +23,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.graph.dot import to_dot
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 # fp32 logits of the same maths in another order (cached vs full, absorbed vs naive): well inside 1e-4.
@@ -233,6 +233,35 @@ def run(config: KVCacheConfig, ctx) -> Result:
                          "dominated by per-layer overheads, not by reading the cache."])
 
 
+def _v1_to_v2(result: dict) -> None:
+    """Runs stored before the live fit per GPU and the MLA dataflow were tabled, and when the published presets were
+    tabled for the 80 GiB GPUs only: empty tables say what was not computed, and the presets' rows name their GPU."""
+    result["tables"].setdefault("fit", [])
+    result["tables"].setdefault("mla_dataflow", [])
+    eighty = next(gpu for gpu, gib in GPUS.items() if gib == 80)
+    for row in result["tables"]["presets"]:
+        row.setdefault("gpu", eighty)
+
+
+RESULT = Schema(
+    metrics=(
+        "context", "n_layers", "dtype", "deepseek_v3_formula_elements", "deepseek_v3_scaled_measured_elements",
+        "bytes_per_token_per_layer.*",  # one per variant measured (and "mla (naive)")
+        "mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error",
+    ),
+    tables={
+        "cache": ("bytes_per_token_per_layer", "cache_tensors", "elements_per_token_per_layer", "formula_bytes",
+                  "saving_vs_mha_pct", "variant"),
+        "decode_speed": ("cache_bytes_read", "context", "ms_per_token", "variant"),
+        "presets": ("bytes_per_token_bf16", "elements_per_token_per_layer", "gpu", "model", "tokens_that_fit"),
+        "fit": ("gpu", "tokens", "variant"),  # empty in a run of version 1
+        "mla_dataflow": ("dot", "form"),      # empty in a run of version 1
+        "mla_rope": ("max_abs_error", "path", "query_position", "relative_error"),  # empty unless MLA was measured
+    },
+    optional=("mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error"),  # MLA measured only
+    version=2, upgrades={1: _v1_to_v2},
+)
+
 EXPERIMENT = define(__name__, KVCacheConfig,
          "MHA/MQA/GQA/MLA generation with a real KV cache: bytes per token measured vs formula, MLA absorbed vs naive",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

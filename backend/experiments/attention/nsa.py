@@ -22,7 +22,7 @@ from backend.attention.nsa import (BRANCHES, closed_form_rows, kv_bytes_per_quer
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost, too_costly
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 
 TRITON_INTERPRETER_STEPS = 256  # (query, group, block) steps of the selected-block kernel in Triton's interpreter
@@ -238,6 +238,22 @@ def selection_tables(config: NSAConfig, chosen: dict) -> dict:
     return {"importance": importance, "selection": selection}
 
 
+RESULT = Schema(
+    metrics=(
+        "kv_bytes_per_query.compressed_mean", "kv_bytes_per_query.compressed_last",
+        "kv_bytes_per_query.selected_mean", "kv_bytes_per_query.selected_last", "kv_bytes_per_query.window_mean",
+        "kv_bytes_per_query.window_last", "kv_bytes_per_query.nsa_mean", "kv_bytes_per_query.nsa_last",
+        "kv_bytes_per_query.full_mean", "kv_bytes_per_query.full_last", "gate_mean.compressed", "gate_mean.selected",
+        "gate_mean.window", "selection_blocks", "compressed_blocks",
+    ),
+    tables={
+        "sweep": ("compressed_last", "compressed_mean", "full_last", "full_mean", "nsa_last", "nsa_mean",
+                  "nsa_over_full_last", "selected_last", "selected_mean", "seq_len", "window_last", "window_mean"),
+        "importance": ("importance", "query", "sel_block", "selected"),
+        "selection": ("blocks", "compressed_visible", "query"),
+    },
+)
+
 EXPERIMENT = define(__name__, NSAConfig,
                     "native sparse attention (compressed, selected, window; gated) vs masked dense SDPA; KV bytes per query",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -18,7 +18,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 VARIANTS = ("mha", "mqa", "gqa", "mla")
 
@@ -89,6 +89,15 @@ def run(config: TrainConfig, ctx) -> Result:
         notes=["A small-scale illustration on a synthetic corpus with one budget; not a claim about large models."])
 
 
+RESULT = Schema(
+    metrics=("entropy_rate_nats", "uniform_loss_nats", "held_out_loss.*"),  # one held-out loss per variant trained
+    tables={
+        "variants": ("final_train_loss", "held_out_loss", "kv_cache_elements_per_token", "parameters", "stderr",
+                     "variant"),
+        "curves": ("loss", "step", "variant"),
+    },
+)
+
 EXPERIMENT = define(__name__, TrainConfig,
          "train MHA/MQA/GQA/MLA decoders on the same Markov corpus; held-out loss against the entropy-rate floor",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

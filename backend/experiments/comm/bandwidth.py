@@ -19,7 +19,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.comm.collectives import BUS_FACTOR
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -199,7 +199,25 @@ def slowest_counts(table: list[dict], world: int) -> list[dict]:
             for op in ops for rank in range(world)]
 
 
+def _slowest_as_unmeasured(result: dict) -> None:
+    """Version 1 -> 2: runs stored before the slowest ranks were counted hold no `slowest` table; an empty one says so."""
+    result["tables"].setdefault("slowest", [])
+
+
+RESULT = Schema(
+    metrics=("world_size", "dist_backend", "calls_timed",
+             "peak_busbw_GBps.*", "peak_at_bytes.*"),  # one of each per collective timed (`ops`)
+    tables={
+        "bandwidth": ("algbw_GBps", "bus_factor", "busbw_GBps", "op", "rank_spread_us", "size_bytes", "slowest_rank",
+                      "spread_pct", "time_us"),
+        "per_rank": ("op", "rank", "size_bytes", "time_us"),
+        "slowest": ("calls", "op", "rank"),  # empty in a run stored before version 2
+    },
+    version=2, upgrades={1: _slowest_as_unmeasured},
+)
+
 EXPERIMENT = define(__name__, BandwidthConfig,
     "gloo built-in collectives over a size sweep: algbw and busbw (nccl-tests definitions), results checked exactly",
     rank_fn=rank_main, combine=combine, lanes=("collective",),
+    schema=RESULT,
 )

@@ -21,7 +21,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.comm.collectives import ALGORITHMS, ALGOS, BUS_FACTOR, OPS, Spec, chunk_sizes
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 MAX_NUMEL = 16 << 20  # 64 MiB of fp32 per rank
@@ -376,7 +376,22 @@ def combine(config: CollectivesConfig, payloads: list[dict]) -> Result:
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
+RESULT = Schema(
+    metrics=(
+        "world_size", "op", "algo", "numel", "seed_allgather_formula_agreement", "time_us", "builtin_time_us",
+        "busbw_GBps", "builtin_busbw_GBps", "busbw_ratio_vs_builtin", "steps",
+    ),
+    tables={
+        "steps": ("blocks", "bytes", "dir", "dst", "kind", "numel", "phase", "rank", "src", "step"),
+        "volume": ("model_recv_bytes", "model_sent_bytes", "rank", "recv_bytes", "sent_bytes"),
+        "bandwidth": ("algbw_GBps", "algorithm", "busbw_GBps", "size_bytes", "time_us"),
+        "holdings": ("block", "contributors", "holds", "rank", "step"),
+    },
+    optional=("seed_allgather_formula_agreement",),  # ring runs whose all-gather the seed's formulas describe
+)
+
 EXPERIMENT = define(__name__, CollectivesConfig,
     "any collective, built from send/recv (ring, tree, halving-doubling, direct) or gloo's own: step trace, bytes vs model, busbw",
     rank_fn=rank_main, combine=combine, lanes=("collective", "comm", "compute"),
+    schema=RESULT,
 )

@@ -13,7 +13,7 @@ import time
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 
@@ -67,7 +67,9 @@ def combine(config: SelftestConfig, payloads: list[dict]) -> Result:
     )
 
 
+RESULT = Schema(metrics=("world_size", "sum"), tables={})
+
 EXPERIMENT = define(__name__, SelftestConfig,
     "all-reduce of rank ids on gloo; optional injected crash, silent exit or hang on one rank",
-    rank_fn=rank_main, combine=combine, lanes=("collective",),
+    rank_fn=rank_main, combine=combine, lanes=("collective",), schema=RESULT,
 )

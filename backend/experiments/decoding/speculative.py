@@ -23,7 +23,7 @@ from backend.decoding.speculative import (RULES, chi_square, expected_tokens_per
 from backend.experiments import define
 from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 SIGNIFICANCE = 0.001  # the correct rule fails a test at this level once in a thousand seeds
 PREFIX_LEN = 8
@@ -169,6 +169,20 @@ def run(config: SpeculativeConfig, ctx) -> Result:
                "The broken rule resamples rejected positions from p instead of norm(max(0, p - q)); it is expected to fail the test."])
 
 
+RESULT = Schema(
+    metrics=(
+        "alpha", "tokens_per_target_call", "formula_tokens_per_call", "plain_ms", "speculative_ms",
+        "measured_speedup", "predicted_speedup", "draft_to_target_cost", "draft_call_ms", "target_call_ms",
+        "entropy_rate_nats", "p_value.correct", "p_value.broken",
+    ),
+    tables={
+        "gamma_sweep": ("alpha", "formula", "gamma", "rounds", "tokens_per_target_call"),
+        "distribution_tests": ("chi_square", "dof", "p_value", "rejected", "rule", "samples", "total_variation"),
+        "joint": ("expected", "observed", "rule", "x1", "x2"),
+        "timing": ("decoder", "ms", "source"),
+    },
+)
+
 EXPERIMENT = define(__name__, SpeculativeConfig,
                     "speculative sampling with two tiny LLaMAs: acceptance, tokens per target call, wall time, distribution test",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -19,7 +19,7 @@ from backend.estimate.training import (ACCELERATORS, BYTES, SECONDS_PER_DAY, cou
                                        training_flops, training_seconds)
 from backend.experiments import define
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 SHAPE = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
 ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2)
@@ -173,6 +173,24 @@ def run(config: TrainingEstimateConfig, ctx) -> Result:
                "GPT-3's 300B training tokens (seed 002)."])
 
 
+RESULT = Schema(
+    metrics=(
+        "training_flops", "training_days", "memory_per_rank_gb.DDP", "memory_per_rank_gb.ZeRO-3",
+        "tiny_counted_flops", "tiny_six_n_error", "cpu_tflops",
+    ),
+    tables={
+        "measured": ("all_params", "attention", "counted", "cpu_flops_per_s", "double_step_predicted_s",
+                     "double_step_s", "exact", "linear_params", "six_n_all", "six_n_linear", "step_s", "tokens"),
+        "memory_measured": ("category", "formula_bytes", "measured_bytes"),
+        "zero_memory": ("category", "formula_bytes", "measured_bytes", "rank"),  # empty unless zero_run
+        "seed_002_175b": ("bytes", "cards", "formula", "quantity", "seed"),
+        "seed_004": ("dataset_bytes", "flops_6nd", "implied_mfu", "implied_tflops", "model", "parameters",
+                     "predicted_days", "seed_days", "tokens"),
+        "scaling": ("days", "device", "devices"),
+        "memory_per_rank": ("bytes", "category", "stage"),
+    },
+)
+
 EXPERIMENT = define(__name__, TrainingEstimateConfig,
                     "training time and memory estimates (seeds 002, 004), formulas checked by FlopCounterMode and real tensors",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -17,7 +17,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.graph.autograd import build, graphs, numeric_grad, symbolic_derivative
 from backend.graph.dot import to_dot
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 
 @dataclasses.dataclass
@@ -87,6 +87,18 @@ def run(config: AutodiffConfig, ctx) -> Result:
         checks=checks)
 
 
+RESULT = Schema(
+    metrics=(
+        "expression", "forward_nodes", "backward_nodes", "saved_for_backward_bytes", "symbolic_element",
+        "symbolic_value", "symbolic_operations",
+    ),
+    tables={
+        "gradients": ("element", "numeric", "ours", "tensor", "torch"),
+        "forward_dot": ("dot",),
+        "backward_dot": ("dot",),
+    },
+)
+
 EXPERIMENT = define(__name__, AutodiffConfig,
          "symbolic, numeric and automatic differentiation side by side; the forward and backward DAGs",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

@@ -25,7 +25,7 @@ from backend.graph.models import MODELS, model
 from backend.graph.passes import constant_fold, cse, dce, fuse, modelled_bytes, unfused_plan
 from backend.graph.recompute import min_cut
 from backend.graph.runtime import FusedProgram
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 KIND_COLOR = {"pointwise": "#dbe8fb", "reduction": "#fde3d9", "view": "#eeeeee", "opaque": "#e2f0d9", "input": "#ffffff"}
 
@@ -295,7 +295,32 @@ def phase_dot(g: nx.DiGraph, plan, phase: str) -> str:
     return text + "}"
 
 
+RESULT = Schema(
+    metrics=(
+        "model", "backward", "kernels_unfused", "kernels_fused", "generated_kernels_unfused",
+        "generated_kernels_fused", "generated_forward", "generated_backward", "extern_kernels", "bytes_unfused",
+        "bytes_fused", "requested_bytes_fused", "ideal_unique_bytes", "extern_modelled_bytes",
+        "worst_group_unique_over_ideal", "error_fused_vs_fp64", "error_eager_fp32_vs_fp64", "arena_bytes",
+        "lower_bound_bytes", "no_reuse_bytes", "ops_captured", "ops_after_passes", "saved_bytes_naive",
+        "saved_bytes_min_cut", "inductor_backend", "inductor_forward_kernels", "inductor_backward_kernels",
+        "inductor_extern_calls",
+    ),
+    tables={
+        "log": ("pass", "what and why"),
+        "why_not": ("consumer", "kind", "producer", "why not"),
+        "kernels": ("block", "grid", "ideal_bytes", "kernel", "ops", "phase", "requested_bytes", "template",
+                    "unique_bytes", "unique_over_ideal"),
+        "sources": ("kernel", "source", "template"),
+        "memory_plan": ("buffer", "bytes", "first_step", "last_step", "offset", "written_by"),
+        "memory_over_time": ("kernel", "live_bytes", "step"),
+        "graph_dot": ("dot", "phase"),
+        "saved": ("bytes", "shape", "value"),
+    },
+    optional=("saved_bytes_naive", "saved_bytes_min_cut",  # with the backward only
+              "inductor_backend", "inductor_forward_kernels", "inductor_backward_kernels", "inductor_extern_calls"),
+)
+
 EXPERIMENT = define(__name__, FusionConfig,
          "capture forward+backward; DCE, CSE, folding, min-cut recompute, fusion with why-not reasons; generated Triton "
          "kernels run and counted against one kernel per op, eager PyTorch and TorchInductor",
-         run_fn=run, lanes=("generated kernel", "library call"))
+         run_fn=run, lanes=("generated kernel", "library call"), schema=RESULT)

@@ -16,7 +16,7 @@ from backend.graph.capture import capture, evaluate, to_networkx
 from backend.graph.dot import to_dot
 from backend.graph.models import model
 from backend.graph.placement import place, run_rank as execute, transfers
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 RANK_COLOR = ["#dbe8fb", "#fde3d9", "#e2f0d9", "#f3e5f5"]
@@ -125,7 +125,20 @@ def combine(config: PlacementConfig, payloads: list[dict]) -> Result:
         notes=["Placement uses the modelled rates in the settings; the run measures real time on gloo (CPU processes)."])
 
 
+RESULT = Schema(
+    metrics=(
+        "ranks", "ops", "transfers", "bytes_moved", "modelled_makespan_ms", "measured_makespan_ms", "ops_per_rank",
+    ),
+    tables={
+        "placement": ("flops", "node", "op", "rank", "why"),
+        "transfers": ("bytes", "dst", "src", "tag", "value"),
+        "per_rank": ("compute_ms", "ops", "rank", "received_bytes", "sent_bytes"),
+        "graph_dot": ("dot",),
+        "log": ("bytes", "event", "peer", "t_us", "tag", "value"),
+    },
+)
+
 EXPERIMENT = define(__name__, PlacementConfig,
          "split a graph across ranks by earliest finish time, insert send/recv, run on gloo, compare with one process",
          rank_fn=run_rank, combine=combine, lanes=("compute", "send", "recv"),
-         preload=("torch._inductor",))  # make_fx imports it (2 s) on first capture
+         preload=("torch._inductor",), schema=RESULT)  # make_fx imports it (2 s) on first capture

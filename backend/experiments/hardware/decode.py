@@ -25,7 +25,7 @@ from backend.hardware.decode import (MODELS, BatchedDecoder, decode_bytes, decod
 from backend.hardware.devices import DEVICES, dram
 from backend.hardware.roofline import last_level_cache_bytes, probe_bandwidth, probe_matmul
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 GPU_BATCHES = (1, 8, 64, 256)
 FP16 = 2
@@ -240,7 +240,25 @@ def run(config: DecodeConfig, ctx) -> Result:
                   checks=checks, notes=notes)
 
 
+RESULT = Schema(
+    metrics=(
+        "load_average", "cpu_bandwidth_GBps", "cpu_matmul_GFLOPs", "ridge_point_flops_per_byte", "weight_MB",
+        "params", "gpu_ridge_flops_per_byte", "verify_8_tokens_vs_1",
+        "error_pct.*",                  # one per batch size timed
+        "gpu_tokens_per_s_batch1.*",    # one per model placed on the GPU preset
+    ),
+    tables={
+        "cpu_steps": ("achieved_bytes_per_s", "achieved_flops_per_s", "batch", "bound", "bytes", "compute_s",
+                      "error_pct", "flops", "intensity", "kv_bytes", "measured_s", "memory_s", "overhead_s",
+                      "predicted_s", "roofline_s", "tokens_per_s", "wall_s", "weight_bytes"),
+        "gpu_placement": ("attainable_flops_per_s", "batch", "bound", "bytes", "fits", "flops", "intensity",
+                          "kv_bytes", "model", "phase", "resident_GB", "step_ms", "tokens_per_s", "weight_bytes"),
+        "verify_cost": ("cost_vs_one", "measured_s", "tokens_scored"),
+        "roof": ("bandwidth", "device", "peak_flops"),
+    },
+)
+
 EXPERIMENT = define(__name__, DecodeConfig,
                     "decoding is memory-bound: a decode step timed here by batch size against weight bytes ÷ bandwidth; "
                     "Llama 2/3 decode and prefill on GPU rooflines",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

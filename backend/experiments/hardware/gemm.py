@@ -21,7 +21,7 @@ from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
 from backend.hardware.devices import DEVICES, dram
 from backend.hardware.roofline import attainable
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from kernels.matmul import TENSORS, closed_form_traffic, matmul, program_order
 
 TILES = (16, 32, 64, 128)
@@ -225,6 +225,29 @@ def execution_model(config: GemmConfig, recorded: torch.Tensor, elem: int) -> tu
     return tables, check
 
 
+RESULT = Schema(
+    metrics=(
+        "device", "seconds", "bytes_A", "bytes_B", "bytes_C", "flops", "intensity_flop_per_byte", "loads_per_mac",
+    ),
+    tables={
+        "traffic": ("bytes counted", "closed form", "tensor"),
+        "seed_5x5": ("A_loads", "B_loads", "counted_A_loads", "counted_B_loads", "k", "loads", "loads_per_mac",
+                     "macs", "macs_per_load", "tile"),
+        "sweep": ("block_m", "block_n", "bytes counted", "intensity counted", "intensity formula",
+                  "intensity large-K limit", "loads_per_mac counted", "size", "tile"),
+        "roofline": ("attainable_flops_per_s", "device", "intensity_fp16", "size", "tile"),
+        "roofs": ("bandwidth", "device", "peak_flops"),
+        "hierarchy": ("accumulator_registers_per_thread", "concurrent_programs", "grid", "k_steps", "limited_by",
+                      "macs_per_thread", "max_warps_per_sm", "outputs_per_thread", "programs", "programs_per_sm",
+                      "shared_bytes_per_program", "sms", "tensor_core_ops_per_wmma", "threads_per_program",
+                      "threads_per_warp", "useful_fraction", "warp_grid", "warp_tile", "warps_per_program", "waves",
+                      "wmma_per_program", "wmma_per_warp"),
+        "program_order": ("program", "tile_m", "tile_n"),
+        "wave_footprint": ("A_bands", "B_bands", "bytes", "case", "group_m", "programs", "wave"),
+        "tensor_core_shapes": ("FMAs", "level", "m x n x k"),
+    },
+)
+
 EXPERIMENT = define(__name__, GemmConfig,
                     "tiled Triton GEMM: error vs torch.matmul, bytes counted per tile shape vs the closed form, the execution hierarchy",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

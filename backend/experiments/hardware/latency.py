@@ -19,7 +19,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.hardware.latency import LINE, cache_levels, chase_latency, littles_law, read_bandwidth
 from backend.hardware.devices import DEVICES, dram
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 # seed 002: a CPU at 89 ns and 131 GB/s; ax + b moves 16 bytes (x and y in fp64); 2,000 GFLOP/s FP64 at 200 GB/s
 SEED_LATENCY_S, SEED_BANDWIDTH, SEED_REQUEST = 89e-9, 131e9, 16
@@ -125,6 +125,21 @@ def run(config: LatencyConfig, ctx) -> Result:
                "machine the larger sizes read slower than on an idle one. The GPU rows are a model at the assumed latency."])
 
 
+RESULT = Schema(
+    metrics=(
+        "l1_latency_ns", "largest_latency_ns", "peak_read_GBps", "largest_read_GBps", "seed_bytes_in_flight",
+        "seed_one_request_percent", "seed_requests_needed", "seed_ops_per_datum",
+    ),
+    tables={
+        "probes": ("bytes", "chase_ok", "fits_in", "ns_per_load", "read_GBps", "sum_ok"),
+        "levels": ("bytes_in_flight", "capacity_bytes", "latency_ns", "level", "lines_in_flight_needed",
+                   "one_chase_uses", "probe_bytes", "read_GBps"),
+        "caches": ("bytes", "level", "shared_by"),
+        "gpu_littles_law": ("assumed_latency_ns", "bandwidth_GBps", "bytes_in_flight", "device", "memory",
+                            "needed_over_resident", "threads_needed", "threads_resident_max"),
+    },
+)
+
 EXPERIMENT = define(__name__, LatencyConfig,
                     "this CPU's load latency and read bandwidth per working-set size; Little's law here, in seed 002, and on GPU presets",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -19,7 +19,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.hardware.devices import APPROXIMATE, DEVICES, SOURCES, dram, hierarchy_traffic, ops_per_datum
 from backend.hardware.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from kernels.flash_attention import naive_attention
 
 
@@ -163,6 +163,33 @@ def run(config: RooflineConfig, ctx) -> Result:
         checks=checks, notes=notes)
 
 
+def _v1_to_v2(result: dict) -> None:
+    """Runs stored before every preset's hierarchy was tabled and the RTX 4090's fp32 ridge found on the roofline: an
+    empty hierarchy and no ridge say they were not computed; a roof without its precision was the measured CPU's fp32
+    or a GPU's fp16/bf16 tensor-core peak (the only roofs then)."""
+    result["tables"].setdefault("hierarchy", [])
+    result["metrics"].setdefault("ridge_4090_fp32_flops_per_byte", None)
+    for roof in result["tables"]["roofs"]:
+        roof.setdefault("precision", "fp32" if "measured" in roof["device"] else "fp16/bf16 tensor")
+
+
+RESULT = Schema(
+    metrics=(
+        "cpu_bandwidth_GBps", "cpu_matmul_GFLOPs", "ridge_point_flops_per_byte", "ridge_4090_fp32_flops_per_byte",
+        "io_model.sram_bytes_per_step", "io_model.standard_bytes", "io_model.flash_bytes",
+        "io_model.flash_theta_N2d2_over_M",
+    ),
+    tables={
+        "roofs": ("bandwidth", "device", "peak_flops", "precision"),
+        "points": ("flops_per_s", "intensity", "kernel", "source", "working_set_bytes"),
+        "model_points": ("attainable_flops_per_s", "device", "intensity", "kernel"),
+        "ops_per_datum_a100": ("level", "ops_per_datum"),
+        "hierarchy": ("approximate", "bandwidth_Bps", "capacity_bytes", "device", "flash_bytes", "flash_seconds",
+                      "level", "naive_bytes", "naive_seconds", "ops_per_datum_fp64", "source"),  # empty before v2
+    },
+    version=2, upgrades={1: _v1_to_v2},
+)
+
 EXPERIMENT = define(__name__, RooflineConfig,
          "this CPU's roofline measured (bandwidth and matmul probes) beside GPU presets; attention and GEMM points",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

@@ -18,7 +18,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.kvcache.paged_decode import decode_paged, reservation_waste, seed_copy_on_write
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.serving.attention import paged_attention_reference
 
 TOLERANCE = 1e-4  # fp32 logits, same maths in another summation order
@@ -189,6 +189,24 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
                 **{k: v for k, v in seed_tables.items() if k != "waste"}})
 
 
+RESULT = Schema(
+    metrics=(
+        "sequences", "block_size", "blocks_used", "cow_copies", "swaps", "max_logit_diff", "seed_waste.contiguous",
+        "seed_waste.paged", "kernel",
+    ),
+    tables={
+        "block_tables": ("logical", "physical", "ref_count", "seq", "tokens"),
+        "history": ("label", "pool", "step", "swapped", "tables"),
+        "logit_gaps": ("max_abs_diff", "position", "seq"),
+        "final_logits": ("contiguous", "paged", "seq", "token"),
+        "swap": ("in", "kv_gap", "out", "step"),
+        "fork": ("at_tokens", "child", "copied_by", "parent", "shared_full_blocks"),
+        "seed_waste": ("allocator", "bytes_reserved", "bytes_used", "slots_reserved", "slots_used", "waste"),
+        "seed_cow_tables": ("logical", "physical", "seq", "tokens", "when"),
+        "seed_cow_pool": ("block", "owners", "ref_count", "tokens", "when"),
+    },
+)
+
 EXPERIMENT = define(__name__, PagedDecodeConfig,
          "tiny GQA decoder generating with its KV in a paged pool via a Triton kernel; equals a contiguous cache",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

@@ -9,7 +9,7 @@ import math
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.kvcache.manager import admission_watermark
 from backend.serving.allocator_sim import simulate_contiguous, simulate_paged
 from backend.serving.workload import Trace, sharegpt_system_prompts
@@ -136,6 +136,21 @@ def run(config: ServeConfig, ctx) -> Result:
                   tables={"waste": waste, "series": series, "snapshots": snapshots, "events": paged["events"][:500]})
 
 
+RESULT = Schema(
+    metrics=(
+        "requests", "utilization.paged", "utilization.contiguous", "utilization.paged_model", "max_running.paged",
+        "max_running.contiguous", "concurrency_ratio", "steps.paged", "steps.contiguous", "preemptions", "swaps",
+        "cow_copies", "evictions", "prefix_hit_rate", "prefix_hit_tokens",
+    ),
+    tables={
+        "waste": ("allocator", "kind", "share"),
+        "series": ("allocated_slots", "allocator", "filled_slots", "fragmentation", "not_yet", "reserved_never",
+                   "running", "step", "swapped", "utilization", "waiting"),
+        "snapshots": ("fill", "owner", "ref", "state", "step", "tables"),
+        "events": ("blocks", "op", "seq", "step"),
+    },
+)
+
 EXPERIMENT = define(__name__, ServeConfig,
          "continuous batching over a request trace: paged KV blocks against contiguous max-length reservations",
-         run_fn=run)
+         run_fn=run, schema=RESULT)

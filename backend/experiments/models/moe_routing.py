@@ -17,7 +17,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.models import moe, moe_reference as ref
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 WALKTHROUGH_TOKENS = 4
 TOL = 1e-12  # float64 throughout; the two implementations add in different orders
@@ -179,6 +179,22 @@ def run(config: RoutingConfig, ctx) -> Result:
                "The balanced bias changes which experts are chosen, never the weights: those are the unbiased sigmoid scores."])
 
 
+RESULT = Schema(
+    metrics=(
+        "switch_capacity", "switch_dropped_tokens", "imbalance_before_bias", "imbalance_after_bias",
+        "balance_loss.softmax top-k", "balance_loss.Switch top-1", "balance_loss.DeepSeek-V3, bias 0",
+        "balance_loss.DeepSeek-V3, balanced bias",
+    ),
+    tables={
+        "summary": ("balance_loss", "dropped_tokens", "experts_unused", "max_load_over_mean", "router",
+                    "weight_sum_per_token"),
+        "loads": ("expert", "router", "tokens"),
+        "balancing": ("bias_spread", "max_load_over_mean", "min_load_over_mean", "step"),
+        "bias": ("bias", "expert"),
+        "walkthrough": ("code", "shape", "step", "values"),
+    },
+)
+
 EXPERIMENT = define(__name__, RoutingConfig,
                     "MoE routing: softmax top-k, Switch top-1 with capacity, DeepSeek-V3 group-limited with bias balancing",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -18,7 +18,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.numerics.formats import (FORMATS, add_in, describe, range_formula, round_exact, running_sums,
                                       stall_prediction, torch_range)
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 MAX_VALUES = 8
 SUM_FORMATS = ("fp16", "fp32")
@@ -176,6 +176,26 @@ def sum_checks(config: FormatsConfig, finals: dict[str, dict], stall: float | No
     return checks
 
 
+RESULT = Schema(
+    metrics=(
+        "swamping_fp16_result", "fp16_plain_sum", "fp16_kahan_sum", "exact_sum_fp16_values", "fp16_stall_prediction",
+        "relative_error.fp16 plain", "relative_error.fp16 Kahan", "relative_error.fp32 plain",
+        "relative_error.fp32 Kahan",
+    ),
+    tables={
+        "bits": ("exponent_bits", "exponent_field", "format", "gap_formula", "gap_to_next", "input", "kind",
+                 "mantissa_bits", "reference_value", "relative_error", "sign_bit", "stored_value",
+                 "unbiased_exponent", "value_from_bits"),
+        "ranges": ("bias", "bits", "decimal_digits", "eps", "exponent_bits", "finfo_eps", "finfo_max",
+                   "finfo_smallest_normal", "finfo_smallest_subnormal", "format", "iinfo_max", "iinfo_min",
+                   "mantissa_bits", "max", "min", "smallest_normal", "smallest_subnormal"),
+        "swamping": ("exact", "format", "gap_at_weight", "gradient", "gradient_lost", "result", "rounded_exact",
+                     "weight"),
+        "sum_errors": ("abs_error", "computed", "exact", "method", "relative_error", "sum_abs", "unit_roundoff"),
+        "sums": ("method", "running_sum", "terms"),
+    },
+)
+
 EXPERIMENT = define(__name__, FormatsConfig,
                     "bits, ranges and rounding of FP32/TF32/BF16/FP16/FP8; FP16 swamping; plain vs Kahan summation",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

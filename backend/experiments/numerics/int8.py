@@ -23,7 +23,7 @@ from backend.experiments import define
 from backend.experiments.decoding.speculative import train
 from backend.models.corpus import MarkovCorpus
 from backend.numerics.int8 import Int8KVCache, Int8Linear, int8_matmul, quantize_model, quantize_rows, weight_bytes
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
 
@@ -187,7 +187,20 @@ def run(config: Int8Config, ctx) -> Result:
                "a small-scale illustration of INT8's error, not a claim about large models."])
 
 
+RESULT = Schema(
+    metrics=(
+        "weight_bytes.fp32", "weight_bytes.int8", "weight_saving_pct", "held_out_loss.fp32", "held_out_loss.w8",
+        "held_out_loss.w8a8", "entropy_rate_nats", "kv_bytes_per_token.fp32", "kv_bytes_per_token.int8", "gemm_k",
+        "largest_abs_sum", "int32_max", "fp32_accumulation_wrong_elements",
+    ),
+    tables={
+        "models": ("greedy_agreement", "held_out_loss", "loss_increase", "max_rel_logit_error", "model", "stderr",
+                   "weight_bytes"),
+        "kv_cache": ("bytes_per_token", "cache", "formula", "greedy_agreement", "kl_nats", "max_rel_logit_error"),
+    },
+)
+
 EXPERIMENT = define(__name__, Int8Config,
                     "INT8 weight-only and W8A8 (INT32 accumulate) on the trained tiny LLaMA, and an INT8 KV cache: bytes and error "
                     "against fp32, the GEMM against exact integers",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -19,7 +19,7 @@ from backend.experiments import define
 from backend.models.corpus import MarkovCorpus
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.numerics.mixed_precision import MODES, Settings, gradient_magnitudes, train
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 SHAPE = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_head=16, d_ff=64)
 
@@ -128,6 +128,21 @@ def run(config: MixedPrecisionConfig, ctx) -> Result:
                "CPU fp16: torch runs fp16 matmuls on the CPU (accumulating in fp32 inside the kernel)."])
 
 
+RESULT = Schema(
+    metrics=(
+        "final_loss.fp32", "final_loss.fp16 no scaling", "final_loss.fp16 static scaling",
+        "final_loss.fp16 dynamic scaling", "final_loss.fp16 GradScaler", "underflow_no_scaling",
+        "skipped_steps_dynamic", "share_below_fp16_subnormal", "loss_weight",
+    ),
+    tables={
+        "summary": ("activation_underflow", "activation_underflow_share", "final_loss", "final_scale",
+                    "max_grad_relative_error", "mode", "param_underflow", "param_underflow_share", "skipped_steps"),
+        "curves": ("activation_nonzero", "activation_underflow", "grad_relative_error", "loss", "mode",
+                   "param_nonzero", "param_underflow", "scale", "skipped", "step"),
+        "gradient_histogram": ("elements", "gradient", "log2_magnitude", "share"),
+    },
+)
+
 EXPERIMENT = define(__name__, MixedPrecisionConfig,
                     "tiny LLaMA in fp16 with fp32 master weights: no/static/dynamic loss scaling, underflow counted, GradScaler as the peer",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -13,7 +13,7 @@ import torch
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.rl.bellman import (ARROWS, MOVES, Grid, best_deterministic_policy, grid_mdp, monte_carlo_values,
                                 mrp_iterate, mrp_solve, policy_evaluation, policy_iteration, value_iteration)
 
@@ -163,6 +163,22 @@ def run(config: BellmanConfig, ctx) -> Result:
                f"Exhaustive search over deterministic policies runs when there are at most {EXHAUSTIVE_LIMIT} of them."])
 
 
+RESULT = Schema(
+    metrics=(
+        "V.sunny", "V.cloudy", "V.rainy", "policy_iteration_steps", "value_iteration_steps",
+        "policy_evaluation_steps", "exhaustive_policies",
+    ),
+    tables={
+        "values": ("iteration", "linear_solve", "mc_stderr", "monte_carlo", "reward", "state"),
+        "convergence": ("bound", "error", "iteration"),
+        "transition": ("from", "p", "to"),
+        "board": ("action", "col", "kind", "q_down", "q_left", "q_right", "q_up", "row", "uniform_value", "value"),
+        "policy_iteration": ("actions_changed", "iteration", "mean_value"),
+        "value_iteration": ("iteration", "residual"),
+        "policy_evaluation": ("iteration", "update"),
+    },
+)
+
 EXPERIMENT = define(__name__, BellmanConfig,
                     "weather MRP by linear solve, iteration and Monte Carlo; grid-world policy evaluation, policy and value iteration",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -16,10 +16,11 @@ import numpy as np
 
 from backend.config import setting
 from backend.experiments import define
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.serving import attention
 from backend.serving.engine import logits_error, serve, token_mismatches
-from backend.serving.report import cost_rows, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
+from backend.serving.report import cost_rows, cost_summary_written, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
+from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES, LOAD_COLUMNS, SUMMARY, each
 from backend.serving.settings import ServingSettings
 from backend.serving.simulator import simulate
 
@@ -93,6 +94,12 @@ def run(config: EngineConfig, ctx) -> Result:
     return Result(metrics=metrics, checks=checks, notes=notes, tables=tables)
 
 
+RESULT = Schema(
+    metrics=(*CALIBRATION_METRICS, "prefix_hit_rate", "attention"),
+    tables={**CALIBRATION_TABLES, "gantt": ("end", "phase", "request", "start"), "token_gaps": ("gap", "request")},
+    version=2, upgrades={1: cost_summary_written},
+)
+
 EXPERIMENT = define(__name__, EngineConfig,
                     "continuous batching of the tiny LLaMA over paged KV on a real-time trace, beside its calibrated simulator",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -14,8 +14,9 @@ import numpy as np
 
 from backend.config import ConfigError, setting
 from backend.experiments import define
-from backend.result import Check, Result
-from backend.serving.report import cost_rows, knee, latency_rows, load_row, step_rows
+from backend.result import Check, Result, Schema
+from backend.serving.report import cost_rows, cost_summary_written, knee, latency_rows, load_row, step_rows
+from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES, LOAD_COLUMNS, SUMMARY, each
 from backend.serving.settings import ServingSettings
 from backend.serving.simulator import latency_summary, simulate
 
@@ -92,6 +93,12 @@ def run(config: SimulateConfig, ctx) -> Result:
                           "steps": step_rows(big, cost, limit=2000), "cost_model": cost_rows(cost)})
 
 
+RESULT = Schema(
+    metrics=(*CALIBRATION_METRICS, *each("scale", SUMMARY), "simulation_seconds", "simulated_requests_per_second"),
+    tables={**CALIBRATION_TABLES, "knobs": (*LOAD_COLUMNS, "knob", "setting")},
+    version=2, upgrades={1: cost_summary_written},
+)
+
 EXPERIMENT = define(__name__, SimulateConfig,
                     "the engine's scheduler on a cost model fitted to the real engine: latency at any scale, with its fidelity",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)
