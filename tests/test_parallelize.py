@@ -153,4 +153,4 @@ def test_refusals_name_what_is_not_built():
     with pytest.raises(ValueError, match="n_kv_heads=1 does not divide by the tensor-parallel degree 2"):
         parallelize(TinyDecoder(dataclasses.replace(reference.shape, variant="mqa")).double(), Rank(0, 2))
     with pytest.raises(ValueError, match="sequence parallel and context parallel"):
-        parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, 0, 1, [0], Tracer(0)))
+        parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, Wire.alone(0, Tracer(0))))
