@@ -16,6 +16,8 @@ counted twice or lost.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 CATEGORIES = ("compute", *DIMENSIONS, "idle")
 FBIW = ("F", "B", "I", "W")
@@ -83,3 +85,176 @@ def lanes(events: list[dict], window: tuple[float, float]) -> list[dict]:
             rows.append({"lane": c[1], "name": label, "kind": e["args"]["kind"] if c[0] == 2 else c[1],
                          "start_ms": (a - window[0]) / 1e3, "end_ms": (b - window[0]) / 1e3})
     return rows
+
+
+# --- the same step replayed with one core per rank, a lane per dimension's communication -------------------------------
+# Each rank's step becomes an ordered list of items: compute (the CPU time between two communication calls), and
+# each communication call of its dimension: a collective (tp, cp, ep, dp: it starts when the last member of its group
+# arrives and takes the same time on every member), a pipeline send or ring post (an instant) and its receive or ring
+# wait (it starts when the matched send was posted, or the rank arrives, whichever is later). backend.trace.replay walks
+# them: an item starts when the rank's previous item has ended and what it depends on has ended. A collective's cost is
+# from its last member's arrival to its first member's finish (before, some member had not arrived; after, a member
+# may finish late because the OS ran another rank); a message's is from the later of its post and its receiver's wait
+# to its arrival. Compute inside an F/B/I/W action is the action's CPU time less its
+# collectives', spread over the pieces between them by their wall time; outside the actions, the traced compute spans'
+# CPU time (Adam's update; untraced glue counts nothing).
+
+
+def _inside(e: dict, outer: dict) -> bool:
+    return outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]
+
+
+def _calls(events: list[dict]) -> list[tuple[float, float, dict]]:
+    """A rank's communication calls in the step: (blocking start, end, item), in time order."""
+    colls = [e for e in events if e["lane"] == "collective" and e["args"].get("dim")]
+    calls = []
+    for e in colls:
+        if not any(o is not e and _inside(e, o) for o in colls):  # (a collective made of another counts once)
+            calls.append((e["ts"], e["ts"] + e["dur"], {"op": "collective", "dim": e["args"]["dim"], "name": e["name"],
+                                                        "wall_us": e["dur"], "call_cpu_us": e.get("cpu_us", 0.0)}))
+    for e in events:
+        end = e["ts"] + e["dur"]
+        if e["lane"] == "comm" and "blocked_us" in e["args"] and e["args"].get("dim"):
+            calls.append((e["ts"], e["ts"], {"op": "post", "dim": e["args"]["dim"], "name": e["name"]}))
+            calls.append((end - e["args"]["blocked_us"], end, {"op": "wait", "dim": e["args"]["dim"], "name": e["name"],
+                                                                 "posted_us": e["ts"]}))
+        elif e["lane"] == "send" and "tag" in e["args"]:
+            calls.append((e["ts"], e["ts"], {"op": "send", "dim": "pp", "name": e["name"], "peer": e["args"]["peer"],
+                                             "tag": e["args"]["tag"]}))
+        elif e["lane"] == "recv" and "tag" in e["args"]:
+            calls.append((e["ts"], end, {"op": "recv", "dim": "pp", "name": e["name"], "peer": e["args"]["peer"],
+                                         "tag": e["args"]["tag"]}))
+    return sorted(calls, key=lambda c: (c[0], c[1]))
+
+
+def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
+    """One rank's step (`window` on its clock) as replay items in order: compute pieces and communication calls. A piece
+    inside an action carries (kind, stage, mb, piece): an action with k calls inside it is k + 1 pieces."""
+    events = [e for e in events if window[0] <= e["ts"] and e["ts"] + e["dur"] <= window[1]]
+    actions = sorted((e for e in events if e["lane"] == "compute" and e["args"].get("kind") in FBIW), key=lambda e: e["ts"])
+    calls, items, at = _calls(events), [], window[0]
+    loose = [e for e in events if e["lane"] == "compute" and e["args"].get("kind") not in FBIW
+             and not any(_inside(e, a) for a in actions)]  # traced compute outside the actions (Adam's update)
+
+    def gap(a: float, b: float):
+        cpu = sum(e.get("cpu_us", 0.0) for e in loose if a <= e["ts"] < b)
+        if cpu > 0:
+            items.append({"op": "compute", "cost_us": cpu, "wall": (a, b)})
+    for act in actions:
+        mine = [c for c in calls if act["ts"] <= c[0] and c[1] <= act["ts"] + act["dur"]]
+        before = [c for c in calls if c[0] < act["ts"] and c not in mine]
+        for c in before:
+            gap(at, c[0])
+            items.append({**c[2], "wall": (c[0], c[1])})
+            at = max(at, c[1])
+        calls = [c for c in calls if c not in mine and c not in before]
+        gap(at, act["ts"])
+        blocked = sum(c[1] - c[0] for c in mine)
+        cpu = act["cpu_us"] - sum(c[2].get("call_cpu_us", 0.0) for c in mine)
+        rate = max(cpu, 0.0) / max(act["dur"] - blocked, 1e-9)  # CPU per wall µs of the action's own compute
+        edges = [act["ts"], *[x for c in mine for x in c[:2]], act["ts"] + act["dur"]]
+        for j in range(len(mine) + 1):
+            a, b = edges[2 * j], edges[2 * j + 1]
+            items.append({"op": "compute", "cost_us": rate * max(b - a, 0.0), "wall": (a, b), "kind": act["args"]["kind"],
+                          "stage": act["args"]["stage"], "mb": act["args"]["mb"], "piece": j})
+            if j < len(mine):
+                items.append({**mine[j][2], "wall": mine[j][:2]})
+        at = act["ts"] + act["dur"]
+    for c in calls:
+        gap(at, c[0])
+        items.append({**c[2], "wall": (c[0], c[1])})
+        at = max(at, c[1])
+    gap(at, window[1])
+    return items
+
+
+def match_calls(steps: dict[int, list[dict]], coords: dict[int, dict]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Each call's partners, by (rank, item index): a collective's group members (the nth call of its dimension on
+    every rank sharing all other coordinates), a receive's send (by peer and tag), a ring wait's post on the previous
+    rank of the ring (the nth of each)."""
+    nth, where = {}, {}
+    for r, items in steps.items():
+        count: dict[tuple, int] = defaultdict(int)
+        for i, it in enumerate(items):
+            if it["op"] in ("collective", "post", "wait"):
+                group = tuple(v for d, v in sorted(coords[r].items()) if d != it["dim"])
+                key = (it["op"], it["dim"], group, count[(it["op"], it["dim"])])
+                count[(it["op"], it["dim"])] += 1
+                where.setdefault(key, {})[coords[r][it["dim"]]] = (r, i)
+                nth[(r, i)] = key
+            elif it["op"] == "send":
+                where[("send", r, it["peer"], it["tag"])] = (r, i)
+    out = {}
+    for r, items in steps.items():
+        for i, it in enumerate(items):
+            if it["op"] == "collective":
+                out[(r, i)] = [k for k in where[nth[(r, i)]].values() if k != (r, i)]
+            elif it["op"] == "recv":
+                out[(r, i)] = [where[("send", it["peer"], r, it["tag"])]]
+            elif it["op"] == "wait":
+                op, dim, group, n = nth[(r, i)]
+                ring = where[("post", dim, group, n)]
+                out[(r, i)] = [ring[(coords[r][dim] - 1) % len(ring)]]
+    return out
+
+
+def measured_costs(steps: dict[int, list[dict]], partners: dict) -> None:
+    """Each call's cost from the wall clock, in place (see the section's note): a collective's from its last arrival
+    to its first finish; a message's from the later of its post and its wait to its arrival; posts are instants."""
+    for (r, i), keys in partners.items():
+        it = steps[r][i]
+        if it["op"] == "collective":
+            walls = [steps[k[0]][k[1]]["wall"] for k in [(r, i), *keys]]
+            it["cost_us"] = max(0.0, min(b for _, b in walls) - max(a for a, _ in walls))
+        else:
+            sent = steps[keys[0][0]][keys[0][1]]["wall"][0]
+            it["cost_us"] = max(0.0, it["wall"][1] - max(sent, it["wall"][0]))
+    for items in steps.values():
+        for it in items:
+            it.setdefault("cost_us", 0.0)
+
+
+def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it["cost_us"]) -> dict[int, list[dict]]:
+    """The items replayed with one core per rank at `cost(item)` µs each: a collective waits for every member's
+    arrival (the end of its item before the collective), a receive or ring wait for its matched post."""
+    from backend.trace import replay
+
+    flat = [{**it, "rank": r, "index": i, "cpu_us": cost(it), "name": it.get("name", it["op"])}
+            for r, items in steps.items() for i, it in enumerate(items)]
+
+    def depends_on(a):
+        keys = partners.get((a["rank"], a["index"]), [])
+        if a["op"] == "collective":
+            return [(k[0], k[1] - 1) for k in keys if k[1] > 0]
+        return keys
+    out: dict[int, list[dict]] = defaultdict(list)
+    for a in replay(flat, depends_on):
+        out[a["rank"]].append(a)
+    return dict(out)
+
+
+def replay_split(replayed: dict[int, list[dict]]) -> tuple[float, dict[int, dict[str, float]]]:
+    """The replayed step (the last item's end over all ranks) and per rank µs of compute, of each dimension's
+    communication, and idle: the step less the union of the rank's items, measured apart from the parts (waiting for a
+    group's slowest member or a message's sender is idle), so parts summing to the step shows no item overlapped."""
+    step = max(a["ts"] + a["dur"] for items in replayed.values() for a in items)
+    out = {}
+    for r, items in replayed.items():
+        parts = {c: 0.0 for c in CATEGORIES}
+        for a in items:
+            parts["compute" if a["op"] == "compute" else a["dim"]] += a["dur"]
+        parts["idle"] = step - measure((a["ts"], a["ts"] + a["dur"]) for a in items)
+        out[r] = parts
+    return step, out
+
+
+def mean_action_costs(steps: dict[int, list[dict]]) -> dict[tuple[str, int, int], float]:
+    """The mean CPU time of each piece of each kind of action on each stage, over micro-batches and ranks:
+    {(kind, stage, piece): µs}. Fed to every rank with communication free, the pipelines become identical, so no
+    collective waits and the replay must walk as the makespan model does."""
+    runs: dict[tuple, list[float]] = defaultdict(list)
+    for items in steps.values():
+        for it in items:
+            if "kind" in it:
+                runs[(it["kind"], it["stage"], it["piece"])].append(it["cost_us"])
+    return {k: sum(v) / len(v) for k, v in runs.items()}

@@ -23,7 +23,9 @@ from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
-from backend.parallel.step_split import CATEGORIES, lanes, split
+from backend.parallel.pp.makespan import makespan
+from backend.parallel.step_split import (CATEGORIES, lanes, match_calls, mean_action_costs, measured_costs, replay_split,
+                                         replay_step, split, step_items)
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
@@ -449,6 +451,9 @@ def combine(config: MeshConfig, payloads) -> Result:
     checks += timing
     split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
     checks.append(split_check)
+    replay_checks, replay_metrics, comm_rows, comm_lanes = comm_replay(config, payloads)
+    checks += replay_checks
+    timing_metrics.update(replay_metrics)
     price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
     checks += price_checks
     timing_metrics.update(price_metrics)
@@ -470,7 +475,8 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_split": split_rows, "step_lanes": lane_rows,
-                                                          "step_replayed": replay_rows,
+                                                          "step_replayed": replay_rows, "comm_replay": comm_rows,
+                                                          "comm_lanes": comm_lanes,
                                                           "schedules": schedule_rows,
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
@@ -527,6 +533,52 @@ def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
                             "as the window less the union of all the rank's events, apart from the categories",
                   detail=f"step {(window[1] - window[0]) / 1e3:.2f} ms; largest relative gap {worst:.1e}")
     return check, rows, drawn
+
+
+def comm_replay(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
+    """The last step replayed with one core per rank from measured costs, a lane per dimension's communication
+    (parallel/step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
+    wall clock: per rank compute, exposed communication by dimension and idle, checked to sum to the replayed step;
+    and the same items with communication free and each action at its mean cost, checked against the makespan model."""
+    steps = {p["rank"]: step_items(p["trace"]["events"], p["step_us"][-1]) for p in payloads}
+    partners = match_calls(steps, {p["rank"]: p["coords"] for p in payloads})
+    measured_costs(steps, partners)
+    replayed = replay_step(steps, partners)
+    step, parts = replay_split(replayed)
+    worst = max(abs(sum(v.values()) - step) / step for v in parts.values())
+    checks = [Check("each rank's replayed step with communication lanes splits into compute, exposed communication per "
+                    "dimension and idle that sum to it", worst, 1e-9,
+                    reference="the replay's step (last item's end over the ranks); idle measured as the step less the union "
+                              "of the rank's replayed items, apart from the parts",
+                    detail=f"replayed step {step / 1e3:.2f} ms; largest relative gap {worst:.1e}")]
+    rows = [{"rank": r, **{f"{c}_ms": v / 1e3 for c, v in parts[r].items()}, "step_ms": step / 1e3} for r in sorted(parts)]
+    drawn = [{"rank": r, "lane": "compute" if a["op"] == "compute" else a["dim"], "kind": a.get("kind", a["dim"] if a["op"] != "compute" else "other"),
+              "name": f"{a['kind']}{a['mb']} stage {a['stage']}" if "kind" in a else a["name"],
+              "start_ms": a["ts"] / 1e3, "end_ms": (a["ts"] + a["dur"]) / 1e3}
+             for r, items in replayed.items() for a in items if a["dur"] > 0]
+    checks.append(free_communication_check(config, steps, partners, {p["rank"]: p["coords"]["pp"] for p in payloads}))
+    wall = max(p["step_us"][-1][1] for p in payloads) - min(p["step_us"][-1][0] for p in payloads)
+    return checks, {"step_replayed_with_comm_ms": round(step / 1e3, 3), "step_wall_ms": round(wall / 1e3, 3)}, rows, drawn
+
+
+def free_communication_check(config: MeshConfig, steps, partners, pp_of: dict[int, int]) -> Check:
+    """The replay with every communication call free and every action piece at its mean cost over ranks and
+    micro-batches against the makespan model (pp/makespan.py, walked from the schedule's orders) at the same per-stage
+    costs: every action's start equal, on every pipeline."""
+    means = mean_action_costs(steps)
+    free = replay_step(steps, partners, lambda it: means[(it["kind"], it["stage"], it["piece"])] if "kind" in it else 0.0)
+    costs: dict[str, list[float]] = {}
+    for (kind, stage, _), c in means.items():
+        costs.setdefault(kind, [0.0] * config.num_stages)[stage] += c
+    if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage with no full backward measured has I + W
+        costs["B"] = [b or costs["I"][s] + costs["W"][s] for s, b in enumerate(costs["B"])]
+    model = makespan(config.schedule, config.pp, config.plan.microbatches(config.microbatches), config.virtual_stages, costs)
+    start = {(r, a["kind"], a["stage"], a["mb"]): a["ts"] for r, items in free.items() for a in items if a.get("piece") == 0}
+    apart = max(abs(start[(r, a.kind, a.stage, a.mb)] - begin) for r in steps for q, a, begin, _ in model.timeline
+                if q == pp_of[r])
+    return Check("the replay with communication free equals the makespan model, action by action", apart / model.step, 1e-9,
+                 reference="pp/makespan.py at each stage's mean action cost (the sum of its pieces' means), message latency 0",
+                 detail=f"largest difference of an action's start {apart:.3g} µs over a modelled step of {model.step / 1e3:.3f} ms")
 
 
 def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], dict, list[dict]]:
