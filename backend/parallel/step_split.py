@@ -214,7 +214,7 @@ def measured_costs(steps: dict[int, list[dict]], partners: dict) -> None:
             it.setdefault("cost_us", 0.0)
 
 
-def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it["cost_us"]) -> dict[int, list[dict]]:
+def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it.get("cost_us", 0.0)) -> dict[int, list[dict]]:
     """The items replayed with one core per rank at `cost(item)` µs each: a collective waits for every member's
     arrival (the end of its item before the collective), a receive or ring wait for its matched post."""
     from backend.trace import replay
