@@ -449,11 +449,9 @@ def combine(config: MeshConfig, payloads) -> Result:
                                   "ep.moe_activation_elements with the reference's routing"))
     timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
-    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
-    checks.append(split_check)
-    replay_checks, replay_metrics, comm_rows, comm_lanes = comm_replay(config, payloads)
-    checks += replay_checks
-    timing_metrics.update(replay_metrics)
+    step_checks, step_metrics, step_tables = where_the_step_goes(config, payloads, pipeline_rows)
+    checks += step_checks
+    timing_metrics.update(step_metrics)
     price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
     checks += price_checks
     timing_metrics.update(price_metrics)
@@ -474,9 +472,7 @@ def combine(config: MeshConfig, payloads) -> Result:
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
-                                                          "step_split": split_rows, "step_lanes": lane_rows,
-                                                          "step_replayed": replay_rows, "comm_replay": comm_rows,
-                                                          "comm_lanes": comm_lanes,
+                                                          "step_replayed": replay_rows, **step_tables,
                                                           "schedules": schedule_rows,
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
@@ -535,7 +531,14 @@ def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
     return check, rows, drawn
 
 
-def comm_replay(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
+def where_the_step_goes(config: MeshConfig, payloads, pipeline_rows) -> tuple[list[Check], dict, dict[str, list[dict]]]:
+    """The last step on the wall clock (step_split) and replayed with its communication (comm_replay)."""
+    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
+    checks, metrics, tables = comm_replay(config, payloads)
+    return [split_check, *checks], metrics, {"step_split": split_rows, "step_lanes": lane_rows, **tables}
+
+
+def comm_replay(config: MeshConfig, payloads) -> tuple[list[Check], dict, dict[str, list[dict]]]:
     """The last step replayed with one core per rank from measured costs, a lane per dimension's communication
     (parallel/step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
     wall clock: per rank compute, exposed communication by dimension and idle, checked to sum to the replayed step;
@@ -558,7 +561,8 @@ def comm_replay(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[d
              for r, items in replayed.items() for a in items if a["dur"] > 0]
     checks.append(free_communication_check(config, steps, partners, {p["rank"]: p["coords"]["pp"] for p in payloads}))
     wall = max(p["step_us"][-1][1] for p in payloads) - min(p["step_us"][-1][0] for p in payloads)
-    return checks, {"step_replayed_with_comm_ms": round(step / 1e3, 3), "step_wall_ms": round(wall / 1e3, 3)}, rows, drawn
+    return checks, {"step_replayed_with_comm_ms": round(step / 1e3, 3), "step_wall_ms": round(wall / 1e3, 3)}, \
+        {"comm_replay": rows, "comm_lanes": drawn}
 
 
 def free_communication_check(config: MeshConfig, steps, partners, pp_of: dict[int, int]) -> Check:

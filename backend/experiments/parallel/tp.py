@@ -13,7 +13,8 @@ from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
 from backend.parallel.parallelize import expected, parallelize
 from backend.parallel.tp import part, sum_norm_grads
-from backend.parallel.tp_model import (dtensor_peer, expected_collectives, pipeline_boundary, reference_model, tokens,
+from backend.experiments.parallel.tp_peers import dtensor_peer, pipeline_boundary
+from backend.parallel.tp_model import (expected_collectives, reference_model, tokens,
                                       worked_examples)
 from backend.parallel.wire import Wire, ring_bytes
 from backend.result import Check, Result
