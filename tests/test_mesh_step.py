@@ -2,7 +2,9 @@
 V-shaped) and Korthikanti's selective recompute under tp, each equal to one process, its extra FLOPs equal to the
 model (one more forward per (stage, micro-batch); QKᵀ and P·V again per layer) and its activations equal to the
 formula; a broken rule fails. And where each rank's step goes: the last step split into compute, exposed
-communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails)."""
+communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails),
+and replayed with one core per rank and a lane per dimension's communication (a collective waits for its group's
+slowest member; with communication free the replay is the makespan model)."""
 import dataclasses
 import multiprocessing
 
@@ -89,11 +91,9 @@ def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle
 def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
     from backend.parallel import step_split as S
 
-    def twice(events, window):  # each category on its own, without giving way to the ones before it
-        taken = [(c, S.clip(iv, window)) for _, c, iv in filter(None, map(S.classify, events))]
-        out = {c: S.measure(iv for cat, iv in taken if cat == c) for c in S.CATEGORIES if c != "idle"}
-        return {**out, "idle": (window[1] - window[0]) - S.measure(iv for _, iv in taken)}
-    monkeypatch.setattr(mesh, "split", twice)
+    def twice(intervals, step):  # each collective inside an action also counted as the action's compute
+        return S.parts(intervals + [(dict(it, op="compute"), iv) for it, iv in intervals if it["op"] == "collective"], step)
+    monkeypatch.setattr(mesh, "parts", twice)
     cfg, payloads = runs["zb_h1"]  # tp 2: its all-reduces run inside the forwards and backwards
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
 

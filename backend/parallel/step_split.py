@@ -1,18 +1,14 @@
-"""Where each rank's time goes in one step of the composed mesh run, from the wall clock.
+"""Where each rank's time goes in one step of the composed mesh run: on the wall clock, and replayed with one core per
+rank, both from one decomposition of the step into items.
 
-Every rank records the pipeline's actions (F, B, I, W) and its pp receives on one tracer, and each other mesh dimension
-(tp, cp, ep, dp) on a tracer of its own, so every event says which dimension it belongs to (mesh_train). Each instant of
-the step window is given to one category, the first that covers it in this order:
-  compute    work inside a dimension's code (ring attention's blocks, a ring reduction's sums, Adam's update), then
-  tp, cp, ep, dp, pp   exposed communication: a collective's span (a collective blocks this rank until it is done),
-             the blocked tail of a ring message sent while attention computed (ring attention's K/V blocks: only the
-             wait after the overlapped compute is exposed), a pipeline receive (waiting for a stage's activation or
-             gradient: the time the pipeline's fill, drain or an unbalanced stage leaves this rank)
-  compute    the rest of an F, B, I or W action
-  idle       nothing runs: before the rank's first action of the step, between actions, after its last
-so nested spans (a tp all-reduce inside a forward) count once. Idle is measured as the window less the union of all
-events, independently of the categories' own sums, so their total equalling the window checks that no instant is
-counted twice or lost.
+Every rank records the pipeline's actions (F, B, I, W), its pp sends and receives on one tracer, and each other mesh
+dimension (tp, cp, ep, dp) on a tracer of its own, so every event says which dimension it belongs to (mesh_train). A
+rank's step becomes an ordered list of items: compute pieces (an action between its communication calls, or traced
+compute outside the actions) and communication calls, each of one dimension: a collective, a pipeline send (an instant)
+or receive, a ring attention message's post (an instant) and wait (only the blocked tail after the overlapped compute is
+exposed). On the wall clock each item covers its interval; the replay (below) times them from measured costs. Per rank,
+compute, each dimension's exposed communication and idle: idle is measured as the step less the union of the items,
+apart from the parts, so parts summing to the step checks that no instant is counted twice or lost.
 """
 from __future__ import annotations
 
@@ -21,22 +17,6 @@ from collections import defaultdict
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 CATEGORIES = ("compute", *DIMENSIONS, "idle")
 FBIW = ("F", "B", "I", "W")
-
-
-def classify(event: dict) -> tuple[int, str, tuple[float, float]] | None:
-    """(level, category, interval) of one trace event, or None for an event no category takes (it nests in others).
-    Level 0 is taken first: compute inside a dimension's code; 1: exposed communication; 2: the pipeline's actions."""
-    args, start, end = event["args"], event["ts"], event["ts"] + event["dur"]
-    dim, lane = args.get("dim"), event["lane"]
-    if lane == "compute":
-        if dim:
-            return 0, "compute", (start, end)
-        return (2, "compute", (start, end)) if args.get("kind") in FBIW else None
-    if lane == "recv":
-        return 1, "pp", (start, end)
-    if dim and lane in ("collective", "comm"):
-        return 1, dim, ((end - args["blocked_us"], end) if "blocked_us" in args else (start, end))
-    return None
 
 
 def union(intervals) -> list[tuple[float, float]]:
@@ -53,38 +33,22 @@ def measure(intervals) -> float:
     return sum(b - a for a, b in union(intervals))
 
 
-def clip(interval, window):
-    return max(interval[0], window[0]), min(interval[1], window[1])
-
-
-def split(events: list[dict], window: tuple[float, float]) -> dict[str, float]:
-    """Microseconds of `window` per category for one rank's events (see the module's order)."""
-    taken = [(lvl, cat, clip(iv, window)) for lvl, cat, iv in filter(None, map(classify, events))]
-    out, covered = {c: 0.0 for c in CATEGORIES}, []
-    for level, names in ((0, ("compute",)), (1, DIMENSIONS), (2, ("compute",))):
-        for name in names:
-            mine = [iv for lvl, cat, iv in taken if lvl == level and cat == name]
-            if mine:
-                out[name] += measure(covered + mine) - measure(covered)  # what it adds beyond the categories before it
-                covered = union(covered + mine)
-    out["idle"] = (window[1] - window[0]) - measure(iv for _, _, iv in taken)
+def parts(intervals: list[tuple[dict, tuple[float, float]]], step: float) -> dict[str, float]:
+    """µs per category of a rank's (item, interval) pairs within a step of `step` µs (see the module's note)."""
+    out = {c: 0.0 for c in CATEGORIES}
+    for it, (a, b) in intervals:
+        out["compute" if it["op"] == "compute" else it["dim"]] += max(b - a, 0.0)
+    out["idle"] = step - measure(iv for _, iv in intervals)
     return out
 
 
-def lanes(events: list[dict], window: tuple[float, float]) -> list[dict]:
-    """The step's events for drawing, one lane per category: the pipeline's actions on the compute lane (by kind,
-    micro-batch and stage), each dimension's collectives and receives on its own lane (not the ring steps inside them)."""
-    rows = []
-    for e in events:
-        c = classify(e)
-        if c is None or (c[0] == 0) or (e["lane"] == "comm" and "blocked_us" not in e["args"]):
-            continue
-        a, b = clip(c[2], window)
-        if b > a:
-            label = f"{e['args']['kind']}{e['args']['mb']} stage {e['args']['stage']}" if c[0] == 2 else e["name"]
-            rows.append({"lane": c[1], "name": label, "kind": e["args"]["kind"] if c[0] == 2 else c[1],
-                         "start_ms": (a - window[0]) / 1e3, "end_ms": (b - window[0]) / 1e3})
-    return rows
+def drawn(rank: int, intervals: list[tuple[dict, tuple[float, float]]], origin: float) -> list[dict]:
+    """Rows for a timeline, one lane per category: compute pieces by action (kind, micro-batch, stage), each
+    dimension's calls on its own lane; in ms from `origin`."""
+    return [{"rank": rank, "lane": "compute" if it["op"] == "compute" else it["dim"],
+             "kind": it.get("kind", "other" if it["op"] == "compute" else it["dim"]),
+             "name": f"{it['kind']}{it['mb']} stage {it['stage']}" if "kind" in it else it.get("name", it["op"]),
+             "start_ms": (a - origin) / 1e3, "end_ms": (b - origin) / 1e3} for it, (a, b) in intervals if b > a]
 
 
 # --- the same step replayed with one core per rank, a lane per dimension's communication -------------------------------
@@ -137,9 +101,10 @@ def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
              and not any(_inside(e, a) for a in actions)]  # traced compute outside the actions (Adam's update)
 
     def gap(a: float, b: float):
-        cpu = sum(e.get("cpu_us", 0.0) for e in loose if a <= e["ts"] < b)
-        if cpu > 0:
-            items.append({"op": "compute", "cost_us": cpu, "wall": (a, b)})
+        traced = [e for e in loose if a <= e["ts"] < b]
+        if traced:
+            items.append({"op": "compute", "cost_us": sum(e.get("cpu_us", 0.0) for e in traced),
+                          "wall": (min(e["ts"] for e in traced), max(e["ts"] + e["dur"] for e in traced))})
     for act in actions:
         mine = [c for c in calls if act["ts"] <= c[0] and c[1] <= act["ts"] + act["dur"]]
         before = [c for c in calls if c[0] < act["ts"] and c not in mine]
@@ -234,18 +199,10 @@ def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it
 
 
 def replay_split(replayed: dict[int, list[dict]]) -> tuple[float, dict[int, dict[str, float]]]:
-    """The replayed step (the last item's end over all ranks) and per rank µs of compute, of each dimension's
-    communication, and idle: the step less the union of the rank's items, measured apart from the parts (waiting for a
-    group's slowest member or a message's sender is idle), so parts summing to the step shows no item overlapped."""
+    """The replayed step (the last item's end over all ranks) and per rank µs of compute, of each dimension's exposed
+    communication, and idle (waiting for a group's slowest member or a message's sender is idle)."""
     step = max(a["ts"] + a["dur"] for items in replayed.values() for a in items)
-    out = {}
-    for r, items in replayed.items():
-        parts = {c: 0.0 for c in CATEGORIES}
-        for a in items:
-            parts["compute" if a["op"] == "compute" else a["dim"]] += a["dur"]
-        parts["idle"] = step - measure((a["ts"], a["ts"] + a["dur"]) for a in items)
-        out[r] = parts
-    return step, out
+    return step, {r: parts([(a, (a["ts"], a["ts"] + a["dur"])) for a in items], step) for r, items in replayed.items()}
 
 
 def mean_action_costs(steps: dict[int, list[dict]]) -> dict[tuple[str, int, int], float]:

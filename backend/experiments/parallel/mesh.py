@@ -24,8 +24,8 @@ from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.pp.makespan import makespan
-from backend.parallel.step_split import (CATEGORIES, lanes, match_calls, mean_action_costs, measured_costs, replay_split,
-                                         replay_step, split, step_items)
+from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
+                                         replay_split, replay_step, step_items)
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.wire import ring_bytes
@@ -508,61 +508,57 @@ def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) ->
                  detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
 
 
-def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
+def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
     """The last step's wall time on every rank (from the earliest rank's start to the latest rank's end) split into
     compute, exposed communication per dimension and idle (parallel/step_split.py), beside the replayed bubble; and
-    the step's events by lane for the timeline."""
+    the step's items by lane for the timeline."""
     window = (min(p["step_us"][-1][0] for p in payloads), max(p["step_us"][-1][1] for p in payloads))
-    replayed = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}
-    rows, drawn, worst = [], [], 0.0
+    replayed, step = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}, window[1] - window[0]
+    rows, lanes, worst = [], [], 0.0
     for p in payloads:
-        parts = split(p["trace"]["events"], window)
-        total = sum(parts.values())
-        worst = max(worst, abs(total - (window[1] - window[0])) / (window[1] - window[0]))
-        rows.append({"rank": p["rank"], **{f"{c}_ms": parts[c] / 1e3 for c in CATEGORIES}, "step_ms": (window[1] - window[0]) / 1e3,
-                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3,
-                     "bubble_replayed": replayed.get(p["rank"])})
-        drawn += [{"rank": p["rank"], **e} for e in lanes(p["trace"]["events"], window)]
+        walls = [(it, it["wall"]) for it in steps[p["rank"]]]
+        split = parts(walls, step)
+        worst = max(worst, abs(sum(split.values()) - step) / step)
+        rows.append({"rank": p["rank"], **{f"{c}_ms": split[c] / 1e3 for c in CATEGORIES}, "step_ms": step / 1e3,
+                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3, "bubble_replayed": replayed.get(p["rank"])})
+        lanes += drawn(p["rank"], walls, window[0])
     check = Check("each rank's last step splits into compute, exposed communication per dimension and idle that sum to "
                   "its wall time", worst, 1e-9,
                   reference="the step's window (earliest start to latest end over the ranks, perf_counter); idle measured "
-                            "as the window less the union of all the rank's events, apart from the categories",
-                  detail=f"step {(window[1] - window[0]) / 1e3:.2f} ms; largest relative gap {worst:.1e}")
-    return check, rows, drawn
+                            "as the window less the union of the rank's items, apart from the categories",
+                  detail=f"step {step / 1e3:.2f} ms; largest relative gap {worst:.1e}")
+    return check, rows, lanes
 
 
 def where_the_step_goes(config: MeshConfig, payloads, pipeline_rows) -> tuple[list[Check], dict, dict[str, list[dict]]]:
-    """The last step on the wall clock (step_split) and replayed with its communication (comm_replay)."""
-    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
-    checks, metrics, tables = comm_replay(config, payloads)
+    """The last step of every rank as items (step_split.step_items) on the wall clock and replayed with its communication."""
+    steps = {p["rank"]: step_items(p["trace"]["events"], p["step_us"][-1]) for p in payloads}
+    split_check, split_rows, lane_rows = step_split(payloads, steps, pipeline_rows)
+    checks, metrics, tables = comm_replay(config, payloads, steps)
     return [split_check, *checks], metrics, {"step_split": split_rows, "step_lanes": lane_rows, **tables}
 
 
-def comm_replay(config: MeshConfig, payloads) -> tuple[list[Check], dict, dict[str, list[dict]]]:
+def comm_replay(config: MeshConfig, payloads, steps) -> tuple[list[Check], dict, dict[str, list[dict]]]:
     """The last step replayed with one core per rank from measured costs, a lane per dimension's communication
     (parallel/step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
     wall clock: per rank compute, exposed communication by dimension and idle, checked to sum to the replayed step;
     and the same items with communication free and each action at its mean cost, checked against the makespan model."""
-    steps = {p["rank"]: step_items(p["trace"]["events"], p["step_us"][-1]) for p in payloads}
     partners = match_calls(steps, {p["rank"]: p["coords"] for p in payloads})
     measured_costs(steps, partners)
     replayed = replay_step(steps, partners)
-    step, parts = replay_split(replayed)
-    worst = max(abs(sum(v.values()) - step) / step for v in parts.values())
+    step, split = replay_split(replayed)
+    worst = max(abs(sum(v.values()) - step) / step for v in split.values())
     checks = [Check("each rank's replayed step with communication lanes splits into compute, exposed communication per "
                     "dimension and idle that sum to it", worst, 1e-9,
                     reference="the replay's step (last item's end over the ranks); idle measured as the step less the union "
                               "of the rank's replayed items, apart from the parts",
                     detail=f"replayed step {step / 1e3:.2f} ms; largest relative gap {worst:.1e}")]
-    rows = [{"rank": r, **{f"{c}_ms": v / 1e3 for c, v in parts[r].items()}, "step_ms": step / 1e3} for r in sorted(parts)]
-    drawn = [{"rank": r, "lane": "compute" if a["op"] == "compute" else a["dim"], "kind": a.get("kind", a["dim"] if a["op"] != "compute" else "other"),
-              "name": f"{a['kind']}{a['mb']} stage {a['stage']}" if "kind" in a else a["name"],
-              "start_ms": a["ts"] / 1e3, "end_ms": (a["ts"] + a["dur"]) / 1e3}
-             for r, items in replayed.items() for a in items if a["dur"] > 0]
+    rows = [{"rank": r, **{f"{c}_ms": v / 1e3 for c, v in split[r].items()}, "step_ms": step / 1e3} for r in sorted(split)]
+    lanes = [row for r, items in replayed.items() for row in drawn(r, [(a, (a["ts"], a["ts"] + a["dur"])) for a in items], 0.0)]
     checks.append(free_communication_check(config, steps, partners, {p["rank"]: p["coords"]["pp"] for p in payloads}))
     wall = max(p["step_us"][-1][1] for p in payloads) - min(p["step_us"][-1][0] for p in payloads)
     return checks, {"step_replayed_with_comm_ms": round(step / 1e3, 3), "step_wall_ms": round(wall / 1e3, 3)}, \
-        {"comm_replay": rows, "comm_lanes": drawn}
+        {"comm_replay": rows, "comm_lanes": lanes}
 
 
 def free_communication_check(config: MeshConfig, steps, partners, pp_of: dict[int, int]) -> Check:
