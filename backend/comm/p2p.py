@@ -71,6 +71,12 @@ class P2P:
         self._record(None, phase, sends, recvs)
         return reqs
 
+    def recv_any(self, tensor: torch.Tensor, phase: str) -> int:
+        """Receive into `tensor` from whichever rank sends first (a parameter server's inbox); returns the sender."""
+        sender = dist.recv(tensor, src=None)
+        self._record(None, phase, [], [Transfer(tensor, sender, [])])
+        return sender
+
     def _record(self, step, phase, sends, recvs) -> None:
         for direction, transfers in (("send", sends), ("recv", recvs)):
             for t in transfers:
