@@ -119,7 +119,7 @@ def test_pipeline_boundary_is_a_real_stage_cut(run):
     assert not tp.combine(cfg, payloads).passed
     stage0["logged_bytes"] -= 8
 
-    from backend.experiments.parallel.tp_peers import pipeline_boundary
+    from backend.experiments.parallel.tp import pipeline_boundary
     from backend.parallel.tp_model import reference_model, tokens
     from backend.trace import Tracer
 

@@ -1,5 +1,5 @@
 """What tensor and sequence parallel should do, predicted without running them: the seed's 2x2 worked
-examples and every collective of one training step with its bytes (the experiment's peers: experiments/parallel/tp_peers.py).
+examples and every collective of one training step with its bytes (its peers, DTensor and the sockets, are in the experiment).
 
 The reference for all of it is the single-process TinyDecoder (backend/models/llama.py) in float64.
 """
