@@ -123,7 +123,7 @@ def comm_replay(result: dict) -> None:
                                   f"Replayed {m['step_replayed_with_comm_ms']:.1f} ms (wall {m['step_wall_ms']:.1f} ms)"),
                       width="stretch")
     right.altair_chart(_lanes_chart(pd.DataFrame(t["comm_lanes"]), "time in the replayed step (ms, one core per rank)",
-                                    "Replayed per rank: compute and each dimension's communication"), width="stretch")
+                                    "Replayed: compute and communication per rank"), width="stretch")
     st.caption("Each rank on a core of its own: compute at its CPU time, each collective starting when its group's "
                "slowest member arrives, each receive when its send was posted; waiting is idle.")
     with st.expander("How the replay is built and checked"):
