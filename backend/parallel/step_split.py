@@ -51,17 +51,14 @@ def drawn(rank: int, intervals: list[tuple[dict, tuple[float, float]]], origin: 
              "start_ms": (a - origin) / 1e3, "end_ms": (b - origin) / 1e3} for it, (a, b) in intervals if b > a]
 
 
-# --- the same step replayed with one core per rank, a lane per dimension's communication -------------------------------
-# Each rank's step becomes an ordered list of items: compute (the CPU time between two communication calls), and
-# each communication call of its dimension: a collective (tp, cp, ep, dp: it starts when the last member of its group
-# arrives and takes the same time on every member), a pipeline send or ring post (an instant) and its receive or ring
-# wait (it starts when the matched send was posted, or the rank arrives, whichever is later). backend.trace.replay walks
-# them: an item starts when the rank's previous item has ended and what it depends on has ended. A collective's cost is
-# from its last member's arrival to its first member's finish (before, some member had not arrived; after, a member
-# may finish late because the OS ran another rank); a message's is from the later of its post and its receiver's wait
-# to its arrival. Compute inside an F/B/I/W action is the action's CPU time less its
-# collectives', spread over the pieces between them by their wall time; outside the actions, the traced compute spans'
-# CPU time (Adam's update; untraced glue counts nothing).
+# --- the items, and the step replayed from them with one core per rank ------------------------------------------------
+# backend.trace.replay walks the items: one starts when the rank's previous item has ended and what it depends on has
+# ended. A collective (tp, cp, ep, dp) depends on every member's arrival, so it starts with the slowest and takes the same
+# time on each; a receive or ring wait depends on its matched send or post. A collective's cost is from its last
+# member's arrival to its first member's finish (before, a member had not arrived; after, a member may finish late
+# because the OS ran another rank); a message's from the later of its post and its wait to its arrival. Compute inside
+# an F/B/I/W action is the action's CPU time less its collectives', spread over the pieces between them by wall time;
+# outside the actions, the traced compute spans' CPU time (Adam's update; untraced glue counts nothing).
 
 
 def _inside(e: dict, outer: dict) -> bool:
