@@ -58,6 +58,8 @@ def render(result: dict, rec) -> None:
                    "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
     if t.get("step_split"):
         mesh_views.step_split(result)
+    if t.get("comm_replay"):
+        mesh_views.comm_replay(result)
     if t.get("schedules"):
         mesh_views.schedules(result)
     if t.get("recompute"):

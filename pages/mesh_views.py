@@ -51,37 +51,47 @@ DIM_COLORS = {"tp": "#1f6fd1", "cp": "#9b59b6", "ep": "#d4a017", "dp": "#76b041"
 ACTION_COLORS = {"F": "#3b3b3b", "B": "#7a7a7a", "I": "#a3a3a3", "W": "#c8c8c8"}
 
 
-def step_split(result: dict) -> None:
-    """Per rank, the last step on the wall clock by lane, and its split into compute, exposed communication per
-    dimension and idle, beside the replayed bubble."""
-    t = result["tables"]
-    split = pd.DataFrame(t["step_split"])
+def _split_bars(split: pd.DataFrame, y_title: str, title: str) -> alt.Chart:
+    """Per rank a stacked bar: compute, each dimension's exposed communication, idle (ms)."""
     parts = split.melt(id_vars=["rank"], value_vars=[f"{c}_ms" for c in ["compute", *LANE_ORDER[1:], "idle"]],
                        var_name="part", value_name="ms")
     parts["part"] = parts["part"].str.removesuffix("_ms").map(lambda c: c if c in ("compute", "idle") else f"{c} communication")
     parts = parts[parts["ms"] > 0]
     order = ["compute", *[f"{d} communication" for d in LANE_ORDER[1:]], "idle"]
-    st.subheader("Where each rank's step goes")
-    left, right = st.columns([2, 3])
-    left.altair_chart(alt.Chart(parts).mark_bar().encode(
+    return alt.Chart(parts).mark_bar().encode(
         x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0, labelOverlap=False)),
-        y=alt.Y("ms:Q", title="last step's wall time (ms)", stack="zero"),
+        y=alt.Y("ms:Q", title=y_title, stack="zero"),
         color=alt.Color("part:N", sort=order, title=None, scale=alt.Scale(
             domain=order, range=["#3b3b3b", *DIM_COLORS.values(), "#d0d4da"])), order=alt.Order("part:N"),
-        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f", title="ms")]).properties(
-        height=300, title="The last step's split per rank"), width="stretch")
-    lanes = pd.DataFrame(t["step_lanes"])
+        tooltip=["rank", "part", alt.Tooltip("ms:Q", format=".2f", title="ms")]).properties(height=300, title=title)
+
+
+def _lanes_chart(lanes: pd.DataFrame, x_title: str, title: str) -> alt.Chart:
+    """One row per rank and lane (compute, then each dimension that talks), each event a bar from start to end (ms)."""
+    lanes = lanes.copy()
     lanes["row"] = lanes["rank"].map(lambda r: f"rank {r}") + " · " + lanes["lane"]
     rows = [f"rank {r} · {lane}" for r in sorted(lanes["rank"].unique()) for lane in LANE_ORDER
             if f"rank {r} · {lane}" in set(lanes["row"])]
-    right.altair_chart(alt.Chart(lanes).mark_bar().encode(
-        x=alt.X("start_ms:Q", title="time in the step (ms, wall clock)"), x2="end_ms:Q",
+    kinds = [k for k in [*ACTION_COLORS, *DIM_COLORS, "other"] if k in set(lanes["kind"])]
+    colors = {**ACTION_COLORS, **DIM_COLORS, "other": "#8c6d4f"}
+    return alt.Chart(lanes).mark_bar().encode(
+        x=alt.X("start_ms:Q", title=x_title), x2="end_ms:Q",
         y=alt.Y("row:N", sort=rows, title=None, axis=alt.Axis(labelOverlap=False)),
-        color=alt.Color("kind:N", title="kind", scale=alt.Scale(domain=[*ACTION_COLORS, *DIM_COLORS],
-                                                               range=[*ACTION_COLORS.values(), *DIM_COLORS.values()])),
+        color=alt.Color("kind:N", title="kind", scale=alt.Scale(domain=kinds, range=[colors[k] for k in kinds])),
         tooltip=["rank", "lane", "name", alt.Tooltip("start_ms:Q", format=".2f", title="start (ms)"),
-                 alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(
-        height=alt.Step(20), title="The last step per rank, one lane per dimension"), width="stretch")
+                 alt.Tooltip("end_ms:Q", format=".2f", title="end (ms)")]).properties(height=alt.Step(20), title=title)
+
+
+def step_split(result: dict) -> None:
+    """Per rank, the last step on the wall clock by lane, and its split into compute, exposed communication per
+    dimension and idle, beside the replayed bubble."""
+    t = result["tables"]
+    split = pd.DataFrame(t["step_split"])
+    st.subheader("Where each rank's step goes")
+    left, right = st.columns([2, 3])
+    left.altair_chart(_split_bars(split, "last step's wall time (ms)", "The last step's split per rank"), width="stretch")
+    right.altair_chart(_lanes_chart(pd.DataFrame(t["step_lanes"]), "time in the step (ms, wall clock)",
+                                    "The last step per rank, one lane per dimension"), width="stretch")
     if t.get("step_replayed"):
         replay = pd.DataFrame(t["step_replayed"])
         replay["row"] = replay["rank"].map(lambda r: f"rank {r}")
@@ -102,6 +112,28 @@ def step_split(result: dict) -> None:
                     "collective, the blocked tail of a ring message, a pipeline receive), then the rest of an F/B/I/W "
                     "action; idle is what no event covers. The check: the parts sum to the step's wall time on every rank.")
         ui.table(split)
+
+
+def comm_replay(result: dict) -> None:
+    """The last step replayed with one core per rank and a lane per dimension's communication, beside the wall clock."""
+    t, m = result["tables"], result["metrics"]
+    st.subheader("The step replayed with its communication")
+    left, right = st.columns([2, 3])
+    left.altair_chart(_split_bars(pd.DataFrame(t["comm_replay"]), "replayed step (ms)",
+                                  f"Replayed {m['step_replayed_with_comm_ms']:.1f} ms (wall {m['step_wall_ms']:.1f} ms)"),
+                      width="stretch")
+    right.altair_chart(_lanes_chart(pd.DataFrame(t["comm_lanes"]), "time in the replayed step (ms, one core per rank)",
+                                    "Replayed: compute and communication per rank"), width="stretch")
+    st.caption("Each rank on a core of its own: compute at its CPU time, each collective starting when its group's "
+               "slowest member arrives, each receive when its send was posted; waiting is idle.")
+    with st.expander("How the replay is built and checked"):
+        st.markdown("Costs come from the last step's trace: compute is an action's CPU time less its collectives', "
+                    "spread between them; a collective costs from its last member's arrival to its first member's finish, "
+                    "a message from the later of its post and its wait to its arrival (on this shared 2-core machine these "
+                    "include time the OS gave other ranks). Checks: per rank the parts sum to the replayed step; with "
+                    "communication free and each action at its stage's mean cost the replay equals the makespan model "
+                    "action by action.")
+        ui.table(pd.DataFrame(t["comm_replay"]))
 
 
 def schedules(result: dict) -> None:

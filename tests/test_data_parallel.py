@@ -79,6 +79,9 @@ def test_parameter_servers(server, mode):
     payloads = spawn_ranks(dp_ps.run_rank, 3, cfg, RunContext(timeout_s=120))
     result = combine_ps(cfg, payloads)
     assert result.passed, [(c.name, c.error, c.detail) for c in result.checks if not c.passed]
+    payloads[-1]["sent"] += 8  # a worker's message its server never logged receiving
+    assert not combine_ps(cfg, payloads).passed
+    payloads[-1]["sent"] -= 8
     if mode == "async":
         assert max(u["staleness"] for u in result.tables["staleness"]) >= 1
         payloads[0]["updates"][-1]["based_on"] = 0  # a log that lies about which version a gradient used

@@ -2,7 +2,9 @@
 V-shaped) and Korthikanti's selective recompute under tp, each equal to one process, its extra FLOPs equal to the
 model (one more forward per (stage, micro-batch); QKᵀ and P·V again per layer) and its activations equal to the
 formula; a broken rule fails. And where each rank's step goes: the last step split into compute, exposed
-communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails)."""
+communication per dimension and idle, summing to its wall time (a split that counts a nested collective twice fails),
+and replayed with one core per rank and a lane per dimension's communication (a collective waits for its group's
+slowest member; with communication free the replay is the makespan model)."""
 import dataclasses
 import multiprocessing
 
@@ -89,11 +91,9 @@ def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle
 def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
     from backend.parallel import step_split as S
 
-    def twice(events, window):  # each category on its own, without giving way to the ones before it
-        taken = [(c, S.clip(iv, window)) for _, c, iv in filter(None, map(S.classify, events))]
-        out = {c: S.measure(iv for cat, iv in taken if cat == c) for c in S.CATEGORIES if c != "idle"}
-        return {**out, "idle": (window[1] - window[0]) - S.measure(iv for _, iv in taken)}
-    monkeypatch.setattr(mesh, "split", twice)
+    def twice(intervals, step):  # each collective inside an action also counted as the action's compute
+        return S.parts(intervals + [(dict(it, op="compute"), iv) for it, iv in intervals if it["op"] == "collective"], step)
+    monkeypatch.setattr(mesh, "parts", twice)
     cfg, payloads = runs["zb_h1"]  # tp 2: its all-reduces run inside the forwards and backwards
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
 
@@ -117,3 +117,64 @@ def test_one_plan_under_every_schedule_side_by_side():
     payloads[0]["schedules"]["zb_h1"]["params"][name] = payloads[0]["schedules"]["zb_h1"]["params"][name] + 1e-6
     check = next(c for c in mesh.combine(cfg, payloads).checks if c.name.startswith("every schedule's run"))
     assert not check.passed and "zb_h1" in check.detail
+
+
+REPLAY_SUM = "each rank's replayed step with communication lanes splits into compute, exposed communication per dimension and idle that sum to it"
+REPLAY_FREE = "the replay with communication free equals the makespan model, action by action"
+
+
+def _toy():
+    """Ranks 0 and 1: one tp group on pipeline stage 0; rank 2: stage 1, receiving rank 0's activation."""
+    coords = {0: {"pp": 0, "tp": 0}, 1: {"pp": 0, "tp": 1}, 2: {"pp": 1, "tp": 0}}
+    comp = lambda us: {"op": "compute", "cost_us": us}  # noqa: E731
+    coll = {"op": "collective", "dim": "tp", "name": "all_reduce", "cost_us": 1.0}
+    steps = {0: [comp(5.0), dict(coll), comp(2.0), {"op": "send", "dim": "pp", "peer": 2, "tag": 7}],
+             1: [comp(2.0), dict(coll), comp(4.0)],
+             2: [comp(1.0), {"op": "recv", "dim": "pp", "peer": 0, "tag": 7, "cost_us": 0.5}, comp(3.0)]}
+    return steps, coords
+
+
+def test_a_collective_waits_for_its_groups_slowest_member_and_a_receive_for_its_send(monkeypatch):
+    """By hand: the all-reduce starts at 5 when rank 0 arrives and ends at 6 on both; rank 0 sends at 8, rank 2 waits
+    from 1 to 8 and receives by 8.5, then computes to 11.5, the step. Rank 1: compute 6, tp 1, idle 4.5 (3 waiting for
+    rank 0, 1.5 after its last item). A collective that does not wait for its slowest member breaks these numbers."""
+    from backend.parallel import step_split as S
+
+    steps, coords = _toy()
+    replayed = S.replay_step(steps, S.match_calls(steps, coords))
+    assert [(a["ts"], a["ts"] + a["dur"]) for a in replayed[1]] == [(0, 2), (5, 6), (6, 10)]
+    assert [(a["ts"], a["ts"] + a["dur"]) for a in replayed[2]] == [(0, 1), (8, 8.5), (8.5, 11.5)]
+    step, parts = S.replay_split(replayed)
+    assert step == 11.5 and parts[1]["compute"] == 6 and parts[1]["tp"] == 1 and parts[1]["idle"] == 4.5
+    assert parts[2] == {**dict.fromkeys(S.CATEGORIES, 0.0), "compute": 4.0, "pp": 0.5, "idle": 7.0}
+    right = S.match_calls  # broken: a collective with no partners (each member goes on alone)
+    monkeypatch.setattr(S, "match_calls", lambda st, co: {k: v for k, v in right(st, co).items() if st[k[0]][k[1]]["op"] != "collective"})
+    broken = S.replay_step(steps, S.match_calls(steps, coords))
+    assert [(a["ts"], a["ts"] + a["dur"]) for a in broken[1]] != [(0, 2), (5, 6), (6, 10)]
+
+
+def test_the_replay_with_communication_lanes_splits_each_step_and_frees_to_the_makespan_model(runs, monkeypatch):
+    for name, (cfg, payloads) in runs.items():
+        result = mesh.combine(cfg, payloads)
+        checks = {c.name: c for c in result.checks}
+        assert checks[REPLAY_SUM].passed and checks[REPLAY_FREE].passed, name
+        for row in result.tables["comm_replay"]:  # each dimension that talks has time on its lane
+            assert row["compute_ms"] > 0 and row["pp_ms"] > 0 and (row["tp_ms"] > 0) == (cfg.tp > 1) and row["cp_ms"] == 0
+        assert result.metrics["step_replayed_with_comm_ms"] == pytest.approx(result.tables["comm_replay"][0]["step_ms"], abs=1e-3)
+        assert {r["lane"] for r in result.tables["comm_lanes"]} >= {"compute", "pp"} | ({"tp"} if cfg.tp > 1 else set())
+    cfg, payloads = runs["zb_h1"]
+    from backend.parallel import step_split as S
+
+    def waits_counted_as_communication(replayed):  # the wait for a slower member also counted on the dimension's lane
+        step, parts = S.replay_split(replayed)
+        for r, items in replayed.items():
+            for before, a in zip(items, items[1:]):
+                if a["op"] == "collective":
+                    parts[r][a["dim"]] += a["ts"] - (before["ts"] + before["dur"])
+        return step, parts
+    monkeypatch.setattr(mesh, "replay_split", waits_counted_as_communication)
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[REPLAY_SUM].passed
+    monkeypatch.undo()
+    right = mesh.match_calls  # a receive that does not wait for its send
+    monkeypatch.setattr(mesh, "match_calls", lambda st, co: {k: v for k, v in right(st, co).items() if st[k[0]][k[1]]["op"] != "recv"})
+    assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[REPLAY_FREE].passed

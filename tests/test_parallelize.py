@@ -164,4 +164,4 @@ def test_sp_beside_moe_and_cp_builds_and_marks_what_its_shard_alone_trains():
         ffn = {k for k in dict(model.named_parameters()) if ".ffn." in k}
         norms = {k for k in dict(model.named_parameters()) if "norm" in k}
         assert tagged == ((ffn | norms) if sp else set()) and ffn and norms
-    parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, 0, 1, [0], Tracer(0)))
+    parallelize(reference, alone, sp=True, cp=SequenceShard(cfg.seq, Wire.alone(0, Tracer(0))))

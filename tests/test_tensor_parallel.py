@@ -119,7 +119,8 @@ def test_pipeline_boundary_is_a_real_stage_cut(run):
     assert not tp.combine(cfg, payloads).passed
     stage0["logged_bytes"] -= 8
 
-    from backend.parallel.tp_model import pipeline_boundary, reference_model, tokens
+    from backend.experiments.parallel.tp import pipeline_boundary
+    from backend.parallel.tp_model import reference_model, tokens
     from backend.trace import Tracer
 
     class ZerosArrive:  # stage 1's side with the old payload: an M x K tensor of zeros

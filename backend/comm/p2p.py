@@ -63,6 +63,20 @@ class P2P:
                 req.wait()
         self._record(step, phase, [send], [recv])
 
+    def post(self, phase: str, sends: list[Transfer] = (), recvs: list[Transfer] = (), tag: int = 0) -> list:
+        """Post isends and irecvs without waiting (a pipeline's send, a ring message overlapping compute): the
+        transfers are logged now, as posted; the caller waits on the returned requests."""
+        reqs = [dist.isend(t.tensor.contiguous(), self._global(t.peer), tag=tag) for t in sends] + \
+               [dist.irecv(t.tensor, self._global(t.peer), tag=tag) for t in recvs]
+        self._record(None, phase, sends, recvs)
+        return reqs
+
+    def recv_any(self, tensor: torch.Tensor, phase: str) -> int:
+        """Receive into `tensor` from whichever rank sends first (a parameter server's inbox); returns the sender."""
+        sender = dist.recv(tensor, src=None)
+        self._record(None, phase, [], [Transfer(tensor, sender, [])])
+        return sender
+
     def _record(self, step, phase, sends, recvs) -> None:
         for direction, transfers in (("send", sends), ("recv", recvs)):
             for t in transfers:

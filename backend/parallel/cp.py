@@ -13,14 +13,14 @@ and each block's dK/dV accumulator travels with it, one step behind, and finally
 
 With GQA (fewer K/V heads than query heads) the ring carries the K/V heads only; each is repeated over its
 group of query heads inside the block computation, and its gradient summed back over the group.
-`SequenceShard` is what a model's attention needs to run this (`apply_cp` puts it there).
+The ring's messages go through the cp dimension's Wire (start posts one step, finish waits for it), so their bytes
+count on the cp wire. `SequenceShard` is what a model's attention needs to run this (`apply_cp` puts it there).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Function
 
 from backend.attention.rope import rope_angles
@@ -33,31 +33,6 @@ def positions(seq: int, index: int, n: int, split: str) -> torch.Tensor:
         return torch.cat([torch.arange(index * c, (index + 1) * c), torch.arange((2 * n - 1 - index) * c, (2 * n - index) * c)])
     c = seq // n
     return torch.arange(index * c, (index + 1) * c)
-
-
-class Ring:
-    """One K/V-sized message per step to the next rank, one from the previous; bytes and wait times recorded."""
-
-    def __init__(self, index: int, n: int, ranks: list[int], tracer):
-        self.index, self.n, self.ranks, self.tracer = index, n, ranks, tracer
-        self.log: list[dict] = []
-
-    def start(self, tensor: torch.Tensor, tag: int, what: str):
-        incoming = torch.empty_like(tensor)
-        reqs = [dist.isend(tensor.contiguous(), self.ranks[(self.index + 1) % self.n], tag=tag),
-                dist.irecv(incoming, self.ranks[(self.index - 1) % self.n], tag=tag)]
-        return reqs, incoming, self.tracer.now_us(), what, tensor.numel() * tensor.element_size()
-
-    def finish(self, handle) -> torch.Tensor:
-        reqs, incoming, posted, what, nbytes = handle
-        waited = self.tracer.now_us()
-        for r in reqs:
-            r.wait()
-        end = self.tracer.now_us()
-        self.tracer.events.append({"name": what, "lane": "comm", "rank": self.tracer.rank, "ts": posted, "dur": end - posted,
-                                   "args": {"bytes": nbytes, "blocked_us": end - waited}})
-        self.log.append({"what": what, "sent_bytes": nbytes, "in_flight_us": end - posted, "blocked_us": end - waited})
-        return incoming
 
 
 def block_attention(q, k, v, pos_q, pos_k, causal: bool, scale: float):
@@ -154,10 +129,10 @@ class SequenceShard:
     """This rank's share of every sequence under context parallel: its global positions (zigzag split, so causal
     work is equal per rank), and ring attention over the cp group for a model's attention to call."""
 
-    def __init__(self, seq: int, index: int, n: int, ranks: list[int], tracer):
-        self.all = [positions(seq, j, n, "zigzag") for j in range(n)]
-        self.mine = self.all[index]
-        self.ring = Ring(index, n, ranks, tracer)
+    def __init__(self, seq: int, ring):
+        self.all = [positions(seq, j, ring.n, "zigzag") for j in range(ring.n)]
+        self.mine = self.all[ring.index]
+        self.ring = ring  # the cp dimension's Wire
         self.steps: list[dict] = []
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

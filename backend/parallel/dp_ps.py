@@ -44,11 +44,10 @@ def run_rank(rank: int, world: int, config, ctx) -> dict:
     tracer.align(dist.barrier)
     model = make_model(config.workload)
     flat = flat_params(model)
-    P, item = flat.numel(), flat.element_size()
     out = {"rank": rank, "trace": tracer.payload(), "sent": 0, "recv": 0, "updates": [], "eval": []}
+    comm = P2P(rank, world, tracer)  # every message through our logged send/recv: the bytes on the wire counted there
     if config.server == "rank0" and config.mode == "sync":
         m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
-        comm = P2P(rank, world, tracer)
         for step in range(config.steps):
             with tracer.span("compute", f"grad {step}"):
                 g = _grad(model, flat, config, step, rank, world)
@@ -64,34 +63,33 @@ def run_rank(rank: int, world: int, config, ctx) -> dict:
             else:
                 comm.exchange(step, "gather grads", sends=[Transfer(g, 0, [rank])])
                 comm.exchange(step, "send params", recvs=[Transfer(flat, 0, [0])])
-        out["sent"], out["recv"] = comm.bytes_sent, comm.bytes_recv
         out["params"] = flat.numpy().copy()
-        out["trace"] = tracer.payload()
-        return out
-    workers = list(range(1, world)) if config.server == "dedicated" else list(range(world))
-    if rank == 0:
-        return _serve(config, model, flat, workers, tracer, out, ctx)
-    return _work(config, model, flat, workers, rank, tracer, out)
+    else:
+        workers = list(range(1, world)) if config.server == "dedicated" else list(range(world))
+        if rank == 0:
+            _serve(config, model, flat, workers, comm, out, ctx)
+        else:
+            _work(config, model, flat, workers, comm, out)
+    out["sent"], out["recv"], out["trace"] = comm.bytes_sent, comm.bytes_recv, tracer.payload()
+    return out
 
 
-def _serve(config, model, flat, workers, tracer, out, ctx):
-    P, item = flat.numel(), flat.element_size()
+def _serve(config, model, flat, workers, comm, out, ctx):
+    P, tracer = flat.numel(), comm.tracer
     m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
     version, clocks, held, pending_sum = 0, {w: 0 for w in workers}, [], []
     msg = torch.empty(P + 1, dtype=flat.dtype)
 
     def reply(w):
         with tracer.span("send", f"params v{version} to {w}"):
-            dist.send(torch.cat([torch.tensor([float(version)], dtype=flat.dtype), flat]), w)
-        out["sent"] += (P + 1) * item
+            comm.post("params", sends=[Transfer(torch.cat([torch.tensor([float(version)], dtype=flat.dtype), flat]), w, [0])])[0].wait()
 
     for w in workers:
         reply(w)
     total = len(workers) * config.steps
     for received in range(total):
         with tracer.span("recv", "gradient"):
-            sender = dist.recv(msg, src=None)
-        out["recv"] += (P + 1) * item
+            sender = comm.recv_any(msg, "gradient")
         based_on, grad = int(msg[0].item()), msg[1:].clone()
         clocks[sender] += 1
         if config.mode == "sync":
@@ -123,27 +121,20 @@ def _serve(config, model, flat, workers, tracer, out, ctx):
         if received % 10 == 0:
             ctx.progress(received / total, f"{received} gradients applied")
     out["params"] = flat.numpy().copy()
-    out["trace"] = tracer.payload()
-    return out
 
 
-def _work(config, model, flat, workers, rank, tracer, out):
-    P, item = flat.numel(), flat.element_size()
-    msg = torch.empty(P + 1, dtype=flat.dtype)
+def _work(config, model, flat, workers, comm, out):
+    msg, tracer, rank = torch.empty(flat.numel() + 1, dtype=flat.dtype), comm.tracer, comm.rank
     for step in range(config.steps):
         with tracer.span("recv", f"params {step}"):
-            dist.recv(msg, 0)
-        out["recv"] += (P + 1) * item
+            comm.post("params", recvs=[Transfer(msg, 0, [0])])[0].wait()
         version, params = msg[0].item(), msg[1:].clone()
         with tracer.span("compute", f"grad {step}"):
             g = _grad(model, params, config, step, workers.index(rank), len(workers))
             if rank == workers[-1] and config.straggler_ms:  # a slow worker, to see staleness grow
                 time.sleep(config.straggler_ms / 1000)
         with tracer.span("send", f"grad {step}"):
-            dist.send(torch.cat([torch.tensor([version], dtype=flat.dtype), g]), 0)
-        out["sent"] += (P + 1) * item
-    out["trace"] = tracer.payload()
-    return out
+            comm.post("gradient", sends=[Transfer(torch.cat([torch.tensor([version], dtype=flat.dtype), g]), 0, [rank])])[0].wait()
 
 
 def combine_ps(config, payloads: list[dict]) -> Result:
@@ -182,6 +173,9 @@ def combine_ps(config, payloads: list[dict]) -> Result:
         checks.append(Check("rank 0 receives (n-1)ψ and sends (n-1)ψ per step (seed 000's DP)",
                             abs(server["recv"] - formula) + abs(server["sent"] - formula), 0, reference="seed 000",
                             detail="bytes counted by our send/recv on the wire"))
+    sent, received = sum(pl["sent"] for pl in payloads), sum(pl["recv"] for pl in payloads)
+    checks.append(Check("every byte a rank sent another received (each side logged by its own send/recv)",
+                        abs(sent - received), 0, reference="conservation over the wire", detail=f"{sent:,} B sent"))
     volume = [{"rank": pl["rank"], "sent_bytes": pl["sent"], "recv_bytes": pl["recv"]} for pl in payloads]
     return Result(metrics={"strategy": f"parameter server ({config.mode}, {config.server})", "world_size": n, "workers": workers,
                            "final_eval_loss": server["eval"][-1]["loss"], "updates": len(server["eval"])},

@@ -201,7 +201,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
     tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
-    shard = SequenceShard(config.seq, mesh.index("cp"), config.cp, mesh.ranks("cp"), along["cp"]) if config.cp > 1 else None
+    shard = SequenceShard(config.seq, cp) if config.cp > 1 else None
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
@@ -267,7 +267,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": bytes_by_dimension(tp, pp_bytes, shard, dp, cp, ep),
+            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep),
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
@@ -329,12 +329,11 @@ def reported_loss(loss: float, mesh: DeviceMesh) -> float:
     return reported.item()
 
 
-def bytes_by_dimension(tp: Wire, pp_bytes: int, shard, dp: Wire, cp: Wire, ep: Wire) -> dict:
-    """Bytes this rank sent, per dimension and purpose."""
-    return {"tp": tp.sent_bytes, "pp": pp_bytes, "cp ring": sum(r["sent_bytes"] for r in shard.ring.log) if shard else 0,
-            "dp gradients": dp.sent_bytes, "cp gradients": cp.sent_bytes,
-            "ep all-to-all": sum(r["sent_bytes"] for r in ep.log if r["name"] in ("dispatch", "combine", "counts")),
-            "ep gradients": sum(r["sent_bytes"] for r in ep.log if r["op"] == "all_reduce")}
+def bytes_by_dimension(tp: Wire, pp_bytes: int, dp: Wire, cp: Wire, ep: Wire) -> dict:
+    """Bytes this rank sent, per dimension and purpose, from each dimension's wire."""
+    return {"tp": tp.sent(), "pp": pp_bytes, "cp ring": cp.sent("ring"), "dp gradients": dp.sent(),
+            "cp gradients": cp.sent("all_reduce"), "ep all-to-all": ep.sent(names=("dispatch", "combine", "counts")),
+            "ep gradients": ep.sent("all_reduce")}
 
 
 def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:

@@ -1,40 +1,22 @@
-"""Where each rank's time goes in one step of the composed mesh run, from the wall clock.
+"""Where each rank's time goes in one step of the composed mesh run: on the wall clock, and replayed with one core per
+rank, both from one decomposition of the step into items.
 
-Every rank records the pipeline's actions (F, B, I, W) and its pp receives on one tracer, and each other mesh dimension
-(tp, cp, ep, dp) on a tracer of its own, so every event says which dimension it belongs to (mesh_train). Each instant of
-the step window is given to one category, the first that covers it in this order:
-  compute    work inside a dimension's code (ring attention's blocks, a ring reduction's sums, Adam's update), then
-  tp, cp, ep, dp, pp   exposed communication: a collective's span (a collective blocks this rank until it is done),
-             the blocked tail of a ring message sent while attention computed (ring attention's K/V blocks: only the
-             wait after the overlapped compute is exposed), a pipeline receive (waiting for a stage's activation or
-             gradient: the time the pipeline's fill, drain or an unbalanced stage leaves this rank)
-  compute    the rest of an F, B, I or W action
-  idle       nothing runs: before the rank's first action of the step, between actions, after its last
-so nested spans (a tp all-reduce inside a forward) count once. Idle is measured as the window less the union of all
-events, independently of the categories' own sums, so their total equalling the window checks that no instant is
-counted twice or lost.
+Every rank records the pipeline's actions (F, B, I, W), its pp sends and receives on one tracer, and each other mesh
+dimension (tp, cp, ep, dp) on a tracer of its own, so every event says which dimension it belongs to (mesh_train). A
+rank's step becomes an ordered list of items: compute pieces (an action between its communication calls, or traced
+compute outside the actions) and communication calls, each of one dimension: a collective, a pipeline send (an instant)
+or receive, a ring attention message's post (an instant) and wait (only the blocked tail after the overlapped compute is
+exposed). On the wall clock each item covers its interval; the replay (below) times them from measured costs. Per rank,
+compute, each dimension's exposed communication and idle: idle is measured as the step less the union of the items,
+apart from the parts, so parts summing to the step checks that no instant is counted twice or lost.
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 CATEGORIES = ("compute", *DIMENSIONS, "idle")
 FBIW = ("F", "B", "I", "W")
-
-
-def classify(event: dict) -> tuple[int, str, tuple[float, float]] | None:
-    """(level, category, interval) of one trace event, or None for an event no category takes (it nests in others).
-    Level 0 is taken first: compute inside a dimension's code; 1: exposed communication; 2: the pipeline's actions."""
-    args, start, end = event["args"], event["ts"], event["ts"] + event["dur"]
-    dim, lane = args.get("dim"), event["lane"]
-    if lane == "compute":
-        if dim:
-            return 0, "compute", (start, end)
-        return (2, "compute", (start, end)) if args.get("kind") in FBIW else None
-    if lane == "recv":
-        return 1, "pp", (start, end)
-    if dim and lane in ("collective", "comm"):
-        return 1, dim, ((end - args["blocked_us"], end) if "blocked_us" in args else (start, end))
-    return None
 
 
 def union(intervals) -> list[tuple[float, float]]:
@@ -51,35 +33,182 @@ def measure(intervals) -> float:
     return sum(b - a for a, b in union(intervals))
 
 
-def clip(interval, window):
-    return max(interval[0], window[0]), min(interval[1], window[1])
-
-
-def split(events: list[dict], window: tuple[float, float]) -> dict[str, float]:
-    """Microseconds of `window` per category for one rank's events (see the module's order)."""
-    taken = [(lvl, cat, clip(iv, window)) for lvl, cat, iv in filter(None, map(classify, events))]
-    out, covered = {c: 0.0 for c in CATEGORIES}, []
-    for level, names in ((0, ("compute",)), (1, DIMENSIONS), (2, ("compute",))):
-        for name in names:
-            mine = [iv for lvl, cat, iv in taken if lvl == level and cat == name]
-            if mine:
-                out[name] += measure(covered + mine) - measure(covered)  # what it adds beyond the categories before it
-                covered = union(covered + mine)
-    out["idle"] = (window[1] - window[0]) - measure(iv for _, _, iv in taken)
+def parts(intervals: list[tuple[dict, tuple[float, float]]], step: float) -> dict[str, float]:
+    """µs per category of a rank's (item, interval) pairs within a step of `step` µs (see the module's note)."""
+    out = {c: 0.0 for c in CATEGORIES}
+    for it, (a, b) in intervals:
+        out["compute" if it["op"] == "compute" else it["dim"]] += max(b - a, 0.0)
+    out["idle"] = step - measure(iv for _, iv in intervals)
     return out
 
 
-def lanes(events: list[dict], window: tuple[float, float]) -> list[dict]:
-    """The step's events for drawing, one lane per category: the pipeline's actions on the compute lane (by kind,
-    micro-batch and stage), each dimension's collectives and receives on its own lane (not the ring steps inside them)."""
-    rows = []
+def drawn(rank: int, intervals: list[tuple[dict, tuple[float, float]]], origin: float) -> list[dict]:
+    """Rows for a timeline, one lane per category: compute pieces by action (kind, micro-batch, stage), each
+    dimension's calls on its own lane; in ms from `origin`."""
+    return [{"rank": rank, "lane": "compute" if it["op"] == "compute" else it["dim"],
+             "kind": it.get("kind", "other" if it["op"] == "compute" else it["dim"]),
+             "name": f"{it['kind']}{it['mb']} stage {it['stage']}" if "kind" in it else it.get("name", it["op"]),
+             "start_ms": (a - origin) / 1e3, "end_ms": (b - origin) / 1e3} for it, (a, b) in intervals if b > a]
+
+
+# --- the items, and the step replayed from them with one core per rank ------------------------------------------------
+# backend.trace.replay walks the items: one starts when the rank's previous item has ended and what it depends on has
+# ended. A collective (tp, cp, ep, dp) depends on every member's arrival, so it starts with the slowest and takes the same
+# time on each; a receive or ring wait depends on its matched send or post. A collective's cost is from its last
+# member's arrival to its first member's finish (before, a member had not arrived; after, a member may finish late
+# because the OS ran another rank); a message's from the later of its post and its wait to its arrival. Compute inside
+# an F/B/I/W action is the action's CPU time less its collectives', spread over the pieces between them by wall time;
+# outside the actions, the traced compute spans' CPU time (Adam's update; untraced glue counts nothing).
+
+
+def _inside(e: dict, outer: dict) -> bool:
+    return outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]
+
+
+def _calls(events: list[dict]) -> list[tuple[float, float, dict]]:
+    """A rank's communication calls in the step: (blocking start, end, item), in time order."""
+    colls = [e for e in events if e["lane"] == "collective" and e["args"].get("dim")]
+    calls = []
+    for e in colls:
+        if not any(o is not e and _inside(e, o) for o in colls):  # (a collective made of another counts once)
+            calls.append((e["ts"], e["ts"] + e["dur"], {"op": "collective", "dim": e["args"]["dim"], "name": e["name"],
+                                                        "wall_us": e["dur"], "call_cpu_us": e.get("cpu_us", 0.0)}))
     for e in events:
-        c = classify(e)
-        if c is None or (c[0] == 0) or (e["lane"] == "comm" and "blocked_us" not in e["args"]):
-            continue
-        a, b = clip(c[2], window)
-        if b > a:
-            label = f"{e['args']['kind']}{e['args']['mb']} stage {e['args']['stage']}" if c[0] == 2 else e["name"]
-            rows.append({"lane": c[1], "name": label, "kind": e["args"]["kind"] if c[0] == 2 else c[1],
-                         "start_ms": (a - window[0]) / 1e3, "end_ms": (b - window[0]) / 1e3})
-    return rows
+        end = e["ts"] + e["dur"]
+        if e["lane"] == "comm" and "blocked_us" in e["args"] and e["args"].get("dim"):
+            calls.append((e["ts"], e["ts"], {"op": "post", "dim": e["args"]["dim"], "name": e["name"]}))
+            calls.append((end - e["args"]["blocked_us"], end, {"op": "wait", "dim": e["args"]["dim"], "name": e["name"],
+                                                                 "posted_us": e["ts"]}))
+        elif e["lane"] == "send" and "tag" in e["args"]:
+            calls.append((e["ts"], e["ts"], {"op": "send", "dim": "pp", "name": e["name"], "peer": e["args"]["peer"],
+                                             "tag": e["args"]["tag"]}))
+        elif e["lane"] == "recv" and "tag" in e["args"]:
+            calls.append((e["ts"], end, {"op": "recv", "dim": "pp", "name": e["name"], "peer": e["args"]["peer"],
+                                         "tag": e["args"]["tag"]}))
+    return sorted(calls, key=lambda c: (c[0], c[1]))
+
+
+def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
+    """One rank's step (`window` on its clock) as replay items in order: compute pieces and communication calls. A piece
+    inside an action carries (kind, stage, mb, piece): an action with k calls inside it is k + 1 pieces."""
+    events = [e for e in events if window[0] <= e["ts"] and e["ts"] + e["dur"] <= window[1]]
+    actions = sorted((e for e in events if e["lane"] == "compute" and e["args"].get("kind") in FBIW), key=lambda e: e["ts"])
+    calls, items, at = _calls(events), [], window[0]
+    loose = [e for e in events if e["lane"] == "compute" and e["args"].get("kind") not in FBIW
+             and not any(_inside(e, a) for a in actions)]  # traced compute outside the actions (Adam's update)
+
+    def gap(a: float, b: float):
+        traced = [e for e in loose if a <= e["ts"] < b]
+        if traced:
+            items.append({"op": "compute", "cost_us": sum(e.get("cpu_us", 0.0) for e in traced),
+                          "wall": (min(e["ts"] for e in traced), max(e["ts"] + e["dur"] for e in traced))})
+    for act in actions:
+        mine = [c for c in calls if act["ts"] <= c[0] and c[1] <= act["ts"] + act["dur"]]
+        before = [c for c in calls if c[0] < act["ts"] and c not in mine]
+        for c in before:
+            gap(at, c[0])
+            items.append({**c[2], "wall": (c[0], c[1])})
+            at = max(at, c[1])
+        calls = [c for c in calls if c not in mine and c not in before]
+        gap(at, act["ts"])
+        blocked = sum(c[1] - c[0] for c in mine)
+        cpu = act["cpu_us"] - sum(c[2].get("call_cpu_us", 0.0) for c in mine)
+        rate = max(cpu, 0.0) / max(act["dur"] - blocked, 1e-9)  # CPU per wall µs of the action's own compute
+        edges = [act["ts"], *[x for c in mine for x in c[:2]], act["ts"] + act["dur"]]
+        for j in range(len(mine) + 1):
+            a, b = edges[2 * j], edges[2 * j + 1]
+            items.append({"op": "compute", "cost_us": rate * max(b - a, 0.0), "wall": (a, b), "kind": act["args"]["kind"],
+                          "stage": act["args"]["stage"], "mb": act["args"]["mb"], "piece": j})
+            if j < len(mine):
+                items.append({**mine[j][2], "wall": mine[j][:2]})
+        at = act["ts"] + act["dur"]
+    for c in calls:
+        gap(at, c[0])
+        items.append({**c[2], "wall": (c[0], c[1])})
+        at = max(at, c[1])
+    gap(at, window[1])
+    return items
+
+
+def match_calls(steps: dict[int, list[dict]], coords: dict[int, dict]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Each call's partners, by (rank, item index): a collective's group members (the nth call of its dimension on
+    every rank sharing all other coordinates), a receive's send (by peer and tag), a ring wait's post on the previous
+    rank of the ring (the nth of each)."""
+    nth, where = {}, {}
+    for r, items in steps.items():
+        count: dict[tuple, int] = defaultdict(int)
+        for i, it in enumerate(items):
+            if it["op"] in ("collective", "post", "wait"):
+                group = tuple(v for d, v in sorted(coords[r].items()) if d != it["dim"])
+                key = (it["op"], it["dim"], group, count[(it["op"], it["dim"])])
+                count[(it["op"], it["dim"])] += 1
+                where.setdefault(key, {})[coords[r][it["dim"]]] = (r, i)
+                nth[(r, i)] = key
+            elif it["op"] == "send":
+                where[("send", r, it["peer"], it["tag"])] = (r, i)
+    out = {}
+    for r, items in steps.items():
+        for i, it in enumerate(items):
+            if it["op"] == "collective":
+                out[(r, i)] = [k for k in where[nth[(r, i)]].values() if k != (r, i)]
+            elif it["op"] == "recv":
+                out[(r, i)] = [where[("send", it["peer"], r, it["tag"])]]
+            elif it["op"] == "wait":
+                op, dim, group, n = nth[(r, i)]
+                ring = where[("post", dim, group, n)]
+                out[(r, i)] = [ring[(coords[r][dim] - 1) % len(ring)]]
+    return out
+
+
+def measured_costs(steps: dict[int, list[dict]], partners: dict) -> None:
+    """Each call's cost from the wall clock, in place (see the section's note): a collective's from its last arrival
+    to its first finish; a message's from the later of its post and its wait to its arrival; posts are instants."""
+    for (r, i), keys in partners.items():
+        it = steps[r][i]
+        if it["op"] == "collective":
+            walls = [steps[k[0]][k[1]]["wall"] for k in [(r, i), *keys]]
+            it["cost_us"] = max(0.0, min(b for _, b in walls) - max(a for a, _ in walls))
+        else:
+            sent = steps[keys[0][0]][keys[0][1]]["wall"][0]
+            it["cost_us"] = max(0.0, it["wall"][1] - max(sent, it["wall"][0]))
+    for items in steps.values():
+        for it in items:
+            it.setdefault("cost_us", 0.0)
+
+
+def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it.get("cost_us", 0.0)) -> dict[int, list[dict]]:
+    """The items replayed with one core per rank at `cost(item)` µs each: a collective waits for every member's
+    arrival (the end of its item before the collective), a receive or ring wait for its matched post."""
+    from backend.trace import replay
+
+    flat = [{**it, "rank": r, "index": i, "cpu_us": cost(it), "name": it.get("name", it["op"])}
+            for r, items in steps.items() for i, it in enumerate(items)]
+
+    def depends_on(a):
+        keys = partners.get((a["rank"], a["index"]), [])
+        if a["op"] == "collective":
+            return [(k[0], k[1] - 1) for k in keys if k[1] > 0]
+        return keys
+    out: dict[int, list[dict]] = defaultdict(list)
+    for a in replay(flat, depends_on):
+        out[a["rank"]].append(a)
+    return dict(out)
+
+
+def replay_split(replayed: dict[int, list[dict]]) -> tuple[float, dict[int, dict[str, float]]]:
+    """The replayed step (the last item's end over all ranks) and per rank µs of compute, of each dimension's exposed
+    communication, and idle (waiting for a group's slowest member or a message's sender is idle)."""
+    step = max(a["ts"] + a["dur"] for items in replayed.values() for a in items)
+    return step, {r: parts([(a, (a["ts"], a["ts"] + a["dur"])) for a in items], step) for r, items in replayed.items()}
+
+
+def mean_action_costs(steps: dict[int, list[dict]]) -> dict[tuple[str, int, int], float]:
+    """The mean CPU time of each piece of each kind of action on each stage, over micro-batches and ranks:
+    {(kind, stage, piece): µs}. Fed to every rank with communication free, the pipelines become identical, so no
+    collective waits and the replay must walk as the makespan model does."""
+    runs: dict[tuple, list[float]] = defaultdict(list)
+    for items in steps.values():
+        for it in items:
+            if "kind" in it:
+                runs[(it["kind"], it["stage"], it["piece"])].append(it["cost_us"])
+    return {k: sum(v) / len(v) for k, v in runs.items()}

@@ -1,20 +1,21 @@
-"""Collectives along one dimension of the mesh, every byte counted on the wire.
+"""The one communication front end of the parallel code: every collective and point-to-point transfer along one
+dimension of the mesh (tp, sp, cp, ep, dp, pp), every byte counted on the wire and attributed to that dimension.
 
-Tensor, sequence and expert parallelism move activations, not gradients of a flat vector, so their
-collectives take a tensor and a dimension. Each one runs our own algorithms from backend/comm/collectives.py
-over logged send/recv (ring all-reduce, all-gather and reduce-scatter; direct all-to-all with uneven splits),
-so `sent_bytes` is what this rank really put on the wire, and every call is one trace event and one log row:
-(op, phase, name, payload elements, bytes sent). The models in the experiments predict these rows exactly.
+Collectives take a tensor and a dimension and run our own algorithms from backend/comm/collectives.py over logged
+send/recv (ring all-reduce, all-gather and reduce-scatter; direct all-to-all with uneven splits); the pipeline's
+stage-to-stage messages (`send`, `recv`) and ring attention's K/V blocks (`start`, `finish`: posted before the
+block's compute, waited after it) go through the same P2P log. So `sent_bytes` is what this rank really put on the
+wire along the dimension, and every call is one trace event and one log row: (op, phase, name, payload elements,
+bytes sent). The models in the experiments predict these rows exactly.
 """
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
 from backend.comm.collectives import Spec, all_gather_ring, chunk_sizes, all_reduce_ring, all_to_all_direct, reduce_scatter_ring
-from backend.comm.p2p import P2P
+from backend.comm.p2p import P2P, Transfer
 
 
 def ring_bytes(op: str, numel: int, n: int, item: int, index: int | None = None) -> int:
@@ -89,58 +90,49 @@ class Wire:
         out = self._run("all_to_all", phase, name, flat, lambda: all_to_all_direct(self.p2p, flat, spec))
         return out.view(sum(recv_rows), *x.shape[1:])
 
+    def send(self, t: torch.Tensor, peer: int, tag: int, name: str, **args):
+        """Post `t` to group rank `peer` without waiting (a pipeline stage's output or input gradient); returns the
+        request. One instant on the "send" lane marks the post (a replay matches the receive to it)."""
+        t = t.detach().contiguous()
+        self.tracer.events.append({"name": name, "lane": "send", "rank": self.tracer.rank, "ts": self.tracer.now_us(),
+                                   "dur": 0.0, "cpu_us": 0.0, "args": {"peer": self.p2p._global(peer), "tag": tag, **args}})
+        self.log.append({"op": "send", "phase": "send", "name": name, "numel": t.numel(),
+                         "payload_bytes": t.numel() * t.element_size(), "sent_bytes": t.numel() * t.element_size()})
+        return self.p2p.post("send", sends=[Transfer(t, peer, [])], tag=tag)[0]
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int, name: str, **args) -> torch.Tensor:
+        """Receive into `buf` from group rank `peer`, blocking (a span on the "recv" lane: the wait is exposed)."""
+        with self.tracer.span("recv", name, peer=self.p2p._global(peer), tag=tag, **args):
+            self.p2p.post("recv", recvs=[Transfer(buf, peer, [])], tag=tag)[0].wait()
+        return buf
+
+    def start(self, t: torch.Tensor, tag: int, name: str):
+        """One ring step posted: `t` to the next group rank, a buffer like it from the previous; wait with finish()."""
+        incoming = torch.empty_like(t)
+        reqs = self.p2p.post("ring", [Transfer(t, (self.index + 1) % self.n, [])],
+                             [Transfer(incoming, (self.index - 1) % self.n, [])], tag=tag)
+        return reqs, incoming, self.tracer.now_us(), name, t.numel() * t.element_size()
+
+    def finish(self, handle) -> torch.Tensor:
+        """Wait for a ring step: one "comm" event from its post to its end, `blocked_us` the exposed tail."""
+        reqs, incoming, posted, name, nbytes = handle
+        waited = self.tracer.now_us()
+        for r in reqs:
+            r.wait()
+        end = self.tracer.now_us()
+        self.tracer.events.append({"name": name, "lane": "comm", "rank": self.tracer.rank, "ts": posted, "dur": end - posted,
+                                   "args": {"bytes": nbytes, "blocked_us": end - waited}})
+        self.log.append({"op": "ring", "phase": "ring", "name": name, "numel": incoming.numel(), "payload_bytes": nbytes,
+                         "sent_bytes": nbytes, "in_flight_us": end - posted, "blocked_us": end - waited})
+        return incoming
+
+    def sent(self, op: str | None = None, names=None) -> int:
+        """Bytes sent by the calls of `op` (and among `names`); everything this rank sent along the dimension when
+        both are None (collectives, pipeline messages, ring steps and ZeRO's shards, all through the one P2P log)."""
+        if op is None and names is None:
+            return self.p2p.bytes_sent
+        return sum(r["sent_bytes"] for r in self.log if (op is None or r["op"] == op) and (names is None or r["name"] in names))
+
     @property
     def sent_bytes(self) -> int:
         return self.p2p.bytes_sent
-
-
-GLOO_PREAMBLE = 48  # bytes gloo's TCP transport writes ahead of every message (Op::Preamble: six 8-byte fields)
-
-
-def gloo_bytes(op: str, numel: int, n: int, item: int) -> int:
-    """What one rank sends in gloo's own collectives, as measured by WrittenBytes (tests/test_tensor_parallel.py):
-    a ring all-reduce and all-gather, the same volumes as ours; but no reduce-scatter of its own: ProcessGroupGloo
-    all-reduces the whole input and keeps its slice, so a reduce-scatter costs an all-reduce."""
-    return ring_bytes("all_reduce" if op == "reduce_scatter" else op, numel, n, item)
-
-
-class WrittenBytes:
-    """Bytes this process handed to write system calls inside a `with` block, and how many calls (Linux's
-    /proc/self/io wchar and syscw), less what its other Python threads wrote meanwhile (a run leader's heartbeat
-    to the store, a result queue's feeder: /proc/self/task/TID/io). What remains is this thread's and gloo's own
-    C++ threads': on a rank that writes no file meanwhile, what gloo put on its sockets, every message's payload
-    and its GLOO_PREAMBLE, so `payload` = bytes - calls x GLOO_PREAMBLE. None where there is no /proc (then
-    nothing is measured, and nothing claimed)."""
-
-    def __init__(self):
-        self.bytes = self.calls = self.payload = None
-
-    @staticmethod
-    def _io(path: str) -> tuple[int, int]:
-        fields = dict(line.split(": ") for line in open(path).read().splitlines())
-        return int(fields["wchar"]), int(fields["syscw"])
-
-    @classmethod
-    def _read(cls):
-        try:
-            written, calls = cls._io("/proc/self/io")
-            for t in threading.enumerate():
-                if t is not threading.current_thread() and t.native_id is not None:
-                    try:
-                        other = cls._io(f"/proc/self/task/{t.native_id}/io")
-                    except OSError:  # the thread ended between the listing and the read
-                        continue
-                    written, calls = written - other[0], calls - other[1]
-        except OSError:
-            return None
-        return written, calls
-
-    def __enter__(self):
-        self._start = self._read()
-        return self
-
-    def __exit__(self, *exc):
-        end = self._read()
-        if self._start and end:
-            self.bytes, self.calls = end[0] - self._start[0], end[1] - self._start[1]
-            self.payload = self.bytes - self.calls * GLOO_PREAMBLE

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.parallel.cp import Ring, RingAttention, positions
+from backend.parallel.cp import RingAttention, positions
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations
+from backend.parallel.wire import Wire
 from backend.result import Check, Result
 
 TOL = 1e-12
@@ -62,7 +63,7 @@ def run_rank(rank, world, config: CPConfig, ctx):
     pos = [positions(config.seq, j, world, config.split) for j in range(world)]
     mine = pos[rank]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    ring = Ring(mesh.index("cp"), world, mesh.ranks("cp"), tracer)
+    ring = Wire.along(mesh, "cp", tracer)
     tracer.align(dist.barrier)  # time zero once every rank has its chunk: the trace is the ring alone
     steps = []
     ctx.progress(0.3, "ring forward")
@@ -75,7 +76,7 @@ def run_rank(rank, world, config: CPConfig, ctx):
     return {"rank": rank, "positions": mine.tolist(),
             "output_error": (out - reference[:, :, mine]).abs().max().item(),
             "grad_errors": {name: (a.grad - b.grad[:, :, mine]).abs().max().item() for name, a, b in zip("qkv", local, full)},
-            "steps": steps, "ring": ring.log, "forward_compute_ms": forward_ms, "unmasked_scores": unmasked, "activation_bytes": saved.bytes,
+            "steps": steps, "ring": [{**r, "what": r["name"]} for r in ring.log], "forward_compute_ms": forward_ms, "unmasked_scores": unmasked, "activation_bytes": saved.bytes,
             "trace": tracer.payload()}
 
 

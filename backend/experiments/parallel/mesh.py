@@ -23,7 +23,9 @@ from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
-from backend.parallel.step_split import CATEGORIES, lanes, split
+from backend.parallel.pp.makespan import makespan
+from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
+                                         replay_split, replay_step, step_items)
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
@@ -621,8 +623,9 @@ def combine(config: MeshConfig, payloads) -> Result:
                                   "ep.moe_activation_elements with the reference's routing"))
     timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
-    split_check, split_rows, lane_rows = step_split(payloads, pipeline_rows)
-    checks.append(split_check)
+    step_checks, step_metrics, step_tables = where_the_step_goes(config, payloads, pipeline_rows)
+    checks += step_checks
+    timing_metrics.update(step_metrics)
     price_checks, price_metrics, price_rows = recompute_price(config, payloads, rows) if config.recompute != "none" else ([], {}, [])
     checks += price_checks
     timing_metrics.update(price_metrics)
@@ -645,8 +648,7 @@ def combine(config: MeshConfig, payloads) -> Result:
     return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
-                                                          "step_split": split_rows, "step_lanes": lane_rows,
-                                                          "step_replayed": replay_rows,
+                                                          "step_replayed": replay_rows, **step_tables,
                                                           "schedules": schedule_rows,
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
@@ -682,27 +684,77 @@ def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) ->
                  detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
 
 
-def step_split(payloads, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
+def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
     """The last step's wall time on every rank (from the earliest rank's start to the latest rank's end) split into
     compute, exposed communication per dimension and idle (parallel/step_split.py), beside the replayed bubble; and
-    the step's events by lane for the timeline."""
+    the step's items by lane for the timeline."""
     window = (min(p["step_us"][-1][0] for p in payloads), max(p["step_us"][-1][1] for p in payloads))
-    replayed = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}
-    rows, drawn, worst = [], [], 0.0
+    replayed, step = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}, window[1] - window[0]
+    rows, lanes, worst = [], [], 0.0
     for p in payloads:
-        parts = split(p["trace"]["events"], window)
-        total = sum(parts.values())
-        worst = max(worst, abs(total - (window[1] - window[0])) / (window[1] - window[0]))
-        rows.append({"rank": p["rank"], **{f"{c}_ms": parts[c] / 1e3 for c in CATEGORIES}, "step_ms": (window[1] - window[0]) / 1e3,
-                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3,
-                     "bubble_replayed": replayed.get(p["rank"])})
-        drawn += [{"rank": p["rank"], **e} for e in lanes(p["trace"]["events"], window)]
+        walls = [(it, it["wall"]) for it in steps[p["rank"]]]
+        split = parts(walls, step)
+        worst = max(worst, abs(sum(split.values()) - step) / step)
+        rows.append({"rank": p["rank"], **{f"{c}_ms": split[c] / 1e3 for c in CATEGORIES}, "step_ms": step / 1e3,
+                     "own_step_ms": (p["step_us"][-1][1] - p["step_us"][-1][0]) / 1e3, "bubble_replayed": replayed.get(p["rank"])})
+        lanes += drawn(p["rank"], walls, window[0])
     check = Check("each rank's last step splits into compute, exposed communication per dimension and idle that sum to "
                   "its wall time", worst, 1e-9,
                   reference="the step's window (earliest start to latest end over the ranks, perf_counter); idle measured "
-                            "as the window less the union of all the rank's events, apart from the categories",
-                  detail=f"step {(window[1] - window[0]) / 1e3:.2f} ms; largest relative gap {worst:.1e}")
-    return check, rows, drawn
+                            "as the window less the union of the rank's items, apart from the categories",
+                  detail=f"step {step / 1e3:.2f} ms; largest relative gap {worst:.1e}")
+    return check, rows, lanes
+
+
+def where_the_step_goes(config: MeshConfig, payloads, pipeline_rows) -> tuple[list[Check], dict, dict[str, list[dict]]]:
+    """The last step of every rank as items (step_split.step_items) on the wall clock and replayed with its communication."""
+    steps = {p["rank"]: step_items(p["trace"]["events"], p["step_us"][-1]) for p in payloads}
+    split_check, split_rows, lane_rows = step_split(payloads, steps, pipeline_rows)
+    checks, metrics, tables = comm_replay(config, payloads, steps)
+    return [split_check, *checks], metrics, {"step_split": split_rows, "step_lanes": lane_rows, **tables}
+
+
+def comm_replay(config: MeshConfig, payloads, steps) -> tuple[list[Check], dict, dict[str, list[dict]]]:
+    """The last step replayed with one core per rank from measured costs, a lane per dimension's communication
+    (parallel/step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
+    wall clock: per rank compute, exposed communication by dimension and idle, checked to sum to the replayed step;
+    and the same items with communication free and each action at its mean cost, checked against the makespan model."""
+    partners = match_calls(steps, {p["rank"]: p["coords"] for p in payloads})
+    measured_costs(steps, partners)
+    replayed = replay_step(steps, partners)
+    step, split = replay_split(replayed)
+    worst = max(abs(sum(v.values()) - step) / step for v in split.values())
+    checks = [Check("each rank's replayed step with communication lanes splits into compute, exposed communication per "
+                    "dimension and idle that sum to it", worst, 1e-9,
+                    reference="the replay's step (last item's end over the ranks); idle measured as the step less the union "
+                              "of the rank's replayed items, apart from the parts",
+                    detail=f"replayed step {step / 1e3:.2f} ms; largest relative gap {worst:.1e}")]
+    rows = [{"rank": r, **{f"{c}_ms": v / 1e3 for c, v in split[r].items()}, "step_ms": step / 1e3} for r in sorted(split)]
+    lanes = [row for r, items in replayed.items() for row in drawn(r, [(a, (a["ts"], a["ts"] + a["dur"])) for a in items], 0.0)]
+    checks.append(free_communication_check(config, steps, partners, {p["rank"]: p["coords"]["pp"] for p in payloads}))
+    wall = max(p["step_us"][-1][1] for p in payloads) - min(p["step_us"][-1][0] for p in payloads)
+    return checks, {"step_replayed_with_comm_ms": round(step / 1e3, 3), "step_wall_ms": round(wall / 1e3, 3)}, \
+        {"comm_replay": rows, "comm_lanes": lanes}
+
+
+def free_communication_check(config: MeshConfig, steps, partners, pp_of: dict[int, int]) -> Check:
+    """The replay with every communication call free and every action piece at its mean cost over ranks and
+    micro-batches against the makespan model (pp/makespan.py, walked from the schedule's orders) at the same per-stage
+    costs: every action's start equal, on every pipeline."""
+    means = mean_action_costs(steps)
+    free = replay_step(steps, partners, lambda it: means[(it["kind"], it["stage"], it["piece"])] if "kind" in it else 0.0)
+    costs: dict[str, list[float]] = {}
+    for (kind, stage, _), c in means.items():
+        costs.setdefault(kind, [0.0] * config.num_stages)[stage] += c
+    if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage with no full backward measured has I + W
+        costs["B"] = [b or costs["I"][s] + costs["W"][s] for s, b in enumerate(costs["B"])]
+    model = makespan(config.schedule, config.pp, config.plan.microbatches(config.microbatches), config.virtual_stages, costs)
+    start = {(r, a["kind"], a["stage"], a["mb"]): a["ts"] for r, items in free.items() for a in items if a.get("piece") == 0}
+    apart = max(abs(start[(r, a.kind, a.stage, a.mb)] - begin) for r in steps for q, a, begin, _ in model.timeline
+                if q == pp_of[r])
+    return Check("the replay with communication free equals the makespan model, action by action", apart / model.step, 1e-9,
+                 reference="pp/makespan.py at each stage's mean action cost (the sum of its pieces' means), message latency 0",
+                 detail=f"largest difference of an action's start {apart:.3g} µs over a modelled step of {model.step / 1e3:.3f} ms")
 
 
 def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], dict, list[dict]]:

@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from backend.parallel.pp.recompute import ActivationMeter, stage_flops
 from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.wire import Wire
 from backend.trace import Tracer
 
 
@@ -141,7 +142,7 @@ class RankWalk:
         self.saved: dict[tuple[int, int], dict] = {}
         self.local: dict[tuple[int, int, bool], torch.Tensor] = {}  # boundaries inside this rank
         self.pending_sends, self.live, self.peak, self.timeline, self.versions, self.grad_errors = [], 0, 0, [], [], []
-        self.loss_sum, self.sent = 0.0, 0
+        self.loss_sum, self.wire = 0.0, Wire(me, p, pp_ranks, tracer)  # the pp dimension: every message counted there
         self.version = {s: 0 for s in stages}
         self.executed, self.recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
         if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used, before any action
@@ -159,16 +160,14 @@ class RankWalk:
         if to == self.me:
             self.local[(s, mb, grad)] = t.detach()
         else:
-            self.pending_sends.append(dist.isend(t.detach().contiguous(), self.pp_ranks[to], tag=_tag(s, mb, grad, self.m)))
-            self.sent += t.numel() * t.element_size()
+            self.pending_sends.append(self.wire.send(t, to, _tag(s, mb, grad, self.m), f"send {'grad' if grad else 'act'} {mb}",
+                                                     stage=s, mb=mb))
 
     def recv(self, buf, from_stage, s_tag, mb, grad, what):
         frm = self.plan.rank_of(from_stage, self.p)
         if frm == self.me:
             return self.local.pop((s_tag, mb, grad))
-        with self.tracer.span("recv", f"recv {what} {mb}", stage=from_stage, mb=mb):
-            dist.recv(buf, self.pp_ranks[frm], tag=_tag(s_tag, mb, grad, self.m))
-        return buf
+        return self.wire.recv(buf, frm, _tag(s_tag, mb, grad, self.m), f"recv {what} {mb}", stage=from_stage, mb=mb)
 
     def forward(self, mb: int, s: int):
         """F: receive the input (or take the batch on stage 0), run the stage, keep what backward needs, send the output on."""
@@ -244,7 +243,7 @@ class RankWalk:
         """Wait for the sends in flight; the walk's figures."""
         for req in self.pending_sends:
             req.wait()
-        return {"loss": self.loss_sum, "sent_bytes": self.sent, "peak_live": self.peak, "timeline": self.timeline,
+        return {"loss": self.loss_sum, "sent_bytes": self.wire.sent_bytes, "peak_live": self.peak, "timeline": self.timeline,
                 "versions": self.versions, "grad_errors": self.grad_errors, "executed": self.executed,
                 "recompute_cpu_us": self.recompute_cpu_us}
 
