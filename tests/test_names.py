@@ -122,3 +122,25 @@ def test_old_runs_count_for_the_new_name_on_the_overview(old_run, monkeypatch):
     stored = RunStore().counts()
     counts = ui.run_counts()
     assert OLD not in counts and counts[NEW] == stored.get(NEW, 0) + stored[OLD] >= 1
+
+
+# --- the registry's modules ------------------------------------------------------------------------------------
+def test_a_module_without_an_experiment_is_refused_unless_its_name_marks_a_shared_part(tmp_path, monkeypatch):
+    """Every module under backend/experiments/ defines an experiment, except `_name.py` parts a group shares."""
+    (tmp_path / "_shared.py").write_text("X = 1\n")
+    monkeypatch.setattr(experiments, "__path__", [str(tmp_path)])
+    monkeypatch.setattr(experiments, "_REGISTRY", {})
+    monkeypatch.setattr(experiments, "ALIASES", {})
+    experiments._load_all.cache_clear()
+    try:
+        experiments._load_all()  # the shared part alone: accepted
+        (tmp_path / "stray.py").write_text("X = 1\n")
+        experiments._load_all.cache_clear()
+        with pytest.raises(ValueError, match="stray defines no EXPERIMENT"):
+            experiments._load_all()
+    finally:
+        for name in ("backend.experiments._shared", "backend.experiments.stray"):
+            sys.modules.pop(name, None)
+        monkeypatch.undo()
+        experiments._load_all.cache_clear()
+    assert {"serving.engine", "plan.training"} <= {e.name for e in experiments.all_experiments()}

@@ -20,7 +20,7 @@ from backend.result import Check, Result
 from backend.serving import attention
 from backend.serving.engine import logits_error, serve, token_mismatches
 from backend.serving.report import cost_rows, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
-from backend.serving.settings import ServingSettings
+from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import simulate
 
 

@@ -16,7 +16,7 @@ from backend.config import ConfigError, setting
 from backend.experiments import define
 from backend.result import Check, Result
 from backend.serving.report import cost_rows, knee, latency_rows, load_row, step_rows
-from backend.serving.settings import ServingSettings
+from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import latency_summary, simulate
 
 
