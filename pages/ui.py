@@ -51,6 +51,22 @@ def runs_of(name: str, **filters) -> list[RunRecord]:
     return store().list(experiment=experiments.spellings(name), **filters)
 
 
+def latest_run(name: str, where: str, what: str) -> tuple[dict, RunRecord] | None:
+    """The latest succeeded run of `name` and its result, for a short view on another topic's page; where there is none,
+    a caption saying on which page (`where`, a Markdown link) to run it and `what` then appears here."""
+    runs = runs_of(name, statuses=("succeeded",), limit=1)
+    result = runs[0].result() if runs else None
+    if not result:
+        st.caption(f"No run of {name} on this server yet: run it on {where} and {what} here.")
+        return None
+    return result, runs[0]
+
+
+def run_link(rec: RunRecord) -> str:
+    """A Markdown link to a run on the page that draws it."""
+    return f"[run {rec.id}]({page_of(rec.experiment)}?run={rec.id})"
+
+
 @st.cache_resource
 def warm_up() -> threading.Thread:
     """Once per server process, started by the first visit (app.py, before the sign-in form): the one-time work every
