@@ -162,6 +162,17 @@ def submit(name: str, settings: dict) -> str | None:
         return None
 
 
+def chosen_view(views: dict[str, str], key: str) -> str:
+    """A page of several views, one experiment each (view -> experiment): the view chosen, opening on the one the linked
+    run (?run=) belongs to, else the first; a linked run of another view than the chosen one leaves the URL."""
+    shown = store().get(st.query_params["run"]) if "run" in st.query_params else None
+    default = next((view for view, name in views.items() if shown and experiment_of(shown) == name), next(iter(views)))
+    view = st.segmented_control("view", list(views), default=default, key=key) or default
+    if shown and experiment_of(shown) != views[view]:
+        del st.query_params["run"]
+    return view
+
+
 def preset_buttons(name: str, per_row: int = 4) -> None:
     """An experiment's presets (its Config's `presets`, each with a one-line note in `preset_notes`) as buttons that
     put the preset's settings in the URL, for the form to show and the next Run to use."""
