@@ -55,6 +55,22 @@ def per_rank(name: str, result, world: int) -> list[dict]:
              **{m["category"]: m["measured_bytes"] for m in t["memory"] if m["rank"] == r["rank"]}} for r in t["ranks"]]
 
 
+def timed_run(name: str, settings: dict):
+    """One run of an experiment in this process and its wall time in seconds (the ranks' start and the leader's
+    one-process reference included)."""
+    started = time.time()
+    result = experiments.run(name, **settings)
+    return result, round(time.time() - started, 2)
+
+
+def write_results(benchmark: str, rows: list[dict], note: str) -> None:
+    """bench/results/<benchmark>.json: the rows with the device, code version, time and load average they ran at."""
+    out = {"benchmark": benchmark, "device": describe(), "code_version": experiments.code_version(),
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()], "note": note}
+    (Path(__file__).parent / "results" / f"{benchmark}.json").write_text(json.dumps(out, indent=1))
+
+
 def mesh_schedules() -> None:
     """Every synchronous schedule on the mesh at its defaults (pp 2 x tp 2; interleaved with 2 chunks, DualPipe-V
     with 4 micro-batches) and each preset under ZB-V and 1F1B: wall time of the whole run (reference included)
@@ -66,17 +82,11 @@ def mesh_schedules() -> None:
               for preset in PRESETS.values() for n in ("1f1b", "zb_v")]
     rows = []
     for settings in cases:
-        started = time.time()
-        result = experiments.run("parallel.mesh", **settings)
-        rows.append({"settings": settings, "passed": result.passed, "wall_s": round(time.time() - started, 2),
-                     "rank0_step_ms": step_ms("parallel.mesh", result)})
+        result, wall_s = timed_run("parallel.mesh", settings)
+        rows.append({"settings": settings, "passed": result.passed, "wall_s": wall_s, "rank0_step_ms": step_ms("parallel.mesh", result)})
         print(json.dumps(rows[-1]), flush=True)
-    out = {"benchmark": "mesh_schedules", "device": describe(), "code_version": experiments.code_version(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
-           "note": "2-core CPU shared with other work (the load average says how much), ranks are processes on gloo: "
-                   "wall_s includes the leader's one-process reference and the ranks' start."}
-    (Path(__file__).parent / "results" / "mesh_schedules.json").write_text(json.dumps(out, indent=1))
+    write_results("mesh_schedules", rows, "2-core CPU shared with other work (the load average says how much), ranks are "
+                  "processes on gloo: wall_s includes the leader's one-process reference and the ranks' start.")
 
 
 def presets() -> None:
@@ -85,19 +95,14 @@ def presets() -> None:
     dimension and memory by category. Writes bench/results/mesh_presets.json."""
     rows = []
     for name in PRESETS:
-        started = time.time()
-        result = experiments.run("parallel.mesh", preset=name)
+        result, wall_s = timed_run("parallel.mesh", {"preset": name})
         rows.append({"preset": name, "note": PRESET_NOTES[name], "settings": PRESETS[name], "passed": result.passed,
-                     "failed_checks": [c.name for c in result.checks if not c.passed], "wall_s": round(time.time() - started, 2),
+                     "failed_checks": [c.name for c in result.checks if not c.passed], "wall_s": wall_s,
                      "rank0_step_ms": step_ms("parallel.mesh", result), "metrics": result.metrics,
                      "per_rank": per_rank("parallel.mesh", result, PRESETS[name]["world_size"])})
         print(json.dumps({k: rows[-1][k] for k in ("preset", "passed", "wall_s", "rank0_step_ms")}), flush=True)
-    out = {"benchmark": "mesh_presets", "device": describe(), "code_version": experiments.code_version(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
-           "note": "2-core CPU shared with seven other engineers' work (the load average says how much), ranks are "
-                   "processes on gloo: wall_s includes the ranks' start and the leader's one-process reference."}
-    (Path(__file__).parent / "results" / "mesh_presets.json").write_text(json.dumps(out, indent=1))
+    write_results("mesh_presets", rows, "2-core CPU shared with seven other engineers' work (the load average says how "
+                  "much), ranks are processes on gloo: wall_s includes the ranks' start and the leader's one-process reference.")
 
 
 def depth() -> None:
@@ -109,20 +114,15 @@ def depth() -> None:
              {"recompute": "full", "tp": 1, "microbatches": 2}, {"recompute": "full", "tp": 1, "schedule": "zb_v", "layers": 4}]
     rows = []
     for settings in cases:
-        started = time.time()
-        result = experiments.run("parallel.mesh", **settings)
-        rows.append({"settings": settings, "passed": result.passed, "wall_s": round(time.time() - started, 2),
+        result, wall_s = timed_run("parallel.mesh", settings)
+        rows.append({"settings": settings, "passed": result.passed, "wall_s": wall_s,
                      "metrics": {k: v for k, v in result.metrics.items() if "recompute" in k or "bubble" in k or "step" in k
                                  or k in ("activation_peak_saved_bytes", "backward_to_forward_flops")},
                      "step_split_ms": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
                                        for r in result.tables["step_split"]]})
         print(json.dumps({k: rows[-1][k] for k in ("settings", "passed", "wall_s", "metrics")}), flush=True)
-    out = {"benchmark": "mesh_depth", "device": describe(), "code_version": experiments.code_version(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
-           "note": "2-core CPU shared with seven other engineers' work (the load average says how much): wall times and CPU "
-                   "overheads are contended; FLOPs are counted, not timed."}
-    (Path(__file__).parent / "results" / "mesh_depth.json").write_text(json.dumps(out, indent=1))
+    write_results("mesh_depth", rows, "2-core CPU shared with seven other engineers' work (the load average says how "
+                  "much): wall times and CPU overheads are contended; FLOPs are counted, not timed.")
 
 
 def main() -> None:
@@ -142,21 +142,17 @@ def main() -> None:
         settings = {"world_size": world, **extra}
         if name == "parallel.cp":
             settings["seq"] = 512
-        started = time.time()
-        result = experiments.run(name, **settings)
-        rows.append({"experiment": name, "settings": settings, "passed": result.passed, "wall_s": round(time.time() - started, 2),
+        result, wall_s = timed_run(name, settings)
+        rows.append({"experiment": name, "settings": settings, "passed": result.passed, "wall_s": wall_s,
                      "rank0_step_ms": step_ms(name, result), "per_rank": per_rank(name, result, world)})
         if name == "parallel.tp":  # DTensor's bytes on the same layers, written to rank 0's sockets, beside ours
             rows[-1]["dtensor_vs_ours_bytes"] = [{k: r[k] for k in ("layer", "dtensor_bytes_written", "ours_bytes_written")}
                                                  for r in result.tables["dtensor"]]
         print(json.dumps(rows[-1])[:300], flush=True)
-    out = {"benchmark": "model_parallel", "device": describe(), "code_version": experiments.code_version(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
-           "note": "2-core CPU (the load average says what else ran), so times are noisy; ranks are processes on gloo. rank0_step_ms: "
-                   "rank 0's forward + backward spans (tp per mode, ep), its traced ring forward + backward (cp), its traced "
-                   "training / steps (mesh, whose steps include its pipeline schedule, the dp all-reduce and Adam)."}
-    (Path(__file__).parent / "results" / "model_parallel.json").write_text(json.dumps(out, indent=1))
+    write_results("model_parallel", rows, "2-core CPU (the load average says what else ran), so times are noisy; ranks are "
+                  "processes on gloo. rank0_step_ms: rank 0's forward + backward spans (tp per mode, ep), its traced ring forward "
+                  "+ backward (cp), its traced training / steps (mesh, whose steps include its pipeline schedule, the dp "
+                  "all-reduce and Adam).")
 
 
 if __name__ == "__main__":

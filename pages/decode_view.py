@@ -103,27 +103,13 @@ def render(result: dict, rec) -> None:
                     "count equals its published total.")
 
 
-def latest() -> tuple[dict, object] | None:
-    """The latest succeeded hardware.decode run on this server: (result, record), or None."""
-    runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
-    if not runs:
-        return None
-    result = ui.result_of(runs[0])
-    return (result, runs[0]) if result else None
-
-
-def _link(rec) -> str:
-    return f"[run {rec.id}](memory_hierarchy?run={rec.id})"
-
-
 def short(focus: str) -> None:
     """A small figure from the latest hardware.decode run, for the serving ("batching"), KV-cache ("kv") and speculative
     ("verify") pages; a note with a link where no run exists yet."""
     st.subheader("Why: decoding is memory-bound")
-    found = latest()
+    found = ui.latest_run(EXPERIMENT, "the [GPU memory hierarchy page](memory_hierarchy) (view \"Decoding is memory-bound\")",
+                          "a figure from it appears")
     if found is None:
-        st.caption(f"No run of {EXPERIMENT} on this server yet: run it on the [GPU memory hierarchy page](memory_hierarchy) "
-                   "(view \"Decoding is memory-bound\") and a figure from it appears here.")
         return
     result, rec = found
     steps = pd.DataFrame(result["tables"]["cpu_steps"])
@@ -138,7 +124,7 @@ def short(focus: str) -> None:
                                       alt.Tooltip("bytes:Q", format=".3s", title="bytes per step")]).properties(height=240))
         st.caption(f"A decode step reads every weight once and every sequence's cache ({rec.config['gpu_context']} tokens, fp16): "
                    f"as the batch grows the cache becomes most of the bytes, which is what MQA, GQA, MLA and INT8 caches shrink. "
-                   f"From {_link(rec)}.")
+                   f"From {ui.run_link(rec)}.")
         return
     if focus == "verify":
         verify = pd.DataFrame(result["tables"]["verify_cost"])
@@ -150,10 +136,10 @@ def short(focus: str) -> None:
         last = verify.iloc[-1]
         st.caption(f"One sequence of the {units.si(result['metrics']['weight_MB'] * 1e6, 'B')} tiny LLaMA with {rec.config['context']} "
                    f"cached tokens: scoring {last['tokens_scored']} tokens in one call took {last['cost_vs_one']:.2f}× the time of "
-                   f"scoring one (thread CPU time, {_link(rec)}). The weights are read once per call, so while decoding is "
+                   f"scoring one (thread CPU time, {ui.run_link(rec)}). The weights are read once per call, so while decoding is "
                    "memory-bound the target checks γ draft tokens for about the price of one decode step, which is where the "
                    "speed-up above comes from.")
         return
     st.altair_chart(step_chart(steps, height=220))
     st.caption(f"One decode step reads every weight whatever the batch, so tokens/s grows almost with the batch until the "
-               f"FLOPs catch up: measured on this CPU in {_link(rec)}. Continuous batching keeps that batch full.")
+               f"FLOPs catch up: measured on this CPU in {ui.run_link(rec)}. Continuous batching keeps that batch full.")

@@ -70,12 +70,11 @@ def kv_table(rows: list[dict]) -> None:
 def kv_short() -> None:
     """The INT8 KV cache from the latest numerics.int8 run, for the KV-cache page."""
     st.subheader("An INT8 KV cache")
-    runs = ui.runs_of(EXPERIMENT, statuses=("succeeded",), limit=1)
-    result = ui.result_of(runs[0]) if runs else None
-    if not result:
-        st.caption(f"No run of {EXPERIMENT} on this server yet: run it on the [Number formats page](number_formats) (view "
-                   "\"INT8 quantisation\") and its INT8 cache's bytes and error appear here.")
+    found = ui.latest_run(EXPERIMENT, "the [Number formats page](number_formats) (view \"INT8 quantisation\")",
+                          "its INT8 cache's bytes and error appear")
+    if found is None:
         return
+    result, rec = found
     rows = result["tables"]["kv_cache"]
     st.altair_chart(alt.Chart(pd.DataFrame(rows)).mark_bar().encode(
         x=alt.X("bytes_per_token:Q", title="cache bytes per token, all layers (B)"),
@@ -83,4 +82,4 @@ def kv_short() -> None:
         tooltip=["cache", "bytes_per_token", alt.Tooltip("kl_nats:Q", format=".2e", title="KL to fp32 (nats)")]).properties(height=120))
     kv_table(rows)
     st.caption(f"K and V stored as INT8 with one fp32 scale per token and head, dequantised as attention reads them; greedy "
-               f"generation against the fp32 cache, from [run {runs[0].id}](number_formats?run={runs[0].id}).")
+               f"generation against the fp32 cache, from {ui.run_link(rec)}.")

@@ -83,10 +83,6 @@ VIEWS = {"Roofline: presets and this machine": ("hardware.roofline", render,
                                       "Times a decode step of a tiny LLaMA whose weights outgrow this CPU's caches at several batch "
                                       "sizes, beside the roofline's prediction, and places Llama 2 and 3 decode steps and a prefill "
                                       "on a GPU preset's roofline.")}
-shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
-default = next((view for view, (name, _, _) in VIEWS.items() if shown and ui.experiment_of(shown) == name), next(iter(VIEWS)))
-view = st.segmented_control("view", list(VIEWS), default=default, key="memory-view") or default
+view = ui.chosen_view({view: name for view, (name, _, _) in VIEWS.items()}, key="memory-view")
 name, view_render, intro = VIEWS[view]
-if shown and ui.experiment_of(shown) != name:  # the linked run belongs to the other view
-    del st.query_params["run"]
 ui.experiment_page(name, view_render, intro=intro)

@@ -96,10 +96,6 @@ VIEWS = {"Floating-point formats": ("numerics.formats", render,
          "INT8 quantisation": ("numerics.int8", int8_view.render,
                                "Trains the tiny LLaMA, stores its weights in INT8 with per-channel scales, and runs it weight-only "
                                "and INT8 × INT8 → INT32, and with an INT8 KV cache, against fp32.")}
-shown = ui.store().get(st.query_params["run"]) if "run" in st.query_params else None
-default = next((view for view, (name, _, _) in VIEWS.items() if shown and ui.experiment_of(shown) == name), next(iter(VIEWS)))
-view = st.segmented_control("view", list(VIEWS), default=default, key="formats-view") or default
+view = ui.chosen_view({view: name for view, (name, _, _) in VIEWS.items()}, key="formats-view")
 name, view_render, intro = VIEWS[view]
-if shown and ui.experiment_of(shown) != name:  # the linked run belongs to the other view
-    del st.query_params["run"]
 ui.experiment_page(name, view_render, intro=intro)

@@ -5,7 +5,7 @@ import sys
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.test_hardware_pages import _page, _recorded
+from tests.sweep import open_page, recorded
 
 DECODE = {"d_model": 256, "n_layers": 1, "context": 8, "batch_sizes": "1,4"}
 INT8 = {"steps": 20, "new_tokens": 8, "gemm_k": 256}
@@ -43,16 +43,16 @@ def test_short_views_without_runs_link_to_their_pages():
     ("pages/number_formats.py", "numerics.int8", INT8),
 ])
 def test_page_draws_a_run(page, name, settings):
-    rid = _recorded(name, **settings)
-    at = _page(page, run=rid)
+    rid = recorded(name, settings)
+    at = open_page(page, default_timeout=90, run=rid)
     assert not at.exception, at.exception
     assert any("checks against independent references passed" in s.value for s in at.success)
     assert len(at.get("vega_lite_chart")) >= 2
 
 
 def test_short_views_draw_the_latest_runs():
-    _recorded("hardware.decode", **DECODE)
-    _recorded("numerics.int8", **INT8)
+    recorded("hardware.decode", DECODE)
+    recorded("numerics.int8", INT8)
     at = _draw_short_views()
     assert not at.exception, at.exception
     assert len(at.get("vega_lite_chart")) == 4  # three decode views and the INT8 cache

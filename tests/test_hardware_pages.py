@@ -1,30 +1,8 @@
 """AppTest: the GPU execution, native sparse attention, memory hierarchy (both views) and FlashAttention pages draw a
 real run opened by ?run=ID without an exception."""
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from tests.conftest import REPO
-
-
-def _recorded(name: str, **settings) -> str:
-    from backend import experiments, record
-    from backend.store import RunStore
-
-    exp = experiments.get(name)
-    config = exp.make_config({k: str(v) for k, v in settings.items()})
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), f"pages-{name}", status="running")
-    report = record.run_recorded(exp, config, experiments.RunContext(), store, rid)
-    assert report["status"] == "succeeded", report.get("error")
-    return rid
-
-
-def _page(page: str, **params) -> AppTest:
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=90)
-    at.switch_page(page)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
+from tests.sweep import open_page, recorded
 
 
 @pytest.mark.parametrize("page, name, settings", [
@@ -34,13 +12,13 @@ def _page(page: str, **params) -> AppTest:
     ("pages/flash_attention.py", "attention.flash", {"seq_len": 40, "heads": 1, "block_m": 16, "block_n": 16}),
 ])
 def test_page_draws_a_run(page, name, settings):
-    rid = _recorded(name, **settings)
-    at = _page(page, run=rid)
+    rid = recorded(name, {k: str(v) for k, v in settings.items()})
+    at = open_page(page, default_timeout=90, run=rid)
     assert not at.exception, at.exception
     assert any("checks against independent references passed" in s.value for s in at.success)
 
 
 @pytest.mark.parametrize("page", ["pages/gpu_execution.py", "pages/nsa.py", "pages/memory_hierarchy.py"])
 def test_page_renders_without_a_run(page):
-    at = _page(page)
+    at = open_page(page, default_timeout=90)
     assert not at.exception, at.exception

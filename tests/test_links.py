@@ -8,16 +8,9 @@ from streamlit.testing.v1 import AppTest
 
 from backend import uploads
 from tests.conftest import REPO
+from tests.sweep import open_page, recorded
 
 HOSTILE = "[click](http://evil.example/x)![img](http://evil.example/i.png)"
-
-
-def _app(page, **params):
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
-    at.switch_page(page)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
 
 
 def _everything_drawn(at) -> str:
@@ -39,7 +32,7 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed; this one only records
 
 def test_a_trace_path_in_a_link_reads_nothing():
     _opened.clear()
-    at = _app("pages/paged_attention.py", trace="/etc/passwd")
+    at = open_page("pages/paged_attention.py", trace="/etc/passwd")
     assert not at.exception
     shown = [e.value.replace("\\", "") for e in at.error]  # as the reader sees it: escapes removed
     assert any("trace: '/etc/passwd' is not a trace name" in e for e in shown), shown
@@ -50,7 +43,7 @@ def test_a_trace_path_in_a_link_reads_nothing():
 @pytest.mark.parametrize("page, param", [("pages/runs.py", "run"), ("pages/comm_bandwidth.py", "run"),
                                          ("pages/pipeline.py", "run")])
 def test_a_markdown_run_id_is_refused_as_text(page, param):
-    at = _app(page, **{param: HOSTILE})
+    at = open_page(page, **{param: HOSTILE})
     assert not at.exception
     assert any("is not a run id" in w.value for w in at.warning)
     assert "evil.example" not in _everything_drawn(at)
@@ -65,15 +58,8 @@ def test_escape_leaves_no_markdown_to_act_on():
 
 
 def test_another_experiments_run_is_named_and_linked_not_drawn():
-    from backend import experiments, record
-    from backend.store import RunStore
-
-    exp = experiments.get("comm.selftest")
-    config = exp.make_config({"world_size": "1"})
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), "links-test", status="running")
-    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
-    at = _app("pages/collectives.py", run=rid)
+    rid = recorded("comm.selftest", {"world_size": "1"})
+    at = open_page("pages/collectives.py", run=rid)
     assert not at.exception, at.exception
     shown = [w.value.replace("\\", "") for w in at.warning]
     assert any(f"Run `{rid}` is a run of comm.selftest" in w and f"(runs?run={rid})" in w for w in shown), shown

@@ -1,8 +1,7 @@
 """The model-parallel pages render empty and draw a finished run opened by ?run=ID."""
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from tests.conftest import REPO
+from tests.sweep import open_page, recorded
 
 PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel.py": ("parallel.ep", {}),
          "pages/context_parallel.py": ("parallel.cp", {"seq": "64"}),
@@ -15,29 +14,12 @@ PAGES = {"pages/tensor_parallel.py": ("parallel.tp", {}), "pages/expert_parallel
                                                            "precision": "bf16_mixed", "dp_strategy": "zero1"})}
 
 
-def _app(page, **params):
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
-    at.switch_page(page)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_page_renders_empty_and_with_a_run(page):
     path = page.split("#")[0]
-    at = _app(path)
+    at = open_page(path, default_timeout=120)
     assert not at.exception, at.exception
-    from backend import experiments, record
-    from backend.store import RunStore
-
-    name, settings = PAGES[page]
-    exp = experiments.get(name)
-    config = exp.make_config(settings)
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), "pages-mp", status="running")
-    report = record.run_recorded(exp, config, experiments.RunContext(timeout_s=300), store, rid)
-    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
-    at = _app(path, run=rid)
+    rid = recorded(*PAGES[page], timeout_s=300)
+    at = open_page(path, default_timeout=120, run=rid)
     assert not at.exception, at.exception
     assert any("checks against independent references passed" in s.value for s in at.success)

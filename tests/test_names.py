@@ -5,24 +5,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from backend import experiments, record
+from backend import experiments
 from backend.config import ConfigError
 from backend.store import RunStore
 from pages.catalog import SECTIONS
 from tests.conftest import REPO
+from tests.sweep import open_page, recorded
 
 OLD, NEW, PAGE = "moe.routing", "models.moe_routing", "pages/moe_routing.py"  # the cheapest renamed experiment
 SMALL = {"tokens": "64", "bias_steps": "2"}
-
-
-def _app(page, **params):
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
-    at.switch_page(page)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
 
 
 # --- the table ------------------------------------------------------------------------------------------------
@@ -78,18 +70,14 @@ def test_an_old_name_is_unknown_without_its_alias(monkeypatch):
 @pytest.fixture(scope="module")
 def old_run():
     """A run stored as a server before the rename left it: the old name in its store row and in result.json."""
-    exp = experiments.get(OLD)
-    config = exp.make_config(SMALL)
-    store = RunStore()
-    rid = store.create(OLD, config.to_dict(), "names-old-run", status="running")
-    assert record.run_recorded(exp, config, experiments.RunContext(), store, rid)["status"] == "succeeded"
-    path = Path(store.get(rid).result_path)
+    rid = recorded(OLD, SMALL, stored_as=OLD)
+    path = Path(RunStore().get(rid).result_path)
     path.write_text(json.dumps({**json.loads(path.read_text()), "experiment": OLD}))
     return rid
 
 
 def test_an_old_stored_run_opens_on_its_page_under_the_new_name(old_run):
-    at = _app(PAGE, run=old_run)
+    at = open_page(PAGE, run=old_run)
     assert not at.exception, at.exception
     assert not [w.value for w in at.warning if "is a run of" in w.value]
     assert any(old_run in s.value and NEW in s.value for s in at.subheader), [s.value for s in at.subheader]
@@ -103,7 +91,7 @@ def test_an_old_stored_run_is_listed_and_linked_under_the_new_name(old_run):
     assert ui.page_of(OLD) == ui.page_of(NEW) == "moe_routing"
     assert experiments.spellings(NEW) == (NEW, OLD)
     assert old_run in [r.id for r in RunStore().list(experiment=experiments.spellings(NEW))]
-    at = _app("pages/runs.py")
+    at = open_page("pages/runs.py")
     at.selectbox[0].set_value(NEW).run()
     assert not at.exception, at.exception
     assert old_run in list(at.dataframe[0].value["run"])
@@ -111,7 +99,7 @@ def test_an_old_stored_run_is_listed_and_linked_under_the_new_name(old_run):
 
 def test_an_old_stored_run_is_refused_when_the_page_ignores_old_names(old_run, monkeypatch):
     monkeypatch.setattr(experiments, "canonical", lambda name: name)  # the rule broken: stored names taken literally
-    at = _app(PAGE, run=old_run)
+    at = open_page(PAGE, run=old_run)
     assert any(f"is a run of {OLD}" in w.value.replace("\\", "") for w in at.warning), [w.value for w in at.warning]
 
 
@@ -122,3 +110,25 @@ def test_old_runs_count_for_the_new_name_on_the_overview(old_run, monkeypatch):
     stored = RunStore().counts()
     counts = ui.run_counts()
     assert OLD not in counts and counts[NEW] == stored.get(NEW, 0) + stored[OLD] >= 1
+
+
+# --- the registry's modules ------------------------------------------------------------------------------------
+def test_a_module_without_an_experiment_is_refused_unless_its_name_marks_a_shared_part(tmp_path, monkeypatch):
+    """Every module under backend/experiments/ defines an experiment, except `_name.py` parts a group shares."""
+    (tmp_path / "_shared.py").write_text("X = 1\n")
+    monkeypatch.setattr(experiments, "__path__", [str(tmp_path)])
+    monkeypatch.setattr(experiments, "_REGISTRY", {})
+    monkeypatch.setattr(experiments, "ALIASES", {})
+    experiments._load_all.cache_clear()
+    try:
+        experiments._load_all()  # the shared part alone: accepted
+        (tmp_path / "stray.py").write_text("X = 1\n")
+        experiments._load_all.cache_clear()
+        with pytest.raises(ValueError, match="stray defines no EXPERIMENT"):
+            experiments._load_all()
+    finally:
+        for name in ("backend.experiments._shared", "backend.experiments.stray"):
+            sys.modules.pop(name, None)
+        monkeypatch.undo()
+        experiments._load_all.cache_clear()
+    assert {"serving.engine", "plan.training"} <= {e.name for e in experiments.all_experiments()}

@@ -2,35 +2,17 @@
 import re
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from backend import experiments, record
+from backend import experiments
 from pages.catalog import SECTIONS
-from tests.conftest import REPO
+from tests.sweep import open_page as _app, recorded as _recorded  # noqa: F401  (other tests' _app and _recorded)
 
 PAGES = [t.file for topics in SECTIONS.values() for t in topics]  # every page in the navigation
 
 
-def _app(page=None, **params):
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
-    if page:
-        at.switch_page(page)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
-
-
 @pytest.fixture(scope="module")
 def finished_run():
-    from backend import experiments
-    from backend.store import RunStore
-
-    exp = experiments.get("comm.bandwidth")
-    config = exp.make_config({"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce,broadcast"})
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
-    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
-    return rid
+    return _recorded("comm.bandwidth", {"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce,broadcast"})
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -98,14 +80,7 @@ def test_an_old_links_list_fills_the_form_and_a_bad_item_is_named():
 
 
 def test_collectives_page_replays_a_ring_run():
-    from backend import experiments
-    from backend.store import RunStore
-
-    exp = experiments.get("comm.collectives")
-    config = exp.make_config({"world_size": "3", "numel": "31", "iters": "1"})
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), "pages-coll", status="running")
-    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    rid = _recorded("comm.collectives", {"world_size": "3", "numel": "31", "iters": "1"})
     at = _app("pages/collectives.py", run=rid)
     assert not at.exception
     assert at.slider[0].max == 3  # 2(n-1) steps: 0..3
@@ -115,30 +90,11 @@ def test_collectives_page_replays_a_ring_run():
 
 
 def test_fusion_page_draws_graphs_source_and_memory_plan():
-    from backend import experiments
-    from backend.store import RunStore
-
-    exp = experiments.get("graph.fusion")
-    config = exp.make_config({"model": "ln_gelu"})
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), "pages-test", status="running")
-    record.run_recorded(exp, config, experiments.RunContext(), store, rid)
+    rid = _recorded("graph.fusion", {"model": "ln_gelu"})
     at = _app("pages/fusion.py", run=rid)
     assert not at.exception, at.exception
     assert any("@triton.jit" in c.value for c in at.code), ([c.value[:80] for c in at.code], [e.value for e in at.error], [s.value for s in at.subheader])
     assert any(m.label == "kernels launched" and m.value == "38 → 3" for m in at.metric)
-
-
-def _recorded(name: str, settings: dict) -> str:
-    from backend import experiments
-    from backend.store import RunStore
-
-    exp = experiments.get(name)
-    config = exp.make_config(settings)
-    store = RunStore()
-    rid = store.create(exp.name, config.to_dict(), f"pages-{name}", status="running")
-    record.run_recorded(exp, config, experiments.RunContext(timeout_s=120), store, rid)
-    return rid
 
 
 def test_data_parallel_comparison_after_a_parameter_server_run():

@@ -335,7 +335,7 @@ def test_cp_bytes_by_implementation():
 
 
 # ---- the live check: the plan's own schedule, virtual stages, dp strategy and recompute through parallel.mesh ----
-from backend.plan import live  # noqa: E402
+from backend.experiments.plan import _live as live  # noqa: E402
 
 LIVE_PLAN = Plan(tp=1, pp=2, vp=2, schedule="interleaved_1f1b", dp_strategy="zero1", recompute="none", micro_batch=1, global_batch=16)
 

@@ -120,7 +120,7 @@ while True:
 
 
 def _server(data) -> subprocess.Popen:
-    """A server's job runner (what pages/ui.py keeps per Streamlit process), in its own process."""
+    """A server's job runner (what pages/server.py keeps per Streamlit process), in its own process."""
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(data)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "serving"

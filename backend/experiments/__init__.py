@@ -2,8 +2,9 @@
 
 The module `backend/experiments/<group>/<name>.py` is the experiment `<group>.<name>`: it ends with
     EXPERIMENT = define(__name__, SettingsClass, "one-line summary", run_fn=...)  (or rank_fn=, combine=)
-and nothing else needs editing; the registry imports every module in this package. An experiment is a
-Config class, a one-line summary, and either
+and nothing else needs editing; the registry imports every module in this package. What a group's experiments
+share (settings, a check one runs through another) is a module named with a leading underscore, defining no
+experiment: `serving/_settings.py`. An experiment is a Config class, a one-line summary, and either
   run(config, ctx) -> Result                         (single process), or
   rank_fn(rank, world_size, config, ctx) -> payload  (one call per rank, on torch.distributed)
   combine(config, payloads) -> Result                (rank payloads, in rank order)
@@ -147,9 +148,15 @@ def _load_all() -> None:
         exp = getattr(module, "EXPERIMENT", None)
         if isinstance(exp, Experiment):
             _REGISTRY[exp.name] = exp
-        elif not info.ispkg:
+        elif not (info.ispkg or helper(info.name)):
             raise ValueError(f"{info.name} defines no EXPERIMENT = define(__name__, ...)")
     check_aliases()
+
+
+def helper(module_name: str) -> bool:
+    """A module named with a leading underscore (`serving/_settings.py`) is a part its group's experiments share: the
+    one kind of module here that defines no experiment."""
+    return module_name.rsplit(".", 1)[-1].startswith("_")
 
 
 def check_aliases() -> None:

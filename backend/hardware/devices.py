@@ -15,10 +15,28 @@ PCIe about 6,240 (at the seed's 25 GB/s).
 """
 from __future__ import annotations
 
+import copy
+
 GB = 1e9
 KiB = 1024
 
+
+def _with_memory(base: dict, dram: str, capacity: float, bandwidth: float) -> dict:
+    """A device that is `base` but for its device memory: the same SMs, caches and links, another DRAM level in its place."""
+    levels = {(dram if name == base["dram"] else name): ((capacity, bandwidth) if name == base["dram"] else level)
+              for name, level in base["levels"].items()}
+    return {**copy.deepcopy(base), "dram": dram, "levels": levels}
+
+
 # levels: name -> (capacity in bytes, bandwidth in bytes/s); "dram" names the device-memory level.
+_H100_SPEC = {
+    "sms": 132, "max_warps_per_sm": 64, "registers_per_sm": 256 * KiB, "shared_per_sm": 228 * KiB,
+    "peak_flops": {"fp16/bf16 tensor": 989e12, "fp32": 67e12, "fp64": 34e12, "fp64 tensor": 67e12},
+    "dram": "HBM3",
+    "levels": {"registers": (132 * 256 * KiB, None), "L1 / shared": (132 * 256 * KiB, 33_000 * GB), "L2": (50e6, 12_000 * GB),
+               "HBM3": (80e9, 3_350 * GB), "NVLink 4": (None, 450 * GB), "PCIe 5": (None, 64 * GB)},
+}
+
 DEVICES = {
     "A100 (80 GB SXM)": {
         "sms": 108, "max_warps_per_sm": 64, "registers_per_sm": 256 * KiB, "shared_per_sm": 164 * KiB,
@@ -27,20 +45,8 @@ DEVICES = {
         "levels": {"registers": (108 * 256 * KiB, None), "L1 / shared": (108 * 192 * KiB, 19_400 * GB), "L2": (40e6, 4_000 * GB),
                    "HBM2e": (80e9, 2_039 * GB), "NVLink 3": (None, 300 * GB), "PCIe 4": (None, 25 * GB)},
     },
-    "H100 (SXM)": {
-        "sms": 132, "max_warps_per_sm": 64, "registers_per_sm": 256 * KiB, "shared_per_sm": 228 * KiB,
-        "peak_flops": {"fp16/bf16 tensor": 989e12, "fp32": 67e12, "fp64": 34e12, "fp64 tensor": 67e12},
-        "dram": "HBM3",
-        "levels": {"registers": (132 * 256 * KiB, None), "L1 / shared": (132 * 256 * KiB, 33_000 * GB), "L2": (50e6, 12_000 * GB),
-                   "HBM3": (80e9, 3_350 * GB), "NVLink 4": (None, 450 * GB), "PCIe 5": (None, 64 * GB)},
-    },
-    "H200 (SXM)": {
-        "sms": 132, "max_warps_per_sm": 64, "registers_per_sm": 256 * KiB, "shared_per_sm": 228 * KiB,
-        "peak_flops": {"fp16/bf16 tensor": 989e12, "fp32": 67e12, "fp64": 34e12, "fp64 tensor": 67e12},
-        "dram": "HBM3e",
-        "levels": {"registers": (132 * 256 * KiB, None), "L1 / shared": (132 * 256 * KiB, 33_000 * GB), "L2": (50e6, 12_000 * GB),
-                   "HBM3e": (141e9, 4_800 * GB), "NVLink 4": (None, 450 * GB), "PCIe 5": (None, 64 * GB)},
-    },
+    "H100 (SXM)": _H100_SPEC,
+    "H200 (SXM)": _with_memory(_H100_SPEC, "HBM3e", 141e9, 4_800 * GB),  # the same GH100 chip, with HBM3e
     "RTX 4090": {
         "sms": 128, "max_warps_per_sm": 48, "registers_per_sm": 256 * KiB, "shared_per_sm": 100 * KiB,
         "peak_flops": {"fp16/bf16 tensor": 165.2e12, "fp32": 82.58e12},

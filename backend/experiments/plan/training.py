@@ -12,8 +12,8 @@ from backend.config import Config, setting
 from backend.limits import PROCESS_BYTES, Estimate, cost
 from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
-from backend.plan import gantt, live, published
-from backend.plan.live import run as live_run
+from backend.experiments.plan import _live as live
+from backend.plan import gantt, published
 from backend.plan import models as M
 from backend.plan.predict import CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
 from backend.result import Check, Result
@@ -114,7 +114,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
     live_row = {}
     if config.live_check:
         ctx.progress(0.6, "running the plan scaled down on gloo ranks")
-        live_checks, live_row = live_run(plan, model, r["dp"])
+        live_checks, live_row = live.run(plan, model, r["dp"])
         checks += live_checks
     metrics = {"parameters": counts["total"], "active_parameters": counts["active"], "dp": r["dp"],
                "memory_gib": r["memory_bytes"] / GiB, "hbm_gib": cl.gpu.hbm_bytes / GiB, "fits": r["fits"],

@@ -20,8 +20,8 @@ from backend.result import Check, Result, Schema
 from backend.serving import attention
 from backend.serving.engine import logits_error, serve, token_mismatches
 from backend.serving.report import cost_rows, cost_summary_written, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
-from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES, LOAD_COLUMNS, SUMMARY, each
-from backend.serving.settings import ServingSettings
+from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES
+from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import simulate
 
 

@@ -17,7 +17,7 @@ from backend.experiments import define
 from backend.result import Check, Result, Schema
 from backend.serving.report import cost_rows, cost_summary_written, knee, latency_rows, load_row, step_rows
 from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES, LOAD_COLUMNS, SUMMARY, each
-from backend.serving.settings import ServingSettings
+from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import latency_summary, simulate
 
 

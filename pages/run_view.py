@@ -1,0 +1,197 @@
+"""A run's view: its status while queued or running (redrawn as it moves), then its checks, notes, the page's own
+charts and downloads; a run stopped early shows why, how far it got and its log. Pages reach it through pages/ui.py."""
+from __future__ import annotations
+
+import contextvars
+import json
+import math
+import time
+from typing import Callable
+
+import pandas as pd
+import streamlit as st
+
+from backend.config import ConfigError
+from backend.jobs import NotAllowed, QueuePlace, log_tail
+from backend.store import ACTIVE, FINAL, QueueFull, RunRecord, is_run_id
+from pages import render_log
+from pages.markup import escape
+from pages.server import STATUS_ICON, experiment_of, page_of, result_of, runner, store, url_run_id
+from pages.sign_in import current_user, is_admin
+from pages.tables import table
+
+# The experiment of the page being drawn (per script run: Streamlit runs each in its own thread).
+page_experiment: contextvars.ContextVar[str | None] = contextvars.ContextVar("page_experiment", default=None)
+
+
+def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = None) -> None:
+    """A run's status, checks, the page's own charts (render) and downloads. On a topic page, a run of another
+    experiment is named and linked to its own page instead of being drawn with charts made for this one."""
+    if not is_run_id(run_id):
+        st.warning("That is not a run id (12 hex digits).")
+        return
+    rec = store().get(run_id)
+    if rec is None:
+        st.warning(f"No run `{run_id}` in this server's store.")
+        return
+    expected = page_experiment.get()
+    if render and expected and experiment_of(rec) != expected:
+        st.warning(f"Run `{rec.id}` is a run of {escape(experiment_of(rec))}, not of {escape(expected)}: "
+                   f"[open it on its page]({page_of(rec.experiment)}?run={rec.id}).")
+        return
+    if rec.status in ACTIVE:
+        _live_status(run_id)  # draws its own header, so "queued" turns "running" as it happens
+        return
+    _header(rec)
+    if rec.status != "succeeded":
+        _stopped(rec)
+        return
+    result = result_of(rec)
+    if result is None:
+        st.error(f"Run {rec.id} succeeded but its result file is missing ({rec.result_path}).")
+        return
+    _checks(result)
+    for note in result.get("notes", []):  # what the run says about its own figures, on every page alike
+        st.info(escape(note), icon=":material/info:")
+    if render:
+        render(result, rec)
+    _downloads(rec)
+
+
+def _stopped(rec: RunRecord) -> None:
+    """A run that failed, hit a limit or was cancelled: why (the message names the settings to lower), how far
+    it got, what it had computed by then, and every rank's log."""
+    st.error(escape(rec.error or rec.status))
+    if rec.progress > 0:
+        st.progress(rec.progress, text=f"Stopped at {rec.progress:.0%}: {escape(rec.progress_msg or '')} · "
+                                       f"after {rec.duration_s or 0:.0f} s")
+    partial = store().partial(rec.id)
+    if partial:
+        st.subheader("Results so far")
+        st.caption(escape(partial.get("note", "")))
+        if partial.get("metrics"):
+            table(pd.DataFrame([{"metric": k, "value": str(v)} for k, v in partial["metrics"].items()]))
+        for name, rows in partial.get("tables", {}).items():
+            if rows:
+                st.markdown(f"**{escape(name)}**")
+                table(rows)
+    log = log_tail(store(), rec.id, lines=200)
+    if log:
+        with st.expander("Log: every rank's traceback and, after a time limit, its stack", expanded=not partial):
+            st.code(log, language=None)
+
+
+def _header(rec: RunRecord) -> None:
+    st.subheader(f"{STATUS_ICON[rec.status]} Run `{rec.id}` · {escape(experiment_of(rec))} · {rec.status}")
+
+
+# How often a run view asks the store (each time the browser's timer fires: a message, a script run, a redraw). A
+# running run's end is noticed within FAST_POLL_S; the next to start asks every NEXT_POLL_S (its start, then at the fast
+# rate); one with others queued ahead changes only when one of those ends and asks every SLOW_POLL_S. Ten people
+# waiting on one job slot then ask 4 + 2 + 8 = 14 times a second, not 20 (every view at 0.5 s), and each end is drawn
+# sooner.
+FAST_POLL_S, NEXT_POLL_S, SLOW_POLL_S = 0.25, 0.5, 1.0
+
+
+def poll_s(rec: RunRecord, place: QueuePlace | None) -> float:
+    """The run view's refresh period for a run in this state (place: the queued run's place, None otherwise)."""
+    if rec.status != "queued" or place is None:
+        return FAST_POLL_S
+    return NEXT_POLL_S if place.ahead == 0 else SLOW_POLL_S
+
+
+def _live_status(run_id: str) -> None:
+    """A queued or running run's view, redrawn every poll_s; a change of period redraws the page, which sets it."""
+    rec = store().get(run_id)
+    period = poll_s(rec, runner().place(run_id) if rec.status == "queued" else None)
+    st.fragment(_live_view, run_every=period)(run_id, period, st.query_params.to_dict())
+
+
+def _redraw_page(url: dict[str, str]) -> None:
+    """Rerun the whole page at the URL it was drawn with. A fragment's run takes its URL from the browser's request,
+    which a timer may have sent before the browser saw the page's last URL (the settings and run a Run just put
+    there); st.rerun() would redraw the page at that stale URL: another run, or a first visit's run of the defaults."""
+    if st.query_params.to_dict() != url:
+        st.query_params.from_dict(url)
+    st.rerun()
+
+
+def _live_view(run_id: str, period: float, url: dict[str, str]) -> None:
+    rec = store().get(run_id)
+    render_log.write({"event": "tick", "run": run_id, "t": time.time()})  # when the browser's timer asked (bench)
+    if rec.status in FINAL:
+        render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
+        _redraw_page(url)
+    place = runner().place(run_id) if rec.status == "queued" else None
+    if poll_s(rec, place) != period:  # nearer the front, or started: the page sets the new period
+        _redraw_page(url)
+    _header(rec)
+    if place:
+        when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "
+                f"upper bounds); at most {runner().max_jobs} run at a time on this server"
+                if math.isfinite(place.wait_s) else "this server starts no runs itself (EXPLORER_MAX_JOBS = 0)")
+        st.info(f"Queued: position {place.ahead + 1}, behind {place.running} running and {place.ahead} queued "
+                f"run(s); {when}.")
+    elif rec.status == "running":
+        elapsed = time.time() - (rec.started or time.time())
+        st.progress(rec.progress, text=f"{rec.progress:.0%} · {rec.progress_msg or 'starting ranks'} · {elapsed:.0f} s (timeout {rec.timeout_s:g} s)")
+    refused = f"cancel-refused-{run_id}"  # kept: this fragment redraws itself
+    if st.button("Cancel run", key=f"cancel-{run_id}"):
+        try:
+            runner().cancel(run_id, by=current_user(), admin=is_admin())
+        except NotAllowed as err:
+            st.session_state[refused] = str(err)
+    if refused in st.session_state:
+        st.error(escape(st.session_state[refused]))
+
+
+def _checks(result: dict) -> None:
+    checks = result.get("checks", [])
+    if not checks:
+        st.warning("This run made no check against a reference.")
+        return
+    failed = [c for c in checks if not c["passed"]]
+    if failed:
+        st.error(f"{len(failed)} of {len(checks)} checks against independent references failed.")
+    else:
+        st.success(f"All {len(checks)} checks against independent references passed.")
+    with st.expander("Checks: error against each reference", expanded=bool(failed)):
+        table(pd.DataFrame(checks)[["passed", "name", "error", "tolerance", "reference", "detail"]])
+
+
+def _downloads(rec: RunRecord) -> None:
+    cols = st.columns([1, 1, 3])
+    with cols[0]:
+        st.download_button("Result JSON", json.dumps(rec.result(), indent=1), file_name=f"{rec.id}-result.json",
+                           mime="application/json", key=f"dl-result-{rec.id}")
+    trace = rec.trace_bytes()
+    with cols[1]:
+        if trace:
+            st.download_button("Trace (Chrome JSON)", trace, file_name=f"{rec.id}-trace.json",
+                               mime="application/json", key=f"dl-trace-{rec.id}",
+                               help="Opens in ui.perfetto.dev or chrome://tracing")
+    with cols[2]:
+        st.caption(f"Link to this run: add `?run={rec.id}` to this page's address. "
+                   f"Code version {rec.code_version} · {rec.duration_s or 0:.1f} s.")
+
+
+def resume_button(experiment: str) -> None:
+    """On a failed run of `experiment` that left a checkpoint: resume it as a new run whose record names it as its
+    parent (the runner finds the checkpoint from the store, never from the URL)."""
+    run_id = url_run_id()
+    rec = store().get(run_id) if run_id and is_run_id(run_id) else None
+    if rec is None or experiment_of(rec) != experiment or rec.status != "failed":
+        return
+    why = runner().why_not_resumable(rec.id)
+    if why:
+        st.caption(f"Cannot be resumed: {escape(why)}")
+        return
+    if st.button("Resume from its newest checkpoint", help="A new run with the same settings that loads this run's "
+                 "last complete checkpoint and finishes it; it names this run as its parent."):
+        try:
+            child = runner().resume(rec.id, owner=current_user())
+        except (ConfigError, QueueFull) as err:
+            st.error(escape(str(err)))
+            return
+        st.query_params["run"] = child
+        st.rerun()
