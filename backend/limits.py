@@ -49,6 +49,8 @@ FLOPS = 5e9                 # dense floating-point operations per CPU second (fl
 BYTES_PER_S = 2e9           # bytes per CPU second a tensor copy or elementwise op moves (1.6e9 for a plain copy measured)
 OP_S = 25e-6                # one Python-level step: a few small torch ops (~3 us of CPU each measured) and the interpreter
 WAIT_CPU = 0.25             # CPU seconds per second a run waits on purpose (ranks polling in gloo): 0.19-0.24 measured
+SLEEP_CPU = 0.05            # the same for a sleep on a rank's comm thread while the rest waits on its futures: 0.02 measured
+MESSAGE_S = 0.45e-3         # one send or receive of a ring step, 8 ranks on the 2 cores (each a wake-up): 0.39 ms measured
 DYNAMO_IMPORT_S = 1.5       # a process's first torch.optim step imports torch._dynamo: 1.1-1.5 s of CPU measured
 _SEARCHING = contextvars.ContextVar("searching_for_a_fit", default=False)  # a fit search must not search again
 
@@ -99,10 +101,11 @@ def plus_cpu(estimate: Estimate, cpu_s: float) -> Estimate:
     return Estimate(estimate.memory_bytes, estimate.seconds + LOAD_FACTOR * cpu_s, estimate.wait_s)
 
 
-def with_wait(estimate: Estimate, wait_s: float) -> Estimate:
+def with_wait(estimate: Estimate, wait_s: float, cpu_per_s: float = WAIT_CPU) -> Estimate:
     """`estimate` plus `wait_s` seconds its run waits on purpose (a simulated network delay, a straggler): wall time,
-    during which the other ranks, waiting in gloo, burn WAIT_CPU CPU seconds a second."""
-    return Estimate(estimate.memory_bytes, estimate.seconds + wait_s + LOAD_FACTOR * WAIT_CPU * wait_s, estimate.wait_s + wait_s)
+    during which the other ranks burn `cpu_per_s` CPU seconds a second (WAIT_CPU polling in gloo; SLEEP_CPU when
+    they wait on futures while one thread sleeps)."""
+    return Estimate(estimate.memory_bytes, estimate.seconds + wait_s + LOAD_FACTOR * cpu_per_s * wait_s, estimate.wait_s + wait_s)
 
 
 def fits(config: Config, **change) -> bool:

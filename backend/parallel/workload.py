@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from backend.config import Config, ConfigError, setting
-from backend.limits import cost
+from backend.limits import MESSAGE_S, cost
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -47,6 +47,11 @@ class WorkloadConfig(Config):
         return cost(data_bytes=copies * (params * 8 * 8 + activations), flops=3 * 6 * self.batch * params * self.steps,
                     moved_bytes=self.steps * params * 8 * 4 * self.world_size,
                     ops=self.steps * self.layers * 100 * copies, ranks=self.world_size + 1)  # ZeRO-1 at the defaults: 2.8 s of CPU measured
+
+    def ring_cpu_s(self, collectives_per_step: float) -> float:
+        """CPU seconds of the ring steps of `collectives_per_step` ring collectives a step (a reduce-scatter or an
+        all-gather: every rank sends and receives n-1 times; an all-reduce counts two)."""
+        return self.steps * collectives_per_step * 2 * (self.world_size - 1) * self.world_size * MESSAGE_S
 
     def check(self) -> None:
         if self.batch < self.world_size:

@@ -50,11 +50,12 @@ class BandwidthConfig(Config):
 
     def estimate(self):
         """Sizes double from min_bytes to max_bytes (their sum < 2·max_bytes); each op runs warmup + iters
-        times per size; all_gather's output is world_size buffers per rank."""
+        times per size; all_gather's output is world_size buffers per rank, and the correctness check's float64 copies about 5 more
+        (n + 4.8 buffers of max_bytes per rank measured at 4 ranks)."""
         n, ops = self.world_size, len(self.ops)
         sizes = max(1, (max(self.max_bytes, self.min_bytes) // self.min_bytes).bit_length())
         calls = ops * (self.iters + self.warmup + 1)
-        return cost(data_bytes=n * (n + 3) * self.max_bytes, moved_bytes=2 * calls * 2 * self.max_bytes * 2 * n,  # a send or receive ~2 copies (9.3 s of CPU at 10 MB)
+        return cost(data_bytes=n * (n + 5) * self.max_bytes, moved_bytes=2 * calls * 2 * self.max_bytes * 2 * n,  # a send or receive ~2 copies (9.3 s of CPU at 10 MB)
                     ops=calls * sizes * n * 40, ranks=n)  # ~1 ms of CPU a call per size per rank measured
 
     def check(self) -> None:

@@ -45,12 +45,12 @@ class CollectivesConfig(Config):
     def estimate(self):
         """Each rank holds its buffer, up to world_size received pieces and float64 reference copies (4.04 GiB
         measured at 4 ranks x 11.4M elements, 2.3% over n(n+12)); every timed call
-        (ours and gloo's built-in) costs about twenty buffers' bytes per rank at BYTES_PER_S (a socket send or receive costs ~4 copies: 9.6 s
-        of CPU for 4 ranks x 6.2M floats x 5 calls measured)."""
+        (ours and gloo's built-in) costs about six buffers' bytes per rank at BYTES_PER_S (12.7 s of CPU for 8 ranks x
+        1.28M floats x 52 calls measured; 9.6 s for 4 ranks x 6.2M floats x 7)."""
         size = self.numel * (4 if self.dtype == "float32" else 2)
         n = self.world_size
-        return cost(data_bytes=n * (n + 20) * size, moved_bytes=20 * (self.iters + 2) * 2 * n * size,
-                    ops=2 * (self.iters + 2) * n * 2 * n * 30, ranks=n)
+        return cost(data_bytes=n * (n + 20) * size, moved_bytes=6 * (self.iters + 2) * 2 * n * size,
+                    ops=2 * (self.iters + 2) * n * 2 * n * 10, ranks=n)
 
     def check(self) -> None:
         if self.algo not in ALGORITHMS[self.op]:

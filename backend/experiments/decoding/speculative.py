@@ -49,7 +49,7 @@ class SpeculativeConfig(Config):
         """Model calls of ~300 ops each (vmap over a tiny LLaMA, no KV cache), counted at their worst: one token per
         round (alpha = 0), so each gamma in the sweep takes new_tokens·(gamma + 1) calls, as does each timed speculative
         decode; the distribution test's two rounds per rule run test_samples sequences through the target twice and
-        the draft 2·gamma times. Training steps ~300 ops. Fitted to 4.4 s of CPU at the defaults (bench/limits.py): the
+        the draft 2·gamma times. Training steps ~200 ops. Fitted to 4.4 s of CPU at the defaults (bench/limits.py): the
         calls cost about a fifth of these counts at OP_S and FLOPS."""
         sweep = self.new_tokens * self.gamma * (self.gamma + 3) // 2
         timing = self.timing_repeats * self.new_tokens * (self.gamma + 2) + 30
@@ -59,7 +59,7 @@ class SpeculativeConfig(Config):
         test_flops = 2 * self.test_samples * test_context * 2 * (2 * target + 2 * self.gamma * draft)
         return cost(data_bytes=self.test_samples * test_context * (self.vocab + TARGET["d_ff"]) * 4 * 8,
                     flops=(test_flops + 2 * target * (sweep * self.sequences + timing) * context) / 5,
-                    ops=60 * (sweep + timing + test_calls) + 300 * (self.target_steps + self.draft_steps),
+                    ops=50 * (sweep + timing + test_calls) + 200 * (self.target_steps + self.draft_steps),
                     seconds=DYNAMO_IMPORT_S)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from backend.config import setting
-from backend.limits import plus_cpu, with_wait
+from backend.limits import SLEEP_CPU, plus_cpu, with_wait
 from backend.experiments import define
 from backend.experiments.parallel import dp_model
 from backend.parallel.ddp import DDP, TorchDDP
@@ -34,7 +34,8 @@ class DDPConfig(WorkloadConfig):
             return dp_model.mesh_plan(self, "ddp").estimate()
         base = super().estimate()
         buckets = -(-self.layers * (self.hidden * self.hidden + self.hidden) * 8 // (self.bucket_kb * 1024))
-        return with_wait(plus_cpu(base, 1.2 * self.world_size), 2 * self.steps * buckets * self.comm_delay_ms / 1000)
+        rings = self.ring_cpu_s(2 * 2 * buckets)  # ours and torch's peer: an all-reduce per bucket each
+        return with_wait(plus_cpu(base, 1.2 * self.world_size + rings), 2 * self.steps * buckets * self.comm_delay_ms / 1000, SLEEP_CPU)
 
 
 MLP_ONLY = {"overlap": (False, "the mesh's loop sums DDP's buckets after the last backward (the overlap view is the MLP's)"),

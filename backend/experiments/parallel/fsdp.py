@@ -24,11 +24,12 @@ class FSDPConfig(WorkloadConfig):
 
     def estimate(self):
         """The workload's, plus FSDP2's DTensor machinery on every rank (~1.2 s of CPU a rank: 7.1 s at the defaults
-        against 2.8 s for our ZeRO-1 on the same workload, measured)."""
+        against 2.8 s for our ZeRO-1 on the same workload, measured) and gloo's ring steps: per layer an all-gather in
+        the forward, one in the backward (resharded after the forward) and a reduce-scatter."""
         if self.model == "tiny_llama":
             return dp_model.mesh_plan(self, "fsdp2").estimate()
         base = super().estimate()
-        return plus_cpu(base, 1.2 * self.world_size)
+        return plus_cpu(base, 1.2 * self.world_size + self.ring_cpu_s(3 * self.layers))
 
 
 def run_rank(rank, world, config: FSDPConfig, ctx):

@@ -5,6 +5,7 @@ import dataclasses
 
 from backend.config import ConfigError, setting
 from backend.experiments import define
+from backend.limits import plus_cpu
 from backend.experiments.parallel import dp_model
 from backend.parallel.loop import start_rank, train
 from backend.parallel.reconcile import combine
@@ -29,7 +30,11 @@ class ZeroConfig(WorkloadConfig):
         dp_model.check_plan(self, f"zero{self.stage}", MLP_ONLY)
 
     def estimate(self):
-        return dp_model.mesh_plan(self, f"zero{self.stage}").estimate() if self.model == "tiny_llama" else super().estimate()
+        """With tiny_llama, the mesh plan's. Else the workload's, plus the ring steps: a reduce-scatter and an all-gather
+        a step (stages 1, 2), or per layer an all-gather in the forward, one in the backward and a reduce-scatter (3)."""
+        if self.model == "tiny_llama":
+            return dp_model.mesh_plan(self, f"zero{self.stage}").estimate()
+        return plus_cpu(super().estimate(), self.ring_cpu_s(3 * self.layers if self.stage == 3 else 2))
 
 
 MLP_ONLY = {"precision": ("fp64", "the mesh's loop trains in float64 here (mixed precision is parallel.mesh's own setting)"),
