@@ -32,7 +32,7 @@ def _killed_and_resumed_rank(rank, world, config, ctx):
     def fault(step):
         if ctx.attempt == 0 and rank == KILLED_RANK and step == KILLED_STEP:
             ckpt.kill_self(root, rank, step)
-    hook = ckpt.MeshHook(ckpt.Checkpointer(root, 2, rank, attempt=ctx.attempt), fault)
+    hook = ckpt.MeshHook(ckpt.Checkpointer(root, 2, rank, attempt=ctx.attempt), fault, ckpt.reference_shapes(config))
     out = train_rank(rank, world, config, None, hook)
     return {"params": out["params"], "losses": out["losses"], "attempt": ctx.attempt,
             "resumed_from": hook.saver.resumed_from, "timeline": ckpt.read_timeline(root)}
@@ -83,6 +83,6 @@ def test_a_checkpoint_of_another_mesh_is_refused_by_name(tmp_path):
 def _plain_with_checkpoints(rank, world, config, ctx):
     from backend.parallel.mesh_train import train_rank
 
-    hook = ckpt.MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 2, rank))
+    hook = ckpt.MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 2, rank), None, ckpt.reference_shapes(config))
     train_rank(rank, world, config, None, hook)
     return {}
