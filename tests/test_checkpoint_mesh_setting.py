@@ -22,6 +22,7 @@ def _checks(result) -> dict:
     return {c.name: c for c in result.checks}
 
 
+@pytest.mark.timeout(900)
 def test_a_mesh_run_killed_resumed_and_continued_on_another_mesh_passes(tmp_path):
     exp = experiments.get("parallel.mesh")
     result = exp.run(exp.make_config(SETTINGS))
@@ -61,6 +62,7 @@ def _broken_rank(rank, world, config, ctx):
     return mesh.run_rank(rank, world, config, ctx)
 
 
+@pytest.mark.timeout(900)
 def test_the_checks_fail_when_the_rules_are_broken(tmp_path):
     exp = experiments.get("parallel.mesh")
     config = exp.make_config(SETTINGS)
