@@ -18,32 +18,35 @@ BASELINE = "uninterrupted_rank{}.npz"
 
 
 def check_settings(config) -> None:
-    """The checkpoint settings against each other and the run (after the mesh's own checks)."""
+    """The checkpoint settings against each other and the run (after the mesh's own checks). Each refusal says which
+    value fits with the other settings as they are."""
+    fits = "allowed with the other settings as they are:"
     if config.kill_rank >= config.world_size:
         raise ConfigError("kill_rank", f"{config.kill_rank} is not a rank of world_size={config.world_size} "
-                                       f"(allowed: -1 to {config.world_size - 1})")
+                                       f"({fits} kill_rank = {config.world_size - 1})")
     if config.kill_rank >= 0 and not config.checkpoint_every:
         raise ConfigError("kill_rank", f"{config.kill_rank} with checkpoint_every = 0: nothing to restart from "
-                                       f"(allowed: -1, or a rank with checkpoint_every >= 1)")
+                                       f"({fits} kill_rank = -1)")
     if config.kill_rank >= 0 and config.kill_step >= config.steps:
-        raise ConfigError("kill_step", f"{config.kill_step} is past the last step (allowed: 0 to {config.steps - 1})")
+        raise ConfigError("kill_step", f"{config.kill_step} is past the last step ({fits} kill_step = {config.steps - 1})")
     if config.checkpoint_every > config.steps:
         raise ConfigError("checkpoint_every", f"{config.checkpoint_every} saves nothing in {config.steps} steps "
-                                              f"(allowed: 0 to {config.steps})")
+                                              f"({fits} checkpoint_every = {config.steps})")
     if bool(config.reshard_tp) != bool(config.reshard_pp):
-        raise ConfigError("reshard_pp" if config.reshard_tp else "reshard_tp",
-                          "set with the other at 0: the new mesh needs both tp and pp (allowed: both 0, or both >= 1)")
+        unset, other = ("reshard_pp", "reshard_tp") if config.reshard_tp else ("reshard_tp", "reshard_pp")
+        raise ConfigError(unset, f"0 with {other} = {getattr(config, other)}: the new mesh needs both tp and pp "
+                                 f"({fits} {other} = 0)")
     if not config.reshard_tp:
         return
     if not 1 <= config.checkpoint_every < config.steps:
+        fix = f"checkpoint_every = {config.steps - 1}" if config.steps > 1 else "reshard_tp = 0"
         raise ConfigError("checkpoint_every", f"{config.checkpoint_every} leaves no checkpoint before the last step to "
-                                              f"continue on tp {config.reshard_tp} x pp {config.reshard_pp} (allowed: "
-                                              f"1 to {config.steps - 1})")
+                                              f"continue on tp {config.reshard_tp} x pp {config.reshard_pp} ({fits} {fix})")
     try:
         resharded(config).validate()
     except ConfigError as err:
-        raise ConfigError("reshard_tp", f"tp {config.reshard_tp} x pp {config.reshard_pp}: that mesh refuses this run: "
-                                        f"{err}") from None
+        raise ConfigError("reshard_tp", f"tp {config.reshard_tp} x pp {config.reshard_pp} cannot continue this run "
+                                        f"({fits} reshard_tp = 0): that mesh refuses it: {err}") from None
 
 
 def resharded(config):

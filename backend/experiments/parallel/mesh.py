@@ -141,8 +141,8 @@ class MeshConfig(TPConfig):
         if self.reshard_tp and self.checkpoint_every:
             passes += self.steps - self.checkpoint_every * ((self.steps - 1) // self.checkpoint_every)
         saves = self.steps // self.checkpoint_every + 2 if self.checkpoint_every else 0
-        base = decoder_cost(self, self.world_size * (1 + killing) + 1, passes=passes,
-                            seconds=DYNAMO_IMPORT_S + saves * self.world_size * 0.2)
+        base = decoder_cost(self, self.world_size + 1, passes=passes,  # (the restarted ranks replace the killed group)
+                            seconds=DYNAMO_IMPORT_S + saves * self.world_size * 0.2 + killing * self.world_size * 1.0)
         ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         actions = self.world_size * passes * self.microbatches * self.layers
         return plus_cpu(base, (ring_steps * 200 + actions * 400) * OP_S)
