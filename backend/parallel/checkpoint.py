@@ -322,6 +322,16 @@ def read_map(items, metadata, rank: int) -> list[dict]:
     return rows
 
 
+def reshard_tables(reads: list[list[dict]]) -> dict[str, list[dict]]:
+    """The new ranks' read_map rows as a result's tables: every read (reshard_map), and the bytes each new rank read
+    from each saved rank (reshard_bytes)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for row in (r for rows in reads for r in rows):
+        pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
+    return {"reshard_map": [r for rows in reads for r in rows],
+            "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
+
+
 def local_tensor_bytes(state: dict) -> int:
     """Bytes of the tensors this rank holds in a state dict: its ShardedTensors' local shards, its DTensors' local
     pieces, its plain tensors (the reference a load's reads must add up to)."""
@@ -439,6 +449,9 @@ def verify(path: Path, expected: dict) -> None:
             raise CheckpointError(f"checkpoint {path.name} is from another model or strategy: it has no {key!r} "
                                   f"(it holds {', '.join(sorted(saved)[:4])}, ...)")
         have = tuple(getattr(saved[key], "size", ()) or ())
+        if size is not None and have != size and key.startswith("loop."):
+            raise CheckpointError(f"checkpoint {path.name} is from a run of another length: {key} has shape "
+                                  f"{list(have)} there, {list(size)} here (allowed: the same steps)")
         if size is not None and have != size:
             raise CheckpointError(f"checkpoint {path.name} is from another model: {key} has shape {list(have)} there, "
                                   f"{list(size)} here")

@@ -155,11 +155,5 @@ def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]
               reference="the pieces of the model's tensors (and Adam's m, v) each new rank holds at its tp shard, "
                         "pp layers and ZeRO cut", detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
     ]
-    pairs = {}
-    for n in new:
-        for row in n["reads"]:
-            pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
     metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    tables = {"reshard_map": [row for n in new for row in n["reads"]],
-              "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
-    return checks, metrics, tables
+    return checks, metrics, ckpt.reshard_tables([n["reads"] for n in new])
