@@ -138,6 +138,11 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
     return checks, metrics, tables
 
 
+def mesh_label(config) -> str:
+    """tp x pp x dp, and cp and ep where they are more than 1."""
+    return " x ".join(f"{d} {getattr(config, d)}" for d in ("tp", "pp", "dp", "cp", "ep") if d in ("tp", "pp", "dp") or getattr(config, d) > 1)
+
+
 def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]:
     """The continuation on the other mesh against one process; DCP's reads as the resharding map."""
     new = [p["checkpoint"]["reshard"] for p in payloads]
@@ -146,7 +151,7 @@ def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]
     loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
     read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
     cover_err = sum(abs(read[i] - n["held"]) for i, n in enumerate(new))
-    plan = f"tp {config.tp} x pp {config.pp} x dp {config.dp} -> tp {config.reshard_tp} x pp {config.reshard_pp} x dp {resharded(config).dp}"
+    plan = f"{mesh_label(config)} -> {mesh_label(resharded(config))}"
     checks = [
         Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9,
               reference="TinyDecoder, float64, torch.optim.Adam, one process, all the steps", detail="max |difference|"),

@@ -360,13 +360,14 @@ def dp_memory(strategy: str, n: int, k: int) -> dict[str, int]:
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
     """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
-    assignments each ep peer routes to each expert: a tensor (ep, experts)."""
+    assignments each ep peer routes to each expert: a tensor (ep, experts). After a restart from a checkpoint, the
+    steps its last attempt ran."""
     if not config.experts:
         return []
     m = config.plan.microbatches(config.microbatches)
     columns = positions(config.seq, payload["coords"]["cp"], config.cp, "zigzag") if config.cp > 1 else slice(None)
     out = []
-    for step in range(config.steps):
+    for step in range(payload.get("checkpoint", {}).get("start", 0), config.steps):
         for mb in range(m):
             for layer in payload["layers"]:
                 rows = []
