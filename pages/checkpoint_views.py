@@ -47,7 +47,8 @@ def mesh_checkpoints(result: dict) -> None:
     st.subheader("Checkpoints: the kill, the restart and the steps redone")
     cols = st.columns(4)
     cols[0].metric("attempts", m["attempts"], help="1 + the restarts after the killed rank")
-    cols[1].metric("steps redone", m.get("steps_redone", 0), help="steps after the last checkpoint, lost with the kill")
+    cols[1].metric("steps redone", m.get("steps_redone", 0), help="whole steps done after the last checkpoint, lost with "
+                                                                  "the kill (the step it interrupted is run again too)")
     cols[2].metric("checkpoint (tensor bytes)", f"{m['checkpoint_tensor_bytes']:,} B",
                    help=f"{m['checkpoint_file_bytes']:,} B on disk with DCP's framing and .metadata")
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s" if m.get("save_s_mean") is not None else "none",
