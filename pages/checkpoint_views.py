@@ -62,7 +62,7 @@ def mesh_checkpoints(result: dict) -> None:
         ui.table(pd.DataFrame(t["checkpoint_files"]))
 
 
-MESH_RESHARD = {"checkpoint_every": 1, "kill_rank": 1, "kill_step": 2, "reshard_tp": 1, "reshard_pp": 4}
+MESH_RESHARD = {"steps": 4, "checkpoint_every": 2, "kill_rank": 1, "kill_step": 3, "reshard_tp": 1, "reshard_pp": 4}
 
 
 def mesh_reshard_from_store(runs: list) -> None:
