@@ -15,7 +15,8 @@ NAMES = ("final parameters equal the uninterrupted run's bit for bit",
          "the killed rank died by SIGKILL, its process is gone, and every rank restarted",
          "resharded (tp 2 x pp 2 x dp 1 -> tp 1 x pp 4 x dp 1): final parameters equal one process",
          "resharded: every step's loss equals one process",
-         "resharded: each new rank's reads add up to the tensor bytes it holds")
+         "resharded: each new rank's reads add up to the tensor bytes it holds",
+         "tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)")
 
 
 def _checks(result) -> dict:
@@ -36,9 +37,9 @@ def test_a_mesh_run_killed_resumed_and_continued_on_another_mesh_passes(tmp_path
 
 
 def _broken_rank(rank, world, config, ctx):
-    """Two rules broken in the ranks: Adam's step is not restored with m and v (bias correction restarts), and the
-    continuation on the other mesh reads each block's tensors from the next block's (ownership by position, not by
-    layer index)."""
+    """Rules broken in the ranks: Adam's step is not restored with m and v (bias correction restarts), the weights are
+    saved twice, and the continuation on the other mesh reads each block's tensors from the next block's (ownership by
+    position, not by layer index)."""
     from backend.experiments.parallel import mesh
     from backend.parallel import checkpoint as ckpt, mesh_checkpoint
 
@@ -57,7 +58,13 @@ def _broken_rank(rank, world, config, ctx):
         ckpt.MeshState.load_checkpoint_state = restore
         ckpt.source_pieces = next_block
         return go_on(*args)
+    state = ckpt.MeshState.checkpoint_state
+
+    def with_a_second_copy(self):  # a third rule broken: the model's weights saved twice (under another name too)
+        out = state(self)
+        return {**out, **{k.replace("model.", "copy.", 1): v for k, v in out.items() if k.startswith("model.")}}
     ckpt.MeshState.load_checkpoint_state = without_adam_step
+    ckpt.MeshState.checkpoint_state = with_a_second_copy
     mesh_checkpoint.continue_on_another_mesh = continued_from_the_next_block
     return mesh.run_rank(rank, world, config, ctx)
 
@@ -68,7 +75,7 @@ def test_the_checks_fail_when_the_rules_are_broken(tmp_path):
     config = exp.make_config(SETTINGS)
     payloads = spawn_ranks(_broken_rank, 4, config, RunContext(scratch_dir=str(tmp_path), timeout_s=600), restarts=1)
     checks = _checks(exp.combine(config, payloads))
-    assert not checks[NAMES[0]].passed and not checks[NAMES[2]].passed
+    assert not checks[NAMES[0]].passed and not checks[NAMES[2]].passed and not checks[NAMES[5]].passed
 
 
 @pytest.mark.parametrize("change, field", [

@@ -115,6 +115,13 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
     metrics.update(checkpoint_tensor_bytes=sum(f["tensor bytes"] for f in files),
                    checkpoint_file_bytes=sum(f["bytes"] for f in files),
                    save_s_mean=float(np.mean([s["seconds"] for s in first["saves"]])) if first["saves"] else None)
+    if files:
+        model = 3 * 8 * sum(v.numel() for v in ref["state"].values()) + 8 + 8 + 8 * config.steps
+        checks.append(Check("tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)",
+                            abs(metrics["checkpoint_tensor_bytes"] - model), 0,
+                            reference="the one-process model's state_dict: weights, Adam m and v (3 x 8 B a parameter), "
+                                      "Adam's step and the loop's step (int64), the losses (8 B a step)",
+                            detail=f"{metrics['checkpoint_tensor_bytes']:,} B stored in {len(files)} files, {model:,} B counted"))
     if config.kill_rank >= 0:
         kills = [e for e in timeline if e["event"] == "kill"]
         bitwise = all(p["checkpoint"]["bitwise"] for p in payloads)
