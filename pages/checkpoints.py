@@ -4,21 +4,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import ui
+from pages import checkpoint_views, ui
 
 st.title("Checkpoints and failures")
-
-
-def timeline_chart(events: pd.DataFrame) -> alt.Chart:
-    events = events.assign(attempt=events["attempt"].fillna(0).map(lambda a: f"attempt {int(a)}"),
-                           what=events["event"].map({"step": "step done", "save": "checkpoint saved", "kill": "SIGKILL",
-                                                     "start": "start / resume"}))
-    return alt.Chart(events).mark_point(filled=True, size=90).encode(
-        x=alt.X("t_s:Q", title="wall time since the run's first step (s)"),
-        y=alt.Y("what:N", title=None, sort=["start / resume", "step done", "checkpoint saved", "SIGKILL"]),
-        color=alt.Color("attempt:N"), shape=alt.Shape("what:N", legend=None),
-        tooltip=["what", "attempt", "step", alt.Tooltip("t_s:Q", format=".3f", title="t (s)"),
-                 alt.Tooltip("seconds:Q", format=".3f", title="save (s)")]).properties(height=200)
 
 
 CATEGORIES = ["weights", "Adam m, v", "Adam step", "step and losses", "random state"]
@@ -38,16 +26,6 @@ def bytes_per_rank_chart(per_rank: pd.DataFrame) -> alt.Chart:
     return bars + ticks
 
 
-def reshard_map_chart(reads: pd.DataFrame) -> alt.Chart:
-    """Which saved rank's bytes each new rank reads, on the checkpoint's tensors laid end to end."""
-    reads = reads.assign(to_byte=reads["from byte"] + reads["bytes"], **{"new": reads["new rank"].map(lambda r: f"new rank {r}")})
-    return alt.Chart(reads).mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
-        x=alt.X("from byte:Q", title="byte offset in the checkpoint's tensors, keys by name (B)"), x2="to_byte:Q",
-        y=alt.Y("new:N", title=None), color=alt.Color("saved rank:N", title="read from saved rank"),
-        tooltip=["new rank", "saved rank", "file", "key", alt.Tooltip("from byte:Q", format=",", title="from byte"),
-                 alt.Tooltip("bytes:Q", format=",", title="bytes read (B)")]).properties(height=70 + 30 * reads["new rank"].nunique())
-
-
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
     cols = st.columns(4)
@@ -61,7 +39,7 @@ def render(result: dict, rec) -> None:
     if m.get("parent_run"):
         st.caption(f"Resumed from failed run [{m['parent_run']}](?run={m['parent_run']}).")
     st.subheader("The run: the kill, the restart and the steps redone")
-    st.altair_chart(timeline_chart(pd.DataFrame(t["timeline"])))
+    st.altair_chart(checkpoint_views.timeline_chart(pd.DataFrame(t["timeline"])))
 
     left, right = st.columns(2)
     left.altair_chart(bytes_per_rank_chart(pd.DataFrame(t["bytes_per_rank"])).properties(
@@ -79,12 +57,7 @@ def render(result: dict, rec) -> None:
                                       tooltip=["label", "interval_steps"])
         right.altair_chart((line + young).properties(height=260, title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
     if "reshard_map" in t:
-        st.subheader(f"Resharding: {m['reshard_plan']}, from {m['reshard_from']}")
-        st.altair_chart(reshard_map_chart(pd.DataFrame(t["reshard_map"])))
-        st.caption("Each new rank loads the saved pieces that overlap what it holds; DCP plans the reads from the "
-                   "offsets saved with each shard.")
-        with st.expander("Bytes each new rank read from each saved rank"):
-            ui.table(pd.DataFrame(t["reshard_bytes"]))
+        checkpoint_views.reshard_section(m, t)
     st.caption("Each rank writes its own shards with torch.distributed.checkpoint; after the kill every rank restarts, "
                "loads the last complete checkpoint and finishes bit for bit equal to the uninterrupted run.")
     with st.expander("How the trade-off is computed"):
@@ -103,3 +76,4 @@ ui.experiment_page("parallel.checkpoint", render,
                    intro="A data-parallel run saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
 ui.resume_button("parallel.checkpoint")
+checkpoint_views.mesh_reshard_from_store(ui.runs_of("parallel.mesh", statuses=("succeeded",), limit=50))

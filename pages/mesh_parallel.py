@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import mesh_views, timeline, ui
+from pages import checkpoint_views, mesh_views, timeline, ui
 
 st.title("3D parallel")
 DIMS = ("tp", "dp", "pp", "cp", "ep")  # the order a rank's mesh coordinates are read in
@@ -64,6 +64,8 @@ def render(result: dict, rec) -> None:
         mesh_views.schedules(result)
     if t.get("recompute"):
         mesh_views.recompute_price(result)
+    if t.get("checkpoint_timeline"):
+        checkpoint_views.mesh_checkpoints(result)
     ranks = pd.DataFrame(t["ranks"])
     dims = [d for d in DIMS if d in ranks]
     ranks.insert(1, "mesh coordinates", ranks[dims].apply(lambda r: " ".join(f"{d}{r[d]}" for d in dims), axis=1))

@@ -15,7 +15,8 @@ that resumes a failed one reads the parent's folder, found from its own record i
 
 Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
 keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads). The mesh run
-(mesh_train.train_rank) saves through MeshHook: each rank's own state under keys named by its mesh coordinates.
+(mesh_train.train_rank) saves through MeshHook: each rank's pieces of the one model's tensors at their global offsets
+(MeshState), so DCP reshards them onto another tp x pp x dp mesh of the same model.
 """
 from __future__ import annotations
 
@@ -142,10 +143,10 @@ class Checkpointer:
         state = {**strategy.checkpoint_state(), **loop_state}
         if self.asynchronous:
             future = dcp.async_save(staged_copy(state, self.rank), checkpoint_id=str(path), process_group=self._group,
-                                    async_stager=_AlreadyStaged())
+                                    async_stager=_AlreadyStaged(), planner=_save_planner())
             self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
             return
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path), planner=_save_planner())
         self._complete(path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
 
     def finish(self) -> None:
@@ -255,7 +256,8 @@ def newest_before(roots: list[Path | None], steps: int) -> Path:
 
 
 def _recording_planner():
-    """DCP's default load planner, keeping the plan it made for this rank (the reads the load performs)."""
+    """DCP's default load planner, keeping the plan it made for this rank (the reads the load performs), and loading
+    into Pieces (found by their offsets)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class Recording(DefaultLoadPlanner):
@@ -264,6 +266,15 @@ def _recording_planner():
         def create_local_plan(self):
             self.local_plan = super().create_local_plan()
             return self.local_plan
+
+        def lookup_tensor(self, index):
+            return _lookup(self.state_dict, index)
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
+            super().set_up_planner(state_dict, metadata, is_coordinator)  # (its _init_state_dict makes them None)
+            state_dict.update(pieces)
+            self.state_dict.update(pieces)
 
     return Recording()
 
@@ -311,6 +322,16 @@ def read_map(items, metadata, rank: int) -> list[dict]:
     return rows
 
 
+def reshard_tables(reads: list[list[dict]]) -> dict[str, list[dict]]:
+    """The new ranks' read_map rows as a result's tables: every read (reshard_map), and the bytes each new rank read
+    from each saved rank (reshard_bytes)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for row in (r for rows in reads for r in rows):
+        pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
+    return {"reshard_map": [r for rows in reads for r in rows],
+            "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
+
+
 def local_tensor_bytes(state: dict) -> int:
     """Bytes of the tensors this rank holds in a state dict: its ShardedTensors' local shards, its DTensors' local
     pieces, its plain tensors (the reference a load's reads must add up to)."""
@@ -323,6 +344,8 @@ def local_tensor_bytes(state: dict) -> int:
             total += local_tensor_bytes(value)
         elif isinstance(value, ShardedTensor):
             total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif isinstance(value, Pieces):
+            total += value.local_bytes()
         elif isinstance(value, DTensor):
             local = value.to_local()
             total += local.numel() * local.element_size()
@@ -343,6 +366,8 @@ def staged_copy(state: dict, rank: int) -> dict:
             piece = local[0].tensor.clone() if local else torch.empty(0, dtype=value.dtype)
             offset = local[0].metadata.shard_offsets[0] if local else 0
             out[key] = sharded_flat(piece, offset, value.size(0), rank)
+        elif isinstance(value, Pieces):
+            out[key] = value.staged()
         elif isinstance(value, dict):
             out[key] = staged_copy(value, rank)
         elif isinstance(value, torch.Tensor):
@@ -424,6 +449,9 @@ def verify(path: Path, expected: dict) -> None:
             raise CheckpointError(f"checkpoint {path.name} is from another model or strategy: it has no {key!r} "
                                   f"(it holds {', '.join(sorted(saved)[:4])}, ...)")
         have = tuple(getattr(saved[key], "size", ()) or ())
+        if size is not None and have != size and key.startswith("loop."):
+            raise CheckpointError(f"checkpoint {path.name} is from a run of another length: {key} has shape "
+                                  f"{list(have)} there, {list(size)} here (allowed: the same steps)")
         if size is not None and have != size:
             raise CheckpointError(f"checkpoint {path.name} is from another model: {key} has shape {list(have)} there, "
                                   f"{list(size)} here")
@@ -472,47 +500,218 @@ def kill_self(root: Path, rank: int, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class MeshState:
-    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's: what this rank owns of its
-    stages' flat weights (the ZeRO shard, or all of them), Adam's m, v and step, and the losses it reported, under
-    keys named by its mesh coordinates (pp1.dp0.cp0.ep0.tp1.weights): each rank writes its own pieces. A checkpoint
-    of another mesh has other keys and is refused by name."""
+class Pieces:
+    """One global tensor (a reference parameter, or Adam's m or v of one) as this rank holds it: rectangles at their
+    offsets in the global tensor, each a view into the rank's own flat state, so DCP writes from it and loads into it
+    in place. DCP reads the chunk metadata from it: __create_chunk_list__ (what a load must fill: every piece) and
+    __create_write_items__ (what a save writes: the pieces this rank is the writer of); DCP's load plan then reads
+    each saved chunk where it overlaps a piece, whatever mesh saved it. Looked up by offsets through _lookup."""
 
-    def __init__(self, sync, model: torch.nn.Module, tag: str, steps: int):
-        self.sync, self.model, self.tag = sync, model, tag
+    def __init__(self, size, dtype: torch.dtype):
+        self._size, self.dtype = torch.Size(size), dtype
+        self.pieces: list[tuple[torch.Size, torch.Tensor, bool]] = []  # (offsets, view, written by this rank)
+
+    def add(self, offsets, view: torch.Tensor, writes: bool) -> None:
+        self.pieces.append((torch.Size(offsets), view, writes))
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=o, sizes=v.size()) for o, v, _ in self.pieces]
+
+    def __create_write_items__(self, fqn: str, _obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
+                                                      properties=TensorProperties.create_from_tensor(v), size=self._size))
+                for o, v, writes in self.pieces if writes]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return next(v for o, v, _ in self.pieces if o == torch.Size(index.offset))
+
+    def local_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for _, v, _ in self.pieces)
+
+    def staged(self) -> "Pieces":
+        """A copy whose views are cloned (an async save writes it while training goes on)."""
+        out = Pieces(self._size, self.dtype)
+        out.pieces = [(o, v.clone(), w) for o, v, w in self.pieces]
+        return out
+
+
+def _lookup(state_dict: dict, index):
+    """DCP's find_state_dict_object, which finds a piece only in a torch.Tensor subclass, extended to Pieces."""
+    from torch.distributed.checkpoint.utils import find_state_dict_object
+
+    obj = state_dict.get(index.fqn)
+    return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else find_state_dict_object(state_dict, index)
+
+
+def _save_planner():
+    """DCP's default save planner, finding the data of a Pieces' write item by its offsets."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class PiecesSavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            return _lookup(self.state_dict, index)
+
+    return PiecesSavePlanner()
+
+
+def rectangles(shape, x: int, y: int) -> list[tuple[tuple, tuple]]:
+    """The elements [x, y) of a row-major tensor of `shape` (1-D or 2-D) as rectangles (offsets, sizes): a range of a
+    1-D tensor, or a partial first row, whole rows and a partial last row."""
+    if x >= y:
+        return []
+    if len(shape) == 1:
+        return [((x,), (y - x,))]
+    if len(shape) != 2:
+        raise CheckpointError(f"a {len(shape)}-D parameter: only 1-D and 2-D ones are cut into rectangles")
+    cols = shape[1]
+    (r0, c0), (r1, c1) = divmod(x, cols), divmod(y, cols)
+    if r0 == r1:
+        return [((r0, c0), (1, c1 - c0))]
+    out = []
+    if c0:
+        out.append(((r0, c0), (1, cols - c0)))
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, 0), (r1 - r0, cols)))
+    if c1:
+        out.append(((r1, 0), (1, c1)))
+    return out
+
+
+def source_pieces(p: torch.nn.Parameter, shapes: dict) -> list[tuple[str, int | None, int, int, int]]:
+    """A rank's parameter as the reference pieces it holds (parallelize's `source`: a dim and the (name, slice) pieces
+    concatenated along it): (reference name, dim, start in the reference along dim, start here along dim, length)."""
+    dim, parts = p.source
+    if dim is None:
+        (ref, _), = parts
+        return [(ref, None, 0, 0, 0)]
+    out, here = [], 0
+    for ref, s in parts:
+        start, stop, _ = s.indices(shapes[ref][dim])
+        out.append((ref, dim, start, here, stop - start))
+        here += stop - start
+    return out
+
+
+def global_rectangles(p, shapes: dict, offsets, sizes):
+    """A rectangle of a rank's parameter (offsets, sizes in its own coordinates) in the reference tensors it comes
+    from: (reference name, global offsets, the narrow (dim, start, length) of the rectangle or None for all of it,
+    the source piece)."""
+    out = []
+    for ref, dim, start, here, length in source_pieces(p, shapes):
+        if dim is None:
+            out.append((ref, tuple(offsets), None, (ref, dim, start, length)))
+            continue
+        lo, hi = max(offsets[dim], here), min(offsets[dim] + sizes[dim], here + length)
+        if lo < hi:
+            glob = list(offsets)
+            glob[dim] = start + lo - here
+            out.append((ref, tuple(glob), (dim, lo - offsets[dim], hi - lo), (ref, dim, start, length)))
+    return out
+
+
+def model_keys(kind: str, ref: str) -> str:
+    """The checkpoint's key of a reference tensor: its weights, or Adam's m or v of it (the names category() reads)."""
+    return f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
+
+
+class MeshState:
+    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's, keyed by the one model's
+    parameter names: each reference tensor (and Adam's m and v of it) is a Pieces of the rectangles this rank holds at
+    their global offsets, whatever its tp shard (parallelize's sources), pp stage (which layers) or ZeRO cut of its
+    flat vector. So a checkpoint of tp 2 x pp 2 loads on tp 1 x pp 4 (DCP plans the reads), and one of another model
+    (another shape, or a layer more) is refused by name. A piece held by several ranks is written once: by the lowest
+    tp rank holding it (a replicated norm; KV heads shared over tp), and among identical dp, cp or ep replicas by DCP's
+    deduplication of equal chunks. Adam's step and the reported losses (the last stage's) are plain tensors."""
+
+    def __init__(self, sync, model: torch.nn.Module, steps: int, shapes: dict, tp_group=None):
+        self.sync, self.model = sync, model
+        self.last = any(getattr(c, "head", None) is not None for c in model.values())
         self.losses = torch.zeros(steps, dtype=torch.float64)
+        self.adam_step = torch.tensor(0)
+        self.tensors = self._pieces(shapes, tp_group)
+
+    def _pieces(self, shapes: dict, tp_group) -> dict[str, Pieces]:
+        s = self.sync
+        total = sum(p.numel() for p in self.model.parameters())
+        lo = s.dp.index * s.owned.numel() if s.zero else 0  # this rank's ZeRO cut of the flat vector: [lo, hi)
+        hi = min(lo + s.owned.numel(), total)
+        writes = self._tp_writer(shapes, tp_group)
+        held = {"param": s.owned, "exp_avg": s.m, "exp_avg_sq": s.v}
+        out, at = {}, 0
+        for p in self.model.parameters():
+            a, b = at, at + p.numel()
+            at = b
+            cols = p.shape[1] if p.dim() == 2 else 1
+            for offsets, sizes in rectangles(tuple(p.shape), max(a, lo) - a, min(b, hi) - a):
+                start = a - lo + offsets[0] * cols + (offsets[1] if p.dim() == 2 else 0)
+                stride = (cols, 1) if p.dim() == 2 else (1,)
+                for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
+                    for kind, flat in held.items():
+                        view = flat.as_strided(sizes, stride, flat.storage_offset() + start)
+                        if narrow:
+                            view = view.narrow(*narrow)
+                        key = model_keys(kind, ref)
+                        out.setdefault(key, Pieces(shapes[ref], flat.dtype)).add(glob, view, writes[piece])
+        return out
+
+    def _tp_writer(self, shapes: dict, tp_group) -> dict[tuple, bool]:
+        """Whether this rank writes each reference piece it holds: no lower tp rank holds the same one."""
+        mine = {(ref, dim, start, length) for p in self.model.parameters() for ref, dim, start, _, length in source_pieces(p, shapes)}
+        lower = set()
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            every = [None] * dist.get_world_size(tp_group)
+            dist.all_gather_object(every, mine, group=tp_group)
+            lower = set().union(*every[:dist.get_rank(tp_group)])
+        return {piece: piece not in lower for piece in mine}
 
     def checkpoint_state(self) -> dict:
-        s, t = self.sync, self.tag
-        return {f"{t}.weights": s.owned, f"{t}.adam_m": s.m, f"{t}.adam_v": s.v,
-                f"{t}.adam_step": torch.tensor(s.adam.step), f"{t}.losses": self.losses}
+        self.adam_step.fill_(self.sync.adam.step)
+        losses = Pieces(self.losses.shape, self.losses.dtype)
+        losses.add((0,), self.losses, self.last)  # the reported losses: the last stage's
+        return {**self.tensors, "optim.step": self.adam_step, "loop.losses": losses}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        """After DCP loaded into the aliased tensors: Adam's step, and the model's weights from them (ZeRO-1/2
-        gather their shards; ZeRO-3 gathers at every step's start anyway)."""
+        """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
+        shards; ZeRO-3 gathers at every step's start anyway)."""
         from backend.parallel.workload import load_flat
 
-        self.sync.adam.step = int(state[f"{self.tag}.adam_step"])
+        self.sync.adam.step = int(state["optim.step"])
         if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
             self.sync.weights = self.sync.compute_weights()
         if self.sync.weights is not None:
             load_flat(self.model, self.sync.weights)
 
+    def reported_losses(self, start: int) -> list[float]:
+        """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
+        return self.losses[:start].tolist() if self.last else [0.0] * start
+
 
 @dataclass
 class MeshHook:
-    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save."""
+    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save. `shapes`: the
+    one model's parameter shapes (reference_shapes), the global tensors the checkpoint holds."""
     saver: Checkpointer
     fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
+    shapes: dict = field(default_factory=dict)
     state: MeshState | None = None
     loop: dict = field(default_factory=dict)
 
     def resume(self, sync, model, mesh, steps: int) -> tuple[int, list[float]]:
         """Load the newest checkpoint into this rank's state: the step to run next and the losses so far."""
-        tag = ".".join(f"{d}{mesh.index(d)}" for d in ("pp", "dp", "cp", "ep", "tp"))
-        self.state, self.loop = MeshState(sync, model, tag, steps), {"loop.step": torch.tensor(0)}
+        self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None)
+        self.loop = {"loop.step": torch.tensor(0)}
         start = self.saver.resume(self.state, self.loop)
-        return start, self.state.losses[:start].tolist()
+        return start, self.state.reported_losses(start)
 
     def mid_step(self, step: int) -> None:
         if self.fault:
@@ -525,3 +724,10 @@ class MeshHook:
 
     def finish(self) -> None:
         self.saver.finish()
+
+
+def reference_shapes(config) -> dict[str, tuple]:
+    """The one model's parameter shapes (the global tensors of a mesh checkpoint), from its config."""
+    from backend.parallel.tp_model import reference_model
+
+    return {k: tuple(v.shape) for k, v in reference_model(config).named_parameters()}

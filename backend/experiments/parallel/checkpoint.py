@@ -284,14 +284,8 @@ def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check],
               reference="the local shards of the tensors each new rank loaded into",
               detail=", ".join(f"rank {i}: {read[i]:,} B read" for i in read)),
     ]
-    pairs = {}
-    for n in new:
-        for row in n["reads"]:
-            pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
     metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    tables = {"reshard_map": [row for n in new for row in n["reads"]],
-              "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
-    return checks, metrics, tables
+    return checks, metrics, ckpt.reshard_tables([n["reads"] for n in new])
 
 
 def combine(config: CheckpointConfig, reports) -> Result:

@@ -13,6 +13,7 @@ from backend.config import ConfigError, setting
 from backend.graph.dot import to_dot
 from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu
 from backend.experiments import define
+from backend.parallel import mesh_checkpoint
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
@@ -142,6 +143,14 @@ class MeshConfig(TPConfig):
     layers: int = setting(4, min=1, max=16, help="decoder blocks (split over the stages)")
     steps: int = setting(3, min=1, max=50, help="training steps (Adam)")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+    checkpoint_every: int = setting(0, min=0, max=50, help="save a sharded DCP checkpoint of the model's tensors every N "
+                                    "steps (0: none)")
+    kill_rank: int = setting(-1, min=-1, max=7, help="rank killed by SIGKILL mid-step (-1: none); the spawner restarts "
+                             "every rank from the last checkpoint, checked bit for bit against the run without the kill")
+    kill_step: int = setting(1, min=0, max=49, help="step in which that rank is killed (after its backwards)")
+    reshard_tp: int = setting(0, min=0, max=8, help="continue the last checkpoint before the end on a mesh with this tp "
+                              "(with reshard_pp; dp takes the rest; 0: no)")
+    reshard_pp: int = setting(0, min=0, max=8, help="that mesh's pp (0: no)")
 
     presets: ClassVar[dict] = PRESETS  # (for the page, through the registry)
     preset_notes: ClassVar[dict] = PRESET_NOTES
@@ -154,7 +163,7 @@ class MeshConfig(TPConfig):
                 setattr(self, name, value)
 
     cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
-                    "compare_schedules", "recompute")
+                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
@@ -162,13 +171,25 @@ class MeshConfig(TPConfig):
         hand-written Adam does not. Each ring attention step is a few Python-level sends and block updates: 3cp - 2
         of them per layer per micro-batch per step on every rank. The executor's actions (a micro-batch through a
         layer on a rank: sends, receives, bookkeeping) ~10 ms of CPU each (5.3 s of CPU at the defaults, 18.4 s at 49 steps,
-        measured at load 3.5-5)."""
+        measured at load 3.5-5). A kill adds the uninterrupted run and the restarted ranks; a reshard the steps after
+        the last checkpoint before the end; each save or load some DCP planning and file writes per rank."""
         passes = self.steps + 6 * min(self.steps, 2) * self.compare_schedules  # the other schedules run the same plan
         passes += 4 * (self.recompute != "none")  # recompute's price: 4 steps with and without it
-        base = decoder_cost(self, self.world_size + 1, passes=passes, seconds=DYNAMO_IMPORT_S)
+        killing = self.kill_rank >= 0
+        passes += self.steps * killing  # the uninterrupted run the resumed one must equal
+        if self.reshard_tp and self.checkpoint_every:
+            passes += self.steps - self.checkpoint_every * ((self.steps - 1) // self.checkpoint_every)
+        saves = self.steps // self.checkpoint_every + 2 if self.checkpoint_every else 0
+        base = decoder_cost(self, self.world_size + 1, passes=passes,  # (the restarted ranks replace the killed group)
+                            seconds=DYNAMO_IMPORT_S + saves * self.world_size * 0.2 + killing * self.world_size * 1.0)
         ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         actions = self.world_size * passes * self.microbatches * self.layers
         return plus_cpu(base, (ring_steps * 200 + actions * 400) * OP_S)
+
+    @property
+    def max_restarts(self) -> int:
+        """The spawner's restarts (backend/experiments.run): one when a rank is killed."""
+        return 1 if self.kill_rank >= 0 else 0
 
     @property
     def tp_degree(self):
@@ -262,10 +283,14 @@ class MeshConfig(TPConfig):
             raise ConfigError("microbatches", f"{self.microbatches}: {self.batch} sequences over dp x ep = {slices} ranks "
                                               f"give each {self.batch // slices} (allowed with the other settings as they "
                                               f"are: microbatches = {self.batch // slices})")
+        mesh_checkpoint.check_settings(self)
 
 
 def run_rank(rank, world, config: MeshConfig, ctx):
-    payload = train_rank(rank, world, config, ctx.progress)
+    if config.checkpoint_every:
+        payload = mesh_checkpoint.train_with_checkpoints(rank, world, config, ctx, train_rank)
+    else:
+        payload = train_rank(rank, world, config, ctx.progress)
     if config.compare_schedules:
         payload["schedules"] = {name: train_rank(rank, world, cfg) for name, cfg in schedule_plans(config).items()
                                 if not isinstance(cfg, str) and name != config.schedule}
@@ -455,12 +480,13 @@ def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[st
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
     """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
     assignments each ep peer routes to each expert: a tensor (ep, experts). A peer routes its own sequences at the
-    positions its MoE layer holds (its cp shard; under SP its tp share of that)."""
+    positions its MoE layer holds (its cp shard; under SP its tp share of that). After a restart from a checkpoint, the
+    steps its last attempt ran."""
     if not config.experts:
         return []
     peers = [split_of(config, {**payload["coords"], "ep": e}) for e in range(config.ep)]
     out = []
-    for step in range(config.steps):
+    for step in range(payload.get("checkpoint", {}).get("start", 0), config.steps):
         for mb in range(config.plan.microbatches(config.microbatches)):
             for layer in payload["layers"]:
                 chosen = [routing[step][layer][peer.sequences[mb]][:, peer.sp_positions] for peer in peers]
@@ -583,8 +609,9 @@ def combine(config: MeshConfig, payloads) -> Result:
     if ref["scales"]:
         checks.append(loss_scale_check(payloads, ref))
     rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
-    for p in payloads:
-        model = predicted_bytes(config, p, rows[p["rank"]])
+    for p in payloads:  # (after a restart: the bytes of the steps its last attempt ran)
+        ran = dataclasses.replace(config, steps=config.steps - p["checkpoint"]["start"]) if "checkpoint" in p else config
+        model = predicted_bytes(ran, p, rows[p["rank"]])
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
@@ -645,7 +672,12 @@ def combine(config: MeshConfig, payloads) -> Result:
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
-    return Result(metrics=metrics, checks=checks, tables={"loss": loss, "ranks": ranks, "memory": memory,
+    checkpoint_tables = {}
+    if config.checkpoint_every:
+        more_checks, more_metrics, checkpoint_tables = mesh_checkpoint.checks_and_tables(config, payloads, ref, cut)
+        checks += more_checks
+        metrics.update(more_metrics)
+    return Result(metrics=metrics, checks=checks, tables={**checkpoint_tables, "loss": loss, "ranks": ranks, "memory": memory,
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
