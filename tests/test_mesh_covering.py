@@ -21,14 +21,14 @@ from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel.pp.schedules import SCHEDULES
 
-pytestmark = pytest.mark.serial  # 51 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
+pytestmark = pytest.mark.serial  # 56 runs of 4 ranks: alone, so the browser walk's runs beside it are not starved
 
 WORLD = 4
 DIMENSIONS = {
     "tp": (1, 2), "sp": (False, True), "cp": (1, 2), "ep": (1, 2), "experts": (0, 4), "pp": (1, 2, 4),
     "schedule": tuple(n for n, s in SCHEDULES.items() if not s.asynchronous),
     "virtual_stages": (1, 2), "microbatches": (1, 2, 4),
-    "dp_strategy": ("allreduce", "ddp", "zero1", "zero2", "zero3"), "recompute": ("none", "full", "selective"),
+    "dp_strategy": ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2"), "recompute": ("none", "full", "selective"),
     "n_kv_heads": (8, 2),  # MHA, and GQA with 4 query heads per KV head (8 query heads)
     "precision": ("fp64", "bf16_mixed", "fp16_mixed"),
 }
@@ -45,7 +45,8 @@ REFUSED = {
     "recompute": "selective recompute drops the attention core's a·s² scores: ring attention (cp > 1) keeps none, and "
                  "recomputing it would send the K/V ring again",
     "precision": "MoE routing on bf16 or fp16 activations flips near-tied experts between the ranks and one process, "
-                 "and the routing and expert-byte checks compare the very routing (DeepSeek-V3 routes in fp32 for this)",
+                 "and the routing and expert-byte checks compare the very routing (DeepSeek-V3 routes in fp32 for this); "
+                 "FSDP2 in the mesh runs float64 only (its MixedPrecisionPolicy is not wired: not built)",
 }
 
 
