@@ -104,27 +104,18 @@ def _live_status(run_id: str) -> None:
     """A queued or running run's view, redrawn every poll_s; a change of period redraws the page, which sets it."""
     rec = store().get(run_id)
     period = poll_s(rec, runner().place(run_id) if rec.status == "queued" else None)
-    st.fragment(_live_view, run_every=period)(run_id, period, st.query_params.to_dict())
+    st.fragment(_live_view, run_every=period)(run_id, period)
 
 
-def _redraw_page(url: dict[str, str]) -> None:
-    """Rerun the whole page at the URL it was drawn with. A fragment's run takes its URL from the browser's request,
-    which a timer may have sent before the browser saw the page's last URL (the settings and run a Run just put
-    there); st.rerun() would redraw the page at that stale URL: another run, or a first visit's run of the defaults."""
-    if st.query_params.to_dict() != url:
-        st.query_params.from_dict(url)
-    st.rerun()
-
-
-def _live_view(run_id: str, period: float, url: dict[str, str]) -> None:
+def _live_view(run_id: str, period: float) -> None:
     rec = store().get(run_id)
     render_log.write({"event": "tick", "run": run_id, "t": time.time()})  # when the browser's timer asked (bench)
     if rec.status in FINAL:
         render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
-        _redraw_page(url)
+        st.rerun()
     place = runner().place(run_id) if rec.status == "queued" else None
     if poll_s(rec, place) != period:  # nearer the front, or started: the page sets the new period
-        _redraw_page(url)
+        st.rerun()
     _header(rec)
     if place:
         when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "

@@ -1,7 +1,6 @@
 """The server's own time per script run (pages/render_log.py), which bench/team_load.py lays beside the browser's,
 and the run view's refresh period (pages/run_view.poll_s)."""
 import json
-import sys
 import time
 from types import SimpleNamespace
 
@@ -66,50 +65,3 @@ def test_a_run_view_polls_faster_the_nearer_its_run_is_to_its_end(status, ahead,
     assert run_view.poll_s(_rec(status), place) == getattr(run_view, period)
     # bench/team_load.py's target is Run-to-result within 1 s of queue + run: the view's share is at most its period
     assert run_view.FAST_POLL_S <= 0.25 and run_view.FAST_POLL_S < run_view.NEXT_POLL_S < run_view.SLOW_POLL_S <= 1.0
-
-
-def _stale_url_script(run_id: str) -> None:
-    """A run view's fragment run whose request carried a stale URL (a timer fired before the browser saw the URL a Run
-    put there), on a run that has ended: the view redraws the page."""
-    import streamlit as st
-
-    from pages import run_view
-
-    if "redrawn" not in st.session_state:
-        st.session_state["redrawn"] = True
-        st.query_params.from_dict({"run": "0" * 12})  # what the stale request said
-        run_view._live_view(run_id, run_view.FAST_POLL_S, {"schedule": "zb_v", "run": run_id})  # as the page drew it
-    st.write("the page, redrawn")
-
-
-def _url_after_the_redraw(run_id: str) -> dict:
-    main = sys.modules["__main__"]  # AppTest.from_function leaves its script as __main__, which later ranks would re-run
-    try:
-        at = AppTest.from_function(_stale_url_script, args=(run_id,), default_timeout=60).run()
-    finally:
-        sys.modules["__main__"] = main
-    assert not at.exception, at.exception
-    return {k: v[-1] if isinstance(v, list) else v for k, v in at.query_params.items()}
-
-
-@pytest.fixture(scope="module")
-def ended_run() -> str:
-    from tests.sweep import recorded
-
-    return recorded("comm.selftest", {"world_size": "1"})
-
-
-def test_a_run_views_redraw_keeps_the_url_the_page_was_drawn_with(ended_run):
-    """The whole page is rerun at the URL it was drawn with (the run and settings a Run put there), not at the URL a
-    fragment's stale request carried: that would open another run, or start a first visit's run of the defaults."""
-    assert _url_after_the_redraw(ended_run) == {"schedule": "zb_v", "run": ended_run}
-
-
-def test_a_redraw_at_the_fragments_url_opens_another_run(ended_run, monkeypatch):
-    """The rule broken (st.rerun() at whatever URL the fragment's request carried): the page comes back on the stale run."""
-    import streamlit as st
-
-    from pages import run_view
-
-    monkeypatch.setattr(run_view, "_redraw_page", lambda url: st.rerun())
-    assert _url_after_the_redraw(ended_run) == {"run": "0" * 12}
