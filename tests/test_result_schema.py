@@ -14,7 +14,9 @@ from pages.catalog import SECTIONS
 from tests.conftest import REPO
 
 OLD_RESULTS = REPO / "tests" / "data" / "old_results"  # result.json files as runs stored them before schemas existed
-VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",)}
+VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",),
+         "recompute_view": ("parallel.pipeline",), "checkpoint_views": ("parallel.checkpoint", "parallel.mesh"),
+         "mesh_views": ("parallel.mesh",)}
 TOY = Schema(metrics=("a", "b", "per_op.*"), tables={"t": ("x", "y")}, optional=("b",))
 
 
@@ -216,7 +218,8 @@ def _store_old_run(name: str) -> str:
 OLD_PAGES = {"comm.bandwidth": ("pages/comm_bandwidth.py", "did not count its slowest ranks"),
              "hardware.roofline": ("pages/memory_hierarchy.py", "did not table every preset's hierarchy"),
              "attention.kv_cache": ("pages/kv_cache.py", "did not draw the dataflow"),
-             "serving.engine": ("pages/serving.py", "Fitted by least squares to **")}
+             "serving.engine": ("pages/serving.py", "Fitted by least squares to **"),
+             "parallel.pipeline": ("pages/pipeline.py", "did not list the other schedules' settings")}
 
 
 @pytest.mark.parametrize("name", OLD_PAGES)
@@ -230,12 +233,13 @@ def test_an_old_stored_run_draws_on_its_page(name):
     assert any(drawn in c.value for c in [*at.caption, *at.markdown]), drawn
 
 
-def test_an_old_stored_run_fails_to_draw_without_its_upgrade(monkeypatch):
+@pytest.mark.parametrize("name, lacking", [("comm.bandwidth", "slowest"), ("parallel.pipeline", "side_by_side")])
+def test_an_old_stored_run_fails_to_draw_without_its_upgrade(monkeypatch, name, lacking):
     from tests.test_pages import _app
 
-    _with_schema(monkeypatch, "comm.bandwidth", upgrades={1: lambda result: None})  # the upgrade step does nothing
-    at = _app(OLD_PAGES["comm.bandwidth"][0], run=_store_old_run("comm.bandwidth"))
-    assert at.exception and "slowest" in str(at.exception[0].value)
+    _with_schema(monkeypatch, name, upgrades={1: lambda result: None})  # the upgrade step does nothing
+    at = _app(OLD_PAGES[name][0], run=_store_old_run(name))
+    assert at.exception and lacking in str(at.exception[0].value)
 
 
 def test_the_cli_shows_an_old_run_upgraded(capsys):
