@@ -175,6 +175,8 @@ def test_every_key_a_page_reads_is_declared_by_its_experiments(page, names):
 def test_pages_with_schemas_cover_the_topics_of_this_pass():
     assert {"comm_bandwidth", "collectives", "kv_cache", "flash_attention", "memory_hierarchy", "speculative",
             "moe_routing", "number_formats", "fusion", "paged_attention", "decode_view"} <= set(_schema_pages())
+    assert {"plan_training", "tensor_parallel", "context_parallel", "expert_parallel", "checkpoints", "data_parallel",
+            "pipeline", "recompute_view", "mesh_parallel", "mesh_views", "checkpoint_views"} <= set(_schema_pages())
 
 
 def test_a_page_reading_an_undeclared_key_is_found(monkeypatch):
