@@ -251,3 +251,16 @@ def test_the_cli_shows_an_old_run_upgraded(capsys):
     assert main(["show", rid, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["experiment"] == "memory.roofline" and shown["metrics"]["ridge_4090_fp32_flops_per_byte"] is None
+
+
+# pages of the parallel and plan pass that no topic test draws: a recorded run of each read through its schema
+@pytest.mark.parametrize("page, name, settings", [
+    ("pages/plan_training.py", "plan.training", {}),
+    ("pages/plan_training.py", "plan.search", {}),
+    ("pages/checkpoints.py", "parallel.checkpoint", {}),
+    ("pages/checkpoints.py", "parallel.checkpoint", {"kill_rank": "-1", "reshard_to": "off"}),  # its optional keys absent
+])
+def test_a_recorded_run_draws_reading_only_declared_keys(page, name, settings):
+    from tests.sweep import render_recorded
+
+    render_recorded(page, name, **settings)
