@@ -67,7 +67,7 @@ def render_ps(result: dict, rec) -> None:
 
 
 def render(result: dict, rec) -> None:
-    if "staleness" in result["tables"]:
+    if rec.experiment == "parallel.dp_ps":  # the parameter server's own result (the other three share one schema)
         render_ps(result, rec)
         return
     memory = pd.DataFrame(result["tables"]["memory"])

@@ -13,22 +13,22 @@ def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
     cols = st.columns(7)
     cols[0].metric("pipeline pp", m["pp"], help="pipeline ranks")
-    cols[6].metric("schedule", m.get("schedule", "gpipe"), help="the pipeline schedule over pp, run by the Pipeline page's executor")
+    cols[6].metric("schedule", m["schedule"], help="the pipeline schedule over pp, run by the Pipeline page's executor")
     cols[1].metric("data dp", m["dp"], help="data-parallel ranks")
     cols[2].metric("context cp", m["cp"], help="context-parallel ranks (ring attention)")
-    cols[3].metric("expert ep", m.get("ep", 1), help=f"expert-parallel ranks; {m.get('experts', 0)} routed experts per "
+    cols[3].metric("expert ep", m["ep"], help=f"expert-parallel ranks; {m['experts']} routed experts per "
                                                      "block (0: dense feed-forwards)")
-    cols[4].metric("tensor tp", f"{m['tp']} + SP" if m.get("sp") else m["tp"],
+    cols[4].metric("tensor tp", f"{m['tp']} + SP" if m["sp"] else m["tp"],
                    help="tensor-parallel ranks (+ SP: norms on sequence shards, Megatron's sequence parallel)")
     cols[5].metric("final loss", f"{m['final_loss']:.4f}", help="cross entropy, nats per token")
     st.caption("Edges join the ranks of each process group: tp (blue) all-reduce activations inside a layer, pp (red) "
                "send activations and gradients between stages, cp (purple) pass keys and values round a ring inside "
                "each attention and sum gradients, ep (gold) send each token to its experts' rank and back (all-to-all), "
                "dp (green) all-reduce gradients.")
-    if t.get("graph_dot"):
+    if t["graph_dot"]:
         st.graphviz_chart(t["graph_dot"][0]["dot"])
     else:
-        st.caption("Run it again to see the mesh's process groups drawn (runs stored before the graph was part of the result).")
+        st.caption("This run did not draw the mesh's process groups (stored before runs did): run it again to see them.")
     left, right = st.columns(2)
     loss = pd.DataFrame(t["loss"])
     left.altair_chart(alt.Chart(loss).mark_line(point=True).encode(
@@ -39,11 +39,11 @@ def render(result: dict, rec) -> None:
     right.altair_chart(alt.Chart(memory).mark_bar().encode(
         x=alt.X("rank:O", title="rank"), y=alt.Y("measured_bytes:Q", title="bytes held (measured, B)"), color="category:N",
         tooltip=["rank", "category", alt.Tooltip("measured_bytes:Q", format=","), alt.Tooltip("formula_bytes:Q", format=",", title="formula (B)")]
-    ).properties(height=260, title=f"Memory per rank ({m.get('precision', 'fp64')})"), width="stretch")
-    if m.get("precision", "fp64") != "fp64":
+    ).properties(height=260, title=f"Memory per rank ({m['precision']})"), width="stretch")
+    if m["precision"] != "fp64":
         st.caption(f"{m['precision']}: weights and messages in the compute dtype, gradients summed in the reduce dtype; "
                       "Adam steps the master copy. Loss and weights are checked against one process in the same recipe and in float64.")
-    if t.get("pipeline"):
+    if t["pipeline"]:
         pipe = pd.DataFrame(t["pipeline"]).rename(columns={"bubble_replayed": "replayed", "bubble_makespan_model": "makespan model"})
         pipe = pipe.melt(id_vars=["rank", "pp", "busy_ms"], value_vars=["replayed", "makespan model"], var_name="source",
                          value_name="idle")
@@ -56,13 +56,13 @@ def render(result: dict, rec) -> None:
             width="stretch")
         st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
                    "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
-    if t.get("step_split"):
+    if t["step_split"]:
         mesh_views.step_split(result)
-    if t.get("comm_replay"):
+    if t["comm_replay"]:
         mesh_views.comm_replay(result)
-    if t.get("schedules"):
+    if t["schedules"]:
         mesh_views.schedules(result)
-    if t.get("recompute"):
+    if t["recompute"]:
         mesh_views.recompute_price(result)
     if t.get("checkpoint_timeline"):
         checkpoint_views.mesh_checkpoints(result)
@@ -74,7 +74,7 @@ def render(result: dict, rec) -> None:
     ui.table(ranks.drop(columns=dims), column_config={
         c: st.column_config.NumberColumn(c.removesuffix(" bytes sent").replace("gradients", "grads") + " (B)", format="localized")
         for c in sent})
-    if t.get("experts"):
+    if t["experts"]:
         experts = pd.DataFrame(t["experts"]).groupby(["rank", "expert"], as_index=False)["rows computed"].sum()
         st.altair_chart(alt.Chart(experts).mark_bar().encode(
             x=alt.X("rank:O", title="rank"), y=alt.Y("rows computed:Q", title="token assignments computed (whole run)"),

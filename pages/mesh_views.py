@@ -92,7 +92,7 @@ def step_split(result: dict) -> None:
     left.altair_chart(_split_bars(split, "last step's wall time (ms)", "The last step's split per rank"), width="stretch")
     right.altair_chart(_lanes_chart(pd.DataFrame(t["step_lanes"]), "time in the step (ms, wall clock)",
                                     "The last step per rank, one lane per dimension"), width="stretch")
-    if t.get("step_replayed"):
+    if t["step_replayed"]:
         replay = pd.DataFrame(t["step_replayed"])
         replay["row"] = replay["rank"].map(lambda r: f"rank {r}")
         replay["name"] = replay["kind"] + replay["mb"].astype(str) + " stage " + replay["stage"].astype(str)

@@ -48,17 +48,17 @@ def summary(m: dict) -> None:
     cols = st.columns(5)
     cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
                    help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
-    cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=m.get("bubble_formula"))
+    cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=m["bubble_formula"])
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")
-    if "bubble_makespan_model" in m:
+    if m["bubble_makespan_model"] is not None:  # None: a run stored before the makespan model
         cols[4].metric("bubble, modelled", f"{100 * m['bubble_makespan_model']:.1f} %",
                        help="the same rank in the makespan model (backend/parallel/pp/makespan.py): the schedule's order and "
                             f"dependencies walked with this run's mean cost per action kind and stage; step {m['makespan_model_ms']:,.1f} ms")
     cols[3].metric("makespan, replayed", f"{m['makespan_replayed_ms']:,.1f} ms", help=f"wall clock: {m['makespan_ms']:,.1f} ms")
     if "bubble_published_measured_costs" in m:
         st.caption(f"Published formula with this run's measured chunk costs: {100 * m['bubble_published_measured_costs']:.1f} % "
-                   f"idle ({m.get('published_idle_formula', 'the published formula')}).")
+                   f"idle ({m['published_idle_formula']}).")
 
 
 IDLE_PARTS = {"transfer_ms": "in send/recv, after the data was sent", "waiting_ms": "waiting for the neighbour's compute",
@@ -79,7 +79,7 @@ def idle_chart(stages: pd.DataFrame, where) -> None:
 def idle_sentence(m: dict) -> str:
     """Why the wall-clock bubble exceeds the formula, in one sentence from the run's own figures."""
     return (f"Actions here take about {m['mean_action_cpu_ms']:.1f} ms of CPU, so send/recv latency is visible: "
-            f"{m.get('recv_transfer_ms', 0):.2f} ms per receive after the data was sent ({100 * m.get('idle_transfer_share', 0):.0f}% "
+            f"{m['recv_transfer_ms']:.2f} ms per receive after the data was sent ({100 * m['idle_transfer_share']:.0f}% "
             "of the idle time; ranks that share cores also wait for one), which the bubble formula, counting compute only, "
             "leaves out, as it does the time between actions.")
 
@@ -101,15 +101,17 @@ def render(result: dict, rec) -> None:
         "bubble_model": st.column_config.NumberColumn("bubble, formula", format="percent"),
         "peak_live": st.column_config.NumberColumn("peak live", help="activations held at once"),
         "peak_live_bound": st.column_config.NumberColumn("its bound", help="the schedule's bound on live activations")})
-    if "transfer_ms" in stages:  # runs stored before the split lack it
+    if stages["transfer_ms"].notna().all():
         idle_chart(stages, st)
         st.caption(idle_sentence(result["metrics"]))
+    else:
+        st.caption("This run did not split its idle time (stored before runs did): run it again to see it.")
     live = pd.DataFrame(result["tables"]["live"])
     st.altair_chart(alt.Chart(live).mark_line(interpolate="step-after").encode(
         x=alt.X("t_ms:Q", title="time on the wall clock (ms)"), y=alt.Y("live:Q", title="live activations (micro-batches)",
                                                                       axis=alt.Axis(tickMinStep=1)),
         color=alt.Color("rank:N")).properties(height=220, title="Activations held, per rank"))
-    if result["tables"].get("recompute"):
+    if result["tables"]["recompute"]:
         recompute_view.recompute_price(result)
     versions = pd.DataFrame(result["tables"]["versions"])
     if not versions.empty:
@@ -117,10 +119,10 @@ def render(result: dict, rec) -> None:
         ui.table(versions)
 
     st.subheader("Side by side")
-    others = {row["schedule"]: row for row in result["tables"].get("side_by_side", [])}
+    others = {row["schedule"]: row for row in result["tables"]["side_by_side"]}
     if not others:
-        st.caption("Run it again to compare it with another schedule side by side (runs stored before the comparison "
-                   "settings were part of the result).")
+        st.caption("This run did not list the other schedules' settings (stored before runs did): run it again to "
+                   "compare it with another schedule side by side.")
         return
     other = st.selectbox("compare with schedule", list(others), key=f"cmp-{rec.id}")
     compare_id = st.query_params.get("compare")

@@ -14,7 +14,9 @@ from pages.catalog import SECTIONS
 from tests.conftest import REPO
 
 OLD_RESULTS = REPO / "tests" / "data" / "old_results"  # result.json files as runs stored them before schemas existed
-VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",)}
+VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",),
+         "recompute_view": ("parallel.pipeline",), "checkpoint_views": ("parallel.checkpoint", "parallel.mesh"),
+         "mesh_views": ("parallel.mesh",)}
 TOY = Schema(metrics=("a", "b", "per_op.*"), tables={"t": ("x", "y")}, optional=("b",))
 
 
@@ -173,6 +175,8 @@ def test_every_key_a_page_reads_is_declared_by_its_experiments(page, names):
 def test_pages_with_schemas_cover_the_topics_of_this_pass():
     assert {"comm_bandwidth", "collectives", "kv_cache", "flash_attention", "memory_hierarchy", "speculative",
             "moe_routing", "number_formats", "fusion", "paged_attention", "decode_view"} <= set(_schema_pages())
+    assert {"plan_training", "tensor_parallel", "context_parallel", "expert_parallel", "checkpoints", "data_parallel",
+            "pipeline", "recompute_view", "mesh_parallel", "mesh_views", "checkpoint_views"} <= set(_schema_pages())
 
 
 def test_a_page_reading_an_undeclared_key_is_found(monkeypatch):
@@ -216,7 +220,8 @@ def _store_old_run(name: str) -> str:
 OLD_PAGES = {"comm.bandwidth": ("pages/comm_bandwidth.py", "did not count its slowest ranks"),
              "hardware.roofline": ("pages/memory_hierarchy.py", "did not table every preset's hierarchy"),
              "attention.kv_cache": ("pages/kv_cache.py", "did not draw the dataflow"),
-             "serving.engine": ("pages/serving.py", "Fitted by least squares to **")}
+             "serving.engine": ("pages/serving.py", "Fitted by least squares to **"),
+             "parallel.pipeline": ("pages/pipeline.py", "did not list the other schedules' settings")}
 
 
 @pytest.mark.parametrize("name", OLD_PAGES)
@@ -230,12 +235,13 @@ def test_an_old_stored_run_draws_on_its_page(name):
     assert any(drawn in c.value for c in [*at.caption, *at.markdown]), drawn
 
 
-def test_an_old_stored_run_fails_to_draw_without_its_upgrade(monkeypatch):
+@pytest.mark.parametrize("name, lacking", [("comm.bandwidth", "slowest"), ("parallel.pipeline", "side_by_side")])
+def test_an_old_stored_run_fails_to_draw_without_its_upgrade(monkeypatch, name, lacking):
     from tests.test_pages import _app
 
-    _with_schema(monkeypatch, "comm.bandwidth", upgrades={1: lambda result: None})  # the upgrade step does nothing
-    at = _app(OLD_PAGES["comm.bandwidth"][0], run=_store_old_run("comm.bandwidth"))
-    assert at.exception and "slowest" in str(at.exception[0].value)
+    _with_schema(monkeypatch, name, upgrades={1: lambda result: None})  # the upgrade step does nothing
+    at = _app(OLD_PAGES[name][0], run=_store_old_run(name))
+    assert at.exception and lacking in str(at.exception[0].value)
 
 
 def test_the_cli_shows_an_old_run_upgraded(capsys):
@@ -245,3 +251,16 @@ def test_the_cli_shows_an_old_run_upgraded(capsys):
     assert main(["show", rid, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["experiment"] == "memory.roofline" and shown["metrics"]["ridge_4090_fp32_flops_per_byte"] is None
+
+
+# pages of the parallel and plan pass that no topic test draws: a recorded run of each read through its schema
+@pytest.mark.parametrize("page, name, settings", [
+    ("pages/plan_training.py", "plan.training", {}),
+    ("pages/plan_training.py", "plan.search", {}),
+    ("pages/checkpoints.py", "parallel.checkpoint", {}),
+    ("pages/checkpoints.py", "parallel.checkpoint", {"kill_rank": "-1", "reshard_to": "off"}),  # its optional keys absent
+])
+def test_a_recorded_run_draws_reading_only_declared_keys(page, name, settings):
+    from tests.sweep import render_recorded
+
+    render_recorded(page, name, **settings)

@@ -16,7 +16,7 @@ from backend.experiments import define
 from backend.parallel import checkpoint as ckpt
 from backend.parallel.loop import start_rank, train
 from backend.parallel.workload import FP64, WorkloadConfig, reference_run
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -368,6 +368,26 @@ def combine(config: CheckpointConfig, reports) -> Result:
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
 
 
+KILLED = ("killed_rank", "killed_in_step", "resumed_from_step", "steps_redone")  # kill_rank >= 0
+INTERVAL = ("step_s", "young_interval_s", "young_interval_steps", "best_interval_steps",
+            "young_overhead_above_best_pct")  # when the run timed consecutive steps and saved at least once
+RESHARD = ("reshard_plan", "reshard_from", "reshard_load_s")  # reshard_to != off
+RESULT = Schema(
+    metrics=("strategy", "world_size", "attempts", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
+             "load_s", "dcp_metadata_bytes", *KILLED, *INTERVAL, *RESHARD, "parent_run"),
+    tables={"timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
+            "files": ("file", "rank", "bytes", "tensor bytes"),
+            "interval": ("interval_steps", "lost_work_s_per_failure", "overhead_pct", "time_per_step_s"),
+            "monte_carlo": ("interval_steps", "closed_form_s", "monte_carlo_s"),
+            "bytes_per_rank": ("rank", "weights", "Adam m, v", "Adam step", "random state", "step and losses",
+                               "replicated, written here", "sharded bytes", "expected sharded bytes"),
+            "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
+            "reshard_bytes": ("new rank", "saved rank", "bytes"),
+            "loss": ("step", "loss")},
+    optional=(*KILLED, *INTERVAL, *RESHARD, "parent_run",  # parent_run: a run resumed from a failed one's checkpoint
+              "interval", "monte_carlo", "reshard_map", "reshard_bytes"),
+)
+
 EXPERIMENT = define(__name__, CheckpointConfig, "Sharded DCP checkpoints, a rank killed by SIGKILL and the run resumed bit for bit",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
-                    preload=("torch.distributed.fsdp", "torch.distributed.checkpoint"))
+                    preload=("torch.distributed.fsdp", "torch.distributed.checkpoint"), schema=RESULT)

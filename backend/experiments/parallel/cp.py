@@ -14,7 +14,7 @@ from backend.parallel.cp import RingAttention, positions
 from backend.parallel.loop import start_rank
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 TOL = 1e-12
 
@@ -118,6 +118,14 @@ def combine(config: CPConfig, payloads) -> Result:
                   notes=notes, trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
+RESULT = Schema(
+    metrics=("unmasked scores, max / mean over ranks", "forward compute ms, max / mean over ranks", "K/V block bytes"),
+    tables={"steps": ("rank", "step", "block_of_rank", "computed", "running_lse_last_query"),
+            "ring": ("rank", "what", "name", "op", "phase", "numel", "payload_bytes", "sent_bytes", "blocked_us", "in_flight_us"),
+            "layout": ("rank", "position"),
+            "work": ("rank", "unmasked scores", "forward compute ms", "activation_bytes")},
+)
+
 EXPERIMENT = define(__name__, CPConfig, "ring attention: K/V blocks round the ring overlapping compute, log-sum-exp merge, "
                     "zigzag causal split; forward and backward against full SDPA",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "comm"))
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "comm"), schema=RESULT)

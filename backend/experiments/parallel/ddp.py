@@ -56,4 +56,4 @@ def run_rank(rank, world, config: DDPConfig, ctx):
 EXPERIMENT = define(__name__, DDPConfig, "our DDP (hooks, reverse-order buckets, overlapped async all-reduce) beside torch DDP",
                     rank_fn=run_rank, combine=lambda config, reports: dp_model.combine(config, reports, "ddp", "ddp") if config.model == "tiny_llama"
                     else combine(config, reports, peer="torch DistributedDataParallel"),
-                    lanes=("compute", "collective"))
+                    lanes=("compute", "collective"), schema=dp_model.result_schema())

@@ -9,6 +9,7 @@ from backend.experiments import define
 from backend.parallel import dp_ps
 from backend.parallel.dp_ps import combine_ps
 from backend.parallel.workload import WorkloadConfig
+from backend.result import Schema
 
 
 @dataclasses.dataclass
@@ -31,5 +32,11 @@ class PSConfig(WorkloadConfig):
             raise ConfigError("mode", f"{self.mode!r} needs server=dedicated (allowed with server=rank0: sync, seed 000's DP)")
 
 
+RESULT = Schema(
+    metrics=("strategy", "world_size", "workers", "final_eval_loss", "updates"),
+    tables={"staleness": ("update", "worker", "step", "based_on", "staleness"), "eval": ("update", "loss"),
+            "volume": ("rank", "sent_bytes", "recv_bytes")},
+)
+
 EXPERIMENT = define(__name__, PSConfig, "parameter servers: rank 0 or dedicated; synchronous, asynchronous, bounded staleness",
-                    rank_fn=dp_ps.run_rank, combine=combine_ps, lanes=("compute", "collective", "send", "recv"))
+                    rank_fn=dp_ps.run_rank, combine=combine_ps, lanes=("compute", "collective", "send", "recv"), schema=RESULT)

@@ -15,7 +15,7 @@ from backend.parallel.loop import start_rank
 from backend.parallel.parallelize import sources, tag_sources
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 TOL = 1e-12
@@ -139,6 +139,13 @@ def combine(config: EPConfig, payloads) -> Result:
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
 
+RESULT = Schema(
+    metrics=("dropped assignments", "assignments", "drop rate", "max / mean rows per rank"),
+    tables={"experts": ("source rank", "expert", "on rank", "routed", "kept", "dropped", "capacity"),
+            "all_to_all": ("from rank", "to rank", "rows", "bytes"), "load": ("rank", "expert", "rows computed"),
+            "memory": ("rank", "activation_bytes")},
+)
+
 EXPERIMENT = define(__name__, EPConfig, "expert parallel MoE: top-k routing with capacity and drops, uneven all-to-all dispatch "
                     "and combine, a shared expert; equal to one process",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"))
+                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"), schema=RESULT)

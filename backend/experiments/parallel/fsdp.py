@@ -43,4 +43,4 @@ EXPERIMENT = define(__name__, FSDPConfig, "PyTorch FSDP2 (fully_shard per layer)
                     rank_fn=run_rank, lanes=("compute", "collective"),
                     combine=lambda config, reports: dp_model.combine(config, reports, "fsdp2", "fsdp2")
                     if config.model == "tiny_llama" else combine(config, reports),
-                    preload=("torch.distributed.fsdp",))
+                    preload=("torch.distributed.fsdp",), schema=dp_model.result_schema())

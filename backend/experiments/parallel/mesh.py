@@ -32,7 +32,7 @@ from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
 from backend.parallel.wire import ring_bytes
 from backend.parallel.workload import PRECISIONS
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v
 # Other precisions: the ranks regroup every sum (tp shards' partial products added in the ring's order, micro-batches'
@@ -904,8 +904,54 @@ def _groups(config) -> list[dict]:
             for i, ranks in enumerate(DeviceMesh.lines(shape, d))]
 
 
+def _v1_before_the_later_settings(result: dict) -> None:
+    """Version 1 -> 2: a run stored before the schedule, SP, MoE and precision settings ran the only mesh there was then
+    (GPipe, no SP, dense, fp64), and one stored before the graph, the step split or the schedule comparison lacks
+    those tables: empty ones say the run did not draw them, and the page says so."""
+    for key, then in (("schedule", "gpipe"), ("sp", False), ("ep", 1), ("experts", 0), ("precision", "fp64")):
+        result["metrics"].setdefault(key, then)
+    for name in ("graph_dot", "pipeline", "step_split", "step_lanes", "comm_replay", "comm_lanes", "schedules", "recompute",
+                 "experts", "step_replayed"):
+        result["tables"].setdefault(name, [])
+
+
+RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
+             "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
+CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean")  # checkpoint_every > 0
+KILLED = ("killed_rank", "killed_in_step", "resumed_from_step", "steps_redone", "load_s")  # and kill_rank >= 0
+RESHARD = ("reshard_plan", "reshard_from", "reshard_load_s")  # and reshard_tp, reshard_pp
+SPLIT = ("compute_ms", "tp_ms", "pp_ms", "cp_ms", "ep_ms", "dp_ms", "idle_ms", "step_ms")
+LANE = ("rank", "lane", "kind", "name", "start_ms", "end_ms")
+RESULT = Schema(
+    metrics=("dp", "tp", "pp", "cp", "ep", "schedule", "sp", "experts", "precision", "steps", "final_loss", "step_wall_ms",
+             "step_replayed_ms",  # pp > 1 (the pipeline's replay)
+             "step_replayed_with_comm_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD),
+    tables={"loss": ("step", "loss", "run"),
+            "ranks": ("rank", "dp", "tp", "pp", "cp", "ep", "layers", "tp bytes sent", "pp bytes sent", "cp ring bytes sent",
+                      "cp gradients bytes sent", "ep all-to-all bytes sent", "ep gradients bytes sent", "dp gradients bytes sent"),
+            "memory": ("rank", "category", "measured_bytes", "formula_bytes"),
+            "groups": ("dimension", "group", "ranks"),
+            "experts": ("rank", "block", "expert", "rows computed"),  # empty for a dense model
+            "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1
+            "recompute": ("rank", "forward_flops", "backward_flops", "extra_flops", "extra_flops_model", "flops_overhead",
+                          "compute_cpu_ms", "compute_cpu_without_ms", "time_overhead", "activations_saved_bytes",
+                          "activations_peak_bytes", "activations_peak_without_bytes"),  # empty when recompute = none
+            "step_replayed": ("rank", "lane", "kind", "stage", "mb", "start_ms", "end_ms"),
+            "step_split": ("rank", *SPLIT, "own_step_ms", "bubble_replayed"), "step_lanes": LANE,
+            "comm_replay": ("rank", *SPLIT), "comm_lanes": LANE,
+            "schedules": ("schedule", "rank", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model", "bubble_formula",
+                          "activations_peak_bytes", "passed", "refused"),  # empty unless compare_schedules
+            "graph_dot": ("dot",),
+            "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
+            "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
+            "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
+            "reshard_bytes": ("new rank", "saved rank", "bytes")},
+    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
+    version=2, upgrades={1: _v1_before_the_later_settings},
+)
+
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
                     "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP by all-reduce, DDP, ZeRO-1/2/3 or FSDP2), equal to one "
                     "process on the whole batch",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm", "recv"),
-                    preload=("torch.distributed.pipelining",))  # the split-backward schedules use its I/W (2.6 s to import)
+                    preload=("torch.distributed.pipelining",), schema=RESULT)  # the split-backward schedules use its I/W (2.6 s to import)

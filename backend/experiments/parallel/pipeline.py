@@ -26,7 +26,7 @@ from backend.parallel.pp import recompute
 from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import replay
 
 
@@ -571,7 +571,48 @@ def side_by_side(config: PipelineConfig) -> list[dict]:
     return [config.for_schedule(name) for name in SCHEDULES if name != config.schedule]
 
 
+IDLE_SPLIT = ("transfer_ms", "waiting_ms", "between_ms")  # each rank's wall-clock idle split (a column of `stages`)
+
+
+def _v1_unsplit_idle_and_no_comparison(result: dict) -> None:
+    """Version 1 -> 2: runs stored before the idle split, the makespan model or the side-by-side settings lack them;
+    None (an empty table) says the run did not measure them, and the page says so."""
+    metrics, tables = result["metrics"], result["tables"]
+    for key in ("recv_transfer_ms", "idle_transfer_share", "bubble_makespan_model", "makespan_model_ms"):
+        metrics.setdefault(key, None)
+    for row in tables.get("stages", []):
+        for key in IDLE_SPLIT:
+            row.setdefault(key, None)
+    tables.setdefault("side_by_side", [])
+    tables.setdefault("recompute", [])
+
+
+RECOMPUTE = ("recompute_flops_overhead", "recompute_textbook_overhead", "recompute_time_model", "recompute_time_overhead",
+             "recompute_to_forward_time", "recompute_cpu_ms", "activation_peak_saved_bytes")  # recompute = true
+RESULT = Schema(
+    metrics=("schedule", "p", "m", "v", "bubble_formula", "bubble_model", "bubble_measured", "bubble_replayed",
+             "bubble_replayed_mean", "bubble_gap_pp", "stage_imbalance", "makespan_ms", "makespan_replayed_ms",
+             "mean_action_cpu_ms", "recv_transfer_ms", "idle_transfer_share", "bubble_makespan_model",
+             "bubble_makespan_model_mean", "makespan_model_ms",
+             "bubble_model_measured_stages",  # schedules with a closed form (naive, GPipe, 1F1B)
+             "bubble_published_measured_costs", "published_idle_formula",  # schedules with a published idle formula
+             *RECOMPUTE),
+    tables={"gantt": ("rank", "lane", "name", "kind", "mb", "stage", "start_ms", "end_ms"),
+            "stages": ("rank", "busy_ms", "cpu_ms", "forward_cpu_ms", "idle_ms", *IDLE_SPLIT, "bubble_wall", "bubble_replayed",
+                       "bubble_model", "bubble_makespan_model", "peak_live", "peak_live_bound"),
+            "live": ("rank", "t_ms", "live"),
+            "versions": ("rank", "stage", "mb", "forward_version", "backward_version"),  # PipeDream only, else empty
+            "grad_errors": ("stage", "mb", "relative_error"),  # PipeDream only, else empty
+            "recompute": ("rank", "stage", "forwards", "forwards_without", "forward_flops_per_microbatch", "extra_forward_flops",
+                          "compute_cpu_ms", "compute_cpu_without_ms", "forward_cpu_without_ms", "recompute_cpu_ms",
+                          "median_forward_cpu_without_ms", "median_recompute_cpu_ms", "peak_activation_bytes",
+                          "peak_model_bytes", "peak_without_bytes", "peak_without_model_bytes", "saved_bytes"),  # recompute only
+            "side_by_side": tuple(f.name for f in PipelineConfig.fields())},  # every other schedule's settings
+    optional=("bubble_model_measured_stages", "bubble_published_measured_costs", "published_idle_formula", *RECOMPUTE),
+    version=2, upgrades={1: _v1_unsplit_idle_and_no_comparison},
+)
+
 EXPERIMENT = define(__name__, PipelineConfig,
          "pipeline schedules (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, PipeDream) on gloo ranks: Gantt, bubble, activations",
          rank_fn=run_rank_with_peer, combine=combine, lanes=("compute", "recv", "send"),
-         preload=("torch.distributed.pipelining",))
+         preload=("torch.distributed.pipelining",), schema=RESULT)

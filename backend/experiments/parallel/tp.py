@@ -21,7 +21,7 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import (expected_collectives, reference_model, tokens,
                                       worked_examples)
 from backend.parallel.wire import Wire, ring_bytes
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
 TOL = 1e-10
@@ -230,7 +230,7 @@ def seed_examples(payloads: list[dict]) -> tuple[list[Check], dict, list[str], l
                     reference="tanh(X W)")]
     note = (f"Seed 002: a row split cannot apply the activation before the sum: tanh(Y_0) + tanh(Y_1) misses "
             f"tanh(Y_0 + Y_1) by {e['row_activation_error']:.3f} here, so Megatron puts the column split first.")
-    return (checks, {"row split: error of summing tanh of partial sums": e["row_activation_error"]}, [note],
+    return (checks, {ROW_SPLIT: e["row_activation_error"]}, [note],
             [row for p in payloads for row in p["worked"]])
 
 
@@ -494,7 +494,25 @@ def pipeline_boundary(reference: TinyDecoder, batch: torch.Tensor, wire) -> dict
     return out
 
 
+ROW_SPLIT = "row split: error of summing tanh of partial sums"  # the seed's 2 x 2 worked examples: world_size 2 only
+RESULT = Schema(
+    metrics=("world_size", *(f"{mode} {what}" for mode in ("TP", "TP + SP") for what in (
+                 "MLP forward bytes per rank per layer", "forward bytes per rank per step", "backward bytes per rank per step",
+                 "wrong-shard gradient error")),
+             *(f"DTensor / ours bytes, {k}" for k in ("MLP: Colwise, Rowwise", "attention: Colwise, Rowwise",
+                                                     "block: SequenceParallel norms, Colwise, Rowwise")), ROW_SPLIT),
+    tables={"collectives": ("mode", "name", "op", "phase", "calls", "model_bytes", "sent_bytes"),
+            "memory": ("layout", "rank", "measured_bytes", "formula_bytes", "paper_gpt_block_bytes"),
+            "shards": ("rank", "parameter", "shape", "elements"),
+            "worked_examples": ("example", "rank", "step", "X", "X_r", "W_r", "Y", "Y_r"),
+            "dtensor": ("layer", "output_error", "input_grad_error", "weight_grad_error", "dtensor_collectives", "ours_collectives",
+                        "dtensor_bytes_model", "dtensor_bytes_written", "ours_bytes_model", "ours_bytes_written"),
+            "dtensor_collectives": ("layer", "rank", "call", "op", "numel", "model_bytes"),
+            "tp_vs_pp": ("strategy", "bytes per rank", "bytes, all ranks", "in units of MK", "socket bytes, rank 0")},
+    optional=(ROW_SPLIT, "worked_examples"),
+)
+
 EXPERIMENT = define(__name__, TPConfig, "tensor and sequence parallel on the tiny LLaMA: shards, f/g collectives with bytes, "
                     "activation memory vs Korthikanti, the seed's 2x2 examples, DTensor as the peer",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
-                    preload=("torch.distributed.tensor.parallel",))
+                    preload=("torch.distributed.tensor.parallel",), schema=RESULT)

@@ -12,7 +12,7 @@ from backend.experiments import define
 from backend.plan.settings import cluster, cluster_settings, load_model, model_setting
 from backend.plan import published
 from backend.plan import search as S
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 GiB = 2 ** 30
 _C = cluster_settings(nodes=8)
@@ -79,5 +79,14 @@ def run(config: PlanSearchConfig, ctx) -> Result:
                   checks=checks, notes=["Predicted by the planner's model (constants fitted on the calibration rows); not measured."])
 
 
+RESULT = Schema(
+    metrics=("plans_feasible", "plans_infeasible", "plans_evaluated", "search_s", "gpus",
+             "best_tokens_per_s_per_gpu", "best_mfu", "best_memory_gib"),
+    tables={"ranked": ("plan", "dp", "tokens_per_s_per_gpu", "mfu", "memory_gib", "step_s", "bubble_s", "exposed_dp_s",
+                       "exposed_tp_s", "exposed_pp_s", "exposed_cp_s", "exposed_ep_s", "why_not_best"),
+            "infeasible": ("reason", "plans", "example")},
+    optional=("best_tokens_per_s_per_gpu", "best_mfu", "best_memory_gib"),  # only when some plan fits
+)
+
 EXPERIMENT = define(__name__, PlanSearchConfig, "every parallel plan for a model and cluster, ranked by predicted throughput, with why the rest lose",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

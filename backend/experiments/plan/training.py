@@ -16,7 +16,7 @@ from backend.experiments.plan import _live as live
 from backend.plan import gantt, published
 from backend.plan import models as M
 from backend.plan.predict import CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
-from backend.result import Check, Result
+from backend.result import Check, Result, Schema
 
 GiB = 2 ** 30
 _C = cluster_settings(gpu="H100 SXM 96GB")
@@ -141,6 +141,25 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                f"attention {eff.attention(cl.gpu):.3f}, allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
 
 
+RESULT = Schema(
+    metrics=("parameters", "active_parameters", "dp", "memory_gib", "hbm_gib", "fits", "step_s", "compute_s", "recompute_s",
+             "bubble_s", "exposed_dp_s", "exposed_tp_s", "exposed_pp_s", "exposed_cp_s", "exposed_ep_s", "optimizer_s",
+             "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "train_days", "gpu_hours", "efficiency_linear",
+             "efficiency_attention", "allocator_fragmentation", "peak_moment", "worst_calibration_error", "worst_validation_error"),
+    tables={
+        "memory": ("bytes", "category", "stage"),
+        "time": ("part", "seconds"),
+        "gantt": ("rank", "kind", "stage", "mb", "ts", "dur"),  # empty when pp = 1 or the step has too many actions
+        "links": ("dimension", "link", "size"),
+        "published_exact": ("error", "predicted_GiB", "published_GiB", "row"),
+        "published": ("error", "predicted", "published", "quantity", "role", "row", "source", "tolerance", "within"),
+        "hopper_500w": ("fitted 500 W ÷ 700 W", "power cap at most (NVL ÷ SXM peak)", "source", "unexplained factor"),
+        "dp128_by_virtual_stages": ("error", "predicted", "published", "virtual stages"),
+        "live": ("batch", "cp", "dp_strategy", "ep", "experts", "layers", "microbatches", "mirrors", "pp", "recompute",
+                 "schedule", "seq", "steps", "tp", "virtual_stages", "world_size"),  # empty unless live_check
+    },
+)
+
 EXPERIMENT = define(__name__, PlanTrainingConfig,
                     "one training plan at real scale: memory by category, step time by part, Gantt, MFU, days; published rows' errors",
-                    run_fn=run)
+                    run_fn=run, schema=RESULT)

@@ -8,7 +8,7 @@ parameters and losses against one float64 process, dp bytes and memory per rank 
 from __future__ import annotations
 
 from backend.config import ConfigError, setting
-from backend.result import Result
+from backend.result import Result, Schema
 
 MODELS = ("mlp", "tiny_llama")
 LLAMA = "tiny LLaMA"
@@ -69,3 +69,24 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
                         f"tokens) trained by parallel.mesh's loop with tp = pp = cp = ep = 1: every rank data parallel. Bytes are the "
                         "whole run's (ZeRO-3 and FSDP2 add one all-gather at the end to report the weights).")
     return result
+
+
+MLP_ONLY = ("parameter_bytes", "psi_padded_bytes", "buckets_elements",  # the MLP loop's (buckets: DDP's only)
+            "moved_device_to_host_bytes_per_step", "moved_host_to_device_bytes_per_step", "host_bytes",  # offload = true
+            "relative_error_vs_float64")  # precision = bf16_mixed
+
+
+def result_schema() -> Schema:
+    """The keys of parallel.ddp, zero and fsdp: the MLP loop's (backend/parallel/reconcile.combine), or with tiny_llama
+    parallel.mesh's result with the strategy, the model and the dp bytes per rank (combine above). Both hold the
+    strategy, the final loss and the memory, volume and loss tables the page draws; each one's own keys are optional."""
+    from backend.experiments.parallel import mesh
+
+    tables = {**mesh.RESULT.tables,
+              "memory": ("rank", "category", "pool", "measured_bytes", "formula_bytes"),
+              "volume": ("rank", "sent_bytes_per_step", "formula_bytes_per_step", "sent_bytes", "formula_bytes", "counted"),
+              "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step")}  # the MLP loop's
+    always_metrics, always_tables = ("strategy", "world_size", "final_loss"), ("memory", "volume", "loss")
+    metrics = (*always_metrics, *MLP_ONLY, "model", *(k for k in mesh.RESULT.metrics if k not in always_metrics))
+    return Schema(metrics=metrics, tables=tables,
+                  optional=(*(k for k in metrics if k not in always_metrics), *(k for k in tables if k not in always_tables)))
