@@ -194,6 +194,16 @@ class MeshStage:
         return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
 
 
+def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -> tuple[dict, nn.Module]:
+    """This rank's stage chunks of the one model, each parallelized (tp, sp, ep, cp) and its attention core set for
+    the recompute choice; and all of them as one module, in stage order."""
+    reference = reference_model(config)
+    chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard) for s in stages}
+    for c in chunks.values():
+        apply_selective_recompute(c, config.recompute == "selective")
+    return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
+
+
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
     """This rank's training. `checkpoint` (backend/parallel/checkpoint.py's MeshHook): resume from its newest
     checkpoint, call its fault mid-step, save after each step as its interval says."""
@@ -205,12 +215,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
-    reference = reference_model(config)
-    chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard)
-              for s in plan.stages_on(me, p, config.virtual_stages)}
-    model = nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})  # every chunk's weights, in stage order
-    for c in chunks.values():
-        apply_selective_recompute(c, config.recompute == "selective")
+    chunks, model = build_stages(config, plan.stages_on(me, p, config.virtual_stages), S, tp, ep, shard)
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     precision, loss_scale = PRECISIONS[config.precision], LossScale(config)

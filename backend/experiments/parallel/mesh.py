@@ -597,18 +597,9 @@ def loss_scale_check(payloads, ref: dict) -> Check:
                         f"(fp16 max 65504)")
 
 
-def combine(config: MeshConfig, payloads) -> Result:
-    # one thread: a tiny model's ops are far too small to split, and two threads spinning on two shared cores made
-    # the reference 10x slower (0.6 s against 8 s measured at load 10)
-    torch.set_num_threads(1)
-    ref = reference_training(config, PRECISIONS[config.precision])  # one process, the same precision recipe
-    last = next(p for p in payloads if p["last_stage"])
-    covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
-    checks, losses64 = against_one_process(config, payloads, last, ref)
-    checks.append(Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names"))
-    if ref["scales"]:
-        checks.append(loss_scale_check(payloads, ref))
-    rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
+def byte_checks(config: MeshConfig, payloads, rows: dict) -> list[Check]:
+    """Each rank's bytes per dimension against the byte model, and (MoE) its routing against the reference's."""
+    checks = []
     for p in payloads:  # (after a restart: the bytes of the steps its last attempt ran)
         ran = dataclasses.replace(config, steps=config.steps - p["checkpoint"]["start"]) if "checkpoint" in p else config
         model = predicted_bytes(ran, p, rows[p["rank"]])
@@ -622,6 +613,13 @@ def combine(config: MeshConfig, payloads) -> Result:
         checks.append(Check("every MoE call routed each expert the assignments the reference routed those tokens",
                             sum(routing_mismatches(p, rows[p["rank"]]) for p in payloads), 0,
                             reference="the one-process model's top-k choices for this rank's sequences and positions"))
+    return checks
+
+
+def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check], list[dict]]:
+    """Each rank's bytes held per category against the dp strategy's memory model, and its activations at the
+    schedule's peak against the formula; with the rows of measured beside modelled bytes."""
+    checks = []
     memory = []
     for p in payloads:
         per = activation_formula(config, p, rows[p["rank"]])
@@ -648,6 +646,24 @@ def combine(config: MeshConfig, payloads) -> Result:
                         reference="sp.activation_elements x the stage's layers per (stage, micro-batch) (+ RoPE tables), "
                                   "summed over those alive at each point of the rank's order (F to B or W); MoE blocks: "
                                   "ep.moe_activation_elements with the reference's routing"))
+    return checks, memory
+
+
+def combine(config: MeshConfig, payloads) -> Result:
+    # one thread: a tiny model's ops are far too small to split, and two threads spinning on two shared cores made
+    # the reference 10x slower (0.6 s against 8 s measured at load 10)
+    torch.set_num_threads(1)
+    ref = reference_training(config, PRECISIONS[config.precision])  # one process, the same precision recipe
+    last = next(p for p in payloads if p["last_stage"])
+    covered = {ref_name for p in payloads for _, pieces in p["sources"].values() for ref_name, _ in pieces}
+    checks, losses64 = against_one_process(config, payloads, last, ref)
+    checks.append(Check("the shards cover every reference parameter", len(set(ref["state"]) - covered), 0, reference="state_dict names"))
+    if ref["scales"]:
+        checks.append(loss_scale_check(payloads, ref))
+    rows = {p["rank"]: expert_rows(config, ref["routing"], p) for p in payloads}  # per MoE call, from the reference
+    checks += byte_checks(config, payloads, rows)
+    memory_check, memory = memory_checks(config, payloads, rows)
+    checks += memory_check
     timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
     step_checks, step_metrics, step_tables = where_the_step_goes(config, payloads, pipeline_rows)
