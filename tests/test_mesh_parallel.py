@@ -11,7 +11,7 @@ from backend.config import ConfigError
 from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import PRESETS, MeshConfig
-from backend.parallel.wire import ring_bytes
+from backend.comm.collectives import ring_bytes
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 ALL = [dict(zip(DIMS, f)) for f in itertools.product((1, 2, 4), repeat=5) if math.prod(f) == 4]  # 15

@@ -378,3 +378,21 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
               "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
               "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0, "barrier": lambda n: 0.0}
 ALGOS = ("ring", "tree", "halving_doubling", "direct", "builtin")
+
+
+def ring_bytes(op: str, numel: int, n: int, item: int, index: int | None = None) -> int:
+    """What one rank sends in our algorithms: all-reduce 2(n-1)/n and reduce-scatter (n-1)/n of the input's
+    `numel`; all-gather (n-1) times its own `numel`. When numel does not divide by n the chunks differ (torch's
+    tensor_split) and so does each rank's share: give the rank's `index`. Rank j's ring reduce-scatter sends
+    every chunk but (j+1) % n (all-reduce) or j (reduce-scatter alone), the all-reduce's all-gather every chunk
+    but (j+2) % n (backend/comm/collectives.py)."""
+    if op == "all_gather":
+        return (n - 1) * numel * item
+    if numel % n == 0:
+        return {"all_reduce": 2, "reduce_scatter": 1}[op] * (n - 1) * (numel // n) * item
+    if index is None:
+        raise ValueError(f"{numel} elements do not divide by {n}: the byte model needs the rank's index")
+    sizes = chunk_sizes(numel, n)
+    if op == "reduce_scatter":
+        return (numel - sizes[index]) * item
+    return (2 * numel - sizes[(index + 1) % n] - sizes[(index + 2) % n]) * item

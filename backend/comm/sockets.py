@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from backend.parallel.wire import ring_bytes
+from backend.comm.collectives import ring_bytes
 
 
 GLOO_PREAMBLE = 48  # bytes gloo's TCP transport writes ahead of every message (Op::Preamble: six 8-byte fields)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.parallel.wire import ring_bytes
+from backend.comm.collectives import ring_bytes
 
 
 def reference_model(config) -> TinyDecoder:

@@ -30,7 +30,7 @@ from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_ac
 from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
-from backend.parallel.wire import ring_bytes
+from backend.comm.collectives import ring_bytes
 from backend.parallel.workload import PRECISIONS
 from backend.result import Check, Result, Schema
 

@@ -20,7 +20,8 @@ from backend.parallel.parallelize import expected, parallelize
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import (expected_collectives, reference_model, tokens,
                                       worked_examples)
-from backend.parallel.wire import Wire, ring_bytes
+from backend.comm.collectives import ring_bytes
+from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema
 from backend.trace import Tracer
 
