@@ -3,7 +3,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from pages import checkpoint_views, mesh_views, timeline, ui
+from pages import checkpoint_views, mesh_views, schedule_views, timeline, ui
 
 st.title("3D parallel")
 DIMS = ("tp", "dp", "pp", "cp", "ep")  # the order a rank's mesh coordinates are read in
@@ -61,7 +61,7 @@ def render(result: dict, rec) -> None:
     if t["comm_replay"]:
         mesh_views.comm_replay(result)
     if t["schedules"]:
-        mesh_views.schedules(result)
+        schedule_views.schedules(result)
     if t["recompute"]:
         mesh_views.recompute_price(result)
     if t.get("checkpoint_timeline"):

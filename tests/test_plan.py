@@ -238,9 +238,9 @@ def test_search_names_why_a_plan_does_not_fit():
 
 
 def test_planner_calls_the_ring_byte_model_the_live_runs_check(monkeypatch):
-    """wire.ring_bytes is what every logged transfer of the live collectives is checked against; the planner's
+    """collectives.ring_bytes is what every logged transfer of the live collectives is checked against; the planner's
     data-parallel volume moves with it."""
-    from backend.parallel import wire
+    from backend.comm import collectives as wire  # the ring byte model
     before = costs.dp_sent_bytes("zero2", 1e9, 64, 4)
     real = wire.ring_bytes
     monkeypatch.setattr(wire, "ring_bytes", lambda *a, **k: 2 * real(*a, **k))
@@ -372,7 +372,7 @@ def test_live_state_check_fails_when_the_sharding_rule_is_wrong(live_run, monkey
 
 
 def test_live_dp_bytes_check_fails_when_the_volume_rule_is_wrong(live_run, monkeypatch):
-    from backend.parallel import wire
+    from backend.comm import collectives as wire  # the ring byte model
     result, _, _ = live_run
     real = wire.ring_bytes
     monkeypatch.setattr(wire, "ring_bytes", lambda op, *a, **k: 0 if op == "all_gather" else real(op, *a, **k))  # gather forgotten

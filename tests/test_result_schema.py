@@ -16,7 +16,7 @@ from tests.conftest import REPO
 OLD_RESULTS = REPO / "tests" / "data" / "old_results"  # result.json files as runs stored them before schemas existed
 VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",),
          "recompute_view": ("parallel.pipeline",), "checkpoint_views": ("parallel.checkpoint", "parallel.mesh"),
-         "mesh_views": ("parallel.mesh",)}
+         "mesh_views": ("parallel.mesh",), "schedule_views": ("parallel.mesh",)}
 TOY = Schema(metrics=("a", "b", "per_op.*"), tables={"t": ("x", "y")}, optional=("b",))
 
 
@@ -176,7 +176,7 @@ def test_pages_with_schemas_cover_the_topics_of_this_pass():
     assert {"comm_bandwidth", "collectives", "kv_cache", "flash_attention", "memory_hierarchy", "speculative",
             "moe_routing", "number_formats", "fusion", "paged_attention", "decode_view"} <= set(_schema_pages())
     assert {"plan_training", "tensor_parallel", "context_parallel", "expert_parallel", "checkpoints", "data_parallel",
-            "pipeline", "recompute_view", "mesh_parallel", "mesh_views", "checkpoint_views"} <= set(_schema_pages())
+            "pipeline", "recompute_view", "mesh_parallel", "mesh_views", "schedule_views", "checkpoint_views"} <= set(_schema_pages())
 
 
 def test_a_page_reading_an_undeclared_key_is_found(monkeypatch):

@@ -1,7 +1,7 @@
 """Bytes, memory and time of a parallel plan as plain functions of (plan, model shape), for the planner
 (backend/plan/) at real scale. Where a live run already checks a function it is called, not copied:
   tensor/sequence parallel bytes   backend/parallel/tp_model.expected_collectives (checked against gloo's sockets)
-  ring collective bytes            backend/parallel/wire.ring_bytes (checked against every logged transfer)
+  ring collective bytes            backend/comm/collectives.ring_bytes (checked against every logged transfer)
   Korthikanti's activation bytes   backend/parallel/sp.korthikanti_bytes
   weights, gradients, Adam states  backend/estimate/training.memory_per_rank ((2 + 2 + 12)ψ and the ZeRO stages)
   schedule live micro-batches      backend/parallel/pp/schedules.Schedule.live_bound
@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 from backend.estimate import training as estimate
 from backend.parallel import sp as sp_model
-from backend.parallel import tp_model, wire
+from backend.comm import collectives
+from backend.parallel import tp_model
 from backend.parallel.pp import schedules
 
 ACT_BYTES = 2  # bf16 activations
@@ -36,12 +37,12 @@ def cp_sent_bytes(comm: str, kv_numel: int, cp: int, item: int = ACT_BYTES) -> f
     """Bytes one context-parallel rank sends for one layer's forward and backward, its local K/V block of `kv_numel`
     elements. ring (ring attention): the block passes the ring cp − 1 times forward, the K/V and their gradients
     backward, 3(cp − 1) blocks. allgather (Llama 3, Sec. 3.3.2): K and V all-gathered forward, their gradients
-    reduce-scattered backward (wire.ring_bytes, the live collectives' byte model)."""
+    reduce-scattered backward (collectives.ring_bytes, the live collectives' byte model)."""
     if cp <= 1:
         return 0.0
     if comm == "ring":
         return 3 * (cp - 1) * kv_numel * item
-    return wire.ring_bytes("all_gather", kv_numel, cp, item) + wire.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
+    return collectives.ring_bytes("all_gather", kv_numel, cp, item) + collectives.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
 
 
 def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item: int = ACT_BYTES) -> tuple[float, float]:
@@ -70,9 +71,9 @@ def dp_sent_bytes(strategy: str, psi: float, n: int, grad_item: int, param_item:
     if n <= 1:
         return 0.0
     if strategy == "ddp":
-        return wire.ring_bytes("all_reduce", psi, n, grad_item)
+        return collectives.ring_bytes("all_reduce", psi, n, grad_item)
     gathers = 2 if strategy in ("zero3", "fsdp", "hsdp") else 1
-    return wire.ring_bytes("reduce_scatter", psi, n, grad_item) + gathers * wire.ring_bytes("all_gather", psi // n, n, param_item)
+    return collectives.ring_bytes("reduce_scatter", psi, n, grad_item) + gathers * collectives.ring_bytes("all_gather", psi // n, n, param_item)
 
 
 def state_bytes(psi: float, n: int, strategy: str, grad_item: int) -> dict[str, float]:

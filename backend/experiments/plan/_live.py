@@ -113,7 +113,7 @@ def state_check(plan, result, dp: int) -> Check:
 
 
 def dp_bytes_check(plan, result) -> Check:
-    """Bytes each rank sent over dp in the one step, against costs.dp_sent_bytes (wire.ring_bytes underneath) for the
+    """Bytes each rank sent over dp in the one step, against costs.dp_sent_bytes (comm.collectives.ring_bytes underneath) for the
     rank's flat parameters padded to a multiple of dp."""
     k = result.metrics["dp"]
     strategy = "ddp" if result.metrics["dp_strategy"] in ("allreduce", "ddp") else result.metrics["dp_strategy"]
