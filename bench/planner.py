@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.device import describe  # noqa: E402
-from backend.plan import models as M, published, search  # noqa: E402
+from backend.plan import compute as C, models as M, published, search  # noqa: E402
 from backend.plan.clusters import GPUS, Cluster  # noqa: E402
 from backend.plan.predict import evaluate  # noqa: E402
 
@@ -45,10 +45,16 @@ def main() -> dict:
     out = {"device": describe(), "note": "CPU times on a contended 2-core VM shared by eight engineers",
            "constants": {"ampere_matmul": eff.ampere, "hopper_matmul": eff.hopper, "hopper_500w_matmul": eff.hopper_500w, "attention_ratio": eff.attention_ratio,
                          "allocator_fragmentation": eff.fragmentation},
-           "model": "GEMMs from each layer's shapes (tiles in waves on the SMs, L2-fed tile roof, HBM roofline); elementwise bytes eager or fused",
+           "model": "GEMMs from each layer's shapes (tiles in waves on the SMs, L2-fed tile roof, HBM roofline); elementwise bytes "
+                    "eager or fused; attention on Ampere at a fitted ratio of the GEMMs, on Hopper at the plan's kernel's published "
+                    "H100 speed; Llama 3's all-gather CP exposed, its gathered K/V held for the backward",
            "fit_cpu_s": fit_cpu,
            "hopper_500w_account": published.hopper_500w_account(eff),
            "dp128_by_virtual_stages": published.dp128_by_virtual_stages(eff),
+           "cp131k_by_attention_kernel": published.cp131k_by_attention_kernel(),
+           "attention_kernels": {"tflops_forward_backward": C.ATTENTION_KERNELS, "source": C.ATTENTION_KERNELS_SOURCE,
+                                 "rows": "Llama 3 rows: fa3 (the paper names none); torchtitan H100 rows: fa2 (PyTorch SDPA's "
+                                         "flash backend, Dec 2024); A100 rows: the fitted ratio (FlashAttention-2 on Ampere)"},
            "calibration": [r for r in rows if r["role"] == "calibration"],
            "validation": [r for r in rows if r["role"] == "validation"],
            "worst_calibration_error": max(abs(r["error"]) for r in rows if r["role"] == "calibration"),

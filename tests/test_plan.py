@@ -311,19 +311,16 @@ def test_causal_attention_flops_count_the_kept_pairs_exactly():
     assert M.training_flops_per_token(spec, s)["attention"] == 6 * spec.layers * spec.heads * (spec.qk_dim + spec.v_dim) * s
 
 
-def test_llama3_rows_move_when_attention_is_counted_in_full(monkeypatch):
-    """The 131k context-parallel row rests on causal attention doing (and being credited with) half the s×s pairs:
-    count the full square and its error grows by more than 30 points; the DP-128 row stays within 10%."""
-    by = {r["row"]: r for r in published.errors(published.fit())}
-    name = "Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU"
-    assert by["Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU"]["within"]
-    published.fit.cache_clear()
-    monkeypatch.setattr(M, "causal_fraction", lambda seq: 1.0)
-    try:
-        broken = {r["row"]: r for r in published.errors(published.fit())}
-    finally:
-        published.fit.cache_clear()
-    assert broken[name]["error"] - by[name]["error"] > 0.3
+def test_llama3_cp_row_is_consistent_only_with_causal_credit():
+    """How the 131k row's TFLOP/s are counted: the causal kernel does s(s+1)/2 pairs in the step's time; credited with
+    the full s×s square (the convention of Narayanan et al.'s formula and torchtitan's 12·l·h·q·t) the same step would
+    print more than 30% above the published 380, credited with the causal pairs it lands within 10%."""
+    spec = M.load("llama-3.1-405b")
+    row = {r["row"]: r for r in published.errors(published.fit())}[published.CP131K]
+    full_over_causal = (M.training_flops_per_token(spec, 131072)["total"]
+                        / M.training_flops_per_token(spec, 131072, causal=True)["total"])
+    assert row["within"], row
+    assert row["predicted"] * full_over_causal / row["published"] - 1 > 0.3
 
 
 def test_cp_bytes_by_implementation():

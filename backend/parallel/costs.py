@@ -33,16 +33,27 @@ def tp_bytes_per_layer(b: int, s: int, h: int, t: int, sp: bool, dense_ffn: bool
     return sum(r["sent_bytes"] for r in rows if r["name"] != "norm weight gradients") * item / 8
 
 
-def cp_sent_bytes(comm: str, kv_numel: int, cp: int, item: int = ACT_BYTES) -> float:
+def cp_sent_bytes(comm: str, kv_numel: int, cp: int, item: int = ACT_BYTES, regather: bool = False) -> float:
     """Bytes one context-parallel rank sends for one layer's forward and backward, its local K/V block of `kv_numel`
-    elements. ring (ring attention): the block passes the ring cp − 1 times forward, the K/V and their gradients
-    backward, 3(cp − 1) blocks. allgather (Llama 3, Sec. 3.3.2): K and V all-gathered forward, their gradients
-    reduce-scattered backward (collectives.ring_bytes, the live collectives' byte model)."""
+    elements (b · s/cp tokens × the K and V heads it holds under TP, GQA's few). ring (ring attention): the block
+    passes the ring cp − 1 times forward, the K/V and their gradients backward, 3(cp − 1) blocks. allgather (Llama 3,
+    Sec. 3.3.2): K and V all-gathered forward (kept for the backward), their gradients reduce-scattered backward,
+    (collectives.ring_bytes, the live collectives' byte model); regather: full recompute gathers them again.
+    The live mesh (backend/parallel/cp.py) runs ring attention only, so the allgather bytes are checked against a
+    count from the tensor shapes (tests/test_plan.py), not against a live run."""
     if cp <= 1:
         return 0.0
     if comm == "ring":
         return 3 * (cp - 1) * kv_numel * item
-    return collectives.ring_bytes("all_gather", kv_numel, cp, item) + collectives.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
+    gathers = 2 if regather else 1
+    return gathers * collectives.ring_bytes("all_gather", kv_numel, cp, item) + collectives.ring_bytes("reduce_scatter", kv_numel * cp, cp, item)
+
+
+def cp_gathered_bytes(comm: str, kv_numel: int, cp: int, recompute: str, item: int = ACT_BYTES) -> float:
+    """Bytes one layer keeps for the backward beyond its activations: the all-gathered K and V of every position
+    (cp · kv_numel elements) under Llama 3's all-gather CP, which attention's backward reads; none for ring attention
+    (its blocks travel again) or full recompute (the forward, gather included, runs again)."""
+    return float(cp * kv_numel * item) if comm == "allgather" and cp > 1 and recompute != "full" else 0.0
 
 
 def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item: int = ACT_BYTES) -> tuple[float, float]:

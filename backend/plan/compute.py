@@ -136,3 +136,23 @@ def elementwise_bytes(model: M.ModelSpec, t: int, sp: bool, fused: bool) -> floa
     if fused:
         return 2 * 8 * hs + 4 * (q + k) + repeat + 6 * f
     return 2 * 36 * hs + 2 * 6 * hs + 20 * (q + k) + repeat + 10 * f
+
+
+# Attention kernels on Hopper, bf16, head dim 128, at 16k tokens (FlashAttention-3 paper, Shah et al. 2024, Fig. 5
+# forward and Fig. 6 backward, H100 80GB SXM5): TFLOP/s as the papers count them, the backward at 2.5× the forward's
+# FLOPs (five matmuls to its two: it recomputes the scores). Long causal sequences run near these (masked blocks skipped).
+H100_SXM_PEAK = 989.0
+ATTENTION_KERNELS = {"fa2": (370.0, 322.0), "cudnn": (595.0, 516.0), "fa3": (648.0, 561.0)}
+ATTENTION_KERNELS_SOURCE = ("Shah et al. 2024, FlashAttention-3, Fig. 5 (forward) and Fig. 6 (backward): H100 80GB SXM5, bf16, "
+                            "head dim 128, seq 16k, TFLOP/s (forward, backward): FlashAttention-2 370, 322; cuDNN 595, 516; "
+                            "FlashAttention-3 648, 561")
+FA_BACKWARD_FLOPS = 2.5   # FlashAttention's backward FLOPs ÷ its forward's (FlashAttention-2 paper's count)
+
+
+def attention_kernel_seconds(forward_flops: float, kernel: str, peak: float) -> tuple[float, float]:
+    """(forward, backward) seconds of attention whose forward does `forward_flops` on a Hopper-class GPU of bf16 `peak`
+    FLOP/s, at the published kernel's share of the H100 SXM's peak: the forward at its forward rate, the backward's 2.5×
+    FLOPs at its backward rate."""
+    fwd, bwd = ATTENTION_KERNELS[kernel]
+    scale = peak / (H100_SXM_PEAK * 1e12)
+    return forward_flops / (fwd * 1e12 * scale), FA_BACKWARD_FLOPS * forward_flops / (bwd * 1e12 * scale)

@@ -4,9 +4,11 @@ communication per dimension and pipeline bubble, throughput, MFU and days to tra
 The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
   compute   each layer's GEMMs from their shapes (backend/plan/compute.py: 128×256 tiles in waves on the GPU's SMs,
             the roofline for small ones) at a fitted share of peak per GPU family (Ampere; Hopper at 700 W; the 500 W
-            H100 96GB); attention's FLOPs (models.training_flops_per_token, FlopCounterMode's formula) at a fixed
-            ratio of it; the elementwise ops' HBM bytes, eager or fused (the constants fitted in published.py on the
-            calibration rows only)
+            H100 96GB); attention's FLOPs (models.training_flops_per_token, FlopCounterMode's formula, causal pairs
+            only) on Ampere at a fitted ratio of the GEMMs' share (FlashAttention-2 on the A100 calibration row), on
+            Hopper at the published speed of the plan's attention kernel (FA2, cuDNN, FA3: FlashAttention-3 paper),
+            the 500 W card's slowed by its fitted clock ratio; the elementwise ops' HBM bytes, eager or fused (the
+            constants fitted in published.py on the calibration rows only)
   links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
@@ -35,6 +37,7 @@ OPTIMIZER_BYTES_PER_PARAM = 40  # Adam step: read and write fp32 master, m, v, r
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 RECOMPUTE = ("none", "selective", "full")
 CP_COMMS = ("ring", "allgather")
+ATTENTION_KERNELS = tuple(C.ATTENTION_KERNELS)
 PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
 OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
@@ -59,6 +62,11 @@ class Efficiency:
     def attention(self, gpu) -> float:
         return self.attention_ratio * self.linear(gpu)
 
+    def clock(self, gpu) -> float:
+        """A Hopper card's tensor-core speed relative to the 700 W H100: the 500 W card's fitted GEMM share over the
+        700 W one (its power cap slows attention's tensor cores as it slows the GEMMs'), else 1."""
+        return self.linear(gpu) / self.hopper if family(gpu) == "hopper 500 W" else 1.0
+
 
 def family(gpu) -> str:
     """A100s are Ampere; H100, H800 and H200 Hopper; the H100 96GB preset is torchtitan's 500 W card (its clocks
@@ -74,6 +82,7 @@ class Plan:
     sp: bool = True
     cp: int = 1
     cp_comm: str = "ring"             # ring (overlapped ring attention) | allgather (Llama 3's, exposed)
+    attention_kernel: str = "fa2"     # Hopper: fa2 (PyTorch SDPA's flash backend) | cudnn | fa3; Ampere: fa2 (fitted)
     ep: int = 1
     pp: int = 1
     vp: int = 1                       # virtual stages (model chunks) per pipeline rank
@@ -111,6 +120,10 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
         raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
     if plan.cp_comm not in CP_COMMS:
         raise ConfigError("cp_comm", f"{plan.cp_comm!r} (allowed: {', '.join(CP_COMMS)})")
+    if plan.attention_kernel not in ATTENTION_KERNELS or (family(cluster.gpu) == "ampere" and plan.attention_kernel != "fa2"):
+        allowed = "fa2" if family(cluster.gpu) == "ampere" else ", ".join(ATTENTION_KERNELS)
+        raise ConfigError("attention_kernel", f"{plan.attention_kernel!r} on {cluster.gpu.name} (allowed: {allowed}; the "
+                                              "cuDNN and FA3 speeds are Hopper's)")
     if plan.pp * plan.vp > model.layers + 2:
         raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers and the two chunks the "
                                 f"embedding and the head may take alone (allowed: at most {model.layers + 2})")
@@ -174,6 +187,7 @@ def memory(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int, eff: Effic
     n_shard = plan.hsdp_shard if plan.dp_strategy == "hsdp" else dp
     b, s = plan.micro_batch, plan.seq_len
     per_layer = costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, plan.recompute, plan.cp)
+    per_layer["gathered K, V (all-gather CP)"] = costs.cp_gathered_bytes(plan.cp_comm, kv_numel(model, plan), plan.cp, plan.recompute)
     layer_act = sum(per_layer.values())
     rebuilt = sum(costs.activation_bytes_per_layer(model, b, s, t, plan.sp and t > 1, "none", plan.cp).values()) \
         if plan.recompute != "none" else 0.0
@@ -245,7 +259,7 @@ def selective_recompute(model: M.ModelSpec, f_lin: float, f_att: float) -> float
 @dataclasses.dataclass(frozen=True)
 class ChunkCompute:
     """Seconds of one pipeline chunk on one micro-batch: the GEMMs' forward and backward (backend/plan/compute.py),
-    attention's forward (its backward twice that), the elementwise ops' forward (backward twice), Megatron's unfused
+    attention's forward and backward, the elementwise ops' forward (backward twice), Megatron's unfused
     softmax traffic (forward, backward); what recompute repeats (its matmul and attention part apart); the head's
     forward."""
     layers: float
@@ -253,6 +267,7 @@ class ChunkCompute:
     f_lin: float
     b_lin: float
     f_att: float
+    b_att: float
     f_ew: float
     f_sm: float
     b_sm: float
@@ -266,12 +281,30 @@ class ChunkCompute:
 
     @property
     def backward(self) -> float:
-        return self.b_lin + 2 * self.f_att + C.BACKWARD_FACTOR * self.f_ew + self.b_sm
+        return self.b_lin + self.b_att + C.BACKWARD_FACTOR * self.f_ew + self.b_sm
+
+
+def attention_seconds(forward_flops: float, gpu, kernel: str, eff: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of attention doing `forward_flops` in its forward. Ampere: the fitted ratio of the
+    GEMMs' share (FlashAttention-2 on the A100 calibration row), the backward twice the forward's model FLOPs. Hopper
+    (and B200, which has no kernel table of its own): the kernel's published H100 speeds (compute.ATTENTION_KERNELS),
+    times the card's clock ratio: FlashAttention-2 reaches 35% of an H100's peak against 50-73% of an A100's, so the
+    Ampere ratio does not transfer."""
+    if family(gpu) == "ampere":
+        f = forward_flops / (gpu.bf16_flops * eff.attention(gpu))
+        return f, 2 * f
+    return C.attention_kernel_seconds(forward_flops, kernel, gpu.bf16_flops * eff.clock(gpu))
+
+
+def attention_share(gpu, kernel: str, eff: Efficiency) -> float:
+    """Attention's model FLOPs (forward and backward, 3× the forward) per second over the bf16 peak."""
+    f, b = attention_seconds(1.0, gpu, kernel, eff)
+    return 3.0 / (f + b) / gpu.bf16_flops
 
 
 def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficiency) -> ChunkCompute:
     """Each layer's GEMMs from their shapes on the GPU's SMs (compute.linear_seconds: wave quantization and the
-    roofline, at the fitted efficiency), attention's FLOPs over peak × its fitted ratio, the elementwise ops' bytes
+    roofline, at the fitted efficiency), attention (attention_seconds), the elementwise ops' bytes
     (eager or fused) over HBM; GPT rows (Megatron's unfused attention) add the s×s scores' HBM traffic; selective or
     full recompute repeats part of the forward."""
     t, cp, b, s = plan.tp, plan.cp, plan.micro_batch, plan.seq_len
@@ -283,7 +316,7 @@ def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficie
     chunk_layers = stage_layers(model, plan) / plan.vp
     lin = eff.linear(gpu)
     f_lin, b_lin = (x * chunk_layers for x in C.linear_seconds(model, tokens_local, t, plan.ep, gpu, peak, lin))
-    f_att = tokens_local * layer_att * chunk_layers / 3 / t / (gpu.bf16_flops * eff.attention(gpu))
+    f_att, b_att = attention_seconds(tokens_local * layer_att * chunk_layers / 3 / t, gpu, plan.attention_kernel, eff)
     f_ew = tokens_local * C.elementwise_bytes(model, t, plan.sp, plan.fused) * chunk_layers / gpu.hbm_bw
     f_sm, b_sm = ((x * chunk_layers / gpu.hbm_bw for x in costs.unfused_attention_bytes(b, s // cp, s, model.heads / t))
                   if not M.causal(model) else (0.0, 0.0))
@@ -292,7 +325,7 @@ def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficie
     elementwise_again = plan.recompute == "full" or (plan.recompute == "selective" and not model.gpt)
     recompute_f = recompute_flops + (f_sm if softmax_again else 0.0) + (f_ew if elementwise_again else 0.0)
     head_f = C.head_seconds(model, tokens_local, t, gpu, peak, lin)
-    return ChunkCompute(chunk_layers, tokens_local, f_lin, b_lin, f_att, f_ew, f_sm, b_sm, recompute_flops, recompute_f, head_f)
+    return ChunkCompute(chunk_layers, tokens_local, f_lin, b_lin, f_att, b_att, f_ew, f_sm, b_sm, recompute_flops, recompute_f, head_f)
 
 
 def tp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
@@ -307,15 +340,23 @@ def tp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCom
     return tp_kind, (tp_bytes / tp_bw + n_coll * (t - 1) * tp_lat if t > 1 else 0.0)
 
 
+def kv_numel(model: M.ModelSpec, plan: Plan) -> int:
+    """Elements of one micro-batch's local K and V on one rank: b · s/cp tokens × the K and V heads the rank holds
+    (GQA's few; whole heads, replicated when t exceeds them); MLA: its latent, which TP does not split."""
+    width = model.kv_width if model.mla else 2 * math.ceil(model.kv_heads / plan.tp) * model.head_dim
+    return plan.micro_batch * (plan.seq_len // plan.cp) * width
+
+
 def cp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
     """Context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
     (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)."""
     t, cp = plan.tp, plan.cp
     cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
-    kv_numel = int(plan.micro_batch * (plan.seq_len // cp) * model.kv_width / t)
-    steps = 3 * (cp - 1) if plan.cp_comm == "ring" else 2 * (cp - 1)
-    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel, cp) / cp_bw + steps * cp_lat) * chunk.layers if cp > 1 else 0.0
-    return cp_kind, (max(0.0, cp_comm - 3 * chunk.f_att) if plan.cp_comm == "ring" else cp_comm)
+    regather = plan.recompute == "full"
+    steps = 3 * (cp - 1) if plan.cp_comm == "ring" else (3 if regather else 2) * (cp - 1)
+    cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel(model, plan), cp, regather=regather) / cp_bw + steps * cp_lat) \
+        * chunk.layers if cp > 1 else 0.0
+    return cp_kind, (max(0.0, cp_comm - chunk.f_att - chunk.b_att) if plan.cp_comm == "ring" else cp_comm)
 
 
 def ep_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:

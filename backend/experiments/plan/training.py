@@ -15,7 +15,7 @@ from backend.plan.settings import cluster, cluster_settings, load_model, model_s
 from backend.experiments.plan import _live as live
 from backend.plan import gantt, published
 from backend.plan import models as M
-from backend.plan.predict import CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, evaluate
+from backend.plan.predict import ATTENTION_KERNELS, CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, attention_share, evaluate
 from backend.result import Check, Result, Schema
 
 GiB = 2 ** 30
@@ -34,6 +34,8 @@ class PlanTrainingConfig(Config):
     cp: int = setting(1, min=1, max=64, help="context-parallel degree")
     cp_comm: str = setting("ring", choices=CP_COMMS, help="context parallel's K/V exchange: ring attention (overlapped) or "
                                                           "Llama 3's all-gather (exposed)")
+    attention_kernel: str = setting("fa2", choices=ATTENTION_KERNELS, help="attention kernel on Hopper, at its published H100 "
+                                    "speed (FlashAttention-3 paper): fa2 (PyTorch SDPA's flash backend), cudnn, fa3; Ampere: fa2")
     ep: int = setting(1, min=1, max=256, help="expert-parallel degree (MoE models)")
     pp: int = setting(1, min=1, max=128, help="pipeline stages")
     vp: int = setting(1, min=1, max=8, help="virtual stages per pipeline rank (interleaved schedule)")
@@ -65,7 +67,7 @@ class PlanTrainingConfig(Config):
         return Estimate(own.memory_bytes + mesh.memory_bytes - PROCESS_BYTES, own.seconds + mesh.seconds)
 
     def plan(self) -> Plan:
-        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
+        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, attention_kernel=self.attention_kernel, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
                     dp_strategy=self.dp_strategy, hsdp_shard=self.hsdp_shard, micro_batch=self.micro_batch,
                     global_batch=self.global_batch, seq_len=self.seq_len, recompute=self.recompute,
                     precision=self.precision, grad_bytes=self.grad_bytes, fused=self.fused)
@@ -122,7 +124,7 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                **{f"exposed_{k}_s": v for k, v in t["exposed_s"].items()}, "optimizer_s": t["optimizer_s"],
                "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "model_tflops_per_gpu": r["model_tflops_per_gpu"],
                "mfu": r["mfu"], "train_days": r["train_days"], "gpu_hours": r["gpu_hours"],
-               "efficiency_linear": eff.linear(cl.gpu), "efficiency_attention": eff.attention(cl.gpu),
+               "efficiency_linear": eff.linear(cl.gpu), "efficiency_attention": attention_share(cl.gpu, plan.attention_kernel, eff),
                "allocator_fragmentation": eff.fragmentation, "peak_moment": r["memory"]["_moment"],
                "worst_calibration_error": max(abs(x["error"]) for x in rows if x["role"] == "calibration"),
                "worst_validation_error": max(abs(x["error"]) for x in rows if x["role"] == "validation")}
@@ -135,10 +137,19 @@ def run(config: PlanTrainingConfig, ctx) -> Result:
                 + [{"part": f"exposed {k} communication", "seconds": v} for k, v in t["exposed_s"].items()],
                 "gantt": bars, "links": links, "published_exact": exact, "published": rows,
                 "hopper_500w": [published.hopper_500w_account(eff)], "dp128_by_virtual_stages": published.dp128_by_virtual_stages(eff),
+                "cp131k_by_attention_kernel": published.cp131k_by_attention_kernel(),
                 "live": [live_row] if live_row else []},
         checks=checks,
         notes=[f"A model, not a measurement: constants fitted on the calibration rows (GEMM tiles in full waves at {eff.linear(cl.gpu):.3f} of {cl.gpu.name}'s peak, "
-               f"attention {eff.attention(cl.gpu):.3f}, allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
+               f"attention {attention_share(cl.gpu, plan.attention_kernel, eff):.3f} of peak ({plan.attention_kernel}), allocator fragmentation {eff.fragmentation:.1%} of the allocated peak); validation rows are predicted with them."])
+
+
+def _v1_to_v2(result: dict) -> None:
+    """Runs stored before attention ran at a published kernel's H100 speed: the CP row's kernel table and the HBM2e's
+    cost in the 500 W account were not computed."""
+    result["tables"].setdefault("cp131k_by_attention_kernel", [])
+    for row in result["tables"].get("hopper_500w", []):
+        row.setdefault("HBM2e cost (modelled: throughput at 2.4 ÷ at 3.35 TB/s)", None)
 
 
 RESULT = Schema(
@@ -153,11 +164,14 @@ RESULT = Schema(
         "links": ("dimension", "link", "size"),
         "published_exact": ("error", "predicted_GiB", "published_GiB", "row"),
         "published": ("error", "predicted", "published", "quantity", "role", "row", "source", "tolerance", "within"),
-        "hopper_500w": ("fitted 500 W ÷ 700 W", "power cap at most (NVL ÷ SXM peak)", "source", "unexplained factor"),
+        "hopper_500w": ("fitted 500 W ÷ 700 W", "power cap at most (NVL ÷ SXM peak)", "source", "unexplained factor",
+                        "HBM2e cost (modelled: throughput at 2.4 ÷ at 3.35 TB/s)"),
         "dp128_by_virtual_stages": ("error", "predicted", "published", "virtual stages"),
+        "cp131k_by_attention_kernel": ("attention kernel", "error", "hopper matmul (refitted)", "predicted", "published", "within"),
         "live": ("batch", "cp", "dp_strategy", "ep", "experts", "layers", "microbatches", "mirrors", "pp", "recompute",
                  "schedule", "seq", "steps", "tp", "virtual_stages", "world_size"),  # empty unless live_check
     },
+    version=2, upgrades={1: _v1_to_v2},
 )
 
 EXPERIMENT = define(__name__, PlanTrainingConfig,
