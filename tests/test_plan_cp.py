@@ -114,3 +114,21 @@ def test_the_131k_row_under_each_published_kernel():
     row = {r["row"]: r for r in published.errors()}[published.CP131K]
     assert table["fa3"]["predicted"] == pytest.approx(row["predicted"], rel=1e-9)
     assert table["fa3"]["within"] and table["cudnn"]["within"] and table["fa2"]["error"] < -0.10
+
+
+def _stored_before_the_kernel_table() -> tuple[dict, object]:
+    """A plan.training result as version 1 stored it: no kernel table, no HBM2e column in the 500 W account."""
+    from backend import experiments
+    r = experiments.run("plan.training")
+    tables = {k: [dict(row) for row in v] for k, v in r.tables.items() if k != "cp131k_by_attention_kernel"}
+    for row in tables["hopper_500w"]:
+        row.pop("HBM2e cost (modelled: throughput at 2.4 ÷ at 3.35 TB/s)")
+    return {"metrics": dict(r.metrics), "tables": tables}, experiments.get("plan.training").schema
+
+
+def test_a_run_stored_before_the_kernel_table_is_upgraded():
+    stored, schema = _stored_before_the_kernel_table()
+    assert [p for p in schema.problems(stored["metrics"], stored["tables"]) if "missing" in p]
+    upgraded = schema.upgrade(stored)
+    assert not [p for p in schema.problems(upgraded["metrics"], upgraded["tables"]) if "missing" in p]
+    assert upgraded["tables"]["cp131k_by_attention_kernel"] == []
