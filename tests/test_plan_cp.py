@@ -132,3 +132,34 @@ def test_a_run_stored_before_the_kernel_table_is_upgraded():
     upgraded = schema.upgrade(stored)
     assert not [p for p in schema.problems(upgraded["metrics"], upgraded["tables"]) if "missing" in p]
     assert upgraded["tables"]["cp131k_by_attention_kernel"] == []
+
+
+def _exposed_cp_mismatch(plan=PLAN) -> float:
+    """The step's exposed CP seconds against the bytes from the tensor shapes over the network link (the planner's
+    bus efficiency and α per ring step), all of it on the critical path: m · v chunk-micro-batches, each with its
+    forward all-gather and backward reduce-scatter, 2(cp − 1) ring steps."""
+    eff = published.fit()
+    dp = predict.validate(SPEC, CLUSTER, plan)
+    st = predict.step(SPEC, CLUSTER, plan, dp, eff)
+    per_chunk = (_allgather_sent_by_shapes(plan.cp) / (CLUSTER.net * predict.BUS_EFFICIENCY)
+                 + 2 * (plan.cp - 1) * predict.LATENCY["network"]) * predict.stage_layers(SPEC, plan) / plan.vp
+    return st["exposed_s"]["cp"] - st["m"] * plan.vp * per_chunk
+
+
+def test_the_all_gather_sits_on_the_critical_path_and_ring_attention_hides():
+    assert _exposed_cp_mismatch() == pytest.approx(0, abs=1e-9)
+    dp = predict.validate(SPEC, CLUSTER, PLAN)
+    ring = predict.step(SPEC, CLUSTER, dataclasses.replace(PLAN, cp_comm="ring"), dp, published.fit())
+    assert ring["exposed_s"]["cp"] == 0      # at 131k each block's attention outlasts its transfer
+
+
+def test_exposure_check_fails_when_the_gather_is_hidden_like_ring_attention(monkeypatch):
+    monkeypatch.setattr(predict, "cp_exposed", lambda comm, comm_s, attention_s: max(0.0, comm_s - attention_s))
+    assert _exposed_cp_mismatch() < -0.1
+
+
+def test_full_recompute_gathers_k_and_v_again():
+    numel = predict.kv_numel(SPEC, PLAN)
+    once = sum(t.numel() * t.element_size() for step in range(PLAN.cp - 1) for t in _local_kv())   # one more all-gather
+    assert costs.cp_sent_bytes("allgather", numel, PLAN.cp, regather=True) == _allgather_sent_by_shapes(PLAN.cp) + once
+    assert costs.cp_gathered_bytes("allgather", numel, PLAN.cp, "full") == 0

@@ -356,7 +356,14 @@ def cp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCom
     steps = 3 * (cp - 1) if plan.cp_comm == "ring" else (3 if regather else 2) * (cp - 1)
     cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel(model, plan), cp, regather=regather) / cp_bw + steps * cp_lat) \
         * chunk.layers if cp > 1 else 0.0
-    return cp_kind, (max(0.0, cp_comm - chunk.f_att - chunk.b_att) if plan.cp_comm == "ring" else cp_comm)
+    return cp_kind, cp_exposed(plan.cp_comm, cp_comm, chunk.f_att + chunk.b_att)
+
+
+def cp_exposed(comm: str, comm_s: float, attention_s: float) -> float:
+    """Seconds of context parallel's traffic left on the critical path: ring attention sends the next K/V block while
+    attending to this one, so only what exceeds the attention shows; the all-gather completes before attention starts
+    (and the reduce-scatter after its backward), so all of it shows."""
+    return max(0.0, comm_s - attention_s) if comm == "ring" else comm_s
 
 
 def ep_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
