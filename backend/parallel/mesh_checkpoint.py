@@ -189,6 +189,18 @@ def mesh_label(config) -> str:
     return dims + (f" {config.dp_strategy}" if config.dp > 1 else "")
 
 
+def resume_bytes(config, payload: dict) -> int:
+    """Bytes a rank sends over dp to load a checkpoint: ZeRO-1/2 all-gather the loaded master shards, cast to the
+    compute dtype, into the whole weights (a ring over the flat vector padded to a multiple of dp); the others none
+    (ZeRO-3 and FSDP2 gather at each step's start anyway, all-reduce and DDP load whole weights)."""
+    from backend.comm.collectives import ring_bytes
+
+    if config.dp_strategy not in ("zero1", "zero2") or config.dp == 1:
+        return 0
+    shard = -(-payload["flat_numel"] // config.dp)
+    return ring_bytes("all_gather", shard, config.dp, PRECISIONS[config.precision].item("compute"))
+
+
 def rest_bytes(config) -> int:
     """The checkpoint's tensors beside the weights and Adam's m, v: Adam's step and the loop's step (int64), the losses
     (float64 a step), and under fp16 the loss scaler (S and its clean steps, float64; each step's S and skip flag)."""

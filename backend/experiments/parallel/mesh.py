@@ -605,8 +605,10 @@ def byte_checks(config: MeshConfig, payloads, rows: dict) -> list[Check]:
     """Each rank's bytes per dimension against the byte model, and (MoE) its routing against the reference's."""
     checks = []
     for p in payloads:  # (after a restart: the bytes of the steps its last attempt ran)
-        ran = dataclasses.replace(config, steps=config.steps - p["checkpoint"]["start"]) if "checkpoint" in p else config
-        model = predicted_bytes(ran, p, rows[p["rank"]])
+        start = p["checkpoint"]["start"] if "checkpoint" in p else 0
+        ran = dataclasses.replace(config, steps=config.steps - start)  # (fp16: the skips of those steps; a resume restored the earlier)
+        model = predicted_bytes(ran, {**p, "skipped": p.get("skipped", [])[start:]}, rows[p["rank"]])
+        model["dp gradients"] += mesh_checkpoint.resume_bytes(config, p) if start else 0
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
