@@ -727,13 +727,10 @@ class MeshState:
     def _fsdp_held(self):
         """The same for FSDP2: each DTensor's local rows (and Adam's m, v of them) at the offset DTensor computes for
         this rank (torch.chunk's rows of dim 0); a rank past the last row holds none of that parameter."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         for p, shard, (_, m, v) in zip(self.params, self.sync.shards, self.sync.adams):
             local = shard.to_local().detach()  # (the same storage, outside autograd: DCP loads into it in place)
             if local.numel():
-                _, offsets = compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)
-                yield p, {"param": local, "exp_avg": m, "exp_avg_sq": v}, tuple(offsets), tuple(local.shape)
+                yield p, {"param": local, "exp_avg": m, "exp_avg_sq": v}, dtensor_offset(shard), tuple(local.shape)
 
     def _tp_writer(self, shapes: dict, tp_group) -> dict[tuple, bool]:
         """Whether this rank writes each reference piece it holds: no lower tp rank holds the same one."""
@@ -793,6 +790,14 @@ class MeshState:
     def reported_losses(self, start: int) -> list[float]:
         """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
         return self.losses[:start].tolist() if self.last else [0.0] * start
+
+
+def dtensor_offset(shard) -> tuple[int, ...]:
+    """Where a DTensor's local tensor starts in its global tensor, as DTensor computes it for this rank (what DCP
+    itself writes for a DTensor)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)[1])
 
 
 def mesh_category(key: str) -> str:
