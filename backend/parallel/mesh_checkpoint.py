@@ -1,8 +1,9 @@
-"""parallel.mesh's checkpoint settings (checkpoint_every, kill_rank, kill_step, reshard_tp, reshard_pp): the mesh run
-saves DCP checkpoints of the one model's tensors (backend/parallel/checkpoint.MeshState), a rank is killed by SIGKILL
+"""parallel.mesh's checkpoint settings (checkpoint_every, checkpoint_save, kill_rank, kill_step, reshard_tp, reshard_pp,
+reshard_strategy): the mesh run, any dp strategy (FSDP2 too) and precision, saves DCP checkpoints of the one model's
+tensors (backend/parallel/checkpoint.MeshState; dcp.async_save with checkpoint_save = async), a rank is killed by SIGKILL
 mid-step and the spawner restarts every rank from the last checkpoint (max_restarts), and the last checkpoint before
-the end is continued on another tp x pp mesh in the same processes. What it checks: the final weights bit for bit
-against the same plan run without checkpoints or the kill (attempt 0, before the checkpointed run), the killed process
+the end is continued on another tp x pp mesh (and dp strategy) in the same processes. What it checks: each rank's file
+against its share of the model, the final weights bit for bit against the same plan run without checkpoints or the kill (attempt 0, before the checkpointed run), the killed process
 gone, and the continuation on the other mesh against one float64 process, with DCP's reads as the resharding map."""
 from __future__ import annotations
 
@@ -129,26 +130,8 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
                    checkpoint_file_bytes=sum(f["bytes"] for f in files),
                    save_s_mean=float(np.mean([s["seconds"] for s in first["saves"]])) if first["saves"] else None,
                    checkpoint_save=config.checkpoint_save, **step_times(timeline, first["attempt"]))
-    per_rank = []
-    if files:
-        item = PRECISIONS[config.precision].item("master")
-        model = 3 * item * sum(v.numel() for v in ref["state"].values()) + rest_bytes(config)
-        checks.append(Check("tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)",
-                            abs(metrics["checkpoint_tensor_bytes"] - model), 0,
-                            reference=f"the one-process model's state_dict: weights (the {config.precision} master copy) and "
-                                      f"Adam m and v ({item} B each a parameter), Adam's step and the loop's step (int64), "
-                                      "the losses (8 B a step)" + (", the loss scaler (S, clean steps, each step's S and "
-                                                                   "skip)" if config.precision == "fp16_mixed" else ""),
-                            detail=f"{metrics['checkpoint_tensor_bytes']:,} B stored in {len(files)} files, {model:,} B counted"))
-        per_rank = bytes_per_rank(config, payloads, first["pieces"])
-        checks.append(Check("each rank's checkpoint file holds exactly its share: its weights, Adam m, v and the rest",
-                            sum(abs(r["written_bytes"] - r["expected_bytes"]) for r in per_rank), 0,
-                            reference="each rank's elements of the model from its parallelize sources, pp stage and dp cut "
-                                      "(ZeRO: ⌈ψ/dp⌉ of the flat vector; FSDP2: torch.chunk's rows), each written by the "
-                                      "holder of lowest (tp index, rank); the steps and loss scaler by rank 0, the losses "
-                                      "by the first last-stage rank",
-                            detail="; ".join(f"rank {r}: {sum(x['written_bytes'] for x in per_rank if x['rank'] == r):,} B"
-                                             for r in sorted({x['rank'] for x in per_rank}))))
+    byte_checks, per_rank = bytes_checks(config, payloads, ref) if files else ([], [])
+    checks += byte_checks
     if config.kill_rank >= 0:
         kills = [e for e in timeline if e["event"] == "kill"]
         bitwise = all(p["checkpoint"]["bitwise"] for p in payloads)
@@ -170,6 +153,33 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
         metrics.update(more_metrics)
         tables.update(more_tables)
     return checks, metrics, tables
+
+
+def bytes_checks(config, payloads, ref) -> tuple[list[Check], list[dict]]:
+    """The last checkpoint's tensor bytes against the model's state: in all, and each rank's file by category against
+    its share (bytes_per_rank's rows, returned with the checks)."""
+    first = payloads[0]["checkpoint"]
+    files, checks = first["files"], []
+    stored = sum(f["tensor bytes"] for f in files)
+    item = PRECISIONS[config.precision].item("master")
+    model = 3 * item * sum(v.numel() for v in ref["state"].values()) + rest_bytes(config)
+    checks.append(Check("tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)",
+                        abs(stored - model), 0,
+                        reference=f"the one-process model's state_dict: weights (the {config.precision} master copy) and "
+                                  f"Adam m and v ({item} B each a parameter), Adam's step and the loop's step (int64), "
+                                  "the losses (8 B a step)" + (", the loss scaler (S, clean steps, each step's S and "
+                                                               "skip)" if config.precision == "fp16_mixed" else ""),
+                        detail=f"{stored:,} B stored in {len(files)} files, {model:,} B counted"))
+    per_rank = bytes_per_rank(config, payloads, first["pieces"])
+    checks.append(Check("each rank's checkpoint file holds exactly its share: its weights, Adam m, v and the rest",
+                        sum(abs(r["written_bytes"] - r["expected_bytes"]) for r in per_rank), 0,
+                        reference="each rank's elements of the model from its parallelize sources, pp stage and dp cut "
+                                  "(ZeRO: ⌈ψ/dp⌉ of the flat vector; FSDP2: torch.chunk's rows), each written by the "
+                                  "holder of lowest (tp index, rank); the steps and loss scaler by rank 0, the losses "
+                                  "by the first last-stage rank",
+                        detail="; ".join(f"rank {r}: {sum(x['written_bytes'] for x in per_rank if x['rank'] == r):,} B"
+                                         for r in sorted({x['rank'] for x in per_rank}))))
+    return checks, per_rank
 
 
 def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]:
