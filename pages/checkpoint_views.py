@@ -73,7 +73,8 @@ def mesh_checkpoints(result: dict) -> None:
 def mesh_bytes_chart(rows: pd.DataFrame) -> alt.Chart:
     """Each rank's file by what it holds (weights, Adam m and v, the rest), a tick at the share the settings give it."""
     bars = alt.Chart(rows).mark_bar().encode(
-        x=alt.X("rank:O", title="rank that wrote the file"), y=alt.Y("written_bytes:Q", title="tensor bytes (B)"),
+        x=alt.X("rank:O", title="rank that wrote the file", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("written_bytes:Q", title="tensor bytes (B)"),
         color=alt.Color("category:N", title=None),
         tooltip=["rank", "category", alt.Tooltip("written_bytes:Q", format=",", title="written (B)"),
                  alt.Tooltip("expected_bytes:Q", format=",", title="its share, from the settings (B)"),
