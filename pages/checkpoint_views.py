@@ -54,12 +54,36 @@ def mesh_checkpoints(result: dict) -> None:
     cols[3].metric("save", f"{m['save_s_mean']:.3f} s" if m.get("save_s_mean") is not None else "none",
                    help="mean of the last attempt's saves (a contended 2-core machine)")
     st.altair_chart(timeline_chart(pd.DataFrame(t["checkpoint_timeline"])))
+    if t.get("checkpoint_bytes_per_rank"):
+        st.altair_chart(mesh_bytes_chart(pd.DataFrame(t["checkpoint_bytes_per_rank"])).properties(
+            height=240, title="The last checkpoint's tensor bytes per rank (tick: the rank's share of the model)"))
+    with_save, without = m.get("step_s_with_save"), m.get("step_s_without_save")
+    if with_save is not None or without is not None:
+        fmt = lambda x: "not measured" if x is None else f"{x:.3f} s"  # noqa: E731
+        st.caption(f"{m['checkpoint_save']} save: a step after a save took {fmt(with_save)}, one without "
+                   f"{fmt(without)} (medians, rank 0's timeline, a contended 2-core machine).")
     if t.get("reshard_map"):
         reshard_section(m, t)
     with st.expander("The last checkpoint's files"):
         st.markdown("Each file holds the pieces of the model's tensors its rank wrote, at their global offsets (a "
                     "piece several ranks hold is written once).")
         ui.table(pd.DataFrame(t["checkpoint_files"]))
+
+
+def mesh_bytes_chart(rows: pd.DataFrame) -> alt.Chart:
+    """Each rank's file by what it holds (weights, Adam m and v, the rest), a tick at the share the settings give it."""
+    bars = alt.Chart(rows).mark_bar().encode(
+        x=alt.X("rank:O", title="rank that wrote the file", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("written_bytes:Q", title="tensor bytes (B)"),
+        color=alt.Color("category:N", title=None),
+        tooltip=["rank", "category", alt.Tooltip("written_bytes:Q", format=",", title="written (B)"),
+                 alt.Tooltip("expected_bytes:Q", format=",", title="its share, from the settings (B)"),
+                 alt.Tooltip("held_bytes:Q", format=",", title="held before deduplication (B)")])
+    share = rows.groupby("rank", as_index=False)["expected_bytes"].sum()
+    ticks = alt.Chart(share).mark_tick(color="black", thickness=2, size=30).encode(
+        x="rank:O", y="expected_bytes:Q",
+        tooltip=["rank", alt.Tooltip("expected_bytes:Q", format=",", title="its share, from the settings (B)")])
+    return bars + ticks
 
 
 MESH_RESHARD = {"steps": 4, "checkpoint_every": 2, "kill_rank": 1, "kill_step": 3, "reshard_tp": 1, "reshard_pp": 4}

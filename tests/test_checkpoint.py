@@ -231,7 +231,7 @@ def _continue_with_a_read_dropped(rank, world, config, ctx):
     return run_rank(rank, world, config, ctx)
 
 
-PARAMS_AND_LOSSES = {"resharded (zero3 on 4 ranks -> zero1 on 2): parameters after the remaining steps equal one process",
+PARAMS_AND_LOSSES = {"resharded (zero3 on 4 ranks -> zero1 on 2): final parameters equal one process",
                      "resharded: every step's loss equals one process"}
 
 

@@ -332,6 +332,29 @@ def reshard_tables(reads: list[list[dict]]) -> dict[str, list[dict]]:
             "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
 
 
+def reshard_result(plan: str, new: list[dict], param_err: float, loss_err: float,
+                   reference: str) -> tuple[list, dict, dict]:
+    """The checks, metrics and tables of a checkpoint continued on another plan (parallel.checkpoint's reshard_to,
+    parallel.mesh's reshard_tp/pp): its parameters and every step's loss against one process (`param_err`, `loss_err`,
+    measured by the caller against `reference`), each new rank's reads against the tensor bytes it loaded into (DCP's
+    load plan must cover exactly what the rank holds), and DCP's reads as the resharding map. `new`: each new rank's
+    {"reads": read_map rows, "held": bytes it holds, "from": the checkpoint's name, "load_s"}."""
+    from backend.result import Check
+
+    read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
+    cover_err = sum(abs(read[i] - n["held"]) for i, n in enumerate(new))
+    checks = [
+        Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9, reference=reference,
+              detail="max |difference|"),
+        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference=reference),
+        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
+              reference="the pieces of the model's tensors (and Adam's m, v) each new rank loaded into",
+              detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
+    ]
+    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
+    return checks, metrics, reshard_tables([n["reads"] for n in new])
+
+
 def local_tensor_bytes(state: dict) -> int:
     """Bytes of the tensors this rank holds in a state dict: its ShardedTensors' local shards, its DTensors' local
     pieces, its plain tensors (the reference a load's reads must add up to)."""
@@ -553,14 +576,16 @@ def _lookup(state_dict: dict, index):
 
 
 def _save_planner():
-    """DCP's default save planner, finding the data of a Pieces' write item by its offsets."""
+    """DCP's default save planner, finding the data of a Pieces' write item by its offsets; an item several ranks hold
+    (a replicated tensor, identical chunks of dp replicas) is written by the lowest of them (dedup_save_to_lowest_rank),
+    not by whichever plan is smallest so far, so each rank's share of the files follows from the plan alone."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     class PiecesSavePlanner(DefaultSavePlanner):
         def lookup_object(self, index):
             return _lookup(self.state_dict, index)
 
-    return PiecesSavePlanner()
+    return PiecesSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def rectangles(shape, x: int, y: int) -> list[tuple[tuple, tuple]]:
@@ -624,49 +649,92 @@ def model_keys(kind: str, ref: str) -> str:
     return f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
 
 
+class _Sourced:
+    """A parameter's shape and parallelize's `source` (FSDP2 swaps the parameters for DTensors, which lose it)."""
+
+    def __init__(self, source, shape):
+        self.source, self.shape = source, torch.Size(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
 class MeshState:
     """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's, keyed by the one model's
     parameter names: each reference tensor (and Adam's m and v of it) is a Pieces of the rectangles this rank holds at
-    their global offsets, whatever its tp shard (parallelize's sources), pp stage (which layers) or ZeRO cut of its
-    flat vector. So a checkpoint of tp 2 x pp 2 loads on tp 1 x pp 4 (DCP plans the reads), and one of another model
-    (another shape, or a layer more) is refused by name. A piece held by several ranks is written once: by the lowest
-    tp rank holding it (a replicated norm; KV heads shared over tp), and among identical dp, cp or ep replicas by DCP's
-    deduplication of equal chunks. Adam's step and the reported losses (the last stage's) are plain tensors."""
+    their global offsets, whatever its tp shard (parallelize's sources), pp stage (which layers) and dp cut: the ZeRO cut
+    of its flat vector, or FSDP2's dim-0 rows of each DTensor (the offset DTensor itself gives). So a checkpoint of
+    tp 2 x pp 2 loads on tp 1 x pp 4, FSDP2's on dp 2 or under ZeRO-1, and one of another model (another shape, or a
+    layer more) is refused by name. In mixed precision the weights saved are the master copy (Adam's m, v beside it).
+    A piece held by several ranks is written once: by the lowest tp rank holding it (a replicated norm; KV heads shared
+    over tp), and among identical dp, cp or ep replicas by the lowest rank (DCP's deduplication). Adam's step, the
+    reported losses (the last stage's) and fp16's loss scaler (S, its clean-step count, each step's S and skips) are
+    saved beside them."""
 
-    def __init__(self, sync, model: torch.nn.Module, steps: int, shapes: dict, tp_group=None):
+    def __init__(self, sync, model: torch.nn.Module, steps: int, shapes: dict, tp_group=None, loss_scale=None):
         self.sync, self.model = sync, model
+        self.fsdp = getattr(sync, "strategy", None) == "fsdp2"
         self.last = any(getattr(c, "head", None) is not None for c in model.values())
         self.losses = torch.zeros(steps, dtype=torch.float64)
         self.adam_step = torch.tensor(0)
+        self.scaler = loss_scale if loss_scale is not None and getattr(loss_scale, "scaler", None) else None
+        if self.scaler:  # fp16: S and its clean steps, each step's S and whether it was skipped
+            self.scaler_state = torch.zeros(2, dtype=torch.float64)
+            self.scales, self.skipped = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.int64)
+        self.params = self._sourced()
         self.tensors = self._pieces(shapes, tp_group)
 
+    def _sourced(self) -> list:
+        """This rank's parameters in order, each with its shape and source (FSDP2's from before it swapped them)."""
+        if self.fsdp:
+            return [_Sourced(a["source"], p.shape) for a, p in zip(self.sync.attrs.values(), self.sync.shards)]
+        return list(self.model.parameters())
+
+    def _adams(self) -> list:
+        """The Adam objects whose step counts this rank's updates: one (ours), or one per DTensor (FSDP2's)."""
+        return [adam for adam, _, _ in self.sync.adams] if self.fsdp else [self.sync.adam]
+
     def _pieces(self, shapes: dict, tp_group) -> dict[str, Pieces]:
+        writes, out = self._tp_writer(shapes, tp_group), {}
+        for p, held, offsets, sizes in (self._fsdp_held() if self.fsdp else self._flat_held()):
+            for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
+                for kind, view in held.items():
+                    view = view.narrow(*narrow) if narrow else view
+                    out.setdefault(model_keys(kind, ref), Pieces(shapes[ref], view.dtype)).add(glob, view, writes[piece])
+        return out
+
+    def _flat_held(self):
+        """(parameter, {kind: view}, offsets, sizes) of each rectangle of a parameter in this rank's ZeRO cut [lo, hi) of
+        the flat (master) vector and of Adam's m and v (the whole vector unless ZeRO), views into them."""
         s = self.sync
-        total = sum(p.numel() for p in self.model.parameters())
-        lo = s.dp.index * s.owned.numel() if s.zero else 0  # this rank's ZeRO cut of the flat vector: [lo, hi)
+        total = sum(p.numel() for p in self.params)
+        lo = s.dp.index * s.owned.numel() if s.zero else 0
         hi = min(lo + s.owned.numel(), total)
-        writes = self._tp_writer(shapes, tp_group)
-        held = {"param": s.owned, "exp_avg": s.m, "exp_avg_sq": s.v}
-        out, at = {}, 0
-        for p in self.model.parameters():
+        at = 0
+        for p in self.params:
             a, b = at, at + p.numel()
             at = b
             cols = p.shape[1] if p.dim() == 2 else 1
+            stride = (cols, 1) if p.dim() == 2 else (1,)
             for offsets, sizes in rectangles(tuple(p.shape), max(a, lo) - a, min(b, hi) - a):
                 start = a - lo + offsets[0] * cols + (offsets[1] if p.dim() == 2 else 0)
-                stride = (cols, 1) if p.dim() == 2 else (1,)
-                for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
-                    for kind, flat in held.items():
-                        view = flat.as_strided(sizes, stride, flat.storage_offset() + start)
-                        if narrow:
-                            view = view.narrow(*narrow)
-                        key = model_keys(kind, ref)
-                        out.setdefault(key, Pieces(shapes[ref], flat.dtype)).add(glob, view, writes[piece])
-        return out
+                yield p, {kind: flat.as_strided(sizes, stride, flat.storage_offset() + start)
+                          for kind, flat in (("param", s.owned), ("exp_avg", s.m), ("exp_avg_sq", s.v))}, offsets, sizes
+
+    def _fsdp_held(self):
+        """The same for FSDP2: each DTensor's local rows (and Adam's m, v of them) at the offset DTensor computes for
+        this rank (torch.chunk's rows of dim 0); a rank past the last row holds none of that parameter."""
+        for p, shard, (_, m, v) in zip(self.params, self.sync.shards, self.sync.adams):
+            local = shard.to_local().detach()  # (the same storage, outside autograd: DCP loads into it in place)
+            if local.numel():
+                yield p, {"param": local, "exp_avg": m, "exp_avg_sq": v}, dtensor_offset(shard), tuple(local.shape)
 
     def _tp_writer(self, shapes: dict, tp_group) -> dict[tuple, bool]:
         """Whether this rank writes each reference piece it holds: no lower tp rank holds the same one."""
-        mine = {(ref, dim, start, length) for p in self.model.parameters() for ref, dim, start, _, length in source_pieces(p, shapes)}
+        mine = {(ref, dim, start, length) for p in self.params for ref, dim, start, _, length in source_pieces(p, shapes)}
         lower = set()
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             every = [None] * dist.get_world_size(tp_group)
@@ -675,25 +743,68 @@ class MeshState:
         return {piece: piece not in lower for piece in mine}
 
     def checkpoint_state(self) -> dict:
-        self.adam_step.fill_(self.sync.adam.step)
+        self.adam_step.fill_(self._adams()[0].step)
         losses = Pieces(self.losses.shape, self.losses.dtype)
         losses.add((0,), self.losses, self.last)  # the reported losses: the last stage's
-        return {**self.tensors, "optim.step": self.adam_step, "loop.losses": losses}
+        out = {**self.tensors, "optim.step": self.adam_step, "loop.losses": losses}
+        if self.scaler:
+            ran = len(self.scaler.scales)
+            self.scaler_state.copy_(torch.tensor([self.scaler.scaler.scale, self.scaler.scaler.clean_steps]))
+            self.scales[:ran] = torch.tensor(self.scaler.scales, dtype=torch.float64)
+            self.skipped[:ran] = torch.tensor(self.scaler.skipped, dtype=torch.int64)
+            out.update({"loop.loss_scaler": self.scaler_state, "loop.loss_scales": self.scales, "loop.skipped": self.skipped})
+        return out
 
     def load_checkpoint_state(self, state: dict) -> None:
         """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
-        shards; ZeRO-3 gathers at every step's start anyway)."""
+        shards; ZeRO-3 gathers at every step's start anyway; FSDP2 holds them in its DTensors, unsharded at each step's
+        start). fp16: the loss scaler's S and clean-step count."""
         from backend.parallel.workload import load_flat
 
-        self.sync.adam.step = int(state["optim.step"])
+        for adam in self._adams():
+            adam.step = int(state["optim.step"])
+        if self.scaler:
+            self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(self.scaler_state[0]), int(self.scaler_state[1])
+        if self.fsdp:
+            return
         if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
             self.sync.weights = self.sync.compute_weights()
         if self.sync.weights is not None:
             load_flat(self.model, self.sync.weights)
 
+    def restore_history(self, start: int) -> None:
+        """fp16: each step's S and skip before `start`, as the run records them (its checks compare every step's)."""
+        if self.scaler:
+            self.scaler.scales = self.scales[:start].tolist()
+            self.scaler.skipped = [bool(x) for x in self.skipped[:start].tolist()]
+
+    def held_bytes(self) -> dict[str, int]:
+        """Tensor bytes this rank hands DCP by category (before deduplication): the weights (master copy), Adam's
+        m and v of them, and the rest (Adam's step, the losses, the loss scaler)."""
+        out = {"weights": 0, "Adam m, v": 0, "the rest": 0}
+        for key, value in self.checkpoint_state().items():
+            n = value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
+            out[mesh_category(key)] += n
+        return out
+
     def reported_losses(self, start: int) -> list[float]:
         """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
         return self.losses[:start].tolist() if self.last else [0.0] * start
+
+
+def dtensor_offset(shard) -> tuple[int, ...]:
+    """Where a DTensor's local tensor starts in its global tensor, as DTensor computes it for this rank (what DCP
+    itself writes for a DTensor)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)[1])
+
+
+def mesh_category(key: str) -> str:
+    """What a mesh checkpoint's key holds: the weights, Adam's m and v, or the rest (steps, losses, loss scaler)."""
+    if key.startswith("model."):
+        return "weights"
+    return "Adam m, v" if key.endswith((".exp_avg", ".exp_avg_sq")) else "the rest"
 
 
 @dataclass
@@ -706,11 +817,14 @@ class MeshHook:
     state: MeshState | None = None
     loop: dict = field(default_factory=dict)
 
-    def resume(self, sync, model, mesh, steps: int) -> tuple[int, list[float]]:
-        """Load the newest checkpoint into this rank's state: the step to run next and the losses so far."""
-        self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None)
+    def resume(self, sync, model, mesh, steps: int, loss_scale=None) -> tuple[int, list[float]]:
+        """Load the newest checkpoint into this rank's state (and fp16's loss scaler): the step to run next and the
+        losses so far."""
+        self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None,
+                               loss_scale)
         self.loop = {"loop.step": torch.tensor(0)}
         start = self.saver.resume(self.state, self.loop)
+        self.state.restore_history(start)
         return start, self.state.reported_losses(start)
 
     def mid_step(self, step: int) -> None:

@@ -1,8 +1,9 @@
-"""parallel.mesh's checkpoint settings (checkpoint_every, kill_rank, kill_step, reshard_tp, reshard_pp): the mesh run
-saves DCP checkpoints of the one model's tensors (backend/parallel/checkpoint.MeshState), a rank is killed by SIGKILL
+"""parallel.mesh's checkpoint settings (checkpoint_every, checkpoint_save, kill_rank, kill_step, reshard_tp, reshard_pp,
+reshard_strategy): the mesh run, any dp strategy (FSDP2 too) and precision, saves DCP checkpoints of the one model's
+tensors (backend/parallel/checkpoint.MeshState; dcp.async_save with checkpoint_save = async), a rank is killed by SIGKILL
 mid-step and the spawner restarts every rank from the last checkpoint (max_restarts), and the last checkpoint before
-the end is continued on another tp x pp mesh in the same processes. What it checks: the final weights bit for bit
-against the same plan run without checkpoints or the kill (attempt 0, before the checkpointed run), the killed process
+the end is continued on another tp x pp mesh (and dp strategy) in the same processes. What it checks: each rank's file
+against its share of the model, the final weights bit for bit against the same plan run without checkpoints or the kill (attempt 0, before the checkpointed run), the killed process
 gone, and the continuation on the other mesh against one float64 process, with DCP's reads as the resharding map."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from backend.config import ConfigError
 from backend.parallel import checkpoint as ckpt
+from backend.parallel.workload import PRECISIONS
 from backend.result import Check
 
 BASELINE = "uninterrupted_rank{}.npz"
@@ -29,23 +31,23 @@ def check_settings(config) -> None:
                                        f"({fits} kill_rank = -1)")
     if config.kill_rank >= 0 and config.kill_step >= config.steps:
         raise ConfigError("kill_step", f"{config.kill_step} is past the last step ({fits} kill_step = {config.steps - 1})")
-    if config.checkpoint_every and config.dp_strategy == "fsdp2":
-        raise ConfigError("checkpoint_every", f"{config.checkpoint_every} with dp_strategy fsdp2: the mesh's checkpoint "
-                                              f"saves our strategies' flat shards, not FSDP2's DTensors ({fits} "
-                                              "checkpoint_every = 0)")
-    if config.checkpoint_every and config.precision == "fp16_mixed":
-        raise ConfigError("checkpoint_every", f"{config.checkpoint_every} with precision fp16_mixed: the loss scale's "
-                                              f"state is not saved, so a resume would not be bit for bit ({fits} "
-                                              "checkpoint_every = 0)")
     if config.checkpoint_every > config.steps:
         raise ConfigError("checkpoint_every", f"{config.checkpoint_every} saves nothing in {config.steps} steps "
                                               f"({fits} checkpoint_every = {config.steps})")
+    if config.checkpoint_save == "async" and not config.checkpoint_every:
+        raise ConfigError("checkpoint_save", f"async with checkpoint_every = 0: nothing is saved ({fits} checkpoint_save = sync)")
+    if config.reshard_strategy != "same" and not config.reshard_tp:
+        raise ConfigError("reshard_strategy", f"{config.reshard_strategy} with reshard_tp = 0: no continuation to run it "
+                                              f"({fits} reshard_strategy = same)")
     if bool(config.reshard_tp) != bool(config.reshard_pp):
         unset, other = ("reshard_pp", "reshard_tp") if config.reshard_tp else ("reshard_tp", "reshard_pp")
         raise ConfigError(unset, f"0 with {other} = {getattr(config, other)}: the new mesh needs both tp and pp "
                                  f"({fits} {other} = 0)")
     if not config.reshard_tp:
         return
+    if config.precision != "fp64":
+        raise ConfigError("reshard_tp", f"{config.reshard_tp} with precision {config.precision}: the continuation is checked "
+                                        f"against one float64 process within 1e-9 ({fits} reshard_tp = 0, or precision = fp64)")
     if not 1 <= config.checkpoint_every < config.steps:
         fix = f"checkpoint_every = {config.steps - 1}" if config.steps > 1 else "reshard_tp = 0"
         raise ConfigError("checkpoint_every", f"{config.checkpoint_every} leaves no checkpoint before the last step to "
@@ -58,9 +60,12 @@ def check_settings(config) -> None:
 
 
 def resharded(config):
-    """The run continued on tp = reshard_tp, pp = reshard_pp (dp takes the rest of the ranks), checkpointing nothing."""
-    return dataclasses.replace(config, tp=config.reshard_tp, pp=config.reshard_pp, checkpoint_every=0, kill_rank=-1,
-                               reshard_tp=0, reshard_pp=0, compare_schedules=False, recompute="none", preset="none")
+    """The run continued on tp = reshard_tp, pp = reshard_pp (dp takes the rest of the ranks) with the dp strategy
+    reshard_strategy (same: the run's), checkpointing nothing."""
+    strategy = config.dp_strategy if config.reshard_strategy == "same" else config.reshard_strategy
+    return dataclasses.replace(config, tp=config.reshard_tp, pp=config.reshard_pp, dp_strategy=strategy, checkpoint_every=0,
+                               kill_rank=-1, reshard_tp=0, reshard_pp=0, reshard_strategy="same", checkpoint_save="sync",
+                               compare_schedules=False, recompute="none", preset="none")
 
 
 def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> dict:
@@ -76,12 +81,13 @@ def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> di
     def fault(step):
         if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
             ckpt.kill_self(root, rank, step)
-    hook = ckpt.MeshHook(ckpt.Checkpointer(root, config.checkpoint_every, rank, attempt=ctx.attempt),
-                         fault if killing else None, shapes)
+    saver = ckpt.Checkpointer(root, config.checkpoint_every, rank, attempt=ctx.attempt,
+                              asynchronous=config.checkpoint_save == "async")
+    hook = ckpt.MeshHook(saver, fault if killing else None, shapes)
     payload = train_rank(rank, world, config, ctx.progress, hook)
-    saver = hook.saver
     out = {"attempt": ctx.attempt, "start": resumed_step(saver), "resumed_from": saver.resumed_from,
-           "load_s": saver.load_seconds, "saves": [dataclasses.asdict(s) for s in saver.saves]}
+           "load_s": saver.load_seconds, "saves": [dataclasses.asdict(s) for s in saver.saves],
+           "held": hook.state.held_bytes()}
     if killing:
         with np.load(root / BASELINE.format(rank)) as base:
             out["bitwise"] = all(np.array_equal(v.view(np.uint64), base[k].view(np.uint64)) for k, v in payload["params"].items())
@@ -89,7 +95,7 @@ def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> di
     last = saver.latest()
     if rank == 0:
         out.update(timeline=ckpt.read_timeline(root), files=ckpt.files_per_rank(last) if last else [],
-                   checkpoint=last.name if last else None)
+                   pieces=ckpt.pieces(last) if last else [], checkpoint=last.name if last else None)
     if config.reshard_tp:
         out["reshard"] = continue_on_another_mesh(rank, world, config, root, shapes, ctx.attempt, train_rank)
     payload["checkpoint"] = out
@@ -122,14 +128,10 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
     files = first["files"]
     metrics.update(checkpoint_tensor_bytes=sum(f["tensor bytes"] for f in files),
                    checkpoint_file_bytes=sum(f["bytes"] for f in files),
-                   save_s_mean=float(np.mean([s["seconds"] for s in first["saves"]])) if first["saves"] else None)
-    if files:
-        model = 3 * 8 * sum(v.numel() for v in ref["state"].values()) + 8 + 8 + 8 * config.steps
-        checks.append(Check("tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)",
-                            abs(metrics["checkpoint_tensor_bytes"] - model), 0,
-                            reference="the one-process model's state_dict: weights, Adam m and v (3 x 8 B a parameter), "
-                                      "Adam's step and the loop's step (int64), the losses (8 B a step)",
-                            detail=f"{metrics['checkpoint_tensor_bytes']:,} B stored in {len(files)} files, {model:,} B counted"))
+                   save_s_mean=float(np.mean([s["seconds"] for s in first["saves"]])) if first["saves"] else None,
+                   checkpoint_save=config.checkpoint_save, **step_times(timeline, first["attempt"]))
+    byte_checks, per_rank = bytes_checks(config, payloads, ref) if files else ([], [])
+    checks += byte_checks
     if config.kill_rank >= 0:
         kills = [e for e in timeline if e["event"] == "kill"]
         bitwise = all(p["checkpoint"]["bitwise"] for p in payloads)
@@ -144,7 +146,7 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
         metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=first["start"],
                        steps_redone=config.kill_step - first["start"], load_s=first["load_s"])
     tables = {"checkpoint_timeline": [{**e, "t_s": e["t"] - timeline[0]["t"]} for e in timeline] if timeline else [],
-              "checkpoint_files": files}
+              "checkpoint_files": files, "checkpoint_bytes_per_rank": per_rank}
     if config.reshard_tp:
         more_checks, more_metrics, more_tables = reshard_result(config, payloads, ref, cut)
         checks += more_checks
@@ -153,27 +155,127 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
     return checks, metrics, tables
 
 
-def mesh_label(config) -> str:
-    """tp x pp x dp, and cp and ep where they are more than 1."""
-    return " x ".join(f"{d} {getattr(config, d)}" for d in ("tp", "pp", "dp", "cp", "ep") if d in ("tp", "pp", "dp") or getattr(config, d) > 1)
+def bytes_checks(config, payloads, ref) -> tuple[list[Check], list[dict]]:
+    """The last checkpoint's tensor bytes against the model's state: in all, and each rank's file by category against
+    its share (bytes_per_rank's rows, returned with the checks)."""
+    first = payloads[0]["checkpoint"]
+    files, checks = first["files"], []
+    stored = sum(f["tensor bytes"] for f in files)
+    item = PRECISIONS[config.precision].item("master")
+    model = 3 * item * sum(v.numel() for v in ref["state"].values()) + rest_bytes(config)
+    checks.append(Check("tensor bytes in the last checkpoint equal the model's state exactly (each piece written once)",
+                        abs(stored - model), 0,
+                        reference=f"the one-process model's state_dict: weights (the {config.precision} master copy) and "
+                                  f"Adam m and v ({item} B each a parameter), Adam's step and the loop's step (int64), "
+                                  "the losses (8 B a step)" + (", the loss scaler (S, clean steps, each step's S and "
+                                                               "skip)" if config.precision == "fp16_mixed" else ""),
+                        detail=f"{stored:,} B stored in {len(files)} files, {model:,} B counted"))
+    per_rank = bytes_per_rank(config, payloads, first["pieces"])
+    checks.append(Check("each rank's checkpoint file holds exactly its share: its weights, Adam m, v and the rest",
+                        sum(abs(r["written_bytes"] - r["expected_bytes"]) for r in per_rank), 0,
+                        reference="each rank's elements of the model from its parallelize sources, pp stage and dp cut "
+                                  "(ZeRO: ⌈ψ/dp⌉ of the flat vector; FSDP2: torch.chunk's rows), each written by the "
+                                  "holder of lowest (tp index, rank); the steps and loss scaler by rank 0, the losses "
+                                  "by the first last-stage rank",
+                        detail="; ".join(f"rank {r}: {sum(x['written_bytes'] for x in per_rank if x['rank'] == r):,} B"
+                                         for r in sorted({x['rank'] for x in per_rank}))))
+    return checks, per_rank
 
 
 def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]:
-    """The continuation on the other mesh against one process; DCP's reads as the resharding map."""
+    """The continuation on the other mesh against one float64 process (checkpoint.reshard_result's checks)."""
     new = [p["checkpoint"]["reshard"] for p in payloads]
     param_err = max(float(np.abs(v - cut(ref["state"], n["sources"])[k].numpy()).max()) for n in new for k, v in n["params"].items())
     last = next(n for n in new if n["last_stage"])
     loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
-    read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
-    cover_err = sum(abs(read[i] - n["held"]) for i, n in enumerate(new))
     plan = f"{mesh_label(config)} -> {mesh_label(resharded(config))}"
-    checks = [
-        Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9,
-              reference="TinyDecoder, float64, torch.optim.Adam, one process, all the steps", detail="max |difference|"),
-        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference="one process"),
-        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
-              reference="the pieces of the model's tensors (and Adam's m, v) each new rank holds at its tp shard, "
-                        "pp layers and ZeRO cut", detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
-    ]
-    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    return checks, metrics, ckpt.reshard_tables([n["reads"] for n in new])
+    return ckpt.reshard_result(plan, new, param_err, loss_err,
+                               "TinyDecoder, float64, torch.optim.Adam, one process, all the steps")
+
+
+def mesh_label(config) -> str:
+    """tp x pp x dp, and cp and ep where they are more than 1; the dp strategy where dp > 1."""
+    dims = " x ".join(f"{d} {getattr(config, d)}" for d in ("tp", "pp", "dp", "cp", "ep") if d in ("tp", "pp", "dp") or getattr(config, d) > 1)
+    return dims + (f" {config.dp_strategy}" if config.dp > 1 else "")
+
+
+def resume_bytes(config, payload: dict) -> int:
+    """Bytes a rank sends over dp to load a checkpoint: ZeRO-1/2 all-gather the loaded master shards, cast to the
+    compute dtype, into the whole weights (a ring over the flat vector padded to a multiple of dp); the others none
+    (ZeRO-3 and FSDP2 gather at each step's start anyway, all-reduce and DDP load whole weights)."""
+    from backend.comm.collectives import ring_bytes
+
+    if config.dp_strategy not in ("zero1", "zero2") or config.dp == 1:
+        return 0
+    shard = -(-payload["flat_numel"] // config.dp)
+    return ring_bytes("all_gather", shard, config.dp, PRECISIONS[config.precision].item("compute"))
+
+
+def rest_bytes(config) -> int:
+    """The checkpoint's tensors beside the weights and Adam's m, v: Adam's step and the loop's step (int64), the losses
+    (float64 a step), and under fp16 the loss scaler (S and its clean steps, float64; each step's S and skip flag)."""
+    return 8 + 8 + 8 * config.steps + (16 + 16 * config.steps if config.precision == "fp16_mixed" else 0)
+
+
+def held_elements(config, payload: dict, shapes: dict, base: dict) -> np.ndarray:
+    """The elements of the one model (numbered ref by ref, `base`: each reference tensor's first number) whose weights
+    and Adam states this rank keeps: its parameters as parallelize's sources cut them from the reference tensors (in
+    model order), then its dp cut: ZeRO's ⌈ψ/dp⌉ of the flat vector, FSDP2's ⌈rows/dp⌉ rows of each parameter."""
+    params = []
+    for dim, parts in payload["sources"].values():
+        numbered = {ref: base[ref] + np.arange(int(np.prod(shapes[ref]))).reshape(shapes[ref]) for ref, _ in parts}
+        if dim is None:
+            params.append(numbered[parts[0][0]])
+        else:
+            params.append(np.concatenate([numbered[ref][(slice(None),) * dim + (sl,)] for ref, sl in parts], axis=dim))
+    k, i = config.dp, payload["coords"]["dp"]
+    if config.dp_strategy == "fsdp2":
+        return np.concatenate([x[i * -(-x.shape[0] // k):(i + 1) * -(-x.shape[0] // k)].ravel() for x in params])
+    flat = np.concatenate([x.ravel() for x in params])
+    if config.dp_strategy.startswith("zero"):
+        shard = -(-flat.size // k)
+        flat = flat[i * shard:(i + 1) * shard]
+    return flat
+
+
+def expected_per_rank(config, payloads) -> dict[int, dict[str, int]]:
+    """Each rank's bytes in the checkpoint by category, from the settings and each rank's parameters: every element of
+    the model written once, by the rank of lowest (tp index, rank) holding it, as its weight and Adam's m and v at the
+    master dtype's size; the steps (and fp16's scaler) by rank 0, the losses by the lowest rank on the last stage."""
+    shapes = ckpt.reference_shapes(config)
+    base, at = {}, 0
+    for ref in sorted(shapes):
+        base[ref], at = at, at + int(np.prod(shapes[ref]))
+    written, item, out = np.zeros(at, dtype=bool), PRECISIONS[config.precision].item("master"), {}
+    for p in sorted(payloads, key=lambda p: (p["coords"]["tp"], p["rank"])):
+        ids = held_elements(config, p, shapes, base)
+        new = np.unique(ids[~written[ids]])
+        written[new] = True
+        out[p["rank"]] = {"weights": item * new.size, "Adam m, v": 2 * item * new.size, "the rest": 0}
+    out[0]["the rest"] += rest_bytes(config) - 8 * config.steps
+    out[min(p["rank"] for p in payloads if p["last_stage"])]["the rest"] += 8 * config.steps
+    return out
+
+
+def bytes_per_rank(config, payloads, pieces: list[dict]) -> list[dict]:
+    """Each rank's tensor bytes in the checkpoint's files by category (DCP's metadata: which file, so which rank, holds
+    each piece), beside expected_per_rank's, and what the rank held before deduplication."""
+    expected = expected_per_rank(config, payloads)
+    held = {p["rank"]: p["checkpoint"]["held"] for p in payloads}
+    return [{"rank": r, "category": c, "written_bytes": sum(x["bytes"] for x in pieces if x["rank"] == r and ckpt.mesh_category(x["key"]) == c),
+             "expected_bytes": e, "held_bytes": held[r][c]} for r, cats in sorted(expected.items()) for c, e in cats.items()]
+
+
+def step_times(timeline: list[dict], attempt: int) -> dict:
+    """The wall time from one step's end to the next (rank 0's timeline, the last attempt), split into those that
+    began with a save (sync: the whole save; async: its staging and the wait for the previous write) and those that
+    did not: medians, None where there is none."""
+    ends = [e for e in timeline if e.get("attempt") == attempt and e["event"] in ("step", "save")]
+    saving, plain = [], []
+    for i, (a, b) in enumerate(zip(ends, ends[1:])):
+        if a["event"] == "step":
+            nxt = next((e for e in ends[i + 1:] if e["event"] == "step"), None)
+            if nxt and nxt["step"] == a["step"] + 1:
+                (saving if b["event"] == "save" else plain).append(nxt["t"] - a["t"])
+    med = lambda x: float(np.median(x)) if x else None  # noqa: E731
+    return {"step_s_with_save": med(saving), "step_s_without_save": med(plain)}

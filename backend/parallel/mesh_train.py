@@ -231,7 +231,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
                              config.tp if config.sp else 1, sync.entry(c), precision.compute, loss_scale.scale)
                 for s, c in chunks.items()}
-    start, losses = checkpoint.resume(sync, model, mesh, config.steps) if checkpoint else (0, losses)
+    start, losses = checkpoint.resume(sync, model, mesh, config.steps, loss_scale) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
         gathered = sync.weights_for_step(step)

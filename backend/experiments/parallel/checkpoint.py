@@ -269,23 +269,13 @@ def bytes_per_rank(config: CheckpointConfig, pieces: list[dict]) -> list[dict]:
 
 
 def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check], dict, dict]:
-    """The checks, metrics and tables of the continuation on another plan (continue_on_another_plan)."""
-    new = [r.extra["reshard"] for r in reports[:config.reshard_ranks]]
+    """The continuation on another plan (continue_on_another_plan) against one float64 process (checkpoint.reshard_result's
+    checks)."""
+    new = [{**r.extra["reshard"], "held": r.extra["reshard"]["held_bytes"]} for r in reports[:config.reshard_ranks]]
     param_err = max(float(np.abs(n["params"] - ref["params"].numpy()).max()) for n in new)
     loss_err = max(abs(a - b) for n in new for a, b in zip(n["losses"], ref["losses"]))
-    read = {i: sum(row["bytes"] for row in n["reads"]) for i, n in enumerate(new)}
-    cover_err = max(abs(read[i] - n["held_bytes"]) for i, n in enumerate(new))
     plan = f"{config.strategy} on {config.world_size} ranks -> {config.target} on {config.reshard_ranks}"
-    checks = [
-        Check(f"resharded ({plan}): parameters after the remaining steps equal one process", param_err, 1e-9,
-              reference="single-process PyTorch training the whole batch (float64)", detail="max |difference|"),
-        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference="single-process PyTorch"),
-        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
-              reference="the local shards of the tensors each new rank loaded into",
-              detail=", ".join(f"rank {i}: {read[i]:,} B read" for i in read)),
-    ]
-    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    return checks, metrics, ckpt.reshard_tables([n["reads"] for n in new])
+    return ckpt.reshard_result(plan, new, param_err, loss_err, "single-process PyTorch training the whole batch (float64)")
 
 
 def combine(config: CheckpointConfig, reports) -> Result:

@@ -151,6 +151,10 @@ class MeshConfig(TPConfig):
     reshard_tp: int = setting(0, min=0, max=8, help="continue the last checkpoint before the end on a mesh with this tp "
                               "(with reshard_pp; dp takes the rest; 0: no)")
     reshard_pp: int = setting(0, min=0, max=8, help="that mesh's pp (0: no)")
+    reshard_strategy: str = setting("same", choices=("same", *STRATEGIES), help="that mesh's dp strategy (same: this "
+                                    "run's), e.g. an FSDP2 checkpoint continued under ZeRO-1")
+    checkpoint_save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save "
+                                   "stages a copy and writes it in a thread while the next step runs")
 
     presets: ClassVar[dict] = PRESETS  # (for the page, through the registry)
     preset_notes: ClassVar[dict] = PRESET_NOTES
@@ -163,7 +167,7 @@ class MeshConfig(TPConfig):
                 setattr(self, name, value)
 
     cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
-                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp")
+                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp", "checkpoint_save")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
@@ -601,8 +605,10 @@ def byte_checks(config: MeshConfig, payloads, rows: dict) -> list[Check]:
     """Each rank's bytes per dimension against the byte model, and (MoE) its routing against the reference's."""
     checks = []
     for p in payloads:  # (after a restart: the bytes of the steps its last attempt ran)
-        ran = dataclasses.replace(config, steps=config.steps - p["checkpoint"]["start"]) if "checkpoint" in p else config
-        model = predicted_bytes(ran, p, rows[p["rank"]])
+        start = p["checkpoint"]["start"] if "checkpoint" in p else 0
+        ran = dataclasses.replace(config, steps=config.steps - start)  # (fp16: the skips of those steps; a resume restored the earlier)
+        model = predicted_bytes(ran, {**p, "skipped": p.get("skipped", [])[start:]}, rows[p["rank"]])
+        model["dp gradients"] += mesh_checkpoint.resume_bytes(config, p) if start else 0
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
@@ -933,7 +939,8 @@ def _v1_before_the_later_settings(result: dict) -> None:
 
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
              "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
-CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean")  # checkpoint_every > 0
+CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
+              "checkpoint_save", "step_s_with_save", "step_s_without_save")  # checkpoint_every > 0 (the last two: None unmeasured)
 KILLED = ("killed_rank", "killed_in_step", "resumed_from_step", "steps_redone", "load_s")  # and kill_rank >= 0
 RESHARD = ("reshard_plan", "reshard_from", "reshard_load_s")  # and reshard_tp, reshard_pp
 SPLIT = ("compute_ms", "tp_ms", "pp_ms", "cp_ms", "ep_ms", "dp_ms", "idle_ms", "step_ms")
@@ -960,9 +967,11 @@ RESULT = Schema(
             "graph_dot": ("dot",),
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
+            "checkpoint_bytes_per_rank": ("rank", "category", "written_bytes", "expected_bytes", "held_bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
-    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
+    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "checkpoint_bytes_per_rank",
+              "reshard_map", "reshard_bytes"),
     version=2, upgrades={1: _v1_before_the_later_settings},
 )
 
