@@ -117,3 +117,71 @@ def test_the_checks_fail_with_a_wrong_dependency_or_a_wrong_cost(real, monkeypat
     with monkeypatch.context() as mp:  # every W taken as free
         mp.setattr(pipeline, "mean_stage_costs", lambda c: {k: ({s: 0.0 for s in v} if k == "W" else v) for k, v in costs(c).items()})
         assert not _check(pipeline.combine(config, payloads), NEAR).passed
+
+
+# --- what the replay's costs are: each action's least CPU time over the timed steps, with freed memory kept --------
+STALL_S = 0.03  # CPU seconds one action of the drawn step burns on top of its work: a preemption's refill, magnified
+
+
+def _stalled_rank(rank, world, config, ctx):
+    """The executor's rank, whose stage-0 forward of micro-batch 0 burns STALL_S of CPU in the last timed step only."""
+    import time
+
+    from backend.parallel.pp import executor
+
+    forward, calls = executor.LinearStage.forward, []
+
+    def stalled(self, x, mb, params=None):
+        if self.index == 0 and mb == 0:
+            calls.append(mb)
+            if len(calls) == 1 + executor.TIMED_STEPS:  # after the warm-up step's and the earlier timed steps'
+                end = time.thread_time() + STALL_S
+                while time.thread_time() < end:
+                    pass
+        return forward(self, x, mb, params)
+    executor.LinearStage.forward = stalled
+    return pipeline.run_rank_with_peer(rank, world, config, ctx)
+
+
+def test_an_action_stalled_in_one_step_is_replayed_at_its_least_cpu_time(monkeypatch):
+    """The drawn step shows the stall (its trace is what the rank measured); the replay takes each action's least
+    CPU time over the timed steps, so its step stays shorter than the stall. Replaying the drawn step's own CPU times
+    (the rule before) puts the stall on the fill path of every rank."""
+    config = pipeline.PipelineConfig(schedule="gpipe", world_size=2, microbatches=4, layers=4, hidden=64, batch=32).validate()
+    payloads = spawn_ranks(_stalled_rank, 2, config, RunContext(timeout_s=120))
+    f0 = next(e for e in payloads[0]["trace"]["events"] if e["lane"] == "compute" and e["name"] == "F0")
+    assert f0["cpu_us"] >= STALL_S * 1e6 > f0["cpu_least_us"]
+    result = pipeline.combine(config, payloads)
+    assert result.metrics["makespan_replayed_ms"] < STALL_S * 1e3, result.metrics
+    assert _check(result, "gradients equal").passed  # each timed step starts from zero gradients
+    monkeypatch.setattr(pipeline, "least_costs", lambda compute: compute)
+    assert pipeline.combine(config, payloads).metrics["makespan_replayed_ms"] >= STALL_S * 1e3
+
+
+FAULTS = """
+import resource, sys, torch
+sys.path.insert(0, {repo!r})
+from backend.parallel.pp.executor import keep_freed_memory
+assert keep_freed_memory() if {keep} else True
+def step():  # four 2 MiB buffers (a 512-wide float64 weight gradient each), freed at the end, as a backward does
+    held = [torch.ones(512, 512, dtype=torch.float64) for _ in range(4)]
+    del held
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_kept_freed_memory_makes_a_repeated_step_fault_no_pages():
+    """The kernel's count of minor page faults (the reference): with glibc's defaults each step's 2 MiB buffers come
+    back from the kernel freshly zeroed (about 512 faults each, on the CPU clock of the action that asks); kept, none."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    faults = {keep: int(subprocess.run([sys.executable, "-c", FAULTS.format(repo=str(REPO), keep=keep)], capture_output=True,
+                                       text=True, check=True, timeout=120).stdout) for keep in (False, True)}
+    assert faults[True] < 64 and faults[False] >= 4 * 400, faults

@@ -23,7 +23,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
+from backend.parallel.pp.executor import TIMED_STEPS, make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result, Schema
@@ -58,13 +58,13 @@ class PipelineConfig(Config):
 
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
-        more steps on the same ranks, and the executor one untimed step before the timed one: about five training steps of 6·batch·params flops, and every micro-batch's
-        activations held at once (GPipe's worst case) in each; recomputation adds a third of a step and the run
-        without it."""
+        more steps on the same ranks, and the executor a warm-up step and TIMED_STEPS timed ones (PipeDream one):
+        about seven training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
+        worst case) in each; recomputation adds a third of a step to each of the executor's and its run without it."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        steps = 4 + (not self.plan.asynchronous) + 3 * self.recompute  # a warm-up step before the timed one; with
-        # recomputation, the same run again without it (4/3 of a step each, warm-up and timed)
+        executor = 1 if self.plan.asynchronous else 1 + TIMED_STEPS  # a warm-up step before the timed ones
+        steps = 3 + executor + 1.5 * executor * self.recompute  # with recomputation, the same run again without it
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
@@ -248,6 +248,14 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
     return replay(ordered, depends_on)
 
 
+def least_costs(compute: list[dict]) -> list[dict]:
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`, the executor's
+    TIMED_STEPS; PipeDream's one step): what the replay and the makespan model take as its cost. Ranks share a loaded
+    2-core box, and an action preempted mid-way refills its caches on the CPU clock (its CPU time per micro-batch
+    varied 10-30 % in one step); that noise only adds, so the least over repeats is the action's own cost."""
+    return [{**e, "cpu_us": e["cpu_least_us"]} for e in compute]
+
+
 def median_costs(compute: list[dict]) -> dict[tuple, float]:
     """The median CPU time (µs) of each rank's actions of one kind and stage, over micro-batches: {(rank, kind, stage)}."""
     costs: dict[tuple, list[float]] = {}
@@ -364,15 +372,16 @@ def measure(config: PipelineConfig, payloads: list[dict]) -> SimpleNamespace:
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     events = [e for pl in payloads for e in pl["trace"]["events"]]
     compute = [e for e in events if e["lane"] == "compute"]
+    costed = least_costs(compute)
     makespan, wall_bubble = bubbles(compute, p)
-    one_core = replayed(compute, config.num_stages)
+    one_core = replayed(costed, config.num_stages)
     replay_makespan, replay_bubble = bubbles(one_core, p)
     model, idle = plan.bubble(p, m, v), idle_split(events, p)
     per_stage = [stage_row(pl, compute, wall_bubble, replay_bubble, idle, model, plan.live_bound(p, m, pl["rank"], v))
                  for pl in payloads]
     cpu = {row["rank"]: row["cpu_ms"] for row in per_stage}
     bottleneck = max(cpu, key=cpu.get)  # the stage that sets the pace; the others also idle for the imbalance
-    return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, start=min(e["ts"] for e in compute),
+    return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, costed=costed, start=min(e["ts"] for e in compute),
                            makespan=makespan, wall_bubble=wall_bubble, one_core=one_core,
                            replay_makespan=replay_makespan, replay_bubble=replay_bubble, model=model, idle=idle,
                            per_stage=per_stage, bottleneck=bottleneck, pace=replay_bubble[bottleneck],
@@ -479,7 +488,7 @@ def published_idle(config: PipelineConfig, fig: SimpleNamespace) -> tuple[dict, 
     plan = config.plan
     if not plan.published_idle_fn:
         return {}, []
-    median = median_costs(fig.compute)
+    median = median_costs(fig.costed)
     kinds = {k: [c for (_, kind, _), c in median.items() if kind == k] for k in ("F", "I", "W", "B")}
     per = {k: sum(kinds[k]) / len(kinds[k]) for k in ("F", "W")}  # every chunk runs some I and W, and all its F
     per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
@@ -547,11 +556,11 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     published, published_notes = published_idle(config, fig)
     metrics.update(published)
     notes += bubble_notes(config, fig) + published_notes
-    exact, near, model_metrics, model_idle = makespan_checks(config, fig.compute, fig.replay_bubble)
+    exact, near, model_metrics, model_idle = makespan_checks(config, fig.costed, fig.replay_bubble)
     metrics.update(model_metrics, bubble_makespan_model=round(model_idle[fig.bottleneck], 4))
     for row in fig.per_stage:
         row["bubble_makespan_model"] = model_idle[row["rank"]]
-    timed, timed_notes = timed_check(config, fig.compute, near)
+    timed, timed_notes = timed_check(config, fig.costed, near)
     checks, notes = checks + [exact] + timed, notes + timed_notes  # exact: the same costs on both sides, no jitter
     price = []
     if config.recompute:
