@@ -1,7 +1,7 @@
 """parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
 Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
-replayed with one core per rank from each action's CPU time and checked against the makespan model
+replayed with one core per rank from each action's least CPU time over the timed steps and checked against the makespan model
 (parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed forms beside it ((p-1)/(m+p-1),
 interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per rank against the schedule's bound. Checked: gradients against one process running the whole model on
 the whole batch (float64); each rank's op order against PyTorch's own schedule code
@@ -338,7 +338,8 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
     """The makespan model fed with the run's mean cost per action kind and stage (the schedule's order and dependencies,
     walked independently of the replay) against (1) the replay of the executed order at those same costs: equal to
     rounding, or the executor ran another order or the model has a wrong dependency; (2) the replayed idle (mean over ranks) with
-    every action at its own measured CPU time, within 5 points: what jitter leaves of the prediction. The closed forms
+    every action at its own least CPU time over the timed steps, within 5 points: what the spread of equal actions'
+    costs leaves of the prediction (bench/pipeline.py --repeat). The closed forms
     (equal stages; F-then-B / alternating with measured stages where the schedule has one) are shown beside it."""
     plan, p = config.plan, config.world_size
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
@@ -358,7 +359,8 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
         beside += f"; closed form with measured stages {100 * closed:.1f} % (rank {busiest})"
     near = Check("replayed bubble (mean over ranks) within 5 points of the makespan model with measured mean stage costs", gap, 0.05,
                   reference=f"{plan.title}: the order walked with its dependencies (F after the previous stage's F, "
-                            "B or I after the next stage's backward, W after I), each action at its stage's mean CPU time",
+                            "B or I after the next stage's backward, W after I), each action at its stage's mean CPU time; "
+                            "the replay takes each action's least CPU time over the timed steps",
                   detail=f"mean over ranks replayed {100 * replay_mean:.1f} %, model {100 * model_mean:.1f} %; the rank furthest "
                          f"apart, {worst}: replayed {100 * replay_bubble[worst]:.1f} %, model {100 * model.idle[worst]:.1f} % "
                          f"(one action's jitter on the fill path moves a single rank); {beside}")
