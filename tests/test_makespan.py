@@ -1,6 +1,8 @@
 """The makespan model (backend/parallel/pp/makespan.py): equal stages give the published closed forms, unequal
 stages GPipe's flow-shop makespan, a message's latency adds on every crossing; on a real run the replayed bubble is
-within 5 points of it for every schedule checked here, and a wrong dependency or a wrong cost fails that check."""
+within 5 points of it for every schedule checked here, and a wrong dependency or a wrong cost fails that check. The
+replay's costs: each action's least CPU time over the timed steps (a stall in one step is not replayed), measured with
+freed memory kept (no page faults on an action's clock)."""
 import random
 
 import pytest
@@ -9,6 +11,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel import pipeline
 from backend.parallel.pp import makespan as M
+from backend.parallel.pp.executor import TIMED_STEPS
 from backend.parallel.pp.schedules import SCHEDULES
 
 # Published idle fractions with F = I = W = 1 per chunk (B = 2), equal stages: GPipe / 1F1B (GPipe paper,
@@ -150,9 +153,10 @@ def test_an_action_stalled_in_one_step_is_replayed_at_its_least_cpu_time(monkeyp
     config = pipeline.PipelineConfig(schedule="gpipe", world_size=2, microbatches=4, layers=4, hidden=64, batch=32).validate()
     payloads = spawn_ranks(_stalled_rank, 2, config, RunContext(timeout_s=120))
     f0 = next(e for e in payloads[0]["trace"]["events"] if e["lane"] == "compute" and e["name"] == "F0")
-    assert f0["cpu_us"] >= STALL_S * 1e6 > f0["cpu_least_us"]
+    spread = STALL_S * 1e6 / TIMED_STEPS  # what the stall adds to a mean over the timed steps: the least has none of it
+    assert f0["cpu_us"] >= STALL_S * 1e6 and f0["cpu_least_us"] < spread, f0
     result = pipeline.combine(config, payloads)
-    assert result.metrics["makespan_replayed_ms"] < STALL_S * 1e3, result.metrics
+    assert result.metrics["makespan_replayed_ms"] < spread / 1e3, result.metrics
     assert _check(result, "gradients equal").passed  # each timed step starts from zero gradients
     monkeypatch.setattr(pipeline, "least_costs", lambda compute: compute)
     assert pipeline.combine(config, payloads).metrics["makespan_replayed_ms"] >= STALL_S * 1e3

@@ -229,7 +229,7 @@ MIN_TIMED_ACTION_US = 500  # below this, a forward's CPU time is mostly Python o
 
 
 def replayed(compute: list[dict], num_stages: int) -> list[dict]:
-    """Each rank's actions replayed on a core of its own from their measured CPU times: F(s, mb) waits for F(s-1, mb)
+    """Each rank's actions replayed on a core of its own from the CPU times given (least_costs): F(s, mb) waits for F(s-1, mb)
     (its input activation), a backward of (s, mb) for the backward of (s+1, mb) (its output gradient)."""
     ordered = sorted(compute, key=lambda e: (e["rank"], e["ts"]))
     where, done_on_rank = {}, defaultdict(int)
@@ -510,7 +510,7 @@ def bubble_notes(config: PipelineConfig, fig: SimpleNamespace) -> list[str]:
     if cores < fig.p:
         notes.append(f"{fig.p} ranks share this machine's {cores} cores, so the wall-clock timeline shows their contention "
                      f"(bubble {100 * fig.mean_bubble:.1f} % on the wall clock). The replay gives every rank a core of its own and each "
-                     f"action its measured CPU time: the busiest stage (rank {fig.bottleneck}) idles {100 * fig.pace:.1f} %, against "
+                     f"action its least CPU time over the timed steps: the busiest stage (rank {fig.bottleneck}) idles {100 * fig.pace:.1f} %, against "
                      f"{100 * fig.model:.1f} % from {config.plan.bubble_formula}.")
     notes.append(f"Stages differ in cost by {100 * fig.imbalance:.0f} % (the last computes the loss, the first no input gradient), "
                  f"so the lighter stages also wait for the busiest: {100 * fig.mean_replayed:.1f} % idle on average in the replay.")
