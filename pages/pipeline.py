@@ -10,7 +10,7 @@ st.title("Pipeline parallel")
 KINDS = ["forward", "backward", "input grad", "weight grad", "waiting to receive"]
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 KIND_COLORS = alt.Scale(domain=KINDS, range=["#1f6fd1", "#e4572e", "#f2a541", "#76b041", "#c9ced6"])
-TIMELINES = {"replayed": "Replayed: one core per rank, each action's measured CPU time",
+TIMELINES = {"replayed": "Replayed: one core per rank, each action's least CPU time over the timed steps",
              "measured": "Measured wall clock on this machine (ranks share its cores)"}
 
 
@@ -47,7 +47,7 @@ def gantt(result: dict, which: str, title: str) -> alt.Chart:
 def summary(m: dict) -> None:
     cols = st.columns(5)
     cols[0].metric("bubble, replayed", f"{100 * m['bubble_replayed']:.1f} %",
-                   help="the busiest stage's idle share with one core per rank and each action's measured CPU time")
+                   help="the busiest stage's idle share with one core per rank and each action's least CPU time over the timed steps")
     cols[1].metric("bubble, formula", f"{100 * m['bubble_model']:.1f} %", help=m["bubble_formula"])
     cols[2].metric("bubble, wall clock", f"{100 * m['bubble_measured']:.1f} %",
                    help="1 − busy ÷ makespan on this machine's wall clock, mean over ranks: includes the ranks' contention for cores")

@@ -1,6 +1,8 @@
 """The makespan model (backend/parallel/pp/makespan.py): equal stages give the published closed forms, unequal
 stages GPipe's flow-shop makespan, a message's latency adds on every crossing; on a real run the replayed bubble is
-within 5 points of it for every schedule checked here, and a wrong dependency or a wrong cost fails that check."""
+within 5 points of it for every schedule checked here, and a wrong dependency or a wrong cost fails that check. The
+replay's costs: each action's least CPU time over the timed steps (a stall in one step is not replayed), measured with
+freed memory kept (no page faults on an action's clock)."""
 import random
 
 import pytest
@@ -9,6 +11,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel import pipeline
 from backend.parallel.pp import makespan as M
+from backend.parallel.pp.executor import TIMED_STEPS
 from backend.parallel.pp.schedules import SCHEDULES
 
 # Published idle fractions with F = I = W = 1 per chunk (B = 2), equal stages: GPipe / 1F1B (GPipe paper,
@@ -117,3 +120,93 @@ def test_the_checks_fail_with_a_wrong_dependency_or_a_wrong_cost(real, monkeypat
     with monkeypatch.context() as mp:  # every W taken as free
         mp.setattr(pipeline, "mean_stage_costs", lambda c: {k: ({s: 0.0 for s in v} if k == "W" else v) for k, v in costs(c).items()})
         assert not _check(pipeline.combine(config, payloads), NEAR).passed
+
+
+# --- what the replay's costs are: each action's least CPU time over the timed steps, with freed memory kept --------
+STALL_S = 0.03  # CPU seconds one action of the drawn step burns on top of its work: a preemption's refill, magnified
+
+
+def _stalled_rank(rank, world, config, ctx):
+    """The executor's rank, whose stage-0 forward of micro-batch 0 burns STALL_S of CPU in the last timed step only."""
+    import time
+
+    from backend.parallel.pp import executor
+
+    forward, calls = executor.LinearStage.forward, []
+
+    def stalled(self, x, mb, params=None):
+        if self.index == 0 and mb == 0:
+            calls.append(mb)
+            if len(calls) == 1 + executor.TIMED_STEPS:  # after the warm-up step's and the earlier timed steps'
+                end = time.thread_time() + STALL_S
+                while time.thread_time() < end:
+                    pass
+        return forward(self, x, mb, params)
+    executor.LinearStage.forward = stalled
+    return pipeline.run_rank_with_peer(rank, world, config, ctx)
+
+
+def test_an_action_stalled_in_one_step_is_replayed_at_its_least_cpu_time(monkeypatch):
+    """The drawn step shows the stall (its trace is what the rank measured); the replay takes each action's least
+    CPU time over the timed steps, so its step stays shorter than the stall. Replaying the drawn step's own CPU times
+    (the rule before) puts the stall on the fill path of every rank."""
+    config = pipeline.PipelineConfig(schedule="gpipe", world_size=2, microbatches=4, layers=4, hidden=64, batch=32).validate()
+    payloads = spawn_ranks(_stalled_rank, 2, config, RunContext(timeout_s=120))
+    f0 = next(e for e in payloads[0]["trace"]["events"] if e["lane"] == "compute" and e["name"] == "F0")
+    spread = STALL_S * 1e6 / TIMED_STEPS  # what the stall adds to a mean over the timed steps: the least has none of it
+    assert f0["cpu_us"] >= STALL_S * 1e6 and f0["cpu_least_us"] < spread, f0
+    result = pipeline.combine(config, payloads)
+    assert result.metrics["makespan_replayed_ms"] < spread / 1e3, result.metrics
+    assert _check(result, "gradients equal").passed  # each timed step starts from zero gradients
+    monkeypatch.setattr(pipeline, "least_costs", lambda compute: compute)
+    assert pipeline.combine(config, payloads).metrics["makespan_replayed_ms"] >= STALL_S * 1e3
+
+
+FAULTS = """
+import ctypes, resource, sys, torch
+sys.path.insert(0, {repo!r})
+from backend.parallel.pp.executor import keep_freed_memory
+assert keep_freed_memory() if {keep} else True
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+SIZE = 2 << 20  # a 512-wide float64 weight gradient
+
+
+def blocks():  # four blocks taken, written and freed, as a backward does with its weight gradients
+    held = [libc.malloc(SIZE) for _ in range(4)]
+    for p in held:
+        ctypes.memset(p, 1, SIZE)
+    for p in reversed(held):
+        libc.free(p)
+
+
+def tensors():  # the same through torch's CPU allocator, whose small allocations in between vary glibc's layout
+    held = [torch.ones(512, 512, dtype=torch.float64) for _ in range(4)]
+    del held
+
+
+def faults(step):
+    for _ in range(3):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+print(faults(blocks), faults(tensors))
+"""
+
+
+def test_kept_freed_memory_makes_a_repeated_step_fault_no_pages():
+    """The kernel's count of minor page faults (the reference): with glibc's defaults a step's four 2 MiB blocks go
+    back to the kernel when freed (the heap's top trimmed) and come back freshly zeroed, 512 faults each, on the CPU
+    clock of the action that asks (through torch's allocator only in some processes: its layout varies); kept, none."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    faults = {keep: [int(n) for n in subprocess.run([sys.executable, "-c", FAULTS.format(repo=str(REPO), keep=keep)],
+                                                     capture_output=True, text=True, check=True, timeout=120).stdout.split()]
+              for keep in (False, True)}
+    assert faults[True][0] < 64 and faults[True][1] < 64 and faults[False][0] >= 4 * 500, faults

@@ -1,7 +1,7 @@
 """parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
 Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
-replayed with one core per rank from each action's CPU time and checked against the makespan model
+replayed with one core per rank from each action's least CPU time over the timed steps and checked against the makespan model
 (parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed forms beside it ((p-1)/(m+p-1),
 interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per rank against the schedule's bound. Checked: gradients against one process running the whole model on
 the whole batch (float64); each rank's op order against PyTorch's own schedule code
@@ -23,7 +23,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import make_batch, make_stage, run_rank, stage_layers
+from backend.parallel.pp.executor import TIMED_STEPS, make_batch, make_stage, run_rank, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result, Schema
@@ -58,13 +58,13 @@ class PipelineConfig(Config):
 
     def estimate(self):
         """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
-        more steps on the same ranks, and the executor one untimed step before the timed one: about five training steps of 6·batch·params flops, and every micro-batch's
-        activations held at once (GPipe's worst case) in each; recomputation adds a third of a step and the run
-        without it."""
+        more steps on the same ranks, and the executor a warm-up step and TIMED_STEPS timed ones (PipeDream one):
+        about seven training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
+        worst case) in each; recomputation adds a third of a step to each of the executor's and its run without it."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        steps = 4 + (not self.plan.asynchronous) + 3 * self.recompute  # a warm-up step before the timed one; with
-        # recomputation, the same run again without it (4/3 of a step each, warm-up and timed)
+        executor = 1 if self.plan.asynchronous else 1 + TIMED_STEPS  # a warm-up step before the timed ones
+        steps = 3 + executor + 1.5 * executor * self.recompute  # with recomputation, the same run again without it
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
@@ -229,7 +229,7 @@ MIN_TIMED_ACTION_US = 500  # below this, a forward's CPU time is mostly Python o
 
 
 def replayed(compute: list[dict], num_stages: int) -> list[dict]:
-    """Each rank's actions replayed on a core of its own from their measured CPU times: F(s, mb) waits for F(s-1, mb)
+    """Each rank's actions replayed on a core of its own from the CPU times given (least_costs): F(s, mb) waits for F(s-1, mb)
     (its input activation), a backward of (s, mb) for the backward of (s+1, mb) (its output gradient)."""
     ordered = sorted(compute, key=lambda e: (e["rank"], e["ts"]))
     where, done_on_rank = {}, defaultdict(int)
@@ -246,6 +246,15 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
             return [where[("B", s + 1, mb)]] if s < num_stages - 1 else []
         return []  # W follows its I on the same rank
     return replay(ordered, depends_on)
+
+
+def least_costs(compute: list[dict]) -> list[dict]:
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`, the executor's
+    TIMED_STEPS; PipeDream's one step): what the replay and the makespan model take as its cost. Ranks share a loaded
+    2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
+    least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
+    step, 0.06 at the least; load 7-26)."""
+    return [{**e, "cpu_us": e["cpu_least_us"]} for e in compute]
 
 
 def median_costs(compute: list[dict]) -> dict[tuple, float]:
@@ -330,7 +339,8 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
     """The makespan model fed with the run's mean cost per action kind and stage (the schedule's order and dependencies,
     walked independently of the replay) against (1) the replay of the executed order at those same costs: equal to
     rounding, or the executor ran another order or the model has a wrong dependency; (2) the replayed idle (mean over ranks) with
-    every action at its own measured CPU time, within 5 points: what jitter leaves of the prediction. The closed forms
+    every action at its own least CPU time over the timed steps, within 5 points: what the spread of equal actions'
+    costs leaves of the prediction (bench/pipeline.py --repeat). The closed forms
     (equal stages; F-then-B / alternating with measured stages where the schedule has one) are shown beside it."""
     plan, p = config.plan, config.world_size
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
@@ -350,7 +360,8 @@ def makespan_checks(config, compute: list[dict], replay_bubble: dict[int, float]
         beside += f"; closed form with measured stages {100 * closed:.1f} % (rank {busiest})"
     near = Check("replayed bubble (mean over ranks) within 5 points of the makespan model with measured mean stage costs", gap, 0.05,
                   reference=f"{plan.title}: the order walked with its dependencies (F after the previous stage's F, "
-                            "B or I after the next stage's backward, W after I), each action at its stage's mean CPU time",
+                            "B or I after the next stage's backward, W after I), each action at its stage's mean CPU time; "
+                            "the replay takes each action's least CPU time over the timed steps",
                   detail=f"mean over ranks replayed {100 * replay_mean:.1f} %, model {100 * model_mean:.1f} %; the rank furthest "
                          f"apart, {worst}: replayed {100 * replay_bubble[worst]:.1f} %, model {100 * model.idle[worst]:.1f} % "
                          f"(one action's jitter on the fill path moves a single rank); {beside}")
@@ -364,15 +375,16 @@ def measure(config: PipelineConfig, payloads: list[dict]) -> SimpleNamespace:
     v, m = plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
     events = [e for pl in payloads for e in pl["trace"]["events"]]
     compute = [e for e in events if e["lane"] == "compute"]
+    costed = least_costs(compute)
     makespan, wall_bubble = bubbles(compute, p)
-    one_core = replayed(compute, config.num_stages)
+    one_core = replayed(costed, config.num_stages)
     replay_makespan, replay_bubble = bubbles(one_core, p)
     model, idle = plan.bubble(p, m, v), idle_split(events, p)
     per_stage = [stage_row(pl, compute, wall_bubble, replay_bubble, idle, model, plan.live_bound(p, m, pl["rank"], v))
                  for pl in payloads]
     cpu = {row["rank"]: row["cpu_ms"] for row in per_stage}
     bottleneck = max(cpu, key=cpu.get)  # the stage that sets the pace; the others also idle for the imbalance
-    return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, start=min(e["ts"] for e in compute),
+    return SimpleNamespace(p=p, m=m, v=v, events=events, compute=compute, costed=costed, start=min(e["ts"] for e in compute),
                            makespan=makespan, wall_bubble=wall_bubble, one_core=one_core,
                            replay_makespan=replay_makespan, replay_bubble=replay_bubble, model=model, idle=idle,
                            per_stage=per_stage, bottleneck=bottleneck, pace=replay_bubble[bottleneck],
@@ -479,7 +491,7 @@ def published_idle(config: PipelineConfig, fig: SimpleNamespace) -> tuple[dict, 
     plan = config.plan
     if not plan.published_idle_fn:
         return {}, []
-    median = median_costs(fig.compute)
+    median = median_costs(fig.costed)
     kinds = {k: [c for (_, kind, _), c in median.items() if kind == k] for k in ("F", "I", "W", "B")}
     per = {k: sum(kinds[k]) / len(kinds[k]) for k in ("F", "W")}  # every chunk runs some I and W, and all its F
     per["I"] = sum(kinds["I"]) / len(kinds["I"]) if kinds["I"] else sum(kinds["B"]) / len(kinds["B"]) - per["W"]
@@ -498,7 +510,7 @@ def bubble_notes(config: PipelineConfig, fig: SimpleNamespace) -> list[str]:
     if cores < fig.p:
         notes.append(f"{fig.p} ranks share this machine's {cores} cores, so the wall-clock timeline shows their contention "
                      f"(bubble {100 * fig.mean_bubble:.1f} % on the wall clock). The replay gives every rank a core of its own and each "
-                     f"action its measured CPU time: the busiest stage (rank {fig.bottleneck}) idles {100 * fig.pace:.1f} %, against "
+                     f"action its least CPU time over the timed steps: the busiest stage (rank {fig.bottleneck}) idles {100 * fig.pace:.1f} %, against "
                      f"{100 * fig.model:.1f} % from {config.plan.bubble_formula}.")
     notes.append(f"Stages differ in cost by {100 * fig.imbalance:.0f} % (the last computes the loss, the first no input gradient), "
                  f"so the lighter stages also wait for the busiest: {100 * fig.mean_replayed:.1f} % idle on average in the replay.")
@@ -547,11 +559,11 @@ def combine(config: PipelineConfig, payloads: list[dict]) -> Result:
     published, published_notes = published_idle(config, fig)
     metrics.update(published)
     notes += bubble_notes(config, fig) + published_notes
-    exact, near, model_metrics, model_idle = makespan_checks(config, fig.compute, fig.replay_bubble)
+    exact, near, model_metrics, model_idle = makespan_checks(config, fig.costed, fig.replay_bubble)
     metrics.update(model_metrics, bubble_makespan_model=round(model_idle[fig.bottleneck], 4))
     for row in fig.per_stage:
         row["bubble_makespan_model"] = model_idle[row["rank"]]
-    timed, timed_notes = timed_check(config, fig.compute, near)
+    timed, timed_notes = timed_check(config, fig.costed, near)
     checks, notes = checks + [exact] + timed, notes + timed_notes  # exact: the same costs on both sides, no jitter
     price = []
     if config.recompute:

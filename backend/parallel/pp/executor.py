@@ -6,7 +6,9 @@ On the pipeline page stage s is a stack of Linear+tanh layers (float64, seeded b
 rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back). Forward activations and
 backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so interleaved stages
 sharing a pair of ranks never cross. Every action
-and every send/recv wait is a trace event; the live activations of each rank are counted as actions run.
+and every send/recv wait is a trace event; the live activations of each rank are counted as actions run. A rank
+times a synchronous step TIMED_STEPS times after a warm-up and gives each action its least CPU time over them, with
+freed memory kept in the process (keep_freed_memory): the pipeline page replays the step from these costs.
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
 updates a stage's weights (SGD) after every backward; with weight stashing its backward uses the weights
@@ -14,6 +16,8 @@ its forward used, without it the current ones, and the executor measures how far
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from contextlib import nullcontext
 
@@ -26,6 +30,8 @@ from backend.parallel.pp.recompute import ActivationMeter, stage_flops
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.wire import Wire
 from backend.trace import Tracer
+
+TIMED_STEPS = 3  # a synchronous schedule's steps timed after its warm-up; an action's cost: its least CPU time over them
 
 
 def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
@@ -73,10 +79,26 @@ class LinearStage:
         return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc keep what this process frees for its next allocations: no block of up to 32 MiB mapped on its own
+    (so none is unmapped when freed) and no trim of the heap's top. By default a freed block of 128 KiB or more goes back
+    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks (a 512-wide
+    float64 weight gradient, 2 MiB: 512 faults, 0.5-1 ms of a 2 ms backward measured), so equal actions timed unequally.
+    A GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc took both settings."""
+    if not sys.platform.startswith("linux"):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def run_rank(rank: int, p: int, config, ctx) -> dict:
+    keep_freed_memory()
     plan = SCHEDULES[config.schedule]
     m = plan.microbatches(config.microbatches)
-    tracer = Tracer(rank)
     x_all, y_all = make_batch(config)
     xs, ys = x_all.chunk(m), y_all.chunk(m)
     stages = {s: LinearStage(s, config, xs, ys) for s in plan.stages_on(rank, p, config.virtual_stages)}
@@ -87,15 +109,7 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
         st.module.zero_grad(set_to_none=True)
     flops = {s: stage_flops(st.module, xs[0], s > 0) for s, st in stages.items()}  # one micro-batch, per stage
     order = plan.actions(p, m, config.virtual_stages)[rank]
-    if not plan.asynchronous:  # one untimed step first: a step's first forwards cost about twice the later ones
-        execute(order, plan, stages, list(range(p)), rank, p, m, Tracer(rank), recompute=config.recompute)
-        for st in stages.values():  # (allocator and caches), and they sit on the fill path the bubble is made of
-            st.module.zero_grad(set_to_none=True)
-    meter = ActivationMeter()
-    tracer.align(dist.barrier)
-    walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
-                   pipedream=config if plan.asynchronous else None, meter=meter)
-    dist.barrier()
+    walk, tracer, meter = timed_steps(order, plan, stages, rank, p, m, config)
     if rank == 0:
         ctx.progress(0.8, "gathering gradients")
     # numpy, not tensors: a tensor crosses processes by a shared-memory handle that dies with its rank
@@ -105,6 +119,34 @@ def run_rank(rank: int, p: int, config, ctx) -> dict:
             "grads": grads, "order": [str(a) for a in order], "versions": walk["versions"],
             "grad_errors": walk["grad_errors"], "activation_peak_bytes": meter.peak, "executed": walk["executed"],
             "flops": flops, "recompute_cpu_us": walk["recompute_cpu_us"]}
+
+
+def timed_steps(order, plan, stages: dict, rank: int, p: int, m: int, config) -> tuple[dict, Tracer, ActivationMeter]:
+    """A synchronous schedule's step, untimed once, then timed TIMED_STEPS times, each from zero gradients (PipeDream's
+    steps change its weights: it runs one). The last step's walk, trace and meter are returned, and each compute event
+    of that trace also carries `cpu_least_us`, the action's least CPU time over the timed steps: ranks share the cores
+    with each other and other work, and an action preempted mid-way refills its caches on its own CPU clock (a
+    backward's CPU time varied 10-15 % over one step's micro-batches), noise that only adds."""
+    if not plan.asynchronous:  # the first step's first forwards cost about twice the later ones (allocator and caches)
+        execute(order, plan, stages, list(range(p)), rank, p, m, Tracer(rank), recompute=config.recompute)
+    least: dict[tuple, float] = {}
+    for _ in range(1 if plan.asynchronous else TIMED_STEPS):
+        if not plan.asynchronous:  # one step's gradients (the last step's are checked)
+            for st in stages.values():
+                st.module.zero_grad(set_to_none=True)
+        meter, tracer = ActivationMeter(), Tracer(rank)
+        tracer.align(dist.barrier)
+        walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
+                       pipedream=config if plan.asynchronous else None, meter=meter)
+        dist.barrier()
+        for e in tracer.events:
+            if e["lane"] == "compute":
+                key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
+                least[key] = min(least.get(key, float("inf")), e["cpu_us"])
+    for e in tracer.events:
+        if e["lane"] == "compute":
+            e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
+    return walk, tracer, meter
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
