@@ -23,6 +23,7 @@ The model (every byte figure from backend/parallel/costs.py and the functions it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from backend.config import ConfigError
@@ -164,8 +165,13 @@ def check_kernel(gpu, kernel: str) -> None:
 
 def strides(plan: Plan, gpus: int) -> dict[str, int]:
     """How far apart one group's ranks are on each of tp, cp, dp, pp, numbered in the plan's order (costs.rank_strides)."""
-    dims = tuple(plan.order.split("-"))
-    size = {"tp": plan.tp, "cp": plan.cp, "dp": dp_size(plan, gpus), "pp": plan.pp}
+    return _strides(plan.order, plan.tp, plan.cp, dp_size(plan, gpus), plan.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(order: str, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
+    dims = tuple(order.split("-"))
+    size = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     return costs.rank_strides(dims, tuple(size[d] for d in dims))
 
 
