@@ -206,13 +206,7 @@ def matrix_params_per_layer(m: ModelSpec) -> int:
 
 
 def counts(m: ModelSpec) -> dict[str, int]:
-    """Total and per-token-active parameters, with embedding and output head apart (a copy of the cached count: the
-    search asks for it tens of thousands of times)."""
-    return dict(_counts(m))
-
-
-@functools.lru_cache(maxsize=256)
-def _counts(m: ModelSpec) -> dict[str, int]:
+    """Total and per-token-active parameters, with embedding and output head apart."""
     dense, moe = layer_params(m, False), layer_params(m, True) if m.experts else {}
     n_dense, n_moe = m.layers - m.moe_layers, m.moe_layers
     embed = (m.vocab + m.positions) * m.hidden
