@@ -3,7 +3,6 @@ attention kernel the user's). Links are checked against the ranks laid out on a 
 groups (mesh.DeviceMesh.lines), the search's shortcuts against a brute-force enumeration with predict's functions;
 each check has a twin that breaks the rule and sees it fail."""
 import dataclasses
-import itertools
 
 import numpy as np
 import pytest

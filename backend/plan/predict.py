@@ -375,7 +375,7 @@ def kv_numel(model: M.ModelSpec, plan: Plan) -> int:
 def cp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
     """Context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
     (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)."""
-    t, cp = plan.tp, plan.cp
+    cp = plan.cp
     cp_kind, cp_bw, cp_lat = _link(cluster, strides(plan, cluster.gpus)["cp"], cp)
     regather = plan.recompute == "full"
     steps = 3 * (cp - 1) if plan.cp_comm == "ring" else (3 if regather else 2) * (cp - 1)
@@ -440,7 +440,6 @@ def rank_parameters(model: M.ModelSpec, plan: Plan) -> tuple[float, float, float
 def dp_comm_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> tuple[str, float]:
     """Data parallel's ring time per step: gradient reduce-scatter/all-reduce and parameter gathers of the strategy
     (HSDP: FSDP inside the shard group plus DDP across replicas), experts' gradients over their own DP group."""
-    t, cp = plan.tp, plan.cp
     psi, psi_dense, psi_expert = rank_parameters(model, plan)
     ds = strides(plan, cluster.gpus)["dp"]
     dp_kind, dp_bw, dp_lat = _link(cluster, ds, dp)
