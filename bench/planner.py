@@ -19,6 +19,16 @@ from backend.plan.clusters import GPUS, Cluster  # noqa: E402
 from backend.plan.predict import evaluate  # noqa: E402
 
 
+def _by_choice(ranked: list[dict]) -> dict[str, int]:
+    """Feasible plans per K/V exchange (cp > 1) and rank order: the search covers both."""
+    out: dict[str, int] = {}
+    for r in ranked:
+        p = r["plan"]
+        key = f"{p.cp_comm if p.cp > 1 else 'no'} CP, {p.order}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def main() -> dict:
     start = time.process_time()
     eff = published.fit()
@@ -62,6 +72,7 @@ def main() -> dict:
            "exact_memory_rows": exact, "parameter_counts": params,
            "search_405b_16384": {"wall_s": wall, "cpu_s": cpu, "evaluated": found["evaluated"], "feasible": len(found["ranked"]),
                                  "infeasible": len(found["infeasible"]), "best": search.describe(best["plan"]),
+                                 "feasible_by_kv_exchange_and_order": _by_choice(found["ranked"]),
                                  "best_tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "best_mfu": best["mfu"],
                                  "one_plan_wall_s": one}}
     path = Path(__file__).parent / "results" / "planner.json"

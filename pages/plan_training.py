@@ -87,7 +87,8 @@ def render_training(result: dict, rec) -> None:
         x=alt.X("seconds:Q", title="seconds per step"), y=alt.Y("part:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
         tooltip=["part", alt.Tooltip("seconds:Q", format=".4f")]).properties(height=26 * len(parts) + 40))
     links = ", ".join(f"{r['dimension']} {r['size']}: {r['link']}" for r in t["links"] if r["size"] and r["size"] > 1) or "none"
-    st.caption(f"Groups larger than one and the link each crosses: {links}.")
+    st.caption(f"Groups larger than one and the link each crosses, ranks numbered {cfg.get('order', 'pp-dp-cp-tp')} "
+               f"(outermost first; nodes hold consecutive ranks): {links}.")
     if t["gantt"]:
         g = pd.DataFrame(t["gantt"]).assign(start_ms=lambda d: d["ts"] / 1e3, end_ms=lambda d: (d["ts"] + d["dur"]) / 1e3)
         g["action"] = g["kind"] + " stage " + g["stage"].astype(str) + " mb " + g["mb"].astype(str)
@@ -112,6 +113,20 @@ def render_training(result: dict, rec) -> None:
         ui.table(pd.DataFrame(t["published_exact"]))
 
 
+CHOICE_HELP = {
+    "cp_comm": st.column_config.TextColumn("K/V exchange", help="context parallel's K/V exchange: ring attention passes "
+                                           "blocks while attending (hidden behind attention), Llama 3's all-gather "
+                                           "completes before attention (exposed) but sends 2(cp−1) blocks to ring's 3(cp−1)"),
+    "order": st.column_config.TextColumn("rank order", help="ranks numbered outermost dimension first; nodes hold "
+                                         "consecutive ranks: pp-dp-cp-tp (Megatron, the live mesh) puts dp inside pp, "
+                                         "dp-pp-cp-tp (Llama 3) pp inside dp"),
+    "attention_kernel": st.column_config.TextColumn("attention kernel", help="the kernel every plan runs (this search's "
+                                                    "setting, not searched): its published H100 speed"),
+    "why_not_best": st.column_config.TextColumn("why it loses", help="the part of the step where it loses most time "
+                                                "to the best, and whether its K/V exchange or rank order decides"),
+}
+
+
 def render_search(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
     cols = st.columns(4)
@@ -125,9 +140,13 @@ def render_search(result: dict, rec) -> None:
         st.altair_chart(alt.Chart(ranked).mark_bar().encode(
             x=alt.X("tokens_per_s_per_gpu:Q", title="predicted tokens/s per GPU"), y=alt.Y("plan:N", title=None, sort=None, axis=alt.Axis(labelLimit=360)),
             color=alt.Color("memory_gib:Q", title="GiB per GPU"),
-            tooltip=["rank", "plan", alt.Tooltip("tokens_per_s_per_gpu:Q", format=",.0f"), alt.Tooltip("mfu:Q", format=".1%"),
+            tooltip=["rank", "plan", alt.Tooltip("cp_comm:N", title="K/V exchange"), alt.Tooltip("order:N", title="rank order"),
+                     alt.Tooltip("attention_kernel:N", title="attention kernel"),
+                     alt.Tooltip("tokens_per_s_per_gpu:Q", format=",.0f"), alt.Tooltip("mfu:Q", format=".1%"),
                      alt.Tooltip("memory_gib:Q", format=".1f"), "why_not_best"]).properties(height=22 * len(ranked) + 40))
-        ui.table(ranked)
+        st.caption(f"Every plan runs {ranked['attention_kernel'][0]} attention; both K/V exchanges are tried for every "
+                   "cp > 1, both rank orders where they put a group on another link.")
+        ui.table(ranked, column_config=CHOICE_HELP)
     st.subheader("What does not fit or divide, and why")
     ui.table(pd.DataFrame(t["infeasible"]))
 

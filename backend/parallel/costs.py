@@ -68,9 +68,21 @@ def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item:
     return 13 * n * item / 2, 17 * n * item / 2
 
 
+@functools.lru_cache(maxsize=4096)
+def rank_strides(order: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
+    """How far apart the ranks of one group of each dimension are, for ranks numbered in `order` (outermost first, as
+    backend/parallel/mesh.DIMS documents the live mesh's: a rank's coordinate on each dimension is its mixed-radix
+    digit, the last dimension the fastest-varying): a dimension's stride is the product of the sizes inside it."""
+    out, stride = {}, 1
+    for dim, size in zip(reversed(order), reversed(sizes)):
+        out[dim] = stride
+        stride *= size
+    return out
+
+
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
-    """Ranks are numbered tp fastest, then cp, then dp (ep within it), then pp (Megatron's order); a group of `size`
-    ranks `stride` apart stays in one node when it spans no more than the node's GPUs."""
+    """A group of `size` ranks `stride` apart (rank_strides) stays in one node when it spans no more than the node's
+    GPUs (nodes hold consecutive ranks)."""
     return size > 1 and stride * size > gpus_per_node
 
 

@@ -9,7 +9,9 @@ The model (every byte figure from backend/parallel/costs.py and the functions it
             Hopper at the published speed of the plan's attention kernel (FA2, cuDNN, FA3: FlashAttention-3 paper),
             the 500 W card's slowed by its fitted clock ratio; the elementwise ops' HBM bytes, eager or fused (the
             constants fitted in published.py on the calibration rows only)
-  links     a group of ranks inside a node uses NVLink, one that spans nodes the network; a ring collective costs
+  links     ranks numbered in the plan's order (ORDERS: Megatron's dp inside pp, or Llama 3's pp inside dp; tp and cp
+            innermost), each group's ranks a stride apart (costs.rank_strides); a group inside a node uses NVLink,
+            one that spans nodes the network; a ring collective costs
             α per step + bytes/β, β the datasheet bandwidth × BUS_EFFICIENCY
   overlap   TP and EP collectives are exposed (not overlapped); ring attention's K/V passes hide behind the layer's
             attention, Llama 3's all-gathered K/V does not; DDP/ZeRO-1/2 gradient reduce-scatter hides behind the backward of the last micro-batch, the
@@ -21,6 +23,7 @@ The model (every byte figure from backend/parallel/costs.py and the functions it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from backend.config import ConfigError
@@ -39,6 +42,9 @@ RECOMPUTE = ("none", "selective", "full")
 CP_COMMS = ("ring", "allgather")
 ATTENTION_KERNELS = tuple(C.ATTENTION_KERNELS)
 PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+# Rank orders, outermost dimension first (backend/parallel/mesh.DIMS's convention; ep splits dp at its inner end)
+ORDERS = {"pp-dp-cp-tp": "Megatron-LM, torchtitan and the live mesh (mesh.DIMS less ep): dp inside pp",
+          "dp-pp-cp-tp": "Llama 3 (its paper's [TP, CP, PP, DP], innermost first): pp inside dp"}
 OUTSIDE = "CUDA context and NCCL (outside the allocator)"
 
 
@@ -82,6 +88,7 @@ class Plan:
     sp: bool = True
     cp: int = 1
     cp_comm: str = "ring"             # ring (overlapped ring attention) | allgather (Llama 3's, exposed)
+    order: str = "pp-dp-cp-tp"        # rank order, outermost first (ORDERS): which groups share a node
     attention_kernel: str = "fa2"     # Hopper: fa2 (PyTorch SDPA's flash backend) | cudnn | fa3; Ampere: fa2 (fitted)
     ep: int = 1
     pp: int = 1
@@ -120,10 +127,9 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
         raise ConfigError("cp", f"seq_len {plan.seq_len} does not split into 2·cp = {2 * plan.cp} zigzag chunks (allowed: 2·cp dividing seq_len)")
     if plan.cp_comm not in CP_COMMS:
         raise ConfigError("cp_comm", f"{plan.cp_comm!r} (allowed: {', '.join(CP_COMMS)})")
-    if plan.attention_kernel not in ATTENTION_KERNELS or (family(cluster.gpu) == "ampere" and plan.attention_kernel != "fa2"):
-        allowed = "fa2" if family(cluster.gpu) == "ampere" else ", ".join(ATTENTION_KERNELS)
-        raise ConfigError("attention_kernel", f"{plan.attention_kernel!r} on {cluster.gpu.name} (allowed: {allowed}; the "
-                                              "cuDNN and FA3 speeds are Hopper's)")
+    check_kernel(cluster.gpu, plan.attention_kernel)
+    if plan.order not in ORDERS:
+        raise ConfigError("order", f"{plan.order!r} (allowed: {', '.join(ORDERS)})")
     if plan.pp * plan.vp > model.layers + 2:
         raise ConfigError("pp", f"pp × virtual stages = {plan.pp * plan.vp} exceeds the {model.layers} layers and the two chunks the "
                                 f"embedding and the head may take alone (allowed: at most {model.layers + 2})")
@@ -148,6 +154,25 @@ def validate(model: M.ModelSpec, cluster: Cluster, plan: Plan) -> int:
     if plan.precision == "fp8" and not cluster.gpu.fp8_flops:
         raise ConfigError("precision", f"fp8 on {cluster.gpu.name}, which has no FP8 tensor cores (allowed: bf16)")
     return dp
+
+
+def check_kernel(gpu, kernel: str) -> None:
+    """ConfigError naming attention_kernel when the GPU lacks the kernel: the cuDNN and FA3 speeds are Hopper's."""
+    if kernel not in ATTENTION_KERNELS or (family(gpu) == "ampere" and kernel != "fa2"):
+        allowed = "fa2" if family(gpu) == "ampere" else ", ".join(ATTENTION_KERNELS)
+        raise ConfigError("attention_kernel", f"{kernel!r} on {gpu.name} (allowed: {allowed}; the cuDNN and FA3 speeds are Hopper's)")
+
+
+def strides(plan: Plan, gpus: int) -> dict[str, int]:
+    """How far apart one group's ranks are on each of tp, cp, dp, pp, numbered in the plan's order (costs.rank_strides)."""
+    return _strides(plan.order, plan.tp, plan.cp, dp_size(plan, gpus), plan.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(order: str, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
+    dims = tuple(order.split("-"))
+    size = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    return costs.rank_strides(dims, tuple(size[d] for d in dims))
 
 
 def microbatches(plan: Plan, dp: int) -> int:
@@ -331,7 +356,7 @@ def chunk_compute(model: M.ModelSpec, cluster: Cluster, plan: Plan, eff: Efficie
 def tp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
     """Tensor parallel, exposed: the chunk's f/g collectives (dense and MoE layers' bytes) plus α per ring step."""
     t, cp = plan.tp, plan.cp
-    tp_kind, tp_bw, tp_lat = _link(cluster, 1, t)
+    tp_kind, tp_bw, tp_lat = _link(cluster, strides(plan, cluster.gpus)["tp"], t)
     moe_frac = _moe_fraction(model)
     tp_bytes = ((1 - moe_frac) * costs.tp_bytes_per_layer(plan.micro_batch, plan.seq_len // cp, model.hidden, t, plan.sp)
                 + moe_frac * costs.tp_bytes_per_layer(plan.micro_batch, plan.seq_len // cp, model.hidden, t, plan.sp,
@@ -350,8 +375,8 @@ def kv_numel(model: M.ModelSpec, plan: Plan) -> int:
 def cp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
     """Context parallel: ring attention's K/V passes hide behind the layer's attention; Llama 3's all-gather of K/V
     (and reduce-scatter of their gradients) sits exposed on the critical path (its paper, Sec. 3.3.2)."""
-    t, cp = plan.tp, plan.cp
-    cp_kind, cp_bw, cp_lat = _link(cluster, t, cp)
+    cp = plan.cp
+    cp_kind, cp_bw, cp_lat = _link(cluster, strides(plan, cluster.gpus)["cp"], cp)
     regather = plan.recompute == "full"
     steps = 3 * (cp - 1) if plan.cp_comm == "ring" else (3 if regather else 2) * (cp - 1)
     cp_comm = (costs.cp_sent_bytes(plan.cp_comm, kv_numel(model, plan), cp, regather=regather) / cp_bw + steps * cp_lat) \
@@ -369,7 +394,7 @@ def cp_exposed(comm: str, comm_s: float, attention_s: float) -> float:
 def ep_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCompute) -> tuple[str, float]:
     """Expert parallel: dispatch and combine all-to-all in the MoE layers, forward and backward, exposed."""
     t = plan.tp
-    ep_kind, ep_bw, ep_lat = _link(cluster, t * plan.cp, plan.ep)
+    ep_kind, ep_bw, ep_lat = _link(cluster, strides(plan, cluster.gpus)["dp"], plan.ep)   # ep: dp's innermost ranks
     a2a = 2 * chunk.tokens * model.top_k * model.hidden * costs.ACT_BYTES / t * (plan.ep - 1) / plan.ep if plan.ep > 1 else 0.0
     return ep_kind, (2 * _moe_fraction(model) * chunk.layers * (a2a / ep_bw + 2 * ep_lat) if plan.ep > 1 else 0.0)
 
@@ -377,7 +402,7 @@ def ep_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, chunk: ChunkCom
 def pp_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> tuple[str, float]:
     """Pipeline: one activation (or its gradient) per action over the stage boundary (sequence-sharded under SP)."""
     t = plan.tp
-    pp_kind, pp_bw, pp_lat = _link(cluster, t * plan.cp * dp, plan.pp)
+    pp_kind, pp_bw, pp_lat = _link(cluster, strides(plan, cluster.gpus)["pp"], plan.pp)
     act = plan.micro_batch * (plan.seq_len // plan.cp) * model.hidden * costs.ACT_BYTES / (t if plan.sp and t > 1 else 1)
     return pp_kind, ((act / pp_bw + pp_lat) if plan.pp > 1 else 0.0)
 
@@ -415,14 +440,14 @@ def rank_parameters(model: M.ModelSpec, plan: Plan) -> tuple[float, float, float
 def dp_comm_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -> tuple[str, float]:
     """Data parallel's ring time per step: gradient reduce-scatter/all-reduce and parameter gathers of the strategy
     (HSDP: FSDP inside the shard group plus DDP across replicas), experts' gradients over their own DP group."""
-    t, cp = plan.tp, plan.cp
     psi, psi_dense, psi_expert = rank_parameters(model, plan)
-    dp_kind, dp_bw, dp_lat = _link(cluster, t * cp, dp)
+    ds = strides(plan, cluster.gpus)["dp"]
+    dp_kind, dp_bw, dp_lat = _link(cluster, ds, dp)
     strategy = plan.dp_strategy
     if strategy == "hsdp":
         shard = plan.hsdp_shard
-        sh_kind, sh_bw, sh_lat = _link(cluster, t * cp, shard)
-        rep_kind, rep_bw, rep_lat = _link(cluster, t * cp * shard, dp // shard)
+        sh_kind, sh_bw, sh_lat = _link(cluster, ds, shard)
+        rep_kind, rep_bw, rep_lat = _link(cluster, ds * shard, dp // shard)
         dp_comm = (costs.dp_sent_bytes("fsdp", psi_dense, shard, 4) / sh_bw + 3 * (shard - 1) * sh_lat
                    + costs.dp_sent_bytes("ddp", psi_dense / shard, dp // shard, 4) / rep_bw + 2 * (dp // shard - 1) * rep_lat)
         dp_kind = rep_kind
@@ -430,7 +455,7 @@ def dp_comm_seconds(model: M.ModelSpec, cluster: Cluster, plan: Plan, dp: int) -
         dp_comm = costs.dp_sent_bytes(strategy, psi_dense, dp, plan.grad_bytes) / dp_bw + (3 if strategy in ("zero3", "fsdp") else 2) * (dp - 1) * dp_lat
     if psi_expert:
         edp = max(1, dp // plan.ep)
-        e_kind, e_bw, e_lat = _link(cluster, t * cp * plan.ep, edp)
+        e_kind, e_bw, e_lat = _link(cluster, ds * plan.ep, edp)
         dp_comm += costs.dp_sent_bytes(strategy if strategy != "hsdp" else "fsdp", psi_expert, edp, plan.grad_bytes) / e_bw if edp > 1 else 0.0
     return dp_kind, dp_comm
 

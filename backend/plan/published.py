@@ -104,7 +104,7 @@ DP128 = "Llama 3 405B, 16,384 H100, DP 128: TFLOP/s per GPU"
 
 
 _L3_PLAN = Plan(tp=8, pp=16, vp=8, schedule="interleaved_1f1b", dp_strategy="zero1", micro_batch=1, global_batch=2048, seq_len=8192,
-                recompute="selective", grad_bytes=4, attention_kernel="fa3")
+                recompute="selective", grad_bytes=4, attention_kernel="fa3", order="dp-pp-cp-tp")   # the paper's [TP, CP, PP, DP]
 CP131K = "Llama 3 405B, 16,384 H100, CP 16 at 131k: TFLOP/s per GPU"
 _NR_PLAN = Plan(tp=8, pp=16, dp_strategy="ddp", micro_batch=1, global_batch=1536, seq_len=2048, recompute="full", grad_bytes=4)
 

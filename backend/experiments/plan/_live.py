@@ -10,7 +10,7 @@ import math
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.parallel import costs
+from backend.parallel import costs, mesh
 from backend.parallel.pp import schedules
 from backend.result import Check
 
@@ -19,6 +19,7 @@ MAX_VP = 4                       # parallel.mesh's virtual_stages range
 FP64 = {"parameters": 8, "gradients": 8, "optimizer states": 16}   # the mesh trains in float64, Adam's m and v
 PLAN_NAME = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states"}
 MESH_STRATEGY = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
+MESH_ORDER = "-".join(d for d in mesh.DIMS if d != "ep")   # the live mesh's rank order, outermost first (ep apart)
 FIELD = {"virtual_stages": "vp", "layers": "pp", "world_size": "pp", "batch": "micro_batch", "microbatches": "micro_batch"}
 
 
@@ -33,6 +34,9 @@ def settings(plan, model, dp: int) -> dict:
     if plan.cp > 1 and plan.cp_comm != "ring":
         raise ConfigError("cp_comm", f"{plan.cp_comm} cannot be run live: parallel.mesh runs ring attention "
                                      "(allowed with live_check: ring)")
+    if plan.order != MESH_ORDER:
+        raise ConfigError("order", f"{plan.order} cannot be run live: parallel.mesh numbers its ranks {MESH_ORDER} "
+                                   f"(mesh.DIMS) (allowed with live_check: {MESH_ORDER})")
     live = {d: 2 if n > 1 else 1 for d, n in (("tp", plan.tp), ("pp", plan.pp), ("cp", plan.cp), ("ep", plan.ep), ("dp", dp))}
     world = math.prod(live.values())
     if world > MAX_RANKS:

@@ -15,7 +15,8 @@ from backend.plan.settings import cluster, cluster_settings, load_model, model_s
 from backend.experiments.plan import _live as live
 from backend.plan import gantt, published
 from backend.plan import models as M
-from backend.plan.predict import ATTENTION_KERNELS, CP_COMMS, DP_STRATEGIES, PLAN_SCHEDULES, RECOMPUTE, Plan, attention_share, evaluate
+from backend.plan.predict import (ATTENTION_KERNELS, CP_COMMS, DP_STRATEGIES, ORDERS, PLAN_SCHEDULES, RECOMPUTE, Plan,
+                                  attention_share, evaluate)
 from backend.result import Check, Result, Schema
 
 GiB = 2 ** 30
@@ -37,6 +38,8 @@ class PlanTrainingConfig(Config):
     attention_kernel: str = setting("fa2", choices=ATTENTION_KERNELS, help="attention kernel on Hopper, at its published H100 "
                                     "speed (FlashAttention-3 paper): fa2 (PyTorch SDPA's flash backend), cudnn, fa3; Ampere: fa2")
     ep: int = setting(1, min=1, max=256, help="expert-parallel degree (MoE models)")
+    order: str = setting(next(iter(ORDERS)), choices=tuple(ORDERS), help="rank order, outermost dimension first (nodes hold "
+                         "consecutive ranks, so it decides which groups cross the node): " + "; ".join(f"{k}: {v}" for k, v in ORDERS.items()))
     pp: int = setting(1, min=1, max=128, help="pipeline stages")
     vp: int = setting(1, min=1, max=8, help="virtual stages per pipeline rank (interleaved schedule)")
     schedule: str = setting("1f1b", choices=PLAN_SCHEDULES, help="pipeline schedule")
@@ -67,7 +70,7 @@ class PlanTrainingConfig(Config):
         return Estimate(own.memory_bytes + mesh.memory_bytes - PROCESS_BYTES, own.seconds + mesh.seconds)
 
     def plan(self) -> Plan:
-        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, attention_kernel=self.attention_kernel, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
+        return Plan(tp=self.tp, sp=self.sp, cp=self.cp, cp_comm=self.cp_comm, attention_kernel=self.attention_kernel, order=self.order, ep=self.ep, pp=self.pp, vp=self.vp, schedule=self.schedule,
                     dp_strategy=self.dp_strategy, hsdp_shard=self.hsdp_shard, micro_batch=self.micro_batch,
                     global_batch=self.global_batch, seq_len=self.seq_len, recompute=self.recompute,
                     precision=self.precision, grad_bytes=self.grad_bytes, fused=self.fused)
