@@ -3,7 +3,8 @@ summed-over-micro-batches gradients into updated weights, and what it keeps betw
 
   allreduce  one ring all-reduce of the flat gradient vector, Adam on the whole vector    (2ψ per rank sent)
   ddp        the same sum bucket by bucket (backend/parallel/ddp.make_buckets: reverse parameter order, cut at
-             bucket_kb), one ring all-reduce per bucket; issued after the pipeline's last backward (no overlap)
+             bucket_kb), one ring all-reduce per bucket; issued after the pipeline's last backward, or (`overlap`,
+             `BucketOverlap`) each as soon as its gradients are final, during the last micro-batch's backward
   zero1      reduce-scatter the gradients, Adam on this dp rank's 1/dp shard, all-gather the weights
              (backend/parallel/zero.Sharded's shards and ring collectives)                   (2ψ)
   zero2      as zero1, but only the gradient shard is kept after the reduce-scatter
@@ -18,6 +19,9 @@ mixed precision the master copy is a tensor of its own beside the compute copy; 
 """
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 from torch import nn
 
@@ -25,6 +29,7 @@ from backend.parallel.ddp import make_buckets
 from backend.parallel.wire import Wire
 from backend.parallel.workload import FP64, Adam, Precision
 from backend.parallel.zero import Sharded
+from backend.trace import Tracer
 
 STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: backend/parallel/fsdp.FullyShardedStages
 
@@ -36,7 +41,13 @@ def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: 
         from backend.parallel.fsdp import FullyShardedStages
 
         return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr)
-    return DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision)
+    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision)
+    if getattr(config, "overlap", False):
+        from backend.parallel.pp.schedules import SCHEDULES
+
+        sync.overlap = BucketOverlap(params, sync.buckets, Wire(dp.index, dp.n, dp.p2p.ranks or list(range(dp.n)), Tracer(mesh.rank)),
+                                     tracer, SCHEDULES[config.schedule].microbatches(config.microbatches), precision.reduce)
+    return sync
 
 def named_slices(model: nn.Module, flat: torch.Tensor) -> dict:
     """A flat vector (in the order of model.parameters()) cut into each named parameter's shape, as float64 arrays."""
@@ -54,6 +65,80 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
     padded = torch.zeros(-(-flat.numel() // wire.n) * wire.n, dtype=flat.dtype)
     padded[:flat.numel()] = flat
     return wire.all_reduce(padded, "backward", what)[:flat.numel()]
+
+
+class BucketOverlap:
+    """DDP's overlap (seed 000; torch DDP's Reducer): a gradient hook on every parameter counts its accumulations, and a
+    bucket whose parameters have all received their last micro-batch's gradient is final, so its ring all-reduce starts
+    at once on a communication thread while the backward goes on. Buckets start in index order (the next one waits for
+    the one before), so every dp rank runs the same collectives in the same order. The thread's ring runs on a Wire of
+    its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
+    one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
+    an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
+    after the backward, as without overlap."""
+
+    def __init__(self, params: list, ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
+                 reduce: torch.dtype):
+        self.wire, self.tracer, self.reduce, self.ranges = wire, tracer, reduce, ranges
+        offsets, at = {}, 0
+        for p in params:
+            offsets[id(p)], at = (at, p), at + p.numel()
+        self.members = [[p for o, p in sorted(offsets.values(), key=lambda t: t[0]) if a <= o < b] for a, b in ranges]
+        self.bucket_of = {id(p): i for i, ps in enumerate(self.members) for p in ps}
+        self.need = [len(ps) * microbatches for ps in self.members]
+        self.numel = at
+        self.armed, self.jobs = False, queue.Queue()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        """A step begins: no bucket counted or launched yet."""
+        self.count, self.launched, self.pending, self.armed = [0] * len(self.members), 0, [], True
+
+    def _on_grad(self, p) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self.count[i] += 1
+        while self.launched < len(self.members) and self.count[self.launched] >= self.need[self.launched]:
+            self._launch(self.launched)
+
+    def _launch(self, i: int) -> None:
+        grads = torch.cat([p.grad.reshape(-1) for p in self.members[i]]).to(self.reduce)
+        done = threading.Event()
+        self.pending.append((i, grads, done, self.tracer.now_us()))
+        self.jobs.put((i, grads, done))
+        self.launched = i + 1
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            i, grads, done = job
+            grads.copy_(sum_gradients(self.wire, grads, f"data-parallel gradients, bucket {i} (overlapped)"))
+            done.set()
+
+    def wait(self) -> torch.Tensor:
+        """The flat gradients summed over dp (buckets not yet started start now), once every bucket's ring has ended."""
+        while self.launched < len(self.members):
+            self._launch(self.launched)
+        self.armed = False
+        flat = torch.empty(self.numel, dtype=self.reduce)
+        for i, grads, done, launched in self.pending:
+            waited = self.tracer.now_us()
+            done.wait()
+            end = self.tracer.now_us()
+            self.tracer.events.append({"name": f"all-reduce bucket {i} (overlapped)", "lane": "comm", "rank": self.tracer.rank,
+                                       "ts": launched, "dur": end - launched,
+                                       "args": {"bytes": grads.numel() * grads.element_size(), "blocked_us": end - waited,
+                                                "overlapped": True}})
+            a, b = self.ranges[i]
+            flat[a:b] = grads
+        return flat
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
 
 
 class DataParallel:
@@ -74,9 +159,12 @@ class DataParallel:
         self.buckets = [(min(offsets[id(p)] for p in b), max(offsets[id(p)] + p.numel() for p in b))
                         for b in make_buckets(params, bucket_kb * 1024, precision.item("reduce"))] if strategy == "ddp" else []
         self.grads_kept, self.grad_item = 0, precision.item("reduce")
+        self.overlap: BucketOverlap | None = None  # ddp's buckets started during the backward (data_parallel sets it)
 
     def weights_for_step(self, step: int) -> torch.Tensor | None:
         """The full weights to load before this step's forwards: zero3 gathers them from the shards; None: as loaded."""
+        if self.overlap:
+            self.overlap.arm()
         if self.strategy != "zero3":
             return None
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
@@ -89,6 +177,8 @@ class DataParallel:
         if self.zero:
             with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
                 grads = self.zero.reduce_scatter(0, grads)
+        elif self.overlap:
+            pass  # summed over dp bucket by bucket during the backward (gradients())
         elif self.buckets:
             for i, (a, b) in enumerate(self.buckets):
                 grads[a:b] = sum_gradients(self.dp, grads[a:b], f"data-parallel gradients, bucket {i}")
@@ -107,6 +197,17 @@ class DataParallel:
         elif not self.zero:
             self.weights = self.compute_weights()
         return self.weights
+
+    def gradients(self, params: list) -> torch.Tensor:
+        """This rank's flat gradients in the reduce dtype: with overlap, already summed over dp (its buckets' rings)."""
+        if self.overlap:
+            return self.overlap.wait()
+        return torch.cat([p_.grad.reshape(-1) for p_ in params]).to(self.precision.reduce)
+
+    def close(self) -> None:
+        """Training is over: the overlap's communication thread ends."""
+        if self.overlap:
+            self.overlap.close()
 
     def compute_weights(self) -> torch.Tensor:
         """The whole compute copy from the master: ZeRO all-gathers the shards cast to the compute dtype; otherwise

@@ -135,6 +135,8 @@ class MeshConfig(TPConfig):
                                    "largest gradient comes within rounding of fp16's max may overflow on the ranks and not in one "
                                    "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
+    overlap: bool = setting(False, help="DDP: start each bucket's all-reduce as soon as its gradients are final, during "
+                            "the last micro-batch's backward, on a communication thread (else after the backward)")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
                           "; ".join(f"{k}: {v}" for k, v in PRESET_NOTES.items()))
@@ -245,6 +247,12 @@ class MeshConfig(TPConfig):
             raise ConfigError("precision", f"{self.precision} with dp_strategy fsdp2: FSDP2 in the mesh runs float64 only "
                                            "(its MixedPrecisionPolicy is not wired) (allowed: fp64 with fsdp2, or another "
                                            "dp_strategy)")
+        if self.overlap and self.dp_strategy != "ddp":
+            raise ConfigError("overlap", f"true with dp_strategy {self.dp_strategy}: only DDP's buckets overlap the backward "
+                                         "(allowed: false, or true with dp_strategy ddp)")
+        if self.overlap and self.sp:
+            raise ConfigError("overlap", "true with sp: the norm weights' gradients are summed over tp after the backward, "
+                                         "after their buckets would have left (allowed with sp: false)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
