@@ -7,8 +7,12 @@ dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one micro-batch) through t
 parameters and losses against one float64 process, dp bytes and memory per rank against the models."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from backend.config import ConfigError, setting
-from backend.result import Result, Schema
+from backend.result import Check, Result, Schema
 
 MODELS = ("mlp", "tiny_llama")
 LLAMA = "tiny LLaMA"
@@ -26,7 +30,8 @@ def mesh_plan(config, dp_strategy: str):
 
     return MeshConfig(world_size=config.world_size, tp=1, pp=1, microbatches=1, dp_strategy=dp_strategy, layers=config.layers,
                       d_model=config.hidden, batch=config.batch, steps=config.steps, lr=config.lr, seed=config.seed,
-                      bucket_kb=getattr(config, "bucket_kb", 4))
+                      bucket_kb=getattr(config, "bucket_kb", 4), overlap=getattr(config, "overlap", False),
+                      precision=getattr(config, "precision", "fp64"))
 
 
 def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
@@ -44,10 +49,28 @@ def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
         raise ConfigError("hidden" if err.field == "d_model" else err.field, str(err).split(": ", 1)[-1]) from None
 
 
-def run_rank(rank, world, config, ctx, dp_strategy: str):
+def run_rank(rank, world, config, ctx, dp_strategy: str, peer: bool = False):
+    """This rank's mesh run of the plan; `peer`: then torch's DistributedDataParallel on the same model and batch."""
     from backend.experiments.parallel import mesh
 
-    return mesh.run_rank(rank, world, mesh_plan(config, dp_strategy), ctx)
+    plan = mesh_plan(config, dp_strategy)
+    payload = mesh.run_rank(rank, world, plan, ctx)
+    if peer:
+        from backend.parallel.ddp import torch_ddp_peer
+
+        payload["peer_params"] = torch_ddp_peer(plan, rank, world)
+    return payload
+
+
+def peer_check(plan, payloads) -> Check:
+    """torch DDP's final weights (every rank's) against one float64 process on the whole batch (torch.optim.Adam)."""
+    from backend.parallel.mesh_train import reference_training
+
+    ref = reference_training(dataclasses.replace(plan, precision="fp64"))["state"]
+    error = max(float(np.abs(p["peer_params"][k] - ref[k].numpy()).max()) for p in payloads for k in ref)
+    return Check("torch DistributedDataParallel (the peer) on the same model equals one process", error, 1e-9,
+                 reference="single-process PyTorch, float64, torch.optim.Adam on the whole batch",
+                 detail="max |difference| over every rank's parameters; the peer runs float64 whatever the run's precision")
 
 
 def combine(config, payloads, dp_strategy: str, label: str) -> Result:
@@ -57,6 +80,8 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
 
     plan = mesh_plan(config, dp_strategy)
     result = mesh.combine(plan, payloads)
+    if all("peer_params" in p for p in payloads):
+        result.checks.append(peer_check(plan, payloads))
     name = f"{label} · {LLAMA}"
     result.metrics.update({"strategy": name, "model": "tiny_llama", "world_size": config.world_size})
     for row in result.tables["loss"]:
