@@ -89,7 +89,7 @@ def test_torch_ddp_the_peer_equals_one_process_and_a_wrong_peer_fails(runs):
 @pytest.mark.parametrize("config_cls, values, field", [
     (DDPConfig, {"model": "tiny_llama", "comm_delay_ms": "5"}, "comm_delay_ms"),
     (DDPConfig, {"model": "mlp", "precision": "bf16_mixed"}, "precision"),
-    (ZeroConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
+    (ZeroConfig, {"model": "tiny_llama", "offload": "true", "stage": "3"}, "offload"),
     (FSDPConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
     (FSDPConfig, {"model": "tiny_llama", "hidden": "1024"}, "hidden"),  # the tiny LLaMA's d_model stops at 512
 ])

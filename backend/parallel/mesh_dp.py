@@ -11,6 +11,9 @@ summed-over-micro-batches gradients into updated weights, and what it keeps betw
   zero3      as zero2, and the weights too stay sharded between steps: all-gathered once at the start of each step
              and kept through its micro-batches (torchtitan's FSDP under a pipeline: reshard_after_forward=False,
              so the gather is not repeated per micro-batch); 2ψ per step, plus one gather to report the weights
+  offload    (zero1, zero2) ZeRO-Offload (Ren et al. 2021): the master shard, Adam's m and v and the Adam step live in
+             the host pool (backend/parallel/offload.Pools); the gradient shard moves down after the reduce-scatter (in
+             the reduce dtype), the updated shard moves up cast to the compute dtype before the all-gather: ψ/dp each way
 Adam is elementwise, so updating a shard equals updating those elements of the full vector.
 Precision (workload.Precision): the gradients arrive in the reduce dtype and are summed in it; Adam steps the master
 copy (and keeps m, v) in the master dtype; the weights the model loads are cast to the compute dtype (ZeRO: the shard
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from backend.parallel.ddp import make_buckets
+from backend.parallel.offload import Pools
 from backend.parallel.wire import Wire
 from backend.parallel.workload import FP64, Adam, Precision
 from backend.parallel.zero import Sharded
@@ -41,7 +45,8 @@ def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: 
         from backend.parallel.fsdp import FullyShardedStages
 
         return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr)
-    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision)
+    sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision,
+                        getattr(config, "offload", False))
     if getattr(config, "overlap", False):
         from backend.parallel.pp.schedules import SCHEDULES
 
@@ -145,7 +150,7 @@ class DataParallel:
     """One strategy over `dp` for the flat vector `weights` of `params` (this rank's stages, in order)."""
 
     def __init__(self, strategy: str, weights: torch.Tensor, params: list, dp: Wire, tracer, lr: float, bucket_kb: int = 4,
-                 precision: Precision = FP64):
+                 precision: Precision = FP64, offload: bool = False):
         self.strategy, self.dp, self.tracer, self.precision = strategy, dp, tracer, precision
         weights = weights.to(precision.master)
         self.zero = Sharded([(0, weights.numel())], weights, dp.index, dp.n, dp.p2p) if strategy.startswith("zero") else None
@@ -160,6 +165,10 @@ class DataParallel:
                         for b in make_buckets(params, bucket_kb * 1024, precision.item("reduce"))] if strategy == "ddp" else []
         self.grads_kept, self.grad_item = 0, precision.item("reduce")
         self.overlap: BucketOverlap | None = None  # ddp's buckets started during the backward (data_parallel sets it)
+        self.pools = Pools() if offload else None  # ZeRO-Offload: what the host pool holds, and the bytes moved
+        if self.pools:
+            self.pools.place("host", "parameters (master shard)", [self.owned])
+            self.pools.place("host", "optimizer states", [self.m, self.v])
 
     def weights_for_step(self, step: int) -> torch.Tensor | None:
         """The full weights to load before this step's forwards: zero3 gathers them from the shards; None: as loaded."""
@@ -185,6 +194,10 @@ class DataParallel:
         else:
             grads = sum_gradients(self.dp, grads, "data-parallel gradients")
         self.grads_kept, self.grad_item = grads.numel(), grads.element_size()  # zero2/zero3: the shard only
+        if self.pools:
+            with self.tracer.span("offload", f"gradient shard to host {step}", kind="offload"):
+                grads = self.pools.place("host", "gradients (shard)", [self.pools.move(grads, "host")])[0]
+            self.grads_kept = 0  # (zero2) the device's shard is freed once on the host
         if self.strategy == "zero1":
             self.grads_kept = self.zero.segs[0][1]  # zero1 keeps the full gradients; only Adam's state is sharded
         if skip:
@@ -192,8 +205,12 @@ class DataParallel:
         with self.tracer.span("compute", f"adam {step}", kind="optimizer"):
             self.adam.update(self.owned, grads.to(self.precision.master), self.m, self.v)
         if self.strategy in ("zero1", "zero2"):
+            shard = None
+            if self.pools:  # cast on the host, then only the compute dtype's bytes cross
+                with self.tracer.span("offload", f"parameter shard to device {step}", kind="offload"):
+                    shard = self.pools.move(self.owned, "device", self.precision.compute)
             with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
-                self.weights = self.compute_weights()
+                self.weights = self.zero.gather(0, self.precision.compute, shard)
         elif not self.zero:
             self.weights = self.compute_weights()
         return self.weights
@@ -244,4 +261,10 @@ class DataParallel:
                "optimizer states": sum(t.numel() * t.element_size() for t in (self.m, self.v))}
         if self.precision.mixed:
             out["master weights"] = self.owned.numel() * self.owned.element_size()
+        if self.pools:  # the master shard and Adam's states are the host's (host_memory)
+            out.update({k: 0 for k in ("optimizer states", "master weights") if k in out})
         return out
+
+    def host_memory(self) -> dict[str, int]:
+        """Bytes in the host pool by category (ZeRO-Offload; nothing otherwise)."""
+        return self.pools.bytes("host") if self.pools else {}

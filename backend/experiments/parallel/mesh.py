@@ -135,6 +135,8 @@ class MeshConfig(TPConfig):
                                    "largest gradient comes within rounding of fp16's max may overflow on the ranks and not in one "
                                    "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
+    offload: bool = setting(False, help="ZeRO-1/2: ZeRO-Offload, the master shard, Adam's m and v and the Adam step in the "
+                            "host pool; the gradient shard down and the updated weight shard up each step")
     overlap: bool = setting(False, help="DDP: start each bucket's all-reduce as soon as its gradients are final, during "
                             "the last micro-batch's backward, on a communication thread (else after the backward)")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
@@ -247,6 +249,12 @@ class MeshConfig(TPConfig):
             raise ConfigError("precision", f"{self.precision} with dp_strategy fsdp2: FSDP2 in the mesh runs float64 only "
                                            "(its MixedPrecisionPolicy is not wired) (allowed: fp64 with fsdp2, or another "
                                            "dp_strategy)")
+        if self.offload and self.dp_strategy not in ("zero1", "zero2"):
+            raise ConfigError("offload", f"true with dp_strategy {self.dp_strategy}: ZeRO-Offload is built on ZeRO-1 and "
+                                         "ZeRO-2's shards (allowed: false, or true with dp_strategy zero1 or zero2)")
+        if self.offload and self.checkpoint_every:
+            raise ConfigError("offload", "true with checkpoint_every: the checkpoint is not wired to the host pool "
+                                         "(allowed: false with checkpoint_every > 0)")
         if self.overlap and self.dp_strategy != "ddp":
             raise ConfigError("overlap", f"true with dp_strategy {self.dp_strategy}: only DDP's buckets overlap the backward "
                                          "(allowed: false, or true with dp_strategy ddp)")
@@ -485,6 +493,41 @@ def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[st
     return out
 
 
+def offload_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> tuple[dict[str, int], dict[str, int]]:
+    """ZeRO-Offload (ZeRO-1/2): (device, host) bytes a rank keeps. The host holds the master shard, m and v (⌈ψ/k⌉ each,
+    master dtype) and the gradient shard (reduce dtype); the device the compute copy of the weights and, under ZeRO-1,
+    the full gradients (ZeRO-2 frees its shard once it is on the host), nothing of Adam."""
+    p, shard, device = PRECISIONS[precision], -(-n // k), dp_memory(strategy, n, k, precision)
+    device.update({"optimizer states": 0, "gradients": device["gradients"] if strategy == "zero1" else 0})
+    if "master weights" in device:
+        device["master weights"] = 0
+    host = {"parameters (master shard)": p.item("master") * shard, "optimizer states": 2 * p.item("master") * shard,
+            "gradients (shard)": p.item("reduce") * shard}
+    return device, host
+
+
+def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict]]:
+    """The host pool's bytes per category against ZeRO-Offload's model, and the bytes moved between the pools over the
+    run against ψ/dp each way per step (the gradient shard down in the reduce dtype, the weight shard up in the compute
+    dtype: Ren et al.'s 2 + 2 bytes a parameter of ψ/dp in fp16); with the host rows of the memory table."""
+    p_, rows, moved = PRECISIONS[config.precision], [], []
+    for p in payloads:
+        host = offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[1]
+        rows += [{"rank": p["rank"], "pool": "host", "category": c, "measured_bytes": got, "formula_bytes": host.get(c)}
+                 for c, got in p["host_memory"].items()]
+        shard = -(-p["flat_numel"] // config.dp)
+        want = {"device_to_host": shard * p_.item("reduce") * config.steps, "host_to_device": shard * p_.item("compute") * config.steps}
+        moved.append(max(abs(p["moved"][d] - want[d]) for d in want))
+    return [Check("the host pool holds the ZeRO-Offload memory model", max(abs(r["measured_bytes"] - (r["formula_bytes"] or 0))
+                                                                          for r in rows), 0,
+                  reference="Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master dtype) and the gradient "
+                            "shard (reduce dtype) on the host"),
+            Check("bytes moved host <-> device equal ψ/dp each way per step", max(moved), 0,
+                  reference="ZeRO-Offload: the gradient shard down in the reduce dtype, the updated weight shard up in the "
+                            "compute dtype, per rank per step", detail="counted on the copies between the pools (no "
+                            "accelerator here: both pools are this CPU's memory)")], rows
+
+
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
     """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
     assignments each ep peer routes to each expert: a tensor (ep, experts). A peer routes its own sequences at the
@@ -637,6 +680,7 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
     states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
+              else offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[0] if config.offload
               else dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
                         sum(abs(p["memory"].get(c, 0) - v) for p in payloads for c, v in states[p["rank"]].items()) +
@@ -648,6 +692,12 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
                                      "as torch.chunk cuts them; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
+    if config.offload:
+        for r in memory:
+            r["pool"] = "device"
+        more, host = offload_checks(config, payloads)
+        checks += more
+        memory += host
     acts = [r for r in memory if r["category"] == "activations"]
     checks.append(Check(f"activations held at {config.plan.title}'s peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
@@ -953,7 +1003,7 @@ RESULT = Schema(
     tables={"loss": ("step", "loss", "run"),
             "ranks": ("rank", "dp", "tp", "pp", "cp", "ep", "layers", "tp bytes sent", "pp bytes sent", "cp ring bytes sent",
                       "cp gradients bytes sent", "ep all-to-all bytes sent", "ep gradients bytes sent", "dp gradients bytes sent"),
-            "memory": ("rank", "category", "measured_bytes", "formula_bytes"),
+            "memory": ("rank", "category", "measured_bytes", "formula_bytes", "pool"),  # pool: with offload
             "groups": ("dimension", "group", "ranks"),
             "experts": ("rank", "block", "expert", "rows computed"),  # empty for a dense model
             "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1

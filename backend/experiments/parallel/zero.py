@@ -39,7 +39,7 @@ class ZeroConfig(WorkloadConfig):
         return plus_cpu(super().estimate(), self.ring_cpu_s(3 * self.layers if self.stage == 3 else 2))
 
 
-MLP_ONLY = {"offload": (False, "ZeRO-Offload's host pool is built on the MLP loop's ZeRO")}
+MLP_ONLY = {}
 
 
 def run_rank(rank, world, config: ZeroConfig, ctx):

@@ -31,7 +31,7 @@ def mesh_plan(config, dp_strategy: str):
     return MeshConfig(world_size=config.world_size, tp=1, pp=1, microbatches=1, dp_strategy=dp_strategy, layers=config.layers,
                       d_model=config.hidden, batch=config.batch, steps=config.steps, lr=config.lr, seed=config.seed,
                       bucket_kb=getattr(config, "bucket_kb", 4), overlap=getattr(config, "overlap", False),
-                      precision=getattr(config, "precision", "fp64"))
+                      precision=getattr(config, "precision", "fp64"), offload=getattr(config, "offload", False))
 
 
 def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
