@@ -16,7 +16,7 @@ from backend.parallel.dp_ps import combine_ps
 
 
 def _cases(world):
-    base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3)  # layers of 42 parameters: uneven shards at n = 4
+    base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3, model="mlp")  # layers of 42 parameters: uneven shards at n = 4
     return [(ddp, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp, DDPConfig(overlap=False, **base), "ddp"),
             (ddp, DDPConfig(bucket_kb=1, comm_delay_ms=5, **base), "ddp"),
             (zero, ZeroConfig(stage=1, **base), "zero1"), (zero, ZeroConfig(stage=2, **base), "zero2"),
@@ -96,7 +96,8 @@ def test_parameter_server_bad_inputs():
 
 @pytest.mark.parametrize("stage, world", [(1, 2), (2, 3), (2, 4)])
 def test_zero_bf16_mixed_precision(stage, world):
-    cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed").validate()
+    cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed",
+                     model="mlp").validate()
     reports = spawn_ranks(zero.run_rank, world, cfg, RunContext(timeout_s=120))
     result = _combine(zero, cfg, reports)
     assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
@@ -105,5 +106,5 @@ def test_zero_bf16_mixed_precision(stage, world):
 
 def test_mixed_precision_needs_stage_1_or_2():
     with pytest.raises(ConfigError) as info:
-        ZeroConfig.from_dict({"stage": "3", "precision": "bf16_mixed"})
+        ZeroConfig.from_dict({"stage": "3", "precision": "bf16_mixed", "model": "mlp"})
     assert info.value.field == "precision"

@@ -215,11 +215,10 @@ class DataParallel:
             self.weights = self.compute_weights()
         return self.weights
 
-    def gradients(self, params: list) -> torch.Tensor:
-        """This rank's flat gradients in the reduce dtype: with overlap, already summed over dp (its buckets' rings)."""
-        if self.overlap:
-            return self.overlap.wait()
-        return torch.cat([p_.grad.reshape(-1) for p_ in params]).to(self.precision.reduce)
+    def gradients(self, params: list) -> torch.Tensor | None:
+        """With overlap, this rank's flat gradients already summed over dp (its buckets' rings), in the reduce dtype;
+        otherwise None: the loop reads the parameters' own."""
+        return self.overlap.wait() if self.overlap else None
 
     def close(self) -> None:
         """Training is over: the overlap's communication thread ends."""

@@ -247,9 +247,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        flat = sync.gradients(list(model.parameters())) if hasattr(sync, "gradients") else None  # (ddp overlap: dp-summed)
-        grads, overflow, scale = loss_scale.unscale(  # (fsdp2: the parameters are its unsharded ones, read afresh)
-            gradients_over_cp_ep(list(model.parameters()), cp, ep, replicated_over_ep, precision.reduce, flat))
+        params = list(model.parameters())  # (fsdp2: its unsharded ones, read afresh)
+        grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
+            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients(params)))
         weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)
@@ -262,8 +262,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
-    if hasattr(sync, "close"):
-        sync.close()
+    sync.close()
     final = sync.final_named(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
@@ -272,12 +271,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "losses": losses, "params": final,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
-            "host_memory": sync.host_memory() if hasattr(sync, "host_memory") else {},
-            "moved": dict(sync.pools.moved) if getattr(sync, "pools", None) else {},
+            "host_memory": sync.host_memory(), "moved": dict(sync.pools.moved) if sync.pools else {},
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, getattr(sync, "overlap", None)),
+            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),

@@ -506,26 +506,28 @@ def offload_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> tu
     return device, host
 
 
-def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict]]:
-    """The host pool's bytes per category against ZeRO-Offload's model, and the bytes moved between the pools over the
-    run against ψ/dp each way per step (the gradient shard down in the reduce dtype, the weight shard up in the compute
-    dtype: Ren et al.'s 2 + 2 bytes a parameter of ψ/dp in fp16); with the host rows of the memory table."""
+def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict], list[dict]]:
+    """The host pool's bytes per category against ZeRO-Offload's model, and the bytes moved between the pools per step
+    against ψ/dp each way (the gradient shard down in the reduce dtype, the weight shard up in the compute dtype: Ren et
+    al.'s 2 + 2 bytes a parameter of ψ/dp in fp16); with the host rows of the memory table and the moved rows."""
     p_, rows, moved = PRECISIONS[config.precision], [], []
     for p in payloads:
         host = offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[1]
         rows += [{"rank": p["rank"], "pool": "host", "category": c, "measured_bytes": got, "formula_bytes": host.get(c)}
                  for c, got in p["host_memory"].items()]
         shard = -(-p["flat_numel"] // config.dp)
-        want = {"device_to_host": shard * p_.item("reduce") * config.steps, "host_to_device": shard * p_.item("compute") * config.steps}
-        moved.append(max(abs(p["moved"][d] - want[d]) for d in want))
+        want = {"device_to_host": shard * p_.item("reduce"), "host_to_device": shard * p_.item("compute")}
+        moved += [{"rank": p["rank"], "direction": d.replace("_", " "), "measured_bytes_per_step": p["moved"][d] / config.steps,
+                   "formula_bytes_per_step": want[d]} for d in want]
     return [Check("the host pool holds the ZeRO-Offload memory model", max(abs(r["measured_bytes"] - (r["formula_bytes"] or 0))
                                                                           for r in rows), 0,
                   reference="Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master dtype) and the gradient "
                             "shard (reduce dtype) on the host"),
-            Check("bytes moved host <-> device equal ψ/dp each way per step", max(moved), 0,
+            Check("bytes moved host <-> device equal ψ/dp each way per step",
+                  max(abs(r["measured_bytes_per_step"] - r["formula_bytes_per_step"]) for r in moved), 0,
                   reference="ZeRO-Offload: the gradient shard down in the reduce dtype, the updated weight shard up in the "
                             "compute dtype, per rank per step", detail="counted on the copies between the pools (no "
-                            "accelerator here: both pools are this CPU's memory)")], rows
+                            "accelerator here: both pools are this CPU's memory)")], rows, moved
 
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
@@ -692,12 +694,6 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
                                      "as torch.chunk cuts them; kept between steps"))
     for r in memory:
         r["formula_bytes"] = states[r["rank"]].get(r["category"], r["formula_bytes"])
-    if config.offload:
-        for r in memory:
-            r["pool"] = "device"
-        more, host = offload_checks(config, payloads)
-        checks += more
-        memory += host
     acts = [r for r in memory if r["category"] == "activations"]
     checks.append(Check(f"activations held at {config.plan.title}'s peak within 10 % of the formula",
                         max(abs(r["measured_bytes"] / r["formula_bytes"] - 1) for r in acts), 0.10,
@@ -722,6 +718,11 @@ def combine(config: MeshConfig, payloads) -> Result:
     checks += byte_checks(config, payloads, rows)
     memory_check, memory = memory_checks(config, payloads, rows)
     checks += memory_check
+    moved = []
+    if config.offload:  # ZeRO-Offload: the host pool's rows beside the device's, and the bytes moved between them
+        more, host, moved = offload_checks(config, payloads)
+        checks += more
+        memory = [{**r, "pool": "device"} for r in memory] + host
     timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
     step_checks, step_metrics, step_tables = where_the_step_goes(config, payloads, pipeline_rows)
@@ -755,7 +756,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
-                                                          "schedules": schedule_rows,
+                                                          "schedules": schedule_rows, **({"moved": moved} if moved else {}),
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
@@ -1016,11 +1017,12 @@ RESULT = Schema(
             "schedules": ("schedule", "rank", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model", "bubble_formula",
                           "activations_peak_bytes", "passed", "refused"),  # empty unless compare_schedules
             "graph_dot": ("dot",),
+            "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step"),  # offload only
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
-    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
+    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
     version=2, upgrades={1: _v1_before_the_later_settings},
 )
 

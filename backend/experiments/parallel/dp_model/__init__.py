@@ -1,10 +1,11 @@
 """(A package, not a module: the experiment registry requires every module here to define an experiment.)
-The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `mlp`, the Linear+tanh
-workload of backend/parallel/loop.py (where the teaching views live: DDP's bucket overlap during backward, torch DDP as
-the peer, bf16 mixed precision, CPU offload), or `tiny_llama`, the one model every other parallel page trains, run as a
-dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one micro-batch) through the mesh's own loop and dp strategy
-(backend/parallel/mesh_dp.py; FSDP2: backend/parallel/fsdp.FullyShardedStages) and checked by the mesh's checks:
-parameters and losses against one float64 process, dp bytes and memory per rank against the models."""
+The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `tiny_llama` (the default),
+the one model every other parallel page trains, run as a dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one
+micro-batch) through the mesh's own loop and dp strategy (backend/parallel/mesh_dp.py: DDP's buckets overlapping the
+backward, ZeRO-1/2/3, ZeRO-Offload, bf16 mixed precision; FSDP2: backend/parallel/fsdp.FullyShardedStages), with torch
+DDP as DDP's peer, checked by the mesh's checks: parameters and losses against one float64 process, dp bytes and
+memory per rank against the models; or `mlp`, the Linear+tanh workload of backend/parallel/loop.py (older runs, DDP's
+simulated slow network, FSDP2's CPUOffloadPolicy)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,9 @@ LLAMA = "tiny LLaMA"
 
 
 def model_setting():
-    return setting("mlp", choices=MODELS, help="mlp: the Linear+tanh workload (DDP's overlap, torch's peers, bf16, "
-                   "offload); tiny_llama: the one model of the other parallel pages (hidden as d_model, layers as blocks, "
-                   "batch as 8-token sequences), trained by the mesh's loop as a dp-only plan")
+    return setting("tiny_llama", choices=MODELS, help="tiny_llama: the one model of the other parallel pages (hidden as "
+                   "d_model, layers as blocks, batch as 8-token sequences), trained by the mesh's loop as a dp-only plan; "
+                   "mlp: the Linear+tanh workload of the older runs (its slow-network view, FSDP2's CPU offload)")
 
 
 def mesh_plan(config, dp_strategy: str):
