@@ -56,6 +56,19 @@ def test_zero_memory_shrinks_stage_by_stage(runs):
     assert held["zero3"]["parameters"] < held["zero2"]["parameters"]
 
 
+def test_ddp_bytes_are_counted_on_our_ring_and_a_lost_byte_fails(runs):
+    """DDP's buckets go through the Wire's ring (mesh_dp.BucketOverlap), so its bytes are checked as ZeRO's are: each
+    bucket padded to a multiple of n, 2P(n-1)/n per rank; a rank that sent 8 bytes more fails the check."""
+    import copy
+
+    module, cfg, name, reports = next(r for r in runs if r[2] == "ddp")
+    name = "bytes sent per step equal the formula"
+    assert next(c for c in _combine(module, cfg, reports).checks if c.name == name).passed
+    broken = copy.deepcopy(reports)
+    broken[-1].sent_bytes += 8
+    assert name in {c.name for c in _combine(module, cfg, broken).checks if not c.passed}
+
+
 def test_a_wrong_parameter_fails_the_check(runs):
     module, cfg, name, reports = next(r for r in runs if r[2] == "zero2")
     reports[0].params = reports[0].params + 1e-9

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 from torch import nn
@@ -72,6 +73,16 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
     return wire.all_reduce(padded, "backward", what)[:flat.numel()]
 
 
+def bucket_ranges(params: list, bucket_bytes: int, item: int) -> list[tuple[int, int]]:
+    """DDP's buckets (ddp.make_buckets: reverse parameter order, cut at bucket_bytes of `item`-byte gradients) as
+    (start, end) ranges of the flat vector of `params` in their order."""
+    offsets, at = {}, 0
+    for p in params:
+        offsets[id(p)], at = at, at + p.numel()
+    return [(min(offsets[id(p)] for p in b), max(offsets[id(p)] + p.numel() for p in b))
+            for b in make_buckets(params, bucket_bytes, item)]
+
+
 class BucketOverlap:
     """DDP's overlap (seed 000; torch DDP's Reducer): a gradient hook on every parameter counts its accumulations, and a
     bucket whose parameters have all received their last micro-batch's gradient is final, so its ring all-reduce starts
@@ -80,11 +91,12 @@ class BucketOverlap:
     its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
     one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
     an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
-    after the backward, as without overlap."""
+    after the backward, as without overlap (`arm(live=False)`: every bucket so). `delay_s`: a simulated slow link, the
+    thread sleeps that long before each bucket's ring (the MLP's overlap view)."""
 
     def __init__(self, params: list, ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
-                 reduce: torch.dtype):
-        self.wire, self.tracer, self.reduce, self.ranges = wire, tracer, reduce, ranges
+                 reduce: torch.dtype, delay_s: float = 0.0):
+        self.wire, self.tracer, self.reduce, self.ranges, self.delay_s = wire, tracer, reduce, ranges, delay_s
         offsets, at = {}, 0
         for p in params:
             offsets[id(p)], at = (at, p), at + p.numel()
@@ -98,9 +110,9 @@ class BucketOverlap:
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def arm(self) -> None:
-        """A step begins: no bucket counted or launched yet."""
-        self.count, self.launched, self.pending, self.armed = [0] * len(self.members), 0, [], True
+    def arm(self, live: bool = True) -> None:
+        """A step begins: no bucket counted or launched yet; `live`: the hooks start them (else wait() does)."""
+        self.count, self.launched, self.pending, self.armed = [0] * len(self.members), 0, [], live
 
     def _on_grad(self, p) -> None:
         if not self.armed:
@@ -120,6 +132,7 @@ class BucketOverlap:
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
             i, grads, done = job
+            time.sleep(self.delay_s)
             grads.copy_(sum_gradients(self.wire, grads, f"data-parallel gradients, bucket {i} (overlapped)"))
             done.set()
 
@@ -158,11 +171,7 @@ class DataParallel:
         # the compute copy the model loads (the same tensor unless mixed); zero3 keeps only its master shard between steps
         self.weights = None if strategy == "zero3" else weights.to(precision.compute)
         self.adam, self.m, self.v = Adam(lr), torch.zeros_like(self.owned), torch.zeros_like(self.owned)
-        offsets, at = {}, 0
-        for p in params:
-            offsets[id(p)], at = at, at + p.numel()
-        self.buckets = [(min(offsets[id(p)] for p in b), max(offsets[id(p)] + p.numel() for p in b))
-                        for b in make_buckets(params, bucket_kb * 1024, precision.item("reduce"))] if strategy == "ddp" else []
+        self.buckets = bucket_ranges(params, bucket_kb * 1024, precision.item("reduce")) if strategy == "ddp" else []
         self.grads_kept, self.grad_item = 0, precision.item("reduce")
         self.overlap: BucketOverlap | None = None  # ddp's buckets started during the backward (data_parallel sets it)
         self.pools = Pools() if offload else None  # ZeRO-Offload: what the host pool holds, and the bytes moved
