@@ -46,7 +46,7 @@ def main() -> None:
     overlap_rows = []
     for overlap in (True, False):
         result = experiments.run("parallel.ddp", world_size=2, hidden=512, layers=8, batch=1024, steps=3, bucket_kb=1024,
-                                 overlap=overlap, comm_delay_ms=20)
+                                 overlap=overlap, comm_delay_ms=20, model="mlp")
         assert result.passed
         overlap_rows.append({"overlap": overlap, "comm_delay_ms_per_bucket": 20, "buckets": len(result.metrics["buckets_elements"]),
                              "ms_per_step_rank0": step_ms(result) / 3})

@@ -16,7 +16,7 @@ from backend.parallel.dp_ps import combine_ps
 
 
 def _cases(world):
-    base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3)  # layers of 42 parameters: uneven shards at n = 4
+    base = dict(world_size=world, hidden=6, layers=4, batch=12, steps=3, model="mlp")  # layers of 42 parameters: uneven shards at n = 4
     return [(ddp, DDPConfig(bucket_kb=1, **base), "ddp"), (ddp, DDPConfig(overlap=False, **base), "ddp"),
             (ddp, DDPConfig(bucket_kb=1, comm_delay_ms=5, **base), "ddp"),
             (zero, ZeroConfig(stage=1, **base), "zero1"), (zero, ZeroConfig(stage=2, **base), "zero2"),
@@ -54,6 +54,19 @@ def test_zero_memory_shrinks_stage_by_stage(runs):
     assert held["zero1"]["optimizer states"] < held["ddp"]["optimizer states"]
     assert held["zero2"]["gradients"] < held["zero1"]["gradients"]
     assert held["zero3"]["parameters"] < held["zero2"]["parameters"]
+
+
+def test_ddp_bytes_are_counted_on_our_ring_and_a_lost_byte_fails(runs):
+    """DDP's buckets go through the Wire's ring (mesh_dp.BucketOverlap), so its bytes are checked as ZeRO's are: each
+    bucket padded to a multiple of n, 2P(n-1)/n per rank; a rank that sent 8 bytes more fails the check."""
+    import copy
+
+    module, cfg, name, reports = next(r for r in runs if r[2] == "ddp")
+    name = "bytes sent per step equal the formula"
+    assert next(c for c in _combine(module, cfg, reports).checks if c.name == name).passed
+    broken = copy.deepcopy(reports)
+    broken[-1].sent_bytes += 8
+    assert name in {c.name for c in _combine(module, cfg, broken).checks if not c.passed}
 
 
 def test_a_wrong_parameter_fails_the_check(runs):
@@ -96,7 +109,8 @@ def test_parameter_server_bad_inputs():
 
 @pytest.mark.parametrize("stage, world", [(1, 2), (2, 3), (2, 4)])
 def test_zero_bf16_mixed_precision(stage, world):
-    cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed").validate()
+    cfg = ZeroConfig(world_size=world, hidden=16, layers=2, batch=12, steps=3, stage=stage, precision="bf16_mixed",
+                     model="mlp").validate()
     reports = spawn_ranks(zero.run_rank, world, cfg, RunContext(timeout_s=120))
     result = _combine(zero, cfg, reports)
     assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
@@ -105,5 +119,5 @@ def test_zero_bf16_mixed_precision(stage, world):
 
 def test_mixed_precision_needs_stage_1_or_2():
     with pytest.raises(ConfigError) as info:
-        ZeroConfig.from_dict({"stage": "3", "precision": "bf16_mixed"})
+        ZeroConfig.from_dict({"stage": "3", "precision": "bf16_mixed", "model": "mlp"})
     assert info.value.field == "precision"

@@ -17,7 +17,7 @@ from backend.experiments.parallel.zero import ZeroConfig
 from tests.sweep import assert_refused
 
 BASE = dict(world_size=3, hidden=10, layers=2, batch=6, steps=2, model="tiny_llama")  # 10 rows over 3: 4, 4, 2
-CASES = {"ddp": (ddp, DDPConfig(overlap=False, bucket_kb=1, **BASE)), "zero1": (zero, ZeroConfig(stage=1, **BASE)),
+CASES = {"ddp": (ddp, DDPConfig(overlap=True, bucket_kb=1, **BASE)), "zero1": (zero, ZeroConfig(stage=1, **BASE)),
          "zero2": (zero, ZeroConfig(stage=2, **BASE)), "zero3": (zero, ZeroConfig(stage=3, **BASE)),
          "fsdp2": (fsdp, FSDPConfig(**BASE))}
 
@@ -73,11 +73,23 @@ def test_a_wrong_shard_or_wrong_bytes_fail(runs):
     assert "rank 2: tensor, pipeline, ring and gradient bytes equal the model" in failed
 
 
+def test_torch_ddp_the_peer_equals_one_process_and_a_wrong_peer_fails(runs):
+    """DDP's run carries torch DistributedDataParallel's final weights on the same model and batch (every rank), checked
+    against one float64 process; one rank's peer weights from the wrong data (a row reversed) fail that check."""
+    module, cfg, payloads = runs["ddp"]
+    name = "torch DistributedDataParallel (the peer) on the same model equals one process"
+    check = next(c for c in module.EXPERIMENT.combine(cfg, payloads).checks if c.name == name)
+    assert check.passed and check.error < 1e-9
+    broken = copy.deepcopy(payloads)
+    key = next(k for k, v in broken[2]["peer_params"].items() if v.ndim == 2)
+    broken[2]["peer_params"][key] = broken[2]["peer_params"][key][::-1].copy()
+    assert name in {c.name for c in module.EXPERIMENT.combine(cfg, broken).checks if not c.passed}
+
+
 @pytest.mark.parametrize("config_cls, values, field", [
-    (DDPConfig, {"model": "tiny_llama"}, "overlap"),  # the mesh's DDP sums after the backward: no overlap
-    (DDPConfig, {"model": "tiny_llama", "overlap": "false", "comm_delay_ms": "5"}, "comm_delay_ms"),
-    (ZeroConfig, {"model": "tiny_llama", "precision": "bf16_mixed"}, "precision"),
-    (ZeroConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
+    (DDPConfig, {"model": "tiny_llama", "comm_delay_ms": "5"}, "comm_delay_ms"),
+    (DDPConfig, {"model": "mlp", "precision": "bf16_mixed"}, "precision"),
+    (ZeroConfig, {"model": "tiny_llama", "offload": "true", "stage": "3"}, "offload"),
     (FSDPConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
     (FSDPConfig, {"model": "tiny_llama", "hidden": "1024"}, "hidden"),  # the tiny LLaMA's d_model stops at 512
 ])

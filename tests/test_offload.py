@@ -15,7 +15,7 @@ from backend.experiments.parallel.zero import ZeroConfig
 
 
 def _cases(world):
-    base = dict(world_size=world, hidden=6, layers=3, batch=12, steps=3)  # 126 parameters: uneven ZeRO shards, an empty FSDP2 row shard at n = 4
+    base = dict(world_size=world, hidden=6, layers=3, batch=12, steps=3, model="mlp")  # 126 parameters: uneven ZeRO shards, an empty FSDP2 row shard at n = 4
     mixed = dict(base, hidden=16, precision="bf16_mixed")
     return {"zero1": (zero, ZeroConfig(stage=1, **base)), "zero1-offload": (zero, ZeroConfig(stage=1, offload=True, **base)),
             "zero2": (zero, ZeroConfig(stage=2, **base)), "zero2-offload": (zero, ZeroConfig(stage=2, offload=True, **base)),
@@ -84,8 +84,9 @@ def _rank_fsdp_keeping_parameters(rank, world, cfg, ctx):
 
 
 @pytest.mark.parametrize("rank_fn, module, cfg", [
-    (_rank_moving_fp32_parameters, zero, ZeroConfig(world_size=2, hidden=16, layers=2, batch=8, steps=2, stage=1, offload=True, precision="bf16_mixed")),
-    (_rank_fsdp_keeping_parameters, fsdp, FSDPConfig(world_size=2, hidden=6, layers=2, batch=8, steps=2, offload=True)),
+    (_rank_moving_fp32_parameters, zero, ZeroConfig(world_size=2, hidden=16, layers=2, batch=8, steps=2, stage=1, offload=True, precision="bf16_mixed",
+                                                      model="mlp")),
+    (_rank_fsdp_keeping_parameters, fsdp, FSDPConfig(world_size=2, hidden=6, layers=2, batch=8, steps=2, offload=True, model="mlp")),
 ])
 def test_a_run_that_breaks_the_rule_fails_the_bytes_check(rank_fn, module, cfg):
     reports = spawn_ranks(rank_fn, 2, cfg.validate(), RunContext(timeout_s=120))

@@ -224,6 +224,18 @@ class FullyShardedStages:
         self.load_final(model)
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
+    pools = overlap = None  # (no ZeRO-Offload, no DDP overlap here)
+
+    def gradients(self, params: list) -> None:
+        """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
+        return None
+
+    def host_memory(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
     def entry(self, chunk):
         """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""
         return self.entry_of.get(id(chunk))

@@ -247,8 +247,9 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             checkpoint.mid_step(step)
         if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
             sum_norm_grads(model, tp)
-        grads, overflow, scale = loss_scale.unscale(  # (fsdp2: the parameters are its unsharded ones, read afresh)
-            gradients_over_cp_ep(list(model.parameters()), cp, ep, replicated_over_ep, precision.reduce))
+        params = list(model.parameters())  # (fsdp2: its unsharded ones, read afresh)
+        grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
+            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients(params)))
         weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)
@@ -261,6 +262,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             progress((step + 1) / config.steps, f"step {step + 1} of {config.steps}")
     if checkpoint:
         checkpoint.finish()
+    sync.close()
     final = sync.final_named(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
     layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
     moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
@@ -269,10 +271,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "losses": losses, "params": final,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
+            "host_memory": sync.host_memory(), "moved": dict(sync.pools.moved) if sync.pools else {},
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep),
+            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
             "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
@@ -307,10 +310,10 @@ def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
 
 
 def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
-                         reduce: torch.dtype = torch.float64) -> torch.Tensor:
-    """The flat gradient, cast to the reduce dtype, summed over the context-parallel ranks, and over ep where the
-    weights are replicated."""
-    grads = torch.cat([p_.grad.reshape(-1) for p_ in params]).to(reduce)
+                         reduce: torch.dtype = torch.float64, flat: torch.Tensor | None = None) -> torch.Tensor:
+    """The flat gradient (`flat`, or the parameters' own), cast to the reduce dtype, summed over the context-parallel
+    ranks, and over ep where the weights are replicated."""
+    grads = torch.cat([p_.grad.reshape(-1) for p_ in params]).to(reduce) if flat is None else flat
     grads = sum_gradients(cp, grads, "context-parallel gradients")
     if ep.n > 1:
         grads[replicated_over_ep] = sum_gradients(ep, grads[replicated_over_ep], "expert-parallel replicated gradients")
@@ -334,9 +337,10 @@ def reported_loss(loss: float, mesh: DeviceMesh) -> float:
     return reported.item()
 
 
-def bytes_by_dimension(tp: Wire, pp_bytes: int, dp: Wire, cp: Wire, ep: Wire) -> dict:
-    """Bytes this rank sent, per dimension and purpose, from each dimension's wire."""
-    return {"tp": tp.sent(), "pp": pp_bytes, "cp ring": cp.sent("ring"), "dp gradients": dp.sent(),
+def bytes_by_dimension(tp: Wire, pp_bytes: int, dp: Wire, cp: Wire, ep: Wire, overlap=None) -> dict:
+    """Bytes this rank sent, per dimension and purpose, from each dimension's wire (dp: and the overlap thread's)."""
+    return {"tp": tp.sent(), "pp": pp_bytes, "cp ring": cp.sent("ring"),
+            "dp gradients": dp.sent() + (overlap.wire.sent() if overlap else 0),
             "cp gradients": cp.sent("all_reduce"), "ep all-to-all": ep.sent(names=("dispatch", "combine", "counts")),
             "ep gradients": ep.sent("all_reduce")}
 

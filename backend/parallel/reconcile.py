@@ -90,8 +90,11 @@ def expected_moved_per_step(report: RankReport, config, n: int) -> dict[str, int
 
 
 def expected_sent_per_step(report: RankReport, n: int) -> float:
-    """Ring volume: the gradient reduce-scatter in the reduce dtype, the parameter all-gather(s) in the compute dtype."""
+    """Ring volume: the gradient reduce-scatter in the reduce dtype, the parameter all-gather(s) in the compute dtype;
+    DDP: a ring all-reduce of each bucket padded to a multiple of n, 2P(n-1)/n."""
     p = PRECISIONS[report.precision]
+    if report.strategy == "ddp":
+        return sum(2 * (n - 1) * -(-b // n) * p.item("reduce") for b in report.extra["buckets"])
     psi = report.psi_bytes // p.item("compute")
     gathers = 2 if report.strategy == "zero3" else 1
     return psi * (p.item("reduce") + gathers * p.item("compute")) * (n - 1) / n
@@ -122,15 +125,13 @@ def combine(config, reports: list[RankReport], peer: str | None = None) -> Resul
                                   "parameter's rows); mixed precision adds the fp32 master shard"))
     volume = []
     if first.sent_bytes is not None:
-        ring = first.strategy.startswith("zero")
         volume = [{"rank": r.rank, "sent_bytes_per_step": r.sent_bytes / config.steps,
-                   "formula_bytes_per_step": expected_sent_per_step(r, n),
-                   "counted": "bytes our ring send/recv moved" if ring else "logical volume of a ring all-reduce (gloo picks its algorithm)"}
+                   "formula_bytes_per_step": expected_sent_per_step(r, n), "counted": "bytes our ring send/recv moved"}
                   for r in reports]
-        if ring:  # bytes counted on the wire by our own send/recv, so the check can fail
-            checks.append(Check("bytes sent per step equal the formula",
-                                max(abs(v["sent_bytes_per_step"] - v["formula_bytes_per_step"]) for v in volume), 0,
-                                reference="seed 000: 2ψ (ZeRO-1, 2), 3ψ (ZeRO-3), times (n-1)/n, each in its dtype"))
+        checks.append(Check("bytes sent per step equal the formula",  # counted on the wire by our own send/recv
+                            max(abs(v["sent_bytes_per_step"] - v["formula_bytes_per_step"]) for v in volume), 0,
+                            reference="seed 000: 2ψ (DDP, each bucket padded to a multiple of n; ZeRO-1, 2), 3ψ (ZeRO-3), "
+                                      "times (n-1)/n, each in its dtype"))
     moved = []
     if offloaded(first.strategy):
         moved = [{"rank": r.rank, "direction": d.replace("_", " "), "measured_bytes_per_step": r.extra["moved"][d] / config.steps,

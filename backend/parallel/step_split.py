@@ -6,8 +6,9 @@ dimension (tp, cp, ep, dp) on a tracer of its own, so every event says which dim
 rank's step becomes an ordered list of items: compute pieces (an action between its communication calls, or traced
 compute outside the actions) and communication calls, each of one dimension: a collective, a pipeline send (an instant)
 or receive, a ring attention message's post (an instant) and wait (only the blocked tail after the overlapped compute is
-exposed). On the wall clock each item covers its interval; the replay (below) times them from measured costs. Per rank,
-compute, each dimension's exposed communication and idle: idle is measured as the step less the union of the items,
+exposed; DDP's overlapped bucket all-reduces run on a thread of their own, so their posts do not cut the action they
+start in, and only the wait after the backward is exposed). On the wall clock each item covers its interval; the
+replay (below) times them from measured costs. Per rank, compute, each dimension's exposed communication and idle: idle is measured as the step less the union of the items,
 apart from the parts, so parts summing to the step checks that no instant is counted twice or lost.
 """
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _calls(events: list[dict]) -> list[tuple[float, float, dict]]:
     for e in events:
         end = e["ts"] + e["dur"]
         if e["lane"] == "comm" and "blocked_us" in e["args"] and e["args"].get("dim"):
-            calls.append((e["ts"], e["ts"], {"op": "post", "dim": e["args"]["dim"], "name": e["name"]}))
+            calls.append((e["ts"], e["ts"], {"op": "post", "dim": e["args"]["dim"], "name": e["name"],
+                                             **({"overlapped": True} if e["args"].get("overlapped") else {})}))
             calls.append((end - e["args"]["blocked_us"], end, {"op": "wait", "dim": e["args"]["dim"], "name": e["name"],
                                                                  "posted_us": e["ts"]}))
         elif e["lane"] == "send" and "tag" in e["args"]:
@@ -103,7 +105,7 @@ def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
             items.append({"op": "compute", "cost_us": sum(e.get("cpu_us", 0.0) for e in traced),
                           "wall": (min(e["ts"] for e in traced), max(e["ts"] + e["dur"] for e in traced))})
     for act in actions:
-        mine = [c for c in calls if act["ts"] <= c[0] and c[1] <= act["ts"] + act["dur"]]
+        mine = [c for c in calls if act["ts"] <= c[0] and c[1] <= act["ts"] + act["dur"] and not c[2].get("overlapped")]
         before = [c for c in calls if c[0] < act["ts"] and c not in mine]
         for c in before:
             gap(at, c[0])

@@ -28,9 +28,10 @@ class WorkloadConfig(Config):
     """The settings every data-parallel experiment shares: the workload's shape and the rank count."""
 
     world_size: int = setting(4, min=2, max=8, help="data-parallel ranks n")
-    hidden: int = setting(64, min=4, max=1024, help="layer width")
-    layers: int = setting(4, min=1, max=16, help="Linear+tanh layers")
-    batch: int = setting(32, min=1, max=4096, help="global batch per step (split over ranks)")
+    hidden: int = setting(64, min=4, max=1024, help="layer width (the MLP), or d_model (the tiny LLaMA)")
+    layers: int = setting(4, min=1, max=16, help="Linear+tanh layers (the MLP), or decoder blocks (the tiny LLaMA)")
+    batch: int = setting(32, min=1, max=4096, help="global batch per step, split over ranks: rows (the MLP), or 8-token "
+                                                   "sequences (the tiny LLaMA)")
     steps: int = setting(5, min=1, max=100, help="training steps")
     lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")

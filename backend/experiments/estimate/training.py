@@ -22,7 +22,7 @@ from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result, Schema
 
 SHAPE = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
-ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2)
+ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2, model="mlp")  # the MLP: fp16-size gradients, as the seed counts
 
 
 @dataclasses.dataclass

@@ -135,6 +135,10 @@ class MeshConfig(TPConfig):
                                    "largest gradient comes within rounding of fp16's max may overflow on the ranks and not in one "
                                    "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
+    offload: bool = setting(False, help="ZeRO-1/2: ZeRO-Offload, the master shard, Adam's m and v and the Adam step in the "
+                            "host pool; the gradient shard down and the updated weight shard up each step")
+    overlap: bool = setting(False, help="DDP: start each bucket's all-reduce as soon as its gradients are final, during "
+                            "the last micro-batch's backward, on a communication thread (else after the backward)")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
                           "; ".join(f"{k}: {v}" for k, v in PRESET_NOTES.items()))
@@ -249,6 +253,18 @@ class MeshConfig(TPConfig):
             raise ConfigError("precision", f"{self.precision} with dp_strategy fsdp2: FSDP2 in the mesh runs float64 only "
                                            "(its MixedPrecisionPolicy is not wired) (allowed: fp64 with fsdp2, or another "
                                            "dp_strategy)")
+        if self.offload and self.dp_strategy not in ("zero1", "zero2"):
+            raise ConfigError("offload", f"true with dp_strategy {self.dp_strategy}: ZeRO-Offload is built on ZeRO-1 and "
+                                         "ZeRO-2's shards (allowed: false, or true with dp_strategy zero1 or zero2)")
+        if self.offload and self.checkpoint_every:
+            raise ConfigError("offload", "true with checkpoint_every: the checkpoint is not wired to the host pool "
+                                         "(allowed: false with checkpoint_every > 0)")
+        if self.overlap and self.dp_strategy != "ddp":
+            raise ConfigError("overlap", f"true with dp_strategy {self.dp_strategy}: only DDP's buckets overlap the backward "
+                                         "(allowed: false, or true with dp_strategy ddp)")
+        if self.overlap and self.sp:
+            raise ConfigError("overlap", "true with sp: the norm weights' gradients are summed over tp after the backward, "
+                                         "after their buckets would have left (allowed with sp: false)")
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
@@ -481,6 +497,43 @@ def dp_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> dict[st
     return out
 
 
+def offload_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> tuple[dict[str, int], dict[str, int]]:
+    """ZeRO-Offload (ZeRO-1/2): (device, host) bytes a rank keeps. The host holds the master shard, m and v (⌈ψ/k⌉ each,
+    master dtype) and the gradient shard (reduce dtype); the device the compute copy of the weights and, under ZeRO-1,
+    the full gradients (ZeRO-2 frees its shard once it is on the host), nothing of Adam."""
+    p, shard, device = PRECISIONS[precision], -(-n // k), dp_memory(strategy, n, k, precision)
+    device.update({"optimizer states": 0, "gradients": device["gradients"] if strategy == "zero1" else 0})
+    if "master weights" in device:
+        device["master weights"] = 0
+    host = {"parameters (master shard)": p.item("master") * shard, "optimizer states": 2 * p.item("master") * shard,
+            "gradients (shard)": p.item("reduce") * shard}
+    return device, host
+
+
+def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict], list[dict]]:
+    """The host pool's bytes per category against ZeRO-Offload's model, and the bytes moved between the pools per step
+    against ψ/dp each way (the gradient shard down in the reduce dtype, the weight shard up in the compute dtype: Ren et
+    al.'s 2 + 2 bytes a parameter of ψ/dp in fp16); with the host rows of the memory table and the moved rows."""
+    p_, rows, moved = PRECISIONS[config.precision], [], []
+    for p in payloads:
+        host = offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[1]
+        rows += [{"rank": p["rank"], "pool": "host", "category": c, "measured_bytes": got, "formula_bytes": host.get(c)}
+                 for c, got in p["host_memory"].items()]
+        shard = -(-p["flat_numel"] // config.dp)
+        want = {"device_to_host": shard * p_.item("reduce"), "host_to_device": shard * p_.item("compute")}
+        moved += [{"rank": p["rank"], "direction": d.replace("_", " "), "measured_bytes_per_step": p["moved"][d] / config.steps,
+                   "formula_bytes_per_step": want[d]} for d in want]
+    return [Check("the host pool holds the ZeRO-Offload memory model", max(abs(r["measured_bytes"] - (r["formula_bytes"] or 0))
+                                                                          for r in rows), 0,
+                  reference="Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master dtype) and the gradient "
+                            "shard (reduce dtype) on the host"),
+            Check("bytes moved host <-> device equal ψ/dp each way per step",
+                  max(abs(r["measured_bytes_per_step"] - r["formula_bytes_per_step"]) for r in moved), 0,
+                  reference="ZeRO-Offload: the gradient shard down in the reduce dtype, the updated weight shard up in the "
+                            "compute dtype, per rank per step", detail="counted on the copies between the pools (no "
+                            "accelerator here: both pools are this CPU's memory)")], rows, moved
+
+
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
     """From the reference's routing, for every MoE call on this rank (step, micro-batch, block on its stage) the
     assignments each ep peer routes to each expert: a tensor (ep, experts). A peer routes its own sequences at the
@@ -635,6 +688,7 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
     states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
+              else offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[0] if config.offload
               else dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",
                         sum(abs(p["memory"].get(c, 0) - v) for p in payloads for c, v in states[p["rank"]].items()) +
@@ -670,6 +724,11 @@ def combine(config: MeshConfig, payloads) -> Result:
     checks += byte_checks(config, payloads, rows)
     memory_check, memory = memory_checks(config, payloads, rows)
     checks += memory_check
+    moved = []
+    if config.offload:  # ZeRO-Offload: the host pool's rows beside the device's, and the bytes moved between them
+        more, host, moved = offload_checks(config, payloads)
+        checks += more
+        memory = [{**r, "pool": "device"} for r in memory] + host
     timing, timing_metrics, pipeline_rows, replay_rows = pipeline_timing(config, payloads) if config.pp > 1 else ([], {}, [], [])
     checks += timing
     step_checks, step_metrics, step_tables = where_the_step_goes(config, payloads, pipeline_rows)
@@ -703,7 +762,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
-                                                          "schedules": schedule_rows,
+                                                          "schedules": schedule_rows, **({"moved": moved} if moved else {}),
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
@@ -952,7 +1011,7 @@ RESULT = Schema(
     tables={"loss": ("step", "loss", "run"),
             "ranks": ("rank", "dp", "tp", "pp", "cp", "ep", "layers", "tp bytes sent", "pp bytes sent", "cp ring bytes sent",
                       "cp gradients bytes sent", "ep all-to-all bytes sent", "ep gradients bytes sent", "dp gradients bytes sent"),
-            "memory": ("rank", "category", "measured_bytes", "formula_bytes"),
+            "memory": ("rank", "category", "measured_bytes", "formula_bytes", "pool"),  # pool: with offload
             "groups": ("dimension", "group", "ranks"),
             "experts": ("rank", "block", "expert", "rows computed"),  # empty for a dense model
             "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1
@@ -965,13 +1024,14 @@ RESULT = Schema(
             "schedules": ("schedule", "rank", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model", "bubble_formula",
                           "activations_peak_bytes", "passed", "refused"),  # empty unless compare_schedules
             "graph_dot": ("dot",),
+            "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step"),  # offload only
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
             "checkpoint_bytes_per_rank": ("rank", "category", "written_bytes", "expected_bytes", "held_bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
-    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "checkpoint_bytes_per_rank",
-              "reshard_map", "reshard_bytes"),
+    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
+              "checkpoint_bytes_per_rank", "reshard_map", "reshard_bytes"),
     version=2, upgrades={1: _v1_before_the_later_settings},
 )
 

@@ -1,23 +1,28 @@
 """(A package, not a module: the experiment registry requires every module here to define an experiment.)
-The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `mlp`, the Linear+tanh
-workload of backend/parallel/loop.py (where the teaching views live: DDP's bucket overlap during backward, torch DDP as
-the peer, bf16 mixed precision, CPU offload), or `tiny_llama`, the one model every other parallel page trains, run as a
-dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one micro-batch) through the mesh's own loop and dp strategy
-(backend/parallel/mesh_dp.py; FSDP2: backend/parallel/fsdp.FullyShardedStages) and checked by the mesh's checks:
-parameters and losses against one float64 process, dp bytes and memory per rank against the models."""
+The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `tiny_llama` (the default),
+the one model every other parallel page trains, run as a dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one
+micro-batch) through the mesh's own loop and dp strategy (backend/parallel/mesh_dp.py: DDP's buckets overlapping the
+backward, ZeRO-1/2/3, ZeRO-Offload, bf16 mixed precision; FSDP2: backend/parallel/fsdp.FullyShardedStages), with torch
+DDP as DDP's peer, checked by the mesh's checks: parameters and losses against one float64 process, dp bytes and
+memory per rank against the models; or `mlp`, the Linear+tanh workload of backend/parallel/loop.py (older runs, DDP's
+simulated slow network, FSDP2's CPUOffloadPolicy)."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from backend.config import ConfigError, setting
-from backend.result import Result, Schema
+from backend.result import Check, Result, Schema
 
 MODELS = ("mlp", "tiny_llama")
 LLAMA = "tiny LLaMA"
 
 
 def model_setting():
-    return setting("mlp", choices=MODELS, help="mlp: the Linear+tanh workload (DDP's overlap, torch's peers, bf16, "
-                   "offload); tiny_llama: the one model of the other parallel pages (hidden as d_model, layers as blocks, "
-                   "batch as 8-token sequences), trained by the mesh's loop as a dp-only plan")
+    return setting("tiny_llama", choices=MODELS, help="tiny_llama: the one model of the other parallel pages (hidden as "
+                   "d_model, layers as blocks, batch as 8-token sequences), trained by the mesh's loop as a dp-only plan; "
+                   "mlp: the Linear+tanh workload of the older runs (its slow-network view, FSDP2's CPU offload)")
 
 
 def mesh_plan(config, dp_strategy: str):
@@ -26,7 +31,8 @@ def mesh_plan(config, dp_strategy: str):
 
     return MeshConfig(world_size=config.world_size, tp=1, pp=1, microbatches=1, dp_strategy=dp_strategy, layers=config.layers,
                       d_model=config.hidden, batch=config.batch, steps=config.steps, lr=config.lr, seed=config.seed,
-                      bucket_kb=getattr(config, "bucket_kb", 4))
+                      bucket_kb=getattr(config, "bucket_kb", 4), overlap=getattr(config, "overlap", False),
+                      precision=getattr(config, "precision", "fp64"), offload=getattr(config, "offload", False))
 
 
 def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
@@ -44,10 +50,28 @@ def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
         raise ConfigError("hidden" if err.field == "d_model" else err.field, str(err).split(": ", 1)[-1]) from None
 
 
-def run_rank(rank, world, config, ctx, dp_strategy: str):
+def run_rank(rank, world, config, ctx, dp_strategy: str, peer: bool = False):
+    """This rank's mesh run of the plan; `peer`: then torch's DistributedDataParallel on the same model and batch."""
     from backend.experiments.parallel import mesh
 
-    return mesh.run_rank(rank, world, mesh_plan(config, dp_strategy), ctx)
+    plan = mesh_plan(config, dp_strategy)
+    payload = mesh.run_rank(rank, world, plan, ctx)
+    if peer:
+        from backend.parallel.ddp import torch_ddp_peer
+
+        payload["peer_params"] = torch_ddp_peer(plan, rank, world)
+    return payload
+
+
+def peer_check(plan, payloads) -> Check:
+    """torch DDP's final weights (every rank's) against one float64 process on the whole batch (torch.optim.Adam)."""
+    from backend.parallel.mesh_train import reference_training
+
+    ref = reference_training(dataclasses.replace(plan, precision="fp64"))["state"]
+    error = max(float(np.abs(p["peer_params"][k] - ref[k].numpy()).max()) for p in payloads for k in ref)
+    return Check("torch DistributedDataParallel (the peer) on the same model equals one process", error, 1e-9,
+                 reference="single-process PyTorch, float64, torch.optim.Adam on the whole batch",
+                 detail="max |difference| over every rank's parameters; the peer runs float64 whatever the run's precision")
 
 
 def combine(config, payloads, dp_strategy: str, label: str) -> Result:
@@ -57,6 +81,8 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
 
     plan = mesh_plan(config, dp_strategy)
     result = mesh.combine(plan, payloads)
+    if all("peer_params" in p for p in payloads):
+        result.checks.append(peer_check(plan, payloads))
     name = f"{label} · {LLAMA}"
     result.metrics.update({"strategy": name, "model": "tiny_llama", "world_size": config.world_size})
     for row in result.tables["loss"]:
