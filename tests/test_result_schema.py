@@ -8,7 +8,7 @@ import json
 import pytest
 
 from backend import experiments
-from backend.result import VERSION_KEY, Result, Schema, UndeclaredKey
+from backend.result import VERSION_KEY, Result, Schema, Shapes, UndeclaredKey
 from backend.store import RunStore
 from pages.catalog import SECTIONS
 from tests.conftest import REPO
@@ -79,6 +79,42 @@ def test_a_schema_without_an_upgrade_for_each_older_version_is_refused():
         Schema(metrics=(), tables={}, version=3, upgrades={1: lambda r: None})
     with pytest.raises(ValueError, match="optional keys the schema does not declare"):
         Schema(metrics=("a",), tables={}, optional=("b",))
+
+
+def test_a_result_of_one_shape_is_held_to_that_shapes_keys():
+    """An experiment with two result shapes (ddp/zero/fsdp: the MLP's or the mesh's): the shape the result names
+    requires its keys and refuses the other's; a result naming no shape is refused; a page reading the other shape's key
+    from a stored run is refused."""
+    shapes = Shapes(by="model", shapes={"a": Schema(metrics=("model", "x"), tables={}),
+                                        "b": Schema(metrics=("model", "y"), tables={"t": ("c",)})})
+    shapes.stamp(Result(metrics={"model": "a", "x": 1}), "toy")
+    for metrics, tables, problem in [({"model": "a"}, {}, "metric 'x' is missing"),
+                                     ({"model": "a", "x": 1, "y": 2}, {}, "metric 'y' is not declared"),
+                                     ({"model": "b", "y": 2}, {}, "table 't' is missing"),
+                                     ({"model": "c", "x": 1}, {}, "metric 'model' is 'c' (allowed: a, b)")]:
+        with pytest.raises(UndeclaredKey, match=problem.replace("(", r"\(").replace(")", r"\)")):
+            shapes.stamp(Result(metrics=metrics, tables=tables), "toy")
+    opened = shapes.open({"metrics": {"model": "b", "y": 2}, "tables": {"t": []}}, "toy")
+    assert opened["metrics"]["y"] == 2 and shapes.declares("metrics", "x")
+    with pytest.raises(UndeclaredKey, match="'x' is not declared"):
+        opened["metrics"]["x"]
+    with pytest.raises(ValueError, match="do not require the metric 'model'"):
+        Shapes(by="model", shapes={"a": Schema(metrics=("x",), tables={})})
+
+
+def test_a_version_1_mlp_run_opens_as_the_mlp_shape():
+    """A parallel.zero run stored by version 1 (before the MLP's result named its model) opens through the MLP's shape
+    (the upgrade names it); without that upgrade step it names no shape."""
+    stored = json.loads((OLD_RESULTS / "v1" / "parallel.zero.json").read_text())
+    schema = experiments.get("parallel.zero").schema
+    assert stored[VERSION_KEY] == 1 and "model" not in stored["metrics"]
+    opened = schema.open(stored, "parallel.zero")
+    assert opened["metrics"]["model"] == "mlp" and opened["metrics"]["parameter_bytes"] == 320
+    assert schema.shapes["mlp"].problems(opened["metrics"], opened["tables"]) == []
+    nothing = {1: lambda result: None}  # the upgrade step does nothing
+    broken = Shapes(by="model", shapes={k: dataclasses.replace(s, upgrades=nothing) for k, s in schema.shapes.items()})
+    with pytest.raises(UndeclaredKey, match="metric 'model' is None"):
+        broken.open(stored, "parallel.zero")
 
 
 # --- every declared key is produced, every produced key declared ------------------------------------------------

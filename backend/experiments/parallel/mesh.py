@@ -697,7 +697,7 @@ def combine(config: MeshConfig, payloads) -> Result:
                                                           "groups": _groups(config), "experts": experts,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
-                                                          "schedules": schedule_rows,
+                                                          "schedules": schedule_rows, "schedule_means": schedule_means(schedule_rows),
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
@@ -730,6 +730,26 @@ def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) ->
     return Check("every schedule's run of this plan passes its own checks", len(failed), 0,
                  reference="each run against one process, the byte, memory and makespan models, as the plan's own run",
                  detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
+
+
+def schedule_means(rows: list[dict]) -> list[dict]:
+    """Per schedule that ran (in the comparison's order), the pipeline's bubble as the mean over ranks of each rank's
+    idle share, replayed and modelled (the mean, as the pipeline page reports a schedule's bubble), beside the
+    closed form and the replayed step time, which are one number per schedule already."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["refused"]:
+            continue
+        mean = out.setdefault(r["schedule"], {"schedule": r["schedule"], "ranks": 0, "step_replayed_ms": r["step_replayed_ms"],
+                                              "bubble_replayed": 0.0, "bubble_makespan_model": 0.0,
+                                              "bubble_formula": r["bubble_formula"]})
+        mean["ranks"] += 1
+        mean["bubble_replayed"] += r["bubble_replayed"]
+        mean["bubble_makespan_model"] += r["bubble_makespan_model"]
+    for mean in out.values():
+        mean["bubble_replayed"] /= mean["ranks"]
+        mean["bubble_makespan_model"] /= mean["ranks"]
+    return list(out.values())
 
 
 def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
@@ -931,6 +951,11 @@ def _v1_before_the_later_settings(result: dict) -> None:
         result["tables"].setdefault(name, [])
 
 
+def _v2_schedule_means(result: dict) -> None:
+    """Version 2 -> 3: the per-schedule means, from the stored per-rank rows by the experiment's own function."""
+    result["tables"]["schedule_means"] = schedule_means(result["tables"]["schedules"])
+
+
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
              "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
 CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean")  # checkpoint_every > 0
@@ -957,13 +982,15 @@ RESULT = Schema(
             "comm_replay": ("rank", *SPLIT), "comm_lanes": LANE,
             "schedules": ("schedule", "rank", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model", "bubble_formula",
                           "activations_peak_bytes", "passed", "refused"),  # empty unless compare_schedules
+            "schedule_means": ("schedule", "ranks", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model",
+                               "bubble_formula"),  # one row per schedule of `schedules` that ran
             "graph_dot": ("dot",),
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
     optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
-    version=2, upgrades={1: _v1_before_the_later_settings},
+    version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_schedule_means},
 )
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
