@@ -44,6 +44,10 @@ def test_experts_live_on_their_ep_rank_and_a_wrong_routing_fails(runs):
     result = mesh.combine(cfg, payloads)
     assert {(r["rank"], r["expert"]) for r in result.tables["experts"]} == {(r, r) for r in range(4)}  # 4 experts, 1 each
     assert sum(r["rows computed"] for r in result.tables["experts"]) == cfg.steps * cfg.batch * cfg.seq * cfg.layers * cfg.top_k
+    import pandas as pd  # the page's totals per rank and expert, against pandas' groupby sum of the per-block rows
+
+    ref = pd.DataFrame(result.tables["experts"]).groupby(["rank", "expert"])["rows computed"].sum().to_dict()
+    assert {(r["rank"], r["expert"]): r["rows computed"] for r in result.tables["experts_per_rank"]} == ref
     payloads[1]["moe"][0]["kept"][0] += 1
     assert not _checks(cfg, payloads)["every MoE call routed each expert the assignments the reference routed those tokens"].passed
 

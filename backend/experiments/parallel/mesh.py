@@ -688,13 +688,14 @@ def combine(config: MeshConfig, payloads) -> Result:
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
+    tables_per_expert = {"experts": experts, "experts_per_rank": experts_per_rank(experts)}
     checkpoint_tables = {}
     if config.checkpoint_every:
         more_checks, more_metrics, checkpoint_tables = mesh_checkpoint.checks_and_tables(config, payloads, ref, cut)
         checks += more_checks
         metrics.update(more_metrics)
     return Result(metrics=metrics, checks=checks, tables={**checkpoint_tables, "loss": loss, "ranks": ranks, "memory": memory,
-                                                          "groups": _groups(config), "experts": experts,
+                                                          "groups": _groups(config), **tables_per_expert,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
                                                           "schedules": schedule_rows, "schedule_means": schedule_means(schedule_rows),
@@ -951,9 +952,19 @@ def _v1_before_the_later_settings(result: dict) -> None:
         result["tables"].setdefault(name, [])
 
 
-def _v2_schedule_means(result: dict) -> None:
-    """Version 2 -> 3: the per-schedule means, from the stored per-rank rows by the experiment's own function."""
+def experts_per_rank(experts: list[dict]) -> list[dict]:
+    """Token assignments each rank computed for each expert, over every block and step (the experts table summed)."""
+    total: dict[tuple[int, int], int] = {}
+    for r in experts:
+        total[r["rank"], r["expert"]] = total.get((r["rank"], r["expert"]), 0) + r["rows computed"]
+    return [{"rank": rank, "expert": e, "rows computed": n} for (rank, e), n in sorted(total.items())]
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the per-schedule means and the experts' totals per rank, from the stored rows by the
+    experiment's own functions (the page computed them before)."""
     result["tables"]["schedule_means"] = schedule_means(result["tables"]["schedules"])
+    result["tables"]["experts_per_rank"] = experts_per_rank(result["tables"]["experts"])
 
 
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
@@ -973,6 +984,7 @@ RESULT = Schema(
             "memory": ("rank", "category", "measured_bytes", "formula_bytes"),
             "groups": ("dimension", "group", "ranks"),
             "experts": ("rank", "block", "expert", "rows computed"),  # empty for a dense model
+            "experts_per_rank": ("rank", "expert", "rows computed"),  # the experts table summed over blocks
             "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1
             "recompute": ("rank", "forward_flops", "backward_flops", "extra_flops", "extra_flops_model", "flops_overhead",
                           "compute_cpu_ms", "compute_cpu_without_ms", "time_overhead", "activations_saved_bytes",
@@ -990,7 +1002,7 @@ RESULT = Schema(
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
     optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "checkpoint_timeline", "checkpoint_files", "reshard_map", "reshard_bytes"),
-    version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_schedule_means},
+    version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
