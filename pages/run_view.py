@@ -126,6 +126,8 @@ def _live_view(run_id: str, period: float) -> None:
             render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
         st.rerun()
     _header(rec)
+    if rec.status in FINAL:  # ended, seen by a stale request: the next tick redraws the page with its result
+        return
     if place:
         when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "
                 f"upper bounds); at most {runner().max_jobs} run at a time on this server"
