@@ -137,6 +137,60 @@ class Schema:
         return body
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shapes:
+    """One experiment whose settings produce results of different shapes (parallel.ddp on the MLP or the tiny LLaMA):
+    a Schema per value of the metric `by`, each with its own required keys, so a result missing a key its shape
+    requires fails. The shapes share one version and its upgrades, run before the shape is chosen (an upgrade may
+    supply `by`); `declares` answers for any shape (what some run of the experiment may hold)."""
+
+    by: str
+    shapes: Mapping[str, Schema]
+
+    def __post_init__(self):
+        versions = {(s.version, tuple(sorted(s.upgrades.items()))) for s in self.shapes.values()}
+        if len(versions) != 1:
+            raise ValueError("the shapes of one experiment share one version and its upgrades")
+        unnamed = [v for v, s in self.shapes.items() if not s.declares("metrics", self.by) or self.by in s.optional]
+        if unnamed:
+            raise ValueError(f"shape(s) {unnamed} do not require the metric {self.by!r} that chooses them")
+
+    @property
+    def version(self) -> int:
+        return next(iter(self.shapes.values())).version
+
+    def shape(self, metrics: Mapping[str, Any], experiment: str = "the experiment") -> Schema:
+        """The schema of the shape the result's `by` metric names."""
+        value = metrics.get(self.by)
+        if value not in self.shapes:
+            raise UndeclaredKey(f"{experiment}'s result names no shape of its schema: metric {self.by!r} is {value!r} "
+                                f"(allowed: {', '.join(self.shapes)})")
+        return self.shapes[value]
+
+    @property
+    def metrics(self) -> tuple[str, ...]:  # every shape's, for a reader asking what some run may hold
+        return tuple(dict.fromkeys(k for s in self.shapes.values() for k in s.metrics))
+
+    @property
+    def tables(self) -> dict[str, tuple[str, ...]]:
+        return {name: tuple(dict.fromkeys(c for s in self.shapes.values() for c in s.tables.get(name, ())))
+                for s in self.shapes.values() for name in s.tables}
+
+    def declares(self, kind: str, key: str) -> bool:
+        return any(s.declares(kind, key) for s in self.shapes.values())
+
+    def stamp(self, result: Result, experiment: str) -> Result:
+        return self.shape(result.metrics, experiment).stamp(result, experiment)
+
+    def upgrade(self, stored: dict) -> dict:
+        return next(iter(self.shapes.values())).upgrade(stored)
+
+    def open(self, stored: dict, experiment: str) -> dict:
+        """The stored result upgraded, then read through the schema of its shape."""
+        body = self.upgrade(stored)
+        return self.shape(body.get("metrics", {}), experiment).open(body, experiment)
+
+
 class Declared(dict):
     """A result's metrics or tables as a page reads them: a key its schema does not declare raises UndeclaredKey
     naming the experiment, even when the run happens to hold it (so a page cannot come to depend on it)."""

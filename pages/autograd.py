@@ -23,11 +23,9 @@ def render(result: dict, rec) -> None:
     st.markdown(f"Symbolic (sympy): ∂loss/∂`{m['symbolic_element']}` of this expression = {m['symbolic_value']:.10g}, "
                 f"written out with {m['symbolic_operations']:,} operations (the expression swell that automatic "
                 "differentiation avoids); compared with ours and torch's in the checks above.")
-    grads = pd.DataFrame(result["tables"]["gradients"])
-    grads["|ours − torch|"] = (grads["ours"] - grads["torch"]).abs()
-    grads["|numeric − torch|"] = (grads["numeric"] - grads["torch"]).abs()
-    ui.table(grads,
-                 column_config={c: st.column_config.NumberColumn(c, format="%.3e") for c in ("|ours − torch|", "|numeric − torch|")})
+    errors = {"ours_error": "|ours − torch|", "numeric_error": "|numeric − torch|"}
+    ui.table(pd.DataFrame(result["tables"]["gradients"]),
+             column_config={c: st.column_config.NumberColumn(title, format="%.3e") for c, title in errors.items()})
 
 
 ui.experiment_page("graph.autodiff", render,

@@ -72,10 +72,10 @@ def render(result: dict, rec) -> None:
         return
     memory = pd.DataFrame(result["tables"]["memory"])
     memory["rank"] = memory["rank"].map(lambda r: f"rank {r}")
-    offloaded = bool(result["tables"].get("moved"))
+    model = result["metrics"]["model"]  # each model's result its own shape (dp_model.result_schema)
+    offloaded = model == "mlp" and bool(result["tables"]["moved"])
     if offloaded:  # one bar per rank and pool
         memory["rank"] = memory["rank"] + " · " + memory["pool"]
-    model = result["metrics"].get("model", "mlp")
     st.caption(f"Model: {MODEL_NAMES[model]}.")
     left, right = st.columns(2)
     left.altair_chart(memory_chart(memory, "rank", f"Memory per rank{' and pool' if offloaded else ''}: "

@@ -115,12 +115,11 @@ def short(focus: str) -> None:
     steps = pd.DataFrame(result["tables"]["cpu_steps"])
     place = pd.DataFrame(result["tables"]["gpu_placement"])
     if focus == "kv":
-        decode = place[place["phase"] == "decode"].copy()
-        decode["KV share of bytes"] = decode["kv_bytes"] / decode["bytes"]
+        decode = place[place["phase"] == "decode"]
         st.altair_chart(alt.Chart(decode).mark_line(point=True).encode(
             x=alt.X("batch:Q", scale=alt.Scale(type="log", base=2), title="batch size"),
-            y=alt.Y("KV share of bytes:Q", title="KV cache share of bytes", axis=alt.Axis(format="%")),
-            color="model:N", tooltip=["model", "batch", alt.Tooltip("KV share of bytes:Q", format=".1%"),
+            y=alt.Y("kv_share:Q", title="KV cache share of bytes", axis=alt.Axis(format="%")),
+            color="model:N", tooltip=["model", "batch", alt.Tooltip("kv_share:Q", format=".1%", title="KV share of bytes"),
                                       alt.Tooltip("bytes:Q", format=".3s", title="bytes per step")]).properties(height=240))
         st.caption(f"A decode step reads every weight once and every sequence's cache ({rec.config['gpu_context']} tokens, fp16): "
                    f"as the batch grows the cache becomes most of the bytes, which is what MQA, GQA, MLA and INT8 caches shrink. "

@@ -56,7 +56,7 @@ def render(result: dict, rec) -> None:
         words = m["sram.words"]
         st.markdown(f"M = {words:,} words → Bc = ⌈M / 4d⌉ = **{m['sram.Bc']}**, Br = min(Bc, d) = **{m['sram.Br']}** "
                     f"(this run's kernel tiles: {cfg['block_m']} x {cfg['block_n']}, powers of two for tl.dot). "
-                    f"Peak live words {m['sram.peak_words']:,} = {m['sram.peak_words'] / words:.0%} of M.")
+                    f"Peak live words {m['sram.peak_words']:,} = {m['sram.peak_share']:.0%} of M.")
         steps = pd.DataFrame(budget)
         for col in ("seed_delta_words", "seed_ledger_words"):  # runs recorded before the seed's ledger was compared
             steps[col] = steps[col] if col in steps else None

@@ -60,7 +60,7 @@ def _program_order(result: dict, cfg: dict) -> None:
         x=alt.X("col0:Q", title="column in the tile", scale=alt.Scale(domain=[0, cfg["block_n"]])), x2="col1:Q",
         y=alt.Y("row0:Q", title="row in the tile", scale=alt.Scale(domain=[cfg["block_m"], 0])), y2="row1:Q",
         color=alt.Color("warp:N"), tooltip=["warp", "row0", "row1", "col0", "col1"]).properties(height=260), width="stretch")
-    foot = pd.DataFrame(result["tables"]["wave_footprint"]).groupby(["case", "group_m"], as_index=False)["bytes"].max()
+    foot = pd.DataFrame(result["tables"]["largest_wave_footprint"])  # per case and GROUP_M, the largest wave's bytes
     st.markdown("**Bytes of A and B bands one wave of programs touches (a program per SM)**: what L2 must hold for "
                 "the wave's repeated loads to hit; grouping tile-rows (GROUP_M) shrinks it (a model of the order, "
                 "computed from the same program numbering).")

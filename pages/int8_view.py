@@ -18,10 +18,9 @@ def render(result: dict, rec) -> None:
     cols[0].metric("weights, INT8", units.si(m["weight_bytes.int8"], "B"), f"{-m['weight_saving_pct']:.0f} % from fp32",
                    delta_color="inverse", help=f"fp32 {m['weight_bytes.fp32']:,} B; INT8 integers plus one fp32 scale per output channel")
     cols[1].metric("held-out loss, fp32", f"{m['held_out_loss.fp32']:.4f} nats", help=f"entropy-rate floor {m['entropy_rate_nats']:.4f}")
-    cols[2].metric("W8A8 loss", f"{m['held_out_loss.w8a8']:.4f} nats", f"{m['held_out_loss.w8a8'] - m['held_out_loss.fp32']:+.4f}",
+    cols[2].metric("W8A8 loss", f"{m['held_out_loss.w8a8']:.4f} nats", f"{m['w8a8_loss_change_nats']:+.4f}",
                    delta_color="inverse")
-    kv_change = 100 * (m["kv_bytes_per_token.int8"] / m["kv_bytes_per_token.fp32"] - 1)
-    cols[3].metric("INT8 KV cache", f"{m['kv_bytes_per_token.int8']} B/token", f"{kv_change:.0f} % from fp32",
+    cols[3].metric("INT8 KV cache", f"{m['kv_bytes_per_token.int8']} B/token", f"{m['kv_bytes_change_pct']:.0f} % from fp32",
                    delta_color="inverse", help=f"fp32: {m['kv_bytes_per_token.fp32']} B per token, all layers")
 
     st.subheader("Weights and held-out loss: fp32, weight-only INT8 (W8), INT8 × INT8 → INT32 (W8A8)")

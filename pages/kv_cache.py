@@ -34,7 +34,7 @@ def render(result: dict, rec) -> None:
     ds = result["metrics"]["deepseek_v3_scaled_measured_elements"]
     st.info(f"DeepSeek-V3 by formula: MLA caches 512 + 64 = **576** elements per layer per token against **32,768** "
             f"for MHA with 128 heads of 128 (1.76 %). Measured live on a model with the same 128 heads and every width ÷16: "
-            f"**{ds['mla']:.0f}** against **{ds['mha']:.0f}** ({100 * ds['mla'] / ds['mha']:.2f} %).")
+            f"**{ds['mla']:.0f}** against **{ds['mha']:.0f}** ({result['metrics']['deepseek_v3_scaled_mla_over_mha_pct']:.2f} %).")
 
     speed = pd.DataFrame(tables["decode_speed"])
     if not speed.empty:

@@ -75,7 +75,7 @@ def render(result: dict, rec) -> None:
         c: st.column_config.NumberColumn(c.removesuffix(" bytes sent").replace("gradients", "grads") + " (B)", format="localized")
         for c in sent})
     if t["experts"]:
-        experts = pd.DataFrame(t["experts"]).groupby(["rank", "expert"], as_index=False)["rows computed"].sum()
+        experts = pd.DataFrame(t["experts_per_rank"])
         st.altair_chart(alt.Chart(experts).mark_bar().encode(
             x=alt.X("rank:O", title="rank"), y=alt.Y("rows computed:Q", title="token assignments computed (whole run)"),
             color="expert:N", tooltip=["rank", "expert", "rows computed"]).properties(

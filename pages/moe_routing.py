@@ -12,9 +12,7 @@ def render(result: dict, rec) -> None:
     cfg, t, m = rec.config, result["tables"], result["metrics"]
     st.subheader("Load per expert for each router (same tokens, same router weights)")
     ui.table(pd.DataFrame(t["summary"]))
-    loads = pd.DataFrame(t["loads"])
-    slots = {r: cfg["tokens"] * (1 if r == "Switch top-1" else cfg["top_k"]) / cfg["n_experts"] for r in loads["router"].unique()}
-    loads["balanced"] = loads["router"].map(slots)
+    loads = pd.DataFrame(t["loads"])  # each expert's load, and the perfectly balanced one beside it
     bars = alt.Chart(loads).mark_bar().encode(
         x=alt.X("expert:O", title="expert"), y=alt.Y("tokens:Q", title="tokens processed"),
         tooltip=["router", "expert", "tokens", alt.Tooltip("balanced:Q", title="balanced share", format=".2f")])

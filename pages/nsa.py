@@ -40,7 +40,7 @@ def render(result: dict, rec) -> None:
     cols = st.columns(4)
     cols[0].metric("KV bytes, last query (NSA)", f"{m['kv_bytes_per_query.nsa_last']:,.0f}")
     cols[1].metric("KV bytes, last query (full)", f"{m['kv_bytes_per_query.full_last']:,.0f}")
-    cols[2].metric("NSA / full", f"{m['kv_bytes_per_query.nsa_last'] / m['kv_bytes_per_query.full_last']:.1%}")
+    cols[2].metric("NSA / full", f"{m['nsa_over_full_last']:.1%}")
     cols[3].metric("compressed / selection blocks", f"{m['compressed_blocks']} / {m['selection_blocks']}")
 
     st.subheader("What one query reads")

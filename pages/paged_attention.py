@@ -52,8 +52,7 @@ def render(result: dict, rec) -> None:
         width = 64
         pool = pd.DataFrame({"block": range(n), "ref": snap["ref"], "fill": snap["fill"], "state": snap["state"], "owner": snap["owner"]})
         pool["x"], pool["y"] = pool["block"] % width, pool["block"] // width
-        st.caption(f"Step {snap['step']}: {sum(s == 'used' for s in snap['state'])} used, "
-                   f"{sum(s == 'cached, free' for s in snap['state'])} cached but free, {sum(s == 'free' for s in snap['state'])} free blocks")
+        st.caption(f"Step {snap['step']}: {snap['used']} used, {snap['cached_free']} cached but free, {snap['free']} free blocks")
         st.altair_chart(alt.Chart(pool).mark_rect().encode(
             x=alt.X("x:O", axis=None), y=alt.Y("y:O", axis=None), color=alt.Color("state:N", scale=STATE_COLORS, title="block"),
             opacity=alt.condition(alt.datum.ref > 1, alt.value(1.0), alt.value(0.85)),

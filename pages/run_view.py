@@ -107,16 +107,27 @@ def _live_status(run_id: str) -> None:
     st.fragment(_live_view, run_every=period)(run_id, period)
 
 
+def _url_names(run_id: str) -> bool:
+    """Whether the URL this script run's request carried names the run (the page's ?run=, the pipeline's ?compare=).
+    A fragment's run takes its URL from the browser's request, and st.rerun() redraws the whole page at it; a timer's
+    request sent before the browser saw the URL a Run put there (or held on the server behind that Run's script run)
+    names the previous run, or none, and a redraw at it would draw that run over the one just started."""
+    return run_id in st.query_params.to_dict().values()
+
+
 def _live_view(run_id: str, period: float) -> None:
     rec = store().get(run_id)
     render_log.write({"event": "tick", "run": run_id, "t": time.time()})  # when the browser's timer asked (bench)
-    if rec.status in FINAL:
-        render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
-        st.rerun()
     place = runner().place(run_id) if rec.status == "queued" else None
-    if poll_s(rec, place) != period:  # nearer the front, or started: the page sets the new period
+    # ended (the page draws its result), or nearer the front or started (the page sets the new period): the page is
+    # redrawn, by a request whose URL names this run; a stale one waits for the next tick, which carries the page's URL
+    if (rec.status in FINAL or poll_s(rec, place) != period) and _url_names(run_id):
+        if rec.status in FINAL:
+            render_log.write({"event": "final_seen", "run": run_id, "t": time.time(), "user": current_user()})
         st.rerun()
     _header(rec)
+    if rec.status in FINAL:  # ended, seen by a stale request: the next tick redraws the page with its result
+        return
     if place:
         when = (f"expected to start within about {place.wait_s:.0f} s (the cost estimates of the runs ahead, "
                 f"upper bounds); at most {runner().max_jobs} run at a time on this server"

@@ -12,13 +12,12 @@ def schedules(result: dict) -> None:
     rows = pd.DataFrame(result["tables"]["schedules"])
     ran, refused = rows[rows["refused"] == ""].copy(), rows[rows["refused"] != ""]
     st.subheader("This plan under every schedule")
-    per = ran.groupby("schedule", sort=False, as_index=False).agg(
-        step_replayed_ms=("step_replayed_ms", "first"), replayed=("bubble_replayed", "mean"),
-        model=("bubble_makespan_model", "mean"), formula=("bubble_formula", "first"))
-    bubbles = per.melt(id_vars=["schedule", "step_replayed_ms"], value_vars=["replayed", "model", "formula"],
-                       var_name="source", value_name="bubble")
-    bubbles["source"] = bubbles["source"].map({"replayed": "replayed (measured costs)", "model": "makespan model",
-                                               "formula": "closed form (equal stages)"})
+    per = pd.DataFrame(result["tables"]["schedule_means"])  # the bubble's mean over ranks per schedule (mesh.schedule_means)
+    bubbles = per.melt(id_vars=["schedule", "step_replayed_ms"], var_name="source", value_name="bubble",
+                       value_vars=["bubble_replayed", "bubble_makespan_model", "bubble_formula"])
+    bubbles["source"] = bubbles["source"].map({"bubble_replayed": "replayed (measured costs)",
+                                               "bubble_makespan_model": "makespan model",
+                                               "bubble_formula": "closed form (equal stages)"})
     order = list(per["schedule"])
     left, right = st.columns(2)
     names = alt.Axis(labelOverlap=False)

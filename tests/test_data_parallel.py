@@ -1,4 +1,5 @@
 """DDP, ZeRO-1/2/3 and FSDP2 against one process, at world sizes 2, 3 (uneven shards) and 4."""
+import dataclasses
 import multiprocessing
 
 import pytest
@@ -13,6 +14,7 @@ from backend.experiments.parallel.fsdp import FSDPConfig
 from backend.experiments.parallel.zero import ZeroConfig
 from backend.parallel import dp_ps
 from backend.parallel.dp_ps import combine_ps
+from backend.result import UndeclaredKey
 
 
 def _cases(world):
@@ -73,6 +75,23 @@ def test_a_wrong_parameter_fails_the_check(runs):
     module, cfg, name, reports = next(r for r in runs if r[2] == "zero2")
     reports[0].params = reports[0].params + 1e-9
     assert not _combine(module, cfg, reports).passed
+
+
+def test_the_mlp_result_is_held_to_its_own_shape(runs):
+    """ddp, zero and fsdp hold results of two shapes, chosen by the result's model: the MLP's requires its own keys
+    (a result without one fails the run) and refuses the tiny LLaMA's (the mesh's `dp`)."""
+    for module, cfg, name, reports in runs:
+        result, schema = _combine(module, cfg, reports), module.EXPERIMENT.schema
+        assert schema.shape(result.metrics) is schema.shapes["mlp"]
+        schema.stamp(result, name)
+        for key in ("parameter_bytes", "psi_padded_bytes", "model"):
+            lacking = dataclasses.replace(result, metrics={k: v for k, v in result.metrics.items() if k != key})
+            with pytest.raises(UndeclaredKey, match=f"metric '{key}' is missing|metric 'model' is None"):
+                schema.stamp(lacking, name)
+        with pytest.raises(UndeclaredKey, match="table 'moved' is missing"):
+            schema.stamp(dataclasses.replace(result, tables={k: v for k, v in result.tables.items() if k != "moved"}), name)
+        with pytest.raises(UndeclaredKey, match="metric 'dp' is not declared"):
+            schema.stamp(dataclasses.replace(result, metrics={**result.metrics, "dp": cfg.world_size}), name)
 
 
 @pytest.mark.parametrize("cls, values, field", [

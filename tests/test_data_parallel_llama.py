@@ -2,6 +2,7 @@
 plan of parallel.mesh, equal to one float64 process, dp bytes and memory against the models; 3 ranks, so the shards
 are uneven; what only the MLP's loop does is refused by name; the page draws such a run and names the model."""
 import copy
+import dataclasses
 import math
 import multiprocessing
 
@@ -14,6 +15,7 @@ from backend.experiments.parallel import ddp, fsdp, zero
 from backend.experiments.parallel.ddp import DDPConfig
 from backend.experiments.parallel.fsdp import FSDPConfig
 from backend.experiments.parallel.zero import ZeroConfig
+from backend.result import UndeclaredKey
 from tests.sweep import assert_refused
 
 BASE = dict(world_size=3, hidden=10, layers=2, batch=6, steps=2, model="tiny_llama")  # 10 rows over 3: 4, 4, 2
@@ -84,6 +86,21 @@ def test_torch_ddp_the_peer_equals_one_process_and_a_wrong_peer_fails(runs):
     key = next(k for k, v in broken[2]["peer_params"].items() if v.ndim == 2)
     broken[2]["peer_params"][key] = broken[2]["peer_params"][key][::-1].copy()
     assert name in {c.name for c in module.EXPERIMENT.combine(cfg, broken).checks if not c.passed}
+
+
+def test_the_tiny_llama_result_is_held_to_its_own_shape(runs):
+    """With model = tiny_llama the result is the mesh's, and its keys are required: without the mesh's `dp` or its
+    groups table the run fails, and an MLP-only key (parameter_bytes) is refused."""
+    for name, (module, cfg, payloads) in runs.items():
+        result, schema = module.EXPERIMENT.combine(cfg, payloads), module.EXPERIMENT.schema
+        assert schema.shape(result.metrics) is schema.shapes["tiny_llama"]
+        schema.stamp(result, name)
+        with pytest.raises(UndeclaredKey, match="metric 'dp' is missing"):
+            schema.stamp(dataclasses.replace(result, metrics={k: v for k, v in result.metrics.items() if k != "dp"}), name)
+        with pytest.raises(UndeclaredKey, match="table 'groups' is missing"):
+            schema.stamp(dataclasses.replace(result, tables={k: v for k, v in result.tables.items() if k != "groups"}), name)
+        with pytest.raises(UndeclaredKey, match="metric 'parameter_bytes' is not declared"):
+            schema.stamp(dataclasses.replace(result, metrics={**result.metrics, "parameter_bytes": 1}), name)
 
 
 @pytest.mark.parametrize("config_cls, values, field", [

@@ -31,6 +31,10 @@ def test_small_run_passes_and_tables_are_complete():
     assert len(at1) == 4 and all(r["bound"] == "memory" for r in at1)  # every model's batch-1 decode is memory-bound
     assert [r["tokens_scored"] for r in result.tables["verify_cost"]] == [1, 2, 4, 8]
     assert all(r["bound"] == "compute" for r in place if r["phase"].startswith("prefill"))
+    for model in {r["model"] for r in place}:  # the cache's share of a decode step's bytes grows with the batch
+        shares = [r["kv_share"] for r in sorted(place, key=lambda r: r["batch"]) if r["model"] == model and r["phase"] == "decode"]
+        assert all(0 < a < b < 1 for a, b in zip(shares, shares[1:])), (model, shares)
+        assert all(r["kv_share"] == pytest.approx(r["kv_bytes"] / r["bytes"]) for r in place if r["phase"] == "decode")
 
 
 def test_published_parameter_counts():

@@ -139,6 +139,8 @@ def test_experiments_pass_their_checks():
     flash = experiments.run("attention.flash", seq_len=48, heads=1, block_m=16, block_n=16, causal=True)
     assert flash.passed, [c for c in flash.checks if not c.passed]
     assert flash.tables["tile_steps"]
+    peak = max(row["live_words"] for row in flash.tables["sram_budget"])  # the page's share: the ledger's peak over M
+    assert flash.metrics["sram.peak_share"] == pytest.approx(peak / flash.metrics["sram.words"]) and 0 < peak <= flash.metrics["sram.words"]
     tiled = experiments.run("attention.flash", impl="tiled", backward=False, seq_len=300, heads=1)
     assert tiled.passed
 

@@ -30,6 +30,9 @@ def test_figures():
     m = r.metrics
     assert m["weight_bytes.int8"] < 0.35 * m["weight_bytes.fp32"]
     assert m["kv_bytes_per_token.int8"] / m["kv_bytes_per_token.fp32"] == pytest.approx((16 + 4) / 64)
+    assert m["kv_bytes_change_pct"] == pytest.approx(100 * ((16 + 4) / 64 - 1), abs=0.05)  # the page's delta, from the result
+    w8a8 = next(row for row in r.tables["models"] if row["model"] == "w8a8")
+    assert m["w8a8_loss_change_nats"] == pytest.approx(w8a8["loss_increase"], abs=1e-4)
     assert m["largest_abs_sum"] > 2 ** 24 and m["fp32_accumulation_wrong_elements"] > 0  # the GEMM check can tell
 
 

@@ -243,6 +243,12 @@ def test_serve_invariant_check_fails_when_the_manager_breaks(monkeypatch):
     result = experiments.run("kvcache.serve", n_requests=60)
     failed = [c.name for c in result.checks if not c.passed]
     assert failed == ["paged: block-manager invariants held at every snapshot"]
+    import collections  # the page's caption per snapshot: blocks by state, counted apart here, covering the pool
+
+    for snap in result.tables["snapshots"]:
+        counted = collections.Counter(snap["state"])
+        assert (snap["used"], snap["cached_free"], snap["free"]) == (counted["used"], counted["cached, free"], counted["free"])
+        assert snap["used"] + snap["cached_free"] + snap["free"] == len(snap["ref"])
 
 
 def test_paged_kernel_matches_reference_at_mixed_lengths_and_page_sizes():

@@ -110,3 +110,18 @@ def test_gpu_fp16_bf16_against_torch():
         c = matmul(a, b, 128, 128, 32, 8, num_warps=8)
         exact = a.double() @ b.double()
         assert (c.double() - exact).abs().max() <= 2 * (torch.matmul(a, b).double() - exact).abs().max() + 1e-3
+
+
+def test_the_largest_wave_footprint_per_group_m_equals_pandas_max():
+    """The page's bars: per case and GROUP_M the most bytes one wave touches (hardware.gemm's largest_wave_footprint),
+    against pandas' groupby max; the first wave's bytes instead (not always the largest) is told apart."""
+    import pandas as pd
+
+    from backend.experiments.hardware.gemm import largest_wave_footprint
+
+    rows = [{**r, "case": f"{m}x{n}", "group_m": gm} for m, n in ((4096, 4096), (1000, 3000)) for gm in (1, 4, 8)
+            for r in wave_footprint(program_order(m, n, 128, 128, gm), 108, 128, 128, 512, 2)]
+    ref = pd.DataFrame(rows).groupby(["case", "group_m"])["bytes"].max().to_dict()
+    assert {(r["case"], r["group_m"]): r["bytes"] for r in largest_wave_footprint(rows)} == ref
+    first = {(r["case"], r["group_m"]): r["bytes"] for r in rows if r["wave"] == 0}
+    assert first != ref

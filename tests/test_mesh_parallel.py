@@ -2,16 +2,14 @@
 the MoE variant on every factorisation with an ep dimension (plus MoE under tp, where each tp rank runs it alike)."""
 import itertools
 import math
-import multiprocessing
 
 import pytest
 
-from backend.comm.spawn import spawn_ranks
 from backend.config import ConfigError
-from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import PRESETS, MeshConfig
 from backend.comm.collectives import ring_bytes
+from tests.mesh_runs import checks as _checks, failures, run_plans
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 ALL = [dict(zip(DIMS, f)) for f in itertools.product((1, 2, 4), repeat=5) if math.prod(f) == 4]  # 15
@@ -21,17 +19,11 @@ MOE = [f for f in ALL if f["ep"] > 1] + [dict(pp=2, dp=1, cp=1, ep=1, tp=2)]  # 
 BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=2)
 
 
-def _all(rank, world, configs, ctx):
-    return [mesh.run_rank(rank, world, cfg, ctx) for cfg in configs]
-
-
 @pytest.fixture(scope="module")
 def runs():
-    configs = [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], **BASE).validate() for f in FACTORISATIONS]
-    configs += [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], ep=f["ep"], experts=4, **BASE).validate() for f in MOE]
-    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=900))
-    assert multiprocessing.active_children() == []
-    return [(cfg, [per_rank[r][i] for r in range(4)]) for i, cfg in enumerate(configs)]
+    configs = [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], **BASE) for f in FACTORISATIONS]
+    configs += [MeshConfig(pp=f["pp"], cp=f["cp"], tp=f["tp"], ep=f["ep"], experts=4, **BASE) for f in MOE]
+    return list(zip(configs, run_plans(configs)))
 
 
 def test_every_factorisation_of_four_ranks_equals_one_process(runs):
@@ -39,7 +31,7 @@ def test_every_factorisation_of_four_ranks_equals_one_process(runs):
     assert len(runs) == 16 and all(f in shapes for f in ALL)
     for cfg, payloads in runs:
         result = mesh.combine(cfg, payloads)
-        assert result.passed, ((cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.tp), [(c.name, c.error) for c in result.checks if not c.passed])
+        assert result.passed, ((cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.tp), failures(result))
         assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
         sent = {k: sum(p["bytes"][k] for p in payloads) for k in payloads[0]["bytes"]}
         used = {"tp": cfg.tp, "pp": cfg.pp, "cp ring": cfg.cp, "dp gradients": cfg.dp, "cp gradients": cfg.cp,
@@ -52,9 +44,12 @@ def test_experts_live_on_their_ep_rank_and_a_wrong_routing_fails(runs):
     result = mesh.combine(cfg, payloads)
     assert {(r["rank"], r["expert"]) for r in result.tables["experts"]} == {(r, r) for r in range(4)}  # 4 experts, 1 each
     assert sum(r["rows computed"] for r in result.tables["experts"]) == cfg.steps * cfg.batch * cfg.seq * cfg.layers * cfg.top_k
+    import pandas as pd  # the page's totals per rank and expert, against pandas' groupby sum of the per-block rows
+
+    ref = pd.DataFrame(result.tables["experts"]).groupby(["rank", "expert"])["rows computed"].sum().to_dict()
+    assert {(r["rank"], r["expert"]): r["rows computed"] for r in result.tables["experts_per_rank"]} == ref
     payloads[1]["moe"][0]["kept"][0] += 1
-    checks = {c.name: c for c in mesh.combine(cfg, payloads).checks}
-    assert not checks["every MoE call routed each expert the assignments the reference routed those tokens"].passed
+    assert not _checks(cfg, payloads)["every MoE call routed each expert the assignments the reference routed those tokens"].passed
 
 
 def test_groups_follow_the_mesh(runs):
@@ -100,10 +95,9 @@ def test_ring_bytes_of_uneven_chunks_add_up():
 def test_three_dimensions_on_eight_ranks():
     """pp 2 x dp 2 x tp 2: every dimension live at once, 8 processes."""
     cfg = MeshConfig.from_dict({k: str(v) for k, v in PRESETS["3d8"].items()})
-    payloads = spawn_ranks(mesh.run_rank, 8, cfg, RunContext(timeout_s=300))
-    assert multiprocessing.active_children() == []
+    payloads = run_plans([cfg], world=8, timeout_s=300)[0]
     result = mesh.combine(cfg, payloads)
-    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert result.passed, failures(result)
     assert {g["dimension"] for g in result.tables["groups"]} == {"pp", "dp", "tp"}
     assert all(r["tp bytes sent"] and r["pp bytes sent"] and r["dp gradients bytes sent"] for r in result.tables["ranks"])
 
@@ -147,9 +141,7 @@ def _schedule_configs():
 @pytest.fixture(scope="module")
 def schedule_runs():
     configs = _schedule_configs()
-    per_rank = spawn_ranks(_all, 4, configs, RunContext(timeout_s=900))
-    assert multiprocessing.active_children() == []
-    return [(cfg, [per_rank[r][i] for r in range(4)]) for i, cfg in enumerate(configs)]
+    return list(zip(configs, run_plans(configs)))
 
 
 def test_every_schedule_in_the_mesh_equals_one_process(schedule_runs):
@@ -157,7 +149,7 @@ def test_every_schedule_in_the_mesh_equals_one_process(schedule_runs):
     assert {c.schedule for c, _ in schedule_runs} == {n for n, s in SCHEDULES.items() if not s.asynchronous}
     for cfg, payloads in schedule_runs:
         result = mesh.combine(cfg, payloads)
-        assert result.passed, (cfg.schedule, cfg.pp, [(c.name, c.error) for c in result.checks if not c.passed])
+        assert result.passed, (cfg.schedule, cfg.pp, failures(result))
         plan = cfg.plan
         for p in payloads:  # each rank ran its own order of the schedule, on the stages the schedule places there
             assert p["order"] == [str(a) for a in plan.actions(cfg.pp, cfg.microbatches, cfg.virtual_stages)[p["coords"]["pp"]]]
@@ -176,8 +168,7 @@ def test_schedules_differ_in_activations_held(schedule_runs):
     assert 2 * f1b[0] == gpipe[0] and 4 * f1b[2] == gpipe[2]  # of 4 equal micro-batches, stage 0 keeps 2, stage 1 one
     for p in payloads:
         p["memory"]["activations"] = sum(p["activations"].values())  # all micro-batches alive at once
-    checks = {c.name: c for c in mesh.combine(cfg, payloads).checks}
-    assert not checks["activations held at 1F1B (PipeDream-flush)'s peak within 10 % of the formula"].passed
+    assert not _checks(cfg, payloads)["activations held at 1F1B (PipeDream-flush)'s peak within 10 % of the formula"].passed
 
 
 def test_a_v_turn_counted_as_a_message_fails(schedule_runs):
@@ -210,8 +201,7 @@ def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
     assert all(2 * z["memory"]["optimizer states"] == a["memory"]["optimizer states"] for z, a in zip(zero, plain))
     assert [z["bytes"]["dp gradients"] for z in zero] == [a["bytes"]["dp gradients"] for a in plain]
     zero[0]["memory"]["optimizer states"] = plain[0]["memory"]["optimizer states"]
-    checks = {c.name: c for c in mesh.combine(cfg, zero).checks}
-    assert not checks["parameters, gradients and optimizer states per rank equal the zero1 memory model"].passed
+    assert not _checks(cfg, zero)["parameters, gradients and optimizer states per rank equal the zero1 memory model"].passed
 
 
 def test_zero_over_one_dp_rank_is_the_degenerate_case_not_a_refusal():

@@ -3,19 +3,17 @@ sums) trained on the mesh, checked against one process running the same recipe a
 dimension and memory per category exact at each dtype's item size. Each check fails when the recipe is broken inside
 the ranks: the master copy taken away (Adam steps the bf16 weights), or the gradients summed in bf16."""
 import contextlib
-import multiprocessing
 
 import pytest
 import torch
 
-from backend.comm.spawn import spawn_ranks
 from backend.config import ConfigError
-from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel import mesh_train
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.parallel.workload import PRECISIONS, Precision
+from tests.mesh_runs import checks as _checks, failures, run_plans
 
 BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=3)
 # Broken recipes, applied inside the ranks only (the check's side keeps the real one)
@@ -48,47 +46,33 @@ def _recipe(broken: str | None):
         mesh_train.DynamicLossScaler = scaler
 
 
-def _all(rank, world, runs, ctx):
-    out = []
-    for cfg, broken in runs:
-        with _recipe(broken):
-            out.append(mesh.run_rank(rank, world, cfg, ctx))
-    return out
-
-
 ZERO1 = dict(pp=2, tp=1, schedule="1f1b", dp_strategy="zero1", **BASE)  # pp 2 x dp 2: the master copy sharded
 SLOW = dict(ZERO1, lr=1e-3)  # updates below a bf16 ulp of most weights: only the fp32 master copy keeps them
 FP16 = dict(ZERO1, steps=5, precision="fp16_mixed", init_loss_scale=2 ** 21)  # overflows until the scale has backed off
 
 
 def _configs():
-    return [(MeshConfig(precision="bf16_mixed", **ZERO1).validate(), None),
-            (MeshConfig(precision="bf16_mixed", pp=1, tp=2, sp=True, dp_strategy="ddp", **BASE).validate(), None),
-            (MeshConfig(precision="fp32", pp=1, tp=1, cp=2, dp_strategy="zero3", **BASE).validate(), None),
-            (MeshConfig(precision="bf16_mixed", **SLOW).validate(), None),
-            (MeshConfig(precision="bf16_mixed", **SLOW).validate(), "no master copy"),
-            (MeshConfig(precision="bf16_mixed", **ZERO1).validate(), "bf16 gradient sums"),
-            (MeshConfig(**FP16).validate(), None),
-            (MeshConfig(**FP16).validate(), "no backoff")]
+    return [(MeshConfig(precision="bf16_mixed", **ZERO1), None),
+            (MeshConfig(precision="bf16_mixed", pp=1, tp=2, sp=True, dp_strategy="ddp", **BASE), None),
+            (MeshConfig(precision="fp32", pp=1, tp=1, cp=2, dp_strategy="zero3", **BASE), None),
+            (MeshConfig(precision="bf16_mixed", **SLOW), None),
+            (MeshConfig(precision="bf16_mixed", **SLOW), "no master copy"),
+            (MeshConfig(precision="bf16_mixed", **ZERO1), "bf16 gradient sums"),
+            (MeshConfig(**FP16), None),
+            (MeshConfig(**FP16), "no backoff")]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    runs = _configs()
-    per_rank = spawn_ranks(_all, 4, runs, RunContext(timeout_s=900))
-    assert multiprocessing.active_children() == []
-    return [(cfg, broken, [per_rank[r][i] for r in range(4)]) for i, (cfg, broken) in enumerate(runs)]
-
-
-def _checks(cfg, payloads) -> dict:
-    return {c.name: c for c in mesh.combine(cfg, payloads).checks}
+    plans = _configs()
+    return [(cfg, broken, payloads) for (cfg, broken), payloads in zip(plans, run_plans(plans, patch=_recipe))]
 
 
 def test_each_precision_passes_every_check(runs):
     for cfg, broken, payloads in runs:
         if broken is None:
             result = mesh.combine(cfg, payloads)
-            assert result.passed, (cfg.precision, cfg.dp_strategy, [(c.name, c.error) for c in result.checks if not c.passed])
+            assert result.passed, (cfg.precision, cfg.dp_strategy, failures(result))
             assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
             names = [c.name for c in result.checks]
             assert any(f"one process in {cfg.precision}" in n for n in names) and any("float64" in n for n in names)
@@ -165,7 +149,7 @@ def test_fp16_loss_scale_skips_the_steps_gradscaler_skips(runs):
     skipped step (the byte model counts the skips). A scaler that does not back off fails the scale check."""
     cfg, _, payloads = runs[6]
     result = mesh.combine(cfg, payloads)
-    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert result.passed, failures(result)
     skipped = payloads[0]["skipped"]
     assert 0 < sum(skipped) < cfg.steps and all(p["skipped"] == skipped for p in payloads)
     assert payloads[0]["loss_scales"][:3] == [2.0 ** 21, 2.0 ** 20, 2.0 ** 19]

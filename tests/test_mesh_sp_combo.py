@@ -11,15 +11,12 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import multiprocessing
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.comm.spawn import spawn_ranks
-from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel import mesh_train
@@ -27,6 +24,7 @@ from backend.parallel import sp as sp_module
 from backend.parallel import token_split as split_module
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.token_split import TokenSplit, token_split
+from tests.mesh_runs import checks as _checks, run_plans
 
 WORLD = 4
 BASE = dict(world_size=WORLD, seq=8, d_model=16, n_heads=8, d_head=4, d_ff=16, vocab=16, steps=2, batch=8, layers=2,
@@ -81,28 +79,14 @@ def _patched(broken: str) -> contextlib.ExitStack:
     return stack
 
 
-def _rank(rank, world, jobs, ctx):
-    out = []
-    for cfg, broken in jobs:
-        with _patched(broken):
-            out.append(mesh.run_rank(rank, world, cfg, ctx))
-    return out
-
-
 JOBS = [(SP_CP, "none"), (SP_EP, "none"), (SP_CP_MOE, "none"),
         (SP_CP, "shifted scatter"), (SP_CP, "no re-gather"), (SP_EP, "MoE gradients unsummed")]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    jobs = [(cfg.validate(), broken) for cfg, broken in JOBS]
-    per_rank = spawn_ranks(_rank, WORLD, jobs, RunContext(timeout_s=600))
-    assert multiprocessing.active_children() == []
-    return {(id(cfg), broken): [per_rank[r][i] for r in range(WORLD)] for i, (cfg, broken) in enumerate(JOBS)}
-
-
-def _checks(cfg, payloads) -> dict[str, object]:
-    return {c.name: c for c in mesh.combine(cfg, payloads).checks}
+    payloads = run_plans(JOBS, WORLD, patch=_patched, timeout_s=600)
+    return {(id(cfg), broken): p for (cfg, broken), p in zip(JOBS, payloads)}
 
 
 def _failed(checks: dict) -> set[str]:

@@ -98,6 +98,17 @@ def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[SPLIT].passed
 
 
+def _means_off_pandas(rows: list[dict], means: list[dict]) -> float:
+    """The largest gap between the result's per-schedule bubble means and pandas' groupby mean of the per-rank rows."""
+    import pandas as pd
+
+    ran = pd.DataFrame([r for r in rows if not r["refused"]])
+    ref = ran.groupby("schedule", sort=False)[["bubble_replayed", "bubble_makespan_model"]].mean()
+    got = pd.DataFrame(means).set_index("schedule")[["bubble_replayed", "bubble_makespan_model"]]
+    assert list(got.index) == list(ref.index)
+    return float((got - ref).abs().to_numpy().max())
+
+
 def test_one_plan_under_every_schedule_side_by_side():
     """pp 2 x dp 2 with 4 micro-batches per rank: all seven synchronous schedules run the plan, each checked as usual;
     the zero-bubble V's closed-form bubble is the smallest; a wrong weight in one schedule's run fails the comparison."""
@@ -113,6 +124,9 @@ def test_one_plan_under_every_schedule_side_by_side():
     assert all(sum(r["schedule"] == n for r in rows) == 4 for n in {r["schedule"] for r in rows})  # every rank, each
     formula = {r["schedule"]: r["bubble_formula"] for r in rows}
     assert min(formula, key=formula.get) == "zb_v"
+    assert _means_off_pandas(rows, result.tables["schedule_means"]) < 1e-12
+    first_rank = lambda rows: [dict(r, ranks=1) for r in rows if r["rank"] == 0]  # noqa: E731  (a mean of one rank)
+    assert _means_off_pandas(rows, first_rank(rows)) > 1e-3, "a per-schedule mean of rank 0 alone is told apart"
     name = next(k for k in payloads[0]["schedules"]["zb_h1"]["params"])
     payloads[0]["schedules"]["zb_h1"]["params"][name] = payloads[0]["schedules"]["zb_h1"]["params"][name] + 1e-6
     check = next(c for c in mesh.combine(cfg, payloads).checks if c.name.startswith("every schedule's run"))

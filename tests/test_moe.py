@@ -89,8 +89,17 @@ def test_balance_loss_is_one_when_uniform():
 
 
 def test_bias_balancing_reduces_imbalance():
-    m = experiments.run("models.moe_routing").metrics
+    result = experiments.run("models.moe_routing")
+    m, cfg = result.metrics, RoutingConfig()
     assert m["imbalance_after_bias"] < m["imbalance_before_bias"]
+    # the balanced load drawn beside each router's: its routes per token (Switch: one; the others: top_k) over the experts
+    for row in result.tables["loads"]:
+        assert row["balanced"] == cfg.tokens * (1 if row["router"] == "Switch top-1" else cfg.top_k) / cfg.n_experts
+    kept = {r["router"]: r["dropped_tokens"] for r in result.tables["summary"]}
+    for router, dropped in kept.items():  # without drops the loads' mean is the balanced load
+        rows = [r for r in result.tables["loads"] if r["router"] == router]
+        if not dropped:
+            assert sum(r["tokens"] for r in rows) / len(rows) == pytest.approx(rows[0]["balanced"])
 
 
 @pytest.mark.parametrize("values, field", [

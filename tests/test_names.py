@@ -1,5 +1,6 @@
 """One name per topic: experiments renamed keep their old names as aliases, in the CLI, in links and in stored runs."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,30 @@ def test_a_module_without_an_experiment_is_refused_unless_its_name_marks_a_share
         monkeypatch.undo()
         experiments._load_all.cache_clear()
     assert {"serving.engine", "plan.training"} <= {e.name for e in experiments.all_experiments()}
+
+
+# --- README's "Where things live" against the tree -------------------------------------------------------------
+def _readme_tree(text: str) -> str:
+    """The layout block of README's "Where things live" (from app.py to the closing fence)."""
+    block = text[text.index("app.py              router"):]
+    return block[:block.index("```")]
+
+
+def stale_layout(text: str) -> list[str]:
+    """Library modules the layout block does not name, and .py files it names that are nowhere in the tree."""
+    block = _readme_tree(text)
+    modules = [p for p in (REPO / "backend").rglob("*.py") if p.name != "__init__.py" and "experiments" not in p.parts]
+    unnamed = [str(p.relative_to(REPO)) for p in modules if p.name not in block]
+    files = {p.name for d in ("backend", "pages", "kernels", "tests") for p in (REPO / d).rglob("*.py")} | {"app.py"}
+    gone = [n for n in set(re.findall(r"(?<![\w*])(\w+\.py)\b", block)) if n not in files and n != "_name.py"]
+    return sorted(unnamed) + [f"{n} (named, not in the tree)" for n in sorted(gone)]
+
+
+def test_the_readmes_layout_names_every_library_module_and_nothing_gone():
+    assert stale_layout((REPO / "README.md").read_text()) == []
+
+
+def test_a_stale_layout_is_found():
+    text = (REPO / "README.md").read_text()
+    assert stale_layout(text.replace("token_split.py", "token_splitting.py")) == [
+        "backend/parallel/token_split.py", "token_splitting.py (named, not in the tree)"]

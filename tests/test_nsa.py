@@ -71,6 +71,8 @@ def test_kv_bytes_fall_behind_full_attention_as_n_grows():
 def test_experiment_defaults_pass():
     result = experiments.run("attention.nsa", sweep_sizes="256,512")
     assert result.passed, [c for c in result.checks if not c.passed]
+    at_512 = next(row for row in result.tables["sweep"] if row["seq_len"] == 512)  # the checked run's N, swept apart
+    assert result.metrics["nsa_over_full_last"] == pytest.approx(at_512["nsa_over_full_last"])
 
 
 @pytest.mark.parametrize("values, field", [

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from backend import experiments
-from backend.result import VERSION_KEY, Result, Schema, UndeclaredKey
+from backend.result import VERSION_KEY, Result, Schema, Shapes, UndeclaredKey
 from backend.store import RunStore
 from pages.catalog import SECTIONS
 from tests.conftest import REPO
@@ -81,6 +81,42 @@ def test_a_schema_without_an_upgrade_for_each_older_version_is_refused():
         Schema(metrics=("a",), tables={}, optional=("b",))
 
 
+def test_a_result_of_one_shape_is_held_to_that_shapes_keys():
+    """An experiment with two result shapes (ddp/zero/fsdp: the MLP's or the mesh's): the shape the result names
+    requires its keys and refuses the other's; a result naming no shape is refused; a page reading the other shape's key
+    from a stored run is refused."""
+    shapes = Shapes(by="model", shapes={"a": Schema(metrics=("model", "x"), tables={}),
+                                        "b": Schema(metrics=("model", "y"), tables={"t": ("c",)})})
+    shapes.stamp(Result(metrics={"model": "a", "x": 1}), "toy")
+    for metrics, tables, problem in [({"model": "a"}, {}, "metric 'x' is missing"),
+                                     ({"model": "a", "x": 1, "y": 2}, {}, "metric 'y' is not declared"),
+                                     ({"model": "b", "y": 2}, {}, "table 't' is missing"),
+                                     ({"model": "c", "x": 1}, {}, "metric 'model' is 'c' (allowed: a, b)")]:
+        with pytest.raises(UndeclaredKey, match=problem.replace("(", r"\(").replace(")", r"\)")):
+            shapes.stamp(Result(metrics=metrics, tables=tables), "toy")
+    opened = shapes.open({"metrics": {"model": "b", "y": 2}, "tables": {"t": []}}, "toy")
+    assert opened["metrics"]["y"] == 2 and shapes.declares("metrics", "x")
+    with pytest.raises(UndeclaredKey, match="'x' is not declared"):
+        opened["metrics"]["x"]
+    with pytest.raises(ValueError, match="do not require the metric 'model'"):
+        Shapes(by="model", shapes={"a": Schema(metrics=("x",), tables={})})
+
+
+def test_a_version_1_mlp_run_opens_as_the_mlp_shape():
+    """A parallel.zero run stored by version 1 (before the MLP's result named its model) opens through the MLP's shape
+    (the upgrade names it); without that upgrade step it names no shape."""
+    stored = json.loads((OLD_RESULTS / "v1" / "parallel.zero.json").read_text())
+    schema = experiments.get("parallel.zero").schema
+    assert stored[VERSION_KEY] == 1 and "model" not in stored["metrics"]
+    opened = schema.open(stored, "parallel.zero")
+    assert opened["metrics"]["model"] == "mlp" and opened["metrics"]["parameter_bytes"] == 320
+    assert schema.shapes["mlp"].problems(opened["metrics"], opened["tables"]) == []
+    nothing = {1: lambda result: None}  # the upgrade step does nothing
+    broken = Shapes(by="model", shapes={k: dataclasses.replace(s, upgrades=nothing) for k, s in schema.shapes.items()})
+    with pytest.raises(UndeclaredKey, match="metric 'model' is None"):
+        broken.open(stored, "parallel.zero")
+
+
 # --- every declared key is produced, every produced key declared ------------------------------------------------
 CHEAP = {"models.moe_routing": {"tokens": 64, "bias_steps": 2}, "rl.bellman": {}, "numerics.formats": {},
          "graph.autodiff": {}, "hardware.gemm": {}}
@@ -115,15 +151,19 @@ def test_a_run_missing_a_declared_key_or_holding_an_undeclared_one_fails(monkeyp
 
 
 # --- every key a page reads is declared -------------------------------------------------------------------------
+def _kind(node) -> str | None:
+    """'metrics' or 'tables' when `node` is a result's metrics or tables: m, t, metrics, tables, X["metrics"]."""
+    if isinstance(node, ast.Name):
+        return {"m": "metrics", "metrics": "metrics", "t": "tables", "tables": "tables"}.get(node.id)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in ("metrics", "tables"):
+        return node.slice.value
+    return None
+
+
 def page_reads(source: str) -> set[tuple[str, str]]:
     """(metrics | tables, key) a page reads with a constant key: m[...], t[...], metrics[...], tables[...],
     result["metrics"][...], their .get(...) and `in`; an f-string key gives its constant prefix ending in '*'."""
-    def kind(node):
-        if isinstance(node, ast.Name):
-            return {"m": "metrics", "metrics": "metrics", "t": "tables", "tables": "tables"}.get(node.id)
-        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in ("metrics", "tables"):
-            return node.slice.value
-        return None
+    kind = _kind
 
     def key(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -172,6 +212,94 @@ def test_every_key_a_page_reads_is_declared_by_its_experiments(page, names):
     assert undeclared_reads(page, names) == [], f"pages/{page}.py reads keys {names} do not declare"
 
 
+# --- every table column a page reads is declared -----------------------------------------------------------------
+def _table_of(node, tables: dict) -> str | None:
+    """The table whose rows `node` holds: t["name"], result["tables"]["name"], a row of it (x[0], x[i]) or rows of it
+    (x[mask]), a DataFrame of it (pd.DataFrame(x)), or a name bound to one of these in this scope."""
+    if isinstance(node, ast.Name):
+        return tables.get(node.id)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "DataFrame" and node.args:
+        return _table_of(node.args[0], tables)
+    if isinstance(node, ast.Subscript):
+        if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str) and _kind(node.value) == "tables":
+            return node.slice.value
+        if not (isinstance(node.slice, (ast.Constant, ast.List)) and not isinstance(getattr(node.slice, "value", 0), int)):
+            return _table_of(node.value, tables)  # a row by position (x[0], x[-1], x[i]) or rows by a mask or slice
+    return None
+
+
+def _made_here(tree) -> set[str]:
+    """Columns a page makes itself: x["c"] = ..., .assign(c=...), melt's var_name/value_name, rename's new names,
+    agg's named outputs; reading those is not reading the result."""
+    made = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.slice, ast.Constant):
+            made.add(node.slice.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            made |= {k.arg for k in node.keywords if node.func.attr in ("assign", "agg") and k.arg}
+            made |= {k.value.value for k in node.keywords if k.arg in ("var_name", "value_name", "name")
+                     and isinstance(k.value, ast.Constant)}
+            for k in node.keywords:
+                if k.arg == "columns" and isinstance(k.value, ast.Dict):
+                    made |= {v.value for v in k.value.values if isinstance(v, ast.Constant)}
+    return made
+
+
+def _scopes(tree):
+    """The module and each function: where a name is bound to one table."""
+    yield tree
+    yield from (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda)))
+
+
+def column_reads(source: str) -> set[tuple[str, str]]:
+    """(table, column) a page reads with a constant key from a table's rows or a DataFrame of them: x["c"], x.get("c"),
+    x[["c", ...]], where x is a table, a row, a DataFrame of it or a name bound once in its scope to one of those
+    (for-loop and comprehension variables over a table included). Columns the page makes itself are left out."""
+    tree = ast.parse(source)
+    found = set()
+    for scope in _scopes(tree):
+        bound: dict[str, set] = {}
+        for node in ast.walk(scope):
+            pairs = []
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+                if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+                    pairs = list(zip(target.elts, value.elts))
+                else:
+                    pairs = [(target, value)]
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                pairs = [(node.target, ast.Subscript(value=node.iter, slice=ast.Constant(0)))]  # each item: a row
+            for target, value in pairs:
+                if isinstance(target, ast.Name):
+                    bound.setdefault(target.id, set()).add(_table_of(value, {}) or _table_of(value, {k: next(iter(v)) for k, v in bound.items() if len(v) == 1 and None not in v}))
+        tables = {k: next(iter(v)) for k, v in bound.items() if len(v) == 1 and None not in v}
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                table, keys = _table_of(node.value, tables), node.slice
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+                table, keys = _table_of(node.func.value, tables), node.args[0]
+            else:
+                continue
+            if table is None or (isinstance(node, ast.Subscript) and _kind(node.value) == "tables"):
+                continue
+            elts = keys.elts if isinstance(keys, ast.List) else [keys]
+            found |= {(table, k.value) for k in elts if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    made = _made_here(tree)
+    return {(t, c) for t, c in found if c not in made}
+
+
+def undeclared_columns(page: str, names: tuple[str, ...]) -> list[str]:
+    schemas = [experiments.get(n).schema for n in names]
+    source = (REPO / "pages" / f"{page}.py").read_text()
+    return sorted(f"{table}[{column!r}]" for table, column in column_reads(source)
+                  if not any(column in s.tables.get(table, ()) for s in schemas))
+
+
+@pytest.mark.parametrize("page, names", sorted(_schema_pages().items()))
+def test_every_table_column_a_page_reads_is_declared_by_its_experiments(page, names):
+    assert undeclared_columns(page, names) == [], f"pages/{page}.py reads columns {names} do not declare"
+
+
 def test_pages_with_schemas_cover_the_topics_of_this_pass():
     assert {"comm_bandwidth", "collectives", "kv_cache", "flash_attention", "memory_hierarchy", "speculative",
             "moe_routing", "number_formats", "fusion", "paged_attention", "decode_view"} <= set(_schema_pages())
@@ -185,6 +313,24 @@ def test_a_page_reading_an_undeclared_key_is_found(monkeypatch):
     exp = experiments.get("decoding.speculative")
     _with_schema(monkeypatch, exp.name, metrics=tuple(k for k in exp.schema.metrics if k != "alpha"))
     assert undeclared_reads("speculative", (exp.name,)) == ["metrics 'alpha'"]
+
+
+def test_every_page_file_that_reads_a_result_is_checked():
+    """A page or view file reading result keys is in the catalog or VIEWS (else the checks above never see it)."""
+    reading = {p.stem for p in (REPO / "pages").glob("*.py")
+               if page_reads(p.read_text()) or column_reads(p.read_text())}
+    assert reading - set(_schema_pages()) == set()
+
+
+def test_a_page_reading_an_undeclared_column_is_found(monkeypatch):
+    source = ('g = pd.DataFrame(result["tables"]["grads"])\ng["made"] = g["a"] - g["b"]\nfirst = t["runs"][0]\n'
+              'first.get("c"); g[["made", "d"]]\nfor r in t["runs"]:\n    r["e"]\n[q["f"] for q in t["steps"]]\n'
+              'x = t["runs"]\nx = 3\nx["not a table"]')
+    assert column_reads(source) == {("grads", "a"), ("grads", "b"), ("grads", "d"), ("runs", "c"), ("runs", "e"),
+                                    ("steps", "f")}
+    exp = experiments.get("graph.autodiff")
+    _with_schema(monkeypatch, exp.name, tables={**exp.schema.tables, "forward_dot": ()})
+    assert undeclared_columns("autograd", (exp.name,)) == ["forward_dot['dot']"]
 
 
 # --- old stored runs open, upgraded in one place ----------------------------------------------------------------

@@ -217,7 +217,7 @@ def models_and_seeds(config: FlashConfig, elem: int):
     metrics["forward_flops"] = 4 * N * N * D * B * H * (0.5 if config.causal else 1)
     budget = sram_budget(config.sram_kib * 1024, D, elem)
     metrics.update({"sram.Br": budget["Br"], "sram.Bc": budget["Bc"], "sram.words": budget["sram_words"],
-                    "sram.peak_words": budget["peak_words"]})
+                    "sram.peak_words": budget["peak_words"], "sram.peak_share": budget["peak_words"] / budget["sram_words"]})
     check, note = seed_003_ledger(budget, D)
     tables = {"sram_budget": budget["steps"], "online_softmax_example": online_softmax_example()}
     error, detail = online_softmax_seed_error(tables["online_softmax_example"])
@@ -234,11 +234,18 @@ def _v1_to_v2(result: dict) -> None:
     result["tables"].setdefault("tile_steps", [])
 
 
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the budget's peak as a share of M (the page divided them before)."""
+    m = result["metrics"]
+    m["sram.peak_share"] = m["sram.peak_words"] / m["sram.words"]
+
+
 RESULT = Schema(
     metrics=(
         "device", "impl", "hbm_bytes_counted", "seconds", "peak_resident_growth_bytes", "naive_scores_bytes_would_be",
         "io_model.sram_bytes_per_step", "io_model.standard_bytes", "io_model.flash_bytes",
         "io_model.flash_theta_N2d2_over_M", "forward_flops", "sram.Br", "sram.Bc", "sram.words", "sram.peak_words",
+        "sram.peak_share",
     ),
     tables={
         "traffic": ("bytes", "pass", "tensor"),
@@ -249,7 +256,7 @@ RESULT = Schema(
         "tile_steps": ("kv_tile", "l", "m", "q_tile", "step"),  # (batch 0, head 0) up to 256 tokens, else empty
     },
     optional=("hbm_bytes_counted",),  # the tiled path counts no traffic
-    version=2, upgrades={1: _v1_to_v2},
+    version=3, upgrades={1: _v1_to_v2, 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, FlashConfig,

@@ -221,7 +221,8 @@ def run(config: KVCacheConfig, ctx) -> Result:
         r["saving_vs_mha_pct"] = None if mha is None else 100 * (1 - r["bytes_per_token_per_layer"] / mha)
     metrics = {"context": config.context, "n_layers": config.n_layers, "dtype": "float32",
                "deepseek_v3_formula_elements": {"mla": 512 + 64, "mha": 2 * 128 * 128},
-               "deepseek_v3_scaled_measured_elements": {"mla": ds["mla_elements"], "mha": ds["mha_elements"]}}
+               "deepseek_v3_scaled_measured_elements": {"mla": ds["mla_elements"], "mha": ds["mha_elements"]},
+               "deepseek_v3_scaled_mla_over_mha_pct": 100 * ds["ratio"]}
     for r in rows:
         metrics[f"bytes_per_token_per_layer.{r['variant']}"] = r["bytes_per_token_per_layer"]
     if rope_rows:
@@ -243,9 +244,16 @@ def _v1_to_v2(result: dict) -> None:
         row.setdefault("gpu", eighty)
 
 
+def _v2_to_v3(result: dict) -> None:
+    """Runs stored before the measured MLA/MHA share was a metric (the page divided the elements)."""
+    ds = result["metrics"]["deepseek_v3_scaled_measured_elements"]
+    result["metrics"]["deepseek_v3_scaled_mla_over_mha_pct"] = 100 * ds["mla"] / ds["mha"]
+
+
 RESULT = Schema(
     metrics=(
         "context", "n_layers", "dtype", "deepseek_v3_formula_elements", "deepseek_v3_scaled_measured_elements",
+        "deepseek_v3_scaled_mla_over_mha_pct",
         "bytes_per_token_per_layer.*",  # one per variant measured (and "mla (naive)")
         "mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error",
     ),
@@ -259,7 +267,7 @@ RESULT = Schema(
         "mla_rope": ("max_abs_error", "path", "query_position", "relative_error"),  # empty unless MLA was measured
     },
     optional=("mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error"),  # MLA measured only
-    version=2, upgrades={1: _v1_to_v2},
+    version=3, upgrades={1: _v1_to_v2, 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, KVCacheConfig,

@@ -139,7 +139,8 @@ def run(config: NSAConfig, ctx) -> Result:
     return Result(
         metrics={**{f"kv_bytes_per_query.{k_}": v_ for k_, v_ in bytes_now.items()},
                  **{f"gate_mean.{b}": float(gates[i]) for i, b in enumerate(BRANCHES)},
-                 "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1]},
+                 "selection_blocks": n_sel, "compressed_blocks": chosen["kc"].shape[1],
+                 "nsa_over_full_last": bytes_now["nsa_last"] / bytes_now["full_last"]},  # the share NSA reads
         tables={"sweep": sweep, **selection_tables(config, chosen)},
         checks=checks,
         notes=["KV bytes are counted from the rows the gathers index, per query and KV head (K and V, fp32); full attention reads every "
@@ -238,13 +239,19 @@ def selection_tables(config: NSAConfig, chosen: dict) -> dict:
     return {"importance": importance, "selection": selection}
 
 
+def _v1_share(result: dict) -> None:
+    """Version 1 -> 2: the last query's share of full attention's bytes (the page divided them before)."""
+    m = result["metrics"]
+    m["nsa_over_full_last"] = m["kv_bytes_per_query.nsa_last"] / m["kv_bytes_per_query.full_last"]
+
+
 RESULT = Schema(
     metrics=(
         "kv_bytes_per_query.compressed_mean", "kv_bytes_per_query.compressed_last",
         "kv_bytes_per_query.selected_mean", "kv_bytes_per_query.selected_last", "kv_bytes_per_query.window_mean",
         "kv_bytes_per_query.window_last", "kv_bytes_per_query.nsa_mean", "kv_bytes_per_query.nsa_last",
         "kv_bytes_per_query.full_mean", "kv_bytes_per_query.full_last", "gate_mean.compressed", "gate_mean.selected",
-        "gate_mean.window", "selection_blocks", "compressed_blocks",
+        "gate_mean.window", "selection_blocks", "compressed_blocks", "nsa_over_full_last",
     ),
     tables={
         "sweep": ("compressed_last", "compressed_mean", "full_last", "full_mean", "nsa_last", "nsa_mean",
@@ -252,6 +259,7 @@ RESULT = Schema(
         "importance": ("importance", "query", "sel_block", "selected"),
         "selection": ("blocks", "compressed_visible", "query"),
     },
+    version=2, upgrades={1: _v1_share},
 )
 
 EXPERIMENT = define(__name__, NSAConfig,

@@ -204,6 +204,7 @@ def gpu_placement(config: DecodeConfig) -> list[dict]:
             resident = s.params() * FP16 + b * (config.gpu_context + 1) * s.kv_elements_per_token() * FP16
             rows.append({"model": s.name, "phase": "decode", "batch": b, "flops": flops["total"], "bytes": nbytes["total"],
                          "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_read"] + nbytes["kv_write"],
+                         "kv_share": (nbytes["kv_read"] + nbytes["kv_write"]) / nbytes["total"],
                          "intensity": flops["total"] / nbytes["total"],
                          "attainable_flops_per_s": flops["total"] / t["seconds"], "step_ms": 1e3 * t["seconds"],
                          "tokens_per_s": b / t["seconds"], "bound": t["bound"], "resident_GB": resident / 1e9,
@@ -211,7 +212,7 @@ def gpu_placement(config: DecodeConfig) -> list[dict]:
         pre = prefill_cost(s, 1, config.prompt, FP16)
         t = roofline_time(pre["flops"], pre["bytes"], peak, bw)
         rows.append({"model": s.name, "phase": f"prefill {config.prompt} tokens", "batch": 1, "flops": pre["flops"],
-                     "bytes": pre["bytes"], "weight_bytes": s.matmul_params() * FP16, "kv_bytes": None,
+                     "bytes": pre["bytes"], "weight_bytes": s.matmul_params() * FP16, "kv_bytes": None, "kv_share": None,
                      "intensity": pre["flops"] / pre["bytes"], "attainable_flops_per_s": pre["flops"] / t["seconds"],
                      "step_ms": 1e3 * t["seconds"], "tokens_per_s": config.prompt / t["seconds"], "bound": t["bound"],
                      "resident_GB": s.params() * FP16 / 1e9, "fits": s.params() * FP16 <= capacity})
@@ -240,6 +241,12 @@ def run(config: DecodeConfig, ctx) -> Result:
                   checks=checks, notes=notes)
 
 
+def _v1_kv_share(rows: list[dict]) -> None:
+    """Version 1 -> 2: the KV cache's share of a decode step's bytes (the page divided them before)."""
+    for r in rows:
+        r["kv_share"] = r["kv_bytes"] / r["bytes"] if r["kv_bytes"] is not None else None
+
+
 RESULT = Schema(
     metrics=(
         "load_average", "cpu_bandwidth_GBps", "cpu_matmul_GFLOPs", "ridge_point_flops_per_byte", "weight_MB",
@@ -252,10 +259,11 @@ RESULT = Schema(
                       "error_pct", "flops", "intensity", "kv_bytes", "measured_s", "memory_s", "overhead_s",
                       "predicted_s", "roofline_s", "tokens_per_s", "wall_s", "weight_bytes"),
         "gpu_placement": ("attainable_flops_per_s", "batch", "bound", "bytes", "fits", "flops", "intensity",
-                          "kv_bytes", "model", "phase", "resident_GB", "step_ms", "tokens_per_s", "weight_bytes"),
+                          "kv_bytes", "kv_share", "model", "phase", "resident_GB", "step_ms", "tokens_per_s", "weight_bytes"),
         "verify_cost": ("cost_vs_one", "measured_s", "tokens_scored"),
         "roof": ("bandwidth", "device", "peak_flops"),
     },
+    version=2, upgrades={1: lambda result: _v1_kv_share(result["tables"]["gpu_placement"])},
 )
 
 EXPERIMENT = define(__name__, DecodeConfig,

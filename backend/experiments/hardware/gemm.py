@@ -222,7 +222,17 @@ def execution_model(config: GemmConfig, recorded: torch.Tensor, elem: int) -> tu
                   {"level": "tensor core (per cycle)", "m x n x k": "x".join(map(str, TENSOR_CORE_SHAPE)), "FMAs": 64},
                   {"level": "warp WMMA instruction", "m x n x k": "x".join(map(str, WMMA_SHAPE)), "FMAs": 16 ** 3},
                   {"level": "one tl.dot of this program", "m x n x k": f"{bm}x{bn}x{bk}", "FMAs": bm * bn * bk}]}
+    tables["largest_wave_footprint"] = largest_wave_footprint(tables["wave_footprint"])
     return tables, check
+
+
+def largest_wave_footprint(rows: list[dict]) -> list[dict]:
+    """Per case and GROUP_M, the most bytes any one wave touches: what L2 must hold for every wave's loads to hit."""
+    largest: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["case"], r["group_m"])
+        largest[key] = max(largest.get(key, 0), r["bytes"])
+    return [{"case": case, "group_m": gm, "bytes": b} for (case, gm), b in largest.items()]
 
 
 RESULT = Schema(
@@ -245,7 +255,10 @@ RESULT = Schema(
         "program_order": ("program", "tile_m", "tile_n"),
         "wave_footprint": ("A_bands", "B_bands", "bytes", "case", "group_m", "programs", "wave"),
         "tensor_core_shapes": ("FMAs", "level", "m x n x k"),
+        "largest_wave_footprint": ("bytes", "case", "group_m"),
     },
+    version=2, upgrades={1: lambda result: result["tables"].__setitem__(  # v1: the page took the largest
+        "largest_wave_footprint", largest_wave_footprint(result["tables"]["wave_footprint"]))},
 )
 
 EXPERIMENT = define(__name__, GemmConfig,

@@ -132,8 +132,16 @@ def run(config: ServeConfig, ctx) -> Result:
     snapshots = [{"step": s["step"], "ref": [b["ref"] for b in s["pool"]], "fill": [b["fill"] for b in s["pool"]],
                   "state": [b["state"] for b in s["pool"]], "owner": [b["owner"] for b in s["pool"]], "tables": s["tables"]}
                  for s in paged["snapshots"]]
+    blocks_by_state(snapshots)
     return Result(metrics=metrics, checks=checks, notes=notes,
                   tables={"waste": waste, "series": series, "snapshots": snapshots, "events": paged["events"][:500]})
+
+
+def blocks_by_state(snapshots: list[dict]) -> None:
+    """Each snapshot's pool counted by state: blocks in use, cached but free (reusable by a prefix hit), free."""
+    for snap in snapshots:
+        snap.update({"used": snap["state"].count("used"), "cached_free": snap["state"].count("cached, free"),
+                     "free": snap["state"].count("free")})
 
 
 RESULT = Schema(
@@ -146,9 +154,10 @@ RESULT = Schema(
         "waste": ("allocator", "kind", "share"),
         "series": ("allocated_slots", "allocator", "filled_slots", "fragmentation", "not_yet", "reserved_never",
                    "running", "step", "swapped", "utilization", "waiting"),
-        "snapshots": ("fill", "owner", "ref", "state", "step", "tables"),
+        "snapshots": ("fill", "owner", "ref", "state", "step", "tables", "used", "cached_free", "free"),
         "events": ("blocks", "op", "seq", "step"),
     },
+    version=2, upgrades={1: lambda result: blocks_by_state(result["tables"]["snapshots"])},  # v1: the page counted
 )
 
 EXPERIMENT = define(__name__, ServeConfig,

@@ -162,7 +162,8 @@ def run(config: RoutingConfig, ctx) -> Result:
                       reference="routes counted in Python"),
                 Check(f"{name}: balance loss N·Σ f_i P_i equals the direct sum", abs(loss - ref_loss), TOL, reference="plain-Python sum"),
             ]
-            loads += [{"router": name, "expert": e, "tokens": int(n)} for e, n in enumerate(load.tolist())]
+            balanced = c.tokens * routing.indices.shape[1] / c.n_experts  # the routes it offers, spread evenly
+            loads += [{"router": name, "expert": e, "tokens": int(n), "balanced": balanced} for e, n in enumerate(load.tolist())]
             summary.append({"router": name, "balance_loss": loss, "max_load_over_mean": float(load.max() / load.double().mean()),
                             "experts_unused": int((load == 0).sum()), "dropped_tokens": int((~routing.kept).sum()),
                             "weight_sum_per_token": float(routing.weights.masked_fill(~routing.kept, 0).sum(-1).mean())})
@@ -179,6 +180,14 @@ def run(config: RoutingConfig, ctx) -> Result:
                "The balanced bias changes which experts are chosen, never the weights: those are the unbiased sigmoid scores."])
 
 
+def _v1_balanced(result: dict) -> None:
+    """Version 1 -> 2: each expert's perfectly balanced load, as the page computed it then (k routes per token, one
+    for Switch top-1, over n_experts), from the run's stored settings."""
+    cfg = result["config"]
+    for row in result["tables"]["loads"]:
+        row["balanced"] = cfg["tokens"] * (1 if row["router"] == "Switch top-1" else cfg["top_k"]) / cfg["n_experts"]
+
+
 RESULT = Schema(
     metrics=(
         "switch_capacity", "switch_dropped_tokens", "imbalance_before_bias", "imbalance_after_bias",
@@ -188,11 +197,12 @@ RESULT = Schema(
     tables={
         "summary": ("balance_loss", "dropped_tokens", "experts_unused", "max_load_over_mean", "router",
                     "weight_sum_per_token"),
-        "loads": ("expert", "router", "tokens"),
+        "loads": ("expert", "router", "tokens", "balanced"),
         "balancing": ("bias_spread", "max_load_over_mean", "min_load_over_mean", "step"),
         "bias": ("bias", "expert"),
         "walkthrough": ("code", "shape", "step", "values"),
     },
+    version=2, upgrades={1: _v1_balanced},
 )
 
 EXPERIMENT = define(__name__, RoutingConfig,

@@ -174,7 +174,7 @@ def run(config: Int8Config, ctx) -> Result:
     kv_rows, kv_bytes, kv_kl = kv_cache_rows(model, seqs[0, :16], config.new_tokens)
     checks += [kv_bytes, kv_kl]
     w = {r["model"]: r for r in rows}
-    return Result(
+    result = Result(
         metrics={"weight_bytes.fp32": w["fp32"]["weight_bytes"], "weight_bytes.int8": w["w8"]["weight_bytes"],
                  "weight_saving_pct": round(100 * (1 - w["w8"]["weight_bytes"] / w["fp32"]["weight_bytes"]), 1),
                  "held_out_loss.fp32": round(loss32, 4), "held_out_loss.w8": round(w["w8"]["held_out_loss"], 4),
@@ -185,19 +185,29 @@ def run(config: Int8Config, ctx) -> Result:
         checks=checks,
         notes=[f"A {SHAPE['d_model']}-wide, {SHAPE['n_layers']}-layer model trained {config.steps} steps on a synthetic corpus: "
                "a small-scale illustration of INT8's error, not a claim about large models."])
+    changes_from_fp32(result.metrics)
+    return result
+
+
+def changes_from_fp32(metrics: dict) -> None:
+    """What INT8 changes against fp32, as the page shows it: the KV cache's bytes per token (per cent) and W8A8's
+    held-out loss (nats)."""
+    metrics["kv_bytes_change_pct"] = round(100 * (metrics["kv_bytes_per_token.int8"] / metrics["kv_bytes_per_token.fp32"] - 1), 1)
+    metrics["w8a8_loss_change_nats"] = round(metrics["held_out_loss.w8a8"] - metrics["held_out_loss.fp32"], 4)
 
 
 RESULT = Schema(
     metrics=(
         "weight_bytes.fp32", "weight_bytes.int8", "weight_saving_pct", "held_out_loss.fp32", "held_out_loss.w8",
         "held_out_loss.w8a8", "entropy_rate_nats", "kv_bytes_per_token.fp32", "kv_bytes_per_token.int8", "gemm_k",
-        "largest_abs_sum", "int32_max", "fp32_accumulation_wrong_elements",
+        "largest_abs_sum", "int32_max", "fp32_accumulation_wrong_elements", "kv_bytes_change_pct", "w8a8_loss_change_nats",
     ),
     tables={
         "models": ("greedy_agreement", "held_out_loss", "loss_increase", "max_rel_logit_error", "model", "stderr",
                    "weight_bytes"),
         "kv_cache": ("bytes_per_token", "cache", "formula", "greedy_agreement", "kl_nats", "max_rel_logit_error"),
     },
+    version=2, upgrades={1: lambda result: changes_from_fp32(result["metrics"])},  # v1: the page computed the changes
 )
 
 EXPERIMENT = define(__name__, Int8Config,

@@ -9,7 +9,6 @@ from backend.experiments import define
 from backend.experiments.parallel import dp_model
 from backend.parallel.ddp import DDP, TorchDDP
 from backend.parallel.loop import start_rank, train
-from backend.parallel.reconcile import combine
 from backend.parallel.workload import WorkloadConfig
 from backend.trace import Tracer
 
@@ -61,5 +60,5 @@ def run_rank(rank, world, config: DDPConfig, ctx):
 
 EXPERIMENT = define(__name__, DDPConfig, "our DDP (hooks, reverse-order buckets, overlapped async all-reduce) beside torch DDP",
                     rank_fn=run_rank, combine=lambda config, reports: dp_model.combine(config, reports, "ddp", "ddp") if config.model == "tiny_llama"
-                    else combine(config, reports, peer="torch DistributedDataParallel"),
+                    else dp_model.combine_mlp(config, reports, peer="torch DistributedDataParallel"),
                     lanes=("compute", "collective"), schema=dp_model.result_schema())

@@ -9,7 +9,6 @@ from backend.experiments.parallel import dp_model
 from backend.limits import plus_cpu
 from backend.parallel.fsdp import FSDP2
 from backend.parallel.loop import start_rank, train
-from backend.parallel.reconcile import combine
 from backend.parallel.workload import WorkloadConfig
 
 
@@ -42,5 +41,5 @@ def run_rank(rank, world, config: FSDPConfig, ctx):
 EXPERIMENT = define(__name__, FSDPConfig, "PyTorch FSDP2 (fully_shard per layer) on the same workload: the peer of our ZeRO-3",
                     rank_fn=run_rank, lanes=("compute", "collective"),
                     combine=lambda config, reports: dp_model.combine(config, reports, "fsdp2", "fsdp2")
-                    if config.model == "tiny_llama" else combine(config, reports),
+                    if config.model == "tiny_llama" else dp_model.combine_mlp(config, reports),
                     preload=("torch.distributed.fsdp",), schema=dp_model.result_schema())

@@ -753,16 +753,18 @@ def combine(config: MeshConfig, payloads) -> Result:
                "final_loss": last["losses"][-1], **timing_metrics}
     experts = [{"rank": p["rank"], "block": call["layer"], "expert": e, "rows computed": rows}
                for p in payloads for call in p["moe"] for e, rows in call["computed_here"].items()]
+    tables_per_expert = {"experts": experts, "experts_per_rank": experts_per_rank(experts)}
     checkpoint_tables = {}
     if config.checkpoint_every:
         more_checks, more_metrics, checkpoint_tables = mesh_checkpoint.checks_and_tables(config, payloads, ref, cut)
         checks += more_checks
         metrics.update(more_metrics)
     return Result(metrics=metrics, checks=checks, tables={**checkpoint_tables, "loss": loss, "ranks": ranks, "memory": memory,
-                                                          "groups": _groups(config), "experts": experts,
+                                                          "groups": _groups(config), **tables_per_expert,
                                                           "pipeline": pipeline_rows, "recompute": price_rows,
                                                           "step_replayed": replay_rows, **step_tables,
-                                                          "schedules": schedule_rows, **({"moved": moved} if moved else {}),
+                                                          "schedules": schedule_rows, "schedule_means": schedule_means(schedule_rows),
+                                                          **({"moved": moved} if moved else {}),
                                                           "graph_dot": [{"dot": mesh_graph(ranks, _groups(config))}]},
                   trace_events=[e for p in payloads for e in p["trace"]["events"]])
 
@@ -795,6 +797,26 @@ def compare_schedules(config: MeshConfig, payloads, timing, pipeline, passed) ->
     return Check("every schedule's run of this plan passes its own checks", len(failed), 0,
                  reference="each run against one process, the byte, memory and makespan models, as the plan's own run",
                  detail=f"{len(ran)} schedules ran ({', '.join(ran)}); failed: {', '.join(failed) or 'none'}"), rows
+
+
+def schedule_means(rows: list[dict]) -> list[dict]:
+    """Per schedule that ran (in the comparison's order), the pipeline's bubble as the mean over ranks of each rank's
+    idle share, replayed and modelled (the mean, as the pipeline page reports a schedule's bubble), beside the
+    closed form and the replayed step time, which are one number per schedule already."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["refused"]:
+            continue
+        mean = out.setdefault(r["schedule"], {"schedule": r["schedule"], "ranks": 0, "step_replayed_ms": r["step_replayed_ms"],
+                                              "bubble_replayed": 0.0, "bubble_makespan_model": 0.0,
+                                              "bubble_formula": r["bubble_formula"]})
+        mean["ranks"] += 1
+        mean["bubble_replayed"] += r["bubble_replayed"]
+        mean["bubble_makespan_model"] += r["bubble_makespan_model"]
+    for mean in out.values():
+        mean["bubble_replayed"] /= mean["ranks"]
+        mean["bubble_makespan_model"] /= mean["ranks"]
+    return list(out.values())
 
 
 def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
@@ -996,6 +1018,21 @@ def _v1_before_the_later_settings(result: dict) -> None:
         result["tables"].setdefault(name, [])
 
 
+def experts_per_rank(experts: list[dict]) -> list[dict]:
+    """Token assignments each rank computed for each expert, over every block and step (the experts table summed)."""
+    total: dict[tuple[int, int], int] = {}
+    for r in experts:
+        total[r["rank"], r["expert"]] = total.get((r["rank"], r["expert"]), 0) + r["rows computed"]
+    return [{"rank": rank, "expert": e, "rows computed": n} for (rank, e), n in sorted(total.items())]
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the per-schedule means and the experts' totals per rank, from the stored rows by the
+    experiment's own functions (the page computed them before)."""
+    result["tables"]["schedule_means"] = schedule_means(result["tables"]["schedules"])
+    result["tables"]["experts_per_rank"] = experts_per_rank(result["tables"]["experts"])
+
+
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
              "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
 CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
@@ -1014,6 +1051,7 @@ RESULT = Schema(
             "memory": ("rank", "category", "measured_bytes", "formula_bytes", "pool"),  # pool: with offload
             "groups": ("dimension", "group", "ranks"),
             "experts": ("rank", "block", "expert", "rows computed"),  # empty for a dense model
+            "experts_per_rank": ("rank", "expert", "rows computed"),  # the experts table summed over blocks
             "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1
             "recompute": ("rank", "forward_flops", "backward_flops", "extra_flops", "extra_flops_model", "flops_overhead",
                           "compute_cpu_ms", "compute_cpu_without_ms", "time_overhead", "activations_saved_bytes",
@@ -1023,6 +1061,8 @@ RESULT = Schema(
             "comm_replay": ("rank", *SPLIT), "comm_lanes": LANE,
             "schedules": ("schedule", "rank", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model", "bubble_formula",
                           "activations_peak_bytes", "passed", "refused"),  # empty unless compare_schedules
+            "schedule_means": ("schedule", "ranks", "step_replayed_ms", "bubble_replayed", "bubble_makespan_model",
+                               "bubble_formula"),  # one row per schedule of `schedules` that ran
             "graph_dot": ("dot",),
             "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step"),  # offload only
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
@@ -1032,7 +1072,7 @@ RESULT = Schema(
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
     optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
               "checkpoint_bytes_per_rank", "reshard_map", "reshard_bytes"),
-    version=2, upgrades={1: _v1_before_the_later_settings},
+    version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "

@@ -8,7 +8,6 @@ from backend.experiments import define
 from backend.limits import plus_cpu
 from backend.experiments.parallel import dp_model
 from backend.parallel.loop import start_rank, train
-from backend.parallel.reconcile import combine
 from backend.parallel.workload import PRECISIONS, WorkloadConfig
 from backend.parallel.zero import ZeRO
 
@@ -53,5 +52,5 @@ def run_rank(rank, world, config: ZeroConfig, ctx):
 EXPERIMENT = define(__name__, ZeroConfig, "ZeRO-1/2/3 with Adam over our ring collectives: memory per rank and bytes sent vs 2ψ/2ψ/3ψ",
                     rank_fn=run_rank, lanes=("compute", "collective", "comm"),
                     combine=lambda config, reports: dp_model.combine(config, reports, f"zero{config.stage}", f"zero{config.stage}")
-                    if config.model == "tiny_llama" else combine(config, reports),
+                    if config.model == "tiny_llama" else dp_model.combine_mlp(config, reports),
                     schema=dp_model.result_schema())

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from backend.config import ConfigError, setting
-from backend.result import Check, Result, Schema
+from backend.result import Check, Result, Schema, Shapes
 
 MODELS = ("mlp", "tiny_llama")
 LLAMA = "tiny LLaMA"
@@ -97,22 +97,38 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
     return result
 
 
-MLP_ONLY = ("parameter_bytes", "psi_padded_bytes", "buckets_elements",  # the MLP loop's (buckets: DDP's only)
-            "moved_device_to_host_bytes_per_step", "moved_host_to_device_bytes_per_step", "host_bytes",  # offload = true
-            "relative_error_vs_float64")  # precision = bf16_mixed
+def combine_mlp(config, reports, peer: str | None = None) -> Result:
+    """The MLP loop's result (backend/parallel/reconcile.combine), naming its model as the tiny LLaMA's does."""
+    from backend.parallel.reconcile import combine as reconcile
+
+    result = reconcile(config, reports, peer=peer)
+    result.metrics["model"] = "mlp"
+    return result
 
 
-def result_schema() -> Schema:
-    """The keys of parallel.ddp, zero and fsdp: the MLP loop's (backend/parallel/reconcile.combine), or with tiny_llama
-    parallel.mesh's result with the strategy, the model and the dp bytes per rank (combine above). Both hold the
-    strategy, the final loss and the memory, volume and loss tables the page draws; each one's own keys are optional."""
+def _v1_named_no_model(result: dict) -> None:
+    """Version 1 MLP runs did not name their model (the tiny LLaMA's always did)."""
+    result["metrics"].setdefault("model", "mlp")
+
+
+def result_schema() -> Shapes:
+    """The keys of parallel.ddp, zero and fsdp, one shape per model: the MLP loop's (combine_mlp) or parallel.mesh's result
+    with the strategy, the model and the dp bytes per rank (combine above). Each requires its own keys; the MLP's
+    optional ones come with a setting (buckets: DDP; moved bytes and host memory: offload; the error against float64:
+    bf16_mixed)."""
     from backend.experiments.parallel import mesh
 
-    tables = {**mesh.RESULT.tables,
-              "memory": ("rank", "category", "pool", "measured_bytes", "formula_bytes"),
-              "volume": ("rank", "sent_bytes_per_step", "formula_bytes_per_step", "sent_bytes", "formula_bytes", "counted"),
-              "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step")}  # the MLP loop's
-    always_metrics, always_tables = ("strategy", "world_size", "final_loss"), ("memory", "volume", "loss")
-    metrics = (*always_metrics, *MLP_ONLY, "model", *(k for k in mesh.RESULT.metrics if k not in always_metrics))
-    return Schema(metrics=metrics, tables=tables,
-                  optional=(*(k for k in metrics if k not in always_metrics), *(k for k in tables if k not in always_tables)))
+    named = ("model", "strategy", "world_size")
+    version = dict(version=2, upgrades={1: _v1_named_no_model})
+    mlp_optional = ("buckets_elements", "moved_device_to_host_bytes_per_step", "moved_host_to_device_bytes_per_step",
+                    "host_bytes", "relative_error_vs_float64")
+    mlp = Schema(metrics=(*named, "parameter_bytes", "psi_padded_bytes", "final_loss", *mlp_optional),
+                 tables={"memory": ("rank", "pool", "category", "measured_bytes", "formula_bytes"),
+                         "volume": ("rank", "sent_bytes_per_step", "formula_bytes_per_step", "counted"),  # empty: DDP's gloo
+                         "loss": ("step", "loss", "run"),
+                         "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step")},  # empty: no offload
+                 optional=mlp_optional, **version)
+    llama = Schema(metrics=(*named, *mesh.RESULT.metrics),
+                   tables={**mesh.RESULT.tables, "volume": ("rank", "sent_bytes", "formula_bytes", "counted")},
+                   optional=mesh.RESULT.optional, **version)
+    return Shapes(by="model", shapes={"mlp": mlp, "tiny_llama": llama})
