@@ -124,7 +124,7 @@ def result_schema() -> Shapes:
                     "host_bytes", "relative_error_vs_float64")
     mlp = Schema(metrics=(*named, "parameter_bytes", "psi_padded_bytes", "final_loss", *mlp_optional),
                  tables={"memory": ("rank", "pool", "category", "measured_bytes", "formula_bytes"),
-                         "volume": ("rank", "sent_bytes_per_step", "formula_bytes_per_step", "counted"),  # empty: DDP's gloo
+                         "volume": ("rank", "sent_bytes_per_step", "formula_bytes_per_step", "counted"),
                          "loss": ("step", "loss", "run"),
                          "moved": ("rank", "direction", "measured_bytes_per_step", "formula_bytes_per_step")},  # empty: no offload
                  optional=mlp_optional, **version)
