@@ -50,9 +50,17 @@ PHASE_BUDGET_S = 600.0      # one N, all people together
 VERDICT = "checks against independent references"
 
 
-def settings_of(n: int, person: int) -> dict:
-    """Each person's own cheap run: a distinct seed (so no two people share a digest), 100 uniform terms."""
-    return {"seed": str(10_000 * n + person), "sum_values": "uniform", "n_terms": "100"}
+CACHES = ("warm", "cold")
+
+
+def settings_of(n: int, person: int, cache: str = "warm") -> dict:
+    """Each person's own cheap run: a distinct seed (so no two people, in either cache pass, share a digest), 100
+    uniform terms."""
+    return {"seed": str(10_000 * n + 5_000 * CACHES.index(cache) + person), "sum_values": "uniform", "n_terms": "100"}
+
+
+def person_name(n: int, person: int, cache: str = "warm") -> str:
+    return f"person-{n}-{person}" + ("" if cache == "warm" else f"-{cache}")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -63,40 +71,147 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))], 3)
 
 
-class ProcessSampler:
-    """Peak RSS and CPU seconds of one process while the load runs (sampled every 0.2 s from /proc)."""
+def box_busy_s() -> float:
+    """CPU seconds this machine's cores have spent busy since boot (every process's, /proc/stat), to set what the
+    bench's own processes used beside what everyone else's did."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, pid: int):
-        self.pid, self.peak_rss, self._stop = pid, 0, threading.Event()
-        self.cpu_start = limits.cpu_seconds(pid)
+
+class ProcessSampler:
+    """While one N runs (sampled every 0.25 s from /proc): the server's peak RSS, and the CPU seconds used by the
+    server process, by the runs it started (its descendants), by Chromium (the bench's other descendants: the
+    browser, its renderers, GPU and network processes) and by the whole machine, with the load average's samples.
+    A process seen at the first sample counts from there; one that starts later counts from 0 (its whole life);
+    one that ends between two samples loses at most 0.25 s of CPU."""
+
+    def __init__(self, server_pid: int):
+        self.pid, self.peak_rss, self._stop = server_pid, 0, threading.Event()
+        self.box_start, self.load = box_busy_s(), [os.getloadavg()[0]]
+        self._base: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._sample(first=True)
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
+    def _sample(self, first: bool = False) -> None:
+        server_tree = {self.pid, *limits.descendants(self.pid)}
+        for pid in [os.getpid(), *limits.descendants(os.getpid())]:
+            part = ("server" if pid == self.pid else "runs" if pid in server_tree else
+                    "bench" if pid == os.getpid() else "chromium")
+            used = limits.cpu_seconds(pid)
+            if used <= 0:
+                continue
+            if first:
+                self._base[pid] = used
+            self._last[pid] = (part, used)
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+
     def _loop(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
-            except OSError:
-                return
+        ticks = 0
+        while not self._stop.wait(0.25):
+            self._sample()
+            ticks += 1
+            if ticks % 20 == 0:  # every 5 s
+                self.load.append(os.getloadavg()[0])
 
     def stop(self) -> dict:
         self._stop.set()
-        self._thread.join(timeout=2)
-        return {"server_peak_rss_mib": round(self.peak_rss / 2**20, 1),
-                "server_cpu_s": round(limits.cpu_seconds(self.pid) - self.cpu_start, 2)}
+        self._thread.join(timeout=5)
+        self._sample()
+        parts = {"server": 0.0, "runs": 0.0, "chromium": 0.0, "bench": 0.0}
+        for pid, (part, used) in self._last.items():
+            parts[part] += used - self._base.get(pid, 0.0)
+        box = box_busy_s() - self.box_start
+        self.load.append(os.getloadavg()[0])
+        return {"server_peak_rss_mib": round(self.peak_rss / 2**20, 1), "server_cpu_s": round(parts["server"], 2),
+                "cpu_s": {**{k: round(v, 2) for k, v in parts.items()}, "machine": round(box, 2),
+                          "everyone_else": round(box - sum(parts.values()), 2)},
+                "load_average": {"start": round(self.load[0], 1), "end": round(self.load[-1], 1),
+                                 "mean": round(statistics.fmean(self.load), 1), "max": round(max(self.load), 1)}}
 
 
-async def person(browser, url: str, n: int, i: int) -> dict:
-    """One person's visit; returns their timings and run id, or the error that stopped them."""
+# Injected into every page before its own scripts: when the app's WebSocket was made, opened and first answered (the
+# server's first message), on the page's clock (performance.now(), from the navigation's start).
+WS_TIMING = """(() => {
+  const t = window.__explorerTiming = {ws_created: null, ws_open: null, first_message: null, messages: 0};
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      if (t.ws_created === null) t.ws_created = performance.now();
+      this.addEventListener('open', () => { if (t.ws_open === null) t.ws_open = performance.now(); });
+      this.addEventListener('message', () => {
+        t.messages += 1;
+        if (t.first_message === null) t.first_message = performance.now();
+      });
+    }
+  };
+})();"""
+
+# Read once the page's first element is drawn: the navigation's own marks and what its resources cost.
+PAGE_TIMING = """() => {
+  const n = performance.getEntriesByType('navigation')[0];
+  const r = performance.getEntriesByType('resource').filter(e => !e.name.includes('/_stcore/'));
+  const t = window.__explorerTiming || {};
+  return {response_end: n.responseEnd, dom_content_loaded: n.domContentLoadedEventEnd, load_end: n.loadEventEnd,
+          ws_created: t.ws_created, ws_open: t.ws_open, first_message: t.first_message, messages: t.messages,
+          drawn: performance.now(),
+          resources: r.length, resources_from_cache: r.filter(e => e.transferSize === 0).length,
+          transfer_bytes: n.transferSize + r.reduce((a, e) => a + e.transferSize, 0),
+          body_bytes: n.decodedBodySize + r.reduce((a, e) => a + e.decodedBodySize, 0)};
+}"""
+
+# Chromium's own accounting of a page's renderer main thread (DevTools Performance.getMetrics), in seconds.
+BROWSER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+
+
+def render_split(marks: dict, browser_cpu: dict, total_s: float) -> dict:
+    """One first render split on the page's clock (ms from the navigation's start) into parts that sum to it:
+    html_s (the document's response), assets_s (the JS and CSS fetched, parsed and run: to DOMContentLoaded),
+    connect_s (the app booting to its WebSocket open), first_message_s (the open to the server's first message:
+    the rerun request reaching the server and its script starting), draw_s (from then to the element drawn: the
+    script's output and the browser's layout), with the renderer's CPU for the whole navigation beside it."""
+    ms = lambda key: marks.get(key) or 0.0  # noqa: E731
+    cut = [0.0, ms("response_end"), max(ms("response_end"), ms("dom_content_loaded")), ms("ws_open"),
+           ms("first_message"), ms("drawn")]
+    for i in range(1, len(cut)):
+        cut[i] = max(cut[i], cut[i - 1])  # a mark missing (0) or out of order adds nothing
+    names = ("html_s", "assets_s", "connect_s", "first_message_s", "draw_s")
+    out = {name: round((b - a) / 1000, 3) for name, a, b in zip(names, cut, cut[1:])}
+    out["page_clock_s"] = round(cut[-1] / 1000, 3)
+    out["outside_page_s"] = round(total_s - cut[-1] / 1000, 3)  # the bench's clock minus the page's: goto's start
+    out.update({k: marks.get(k) for k in ("resources", "resources_from_cache", "transfer_bytes", "body_bytes",
+                                          "messages")})
+    out.update(browser_cpu)
+    return out
+
+
+async def browser_metrics(cdp) -> dict[str, float]:
+    got = (await cdp.send("Performance.getMetrics"))["metrics"]
+    return {m["name"]: m["value"] for m in got if m["name"] in BROWSER_METRICS}
+
+
+async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict:
+    """One person's visit; returns their timings and run id, or the error that stopped them. cache "warm": the two
+    pages load with the bundle the sign-in page cached (a returning team member's browser); "cold": with the
+    browser's cache off for them (a first-ever visit: every asset fetched and compiled again)."""
     from playwright.async_api import TimeoutError as PlaywrightTimeout
-    out: dict = {"person": f"person-{n}-{i}", "first_render_s": [], "first_render_at": [], "first_render_page": [],
-                 "run_id": None, "error": None}
+    out: dict = {"person": person_name(n, i, cache), "cache": cache, "first_render_s": [], "first_render_at": [],
+                 "first_render_page": [], "first_render_split": [], "run_id": None, "error": None}
     step = "sign in"
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    await context.add_init_script(WS_TIMING)
     page = await context.new_page()
     page.set_default_timeout(STEP_TIMEOUT_MS)
+    cdp = await context.new_cdp_session(page)
+    await cdp.send("Performance.enable")
     try:
         start = time.monotonic()
         await page.goto(f"{url}/?token={TOKEN}", wait_until="commit")
@@ -116,13 +231,22 @@ async def person(browser, url: str, n: int, i: int) -> dict:
             await asyncio.sleep(0.1)
         out["sign_in_s"] = round(time.monotonic() - start, 3)
         step = "open pages"
-        for path in ("", f"{PAGE}?" + "&".join(f"{k}={v}" for k, v in settings_of(n, i).items())):
+        await cdp.send("Network.enable")
+        await cdp.send("Network.setCacheDisabled", {"cacheDisabled": cache == "cold"})
+        for path in ("", f"{PAGE}?" + "&".join(f"{k}={v}" for k, v in settings_of(n, i, cache).items())):
+            before = await browser_metrics(cdp)
             start, out_at = time.monotonic(), time.time()  # the wall clock: the server's log uses it too
             await page.goto(f"{url}/{path}", wait_until="commit")
             await (page.get_by_role("button", name="Run", exact=True) if path else page.get_by_text("Job queue")).wait_for()
-            out["first_render_s"].append(round(time.monotonic() - start, 3))
+            took = time.monotonic() - start
+            marks, after = await page.evaluate(PAGE_TIMING), await browser_metrics(cdp)
+            cpu = {f"renderer_{k.removesuffix('Duration').lower()}_s":
+                   round(after[k] - before[k] if after[k] >= before[k] else after[k], 3) for k in after}
+            out["first_render_s"].append(round(took, 3))
             out["first_render_at"].append(out_at)
             out["first_render_page"].append(PAGE if path else "")
+            out["first_render_split"].append(render_split(marks, cpu, took))
+        await cdp.send("Network.setCacheDisabled", {"cacheDisabled": False})
         step = "run"
         clicked, out["clicked_at"] = time.monotonic(), time.time()
         await page.get_by_role("button", name="Run", exact=True).click()
@@ -142,24 +266,24 @@ async def person(browser, url: str, n: int, i: int) -> dict:
     return out
 
 
-async def phase(url: str, n: int) -> list[dict]:
+async def phase(url: str, n: int, cache: str = "warm") -> list[dict]:
     from playwright.async_api import async_playwright
 
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            return await asyncio.wait_for(asyncio.gather(*(person(browser, url, n, i) for i in range(n))),
+            return await asyncio.wait_for(asyncio.gather(*(person(browser, url, n, i, cache) for i in range(n))),
                                           PHASE_BUDGET_S)
         finally:
             await browser.close()
 
 
-def account(store: RunStore, n: int, people: list[dict]) -> dict:
+def account(store: RunStore, n: int, people: list[dict], cache: str = "warm") -> dict:
     """Each person's run in the store: timings split by the store's timestamps; runs lost or doubled."""
     rows, lost, doubled = [], 0, 0
     runs = [r for r in store.list(experiment=EXPERIMENT, limit=10_000)]
     for i, who in enumerate(people):
-        seed = int(settings_of(n, i)["seed"])
+        seed = int(settings_of(n, i, cache)["seed"])
         mine = [r for r in runs if r.config.get("seed") == seed]
         doubled += max(0, len(mine) - 1)
         if not who.get("pressed_run"):  # stopped before pressing Run: an error, no run to lose
@@ -232,11 +356,17 @@ def server_overhead(events: list[dict], people: list[dict], store: RunStore, row
         row["server_overhead_s"] = round(sum(parts), 3) if None not in parts else None
 
 
-def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict]) -> dict:
+SPLIT = ("html_s", "assets_s", "connect_s", "first_message_s", "draw_s", "outside_page_s", "renderer_task_s",
+         "renderer_script_s", "renderer_layout_s", "renderer_recalcstyle_s", "transfer_bytes", "body_bytes")
+
+
+def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict],
+            cache: str = "warm") -> dict:
     renders = [t for p in people for t in p["first_render_s"]]
+    splits = [x for p in people for x in p.get("first_render_split", [])]
     served = lambda key: [r[key] for r in renders_server if r[key] is not None]  # noqa: E731
     col = lambda key: [r[key] for r in runs["rows"] if r[key] is not None]  # noqa: E731
-    out = {"people": n, "wall_s": round(wall_s, 1), "pressed_run": sum(bool(p.get("pressed_run")) for p in people),
+    out = {"people": n, "cache": cache, "wall_s": round(wall_s, 1), "pressed_run": sum(bool(p.get("pressed_run")) for p in people),
            "errors": sum(p["error"] is not None for p in people),
            "error_messages": [p["error"] for p in people if p["error"]], "runs_lost": runs["lost"],
            "runs_doubled": runs["doubled"], **server}
@@ -249,6 +379,9 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict,
                          ("overhead_result_script", col("result_s")), ("overhead_browser", col("browser_s")),
                          ("overhead_server", col("server_overhead_s"))):
         out[f"{name}_p50_s"], out[f"{name}_p95_s"] = percentile(values, 50), percentile(values, 95)
+    out["first_render_split"] = {key: {"p50": percentile([x[key] for x in splits if x.get(key) is not None], 50),
+                                       "p95": percentile([x[key] for x in splits if x.get(key) is not None], 95)}
+                                 for key in SPLIT}
     out["targets_n10"] = None
     if n >= 10:
         out["targets_n10"] = {
@@ -276,9 +409,14 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--people", default="1,5,10", help="comma-separated counts of simultaneous people")
+    p.add_argument("--cache", default="warm,cold", help="the browser cache for the pages after sign-in, each a pass "
+                   "of its own: warm (a returning member: the bundle cached), cold (a first-ever visit)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "team_load.json"))
     args = p.parse_args()
     counts = [int(c) for c in args.people.split(",")]
+    caches = [c for c in args.cache.split(",") if c]
+    if set(caches) - set(CACHES):
+        p.error(f"--cache: {args.cache!r} (allowed: a comma-separated list of {', '.join(CACHES)})")
     data = Path(tempfile.mkdtemp(prefix="team-load-"))
     render_log = data / "render_log.jsonl"  # the server's own time per script run (pages/render_log.py)
     env = {"EXPLORER_TOKEN": TOKEN, "EXPLORER_MAX_JOBS": "1", "EXPLORER_OPEN_ON_DEFAULT_RUN": "0",
@@ -286,17 +424,19 @@ def main() -> None:
     server, url = start(data, "--server.address", HOST, env=env, host=HOST)
     phases = []
     try:
-        for n in counts:
+        for n, cache in [(n, cache) for n in counts for cache in caches]:
             load, sampler, begun = os.getloadavg()[0], ProcessSampler(server.pid), time.monotonic()
-            people = asyncio.run(phase(url, n))
+            people = asyncio.run(phase(url, n, cache))
             wall = time.monotonic() - begun
             store, events = RunStore(data), read_events(render_log)
-            runs = account(store, n, people)
+            runs = account(store, n, people, cache)
             server_overhead(events, people, store, runs["rows"])
-            row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people))
+            row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people), cache)
             row["load_average_at_start"] = round(load, 1)
             phases.append(row)
-            print(f"N={n:2d}: first render p50 {row['first_render_p50_s']} p95 {row['first_render_p95_s']} s; "
+            split = {k: v["p95"] for k, v in row["first_render_split"].items()}
+            print(f"N={n:2d} {cache}: first render p95 split {split}; cpu {row['cpu_s']}", flush=True)
+            print(f"N={n:2d} {cache}: first render p50 {row['first_render_p50_s']} p95 {row['first_render_p95_s']} s; "
                   f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
                   f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
                   f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
