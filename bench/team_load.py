@@ -160,9 +160,8 @@ PAGE_TIMING = """() => {
   const n = performance.getEntriesByType('navigation')[0];
   const r = performance.getEntriesByType('resource').filter(e => !e.name.includes('/_stcore/'));
   const t = window.__explorerTiming || {};
-  return {response_end: n.responseEnd, dom_content_loaded: n.domContentLoadedEventEnd, load_end: n.loadEventEnd,
+  return {time_origin: performance.timeOrigin, response_end: n.responseEnd, dom_content_loaded: n.domContentLoadedEventEnd, load_end: n.loadEventEnd,
           ws_created: t.ws_created, ws_open: t.ws_open, first_message: t.first_message, messages: t.messages,
-          drawn: performance.now(),
           resources: r.length, resources_from_cache: r.filter(e => e.transferSize === 0).length,
           transfer_bytes: n.transferSize + r.reduce((a, e) => a + e.transferSize, 0),
           body_bytes: n.decodedBodySize + r.reduce((a, e) => a + e.decodedBodySize, 0)};
@@ -172,21 +171,23 @@ PAGE_TIMING = """() => {
 BROWSER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
 
 
-def render_split(marks: dict, browser_cpu: dict, total_s: float) -> dict:
-    """One first render split on the page's clock (ms from the navigation's start) into parts that sum to it:
-    html_s (the document's response), assets_s (the JS and CSS fetched, parsed and run: to DOMContentLoaded),
-    connect_s (the app booting to its WebSocket open), first_message_s (the open to the server's first message:
-    the rerun request reaching the server and its script starting), draw_s (from then to the element drawn: the
-    script's output and the browser's layout), with the renderer's CPU for the whole navigation beside it."""
+def render_split(marks: dict, browser_cpu: dict, total_s: float, at: float) -> dict:
+    """One first render (total_s from the bench's goto at wall time `at` to the element found drawn) split into parts
+    that sum to it, by the page's own marks (ms from its navigation's start, which began at time_origin): start_s
+    (the goto to the navigation's start), html_s (the document's response), assets_s (the JS and CSS fetched, parsed
+    and run: to DOMContentLoaded), connect_s (the app booting to its WebSocket open), first_message_s (the open to the
+    server's first message: the page's rerun request reaching the server and its script starting), draw_s (from then
+    to the element found drawn: the script's output and the browser rendering it), with the renderer's main-thread
+    time for the page beside it."""
     ms = lambda key: marks.get(key) or 0.0  # noqa: E731
-    cut = [0.0, ms("response_end"), max(ms("response_end"), ms("dom_content_loaded")), ms("ws_open"),
-           ms("first_message"), ms("drawn")]
+    start = max(0.0, min(total_s, ms("time_origin") / 1000 - at)) if marks.get("time_origin") else 0.0
+    cut = [0.0, ms("response_end"), ms("dom_content_loaded"), ms("ws_open"), ms("first_message")]
     for i in range(1, len(cut)):
-        cut[i] = max(cut[i], cut[i - 1])  # a mark missing (0) or out of order adds nothing
-    names = ("html_s", "assets_s", "connect_s", "first_message_s", "draw_s")
-    out = {name: round((b - a) / 1000, 3) for name, a, b in zip(names, cut, cut[1:])}
-    out["page_clock_s"] = round(cut[-1] / 1000, 3)
-    out["outside_page_s"] = round(total_s - cut[-1] / 1000, 3)  # the bench's clock minus the page's: goto's start
+        cut[i] = min(max(cut[i], cut[i - 1]), (total_s - start) * 1000)  # a missing mark (0) or one out of order adds nothing
+    out = {"start_s": round(start, 3)}
+    for name, a, b in zip(("html_s", "assets_s", "connect_s", "first_message_s"), cut, cut[1:]):
+        out[name] = round((b - a) / 1000, 3)
+    out["draw_s"] = round(total_s - start - cut[-1] / 1000, 3)
     out.update({k: marks.get(k) for k in ("resources", "resources_from_cache", "transfer_bytes", "body_bytes",
                                           "messages")})
     out.update(browser_cpu)
@@ -194,8 +195,11 @@ def render_split(marks: dict, browser_cpu: dict, total_s: float) -> dict:
 
 
 async def browser_metrics(cdp) -> dict[str, float]:
+    """The page's renderer main thread so far in this document (Chromium resets them at each navigation): time in
+    tasks, in JavaScript, in layout and style, in seconds of wall time (on a contended box, more than its CPU)."""
     got = (await cdp.send("Performance.getMetrics"))["metrics"]
-    return {m["name"]: m["value"] for m in got if m["name"] in BROWSER_METRICS}
+    return {f"renderer_{m['name'].removesuffix('Duration').lower()}_s": round(m["value"], 3) for m in got
+            if m["name"] in BROWSER_METRICS}
 
 
 async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict:
@@ -234,18 +238,15 @@ async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict
         await cdp.send("Network.enable")
         await cdp.send("Network.setCacheDisabled", {"cacheDisabled": cache == "cold"})
         for path in ("", f"{PAGE}?" + "&".join(f"{k}={v}" for k, v in settings_of(n, i, cache).items())):
-            before = await browser_metrics(cdp)
             start, out_at = time.monotonic(), time.time()  # the wall clock: the server's log uses it too
             await page.goto(f"{url}/{path}", wait_until="commit")
             await (page.get_by_role("button", name="Run", exact=True) if path else page.get_by_text("Job queue")).wait_for()
             took = time.monotonic() - start
-            marks, after = await page.evaluate(PAGE_TIMING), await browser_metrics(cdp)
-            cpu = {f"renderer_{k.removesuffix('Duration').lower()}_s":
-                   round(after[k] - before[k] if after[k] >= before[k] else after[k], 3) for k in after}
+            marks, cpu = await page.evaluate(PAGE_TIMING), await browser_metrics(cdp)
             out["first_render_s"].append(round(took, 3))
             out["first_render_at"].append(out_at)
             out["first_render_page"].append(PAGE if path else "")
-            out["first_render_split"].append(render_split(marks, cpu, took))
+            out["first_render_split"].append(render_split(marks, cpu, took, out_at))
         await cdp.send("Network.setCacheDisabled", {"cacheDisabled": False})
         step = "run"
         clicked, out["clicked_at"] = time.monotonic(), time.time()
@@ -356,7 +357,7 @@ def server_overhead(events: list[dict], people: list[dict], store: RunStore, row
         row["server_overhead_s"] = round(sum(parts), 3) if None not in parts else None
 
 
-SPLIT = ("html_s", "assets_s", "connect_s", "first_message_s", "draw_s", "outside_page_s", "renderer_task_s",
+SPLIT = ("start_s", "html_s", "assets_s", "connect_s", "first_message_s", "draw_s", "renderer_task_s",
          "renderer_script_s", "renderer_layout_s", "renderer_recalcstyle_s", "transfer_bytes", "body_bytes")
 
 

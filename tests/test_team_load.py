@@ -1,8 +1,12 @@
 """bench/team_load.py once at N = 5 people: every person's run is in the store once, succeeded, under their name.
 Timings are recorded in its JSON, not asserted (the box is shared)."""
 import json
+import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.browser.test_app_browser import _require_browser
 from tests.conftest import REPO
@@ -93,3 +97,55 @@ def test_the_servers_targets_fail_when_its_share_is_over(monkeypatch):
     missed = team_load.server_targets({"first_render_server_p95_s": 3.2, "overhead_server_p95_s": 1.4})
     assert not any(missed.values())
     assert not any(team_load.server_targets({}).values())  # nothing measured is not a pass
+
+
+def test_a_first_render_splits_into_parts_that_sum_to_it(monkeypatch):
+    """The page's own marks (ms from its navigation's start) cut the bench's time into the navigation's start, the
+    document, the JS/CSS, the WebSocket's opening, the server's first message and the drawing; a missing mark adds
+    nothing to its part."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    marks = {"time_origin": 1_000_050.0, "response_end": 100.0, "dom_content_loaded": 600.0, "ws_open": 900.0,
+             "first_message": 1000.0}
+    split = team_load.render_split(marks, {"renderer_task_s": 0.7}, 2.0, 1000.0)
+    assert (split["start_s"], split["html_s"], split["assets_s"], split["connect_s"], split["first_message_s"],
+            split["draw_s"]) == (0.05, 0.1, 0.5, 0.3, 0.1, 0.95)
+    assert split["renderer_task_s"] == 0.7
+    gone = team_load.render_split({**marks, "ws_open": None}, {}, 2.0, 1000.0)  # no WebSocket mark: no connect part
+    assert (gone["connect_s"], gone["first_message_s"], gone["draw_s"]) == (0.0, 0.4, 0.95)
+    for s in (split, gone):
+        parts = ("start_s", "html_s", "assets_s", "connect_s", "first_message_s", "draw_s")
+        assert abs(sum(s[k] for k in parts) - 2.0) < 1e-9
+
+
+_BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+def _cpu_of_waited(proc) -> float:
+    """The kernel's own count of a finished child's CPU (and its waited-for children's): os.wait4's rusage."""
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_sampler_splits_cpu_between_the_server_its_runs_and_the_browser(broken, monkeypatch):
+    """A 'server' child whose own child burns 0.8 s (a run) and a second child of the bench burning 0.8 s (Chromium):
+    each part within one sample's loss of the kernel's count for that child (os.wait4). With the server's
+    descendants not looked up (the rule broken), the run's CPU lands in the browser's part and the check fails."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    if broken:
+        real = team_load.limits.descendants
+        monkeypatch.setattr(team_load.limits, "descendants", lambda root: [] if root != os.getpid() else real(root))
+    server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"subprocess.run([sys.executable, '-c', {_BURN.format(s=0.8)!r}])\ntime.sleep(0.6)"])
+    sampler = team_load.ProcessSampler(server.pid)
+    browser = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.8)])
+    run_and_server, browser_cpu = _cpu_of_waited(server), _cpu_of_waited(browser)
+    parts = sampler.stop()["cpu_s"]
+    ok = (abs(parts["server"] + parts["runs"] - run_and_server) < 0.35 and parts["runs"] > 0.4
+          and abs(parts["chromium"] - browser_cpu) < 0.35)
+    assert ok != broken, (parts, run_and_server, browser_cpu)
