@@ -1,4 +1,5 @@
-"""bench/team_load.py once at N = 5 people: every person's run is in the store once, succeeded, under their name.
+"""bench/team_load.py once at N = 5 people, warm and cold cache: every person's run is in the store once, succeeded,
+under their name.
 Timings are recorded in its JSON, not asserted (the box is shared)."""
 import json
 import os
@@ -18,10 +19,14 @@ def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    (phase,) = json.loads(out.read_text())["phases"]
-    assert phase["people"] == 5 and phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
-    assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
-    assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
+    phases = json.loads(out.read_text())["phases"]
+    assert [(p["people"], p["cache"]) for p in phases] == [(5, "warm"), (5, "cold")]  # all 5 arrive together, twice
+    for phase in phases:
+        assert phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
+        assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
+        assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
+        renders = [s for p in phase["people_detail"] for s in p["first_render_split"]]
+        assert len(renders) == 10 and all(s["first_message_s"] is not None for s in renders)
 
 
 def test_the_count_of_lost_and_doubled_runs_sees_both(monkeypatch, store):
