@@ -367,6 +367,29 @@ SPLIT = ("start_s", "html_s", "assets_s", "connect_s", "first_message_s", "draw_
          "renderer_script_s", "renderer_layout_s", "renderer_recalcstyle_s", "transfer_bytes", "body_bytes")
 
 
+def stalled_views(events: list[dict], people: list[dict], store: RunStore, n: int, cache: str = "warm") -> list[dict]:
+    """For each person who pressed Run and never saw the verdict: their run's state in the store, and the last time
+    (seconds after the run ended, or after the click if it did not) that their run view ticked, their sidebar's queue
+    ticked and any script of theirs ran, from the server's log: a view whose timers stopped shows as ticks that end."""
+    runs = store.list(experiment=EXPERIMENT, limit=10_000)
+    out = []
+    for i, who in enumerate(people):
+        if not who.get("pressed_run") or who.get("run_to_result_s") is not None:
+            continue
+        seed = int(settings_of(n, i, cache)["seed"])
+        rec = next((r for r in runs if r.config.get("seed") == seed and r.owner == who["person"]), None)
+        zero = (rec.finished if rec and rec.finished else None) or who.get("clicked_at") or 0.0
+        last = lambda times: round(max(times) - zero, 3) if times else None  # noqa: E731
+        out.append({"person": who["person"], "run": rec.id if rec else None, "status": rec.status if rec else None,
+                    "from": "the run's end" if rec and rec.finished else "the click",
+                    "last_view_tick_s": last([e["t"] for e in events if e["event"] == "tick" and rec and e["run"] == rec.id]),
+                    "last_queue_tick_s": last([e["t"] for e in events if e["event"] == "queue_tick"
+                                               and e.get("user") == who["person"]]),
+                    "last_script_s": last([e["t0"] for e in events if e["event"] == "script"
+                                           and e.get("user") == who["person"]])})
+    return out
+
+
 def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict],
             cache: str = "warm") -> dict:
     renders = [t for p in people for t in p["first_render_s"]]
@@ -464,6 +487,7 @@ def main() -> None:
             runs = account(store, n, people, cache)
             server_overhead(events, people, store, runs["rows"])
             row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people), cache)
+            row["stalled_views"] = stalled_views(events, people, store, n, cache)
             row["load_average_at_start"] = round(load, 1)
             phases.append(row)
             split = {k: v["p95"] for k, v in row["first_render_split"].items()}

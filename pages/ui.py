@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.device import describe
 from backend.store import QueueFull, RunRecord
+from pages import render_log
 from pages.form import settings_form
 from pages.markup import escape
 from pages.navigation_guard import route_through_app
@@ -115,6 +117,7 @@ QUEUE_REFRESH_S = 10.0
 def _queue() -> None:
     """The team's queue, refreshed every QUEUE_REFRESH_S while the page is open (a run started elsewhere shows up here
     too; any full redraw of the page, such as a Run, redraws it at once)."""
+    render_log.write({"event": "queue_tick", "user": current_user(), "t": time.time()})  # this page's timers alive (bench)
     active = runner().queue()
     running = sum(rec.status == "running" for rec in active)
     st.caption(f"Job queue · {running} running, {len(active) - running} queued · cap {runner().max_jobs} at once")

@@ -154,3 +154,26 @@ def test_the_sampler_splits_cpu_between_the_server_its_runs_and_the_browser(brok
     ok = (abs(parts["server"] + parts["runs"] - run_and_server) < 0.35 and parts["runs"] > 0.4
           and abs(parts["chromium"] - browser_cpu) < 0.35)
     assert ok != broken, (parts, run_and_server, browser_cpu)
+
+
+def test_a_view_that_stopped_ticking_is_named_with_its_last_ticks(monkeypatch, store):
+    """A person who pressed Run and never saw the verdict: their run (succeeded), the last tick of its view 3 s before
+    the run ended, their sidebar still ticking 20 s after, read off the server's log; a person who saw theirs is left out."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    rid = store.create(team_load.EXPERIMENT, {"seed": int(team_load.settings_of(5, 1)["seed"])}, "d", status="queued",
+                       owner="person-5-1")
+    store.update(rid, started=store.get(rid).created + 1)
+    store.finish(rid, "succeeded")
+    end = store.get(rid).finished
+    events = [{"event": "tick", "run": rid, "t": end - t} for t in (5.0, 4.0, 3.0)]
+    events += [{"event": "queue_tick", "user": "person-5-1", "t": end + t} for t in (10.0, 20.0)]
+    events += [{"event": "queue_tick", "user": "person-5-0", "t": end + 50.0},
+               {"event": "script", "user": "person-5-1", "t0": end - 6.0, "t1": end - 5.5, "cpu_s": 0.01}]
+    people = [{"person": "person-5-0", "pressed_run": True, "run_to_result_s": 4.0},
+              {"person": "person-5-1", "pressed_run": True, "run_to_result_s": None, "clicked_at": end - 8.0}]
+    (stalled,) = team_load.stalled_views(events, people, store, 5)
+    assert (stalled["person"], stalled["run"], stalled["status"], stalled["from"]) == (
+        "person-5-1", rid, "succeeded", "the run's end")
+    assert (stalled["last_view_tick_s"], stalled["last_queue_tick_s"], stalled["last_script_s"]) == (-3.0, 20.0, -6.0)
