@@ -21,11 +21,11 @@ for section, topics in SECTIONS.items():
     for i, topic in enumerate(topics):
         with cols[i % 3].container(border=True):
             st.page_link(topic.file, label=topic.title, icon=topic.icon)
-            st.caption(topic.what)
             runs = sum(counts.get(name, 0) for name in topic.experiments)
             kinds = {"distributed: gloo ranks" if known[name].distributed else "one process"
                      for name in topic.experiments if name in known}
-            st.caption(f"{', '.join(sorted(kinds))} · {runs} run{'s' if runs != 1 else ''} on this server")
+            # one element, not two: every element is a message the browser renders (this page is everyone's first)
+            st.caption(f"{topic.what}  \n{', '.join(sorted(kinds))} · {runs} run{'s' if runs != 1 else ''} on this server")
 shown = {name for topics in SECTIONS.values() for t in topics for name in t.experiments}
 headless = sorted(set(known) - shown)
 if headless:

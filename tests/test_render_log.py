@@ -45,10 +45,13 @@ def test_the_app_logs_who_opened_which_page(tmp_path, monkeypatch):
     at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
     at.run()  # the default page (a switch_page in a worker that imported pages.ui earlier runs the page without app.py)
     assert not at.exception
-    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    events = [json.loads(x) for x in log.read_text().splitlines()]
+    lines = [e for e in events if e["event"] == "script"]
     assert [(e["event"], e["run"]) for e in lines] == [("script", None)]  # one line per script run
     assert isinstance(lines[0]["page"], str)  # (the default page's name; AppTest may leave it unnamed)
     assert lines[0]["user"]  # on loopback: this machine's user
+    (queue,) = [e for e in events if e["event"] == "queue_tick"]  # the sidebar's queue drawn once, by the same user
+    assert queue["user"] == lines[0]["user"] and lines[0]["t0"] <= queue["t"] <= lines[0]["t1"]
 
 
 def _rec(status: str) -> SimpleNamespace:

@@ -1,8 +1,13 @@
-"""bench/team_load.py once at N = 5 people: every person's run is in the store once, succeeded, under their name.
+"""bench/team_load.py once at N = 5 people, warm and cold cache: every person's run is in the store once, succeeded,
+under their name.
 Timings are recorded in its JSON, not asserted (the box is shared)."""
 import json
+import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.browser.test_app_browser import _require_browser
 from tests.conftest import REPO
@@ -14,10 +19,14 @@ def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    (phase,) = json.loads(out.read_text())["phases"]
-    assert phase["people"] == 5 and phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
-    assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
-    assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
+    phases = json.loads(out.read_text())["phases"]
+    assert [(p["people"], p["cache"]) for p in phases] == [(5, "warm"), (5, "cold")]  # all 5 arrive together, twice
+    for phase in phases:
+        assert phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
+        assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
+        assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
+        renders = [s for p in phase["people_detail"] for s in p["first_render_split"]]
+        assert len(renders) == 10 and all(s["first_message_s"] is not None for s in renders)
 
 
 def test_the_count_of_lost_and_doubled_runs_sees_both(monkeypatch, store):
@@ -93,3 +102,78 @@ def test_the_servers_targets_fail_when_its_share_is_over(monkeypatch):
     missed = team_load.server_targets({"first_render_server_p95_s": 3.2, "overhead_server_p95_s": 1.4})
     assert not any(missed.values())
     assert not any(team_load.server_targets({}).values())  # nothing measured is not a pass
+
+
+def test_a_first_render_splits_into_parts_that_sum_to_it(monkeypatch):
+    """The page's own marks (ms from its navigation's start) cut the bench's time into the navigation's start, the
+    document, the JS/CSS, the WebSocket's opening, the server's first message and the drawing; a missing mark adds
+    nothing to its part."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    marks = {"time_origin": 1_000_050.0, "response_end": 100.0, "dom_content_loaded": 600.0, "ws_open": 900.0,
+             "first_message": 1000.0}
+    split = team_load.render_split(marks, {"renderer_task_s": 0.7}, 2.0, 1000.0)
+    assert (split["start_s"], split["html_s"], split["assets_s"], split["connect_s"], split["first_message_s"],
+            split["draw_s"]) == (0.05, 0.1, 0.5, 0.3, 0.1, 0.95)
+    assert split["renderer_task_s"] == 0.7
+    gone = team_load.render_split({**marks, "ws_open": None}, {}, 2.0, 1000.0)  # no WebSocket mark: no connect part
+    assert (gone["connect_s"], gone["first_message_s"], gone["draw_s"]) == (0.0, 0.4, 0.95)
+    for s in (split, gone):
+        parts = ("start_s", "html_s", "assets_s", "connect_s", "first_message_s", "draw_s")
+        assert abs(sum(s[k] for k in parts) - 2.0) < 1e-9
+
+
+_BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+def _cpu_of_waited(proc) -> float:
+    """The kernel's own count of a finished child's CPU (and its waited-for children's): os.wait4's rusage."""
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_sampler_splits_cpu_between_the_server_its_runs_and_the_browser(broken, monkeypatch):
+    """A 'server' child whose own child burns 0.8 s (a run) and a second child of the bench burning 0.8 s (Chromium):
+    each part within one sample's loss of the kernel's count for that child (os.wait4). With the server's
+    descendants not looked up (the rule broken), the run's CPU lands in the browser's part and the check fails."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    if broken:
+        real = team_load.limits.descendants
+        monkeypatch.setattr(team_load.limits, "descendants", lambda root: [] if root != os.getpid() else real(root))
+    server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"subprocess.run([sys.executable, '-c', {_BURN.format(s=0.8)!r}])\ntime.sleep(0.6)"])
+    sampler = team_load.ProcessSampler(server.pid)
+    browser = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.8)])
+    run_and_server, browser_cpu = _cpu_of_waited(server), _cpu_of_waited(browser)
+    parts = sampler.stop()["cpu_s"]
+    ok = (abs(parts["server"] + parts["runs"] - run_and_server) < 0.35 and parts["runs"] > 0.4
+          and abs(parts["chromium"] - browser_cpu) < 0.35)
+    assert ok != broken, (parts, run_and_server, browser_cpu)
+
+
+def test_a_view_that_stopped_ticking_is_named_with_its_last_ticks(monkeypatch, store):
+    """A person who pressed Run and never saw the verdict: their run (succeeded), the last tick of its view 3 s before
+    the run ended, their sidebar still ticking 20 s after, read off the server's log; a person who saw theirs is left out."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    rid = store.create(team_load.EXPERIMENT, {"seed": int(team_load.settings_of(5, 1)["seed"])}, "d", status="queued",
+                       owner="person-5-1")
+    store.update(rid, started=store.get(rid).created + 1)
+    store.finish(rid, "succeeded")
+    end = store.get(rid).finished
+    events = [{"event": "tick", "run": rid, "t": end - t} for t in (5.0, 4.0, 3.0)]
+    events += [{"event": "queue_tick", "user": "person-5-1", "t": end + t} for t in (10.0, 20.0)]
+    events += [{"event": "queue_tick", "user": "person-5-0", "t": end + 50.0},
+               {"event": "script", "user": "person-5-1", "t0": end - 6.0, "t1": end - 5.5, "cpu_s": 0.01}]
+    people = [{"person": "person-5-0", "pressed_run": True, "run_to_result_s": 4.0},
+              {"person": "person-5-1", "pressed_run": True, "run_to_result_s": None, "clicked_at": end - 8.0}]
+    (stalled,) = team_load.stalled_views(events, people, store, 5)
+    assert (stalled["person"], stalled["run"], stalled["status"], stalled["from"]) == (
+        "person-5-1", rid, "succeeded", "the run's end")
+    assert (stalled["last_view_tick_s"], stalled["last_queue_tick_s"], stalled["last_script_s"]) == (-3.0, 20.0, -6.0)
