@@ -11,22 +11,10 @@ from __future__ import annotations
 import torch
 
 from backend.parallel.loop import Strategy
+from backend.parallel.mesh_dp import BucketOverlap, bucket_ranges
+from backend.parallel.wire import Wire
 from backend.parallel.workload import Adam, flat_params, load_flat
-
-
-def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, item: int | None = None) -> list[list[torch.nn.Parameter]]:
-    """Reverse parameter order (the output layer's gradients are ready first), cut when a bucket reaches bucket_bytes
-    (`item`: bytes per gradient element on the wire, when they are reduced in another dtype than the parameters')."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        current.append(p)
-        size += p.numel() * (item or p.element_size())
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+from backend.trace import Tracer
 
 
 class FullReplica(Strategy):
@@ -72,10 +60,6 @@ class DDP(FullReplica):
         self.bucket_bytes, self.overlap, self.comm_delay_ms = bucket_kb * 1024, overlap, comm_delay_ms
 
     def setup(self, model):
-        from backend.parallel.mesh_dp import BucketOverlap, bucket_ranges
-        from backend.parallel.wire import Wire
-        from backend.trace import Tracer
-
         super().setup(model)
         self.buckets = bucket_ranges(self.params, self.bucket_bytes, self.flat.element_size())
         wire = Wire(self.rank, self.world, self.mesh.ranks("dp"), Tracer(self.mesh.rank))

@@ -2,7 +2,7 @@
 summed-over-micro-batches gradients into updated weights, and what it keeps between steps (seed 000's table).
 
   allreduce  one ring all-reduce of the flat gradient vector, Adam on the whole vector    (2ψ per rank sent)
-  ddp        the same sum bucket by bucket (backend/parallel/ddp.make_buckets: reverse parameter order, cut at
+  ddp        the same sum bucket by bucket (make_buckets below: reverse parameter order, cut at
              bucket_kb), one ring all-reduce per bucket; issued after the pipeline's last backward, or (`overlap`,
              `BucketOverlap`) each as soon as its gradients are final, during the last micro-batch's backward
   zero1      reduce-scatter the gradients, Adam on this dp rank's 1/dp shard, all-gather the weights
@@ -29,7 +29,6 @@ import time
 import torch
 from torch import nn
 
-from backend.parallel.ddp import make_buckets
 from backend.parallel.offload import Pools
 from backend.parallel.wire import Wire
 from backend.parallel.workload import FP64, Adam, Precision
@@ -73,8 +72,23 @@ def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
     return wire.all_reduce(padded, "backward", what)[:flat.numel()]
 
 
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, item: int | None = None) -> list[list[torch.nn.Parameter]]:
+    """Reverse parameter order (the output layer's gradients are ready first), cut when a bucket reaches bucket_bytes
+    (`item`: bytes per gradient element on the wire, when they are reduced in another dtype than the parameters')."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * (item or p.element_size())
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def bucket_ranges(params: list, bucket_bytes: int, item: int) -> list[tuple[int, int]]:
-    """DDP's buckets (ddp.make_buckets: reverse parameter order, cut at bucket_bytes of `item`-byte gradients) as
+    """DDP's buckets (make_buckets: reverse parameter order, cut at bucket_bytes of `item`-byte gradients) as
     (start, end) ranges of the flat vector of `params` in their order."""
     offsets, at = {}, 0
     for p in params:
