@@ -113,3 +113,22 @@ def test_a_cp_or_ep_reshard_the_new_mesh_refuses_is_refused_by_its_own_name(chan
     with pytest.raises(ConfigError) as err:
         EXP.make_config(change)
     assert err.value.field == field and "allowed" in str(err.value)
+
+
+def test_the_checkpoints_page_reads_the_bench_figures_from_its_json(tmp_path):
+    """The page's bench expander shows bench/checkpoint.py's JSON as written, and nothing while there is none."""
+    import json
+
+    row = {"plan": "tp 2 x pp 2", "mode": "async", "checkpoint_tensor_bytes": 1000, "model_state_bytes": 1000,
+           "per_rank_bytes": [{"rank": 0, "written_bytes": 600, "expected_bytes": 600}, {"rank": 1, "written_bytes": 400}],
+           "save_blocking": {"median_s": 0.01, "min_s": 0.005, "max_s": 0.03}, "load": {"seconds_slowest_rank": 0.4},
+           "step_after_save": {"median_s": 0.8}, "step_without_save": {"median_s": 0.25}}
+    path = tmp_path / "checkpoint.json"
+    assert mesh_checkpoint.bench_rows(path) is None
+    path.write_text(json.dumps({"device": {"name": "CPU (2 cores)"}, "when": "T", "load_average_1_5_15_min_at_start": [3.5, 1, 1],
+                                "rows": [row]}))
+    about, (got,) = mesh_checkpoint.bench_rows(path)
+    assert about == {"machine": "CPU (2 cores)", "when": "T", "load": 3.5}
+    assert (got["blocking (s)"], got["min-max (s)"], got["load (s)"]) == (0.01, "0.005-0.030", 0.4)
+    assert (got["step, saving (s)"], got["step, not (s)"], got["top rank (B)"]) == (0.8, 0.25, 600)
+    assert got["bytes / model (B)"] == "1,000 / 1,000"

@@ -294,3 +294,29 @@ def step_times(timeline: list[dict], attempt: int) -> dict:
     saving, plain = step_intervals(timeline, attempt)
     med = lambda x: float(np.median(x)) if x else None  # noqa: E731
     return {"step_s_with_save": med(saving), "step_s_without_save": med(plain)}
+
+
+BENCH = "bench/results/checkpoint.json"
+
+
+def bench_rows(path=None) -> tuple[dict, list[dict]] | None:
+    """bench/checkpoint.py's measured figures as read from its JSON (None while it has not been run): where and when
+    it ran (machine, load average at the start), and a row per plan and save mode: the save's blocking time (median,
+    min-max), the load, the steps after a save and without one (medians), the checkpoint's tensor bytes against the
+    model's state and the largest rank's."""
+    import json
+    from pathlib import Path
+
+    path = Path(path) if path else Path(__file__).resolve().parents[2] / BENCH
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    about = {"machine": data["device"].get("name"), "when": data["when"], "load": data["load_average_1_5_15_min_at_start"][0]}
+    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    rows = [{"plan": r["plan"], "save": r["mode"], "blocking (s)": r3(r["save_blocking"].get("median_s")),
+             "min-max (s)": f"{r['save_blocking']['min_s']:.3f}-{r['save_blocking']['max_s']:.3f}",
+             "load (s)": r3(r["load"]["seconds_slowest_rank"]), "step, saving (s)": r3(r["step_after_save"].get("median_s")),
+             "step, not (s)": r3(r["step_without_save"].get("median_s")),
+             "bytes / model (B)": f"{r['checkpoint_tensor_bytes']:,} / {r['model_state_bytes']:,}",
+             "top rank (B)": max(x["written_bytes"] for x in r["per_rank_bytes"])} for r in data["rows"]]
+    return about, rows
