@@ -62,9 +62,10 @@ def check_settings(config) -> None:
     except ConfigError as err:  # named by the reshard setting of the dimension the new mesh refuses (tp otherwise)
         field = {"cp": "reshard_cp", "ep": "reshard_ep", "experts": "reshard_ep", "pp": "reshard_pp", "dp_strategy": "reshard_strategy"}.get(
             err.field, "reshard_tp")
-        raise ConfigError(field, f"{getattr(config, field)}: {mesh_label(new)} cannot continue this run "
-                                 f"({fits} {field} = {'same' if field == 'reshard_strategy' else 0}): that mesh refuses "
-                                 f"it: {err}") from None
+        fix = {"reshard_strategy": "reshard_strategy = same", "reshard_cp": "reshard_cp = 0, this run's cp",
+               "reshard_ep": "reshard_ep = 0, this run's ep"}.get(field, "reshard_tp = reshard_pp = 0, no continuation")
+        raise ConfigError(field, f"{getattr(config, field)}: {mesh_label(new)} cannot continue this run ({fits} {fix}): "
+                                 f"that mesh refuses it: {err}") from None
 
 
 def resharded(config):
