@@ -6,7 +6,7 @@ against dcp.async_save beside the steps without one (each step of a run is a rep
 average at the start and the machine are recorded: on a shared box the times scale with how busy it is. Writes
 bench/results/checkpoint.json.
 
-    python bench/checkpoint.py [--steps 7]
+    python bench/checkpoint.py [--steps 11]
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def measure(plan: dict, mode: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=11)
     args = parser.parse_args()
     load, began = [round(x, 2) for x in os.getloadavg()], time.time()
     rows = []
