@@ -4,6 +4,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from backend.parallel import mesh_checkpoint
 from pages import checkpoint_views, ui
 
 st.title("Checkpoints and failures")
@@ -24,6 +25,20 @@ def bytes_per_rank_chart(per_rank: pd.DataFrame) -> alt.Chart:
         tooltip=["rank", alt.Tooltip("expected sharded bytes:Q", format=",", title="its own shards, from the settings (B)"),
                  alt.Tooltip("replicated, written here:Q", format=",", title="replicated tensors written here (B)")])
     return bars + ticks
+
+
+def bench_expander() -> None:
+    """bench/checkpoint.py's figures, read from its JSON (nothing while it has not been run)."""
+    measured = mesh_checkpoint.bench_rows()
+    if measured is None:
+        return
+    about, rows = measured
+    with st.expander("Measured by bench/checkpoint.py: the mesh's save, load and step times"):
+        st.markdown(f"Three 4-rank plans of the 3D parallel run, saving every other step with dcp.save and dcp.async_save "
+                    f"(async: the step pays the staging), on {about['machine']} at load {about['load']:.1f} "
+                    f"({about['when']}); each step of a run is a repeat. Blocking: what the step waits for (sync: the "
+                    f"whole save); top rank: the largest rank's file.")
+        ui.table(pd.DataFrame(rows))
 
 
 def render(result: dict, rec) -> None:
@@ -77,3 +92,4 @@ ui.experiment_page("parallel.checkpoint", render,
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
 ui.resume_button("parallel.checkpoint")
 checkpoint_views.mesh_reshard_from_store(ui.runs_of("parallel.mesh", statuses=("succeeded",), limit=50))
+bench_expander()

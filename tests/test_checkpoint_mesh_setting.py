@@ -84,7 +84,7 @@ def test_the_checks_fail_when_the_rules_are_broken(tmp_path):
     ({"checkpoint_every": "1", "kill_rank": "0", "kill_step": "3"}, "kill_step"),  # past the last of 3 steps
     ({"checkpoint_every": "1", "reshard_tp": "1"}, "reshard_pp"),
     ({"checkpoint_every": "3", "reshard_tp": "1", "reshard_pp": "4"}, "checkpoint_every"),  # no checkpoint before the end
-    ({"checkpoint_every": "1", "reshard_tp": "1", "reshard_pp": "3"}, "reshard_tp"),  # 4 layers on 3 stages
+    ({"checkpoint_every": "1", "reshard_tp": "1", "reshard_pp": "3"}, "reshard_pp"),  # 4 layers on 3 stages: named by its pp
 ])
 def test_bad_combinations_are_refused_by_name(change, field):
     with pytest.raises(ConfigError) as err:

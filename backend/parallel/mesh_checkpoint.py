@@ -39,6 +39,10 @@ def check_settings(config) -> None:
     if config.reshard_strategy != "same" and not config.reshard_tp:
         raise ConfigError("reshard_strategy", f"{config.reshard_strategy} with reshard_tp = 0: no continuation to run it "
                                               f"({fits} reshard_strategy = same)")
+    for name in ("reshard_cp", "reshard_ep"):
+        if getattr(config, name) and not config.reshard_tp:
+            raise ConfigError(name, f"{getattr(config, name)} with reshard_tp = 0: no continuation to run it "
+                                    f"({fits} {name} = 0)")
     if bool(config.reshard_tp) != bool(config.reshard_pp):
         unset, other = ("reshard_pp", "reshard_tp") if config.reshard_tp else ("reshard_tp", "reshard_pp")
         raise ConfigError(unset, f"0 with {other} = {getattr(config, other)}: the new mesh needs both tp and pp "
@@ -52,20 +56,26 @@ def check_settings(config) -> None:
         fix = f"checkpoint_every = {config.steps - 1}" if config.steps > 1 else "reshard_tp = 0"
         raise ConfigError("checkpoint_every", f"{config.checkpoint_every} leaves no checkpoint before the last step to "
                                               f"continue on tp {config.reshard_tp} x pp {config.reshard_pp} ({fits} {fix})")
+    new = resharded(config)
     try:
-        resharded(config).validate()
-    except ConfigError as err:
-        raise ConfigError("reshard_tp", f"tp {config.reshard_tp} x pp {config.reshard_pp} cannot continue this run "
-                                        f"({fits} reshard_tp = 0): that mesh refuses it: {err}") from None
+        new.validate()
+    except ConfigError as err:  # named by the reshard setting of the dimension the new mesh refuses (tp otherwise)
+        field = {"cp": "reshard_cp", "ep": "reshard_ep", "experts": "reshard_ep", "pp": "reshard_pp", "dp_strategy": "reshard_strategy"}.get(
+            err.field, "reshard_tp")
+        fix = {"reshard_strategy": "reshard_strategy = same", "reshard_cp": "reshard_cp = 0, this run's cp",
+               "reshard_ep": "reshard_ep = 0, this run's ep"}.get(field, "reshard_tp = reshard_pp = 0, no continuation")
+        raise ConfigError(field, f"{getattr(config, field)}: {mesh_label(new)} cannot continue this run ({fits} {fix}): "
+                                 f"that mesh refuses it: {err}") from None
 
 
 def resharded(config):
-    """The run continued on tp = reshard_tp, pp = reshard_pp (dp takes the rest of the ranks) with the dp strategy
-    reshard_strategy (same: the run's), checkpointing nothing."""
+    """The run continued on tp = reshard_tp, pp = reshard_pp, cp = reshard_cp and ep = reshard_ep (0: the run's; dp
+    takes the rest of the ranks) with the dp strategy reshard_strategy (same: the run's), checkpointing nothing."""
     strategy = config.dp_strategy if config.reshard_strategy == "same" else config.reshard_strategy
-    return dataclasses.replace(config, tp=config.reshard_tp, pp=config.reshard_pp, dp_strategy=strategy, checkpoint_every=0,
-                               kill_rank=-1, reshard_tp=0, reshard_pp=0, reshard_strategy="same", checkpoint_save="sync",
-                               compare_schedules=False, recompute="none", preset="none")
+    return dataclasses.replace(config, tp=config.reshard_tp, pp=config.reshard_pp, cp=config.reshard_cp or config.cp,
+                               ep=config.reshard_ep or config.ep, dp_strategy=strategy, checkpoint_every=0, kill_rank=-1,
+                               reshard_tp=0, reshard_pp=0, reshard_cp=0, reshard_ep=0, reshard_strategy="same",
+                               checkpoint_save="sync", compare_schedules=False, recompute="none", preset="none")
 
 
 def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> dict:
@@ -266,10 +276,10 @@ def bytes_per_rank(config, payloads, pieces: list[dict]) -> list[dict]:
              "expected_bytes": e, "held_bytes": held[r][c]} for r, cats in sorted(expected.items()) for c, e in cats.items()]
 
 
-def step_times(timeline: list[dict], attempt: int) -> dict:
-    """The wall time from one step's end to the next (rank 0's timeline, the last attempt), split into those that
+def step_intervals(timeline: list[dict], attempt: int) -> tuple[list[float], list[float]]:
+    """The wall time from one step's end to the next (rank 0's timeline, the attempt given), split into the steps that
     began with a save (sync: the whole save; async: its staging and the wait for the previous write) and those that
-    did not: medians, None where there is none."""
+    did not, in seconds."""
     ends = [e for e in timeline if e.get("attempt") == attempt and e["event"] in ("step", "save")]
     saving, plain = [], []
     for i, (a, b) in enumerate(zip(ends, ends[1:])):
@@ -277,5 +287,37 @@ def step_times(timeline: list[dict], attempt: int) -> dict:
             nxt = next((e for e in ends[i + 1:] if e["event"] == "step"), None)
             if nxt and nxt["step"] == a["step"] + 1:
                 (saving if b["event"] == "save" else plain).append(nxt["t"] - a["t"])
+    return saving, plain
+
+
+def step_times(timeline: list[dict], attempt: int) -> dict:
+    """step_intervals' medians: with and without a save (None where there is none)."""
+    saving, plain = step_intervals(timeline, attempt)
     med = lambda x: float(np.median(x)) if x else None  # noqa: E731
     return {"step_s_with_save": med(saving), "step_s_without_save": med(plain)}
+
+
+BENCH = "bench/results/checkpoint.json"
+
+
+def bench_rows(path=None) -> tuple[dict, list[dict]] | None:
+    """bench/checkpoint.py's measured figures as read from its JSON (None while it has not been run): where and when
+    it ran (machine, load average at the start), and a row per plan and save mode: the save's blocking time (median,
+    min-max), the load, the steps after a save and without one (medians), the checkpoint's tensor bytes against the
+    model's state and the largest rank's."""
+    import json
+    from pathlib import Path
+
+    path = Path(path) if path else Path(__file__).resolve().parents[2] / BENCH
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    about = {"machine": data["device"].get("name"), "when": data["when"], "load": data["load_average_1_5_15_min_at_start"][0]}
+    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    rows = [{"plan": r["plan"], "save": r["mode"], "blocking (s)": r3(r["save_blocking"].get("median_s")),
+             "min-max (s)": f"{r['save_blocking']['min_s']:.3f}-{r['save_blocking']['max_s']:.3f}",
+             "load (s)": r3(r["load"]["seconds_slowest_rank"]), "step, saving (s)": r3(r["step_after_save"].get("median_s")),
+             "step, not (s)": r3(r["step_without_save"].get("median_s")),
+             "bytes / model (B)": f"{r['checkpoint_tensor_bytes']:,} / {r['model_state_bytes']:,}",
+             "top rank (B)": max(x["written_bytes"] for x in r["per_rank_bytes"])} for r in data["rows"]]
+    return about, rows

@@ -155,6 +155,10 @@ class MeshConfig(TPConfig):
     reshard_tp: int = setting(0, min=0, max=8, help="continue the last checkpoint before the end on a mesh with this tp "
                               "(with reshard_pp; dp takes the rest; 0: no)")
     reshard_pp: int = setting(0, min=0, max=8, help="that mesh's pp (0: no)")
+    reshard_cp: int = setting(0, min=0, max=8, help="that mesh's cp, e.g. ring attention's cp 2 continued on cp 1 (0: this "
+                              "run's)")
+    reshard_ep: int = setting(0, min=0, max=8, help="that mesh's ep, e.g. experts over ep 2 continued on ep 1 (0: this "
+                              "run's)")
     reshard_strategy: str = setting("same", choices=("same", *STRATEGIES), help="that mesh's dp strategy (same: this "
                                     "run's), e.g. an FSDP2 checkpoint continued under ZeRO-1")
     checkpoint_save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save "
