@@ -4,7 +4,6 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from backend.parallel import mesh_checkpoint
 from pages import checkpoint_views, ui
 
 st.title("Checkpoints and failures")
@@ -27,18 +26,16 @@ def bytes_per_rank_chart(per_rank: pd.DataFrame) -> alt.Chart:
     return bars + ticks
 
 
-def bench_expander() -> None:
-    """bench/checkpoint.py's figures, read from its JSON (nothing while it has not been run)."""
-    measured = mesh_checkpoint.bench_rows()
-    if measured is None:
+def bench_expander(m, t) -> None:
+    """bench/checkpoint.py's figures as the run read them from its JSON (nothing where the bench had not been run)."""
+    if "bench" not in t:
         return
-    about, rows = measured
     with st.expander("Measured by bench/checkpoint.py: the mesh's save, load and step times"):
         st.markdown(f"Three 4-rank plans of the 3D parallel run, saving every other step with dcp.save and dcp.async_save "
-                    f"(async: the step pays the staging), on {about['machine']} at load {about['load']:.1f} "
-                    f"({about['when']}); each step of a run is a repeat. Blocking: what the step waits for (sync: the "
+                    f"(async: the step pays the staging), on {m['bench.machine']} at load {m['bench.load']:.1f} "
+                    f"({m['bench.when']}); each step of a run is a repeat. Blocking: what the step waits for (sync: the "
                     f"whole save); top rank: the largest rank's file.")
-        ui.table(pd.DataFrame(rows))
+        ui.table(pd.DataFrame(t["bench"]))
 
 
 def render(result: dict, rec) -> None:
@@ -85,6 +82,7 @@ def render(result: dict, rec) -> None:
         st.markdown(f"Tensor bytes come from DCP's metadata; the files on disk add torch.save's framing, and DCP's "
                     f"own `.metadata` file (the keys, shapes and each shard's offsets) is {m['dcp_metadata_bytes']:,} B.")
         ui.table(pd.DataFrame(t["files"]))
+    bench_expander(m, t)
 
 
 ui.experiment_page("parallel.checkpoint", render,
@@ -92,4 +90,3 @@ ui.experiment_page("parallel.checkpoint", render,
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
 ui.resume_button("parallel.checkpoint")
 checkpoint_views.mesh_reshard_from_store(ui.runs_of("parallel.mesh", statuses=("succeeded",), limit=50))
-bench_expander()

@@ -3,7 +3,6 @@ speculative pages show from the latest run of it. Pages draw only; every figure 
 from __future__ import annotations
 
 import altair as alt
-import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -68,13 +67,11 @@ def render(result: dict, rec) -> None:
 
     st.subheader(f"Decode and prefill on the {cfg['gpu']} roofline (model, fp16)")
     place = pd.DataFrame(t["gpu_placement"])
-    roof = t["roof"][0]
-    xs = np.logspace(-0.5, 4, 80)
-    line = alt.Chart(pd.DataFrame({"intensity": xs, "flops_per_s": np.minimum(roof["peak_flops"], roof["bandwidth"] * xs)})).mark_line(
-        color="gray", strokeDash=[5, 3]).encode(
+    lines = pd.DataFrame(t["roof_lines"])
+    line = alt.Chart(lines[lines["device"] == t["roof"][0]["device"]]).mark_line(color="gray", strokeDash=[5, 3]).encode(
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP/byte)"),
-        y=alt.Y("flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
-        tooltip=[alt.Tooltip("flops_per_s:Q", format=".3s", title="roof (FLOP/s)")])
+        y=alt.Y("attainable_flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
+        tooltip=[alt.Tooltip("attainable_flops_per_s:Q", format=".3s", title="roof (FLOP/s)")])
     place["point"] = place.apply(lambda r: f"batch {r['batch']}" if r["phase"] == "decode" else "prefill", axis=1)
     points = alt.Chart(place).mark_point(filled=True, size=90).encode(
         x="intensity:Q", y="attainable_flops_per_s:Q", color=alt.Color("model:N"), shape=alt.Shape("point:N", title=None),

@@ -91,8 +91,7 @@ def _intensity(result: dict) -> None:
     roof = pd.DataFrame(result["tables"]["roofline"])
     st.markdown("**Where those intensities sit on each preset's fp16 tensor-core roofline** (model: the counts at 2 bytes "
                 "per element, every global load served by device memory)")
-    lines = pd.DataFrame([{"device": r["device"], "intensity_fp16": x, "attainable_flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)}
-                          for r in result["tables"]["roofs"] for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)])
+    lines = pd.DataFrame(result["tables"]["roof_lines"]).rename(columns={"intensity": "intensity_fp16"})
     x = alt.X("intensity_fp16:Q", title="FLOP per byte (fp16)", scale=alt.Scale(type="log"))
     y = alt.Y("attainable_flops_per_s:Q", title="attainable FLOP/s", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s"))
     roofs = alt.Chart(lines).mark_line(strokeDash=[5, 3]).encode(x=x, y=y, color=alt.Color("device:N"))

@@ -40,14 +40,8 @@ def render(result: dict, rec) -> None:
     if not speed.empty:
         st.subheader("Decoding as the context grows")
         left, right = st.columns(2)
-        # A rolling median: one step descheduled by the OS (a 100 ms spike) must not flatten every other step.
-        speed = speed.sort_values(["variant", "context"])
-        speed["median_ms"] = speed.groupby("variant")["ms_per_token"].transform(lambda s: s.rolling(9, center=True, min_periods=1).median())
-        # The axis ends above the slowest variant's usual steps (third quartile + 3 IQR, Tukey's far fence), not at
-        # a quantile of all steps: on a busy machine more than 2 % of the steps can be descheduled ones.
-        quartiles = speed.groupby("variant")["ms_per_token"].quantile([0.25, 0.75]).unstack()
-        top = float((quartiles[0.75] + 3 * (quartiles[0.75] - quartiles[0.25])).max()) * 1.2
-        low = max(0.0, float((quartiles[0.25] - 3 * (quartiles[0.75] - quartiles[0.25])).min()) * 0.8)  # same fence below
+        m = result["metrics"]
+        low, top = m["decode_speed.axis_low_ms"], m["decode_speed.axis_high_ms"]
         points = alt.Chart(speed).mark_circle(size=14, opacity=0.35, clip=True).encode(
             x=alt.X("context:Q", title="context (tokens)"),
             y=alt.Y("ms_per_token:Q", title="time per generated token (ms)", scale=alt.Scale(domain=[low, top])),
@@ -55,9 +49,9 @@ def render(result: dict, rec) -> None:
         lines = alt.Chart(speed).mark_line().encode(x="context:Q", y="median_ms:Q", color="variant:N")
         left.caption("Time per generated token: each step (dots) and the rolling median of 9 (lines)")
         left.altair_chart((points + lines).properties(height=260), width="stretch")
-        if (speed["ms_per_token"] > top).any():
-            left.caption(f"{int((speed['ms_per_token'] > top).sum())} step(s) above {top:.2f} ms are off the chart "
-                         f"(slowest {speed['ms_per_token'].max():.1f} ms): the OS paused the process, not the cache.")
+        if m["decode_speed.off_chart_steps"]:
+            left.caption(f"{m['decode_speed.off_chart_steps']} step(s) above {top:.2f} ms are off the chart "
+                         f"(slowest {m['decode_speed.slowest_ms']:.1f} ms): the OS paused the process, not the cache.")
         right.caption("Cache bytes each new token reads: they grow with the context, by the variant's bytes per token")
         right.altair_chart(alt.Chart(speed).mark_line().encode(
             x=alt.X("context:Q", title="context (tokens)"), y=alt.Y("cache_bytes_read:Q", title="cache bytes read per token (B)"),

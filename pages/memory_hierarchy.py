@@ -1,7 +1,6 @@
 """GPU memory hierarchy and the roofline: presets beside this machine, measured; and this machine's own hierarchy,
 measured by latency and bandwidth probes, with seed 002's latency-hiding arithmetic (Little's law)."""
 import altair as alt
-import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -25,13 +24,13 @@ def render(result: dict, rec) -> None:
     cols[2].metric("ridge point", f"{m['ridge_point_flops_per_byte']:.1f} FLOP/B")
 
     st.subheader("Roofline")
-    intensities = np.logspace(-1, 3, 60)
-    lines = [{"device": r["device"], "roof": f"{r['device']}, {peak(r)}", "peak": peak(r), "intensity": x,
-              "flops_per_s": min(r["peak_flops"], r["bandwidth"] * x)} for r in tables["roofs"] for x in intensities]
-    roof = alt.Chart(pd.DataFrame(lines)).mark_line().encode(
+    lines = pd.DataFrame(tables["roof_lines"])
+    lines["peak"] = [peak(r) for r in lines.to_dict("records")]
+    lines["roof"] = lines["device"] + ", " + lines["peak"]
+    roof = alt.Chart(lines).mark_line().encode(
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP/byte)"),
-        y=alt.Y("flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
-        color=alt.Color("device:N"), detail="roof:N", tooltip=["roof", alt.Tooltip("flops_per_s:Q", format=".3s")],
+        y=alt.Y("attainable_flops_per_s:Q", scale=alt.Scale(type="log"), title="attainable FLOP/s", axis=alt.Axis(format="~s")),
+        color=alt.Color("device:N"), detail="roof:N", tooltip=["roof", alt.Tooltip("attainable_flops_per_s:Q", format=".3s")],
         strokeDash=alt.StrokeDash("peak:N", title="peak", scale=alt.Scale(domain=list(PEAK_DASH), range=list(PEAK_DASH.values()))))
     measured = alt.Chart(pd.DataFrame(tables["points"])).mark_point(filled=True, size=80, color="black").encode(
         x="intensity:Q", y="flops_per_s:Q", shape=alt.Shape("kernel:N"),

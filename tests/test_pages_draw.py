@@ -1,6 +1,8 @@
 """Pages only draw: a page imports the frame (pages/ui.py and its siblings) and other pages' views, never a library
 module or an experiment module of backend/ or kernels/; what it shows comes from the run's result."""
 import ast
+import shutil
+import sys
 
 import pytest
 
@@ -38,6 +40,16 @@ def test_pending_pages_are_still_pending():
     for page, allowed in PENDING.items():
         assert pages.get(page), f"pages/{page}.py imports no backend module any more: take it off PENDING"
         assert pages[page] <= allowed, f"pages/{page}.py imports more than it did: {sorted(pages[page] - allowed)}"
+
+
+def test_an_injected_library_import_fails_the_rule(monkeypatch, tmp_path):
+    """The rule on today's pages, with one page given a library import it draws through: the rule names both."""
+    shutil.copytree(REPO / "pages", tmp_path / "pages")
+    page = tmp_path / "pages" / "kv_cache.py"
+    page.write_text("from backend.hardware.roofline import attainable\n" + page.read_text())
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    with pytest.raises(AssertionError, match=r"'kv_cache': \['backend.hardware.roofline'\]"):
+        test_pages_import_only_the_frame()
 
 
 @pytest.mark.parametrize("source, found", [

@@ -12,6 +12,13 @@ def attainable(peak_flops: float, bandwidth: float, intensity: float) -> float:
     return min(peak_flops, bandwidth * intensity)
 
 
+def roof_lines(roofs: list[dict], intensities) -> list[dict]:
+    """The roofline model's prediction drawn as lines: each roof (a row with peak_flops and bandwidth) at each
+    intensity, its row's keys kept and attainable FLOP/s = min(peak, bandwidth × intensity) added."""
+    return [{**r, "intensity": float(x), "attainable_flops_per_s": attainable(r["peak_flops"], r["bandwidth"], float(x))}
+            for r in roofs for x in intensities]
+
+
 def gemm_intensity(m: int, n: int, k: int, elem: int) -> float:
     return 2 * m * n * k / ((m * k + k * n + m * n) * elem)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from backend.attention.mla_rope import absorption_errors
@@ -129,6 +130,34 @@ def measure_variant(config: KVCacheConfig, variant: str) -> dict:
     return out
 
 
+# The decode-speed chart: a centred rolling median over this many steps, and Tukey's far fence (quartile ± 3 IQR).
+ROLLING_STEPS = 9
+FENCE_IQR = 3.0
+
+
+def decode_speed_view(rows: list[dict]) -> dict:
+    """The decode-speed chart's summary, drawn by the page. Each step gets its variant's centred rolling median of
+    ROLLING_STEPS steps (`median_ms`, in place): one step the OS descheduled (a 100 ms spike) must not flatten the
+    others. The axis spans the variants' far fences (Q1 − 3 IQR below ×0.8, floored at 0; Q3 + 3 IQR above ×1.2), not a
+    quantile of all steps: on a busy machine more than 2 % of the steps can be descheduled ones; the steps above it
+    are counted as off the chart."""
+    if not rows:
+        return {"axis_low_ms": None, "axis_high_ms": None, "off_chart_steps": 0, "slowest_ms": None}
+    lows, highs, half = [], [], ROLLING_STEPS // 2
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        steps = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
+        ms = np.array([r["ms_per_token"] for r in steps])
+        for i, r in enumerate(steps):
+            r["median_ms"] = float(np.median(ms[max(0, i - half): i + half + 1]))
+        q1, q3 = np.quantile(ms, [0.25, 0.75])
+        lows.append(q1 - FENCE_IQR * (q3 - q1))
+        highs.append(q3 + FENCE_IQR * (q3 - q1))
+    top = float(max(highs)) * 1.2
+    slowest = max(r["ms_per_token"] for r in rows)
+    return {"axis_low_ms": max(0.0, float(min(lows)) * 0.8), "axis_high_ms": top,
+            "off_chart_steps": sum(r["ms_per_token"] > top for r in rows), "slowest_ms": slowest}
+
+
 def deepseek_scaled(seed: int) -> dict:
     """DeepSeek-V3's head count with every width /16: cache elements per token per layer, MHA vs MLA, measured."""
     cfg = KVCacheConfig(n_heads=128, n_kv_heads=128, d_head=8, d_c=32, d_rope=4, n_layers=1, context=16, seed=seed)
@@ -227,6 +256,7 @@ def run(config: KVCacheConfig, ctx) -> Result:
         metrics[f"bytes_per_token_per_layer.{r['variant']}"] = r["bytes_per_token_per_layer"]
     if rope_rows:
         metrics.update(rope_metrics)
+    metrics.update({f"decode_speed.{k}": v for k, v in decode_speed_view(speed).items()})
     return Result(metrics=metrics, checks=checks,
                   tables={"cache": rows, "decode_speed": speed, "presets": preset_table(), "fit": live_fit(rows, config.n_layers),
                           "mla_dataflow": mla_dataflow_dots(config), "mla_rope": rope_rows}, trace_events=events,
@@ -250,24 +280,30 @@ def _v2_to_v3(result: dict) -> None:
     result["metrics"]["deepseek_v3_scaled_mla_over_mha_pct"] = 100 * ds["mla"] / ds["mha"]
 
 
+def _v3_to_v4(result: dict) -> None:
+    """Runs stored before the decode-speed chart's rolling median and axis range were computed here (the page did)."""
+    result["metrics"].update({f"decode_speed.{k}": v for k, v in decode_speed_view(result["tables"]["decode_speed"]).items()})
+
+
 RESULT = Schema(
     metrics=(
         "context", "n_layers", "dtype", "deepseek_v3_formula_elements", "deepseek_v3_scaled_measured_elements",
         "deepseek_v3_scaled_mla_over_mha_pct",
         "bytes_per_token_per_layer.*",  # one per variant measured (and "mla (naive)")
         "mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error",
+        "decode_speed.axis_low_ms", "decode_speed.axis_high_ms", "decode_speed.off_chart_steps", "decode_speed.slowest_ms",
     ),
     tables={
         "cache": ("bytes_per_token_per_layer", "cache_tensors", "elements_per_token_per_layer", "formula_bytes",
                   "saving_vs_mha_pct", "variant"),
-        "decode_speed": ("cache_bytes_read", "context", "ms_per_token", "variant"),
+        "decode_speed": ("cache_bytes_read", "context", "median_ms", "ms_per_token", "variant"),
         "presets": ("bytes_per_token_bf16", "elements_per_token_per_layer", "gpu", "model", "tokens_that_fit"),
         "fit": ("gpu", "tokens", "variant"),  # empty in a run of version 1
         "mla_dataflow": ("dot", "form"),      # empty in a run of version 1
         "mla_rope": ("max_abs_error", "path", "query_position", "relative_error"),  # empty unless MLA was measured
     },
     optional=("mla_rope.compressed_relative_error", "mla_rope.decoupled_relative_error"),  # MLA measured only
-    version=3, upgrades={1: _v1_to_v2, 2: _v2_to_v3},
+    version=4, upgrades={1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4},
 )
 
 EXPERIMENT = define(__name__, KVCacheConfig,

@@ -23,11 +23,13 @@ from backend.experiments import define
 from backend.hardware.decode import (MODELS, BatchedDecoder, decode_bytes, decode_flops, prefill_cache_check, prefill_cost,
                                    roofline_time, tiny_shape)
 from backend.hardware.devices import DEVICES, dram
-from backend.hardware.roofline import last_level_cache_bytes, probe_bandwidth, probe_matmul
+from backend.hardware.roofline import last_level_cache_bytes, probe_bandwidth, probe_matmul, roof_lines
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result, Schema
 
 GPU_BATCHES = (1, 8, 64, 256)
+# The intensities (FLOP/byte) each roof's line is tabled at: 10^-0.5 to 10^4, 80 points evenly spaced on a log axis.
+LINE_INTENSITIES = tuple(10 ** (-0.5 + 4.5 * i / 79) for i in range(80))
 FP16 = 2
 
 
@@ -233,11 +235,12 @@ def run(config: DecodeConfig, ctx) -> Result:
     metrics.update({"gpu_ridge_flops_per_byte": round(peak / bw, 1),
                     **{f"gpu_tokens_per_s_batch1.{name}": round(r["tokens_per_s"], 1) for name, r in at_1.items()}})
     metrics["verify_8_tokens_vs_1"] = round(verify[-1]["cost_vs_one"], 2)
+    roofs = [{"device": config.gpu, "peak_flops": peak, "bandwidth": bw},
+             {"device": "this CPU (measured)", "peak_flops": metrics["cpu_matmul_GFLOPs"] * 1e9,
+              "bandwidth": metrics["cpu_bandwidth_GBps"] * 1e9}]
     return Result(metrics=metrics,
                   tables={"cpu_steps": rows, "gpu_placement": placement, "verify_cost": verify,
-                          "roof": [{"device": config.gpu, "peak_flops": peak, "bandwidth": bw},
-                                   {"device": "this CPU (measured)", "peak_flops": metrics["cpu_matmul_GFLOPs"] * 1e9,
-                                    "bandwidth": metrics["cpu_bandwidth_GBps"] * 1e9}]},
+                          "roof": roofs, "roof_lines": roof_lines(roofs, LINE_INTENSITIES)},
                   checks=checks, notes=notes)
 
 
@@ -245,6 +248,11 @@ def _v1_kv_share(rows: list[dict]) -> None:
     """Version 1 -> 2: the KV cache's share of a decode step's bytes (the page divided them before)."""
     for r in rows:
         r["kv_share"] = r["kv_bytes"] / r["bytes"] if r["kv_bytes"] is not None else None
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the roofs' lines (the page computed min(peak, bandwidth × intensity) before)."""
+    result["tables"]["roof_lines"] = roof_lines(result["tables"]["roof"], LINE_INTENSITIES)
 
 
 RESULT = Schema(
@@ -262,8 +270,9 @@ RESULT = Schema(
                           "kv_bytes", "kv_share", "model", "phase", "resident_GB", "step_ms", "tokens_per_s", "weight_bytes"),
         "verify_cost": ("cost_vs_one", "measured_s", "tokens_scored"),
         "roof": ("bandwidth", "device", "peak_flops"),
+        "roof_lines": ("attainable_flops_per_s", "bandwidth", "device", "intensity", "peak_flops"),
     },
-    version=2, upgrades={1: lambda result: _v1_kv_share(result["tables"]["gpu_placement"])},
+    version=3, upgrades={1: lambda result: _v1_kv_share(result["tables"]["gpu_placement"]), 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, DecodeConfig,

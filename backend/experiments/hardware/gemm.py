@@ -20,13 +20,15 @@ from backend.limits import cost, too_costly
 from backend.experiments import define
 from backend.hardware.execution import TENSOR_CORE_SHAPE, WMMA_SHAPE, gemm_hierarchy, tile_reuse, wave_footprint
 from backend.hardware.devices import DEVICES, dram
-from backend.hardware.roofline import attainable
+from backend.hardware.roofline import attainable, roof_lines
 from backend.result import Check, Result, Schema
 from kernels.matmul import TENSORS, closed_form_traffic, matmul, program_order
 
 TILES = (16, 32, 64, 128)
 SWEEP_TILES = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64))  # (BLOCK_M, BLOCK_N) swept ...
 SWEEP_BLOCK_K = 32                                                   # ... at one depth: the counts do not depend on it
+# The intensities (FLOP/byte, fp16) each preset's roof line is tabled at: powers of two, 1 to 1,024.
+LINE_INTENSITIES = tuple(2.0 ** i for i in range(11))
 INTERPRETER_STEPS = 1200  # programs x K steps the interpreter may run in one experiment (~10 ms each on one core)
 
 
@@ -196,6 +198,7 @@ def tile_sweep(config: GemmConfig, g: torch.Generator, device: str, dtype: torch
                            for name, spec in DEVICES.items() for r in sweep],
               "roofs": [{"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
                         for name, spec in DEVICES.items()]}
+    tables["roof_lines"] = roof_lines(tables["roofs"], LINE_INTENSITIES)
     return tables, [Check("sweep: every count equals the closed form", bad_counts, 0, reference="tile geometry"),
                     Check("sweep: loads per multiply-add = 1/BLOCK_M + 1/BLOCK_N (the seed's count, generalised)",
                           bad_ratio, 1e-12, reference="(BM + BN)·K loads for BM·BN·K multiply-adds")]
@@ -247,6 +250,7 @@ RESULT = Schema(
                   "intensity large-K limit", "loads_per_mac counted", "size", "tile"),
         "roofline": ("attainable_flops_per_s", "device", "intensity_fp16", "size", "tile"),
         "roofs": ("bandwidth", "device", "peak_flops"),
+        "roof_lines": ("attainable_flops_per_s", "bandwidth", "device", "intensity", "peak_flops"),
         "hierarchy": ("accumulator_registers_per_thread", "concurrent_programs", "grid", "k_steps", "limited_by",
                       "macs_per_thread", "max_warps_per_sm", "outputs_per_thread", "programs", "programs_per_sm",
                       "shared_bytes_per_program", "sms", "tensor_core_ops_per_wmma", "threads_per_program",
@@ -257,8 +261,10 @@ RESULT = Schema(
         "tensor_core_shapes": ("FMAs", "level", "m x n x k"),
         "largest_wave_footprint": ("bytes", "case", "group_m"),
     },
-    version=2, upgrades={1: lambda result: result["tables"].__setitem__(  # v1: the page took the largest
-        "largest_wave_footprint", largest_wave_footprint(result["tables"]["wave_footprint"]))},
+    version=3, upgrades={1: lambda result: result["tables"].__setitem__(  # v1: the page took the largest
+        "largest_wave_footprint", largest_wave_footprint(result["tables"]["wave_footprint"])),
+                         2: lambda result: result["tables"].__setitem__(  # v2: the page drew min(peak, bw × intensity)
+        "roof_lines", roof_lines(result["tables"]["roofs"], LINE_INTENSITIES))},
 )
 
 EXPERIMENT = define(__name__, GemmConfig,

@@ -18,9 +18,14 @@ from backend.config import Config, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.hardware.devices import APPROXIMATE, DEVICES, SOURCES, dram, hierarchy_traffic, ops_per_datum
-from backend.hardware.roofline import attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul
+from backend.hardware.roofline import (attainable, gemm_intensity, last_level_cache_bytes, probe_bandwidth, probe_matmul,
+                                       roof_lines)
 from backend.result import Check, Result, Schema
 from kernels.flash_attention import naive_attention
+
+
+# The intensities (FLOP/byte) each roof's line is tabled at: 0.1 to 1,000, 60 points evenly spaced on a log axis.
+LINE_INTENSITIES = tuple(10 ** (-1 + 4 * i / 59) for i in range(60))
 
 
 @dataclasses.dataclass
@@ -158,7 +163,7 @@ def run(config: RooflineConfig, ctx) -> Result:
         metrics={"cpu_bandwidth_GBps": round(bw / 1e9, 2), "cpu_matmul_GFLOPs": round(peak / 1e9, 2),
                  "ridge_point_flops_per_byte": round(peak / bw, 2), "ridge_4090_fp32_flops_per_byte": round(rtx_ridge, 2),
                  **{f"io_model.{k}": v for k, v in io.items()}},
-        tables={"roofs": roofs, "points": points, "model_points": model_points,
+        tables={"roofs": roofs, "roof_lines": roof_lines(roofs, LINE_INTENSITIES), "points": points, "model_points": model_points,
                 "ops_per_datum_a100": [{"level": k, "ops_per_datum": v} for k, v in seed.items()], "hierarchy": hierarchy},
         checks=checks, notes=notes)
 
@@ -173,6 +178,11 @@ def _v1_to_v2(result: dict) -> None:
         roof.setdefault("precision", "fp32" if "measured" in roof["device"] else "fp16/bf16 tensor")
 
 
+def _v2_to_v3(result: dict) -> None:
+    """Runs stored before the roofs' lines were tabled (the page computed min(peak, bandwidth × intensity))."""
+    result["tables"]["roof_lines"] = roof_lines(result["tables"]["roofs"], LINE_INTENSITIES)
+
+
 RESULT = Schema(
     metrics=(
         "cpu_bandwidth_GBps", "cpu_matmul_GFLOPs", "ridge_point_flops_per_byte", "ridge_4090_fp32_flops_per_byte",
@@ -181,13 +191,14 @@ RESULT = Schema(
     ),
     tables={
         "roofs": ("bandwidth", "device", "peak_flops", "precision"),
+        "roof_lines": ("attainable_flops_per_s", "bandwidth", "device", "intensity", "peak_flops", "precision"),
         "points": ("flops_per_s", "intensity", "kernel", "source", "working_set_bytes"),
         "model_points": ("attainable_flops_per_s", "device", "intensity", "kernel"),
         "ops_per_datum_a100": ("level", "ops_per_datum"),
         "hierarchy": ("approximate", "bandwidth_Bps", "capacity_bytes", "device", "flash_bytes", "flash_seconds",
                       "level", "naive_bytes", "naive_seconds", "ops_per_datum_fp64", "source"),  # empty before v2
     },
-    version=2, upgrades={1: _v1_to_v2},
+    version=3, upgrades={1: _v1_to_v2, 2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, RooflineConfig,

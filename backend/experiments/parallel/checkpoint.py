@@ -14,6 +14,7 @@ from backend.config import ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.parallel import checkpoint as ckpt
+from backend.parallel.mesh_checkpoint import bench_rows
 from backend.parallel.loop import start_rank, train
 from backend.parallel.workload import FP64, WorkloadConfig, reference_run
 from backend.result import Check, Result, Schema
@@ -353,6 +354,10 @@ def combine(config: CheckpointConfig, reports) -> Result:
         notes = [f"Run {first.extra['parent']} failed when rank {config.kill_rank} was killed by SIGKILL in step "
                  f"{config.kill_step}; this run resumed it from its newest checkpoint ({first.extra['resumed_from']}), "
                  f"redoing {metrics.get('steps_redone')} step(s). The timeline holds both runs."]
+    measured = bench_rows()  # bench/checkpoint.py's figures as they stood when this run ran (None before the bench ran)
+    if measured is not None:
+        about, tables_extra["bench"] = measured
+        metrics.update({f"bench.{k}": v for k, v in about.items()})
     return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
                                                           "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
                   trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
@@ -362,9 +367,10 @@ KILLED = ("killed_rank", "killed_in_step", "resumed_from_step", "steps_redone") 
 INTERVAL = ("step_s", "young_interval_s", "young_interval_steps", "best_interval_steps",
             "young_overhead_above_best_pct")  # when the run timed consecutive steps and saved at least once
 RESHARD = ("reshard_plan", "reshard_from", "reshard_load_s")  # reshard_to != off
+BENCH = ("bench.machine", "bench.when", "bench.load")  # bench/results/checkpoint.json present when the run ran
 RESULT = Schema(
     metrics=("strategy", "world_size", "attempts", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
-             "load_s", "dcp_metadata_bytes", *KILLED, *INTERVAL, *RESHARD, "parent_run"),
+             "load_s", "dcp_metadata_bytes", *KILLED, *INTERVAL, *RESHARD, *BENCH, "parent_run"),
     tables={"timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "files": ("file", "rank", "bytes", "tensor bytes"),
             "interval": ("interval_steps", "lost_work_s_per_failure", "overhead_pct", "time_per_step_s"),
@@ -373,9 +379,11 @@ RESULT = Schema(
                                "replicated, written here", "sharded bytes", "expected sharded bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes"),
-            "loss": ("step", "loss")},
+            "loss": ("step", "loss"),
+            "bench": ("plan", "save", "blocking (s)", "min-max (s)", "load (s)", "step, saving (s)", "step, not (s)",
+                      "bytes / model (B)", "top rank (B)")},
     optional=(*KILLED, *INTERVAL, *RESHARD, "parent_run",  # parent_run: a run resumed from a failed one's checkpoint
-              "interval", "monte_carlo", "reshard_map", "reshard_bytes"),
+              "interval", "monte_carlo", "reshard_map", "reshard_bytes", *BENCH, "bench"),
 )
 
 EXPERIMENT = define(__name__, CheckpointConfig, "Sharded DCP checkpoints, a rank killed by SIGKILL and the run resumed bit for bit",

@@ -1,0 +1,121 @@
+"""Numbers the pages used to compute, now in their experiments' results (issue #32, "pages only draw"): the roofline
+lines of hardware.roofline, hardware.decode and hardware.gemm, and the decode-speed chart's rolling median, axis range
+and off-chart count of attention.kv_cache. Each against an independent computation (numpy, pandas), each shown failing
+when its rule is broken, and each filled into a run stored before it by the schema's version step."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from backend import experiments
+from backend.experiments.attention import kv_cache
+from backend.hardware import roofline
+from backend.hardware.devices import DEVICES, dram
+from backend.result import VERSION_KEY
+from tests.test_result_schema import OLD_RESULTS
+
+
+# --- the roofline's lines ------------------------------------------------------------------------------------------
+def _roofs() -> list[dict]:
+    return [{"device": "a CPU", "peak_flops": 1.3e11, "bandwidth": 2.1e10}] + [
+        {"device": name, "peak_flops": spec["peak_flops"]["fp16/bf16 tensor"], "bandwidth": dram(name)[2]}
+        for name, spec in DEVICES.items()]
+
+
+def roof_line_error(rows: list[dict], roofs: list[dict], intensities) -> float:
+    """Largest relative gap between the tabled lines and numpy's min(peak, bandwidth × intensity) on the same grid."""
+    xs = np.asarray(intensities, dtype=float)
+    want = np.concatenate([np.minimum(r["peak_flops"], r["bandwidth"] * xs) for r in roofs])
+    got = np.array([row["attainable_flops_per_s"] for row in rows])
+    assert len(got) == len(want) and [row["device"] for row in rows] == [r["device"] for r in roofs for _ in xs]
+    return float(np.max(np.abs(got - want) / want))
+
+
+def test_roof_lines_are_min_of_peak_and_bandwidth_times_intensity():
+    xs = np.logspace(-1, 4, 50)
+    assert roof_line_error(roofline.roof_lines(_roofs(), xs), _roofs(), xs) < 1e-15
+
+
+def test_roof_lines_check_fails_with_a_broken_roofline(monkeypatch):
+    monkeypatch.setattr(roofline, "attainable", lambda peak, bw, x: max(peak, bw * x))  # the roof's max, not its min
+    xs = np.logspace(-1, 4, 50)
+    assert roof_line_error(roofline.roof_lines(_roofs(), xs), _roofs(), xs) > 0.5
+
+
+@pytest.mark.parametrize("name, roofs_table, grid", [
+    ("hardware.roofline", "roofs", np.logspace(-1, 3, 60)),           # the page's former grids, typed again
+    ("hardware.decode", "roof", np.logspace(-0.5, 4, 80)),
+    ("hardware.gemm", "roofs", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]),
+])
+def test_a_run_stored_before_the_lines_gets_them_from_its_version_step(name, roofs_table, grid):
+    schema = experiments.get(name).schema
+    roofs = [{**r, "precision": "fp32"} for r in _roofs()] if name == "hardware.roofline" else _roofs()
+    stored = {"tables": {roofs_table: roofs}, "metrics": {}}
+    schema.upgrades[schema.version - 1](stored)  # the step that brings the lines
+    assert roof_line_error(stored["tables"]["roof_lines"], roofs, grid) < 1e-12
+
+
+def test_a_real_old_roofline_run_opens_with_its_lines():
+    stored = json.loads((OLD_RESULTS / "hardware.roofline.json").read_text())
+    assert "roof_lines" not in stored["tables"]
+    opened = experiments.get("hardware.roofline").schema.upgrade(stored)
+    assert opened[VERSION_KEY] == 3
+    assert roof_line_error(opened["tables"]["roof_lines"], opened["tables"]["roofs"], np.logspace(-1, 3, 60)) < 1e-12
+
+
+# --- the KV cache page's decode-speed chart -------------------------------------------------------------------------
+def _steps(seed: int = 0) -> list[dict]:
+    """Three variants' decode steps, shuffled, with a few descheduled steps (50-100× the usual time)."""
+    rng = np.random.default_rng(seed)
+    rows = [{"variant": v, "context": c, "ms_per_token": float(base + 0.002 * c + rng.normal(0, 0.05)), "cache_bytes_read": 64 * c}
+            for v, base in (("mha", 1.0), ("gqa", 0.8), ("mla", 1.3)) for c in range(8, 60)]
+    for i in rng.choice(len(rows), 4, replace=False):
+        rows[i]["ms_per_token"] *= rng.uniform(50, 100)
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def pandas_view(rows: list[dict]) -> tuple[pd.Series, dict]:
+    """The chart's numbers by pandas, as the page computed them: a centred rolling median of 9 per variant, and the
+    axis at the variants' far fences (quartile ± 3 IQR) ×1.2 above and ×0.8 below (at least 0)."""
+    speed = pd.DataFrame(rows).sort_values(["variant", "context"])
+    median = speed.groupby("variant")["ms_per_token"].transform(lambda s: s.rolling(9, center=True, min_periods=1).median())
+    q = speed.groupby("variant")["ms_per_token"].quantile([0.25, 0.75]).unstack()
+    top = float((q[0.75] + 3 * (q[0.75] - q[0.25])).max()) * 1.2
+    low = max(0.0, float((q[0.25] - 3 * (q[0.75] - q[0.25])).min()) * 0.8)
+    return median.set_axis(list(zip(speed["variant"], speed["context"]))), {
+        "axis_low_ms": low, "axis_high_ms": top, "off_chart_steps": int((speed["ms_per_token"] > top).sum()),
+        "slowest_ms": float(speed["ms_per_token"].max())}
+
+
+def view_mismatches(rows: list[dict]) -> list[str]:
+    """Where decode_speed_view departs from pandas_view on these rows."""
+    metrics = kv_cache.decode_speed_view(rows)
+    medians, want = pandas_view(rows)
+    bad = [f"{k}: {metrics[k]} vs {v}" for k, v in want.items() if not np.isclose(metrics[k], v, rtol=1e-12, atol=0)]
+    bad += [f"median at {r['variant']} {r['context']}" for r in rows
+            if not np.isclose(r["median_ms"], medians[(r["variant"], r["context"])], rtol=1e-12, atol=0)]
+    return bad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_speed_view_equals_pandas(seed):
+    rows = _steps(seed)
+    assert view_mismatches(rows) == []
+    assert kv_cache.decode_speed_view(rows)["off_chart_steps"] >= 1  # the spikes are off the chart (else it tests little)
+
+
+@pytest.mark.parametrize("rule, broken", [("ROLLING_STEPS", 3), ("FENCE_IQR", 1.5)])
+def test_decode_speed_view_check_fails_with_a_broken_rule(monkeypatch, rule, broken):
+    monkeypatch.setattr(kv_cache, rule, broken)
+    assert view_mismatches(_steps(0))
+
+
+def test_a_real_old_kv_cache_run_opens_with_its_decode_speed_view():
+    stored = json.loads((OLD_RESULTS / "attention.kv_cache.json").read_text())
+    assert "decode_speed.axis_high_ms" not in stored["metrics"]
+    opened = experiments.get("attention.kv_cache").schema.upgrade(stored)
+    rows = opened["tables"]["decode_speed"]
+    medians, want = pandas_view(rows)
+    assert all(np.isclose(opened["metrics"][f"decode_speed.{k}"], v, rtol=1e-12) for k, v in want.items())
+    assert all(np.isclose(r["median_ms"], medians[(r["variant"], r["context"])]) for r in rows)
