@@ -19,16 +19,15 @@ def _hierarchy(h: dict, cfg: dict) -> None:
     cols[4].metric("waves", h["waves"] if h["waves"] is not None else "—",
                    help=f"on {cfg['device']}: {h['programs_per_sm']} programs fit per SM (limited by {h['limited_by']}) "
                         f"x {h['sms']} SMs (model)")
-    warps = h["programs"] * h["warps_per_program"]
     levels = pd.DataFrame([
         {"level": "grid (the launch)", "in this GEMM": 1, "each does": f"C = A @ B as {h['grid'][0]} x {h['grid'][1]} tiles"},
         {"level": "program (thread block, on one SM)", "in this GEMM": h["programs"],
          "each does": f"one {cfg['block_m']}x{cfg['block_n']} tile of C in {h['k_steps']} K steps: {h['wmma_per_program']:,} "
                       f"16x16x16 WMMA-sized products; {h['shared_bytes_per_program']:,} B of A/B tiles staged in shared memory"},
-        {"level": "warp (32 threads in lockstep, SIMT)", "in this GEMM": warps,
+        {"level": "warp (32 threads in lockstep, SIMT)", "in this GEMM": h["warps"],
          "each does": f"a {h['warp_tile'][0]}x{h['warp_tile'][1]} warp tile: {h['wmma_per_warp']:g} WMMA instructions, "
                       f"each {h['tensor_core_ops_per_wmma']} tensor-core 4x4x4 steps"},
-        {"level": "thread", "in this GEMM": warps * h["threads_per_warp"],
+        {"level": "thread", "in this GEMM": h["threads"],
          "each does": f"{h['outputs_per_thread']:g} C elements, {h['macs_per_thread']:,.0f} multiply-adds, "
                       f"{h['accumulator_registers_per_thread']} fp32 accumulator registers"},
     ])
@@ -51,10 +50,7 @@ def _program_order(result: dict, cfg: dict) -> None:
     text = heat.mark_text(color="white", fontSize=10).encode(text="program:Q", color=alt.value("white"))
     left.altair_chart((heat + text).properties(height=260), width="stretch")
     h = result["tables"]["hierarchy"][0]
-    wm, wn = h["warp_grid"]
-    tm, tn = h["warp_tile"]
-    warps = pd.DataFrame([{"warp": i * wn + j, "row0": i * tm, "row1": (i + 1) * tm, "col0": j * tn, "col1": (j + 1) * tn}
-                          for i in range(wm) for j in range(wn)])
+    warps = pd.DataFrame(result["tables"]["warp_tiles"])
     right.markdown(f"**One program's {cfg['block_m']}x{cfg['block_n']} tile split among its {h['warps_per_program']} warps**")
     right.altair_chart(alt.Chart(warps).mark_rect(stroke="white", strokeWidth=2).encode(
         x=alt.X("col0:Q", title="column in the tile", scale=alt.Scale(domain=[0, cfg["block_n"]])), x2="col1:Q",
@@ -111,7 +107,7 @@ def render(result: dict, rec) -> None:
     cols = st.columns(4)
     cols[0].metric("GEMM, M×N×K", f"{cfg['m']}×{cfg['n']}×{cfg['k']}",
                    help=f"C ({cfg['m']}x{cfg['n']}) = A ({cfg['m']}x{cfg['k']}) @ B ({cfg['k']}x{cfg['n']}), {cfg['dtype']} on {m['device']}")
-    cols[1].metric("bytes counted", f"{m['bytes_A'] + m['bytes_B'] + m['bytes_C']:,}", help="A + B loads and C stores, inside the kernel")
+    cols[1].metric("bytes counted", f"{m['bytes_counted']:,}", help="A + B loads and C stores, inside the kernel")
     cols[2].metric("intensity", f"{m['intensity_flop_per_byte']:.2f} FLOP/B")
     cols[3].metric("loads per multiply-add", f"{m['loads_per_mac']:.4f}")
     ui.table(pd.DataFrame(tables["traffic"]))

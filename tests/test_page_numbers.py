@@ -43,16 +43,16 @@ def test_roof_lines_check_fails_with_a_broken_roofline(monkeypatch):
     assert roof_line_error(roofline.roof_lines(_roofs(), xs), _roofs(), xs) > 0.5
 
 
-@pytest.mark.parametrize("name, roofs_table, grid", [
-    ("hardware.roofline", "roofs", np.logspace(-1, 3, 60)),           # the page's former grids, typed again
-    ("hardware.decode", "roof", np.logspace(-0.5, 4, 80)),
-    ("hardware.gemm", "roofs", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]),
+@pytest.mark.parametrize("name, step, roofs_table, grid", [
+    ("hardware.roofline", 2, "roofs", np.logspace(-1, 3, 60)),           # the page's former grids, typed again
+    ("hardware.decode", 2, "roof", np.logspace(-0.5, 4, 80)),
+    ("hardware.gemm", 2, "roofs", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]),
 ])
-def test_a_run_stored_before_the_lines_gets_them_from_its_version_step(name, roofs_table, grid):
+def test_a_run_stored_before_the_lines_gets_them_from_its_version_step(name, step, roofs_table, grid):
     schema = experiments.get(name).schema
     roofs = [{**r, "precision": "fp32"} for r in _roofs()] if name == "hardware.roofline" else _roofs()
     stored = {"tables": {roofs_table: roofs}, "metrics": {}}
-    schema.upgrades[schema.version - 1](stored)  # the step that brings the lines
+    schema.upgrades[step](stored)  # the step that brings the lines (version step -> step + 1)
     assert roof_line_error(stored["tables"]["roof_lines"], roofs, grid) < 1e-12
 
 
@@ -119,3 +119,53 @@ def test_a_real_old_kv_cache_run_opens_with_its_decode_speed_view():
     medians, want = pandas_view(rows)
     assert all(np.isclose(opened["metrics"][f"decode_speed.{k}"], v, rtol=1e-12) for k, v in want.items())
     assert all(np.isclose(r["median_ms"], medians[(r["variant"], r["context"])]) for r in rows)
+
+
+# --- the GPU execution page's totals and warp tiles ----------------------------------------------------------------
+def gemm_mismatches(result: dict) -> list[str]:
+    """hardware.gemm's totals against other paths to them: bytes counted in all = the traffic table's rows summed;
+    threads = programs × threads per program; the warp tiles cover the block exactly once (a numpy coverage grid)."""
+    m, t, cfg = result["metrics"], result["tables"], result["config"]
+    h = t["hierarchy"][0]
+    bad = [] if m["bytes_counted"] == sum(r["bytes counted"] for r in t["traffic"]) else ["bytes_counted"]
+    bad += [] if h["threads"] == h["programs"] * h["threads_per_program"] else ["threads"]
+    bad += [] if h["warps"] * h["threads_per_warp"] == h["threads"] else ["warps"]
+    cover = np.zeros((cfg["block_m"], cfg["block_n"]), dtype=int)
+    for w in t["warp_tiles"]:
+        cover[w["row0"]:w["row1"], w["col0"]:w["col1"]] += 1
+    bad += [] if (cover == 1).all() and len(t["warp_tiles"]) == h["warps_per_program"] else ["warp_tiles"]
+    return bad
+
+
+@pytest.fixture(scope="module")
+def gemm_run() -> dict:
+    return experiments.run("hardware.gemm", sweep_sizes="32").to_dict() | {
+        "config": experiments.get("hardware.gemm").make_config({"sweep_sizes": "32"}).to_dict()}
+
+
+def test_gemm_totals_and_warp_tiles_agree_with_their_other_paths(gemm_run):
+    assert gemm_mismatches(gemm_run) == []
+
+
+@pytest.mark.parametrize("broken", ["totals", "tiles"])
+def test_gemm_totals_check_fails_with_a_broken_rule(gemm_run, broken):
+    from backend.experiments.hardware import gemm
+
+    stored = json.loads(json.dumps(gemm_run))
+    h = stored["tables"]["hierarchy"][0]
+    if broken == "totals":  # threads counted per program, not per warp: the launch's threads ÷ warps
+        h["threads"] = gemm.hierarchy_totals({**h, "threads_per_warp": 1})["threads"]
+    else:                   # each warp's rows halved: the block's lower half left uncovered
+        h_t = {**h, "warp_tile": [h["warp_tile"][0] // 2, h["warp_tile"][1]]}
+        stored["tables"]["warp_tiles"] = gemm.warp_tiles(h_t)
+    assert gemm_mismatches(stored)
+
+
+def test_a_gemm_run_stored_before_the_totals_gets_them_from_its_version_step(gemm_run):
+    schema = experiments.get("hardware.gemm").schema
+    stored = json.loads(json.dumps(gemm_run))
+    del stored["metrics"]["bytes_counted"], stored["tables"]["warp_tiles"]
+    for k in ("warps", "threads"):
+        del stored["tables"]["hierarchy"][0][k]
+    schema.upgrades[3](stored)
+    assert gemm_mismatches(stored) == []

@@ -148,7 +148,8 @@ def chosen_gemm(config: GemmConfig, g: torch.Generator, device: str, dtype: torc
                     detail=f"{sum(counted.values()):,} bytes counted")]
     flops = 2 * M * N * K
     metrics.update({f"bytes_{t}": counted[t] for t in TENSORS})
-    metrics["flops"], metrics["intensity_flop_per_byte"] = flops, flops / sum(counted.values())
+    metrics["bytes_counted"] = sum(counted.values())
+    metrics["flops"], metrics["intensity_flop_per_byte"] = flops, flops / metrics["bytes_counted"]
     metrics["loads_per_mac"] = (counted["A"] + counted["B"]) / elem / (M * N * K)
     tables = {"traffic": [{"tensor": t, "bytes counted": counted[t], "closed form": closed[t]} for t in TENSORS]}
     return metrics, tables, checks, recorded
@@ -226,7 +227,32 @@ def execution_model(config: GemmConfig, recorded: torch.Tensor, elem: int) -> tu
                   {"level": "warp WMMA instruction", "m x n x k": "x".join(map(str, WMMA_SHAPE)), "FMAs": 16 ** 3},
                   {"level": "one tl.dot of this program", "m x n x k": f"{bm}x{bn}x{bk}", "FMAs": bm * bn * bk}]}
     tables["largest_wave_footprint"] = largest_wave_footprint(tables["wave_footprint"])
+    tables["hierarchy"][0].update(hierarchy_totals(tables["hierarchy"][0]))
+    tables["warp_tiles"] = warp_tiles(tables["hierarchy"][0])
     return tables, check
+
+
+def hierarchy_totals(h: dict) -> dict:
+    """The launch's warps and threads in all (model): every program runs warps_per_program warps of threads_per_warp."""
+    warps = h["programs"] * h["warps_per_program"]
+    return {"warps": warps, "threads": warps * h["threads_per_warp"]}
+
+
+def warp_tiles(h: dict) -> list[dict]:
+    """One program's tile of C split among its warps (model): a warp_grid of warp_tile rectangles, row-major, each
+    row as [row0, row1) x [col0, col1) in the program's tile."""
+    (wm, wn), (tm, tn) = h["warp_grid"], h["warp_tile"]
+    return [{"warp": i * wn + j, "row0": i * tm, "row1": (i + 1) * tm, "col0": j * tn, "col1": (j + 1) * tn}
+            for i in range(wm) for j in range(wn)]
+
+
+def _v3_to_v4(result: dict) -> None:
+    """Runs stored before the bytes counted in all, the launch's warps and threads and the warp tiles were computed
+    here (the page added and multiplied them)."""
+    m, h = result["metrics"], result["tables"]["hierarchy"][0]
+    m["bytes_counted"] = m["bytes_A"] + m["bytes_B"] + m["bytes_C"]
+    h.update(hierarchy_totals(h))
+    result["tables"]["warp_tiles"] = warp_tiles(h)
 
 
 def largest_wave_footprint(rows: list[dict]) -> list[dict]:
@@ -240,7 +266,7 @@ def largest_wave_footprint(rows: list[dict]) -> list[dict]:
 
 RESULT = Schema(
     metrics=(
-        "device", "seconds", "bytes_A", "bytes_B", "bytes_C", "flops", "intensity_flop_per_byte", "loads_per_mac",
+        "device", "seconds", "bytes_A", "bytes_B", "bytes_C", "bytes_counted", "flops", "intensity_flop_per_byte", "loads_per_mac",
     ),
     tables={
         "traffic": ("bytes counted", "closed form", "tensor"),
@@ -254,17 +280,18 @@ RESULT = Schema(
         "hierarchy": ("accumulator_registers_per_thread", "concurrent_programs", "grid", "k_steps", "limited_by",
                       "macs_per_thread", "max_warps_per_sm", "outputs_per_thread", "programs", "programs_per_sm",
                       "shared_bytes_per_program", "sms", "tensor_core_ops_per_wmma", "threads_per_program",
-                      "threads_per_warp", "useful_fraction", "warp_grid", "warp_tile", "warps_per_program", "waves",
-                      "wmma_per_program", "wmma_per_warp"),
+                      "threads", "threads_per_warp", "useful_fraction", "warp_grid", "warp_tile", "warps",
+                      "warps_per_program", "waves", "wmma_per_program", "wmma_per_warp"),
         "program_order": ("program", "tile_m", "tile_n"),
         "wave_footprint": ("A_bands", "B_bands", "bytes", "case", "group_m", "programs", "wave"),
         "tensor_core_shapes": ("FMAs", "level", "m x n x k"),
         "largest_wave_footprint": ("bytes", "case", "group_m"),
+        "warp_tiles": ("col0", "col1", "row0", "row1", "warp"),
     },
-    version=3, upgrades={1: lambda result: result["tables"].__setitem__(  # v1: the page took the largest
+    version=4, upgrades={1: lambda result: result["tables"].__setitem__(  # v1: the page took the largest
         "largest_wave_footprint", largest_wave_footprint(result["tables"]["wave_footprint"])),
                          2: lambda result: result["tables"].__setitem__(  # v2: the page drew min(peak, bw × intensity)
-        "roof_lines", roof_lines(result["tables"]["roofs"], LINE_INTENSITIES))},
+        "roof_lines", roof_lines(result["tables"]["roofs"], LINE_INTENSITIES)), 3: _v3_to_v4},
 )
 
 EXPERIMENT = define(__name__, GemmConfig,
