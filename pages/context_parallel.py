@@ -38,7 +38,6 @@ def render(result: dict, rec) -> None:
                "O = e^(L_old − L)·O + e^(L_i − L)·O_i: FlashAttention's online softmax, across ranks instead of tiles.")
 
     ring = pd.DataFrame(t["ring"])
-    ring["hidden_us"] = ring["in_flight_us"] - ring["blocked_us"]
     st.altair_chart(alt.Chart(ring.melt(id_vars=["rank", "what"], value_vars=["hidden_us", "blocked_us"], var_name="time", value_name="us")).mark_bar().encode(
         y=alt.Y("what:N", title=None), x=alt.X("us:Q", title="time in flight (µs)"), color=alt.Color("time:N", title=None),
         row=alt.Row("rank:N"), tooltip=["rank", "what", "time", alt.Tooltip("us:Q", format=".0f")]).properties(height=alt.Step(14), width=500))

@@ -10,6 +10,7 @@ from backend.experiments import RunContext
 from backend.experiments.parallel import cp
 from backend.experiments.parallel.cp import CPConfig
 from backend.parallel.cp import block_attention, merge, positions
+from tests.test_page_numbers import hidden_mismatches
 
 
 @pytest.mark.parametrize("world, extra", [(2, {}), (3, {"seq": 96}), (4, {"seq": 128}), (4, {"seq": 128, "split": "contiguous"}),
@@ -23,6 +24,8 @@ def test_ring_attention_equals_full_attention(world, extra):
     work = [r["unmasked scores"] for r in result.tables["work"]]
     if cfg.causal and cfg.split == "contiguous":
         assert work == sorted(work) and work[-1] > 2 * work[0]  # the last rank does most; rank 0 least
+    ring = result.tables["ring"]  # each transfer's time in flight = hidden under compute + blocked, neither negative
+    assert hidden_mismatches(ring) == 0 and all(r["hidden_us"] >= 0 and r["blocked_us"] >= 0 for r in ring)
     skipped = [s for s in result.tables["steps"] if not s["computed"]]
     assert bool(skipped) == (cfg.causal and cfg.split == "contiguous")  # zigzag: every block has work for every rank
     payloads[0]["output_error"] = 1e-6  # a wrong output fails

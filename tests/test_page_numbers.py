@@ -169,3 +169,31 @@ def test_a_gemm_run_stored_before_the_totals_gets_them_from_its_version_step(gem
         del stored["tables"]["hierarchy"][0][k]
     schema.upgrades[3](stored)
     assert gemm_mismatches(stored) == []
+
+
+# --- the context-parallel page's hidden transfer time --------------------------------------------------------------
+def hidden_mismatches(ring: list[dict]) -> int:
+    """Rows whose hidden time is not pandas' in-flight minus blocked time (the part of the transfer under compute)."""
+    df = pd.DataFrame(ring)
+    return int((~np.isclose(df["hidden_us"], df["in_flight_us"].to_numpy() - df["blocked_us"].to_numpy(), rtol=0, atol=1e-9)).sum())
+
+
+def _v1_ring() -> list[dict]:
+    rng = np.random.default_rng(3)
+    return [{"rank": r, "what": f"K/V step {s}", "in_flight_us": float(f), "blocked_us": float(f * rng.uniform(0, 1))}
+            for r in range(4) for s in range(3) for f in [rng.uniform(50, 500)]]
+
+
+def test_a_cp_run_stored_before_the_hidden_time_gets_it_from_its_version_step():
+    stored = {"tables": {"ring": _v1_ring()}, "metrics": {}}
+    experiments.get("parallel.cp").schema.upgrades[1](stored)
+    assert hidden_mismatches(stored["tables"]["ring"]) == 0
+
+
+def test_hidden_time_check_fails_with_a_broken_rule(monkeypatch):
+    from backend.experiments.parallel import cp
+
+    ring = cp.with_hidden(_v1_ring())
+    for r in ring:  # the broken rule: the blocked tail counted as hidden too
+        r["hidden_us"] = r["in_flight_us"]
+    assert hidden_mismatches(ring) == len(ring)
