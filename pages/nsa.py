@@ -18,8 +18,7 @@ def _one_query(result: dict, cfg: dict, rec) -> None:
     row = selection[t]
     spans = []
     if row["compressed_visible"]:  # compressed keys summarise every token up to the last visible block's end
-        end = (row["compressed_visible"] - 1) * cfg["cmp_stride"] + cfg["cmp_block"]
-        spans.append({"branch": "compressed", "start": 0, "end": end,
+        spans.append({"branch": "compressed", "start": 0, "end": row["compressed_end"],
                       "what": f"{row['compressed_visible']} compressed keys (one per {cfg['cmp_block']} tokens, every {cfg['cmp_stride']})"})
     for b in row["blocks"]:
         start = b * cfg["sel_block"]

@@ -197,3 +197,41 @@ def test_hidden_time_check_fails_with_a_broken_rule(monkeypatch):
     for r in ring:  # the broken rule: the blocked tail counted as hidden too
         r["hidden_us"] = r["in_flight_us"]
     assert hidden_mismatches(ring) == len(ring)
+
+
+# --- the NSA page's compressed span --------------------------------------------------------------------------------
+def span_mismatches(selection: list[dict], cmp_block: int, cmp_stride: int) -> list[int]:
+    """Queries whose compressed span is not the furthest end of its visible compressed keys, key i covering tokens
+    [i·stride, i·stride + block) (numpy), or reaches past the query itself."""
+    ends = [int(np.max(np.arange(r["compressed_visible"]) * cmp_stride + cmp_block, initial=0)) for r in selection]
+    return [r["query"] for r, e in zip(selection, ends) if r["compressed_end"] != e or e > r["query"] + 1]
+
+
+@pytest.fixture(scope="module")
+def nsa_run() -> dict:
+    settings = {"seq_len": "128"}
+    return experiments.run("attention.nsa", **settings).to_dict() | {
+        "config": experiments.get("attention.nsa").make_config(settings).to_dict()}
+
+
+def test_nsa_compressed_spans_end_at_the_last_visible_key(nsa_run):
+    cfg, selection = nsa_run["config"], nsa_run["tables"]["selection"]
+    assert span_mismatches(selection, cfg["cmp_block"], cfg["cmp_stride"]) == []
+    assert any(r["compressed_visible"] > 1 for r in selection)
+
+
+def test_nsa_span_check_fails_with_a_broken_rule(nsa_run):
+    from backend.experiments.attention import nsa
+
+    cfg = nsa_run["config"]
+    broken = nsa.with_spans(json.loads(json.dumps(nsa_run["tables"]["selection"])), cfg["cmp_block"], cfg["cmp_block"])  # stride = block
+    assert span_mismatches(broken, cfg["cmp_block"], cfg["cmp_stride"])
+
+
+def test_a_nsa_run_stored_before_the_spans_gets_them_from_its_version_step(nsa_run):
+    stored = json.loads(json.dumps(nsa_run))
+    for r in stored["tables"]["selection"]:
+        del r["compressed_end"]
+    experiments.get("attention.nsa").schema.upgrades[2](stored)
+    cfg = stored["config"]
+    assert span_mismatches(stored["tables"]["selection"], cfg["cmp_block"], cfg["cmp_stride"]) == []

@@ -236,13 +236,27 @@ def selection_tables(config: NSAConfig, chosen: dict) -> dict:
                   for tq in range(0, n, stride) for j in range(n_sel) if j * config.sel_block <= tq]
     selection = [{"query": tq, "blocks": sorted(int(b) for b, r in zip(blocks[0, tq], real[0, tq]) if r),
                   "compressed_visible": int(chosen["cmp_visible"][0, tq].sum())} for tq in range(n)]
-    return {"importance": importance, "selection": selection}
+    return {"importance": importance, "selection": with_spans(selection, config.cmp_block, config.cmp_stride)}
+
+
+def with_spans(selection: list[dict], cmp_block: int, cmp_stride: int) -> list[dict]:
+    """Each query's compressed branch as a span of keys: its c visible compressed keys summarise tokens 0 up to the
+    last one's end, (c − 1)·stride + block (0 where none is visible yet)."""
+    for row in selection:
+        c = row["compressed_visible"]
+        row["compressed_end"] = (c - 1) * cmp_stride + cmp_block if c else 0
+    return selection
 
 
 def _v1_share(result: dict) -> None:
     """Version 1 -> 2: the last query's share of full attention's bytes (the page divided them before)."""
     m = result["metrics"]
     m["nsa_over_full_last"] = m["kv_bytes_per_query.nsa_last"] / m["kv_bytes_per_query.full_last"]
+
+
+def _v2_spans(result: dict) -> None:
+    """Version 2 -> 3: each query's compressed span (the page multiplied it out before)."""
+    with_spans(result["tables"]["selection"], result["config"]["cmp_block"], result["config"]["cmp_stride"])
 
 
 RESULT = Schema(
@@ -257,9 +271,9 @@ RESULT = Schema(
         "sweep": ("compressed_last", "compressed_mean", "full_last", "full_mean", "nsa_last", "nsa_mean",
                   "nsa_over_full_last", "selected_last", "selected_mean", "seq_len", "window_last", "window_mean"),
         "importance": ("importance", "query", "sel_block", "selected"),
-        "selection": ("blocks", "compressed_visible", "query"),
+        "selection": ("blocks", "compressed_end", "compressed_visible", "query"),
     },
-    version=2, upgrades={1: _v1_share},
+    version=3, upgrades={1: _v1_share, 2: _v2_spans},
 )
 
 EXPERIMENT = define(__name__, NSAConfig,
