@@ -96,7 +96,7 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Seed 000's examples, on real caches")
     waste = pd.DataFrame(t["seed_waste"])
-    long = waste.assign(empty=waste["slots_reserved"] - waste["slots_used"]).melt(
+    long = waste.rename(columns={"slots_empty": "empty"}).melt(
         id_vars=["allocator"], value_vars=["slots_used", "empty"], var_name="slots", value_name="tokens")
     bars = alt.Chart(long).mark_bar().encode(
         x=alt.X("tokens:Q", title="KV slots reserved (tokens)"), y=alt.Y("allocator:N", title=None, axis=alt.Axis(labelLimit=300)),

@@ -235,3 +235,36 @@ def test_a_nsa_run_stored_before_the_spans_gets_them_from_its_version_step(nsa_r
     experiments.get("attention.nsa").schema.upgrades[2](stored)
     cfg = stored["config"]
     assert span_mismatches(stored["tables"]["selection"], cfg["cmp_block"], cfg["cmp_stride"]) == []
+
+
+# --- the paged-decode page's empty slots ---------------------------------------------------------------------------
+def empty_slot_mismatches(rows: list[dict]) -> list[str]:
+    """Allocators whose empty slots, as a share of the reserved ones, are not the waste read off the cache tensors'
+    bytes (1 − bytes used ÷ bytes reserved), or that do not add up to the reserved slots."""
+    return [r["allocator"] for r in rows if r["slots_empty"] + r["slots_used"] != r["slots_reserved"]
+            or not np.isclose(r["slots_empty"] / r["slots_reserved"], 1 - r["bytes_used"] / r["bytes_reserved"], rtol=1e-12)]
+
+
+@pytest.fixture(scope="module")
+def paged_run() -> dict:
+    return experiments.run("kvcache.paged_decode", sequences=2, prompt_len=18, new_tokens=3).to_dict()
+
+
+def test_paged_empty_slots_are_the_waste_read_off_the_bytes(paged_run):
+    rows = paged_run["tables"]["seed_waste"]
+    assert empty_slot_mismatches(rows) == [] and max(r["slots_empty"] for r in rows) == 1020  # seed 000's 1,020
+
+
+def test_paged_empty_slot_check_fails_with_a_broken_rule(paged_run):
+    rows = json.loads(json.dumps(paged_run["tables"]["seed_waste"]))
+    for r in rows:  # the broken rule: the empty slots counted from the block size's rounding only
+        r["slots_empty"] = r["slots_reserved"] % 16
+    assert empty_slot_mismatches(rows)
+
+
+def test_a_paged_run_stored_before_the_empty_slots_gets_them_from_its_version_step(paged_run):
+    stored = json.loads(json.dumps(paged_run))
+    for r in stored["tables"]["seed_waste"]:
+        del r["slots_empty"]
+    experiments.get("kvcache.paged_decode").schema.upgrades[1](stored)
+    assert empty_slot_mismatches(stored["tables"]["seed_waste"]) == []

@@ -100,7 +100,7 @@ def seed_checks(model, block_size: int, g) -> tuple[list[Check], dict]:
              "bytes_reserved": waste["paged_bytes"], "bytes_used": waste["paged_used_bytes"], "waste": paged_waste}]
     cow_rows = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["tables"]]
     cow_pool = [dict(r, when=snap["label"]) for snap in (cow["shared"], cow["after"]) for r in snap["pool"]]
-    return checks, {"seed_waste": rows, "seed_cow_tables": cow_rows, "seed_cow_pool": cow_pool,
+    return checks, {"seed_waste": with_empty_slots(rows), "seed_cow_tables": cow_rows, "seed_cow_pool": cow_pool,
                     "waste": {"contiguous": contiguous_waste, "paged": paged_waste}}
 
 
@@ -189,6 +189,13 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
                 **{k: v for k, v in seed_tables.items() if k != "waste"}})
 
 
+def with_empty_slots(rows: list[dict]) -> list[dict]:
+    """Each allocator's reserved slots that hold no token: reserved minus used (the page draws the two as a bar)."""
+    for r in rows:
+        r["slots_empty"] = r["slots_reserved"] - r["slots_used"]
+    return rows
+
+
 RESULT = Schema(
     metrics=(
         "sequences", "block_size", "blocks_used", "cow_copies", "swaps", "max_logit_diff", "seed_waste.contiguous",
@@ -201,10 +208,11 @@ RESULT = Schema(
         "final_logits": ("contiguous", "paged", "seq", "token"),
         "swap": ("in", "kv_gap", "out", "step"),
         "fork": ("at_tokens", "child", "copied_by", "parent", "shared_full_blocks"),
-        "seed_waste": ("allocator", "bytes_reserved", "bytes_used", "slots_reserved", "slots_used", "waste"),
+        "seed_waste": ("allocator", "bytes_reserved", "bytes_used", "slots_empty", "slots_reserved", "slots_used", "waste"),
         "seed_cow_tables": ("logical", "physical", "seq", "tokens", "when"),
         "seed_cow_pool": ("block", "owners", "ref_count", "tokens", "when"),
     },
+    version=2, upgrades={1: lambda result: with_empty_slots(result["tables"]["seed_waste"])},  # v1: the page subtracted
 )
 
 EXPERIMENT = define(__name__, PagedDecodeConfig,
