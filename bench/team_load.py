@@ -516,7 +516,8 @@ def main() -> None:
             row["stalled_views"] = stalled_views(events, people, store, n, cache)
             for stalled in row["stalled_views"]:  # a person who never saw their result, and which way it matches
                 print(f"N={n:2d} {cache}: stalled {stalled}", flush=True)
-            row["watchdog_redraws"] = sum(e["event"] == "watchdog" for e in events)
+            row["watchdog_redraws"] = sum(e["event"] == "watchdog" and e.get("user") in {p["person"] for p in people}
+                                          for e in events)  # the run view's watchdog, for this phase's people
             row["load_average_at_start"] = round(load, 1)
             phases.append(row)
             split = {k: v["p95"] for k, v in row["first_render_split"].items()}

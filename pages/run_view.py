@@ -157,7 +157,9 @@ def _live_view(run_id: str, period: float) -> None:
 # starts, so a full run that stops before the view (an exception, st.stop) leaves none; the server drops a timer's
 # request for a fragment id its fragment storage no longer holds, and the browser's timer keeps firing into nothing:
 # with runner.fastReruns a Run click starts a new script runner while the page's previous full run finishes, and
-# that run's storage.clear() keeps only its own fragments, removing the run view the new one registered.
+# that run's storage.clear() keeps only its own fragments, removing the run view the new one registered; and a full
+# run's last messages (the view's timer among them) are ignored when a timer's request, arriving as that run's runner
+# stops, starts a new runner before the loop forwarded them (AppSession ignores a non-current runner's events).
 LIVE_KEY = "run-view-live"  # session state: run id -> when its live view last ticked (time.time())
 STALE_S = 5.0  # five of the slowest polls (SLOW_POLL_S) missed; the sidebar asks every QUEUE_REFRESH_S
 

@@ -119,6 +119,10 @@ def test_with_the_redraw_at_whatever_url_the_request_carried_the_earlier_run_is_
 # - "raised": a full run (the view's own redraw when its run moves up or starts) stops before it reaches the view: an
 #   exception in the page (a store read that failed under load) or st.stop; the browser cleared the view's timer at
 #   that run's start and nothing sets it again.
+# - "lost" (read in the code, not reproduced here: it needs the server's event loop): a full run's last messages, the
+#   view's auto_rerun among them, are ignored when a timer's request finds that run's runner just stopped and starts a
+#   new one before the loop forwarded them (AppSession ignores a non-current runner's events); the page then shows
+#   part of the run's output and no timer for the view. The watchdog covers it as it covers "dropped".
 # Ruled out by reading Streamlit 1.67: an exception inside the view's fragment (its timer is kept: the next tick
 # retries), a fragment run's st.rerun() (a full run in the same runner, which re-registers the view), the sidebar
 # fragment's runs (they clear only their own descendants' timers; the view is not one), a timer request coalesced

@@ -24,6 +24,7 @@ def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     for phase in phases:
         assert phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
         assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
+        assert not phase["stalled_views"], phase["stalled_views"]  # each saw their result (the way it stopped, if not)
         assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
         renders = [s for p in phase["people_detail"] for s in p["first_render_split"]]
         assert len(renders) == 10 and all(s["first_message_s"] is not None for s in renders)
