@@ -386,8 +386,34 @@ def stalled_views(events: list[dict], people: list[dict], store: RunStore, n: in
                     "last_queue_tick_s": last([e["t"] for e in events if e["event"] == "queue_tick"
                                                and e.get("user") == who["person"]]),
                     "last_script_s": last([e["t0"] for e in events if e["event"] == "script"
-                                           and e.get("user") == who["person"]])})
+                                           and e.get("user") == who["person"]]),
+                    "watchdog_redraws": sum(e["event"] == "watchdog" and rec is not None and e["run"] == rec.id
+                                            for e in events)})
+        out[-1]["candidate"] = stall_candidate(events, who["person"], rec)
     return out
+
+
+def stall_candidate(events: list[dict], person: str, rec) -> str:
+    """Which of the ways a run view stops polling (tests/test_run_view.py) a stalled person's log matches: its ticks
+    went on past the run's end (no redraw at a URL naming the run); they ended while the sidebar's went on, with a
+    full script run of theirs after the last tick ("raised": a redraw that stopped before the view) or none
+    ("dropped": the view's fragment left the server's storage, or its timer's message never reached the browser);
+    every timer of the page ended (the browser stopped asking: a lost connection, or a redraw that stopped before the
+    sidebar)."""
+    if rec is None:
+        return "no run in the store"
+    view = [e["t"] for e in events if e["event"] == "tick" and e["run"] == rec.id]
+    queue = [e["t"] for e in events if e["event"] == "queue_tick" and e.get("user") == person]
+    scripts = [e["t0"] for e in events if e["event"] == "script" and e.get("user") == person]
+    last_view = max(view, default=0.0)
+    if rec.finished and last_view > rec.finished:
+        return "ticks went on after the run ended, none redrew the page (no request whose URL named the run)"
+    if not any(t > last_view for t in queue):
+        return "every timer of the page stopped (the browser stopped asking, or a redraw stopped before the sidebar)"
+    if any(t > last_view for t in scripts):
+        return "raised: a full redraw after the view's last tick did not reach the view (an exception or st.stop)"
+    return "dropped: the view's timer stopped while the sidebar's went on, with no redraw (its fragment left the " \
+           "server's storage, or the message setting its timer never reached the browser)"
 
 
 def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict],
@@ -488,6 +514,10 @@ def main() -> None:
             server_overhead(events, people, store, runs["rows"])
             row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people), cache)
             row["stalled_views"] = stalled_views(events, people, store, n, cache)
+            for stalled in row["stalled_views"]:  # a person who never saw their result, and which way it matches
+                print(f"N={n:2d} {cache}: stalled {stalled}", flush=True)
+            row["watchdog_redraws"] = sum(e["event"] == "watchdog" and e.get("user") in {p["person"] for p in people}
+                                          for e in events)  # the run view's watchdog, for this phase's people
             row["load_average_at_start"] = round(load, 1)
             phases.append(row)
             split = {k: v["p95"] for k, v in row["first_render_split"].items()}

@@ -10,6 +10,7 @@ from typing import Callable
 
 import pandas as pd
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from backend.config import ConfigError
 from backend.jobs import NotAllowed, QueuePlace, log_tail
@@ -42,6 +43,7 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
     if rec.status in ACTIVE:
         _live_status(run_id)  # draws its own header, so "queued" turns "running" as it happens
         return
+    st.session_state.get(LIVE_KEY, {}).pop(run_id, None)  # its result is drawn: nothing left to watch
     _header(rec)
     if rec.status != "succeeded":
         _stopped(rec)
@@ -117,7 +119,9 @@ def _url_names(run_id: str) -> bool:
 
 def _live_view(run_id: str, period: float) -> None:
     rec = store().get(run_id)
-    render_log.write({"event": "tick", "run": run_id, "t": time.time()})  # when the browser's timer asked (bench)
+    now = time.time()
+    render_log.write({"event": "tick", "run": run_id, "t": now})  # when the browser's timer asked (bench)
+    st.session_state.setdefault(LIVE_KEY, {})[run_id] = now  # alive, for the watchdog
     place = runner().place(run_id) if rec.status == "queued" else None
     # ended (the page draws its result), or nearer the front or started (the page sets the new period): the page is
     # redrawn, by a request whose URL names this run; a stale one waits for the next tick, which carries the page's URL
@@ -145,6 +149,36 @@ def _live_view(run_id: str, period: float) -> None:
             st.session_state[refused] = str(err)
     if refused in st.session_state:
         st.error(escape(st.session_state[refused]))
+
+
+# The watchdog (called by the sidebar's queue fragment, its own timer): a live view whose last tick is older than
+# STALE_S has lost its timer, and the page is redrawn, which sets a new one or draws the result. Ways a view's timer
+# stops before its run ends (Streamlit 1.67; tests/test_run_view.py): the browser clears every timer when a full run
+# starts, so a full run that stops before the view (an exception, st.stop) leaves none; the server drops a timer's
+# request for a fragment id its fragment storage no longer holds, and the browser's timer keeps firing into nothing:
+# with runner.fastReruns a Run click starts a new script runner while the page's previous full run finishes, and
+# that run's storage.clear() keeps only its own fragments, removing the run view the new one registered; and a full
+# run's last messages (the view's timer among them) are ignored when a timer's request, arriving as that run's runner
+# stops, starts a new runner before the loop forwarded them (AppSession ignores a non-current runner's events).
+LIVE_KEY = "run-view-live"  # session state: run id -> when its live view last ticked (time.time())
+STALE_S = 5.0  # five of the slowest polls (SLOW_POLL_S) missed; the sidebar asks every QUEUE_REFRESH_S
+
+
+def watchdog() -> None:
+    """In a fragment run (a timer other than the view's): redraw the page if a live view of a run the URL names
+    stopped ticking; its entry is dropped first, so a page that cannot draw the view is redrawn once, not forever."""
+    ctx = get_script_run_ctx()
+    if ctx is None or not ctx.fragment_ids_this_run:  # a full run draws the view itself
+        return
+    live = st.session_state.get(LIVE_KEY, {})
+    now = time.time()
+    stale = [run_id for run_id, t in live.items() if now - t > STALE_S and _url_names(run_id)]
+    if not stale:
+        return
+    for run_id in stale:
+        render_log.write({"event": "watchdog", "run": run_id, "t": now, "late_s": now - live.pop(run_id),
+                          "user": current_user()})
+    st.rerun()
 
 
 def _checks(result: dict) -> None:

@@ -26,7 +26,7 @@ from pages import render_log
 from pages.form import settings_form
 from pages.markup import escape
 from pages.navigation_guard import route_through_app
-from pages.run_view import page_experiment, resume_button, show_run  # noqa: F401  (pages call ui.show_run, ui.resume_button)
+from pages.run_view import page_experiment, resume_button, show_run, watchdog  # noqa: F401  (pages call ui.show_run, ui.resume_button)
 from pages.server import STATUS_ICON, experiment_of, page_of, result_of, runner, store, url_run_id  # noqa: F401  (every page's ui.store)
 from pages.sign_in import current_user, who_is_signed_in
 from pages.tables import MISSING, number_format, readable, table, words  # noqa: F401  (every page's ui.table)
@@ -116,7 +116,8 @@ QUEUE_REFRESH_S = 10.0
 @st.fragment(run_every=QUEUE_REFRESH_S)
 def _queue() -> None:
     """The team's queue, refreshed every QUEUE_REFRESH_S while the page is open (a run started elsewhere shows up here
-    too; any full redraw of the page, such as a Run, redraws it at once)."""
+    too; any full redraw of the page, such as a Run, redraws it at once). Its timer is also the run view's watchdog."""
+    watchdog()  # a live run view on this page that stopped ticking: the page is redrawn
     render_log.write({"event": "queue_tick", "user": current_user(), "t": time.time()})  # this page's timers alive (bench)
     active = runner().queue()
     running = sum(rec.status == "running" for rec in active)

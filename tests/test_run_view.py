@@ -106,3 +106,128 @@ def test_with_the_redraw_at_whatever_url_the_request_carried_the_earlier_run_is_
     app.run()
     _end(started, exp, config)
     assert any(f"Run `{earlier}`" in h for h in _headings(_fragment_run(app, {"run": earlier})))
+
+
+# --- a live view that lost its timer (issue #31's stalled person) ---------------------------------------------------
+# The browser's timer for a fragment lives until the next full run starts (it clears every timer, and only fragments
+# that run re-registers get one again); the server drops a timer's request for a fragment id its storage no longer
+# holds (AppSession.request_rerun), silently, while the browser keeps firing. So a view stops polling, for good, when:
+# - "dropped": its fragment leaves the storage while its timer lives. With runner.fastReruns (on by default) a Run
+#   click starts a new script runner while the page's previous full run finishes on its own thread; that run's
+#   storage.clear() keeps only the fragments it registered (the sidebar's queue), removing the run view the new run
+#   registered a moment before (the sidebar keeps ticking, the view does not);
+# - "raised": a full run (the view's own redraw when its run moves up or starts) stops before it reaches the view: an
+#   exception in the page (a store read that failed under load) or st.stop; the browser cleared the view's timer at
+#   that run's start and nothing sets it again.
+# - "lost" (read in the code, not reproduced here: it needs the server's event loop): a full run's last messages, the
+#   view's auto_rerun among them, are ignored when a timer's request finds that run's runner just stopped and starts a
+#   new one before the loop forwarded them (AppSession ignores a non-current runner's events); the page then shows
+#   part of the run's output and no timer for the view. The watchdog covers it as it covers "dropped".
+# Ruled out by reading Streamlit 1.67: an exception inside the view's fragment (its timer is kept: the next tick
+# retries), a fragment run's st.rerun() (a full run in the same runner, which re-registers the view), the sidebar
+# fragment's runs (they clear only their own descendants' timers; the view is not one), a timer request coalesced
+# with another (fragment ids are merged, a full run outranks both and redraws the view), widget interactions (none in
+# the bench after the click).
+QUEUE_PAGE = """
+import streamlit as st
+from pages import run_view, ui
+ui._queue()  # the sidebar's queue fragment, drawn first as ui.sidebar() draws it
+run_view.show_run(st.query_params["run"])
+"""
+
+
+@pytest.fixture
+def page_with_queue():
+    try:
+        yield AppTest.from_string(QUEUE_PAGE, default_timeout=60)
+    finally:
+        sys.modules["__main__"] = MAIN
+
+
+def _run_fragment(at: AppTest, fragment_id: str, url: dict) -> AppTest:
+    from streamlit.testing.v1 import local_script_runner
+
+    at.query_params.clear()
+    at.query_params.update(url)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local_script_runner, "RerunData", functools.partial(RerunData, fragment_id_queue=[fragment_id]))
+        return at.run()
+
+
+def _lose_the_view_timer(at: AppTest, how: str, started: str, view_id: str, queue_id: str, monkeypatch) -> None:
+    """The view's timer lost, one of the two ways above."""
+    from pages import run_view
+
+    if how == "dropped":  # the previous full run's storage.clear(): it had drawn the sidebar's queue only
+        at._fragment_storage.clear(new_fragment_ids=frozenset({queue_id}))
+        assert not at._fragment_storage.contains(view_id)
+        return
+    real = run_view.store
+
+    def failing():
+        raise RuntimeError("database is locked")  # what a store read under load raises
+
+    monkeypatch.setattr(run_view, "store", failing)
+    at.query_params.clear()
+    at.query_params["run"] = started
+    at.run()  # the view's redraw, stopped by the exception before the view
+    assert at.exception
+    monkeypatch.setattr(run_view, "store", real)
+
+
+def _stalled(page_with_queue, runs, how, monkeypatch):
+    """A page drawing a running run live, whose view then lost its timer; the run ends; the view's own timer is
+    gone (a tick of it draws nothing), so only the sidebar's timer still reaches the server. Returns what the next
+    sidebar tick drew, and the run."""
+    from pages import run_view
+
+    earlier, started, (exp, config) = runs
+    at = page_with_queue
+    at.query_params["run"] = started
+    at.run()
+    queue_id, view_id = list(at._fragment_storage._fragments)  # registered in this order
+    _lose_the_view_timer(at, how, started, view_id, queue_id, monkeypatch)
+    _end(started, exp, config)
+    if how == "dropped":  # its timer still fires, into nothing: no tick, no redraw
+        assert not any("succeeded" in h for h in _headings(_run_fragment(at, view_id, {"run": started})))
+    live = at.session_state[run_view.LIVE_KEY]
+    live[started] -= run_view.STALE_S + 1  # its last tick longer ago than the watchdog allows
+    at.session_state[run_view.LIVE_KEY] = live
+    return _run_fragment(at, queue_id, {"run": started}), started
+
+
+@pytest.mark.parametrize("how", ["dropped", "raised"])
+def test_a_view_that_lost_its_timer_is_redrawn_with_its_result_by_the_sidebars_tick(page_with_queue, runs, how,
+                                                                                     monkeypatch):
+    at, started = _stalled(page_with_queue, runs, how, monkeypatch)
+    assert any(f"Run `{started}`" in h and "succeeded" in h for h in _headings(at)), _headings(at)
+    assert not at.exception
+
+
+@pytest.mark.parametrize("how", ["dropped", "raised"])
+def test_without_the_watchdog_a_view_that_lost_its_timer_never_shows_its_result(page_with_queue, runs, how,
+                                                                                monkeypatch):
+    """The rule broken (the sidebar's tick does not watch the view): the run ended, the page never says so."""
+    from pages import ui
+
+    monkeypatch.setattr(ui, "watchdog", lambda: None)
+    at, started = _stalled(page_with_queue, runs, how, monkeypatch)
+    assert not any("succeeded" in h for h in _headings(at)), _headings(at)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_view_that_ticks_is_not_redrawn_by_the_watchdog(page_with_queue, runs, broken, monkeypatch):
+    """A live view whose last tick is recent: the sidebar's tick draws the sidebar only (no full redraw per tick).
+    With the staleness rule broken (any view counts as stalled), the page is redrawn."""
+    from pages import run_view
+
+    if broken:
+        monkeypatch.setattr(run_view, "STALE_S", -1.0)
+    earlier, started, (exp, config) = runs
+    at = page_with_queue
+    at.query_params["run"] = started
+    at.run()
+    queue_id, view_id = list(at._fragment_storage._fragments)
+    _end(started, exp, config)
+    redrawn = any("succeeded" in h for h in _headings(_run_fragment(at, queue_id, {"run": started})))
+    assert redrawn == broken

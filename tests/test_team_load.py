@@ -24,6 +24,7 @@ def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     for phase in phases:
         assert phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
         assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
+        assert not phase["stalled_views"], phase["stalled_views"]  # each saw their result (the way it stopped, if not)
         assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
         renders = [s for p in phase["people_detail"] for s in p["first_render_split"]]
         assert len(renders) == 10 and all(s["first_message_s"] is not None for s in renders)
@@ -177,3 +178,25 @@ def test_a_view_that_stopped_ticking_is_named_with_its_last_ticks(monkeypatch, s
     assert (stalled["person"], stalled["run"], stalled["status"], stalled["from"]) == (
         "person-5-1", rid, "succeeded", "the run's end")
     assert (stalled["last_view_tick_s"], stalled["last_queue_tick_s"], stalled["last_script_s"]) == (-3.0, 20.0, -6.0)
+    assert stalled["candidate"].startswith("dropped") and stalled["watchdog_redraws"] == 0
+
+
+@pytest.mark.parametrize("case", ["dropped", "raised", "every timer", "ticks went on"])
+def test_a_stalled_view_is_matched_to_the_way_it_stopped(monkeypatch, store, case):
+    """The stalled person's log laid against the candidates: view ticks ending while the sidebar's go on, with no
+    script run after (dropped) or one (raised); no tick of either after the view's last (every timer); view ticks
+    past the run's end (ticks went on)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import team_load
+
+    rid = store.create(team_load.EXPERIMENT, {"seed": 1}, "d", status="queued", owner="p")
+    store.update(rid, started=store.get(rid).created + 1)
+    store.finish(rid, "succeeded")
+    end = store.get(rid).finished
+    view_end = end + 2.0 if case == "ticks went on" else end - 3.0
+    events = [{"event": "tick", "run": rid, "t": view_end - t} for t in (2.0, 1.0, 0.0)]
+    if case != "every timer":
+        events += [{"event": "queue_tick", "user": "p", "t": view_end + 5.0}]
+    if case == "raised":
+        events += [{"event": "script", "user": "p", "t0": view_end + 1.0, "t1": view_end + 1.2, "cpu_s": 0.1}]
+    assert team_load.stall_candidate(events, "p", store.get(rid)).startswith(case)
