@@ -54,8 +54,9 @@ def render(result: dict, rec) -> None:
             tooltip=["rank", "pp", "source", alt.Tooltip("idle:Q", format=".1%"), alt.Tooltip("busy_ms:Q", format=".2f", title="busy (ms)")]
         ).properties(height=240, title=f"Bubble per rank in the last step: replayed ({m['step_replayed_ms']:.1f} ms) and modelled"),
             width="stretch")
-        st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its measured CPU time (its tp, cp and ep "
-                   "collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at the mean stage costs.")
+        st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its least CPU time over the steps trained "
+                   "(its tp, cp and ep collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at "
+                   "the mean stage costs; the two means over ranks are checked within 5 points.")
     if t["step_split"]:
         mesh_views.step_split(result)
     if t["comm_replay"]:

@@ -54,7 +54,7 @@ from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_dp import data_parallel, sum_gradients
 from backend.parallel.sp import SavedActivations
-from backend.parallel.pp.executor import execute
+from backend.parallel.pp.executor import execute, keep_freed_memory
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
@@ -206,7 +206,10 @@ def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
     """This rank's training. `checkpoint` (backend/parallel/checkpoint.py's MeshHook): resume from its newest
-    checkpoint, call its fault mid-step, save after each step as its interval says."""
+    checkpoint, call its fault mid-step, save after each step as its interval says. Freed memory is kept in the process
+    (keep_freed_memory: no page faults charged to an action), so the replay can take each action's least CPU time over
+    the steps trained."""
+    keep_freed_memory()
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
     tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}

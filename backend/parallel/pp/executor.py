@@ -129,7 +129,7 @@ def timed_steps(order, plan, stages: dict, rank: int, p: int, m: int, config) ->
     backward's CPU time varied 10-15 % over one step's micro-batches), noise that only adds."""
     if not plan.asynchronous:  # the first step's first forwards cost about twice the later ones (allocator and caches)
         execute(order, plan, stages, list(range(p)), rank, p, m, Tracer(rank), recompute=config.recompute)
-    least: dict[tuple, float] = {}
+    timed = []
     for _ in range(1 if plan.asynchronous else TIMED_STEPS):
         if not plan.asynchronous:  # one step's gradients (the last step's are checked)
             for st in stages.values():
@@ -139,14 +139,23 @@ def timed_steps(order, plan, stages: dict, rank: int, p: int, m: int, config) ->
         walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
                        pipedream=config if plan.asynchronous else None, meter=meter)
         dist.barrier()
-        for e in tracer.events:
-            if e["lane"] == "compute":
-                key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
-                least[key] = min(least.get(key, float("inf")), e["cpu_us"])
-    for e in tracer.events:
+        timed += tracer.events
+    mark_least_cpu(tracer.events, timed)
+    return walk, tracer, meter
+
+
+def mark_least_cpu(drawn: list[dict], timed: list[dict]) -> None:
+    """Give each compute event of the drawn step `cpu_least_us`: the least CPU time of the same action (kind, stage,
+    micro-batch) over the compute events of `timed` (several steps' worth, the drawn one among them). Noise on a shared
+    box only adds to an action's CPU time, so the least over repeats is its own cost."""
+    least: dict[tuple, float] = {}
+    for e in timed:
+        if e["lane"] == "compute":
+            key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
+            least[key] = min(least.get(key, float("inf")), e["cpu_us"])
+    for e in drawn:
         if e["lane"] == "compute":
             e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
-    return walk, tracer, meter
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
