@@ -56,7 +56,7 @@ def render(result: dict, rec) -> None:
             width="stretch")
         st.caption("Replayed: each rank on a core of its own, every F/B/I/W at its least CPU time over the steps trained "
                    "(its tp, cp and ep collectives inside). Modelled: backend/parallel/pp/makespan.py walking the schedule at "
-                   "the mean stage costs; the two means over ranks are checked within 5 points.")
+                   "the mean stage costs; their distance is reported (bench/mesh_bubble.py measures it over many runs).")
     if t["step_split"]:
         mesh_views.step_split(result)
     if t["comm_replay"]:

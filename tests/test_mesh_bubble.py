@@ -1,6 +1,6 @@
 """The composed mesh's replayed bubble against its makespan model (issue #27): the replay takes each action's least CPU
 time over the steps the run trained (the same rule as the pipeline page), and the replayed bubble (mean over a
-pipeline's ranks) is within 5 points of the model's. The least costs are checked against pandas' groupby min of the
+pipeline's ranks) is within 5 points of the model's (reported by the run, asserted here with one retry). The least costs are checked against pandas' groupby min of the
 raw trace; a step with one stalled action, replayed as drawn, fails the check. Every rank keeps freed memory
 (keep_freed_memory, as the pipeline page's ranks: no page faults charged to an action)."""
 import multiprocessing
@@ -39,8 +39,16 @@ def run():
     return config, payloads
 
 
+class _Near:
+    """The run's reported bubble gap against 5 points (a timing: reported per run, checked here and in the bench)."""
+
+    def __init__(self, metrics):
+        self.error, self.detail = metrics["bubble_model_gap"], metrics["bubble_model_gap_detail"]
+        self.passed = self.error <= mesh.BUBBLE_POINTS
+
+
 def _near(config, payloads):
-    return next(c for c in mesh.combine(config, payloads).checks if c.name == NEAR)
+    return _Near(mesh.combine(config, payloads).metrics)
 
 
 def _actions(payload) -> list[dict]:
@@ -50,8 +58,9 @@ def _actions(payload) -> list[dict]:
 def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run):
     config, payloads = run
     result = mesh.combine(config, payloads)
-    near = next(c for c in result.checks if c.name == NEAR)
+    near = _Near(result.metrics)
     assert near.passed, near.detail
+    assert NEAR not in {c.name for c in result.checks}  # reported, not a check: a timing on a shared CPU
     assert all(p["kept_freed_memory"] == [True] for p in payloads)  # every rank keeps freed memory, before its steps
     for p in payloads:  # the reference: pandas' min over every step's events of the same (kind, stage, micro-batch)
         frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"]} for e in _actions(p)])

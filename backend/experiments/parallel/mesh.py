@@ -956,8 +956,9 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
     with one core per rank, each action at its least CPU time over the steps the run trained (the pipeline page's
     rule, least_costs: every step runs the same actions on the same shapes, and a shared box's noise only adds; tp, cp
     and ep collectives run inside them), and the makespan model fed with their mean costs: checked equal to the replay
-    at those same costs action by action, and the replayed bubble (mean over ranks) within 5 points of the model's.
-    Returns the checks, the replayed step time, per rank its replayed and modelled idle, and the replayed actions."""
+    at those same costs action by action; the replayed bubble's distance from the model's (mean over ranks) is reported,
+    not checked: it is a timing on a shared CPU, measured over many runs by bench/mesh_bubble.py against 5 points.
+    Returns the checks, the replayed step time and bubble gap, per rank its replayed and modelled idle, and the actions."""
     m = config.plan.microbatches(config.microbatches)
     lines: dict[tuple, list[dict]] = {}
     for p in payloads:
@@ -983,7 +984,9 @@ def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, li
     worst = max(exacts, key=lambda c: c.error)
     check = Check(f"every pipeline's last step: {worst.name}", worst.error, worst.tolerance, reference=worst.reference,
                   detail=f"{len(exacts)} pipelines; worst: {worst.detail}")
-    return [check, bubble_near_model(config, nears)], {"step_replayed_ms": round(step / 1e3, 3)}, \
+    near = bubble_near_model(config, nears)
+    return [check], {"step_replayed_ms": round(step / 1e3, 3), "bubble_model_gap": near.error,
+                     "bubble_model_gap_detail": f"{near.name} ({'met' if near.passed else 'missed'}): {near.detail}"}, \
         sorted(rows, key=lambda r: r["rank"]), actions
 
 
@@ -1072,7 +1075,7 @@ SPLIT = ("compute_ms", "tp_ms", "pp_ms", "cp_ms", "ep_ms", "dp_ms", "idle_ms", "
 LANE = ("rank", "lane", "kind", "name", "start_ms", "end_ms")
 RESULT = Schema(
     metrics=("dp", "tp", "pp", "cp", "ep", "schedule", "sp", "experts", "precision", "steps", "final_loss", "step_wall_ms",
-             "step_replayed_ms",  # pp > 1 (the pipeline's replay)
+             "step_replayed_ms", "bubble_model_gap", "bubble_model_gap_detail",  # pp > 1 (the pipeline's replay)
              "step_replayed_with_comm_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD),
     tables={"loss": ("step", "loss", "run"),
             "ranks": ("rank", "dp", "tp", "pp", "cp", "ep", "layers", "tp bytes sent", "pp bytes sent", "cp ring bytes sent",
@@ -1099,7 +1102,7 @@ RESULT = Schema(
             "checkpoint_bytes_per_rank": ("rank", "category", "written_bytes", "expected_bytes", "held_bytes"),
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
-    optional=("step_replayed_ms", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
+    optional=("step_replayed_ms", "bubble_model_gap", "bubble_model_gap_detail", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
               "checkpoint_bytes_per_rank", "reshard_map", "reshard_bytes"),
     version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3},
 )
