@@ -73,7 +73,7 @@ def render(result: dict, rec) -> None:
     memory = pd.DataFrame(result["tables"]["memory"])
     memory["rank"] = memory["rank"].map(lambda r: f"rank {r}")
     model = result["metrics"]["model"]  # each model's result its own shape (dp_model.result_schema)
-    offloaded = model == "mlp" and bool(result["tables"]["moved"])
+    offloaded = "moved" in result["tables"] and bool(result["tables"]["moved"])  # (tiny_llama: only with offload)
     if offloaded:  # one bar per rank and pool
         memory["rank"] = memory["rank"] + " · " + memory["pool"]
     st.caption(f"Model: {MODEL_NAMES[model]}.")

@@ -204,11 +204,21 @@ def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -
     return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
 
 
+def stage_layers(config, chunks: dict, S: int) -> dict[int, list[int]]:
+    """Each of this rank's stage chunks: the indices of the model's layers it holds."""
+    return {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
+
+
+def moe_calls(chunks: dict, layers: dict) -> list[dict]:
+    """Every MoE layer call's routing statistics on this rank, named by the model layer it ran in."""
+    return [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
+            for call in getattr(b.ffn, "stats", [])]
+
+
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
-    """This rank's training. `checkpoint` (backend/parallel/checkpoint.py's MeshHook): resume from its newest
-    checkpoint, call its fault mid-step, save after each step as its interval says. Freed memory is kept in the process
-    (keep_freed_memory: no page faults charged to an action), so the replay can take each action's least CPU time over
-    the steps trained."""
+    """This rank's training. `checkpoint` (checkpoint.MeshHook): resume from its newest checkpoint, call its fault
+    mid-step, save after each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged
+    to an action), so the replay can take each action's least CPU time over the steps trained."""
     keep_freed_memory()
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
     tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
@@ -267,9 +277,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         checkpoint.finish()
     sync.close()
     final = sync.final_named(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
-    layers = {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
-    moe = [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
-           for call in getattr(b.ffn, "stats", [])]
+    layers = stage_layers(config, chunks, S)
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
             "losses": losses, "params": final,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
@@ -279,7 +287,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
             "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
-            "moe": moe, "replicated_over_ep": int(replicated_over_ep.sum()),
+            "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
             "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped}

@@ -279,6 +279,30 @@ def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check],
     return ckpt.reshard_result(plan, new, param_err, loss_err, "single-process PyTorch training the whole batch (float64)")
 
 
+def interval_result(config: CheckpointConfig, first) -> tuple[list[Check], dict, dict]:
+    """The checkpoint interval's trade-off from the run's measured step, save and load times (interval_tradeoff): the
+    checks of the closed form against Monte Carlo and of Young's interval against the best, its metrics and tables.
+    Nothing when the run took no two consecutive steps or saved nothing."""
+    timeline = first.extra["timeline"]
+    steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
+             and b["step"] == a["step"] + 1]
+    if steps and first.extra["saves"]:
+        step_s = float(np.median(steps))
+        save_s = float(np.mean([s["seconds"] for s in first.extra["saves"]]))
+        restart_s = first.extra["load_seconds"] or save_s
+        trade = interval_tradeoff(step_s, save_s, restart_s, config.mtbf_s)
+        metrics = dict(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
+                       best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
+        checks = [Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
+                        reference="4,000 simulated segments per interval, exponential failure times",
+                        detail="relative difference, worst of 3 intervals"),
+                  Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
+                        trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
+                        detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps")]
+        return checks, metrics, {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
+    return [], {}, {}
+
+
 def combine(config: CheckpointConfig, reports) -> Result:
     first = reports[0]
     ref = reference_run(config.workload)
@@ -320,24 +344,9 @@ def combine(config: CheckpointConfig, reports) -> Result:
         last_saved = resumed[-1]["step"] if resumed else 0
         metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=last_saved,
                        steps_redone=config.kill_step - last_saved)
-    steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
-             and b["step"] == a["step"] + 1]
-    if steps and first.extra["saves"]:
-        step_s = float(np.median(steps))
-        save_s = float(np.mean([s["seconds"] for s in first.extra["saves"]]))
-        restart_s = first.extra["load_seconds"] or save_s
-        trade = interval_tradeoff(step_s, save_s, restart_s, config.mtbf_s)
-        metrics.update(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
-                       best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
-        checks.append(Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
-                            reference="4,000 simulated segments per interval, exponential failure times",
-                            detail="relative difference, worst of 3 intervals"))
-        checks.append(Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
-                            trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
-                            detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps"))
-        tables_extra = {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
-    else:
-        tables_extra = {}
+    interval_checks, interval_metrics, tables_extra = interval_result(config, first)
+    checks += interval_checks
+    metrics.update(interval_metrics)
     tables_extra["bytes_per_rank"] = per_rank
     if config.reshard_to != "off":
         more_checks, more_metrics, more_tables = reshard_result(config, reports, ref)

@@ -244,6 +244,12 @@ class MeshConfig(TPConfig):
             raise ConfigError(name, f"{getattr(self, name)}: tp x pp x cp x ep = {model_parallel} does not divide "
                                     f"world_size={self.world_size} ({hint})")
         super().check()
+        self._check_strategies()
+        self._check_sequence_and_schedule()
+        mesh_checkpoint.check_settings(self)
+
+    def _check_strategies(self) -> None:
+        """Precision, loss scale, dp strategy, offload and overlap: the combinations that do not hold together."""
         if self.init_loss_scale & (self.init_loss_scale - 1):
             raise ConfigError("init_loss_scale", f"{self.init_loss_scale} is not a power of 2 (allowed: 1, 2, 4, ..., 2^24; "
                                                  "dividing by a power of 2 unscales the gradients exactly)")
@@ -270,6 +276,9 @@ class MeshConfig(TPConfig):
         if self.overlap and self.sp:
             raise ConfigError("overlap", "true with sp: the norm weights' gradients are summed over tp after the backward, "
                                          "after their buckets would have left (allowed with sp: false)")
+
+    def _check_sequence_and_schedule(self) -> None:
+        """The sequence's split over cp and tp, recompute with cp, and the schedule's stages and micro-batches."""
         if self.cp > 1 and self.seq % (2 * self.cp):
             raise ConfigError("seq", f"{self.seq} does not split into 2 x cp = {2 * self.cp} zigzag chunks "
                                      f"(allowed: a multiple of {2 * self.cp})")
@@ -308,7 +317,6 @@ class MeshConfig(TPConfig):
             raise ConfigError("microbatches", f"{self.microbatches}: {self.batch} sequences over dp x ep = {slices} ranks "
                                               f"give each {self.batch // slices} (allowed with the other settings as they "
                                               f"are: microbatches = {self.batch // slices})")
-        mesh_checkpoint.check_settings(self)
 
 
 def run_rank(rank, world, config: MeshConfig, ctx):
