@@ -23,12 +23,17 @@ run_view.show_run(st.query_params["run"])  # the run the URL names, as ui.experi
 """
 
 
-@pytest.fixture
-def app():
+def _app_test(source: str):
+    """An AppTest of `source`, with __main__ put back after it (AppTest replaces it)."""
     try:
-        yield AppTest.from_string(PAGE, default_timeout=60)
+        yield AppTest.from_string(source, default_timeout=60)
     finally:
         sys.modules["__main__"] = MAIN
+
+
+@pytest.fixture
+def app():
+    yield from _app_test(PAGE)
 
 
 def _fragment_run(at: AppTest, url: dict) -> AppTest:
@@ -138,10 +143,7 @@ run_view.show_run(st.query_params["run"])
 
 @pytest.fixture
 def page_with_queue():
-    try:
-        yield AppTest.from_string(QUEUE_PAGE, default_timeout=60)
-    finally:
-        sys.modules["__main__"] = MAIN
+    yield from _app_test(QUEUE_PAGE)
 
 
 def _run_fragment(at: AppTest, fragment_id: str, url: dict) -> AppTest:
