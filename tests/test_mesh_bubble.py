@@ -62,13 +62,16 @@ def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run
     assert near.passed, near.detail
     assert NEAR not in {c.name for c in result.checks}  # reported, not a check: a timing on a shared CPU
     assert all(p["kept_freed_memory"] == [True] for p in payloads)  # every rank keeps freed memory, before its steps
+    differ = []
     for p in payloads:  # the reference: pandas' min over every step's events of the same (kind, stage, micro-batch)
         frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"]} for e in _actions(p)])
         assert len(frame) == config.steps * len(p["order_actions"])
         least = frame.groupby(["kind", "stage", "mb"])["cpu_us"].min()
         last = _actions(p)[-len(p["order_actions"]):]
         assert all(e["cpu_least_us"] == least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])] for e in last)
-        assert any(e["cpu_least_us"] < e["cpu_us"] for e in last)  # steps differ: the least is not the drawn step's
+        differ += [e["cpu_least_us"] < e["cpu_us"] for e in last]
+    assert any(differ)  # steps differ on some rank: the least is not always the drawn step's (the last step is often the
+    # quickest everywhere on one rank, as warm-up ends; on every rank at once it has not been seen)
     replayed = {r["rank"]: r["bubble_replayed"] for r in result.tables["pipeline"]}
     assert len(replayed) == config.world_size and all(0 < v < 1 for v in replayed.values())
 

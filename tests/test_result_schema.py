@@ -16,7 +16,7 @@ from tests.conftest import REPO
 OLD_RESULTS = REPO / "tests" / "data" / "old_results"  # result.json files as runs stored them before schemas existed
 VIEWS = {"decode_view": ("hardware.decode",), "int8_view": ("numerics.int8",), "latency_view": ("hardware.latency",),
          "recompute_view": ("parallel.pipeline",), "checkpoint_views": ("parallel.checkpoint", "parallel.mesh"),
-         "mesh_views": ("parallel.mesh",), "schedule_views": ("parallel.mesh",)}
+         "mesh_views": ("parallel.mesh",), "schedule_views": ("parallel.mesh",), "plan_views": ("plan.training",)}
 TOY = Schema(metrics=("a", "b", "per_op.*"), tables={"t": ("x", "y")}, optional=("b",))
 
 
