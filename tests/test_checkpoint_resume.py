@@ -31,7 +31,7 @@ def test_a_failed_run_is_resumed_from_its_checkpoint_bit_for_bit(runner, store):
     bitwise = next(c for c in result["checks"] if c["name"] == "final parameters equal the uninterrupted run's bit for bit")
     assert bitwise["error"] == 0
     assert result["metrics"]["parent_run"] == parent.id and result["metrics"]["resumed_from_step"] == 2
-    assert [e["event"] for e in result["tables"]["timeline"] if e["event"] in ("kill", "start")] == ["start", "kill", "start"]
+    assert [e["event"] for e in result["tables"]["checkpoint_timeline"] if e["event"] in ("kill", "start")] == ["start", "kill", "start"]
     assert result["notes"][0].startswith(f"Run {parent.id} failed when rank 1 was killed by SIGKILL in step 2")
     assert runner.resume(parent.id, owner="ben") == child_id  # the same resume twice is one run
     assert runner.why_not_resumable(parent.id) is None  # what the page asks before it offers the button
