@@ -38,7 +38,7 @@ def bench_expander(m, t) -> None:
         ui.table(pd.DataFrame(t["bench"]))
 
 
-def interval_chart(m, t, mtbf_s: float) -> alt.Chart:
+def interval_chart(m, t) -> alt.Chart:
     """Wall time above failure-free against the checkpoint interval, Young's interval and the best one as rules."""
     line = alt.Chart(pd.DataFrame(t["interval"])).mark_line(point=True).encode(
         x=alt.X("interval_steps:Q", title="checkpoint interval (steps)", scale=alt.Scale(type="log")),
@@ -49,15 +49,15 @@ def interval_chart(m, t, mtbf_s: float) -> alt.Chart:
                                     {"interval_steps": m["best_interval_steps"], "label": "best interval"}])).mark_rule(
         strokeDash=[4, 3]).encode(x="interval_steps:Q", color=alt.Color("label:N", title=None),
                                   tooltip=["label", "interval_steps"])
-    return (line + young).properties(height=260, title=f"Interval vs failures (MTBF {mtbf_s:g} s)")
+    return (line + young).properties(height=260)
 
 
 def interval_section(m, t, mtbf_s: float) -> None:
     """The interval trade-off from the run's measured step, save and load times (when it measured them)."""
     if "interval" not in t:
         return
-    st.subheader("How often to save: the interval against the failure rate")
-    st.altair_chart(interval_chart(m, t, mtbf_s))
+    st.subheader(f"How often to save: the interval against failures every {mtbf_s:g} s (MTBF)")
+    st.altair_chart(interval_chart(m, t))
     with st.expander("How the trade-off is computed"):
         st.markdown("The measured step time T, save time C and load time R (restart) give the expected wall time per "
                     "useful step with a save every k steps, failures arriving at rate 1/MTBF: (M + R)(e^((kT + C)/M) - 1)/k. "
@@ -100,7 +100,7 @@ def render_mlp(result: dict, rec) -> None:
     left.altair_chart(bytes_per_rank_chart(pd.DataFrame(t["bytes_per_rank"])).properties(
         height=260, title="The last checkpoint's tensor bytes per rank"))
     if "interval" in t:
-        right.altair_chart(interval_chart(m, t, rec.config["mtbf_s"]))
+        right.altair_chart(interval_chart(m, t).properties(title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
     if "reshard_map" in t:
         checkpoint_views.reshard_section(m, t)
     with st.expander("The checkpoint's files"):

@@ -43,7 +43,7 @@ class CheckpointConfig(Config):
     reshard_to: str = setting("same", choices=("same", "off") + STRATEGIES, help="after the run, the last checkpoint before its end loaded on another plan (same: this strategy on reshard_ranks) and training continued (off: none)")
     reshard_ranks: int = setting(1, min=1, max=8, help="ranks of that plan (at most world_size: the same processes, regrouped)")
 
-    cost_drivers = ("batch", "hidden", "steps", "layers", "world_size", "kill_rank", "reshard_to")
+    cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
     model = "tiny_llama"  # (what dp_model.mesh_plan and the result's shape read; not a setting)
 
     def check(self) -> None:
