@@ -304,3 +304,20 @@ def test_a_version_1_mlp_run_opens_as_the_mlp_shape_and_draws_on_the_page():
     at = _app("pages/checkpoints.py", run=rid)
     assert not at.exception, at.exception
     assert any("older Linear+tanh MLP" in c.value for c in at.caption)
+
+
+def test_a_version_3_mesh_run_gets_its_share_per_rank_from_the_upgrade(killed_and_resharded, monkeypatch):
+    """parallel.mesh runs stored before the share table (version 3): the upgrade sums their per-category rows (pandas'
+    groupby here, independently); without the upgrade step the table is missing."""
+    import dataclasses
+
+    from backend.result import VERSION_KEY
+
+    rows = killed_and_resharded.tables["checkpoint_bytes_per_rank"]
+    stored = {VERSION_KEY: 3, "metrics": {}, "tables": {"checkpoint_bytes_per_rank": rows}}
+    schema = experiments.get("parallel.mesh").schema
+    upgraded = schema.upgrade(json.loads(json.dumps(stored)))
+    want = pd.DataFrame(rows).groupby("rank", as_index=False)[["written_bytes", "expected_bytes"]].sum()
+    assert upgraded["tables"]["checkpoint_share_per_rank"] == want[["rank", "written_bytes", "expected_bytes"]].to_dict("records")
+    skipped = dataclasses.replace(schema, upgrades={**schema.upgrades, 3: lambda result: None})
+    assert "checkpoint_share_per_rank" not in skipped.upgrade(json.loads(json.dumps(stored)))["tables"]
