@@ -321,3 +321,19 @@ def test_a_version_3_mesh_run_gets_its_share_per_rank_from_the_upgrade(killed_an
     assert upgraded["tables"]["checkpoint_share_per_rank"] == want[["rank", "written_bytes", "expected_bytes"]].to_dict("records")
     skipped = dataclasses.replace(schema, upgrades={**schema.upgrades, 3: lambda result: None})
     assert "checkpoint_share_per_rank" not in skipped.upgrade(json.loads(json.dumps(stored)))["tables"]
+
+
+def test_a_resumed_run_inherits_the_parents_timeline_baseline_and_attempts(tmp_path):
+    """A run resuming a failed one starts at the attempt after the parent's last (so the kill, which fires only in
+    attempt 0, does not fire again), with the parent's timeline (rank 0) and this rank's uninterrupted baseline."""
+    parent, root = tmp_path / "parent", tmp_path / "child"
+    ckpt.log_event(parent, event="start", step=0, attempt=0)
+    ckpt.log_event(parent, event="kill", rank=1, step=2, pid=1)
+    for rank in (0, 1):
+        (parent / mesh_checkpoint.BASELINE.format(rank)).write_bytes(b"baseline %d" % rank)
+    assert mesh_checkpoint.inherit(1, root, parent) == 1
+    assert (root / mesh_checkpoint.BASELINE.format(1)).read_bytes() == b"baseline 1"
+    assert not (root / ckpt.TIMELINE).exists() and not (root / mesh_checkpoint.BASELINE.format(0)).exists()
+    assert mesh_checkpoint.inherit(0, root, parent) == 1
+    assert [e["event"] for e in ckpt.read_timeline(root)] == ["start", "kill"]
+    assert mesh_checkpoint.inherit(0, tmp_path / "alone", None) == 0
