@@ -48,17 +48,12 @@ def measure(plan: dict, mode: str, steps: int) -> dict:
     wall = time.time() - started
     timeline, m = result.tables["checkpoint_timeline"], result.metrics
     saving, plain = step_intervals(timeline, 0)
-    per_rank = {}
-    for row in result.tables["checkpoint_bytes_per_rank"]:
-        r = per_rank.setdefault(row["rank"], {"written_bytes": 0, "expected_bytes": 0})
-        r["written_bytes"] += row["written_bytes"]
-        r["expected_bytes"] += row["expected_bytes"]
     config = experiments.get("parallel.mesh").make_config({k: str(v) for k, v in {**plan, "steps": steps}.items()})
     model = 3 * 8 * sum(int(np.prod(s)) for s in reference_shapes(config).values()) + rest_bytes(config)  # float64
     return {"mode": mode, "passed": result.passed, "failed": [c.name for c in result.checks if not c.passed],
             "run_wall_s": round(wall, 1), "checkpoint_tensor_bytes": m["checkpoint_tensor_bytes"],
             "model_state_bytes": model, "checkpoint_file_bytes": m["checkpoint_file_bytes"],
-            "per_rank_bytes": [{"rank": r, **v} for r, v in sorted(per_rank.items())],
+            "per_rank_bytes": result.tables["checkpoint_share_per_rank"],
             "save_blocking": spread([e["seconds"] for e in timeline if e["event"] == "save"]),
             "blocking_is": "the whole save" if mode == "sync" else "staging the copy (the write runs in a thread)",
             "load": {"seconds_slowest_rank": m["reshard_load_s"], "from": m["reshard_from"]},

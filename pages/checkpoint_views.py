@@ -55,7 +55,8 @@ def mesh_checkpoints(result: dict) -> None:
                    help="mean of the last attempt's saves (a contended 2-core machine)")
     st.altair_chart(timeline_chart(pd.DataFrame(t["checkpoint_timeline"])))
     if t.get("checkpoint_bytes_per_rank"):
-        st.altair_chart(mesh_bytes_chart(pd.DataFrame(t["checkpoint_bytes_per_rank"])).properties(
+        st.altair_chart(mesh_bytes_chart(pd.DataFrame(t["checkpoint_bytes_per_rank"]),
+                                         pd.DataFrame(t["checkpoint_share_per_rank"])).properties(
             height=240, title="The last checkpoint's tensor bytes per rank (tick: the rank's share of the model)"))
     with_save, without = m.get("step_s_with_save"), m.get("step_s_without_save")
     if with_save is not None or without is not None:
@@ -70,8 +71,9 @@ def mesh_checkpoints(result: dict) -> None:
         ui.table(pd.DataFrame(t["checkpoint_files"]))
 
 
-def mesh_bytes_chart(rows: pd.DataFrame) -> alt.Chart:
-    """Each rank's file by what it holds (weights, Adam m and v, the rest), a tick at the share the settings give it."""
+def mesh_bytes_chart(rows: pd.DataFrame, share: pd.DataFrame) -> alt.Chart:
+    """Each rank's file by what it holds (weights, Adam m and v, the rest), a tick at the share the settings give it
+    (`share`: the result's per-rank totals)."""
     bars = alt.Chart(rows).mark_bar().encode(
         x=alt.X("rank:O", title="rank that wrote the file", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("written_bytes:Q", title="tensor bytes (B)"),
@@ -79,7 +81,6 @@ def mesh_bytes_chart(rows: pd.DataFrame) -> alt.Chart:
         tooltip=["rank", "category", alt.Tooltip("written_bytes:Q", format=",", title="written (B)"),
                  alt.Tooltip("expected_bytes:Q", format=",", title="its share, from the settings (B)"),
                  alt.Tooltip("held_bytes:Q", format=",", title="held before deduplication (B)")])
-    share = rows.groupby("rank", as_index=False)["expected_bytes"].sum()
     ticks = alt.Chart(share).mark_tick(color="black", thickness=2, size=30).encode(
         x="rank:O", y="expected_bytes:Q",
         tooltip=["rank", alt.Tooltip("expected_bytes:Q", format=",", title="its share, from the settings (B)")])

@@ -38,8 +38,51 @@ def bench_expander(m, t) -> None:
         ui.table(pd.DataFrame(t["bench"]))
 
 
+def interval_chart(m, t) -> alt.Chart:
+    """Wall time above failure-free against the checkpoint interval, Young's interval and the best one as rules."""
+    line = alt.Chart(pd.DataFrame(t["interval"])).mark_line(point=True).encode(
+        x=alt.X("interval_steps:Q", title="checkpoint interval (steps)", scale=alt.Scale(type="log")),
+        y=alt.Y("overhead_pct:Q", title="wall time above failure-free (%)", scale=alt.Scale(type="log")),
+        tooltip=["interval_steps", alt.Tooltip("overhead_pct:Q", format=".2f", title="above failure-free (%)"),
+                 alt.Tooltip("lost_work_s_per_failure:Q", format=".3f", title="work lost per failure (s)")])
+    young = alt.Chart(pd.DataFrame([{"interval_steps": m["young_interval_steps"], "label": "Young √(2·C·M)"},
+                                    {"interval_steps": m["best_interval_steps"], "label": "best interval"}])).mark_rule(
+        strokeDash=[4, 3]).encode(x="interval_steps:Q", color=alt.Color("label:N", title=None),
+                                  tooltip=["label", "interval_steps"])
+    return (line + young).properties(height=260)
+
+
+def interval_section(m, t, mtbf_s: float) -> None:
+    """The interval trade-off from the run's measured step, save and load times (when it measured them)."""
+    if "interval" not in t:
+        return
+    st.subheader(f"How often to save: the interval against failures every {mtbf_s:g} s (MTBF)")
+    st.altair_chart(interval_chart(m, t))
+    with st.expander("How the trade-off is computed"):
+        st.markdown("The measured step time T, save time C and load time R (restart) give the expected wall time per "
+                    "useful step with a save every k steps, failures arriving at rate 1/MTBF: (M + R)(e^((kT + C)/M) - 1)/k. "
+                    "A Monte Carlo run of simulated failures checks the formula; Young's first-order interval "
+                    "sqrt(2 C M) is drawn beside the best one. Times are from this machine (a shared 2-core VM).")
+        ui.table(pd.DataFrame(t.get("monte_carlo", [])))
+
+
 def render(result: dict, rec) -> None:
     m, t = result["metrics"], result["tables"]
+    if m["model"] == "mlp":
+        return render_mlp(result, rec)
+    if m.get("parent_run"):
+        st.caption(f"Resumed from failed run [{m['parent_run']}](?run={m['parent_run']}).")
+    checkpoint_views.mesh_checkpoints(result)
+    interval_section(m, t, rec.config["mtbf_s"])
+    st.caption(f"The tiny LLaMA (d_model {rec.config['hidden']}, {rec.config['layers']} blocks) trained by the mesh's loop "
+               f"with every rank data parallel ({m['strategy']}); DCP's .metadata file adds {m['dcp_metadata_bytes']:,} B.")
+    bench_expander(m, t)
+
+
+def render_mlp(result: dict, rec) -> None:
+    """A run stored before version 2: the Linear+tanh MLP's own training loop and its tables."""
+    m, t = result["metrics"], result["tables"]
+    st.caption("A run of the older Linear+tanh MLP (before this page trained the tiny LLaMA on the mesh).")
     cols = st.columns(4)
     cols[0].metric("attempts", m["attempts"], help="1 + the restarts after the killed rank")
     cols[1].metric("steps redone", m.get("steps_redone", 0), help="steps after the last checkpoint, lost with the kill")
@@ -57,27 +100,9 @@ def render(result: dict, rec) -> None:
     left.altair_chart(bytes_per_rank_chart(pd.DataFrame(t["bytes_per_rank"])).properties(
         height=260, title="The last checkpoint's tensor bytes per rank"))
     if "interval" in t:
-        curve = pd.DataFrame(t["interval"])
-        line = alt.Chart(curve).mark_line(point=True).encode(
-            x=alt.X("interval_steps:Q", title="checkpoint interval (steps)", scale=alt.Scale(type="log")),
-            y=alt.Y("overhead_pct:Q", title="wall time above failure-free (%)", scale=alt.Scale(type="log")),
-            tooltip=["interval_steps", alt.Tooltip("overhead_pct:Q", format=".2f"),
-                     alt.Tooltip("lost_work_s_per_failure:Q", format=".3f", title="work lost per failure (s)")])
-        young = alt.Chart(pd.DataFrame([{"interval_steps": m["young_interval_steps"], "label": "Young √(2·C·M)"},
-                                        {"interval_steps": m["best_interval_steps"], "label": "best interval"}])).mark_rule(
-            strokeDash=[4, 3]).encode(x="interval_steps:Q", color=alt.Color("label:N", title=None),
-                                      tooltip=["label", "interval_steps"])
-        right.altair_chart((line + young).properties(height=260, title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
+        right.altair_chart(interval_chart(m, t).properties(title=f"Interval vs failures (MTBF {rec.config['mtbf_s']:g} s)"))
     if "reshard_map" in t:
         checkpoint_views.reshard_section(m, t)
-    st.caption("Each rank writes its own shards with torch.distributed.checkpoint; after the kill every rank restarts, "
-               "loads the last complete checkpoint and finishes bit for bit equal to the uninterrupted run.")
-    with st.expander("How the trade-off is computed"):
-        st.markdown("The measured step time T, save time C and load time R (restart) give the expected wall time per "
-                    "useful step with a save every k steps, failures arriving at rate 1/MTBF: (M + R)(e^((kT + C)/M) - 1)/k. "
-                    "A Monte Carlo run of simulated failures checks the formula; Young's first-order interval "
-                    "sqrt(2 C M) is drawn beside the best one. Times are from this machine (a shared 2-core VM).")
-        ui.table(pd.DataFrame(t.get("monte_carlo", [])))
     with st.expander("The checkpoint's files"):
         st.markdown(f"Tensor bytes come from DCP's metadata; the files on disk add torch.save's framing, and DCP's "
                     f"own `.metadata` file (the keys, shapes and each shard's offsets) is {m['dcp_metadata_bytes']:,} B.")
@@ -86,7 +111,7 @@ def render(result: dict, rec) -> None:
 
 
 ui.experiment_page("parallel.checkpoint", render,
-                   intro="A data-parallel run saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
+                   intro="A data-parallel run of the tiny LLaMA saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
                          "rank restarts from the last checkpoint and the result is checked bit for bit.")
 ui.resume_button("parallel.checkpoint")
 checkpoint_views.mesh_reshard_from_store(ui.runs_of("parallel.mesh", statuses=("succeeded",), limit=50))

@@ -176,8 +176,8 @@ def _staged_one_ulp_off(rank, world, config, ctx):
 
     right = ckpt.staged_copy
 
-    def off(state, rank_):
-        out = right(state, rank_)
+    def off(state):
+        out = right(state)
         t = next(v for k, value in out.items() if k.startswith("model.") and isinstance(value, ckpt.Pieces)
                  for _, v, writes in value.pieces if writes)
         first = (0,) * t.dim()

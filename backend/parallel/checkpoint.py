@@ -1,22 +1,16 @@
-"""Sharded checkpoints of a training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
+"""Sharded checkpoints of the mesh's training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
 
-    ckpt = Checkpointer(folder(ctx), every=2)
-    start = ckpt.resume(strategy, loop_state)   # the step to run next: 0, or one past the last saved step
-    ckpt.maybe_save(step, strategy, loop_state) # after step `step` when (step + 1) % every == 0
+    saver = Checkpointer(folder(ctx), every=2, rank=rank)
+    hook = MeshHook(saver, fault, reference_shapes(config))  # what mesh_train.train_rank calls: resume, fault, save
 
-Each rank hands DCP its own pieces (a strategy's `checkpoint_state()`): replicated tensors (DDP) are written
-once, by the rank DCP's planner picks; our ZeRO shards are ShardedTensors whose shard metadata carries each
-piece's offset in the parameter's flat global tensor, and FSDP2's state comes from DCP's get_state_dict as
-DTensors. Both carry the offsets DCP needs to load the same checkpoint on another number of ranks.
-A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder without
-it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
+Each rank hands DCP its own pieces of the one model's tensors at their global offsets (MeshState: Pieces), whatever its
+tp shard, pp stage and dp cut, so DCP reshards them onto another tp x pp x dp mesh, dp strategy or world size of the
+same model. A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder
+without it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
 Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder); a run
 that resumes a failed one reads the parent's folder, found from its own record in the store (parent_folder).
-
 Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
-keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads). The mesh run
-(mesh_train.train_rank) saves through MeshHook: each rank's pieces of the one model's tensors at their global offsets
-(MeshState), so DCP reshards them onto another tp x pp x dp mesh of the same model.
+keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads).
 """
 from __future__ import annotations
 
@@ -49,48 +43,6 @@ def folder(ctx) -> Path:
     if ctx.scratch_dir:
         return Path(ctx.scratch_dir) / CHECKPOINTS
     raise CheckpointError("checkpoints need a run folder (a recorded run) or a scratch folder (an unrecorded one)")
-
-
-def param_ranges(model: torch.nn.Module) -> list[tuple[str, int, int]]:
-    """Each parameter's name and its [start, end) in the flat parameter vector (the order flat_params uses)."""
-    out, offset = [], 0
-    for name, p in model.named_parameters():
-        out.append((name, offset, offset + p.numel()))
-        offset += p.numel()
-    return out
-
-
-def sharded_flat(local: torch.Tensor, offset: int, length: int, rank: int, group=None):
-    """A ShardedTensor for a global 1-D tensor of `length` elements of which this rank holds `local` at `offset`
-    (an empty piece: no shard). DCP saves the offset in its metadata and reshards on load by overlap."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
-
-    shards = [Shard(local, ShardMetadata([offset], [local.numel()], f"rank:{rank}/cpu"))] if local.numel() else []
-    return init_from_local_shards(shards, length, process_group=group)
-
-
-def flat_pieces(ranges, owned: list[tuple[int, int, dict[str, torch.Tensor]]], rank: int, group=None) -> dict:
-    """The state of a rank owning the flat elements [lo, hi) of each (lo, hi, tensors) in `owned` (tensors indexed
-    from lo): one ShardedTensor per parameter and tensor kind, 'model.0.weight', 'optim.0.weight.exp_avg', ...
-    Every rank builds every key in the same order (creating a ShardedTensor is collective)."""
-    state = {}
-    for name, a, b in ranges:
-        hit = [(max(a, lo), min(b, hi), lo, t) for lo, hi, t in owned if max(a, lo) < min(b, hi)]
-        for kind in owned[0][2]:
-            if hit:
-                s, e, lo, tensors = hit[0]
-                piece, offset = tensors[kind][s - lo:e - lo], s - a
-            else:
-                piece, offset = owned[0][2][kind][:0], 0
-            key = f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"
-            state[key] = sharded_flat(piece, offset, b - a, rank, group)
-    return state
-
-
-def replicated(ranges, tensors: dict[str, torch.Tensor]) -> dict:
-    """The same keys for a rank that holds the whole flat vectors (DDP): plain tensors, which DCP writes once."""
-    return {(f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"): t[a:b]
-            for name, a, b in ranges for kind, t in tensors.items()}
 
 
 @dataclass
@@ -142,7 +94,7 @@ class Checkpointer:
         started = time.perf_counter()
         state = {**strategy.checkpoint_state(), **loop_state}
         if self.asynchronous:
-            future = dcp.async_save(staged_copy(state, self.rank), checkpoint_id=str(path), process_group=self._group,
+            future = dcp.async_save(staged_copy(state), checkpoint_id=str(path), process_group=self._group,
                                     async_stager=_AlreadyStaged(), planner=_save_planner())
             self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
             return
@@ -179,18 +131,14 @@ class Checkpointer:
                 log_event(self.root, event="start", step=0, attempt=self.attempt)
             return 0
         started = time.perf_counter()
-        from torch.distributed.checkpoint import FileSystemReader
-
-        verify(path, {**strategy.checkpoint_state(), **loop_state})
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        mine = {k: v for k, v in loop_state.items() if k in saved}  # another world size: no random state for this rank
-        state = {**strategy.checkpoint_state(), **mine}
+        state = {**strategy.checkpoint_state(), **loop_state}
+        verify(path, state)
         planner = _recording_planner()
         dcp.load(state, checkpoint_id=str(path), planner=planner)
         self.reads = read_map(planner.local_plan.items, planner.metadata, self.rank)
         self.held_bytes = local_tensor_bytes(state)
         strategy.load_checkpoint_state(state)
-        loop_state.update({k: state[k] for k in mine})
+        loop_state.update({k: state[k] for k in loop_state})
         self.load_seconds = time.perf_counter() - started
         self.resumed_from = path.name
         step = int(loop_state["loop.step"].item())
@@ -356,48 +304,15 @@ def reshard_result(plan: str, new: list[dict], param_err: float, loss_err: float
 
 
 def local_tensor_bytes(state: dict) -> int:
-    """Bytes of the tensors this rank holds in a state dict: its ShardedTensors' local shards, its DTensors' local
-    pieces, its plain tensors (the reference a load's reads must add up to)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for value in state.values():
-        if isinstance(value, dict):
-            total += local_tensor_bytes(value)
-        elif isinstance(value, ShardedTensor):
-            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
-        elif isinstance(value, Pieces):
-            total += value.local_bytes()
-        elif isinstance(value, DTensor):
-            local = value.to_local()
-            total += local.numel() * local.element_size()
-        elif isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
+    """Bytes of the tensors this rank holds in a state dict: its Pieces and its plain tensors (the reference a load's
+    reads must add up to)."""
+    return sum(v.local_bytes() if isinstance(v, Pieces) else v.numel() * v.element_size() for v in state.values())
 
 
-def staged_copy(state: dict, rank: int) -> dict:
-    """A copy of the state for a save that writes while training goes on: plain tensors cloned, ShardedTensors
-    rebuilt over cloned shards (DCP's own stager cannot copy a ShardedTensor). Collective, like the save."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, ShardedTensor):
-            local = value.local_shards()
-            piece = local[0].tensor.clone() if local else torch.empty(0, dtype=value.dtype)
-            offset = local[0].metadata.shard_offsets[0] if local else 0
-            out[key] = sharded_flat(piece, offset, value.size(0), rank)
-        elif isinstance(value, Pieces):
-            out[key] = value.staged()
-        elif isinstance(value, dict):
-            out[key] = staged_copy(value, rank)
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()  # a DTensor (FSDP2) clones its local shard
-        else:
-            out[key] = value
-    return out
+def staged_copy(state: dict) -> dict:
+    """A copy of the state for a save that writes while training goes on: Pieces over cloned views, tensors cloned
+    (DCP's own stager cannot copy a Pieces)."""
+    return {k: v.staged() if isinstance(v, Pieces) else v.detach().clone() for k, v in state.items()}
 
 
 class _AlreadyStaged:
@@ -462,20 +377,16 @@ def verify(path: Path, expected: dict) -> None:
 
     verify_files(path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    for key, value in flatten_state_dict(expected)[0].items():
-        size = tuple(value.size()) if hasattr(value, "size") else None
-        if key.startswith("rng."):
-            continue  # per-rank keys: present only when the world size is the same
+    for key, value in expected.items():
+        size = tuple(value.size())
         if key not in saved:
             raise CheckpointError(f"checkpoint {path.name} is from another model or strategy: it has no {key!r} "
                                   f"(it holds {', '.join(sorted(saved)[:4])}, ...)")
         have = tuple(getattr(saved[key], "size", ()) or ())
-        if size is not None and have != size and key.startswith("loop."):
+        if have != size and key.startswith("loop."):
             raise CheckpointError(f"checkpoint {path.name} is from a run of another length: {key} has shape "
                                   f"{list(have)} there, {list(size)} here (allowed: the same steps)")
-        if size is not None and have != size:
+        if have != size:
             raise CheckpointError(f"checkpoint {path.name} is from another model: {key} has shape {list(have)} there, "
                                   f"{list(size)} here")
 

@@ -39,15 +39,6 @@ class FullReplica(Strategy):
     def final_params(self):
         return self.flat
 
-    def checkpoint_state(self):
-        from backend.parallel.checkpoint import param_ranges, replicated
-
-        state = replicated(param_ranges(self.model), {"param": self.flat, "exp_avg": self.m, "exp_avg_sq": self.v})
-        return {**state, "optim.step": torch.tensor(self.adam.step)}
-
-    def load_checkpoint_state(self, state):
-        self.adam.step = int(state["optim.step"])
-
 
 class DDP(FullReplica):
     """The MLP loop's DDP: mesh_dp.BucketOverlap's hooks and buckets (the mesh's DDP) over this loop's dp ranks, each

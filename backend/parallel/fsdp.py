@@ -68,18 +68,6 @@ class FSDP2(Strategy):
     def final_params(self):
         return torch.cat([p.full_tensor().detach().reshape(-1) for p in self.model.parameters()])
 
-    def checkpoint_state(self):
-        """DCP's own view of FSDP2's model and optimizer: DTensors sharded on dim 0 (torch.chunk's rows)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_checkpoint_state(self, state):
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
 
 def dp_device_mesh(group, rank: int):
     """torch's DeviceMesh over an existing dp process group (from_group: no new group, so ranks outside it need not

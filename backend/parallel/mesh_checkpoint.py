@@ -8,6 +8,7 @@ gone, and the continuation on the other mesh against one float64 process, with D
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import numpy as np
 
@@ -80,24 +81,25 @@ def resharded(config):
 
 def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> dict:
     """This rank's run with its checkpoints (and the kill): the payload of train_rank plus what the result checks."""
-    root = ckpt.folder(ctx)
+    root, parent = ckpt.folder(ctx), ckpt.parent_folder(ctx)
     shapes = ckpt.reference_shapes(config)
     killing = config.kill_rank >= 0
-    if killing and ctx.attempt == 0:  # the same plan without checkpoints or the kill: what the resumed run must equal
+    attempt = inherit(rank, root, parent) + ctx.attempt
+    if killing and attempt == 0:  # the same plan without checkpoints or the kill: what the resumed run must equal
         plain = train_rank(rank, world, config)
         root.mkdir(parents=True, exist_ok=True)
         np.savez(root / BASELINE.format(rank), **plain["params"])
 
     def fault(step):
-        if ctx.attempt == 0 and rank == config.kill_rank and step == config.kill_step:
+        if attempt == 0 and rank == config.kill_rank and step == config.kill_step:
             ckpt.kill_self(root, rank, step)
-    saver = ckpt.Checkpointer(root, config.checkpoint_every, rank, attempt=ctx.attempt,
-                              asynchronous=config.checkpoint_save == "async")
+    saver = ckpt.Checkpointer(root, config.checkpoint_every, rank, attempt=attempt,
+                              asynchronous=config.checkpoint_save == "async", parent=parent)
     hook = ckpt.MeshHook(saver, fault if killing else None, shapes)
     payload = train_rank(rank, world, config, ctx.progress, hook)
-    out = {"attempt": ctx.attempt, "start": resumed_step(saver), "resumed_from": saver.resumed_from,
+    out = {"attempt": attempt, "start": resumed_step(saver), "resumed_from": saver.resumed_from,
            "load_s": saver.load_seconds, "saves": [dataclasses.asdict(s) for s in saver.saves],
-           "held": hook.state.held_bytes()}
+           "held": hook.state.held_bytes(), "parent": parent.parent.name if parent else None}
     if killing:
         with np.load(root / BASELINE.format(rank)) as base:
             out["bitwise"] = all(np.array_equal(v.view(np.uint64), base[k].view(np.uint64)) for k, v in payload["params"].items())
@@ -112,6 +114,19 @@ def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> di
     return payload
 
 
+def inherit(rank: int, root, parent) -> int:
+    """A run resuming a failed one (`parent`: its checkpoint folder, from the store): the parent's timeline (rank 0) and
+    this rank's uninterrupted baseline copied into this run's folder, so the history and the bit-for-bit check go on;
+    the attempt this run starts at, numbered on from the parent's (0 for a run that resumes nothing)."""
+    if not parent:
+        return 0
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ((ckpt.TIMELINE,) if rank == 0 else ()) + (BASELINE.format(rank),):
+        if (parent / name).exists() and not (root / name).exists():
+            shutil.copy(parent / name, root / name)
+    return 1 + max((e.get("attempt", 0) for e in ckpt.read_timeline(parent)), default=0)
+
+
 def resumed_step(saver) -> int:
     """The step the last attempt started from (0 when it resumed nothing): the saved step of the checkpoint it loaded."""
     if not saver.resumed_from:
@@ -122,9 +137,15 @@ def resumed_step(saver) -> int:
 def continue_on_another_mesh(rank: int, world: int, config, root, shapes, attempt: int, train_rank) -> dict:
     """The newest checkpoint before the last step, loaded on tp = reshard_tp x pp = reshard_pp by the same processes
     (DCP reads each saved piece where it overlaps what a new rank holds) and trained to the end."""
-    source = ckpt.newest_before([root], config.steps)
+    return continue_on(rank, world, resharded(config), [root], root, shapes, attempt, train_rank)
+
+
+def continue_on(rank: int, world: int, new, roots: list, root, shapes, attempt: int, train_rank) -> dict:
+    """The newest checkpoint under `roots` saved before the last step, loaded by this rank of the `new` plan (`world`
+    ranks) and trained to the end: its payload's parameters, sources and losses, and DCP's reads."""
+    source = ckpt.newest_before(roots, new.steps)
     hook = ckpt.MeshHook(ckpt.Checkpointer(root / "resharded", 0, rank, attempt=attempt, source=source), None, shapes)
-    out = train_rank(rank, world, resharded(config), None, hook)
+    out = train_rank(rank, world, new, None, hook)
     return {**{k: out[k] for k in ("params", "sources", "losses", "last_stage", "coords")}, "from": source.name,
             "reads": hook.saver.reads, "held": hook.saver.held_bytes, "load_s": hook.saver.load_seconds}
 
@@ -156,7 +177,8 @@ def checks_and_tables(config, payloads, ref, cut) -> tuple[list[Check], dict, di
         metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=first["start"],
                        steps_redone=config.kill_step - first["start"], load_s=first["load_s"])
     tables = {"checkpoint_timeline": [{**e, "t_s": e["t"] - timeline[0]["t"]} for e in timeline] if timeline else [],
-              "checkpoint_files": files, "checkpoint_bytes_per_rank": per_rank}
+              "checkpoint_files": files, "checkpoint_bytes_per_rank": per_rank,
+              "checkpoint_share_per_rank": share_per_rank(per_rank)}
     if config.reshard_tp:
         more_checks, more_metrics, more_tables = reshard_result(config, payloads, ref, cut)
         checks += more_checks
@@ -192,13 +214,14 @@ def bytes_checks(config, payloads, ref) -> tuple[list[Check], list[dict]]:
     return checks, per_rank
 
 
-def reshard_result(config, payloads, ref, cut) -> tuple[list[Check], dict, dict]:
-    """The continuation on the other mesh against one float64 process (checkpoint.reshard_result's checks)."""
-    new = [p["checkpoint"]["reshard"] for p in payloads]
+def reshard_result(config, payloads, ref, cut, new_plan=None) -> tuple[list[Check], dict, dict]:
+    """The continuation on the other mesh (`new_plan`; resharded(config) unless given) against one float64 process
+    (checkpoint.reshard_result's checks), from the ranks that ran it."""
+    new = [p["checkpoint"]["reshard"] for p in payloads if p["checkpoint"].get("reshard")]
     param_err = max(float(np.abs(v - cut(ref["state"], n["sources"])[k].numpy()).max()) for n in new for k, v in n["params"].items())
     last = next(n for n in new if n["last_stage"])
     loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
-    plan = f"{mesh_label(config)} -> {mesh_label(resharded(config))}"
+    plan = f"{mesh_label(config)} -> {mesh_label(new_plan or resharded(config))}"
     return ckpt.reshard_result(plan, new, param_err, loss_err,
                                "TinyDecoder, float64, torch.optim.Adam, one process, all the steps")
 
@@ -274,6 +297,17 @@ def bytes_per_rank(config, payloads, pieces: list[dict]) -> list[dict]:
     held = {p["rank"]: p["checkpoint"]["held"] for p in payloads}
     return [{"rank": r, "category": c, "written_bytes": sum(x["bytes"] for x in pieces if x["rank"] == r and ckpt.mesh_category(x["key"]) == c),
              "expected_bytes": e, "held_bytes": held[r][c]} for r, cats in sorted(expected.items()) for c, e in cats.items()]
+
+
+def share_per_rank(per_rank: list[dict]) -> list[dict]:
+    """Each rank's whole file against its whole share: bytes_per_rank's categories summed per rank (what the page draws
+    as a tick over each rank's stacked bar)."""
+    out: dict[int, dict] = {}
+    for row in per_rank:
+        total = out.setdefault(row["rank"], {"rank": row["rank"], "written_bytes": 0, "expected_bytes": 0})
+        total["written_bytes"] += row["written_bytes"]
+        total["expected_bytes"] += row["expected_bytes"]
+    return [out[r] for r in sorted(out)]
 
 
 def step_intervals(timeline: list[dict], attempt: int) -> tuple[list[float], list[float]]:

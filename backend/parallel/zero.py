@@ -172,23 +172,5 @@ class ZeRO(Strategy):
     def psi_bytes(self):
         return self.sh.psi_elements * self.precision.item("compute")
 
-    def checkpoint_state(self):
-        """Each segment's owned shard, cut back to the real elements, as ShardedTensor pieces at their offsets."""
-        from backend.parallel.checkpoint import flat_pieces, param_ranges
-
-        owned = []
-        for (a, b), pad, shard, m, v in zip(self.sh.segs, self.sh.pads, self.sh.shards, self.m, self.v):
-            size = pad // self.world
-            lo = min(a + self.rank * size, b)
-            owned.append((lo, min(lo + size, b), {"param": shard, "exp_avg": m, "exp_avg_sq": v}))
-        state = flat_pieces(param_ranges(self.model), owned, self.mesh.rank)
-        return {**state, "optim.step": torch.tensor(self.adams[0].step)}
-
-    def load_checkpoint_state(self, state):
-        for adam in self.adams:
-            adam.step = int(state["optim.step"])
-        if self.stage < 3:
-            self.flat = self.sh.gather(0, self.precision.compute)
-
     def final_params(self):
         return torch.cat([self.sh.gather(i, self.precision.master) for i in range(len(self.sh.segs))])

@@ -1,37 +1,42 @@
-"""parallel.checkpoint: sharded DCP checkpoints of a data-parallel run, a rank killed by SIGKILL, all ranks
-restarted from the last checkpoint, and the final parameters against an uninterrupted run, bit for bit."""
+"""parallel.checkpoint: the tiny LLaMA trained by the mesh's loop as a dp-only plan (dp_model.mesh_plan), saving sharded
+DCP checkpoints (backend/parallel/mesh_checkpoint.py); a rank killed by SIGKILL, every rank restarted from the last
+checkpoint (the spawner's or torchrun's --max-restarts; with none the run fails and its page resumes it from the store),
+the final weights bit for bit against the uninterrupted run; the last checkpoint before the end continued on fewer ranks
+under another dp strategy; the save interval against the failure rate. Runs stored before version 2 trained the
+Linear+tanh MLP (the `mlp` shape of the result, still drawn by the page)."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import shutil
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from backend.config import ConfigError, setting
-from backend.limits import cost
+from backend.config import Config, ConfigError, setting
 from backend.experiments import define
+from backend.experiments.parallel import dp_model
 from backend.parallel import checkpoint as ckpt
+from backend.parallel import mesh_checkpoint
 from backend.parallel.mesh_checkpoint import bench_rows
-from backend.parallel.loop import start_rank, train
-from backend.parallel.workload import FP64, WorkloadConfig, reference_run
-from backend.result import Check, Result, Schema
-from backend.trace import Tracer
+from backend.result import Check, Result, Schema, Shapes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-BASELINE = "uninterrupted.npy"
+ON_THE_MESH = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp2"}  # mesh's dp_strategy
+NAMES = {"d_model": "hidden", "checkpoint_every": "every", "checkpoint_save": "save", "dp_strategy": "strategy"}
 
 
 @dataclasses.dataclass
-class CheckpointConfig(WorkloadConfig):
+class CheckpointConfig(Config):
     world_size: int = setting(2, min=2, max=8, help="data-parallel ranks n")
-    steps: int = setting(6, min=2, max=100, help="training steps")
-    strategy: str = setting("zero3", choices=STRATEGIES, help="how the model and Adam's states are held and sharded")
-    every: int = setting(2, min=1, max=100, help="checkpoint interval (steps between saves)")
+    hidden: int = setting(32, min=4, max=512, help="the tiny LLaMA's d_model")
+    layers: int = setting(2, min=1, max=16, help="decoder blocks")
+    batch: int = setting(4, min=1, max=64, help="8-token sequences in the global batch, split over the ranks")
+    steps: int = setting(6, min=2, max=50, help="training steps (Adam)")
+    lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
+    strategy: str = setting("zero3", choices=STRATEGIES, help="how the model and Adam's states are held and sharded over dp")
+    every: int = setting(2, min=1, max=50, help="checkpoint interval (steps between saves)")
     kill_rank: int = setting(1, min=-1, max=7, help="rank killed by SIGKILL (-1: none)")
-    kill_step: int = setting(3, min=0, max=99, help="step in which that rank is killed (after its backward)")
+    kill_step: int = setting(3, min=0, max=49, help="step in which that rank is killed (after its backward)")
     max_restarts: int = setting(1, min=0, max=3, help="times all ranks may be restarted from the last checkpoint (0: the kill fails the run, which its page can resume)")
     save: str = setting("sync", choices=("sync", "async"), help="dcp.save blocks the step; dcp.async_save stages a copy and writes it in a thread")
     mtbf_s: float = setting(30.0, min=1.0, max=1e7, help="mean time between failures (s) for the interval trade-off")
@@ -39,32 +44,29 @@ class CheckpointConfig(WorkloadConfig):
     reshard_ranks: int = setting(1, min=1, max=8, help="ranks of that plan (at most world_size: the same processes, regrouped)")
 
     cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
+    model = "tiny_llama"  # (what dp_model.mesh_plan and the result's shape read; not a setting)
 
     def check(self) -> None:
-        super().check()
-        if self.kill_rank >= self.world_size:
-            raise ConfigError("kill_rank", f"{self.kill_rank} is not a rank of world_size={self.world_size} "
-                                           f"(allowed: -1 to {self.world_size - 1})")
-        if self.kill_step >= self.steps:
-            raise ConfigError("kill_step", f"{self.kill_step} is past the last step (allowed: 0 to {self.steps - 1})")
-        if self.every > self.steps:
-            raise ConfigError("every", f"{self.every} saves nothing in {self.steps} steps (allowed: 1 to steps)")
-        if self.reshard_to == "off":
-            return
-        if self.reshard_ranks > self.world_size:
+        """The run's plan and the continuation's, as the mesh checks them; a refusal names this experiment's setting."""
+        if self.reshard_to != "off" and self.reshard_ranks > self.world_size:
             raise ConfigError("reshard_ranks", f"{self.reshard_ranks} is more than the run's world_size={self.world_size} "
                                                f"(allowed: 1 to {self.world_size})")
-        if self.batch < self.reshard_ranks:
-            raise ConfigError("reshard_ranks", f"{self.reshard_ranks} ranks cannot split a batch of {self.batch} "
-                                               f"(allowed: 1 to {min(self.batch, self.world_size)})")
-        if (self.strategy == "fsdp") != (self.target == "fsdp"):
-            same = ["fsdp"] if self.strategy == "fsdp" else [s for s in STRATEGIES if s != "fsdp"]
-            raise ConfigError("reshard_to", f"{self.reshard_to} cannot load a {self.strategy} checkpoint: FSDP2 saves "
-                                            f"DTensor rows, ours flat vectors (allowed with strategy={self.strategy}: "
-                                            f"same, off, {', '.join(same)})")
+        validated(self.plan(), None)
+        if self.reshard_to == "off":
+            return
         if self.every >= self.steps:
             raise ConfigError("every", f"{self.every} leaves no checkpoint before the last step to continue from on "
                                        f"another plan (allowed with reshard_to={self.reshard_to}: 1 to {self.steps - 1})")
+        validated(self.continued(), "reshard_ranks")
+
+    def plan(self):
+        """The run as parallel.mesh's plan: every rank data parallel, saving every `every` steps, the kill."""
+        return dataclasses.replace(dp_model.mesh_plan(self, ON_THE_MESH[self.strategy]), checkpoint_every=self.every,
+                                   kill_rank=self.kill_rank, kill_step=self.kill_step, checkpoint_save=self.save)
+
+    def continued(self):
+        """The plan that continues the last checkpoint before the end: reshard_ranks ranks of the `target` strategy."""
+        return dataclasses.replace(dp_model.mesh_plan(self, ON_THE_MESH[self.target]), world_size=self.reshard_ranks)
 
     @property
     def target(self) -> str:
@@ -72,94 +74,49 @@ class CheckpointConfig(WorkloadConfig):
         return self.strategy if self.reshard_to == "same" else self.reshard_to
 
     def estimate(self):
-        """As WorkloadConfig's run, done twice when a rank is killed (the uninterrupted run, then the resumed one)
-        with the ranks started twice, plus the continuation on another plan (the steps after the last save before
-        the end, in the same processes), plus each save: every rank writes and hashes its shard of 3 x params x 8 B."""
-        params = self.layers * (self.hidden * self.hidden + self.hidden)
-        continued = self.steps - self.every * ((self.steps - 1) // self.every)  # steps after the last save before the end
-        runs = (2 if self.kill_rank >= 0 else 1) + (continued / self.steps if self.reshard_to != "off" else 0)
-        activations = self.batch * self.hidden * self.layers * 8 * 3
-        saves = self.steps // self.every
-        return cost(data_bytes=(self.world_size + 2) * (params * 8 * 8 + activations),
-                    flops=runs * 2 * 6 * self.batch * params * self.steps,
-                    moved_bytes=runs * self.steps * params * 8 * 4 * self.world_size + saves * 3 * params * 8 * 4,
-                    ops=runs * self.steps * self.layers * 250 * (self.world_size + 2) + saves * 5000 * self.world_size,
-                    ranks=(2 if self.kill_rank >= 0 else 1) * self.world_size)  # the regrouped ranks are the same processes
+        """The mesh plan's (the uninterrupted run, the restarted ranks, the saves), with the continuation counted as the
+        mesh counts a reshard: the steps after the last checkpoint before the end."""
+        more = dict(reshard_tp=1, reshard_pp=1) if self.reshard_to != "off" else {}
+        return dataclasses.replace(self.plan(), **more).estimate()
 
 
-def make_strategy(name: str, workload, mesh, tracer):
-    from backend.parallel.ddp import DDP
-    from backend.parallel.fsdp import FSDP2
-    from backend.parallel.zero import ZeRO
-
-    if name == "ddp":
-        return DDP(workload, mesh, tracer, FP64)
-    if name == "fsdp":
-        return FSDP2(workload, mesh, tracer)
-    return ZeRO(workload, mesh, tracer, FP64, stage=int(name[-1]))
+def validated(plan, field: str | None):
+    """plan.validate(), its refusal named by this experiment's setting (`field`, or the one the mesh's setting maps to)."""
+    try:
+        return plan.validate()
+    except ConfigError as err:
+        message = str(err).split(": ", 1)[-1]
+        for mesh_name, ours in NAMES.items():
+            message = message.replace(mesh_name, ours)
+        raise ConfigError(field or NAMES.get(err.field, err.field), message) from None
 
 
 def run_rank(rank, world, config: CheckpointConfig, ctx):
-    root = ckpt.folder(ctx)
-    parent = ckpt.parent_folder(ctx)  # a failed run this one resumes (from its record in the store)
-    mesh, tracer = start_rank(rank, world)
-    if parent and rank == 0 and not (root / ckpt.TIMELINE).exists():  # the parent's history (and baseline) go on
-        root.mkdir(parents=True, exist_ok=True)
-        for name in (ckpt.TIMELINE, BASELINE):
-            if (parent / name).exists():
-                shutil.copy(parent / name, root / name)
-    dist.barrier()
-    before = ckpt.read_timeline(parent) if parent else []  # the attempts numbered on from the parent's
-    attempt = (1 + max((e.get("attempt", 0) for e in before), default=0) if parent else 0) + ctx.attempt
-    faulted = config.kill_rank >= 0
-    if faulted and attempt == 0:  # the same training without checkpoints or fault: what the resumed run must equal
-        baseline = train(make_strategy(config.strategy, config.workload, mesh, Tracer(rank)))
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            np.save(root / BASELINE, baseline.params)
-        dist.barrier()
+    """This rank's mesh run with its checkpoints and the kill (parallel.mesh's run_rank), then the continuation."""
+    from backend.experiments.parallel import mesh
 
-    def fault(step):
-        if attempt == 0 and rank == config.kill_rank and step == config.kill_step:
-            ckpt.kill_self(root, rank, step)
-
-    saver = ckpt.Checkpointer(root, config.every, rank, attempt=attempt, asynchronous=config.save == "async",
-                              parent=parent)
-    report = train(make_strategy(config.strategy, config.workload, mesh, tracer), ctx.progress, saver,
-                   fault if faulted else None)
-    report.extra = {"attempt": attempt, "saves": [dataclasses.asdict(s) for s in saver.saves],
-                    "load_seconds": saver.load_seconds, "resumed_from": saver.resumed_from,
-                    "parent": parent.parent.name if parent else None}
-    if rank == 0:
-        last = saver.latest()
-        report.extra.update(timeline=ckpt.read_timeline(root), files=ckpt.files_per_rank(last) if last else [],
-                            pieces=ckpt.pieces(last) if last else [],
-                            checkpoint=last.name if last else None,
-                            baseline=np.load(root / BASELINE) if faulted else None)
+    payload = mesh.run_rank(rank, world, config.plan(), ctx)
     if config.reshard_to != "off":
-        report.extra["reshard"] = continue_on_another_plan(rank, config, ctx, root)
-    return report
+        payload["checkpoint"]["reshard"] = continue_on_fewer_ranks(rank, world, config, ctx)
+    return payload
 
 
-def continue_on_another_plan(rank: int, config: CheckpointConfig, ctx, root) -> dict | None:
-    """Resharding: the same processes regrouped as `reshard_ranks` ranks (the others wait), which load the newest
-    checkpoint saved before the run's last step with the `reshard_to` strategy (DCP reads each saved shard where
-    it overlaps what a new rank holds) and train the remaining steps; then the whole group is formed again (the
-    launcher gathers the payloads over it). Their parameters and losses, and which saved file's bytes each new rank
-    read (the load plan DCP made), go back in the payload."""
-    n, world = config.reshard_ranks, dist.get_world_size()
-    out, stores = None, [root / f"regroup_{ctx.attempt}_{name}.store" for name in ("new", "all")]
+def continue_on_fewer_ranks(rank: int, world: int, config: CheckpointConfig, ctx) -> dict | None:
+    """Resharding onto another world size: the same processes regrouped as `reshard_ranks` ranks (the others wait),
+    which load the newest checkpoint saved before the run's last step under the `reshard_to` strategy (DCP reads each
+    saved piece where it overlaps what a new rank holds) and train the remaining steps; then the whole group is formed
+    again (the launcher gathers the payloads over it)."""
+    from backend.parallel.mesh_train import train_rank
+
+    n, out, root = config.reshard_ranks, None, ckpt.folder(ctx)
+    stores = [root / f"regroup_{ctx.attempt}_{name}.store" for name in ("new", "all")]
     if rank == 0:
         for store in stores:  # left by an earlier attempt: their stale keys would be read as this one's
             store.unlink(missing_ok=True)
     regroup(rank, world, n, stores[0], ctx.timeout_s)
     if rank < n:
-        source = ckpt.newest_before([root, ckpt.parent_folder(ctx)], config.steps)
-        mesh, tracer = start_rank(rank, n)
-        saver = ckpt.Checkpointer(root / "resharded", 0, rank, attempt=ctx.attempt, source=source)
-        report = train(make_strategy(config.target, config.workload, mesh, tracer), None, saver)
-        out = {"params": report.params, "losses": report.losses, "from": source.name, "reads": saver.reads,
-               "held_bytes": saver.held_bytes, "load_s": saver.load_seconds}
+        out = mesh_checkpoint.continue_on(rank, n, config.continued(), [root, ckpt.parent_folder(ctx)], root,
+                                          ckpt.reference_shapes(config.plan()), ctx.attempt, train_rank)
     regroup(rank, n, world, stores[1], ctx.timeout_s)
     return out
 
@@ -167,6 +124,8 @@ def continue_on_another_plan(rank: int, config: CheckpointConfig, ctx, root) -> 
 def regroup(rank: int, old: int, new: int, store, timeout_s: float) -> None:
     """Replace this process's default group of `old` ranks by one of the first `new` ranks (a file store in the run's
     folder as the rendezvous); ranks past `new` are left without a group. Every rank of the old group calls it."""
+    import torch.distributed as dist
+
     if rank < old:
         dist.barrier()  # every member is here before the group is taken down
         dist.destroy_process_group()
@@ -202,7 +161,7 @@ def interval_tradeoff(step_s: float, save_s: float, restart_s: float, mtbf_s: fl
     ks = np.unique(np.geomspace(1, max(4 * k_young, 8), 60).round().astype(int))
     cost_k = expected_time_per_step(ks, step_s, save_s, restart_s, mtbf_s)
     best = int(ks[np.argmin(cost_k)])
-    at = lambda k: float(expected_time_per_step(np.array([k]), step_s, save_s, restart_s, mtbf_s)[0])
+    at = lambda k: float(expected_time_per_step(np.array([k]), step_s, save_s, restart_s, mtbf_s)[0])  # noqa: E731
     probes = sorted({max(1, k_young // 4), k_young, 4 * k_young})
     mc = [{"interval_steps": k, "closed_form_s": at(k), "monte_carlo_s": simulated_time_per_step(k, step_s, save_s, restart_s, mtbf_s, seed=k)}
           for k in probes]
@@ -213,163 +172,84 @@ def interval_tradeoff(step_s: float, save_s: float, restart_s: float, mtbf_s: fl
             "mc_error": max(abs(m["monte_carlo_s"] / m["closed_form_s"] - 1) for m in mc)}
 
 
-def expected_tensor_bytes(config: CheckpointConfig) -> int:
-    """What one checkpoint must hold, counted from the settings alone: the float64 weights, Adam's m and v
-    (3 x layers x (h^2 + h) x 8 bytes), Adam's step (one int64; FSDP2's torch Adam: a float32 per parameter
-    tensor), the step and the losses so far (int64, steps x float64), and each rank's CPU generator state."""
-    params = config.layers * (config.hidden * config.hidden + config.hidden)
-    adam_step = 2 * config.layers * 4 if config.strategy == "fsdp" else 8
-    return 3 * params * 8 + adam_step + 8 + config.steps * 8 + config.world_size * torch.get_rng_state().numel()
-
-
-def category(key: str) -> str:
-    """What a checkpoint key holds, by the names checkpoint_state() gives (ours and DCP's get_state_dict)."""
-    if key.startswith("rng."):
-        return "random state"
-    if key.startswith("loop."):
-        return "step and losses"
-    if key == "optim.step" or key.endswith(".step"):
-        return "Adam step"
-    return "weights" if key.startswith("model.") else "Adam m, v"
-
-
-def owned(total: int, rank: int, n: int) -> int:
-    """Elements of a length-`total` dimension rank holds when it is cut in n pieces of ceil(total / n)
-    (torch.chunk's rule, which ZeRO's padded flat shards and FSDP2's dim-0 rows both follow)."""
-    size = -(-total // n)
-    return max(0, min((rank + 1) * size, total) - rank * size)
-
-
-def sharded_weight_elements(config: CheckpointConfig, rank: int) -> int:
-    """The weight elements `rank` alone holds, from the settings: ZeRO-1/2 cut the whole flat vector, ZeRO-3 each
-    layer's h^2 + h, FSDP2 each weight's and bias's h rows; DDP holds nothing alone (all of it replicated)."""
-    h, L, n = config.hidden, config.layers, config.world_size
-    if config.strategy == "ddp":
-        return 0
-    if config.strategy in ("zero1", "zero2"):
-        return owned(L * (h * h + h), rank, n)
-    if config.strategy == "zero3":
-        return L * owned(h * h + h, rank, n)
-    return L * owned(h, rank, n) * (h + 1)
-
-
-def bytes_per_rank(config: CheckpointConfig, pieces: list[dict]) -> list[dict]:
-    """Each rank's tensor bytes in the checkpoint by category, beside what the settings say it alone must hold:
-    its weights and Adam m, v (3 x 8 B per element it owns) and its generator state. Replicated tensors (the steps,
-    the losses; DDP's whole state) DCP writes once, on a rank its planner picks: shown as written, not predicted."""
-    rows = []
-    for rank in range(config.world_size):
-        mine = [p for p in pieces if p["rank"] == rank]
-        by = {c: sum(p["bytes"] for p in mine if category(p["key"]) == c)
-              for c in ("weights", "Adam m, v", "Adam step", "step and losses", "random state")}
-        sharded = by["random state"] + (by["weights"] + by["Adam m, v"] if config.strategy != "ddp" else 0)
-        expected = 3 * 8 * sharded_weight_elements(config, rank) + torch.get_rng_state().numel()
-        rows.append({"rank": rank, **by, "sharded bytes": sharded, "expected sharded bytes": expected,
-                     "replicated, written here": sum(by.values()) - sharded})
-    return rows
-
-
-def reshard_result(config: CheckpointConfig, reports, ref) -> tuple[list[Check], dict, dict]:
-    """The continuation on another plan (continue_on_another_plan) against one float64 process (checkpoint.reshard_result's
-    checks)."""
-    new = [{**r.extra["reshard"], "held": r.extra["reshard"]["held_bytes"]} for r in reports[:config.reshard_ranks]]
-    param_err = max(float(np.abs(n["params"] - ref["params"].numpy()).max()) for n in new)
-    loss_err = max(abs(a - b) for n in new for a, b in zip(n["losses"], ref["losses"]))
-    plan = f"{config.strategy} on {config.world_size} ranks -> {config.target} on {config.reshard_ranks}"
-    return ckpt.reshard_result(plan, new, param_err, loss_err, "single-process PyTorch training the whole batch (float64)")
-
-
-def interval_result(config: CheckpointConfig, first) -> tuple[list[Check], dict, dict]:
-    """The checkpoint interval's trade-off from the run's measured step, save and load times (interval_tradeoff): the
-    checks of the closed form against Monte Carlo and of Young's interval against the best, its metrics and tables.
-    Nothing when the run took no two consecutive steps or saved nothing."""
-    timeline = first.extra["timeline"]
+def interval_result(config: CheckpointConfig, first: dict) -> tuple[list[Check], dict, dict]:
+    """The checkpoint interval's trade-off from the run's measured step, save and load times (interval_tradeoff; rank
+    0's checkpoint payload `first`): the checks of the closed form against Monte Carlo and of Young's interval against
+    the best, its metrics and tables. Nothing when the run took no two consecutive steps or saved nothing."""
+    timeline = first["timeline"]
     steps = [b["t"] - a["t"] for a, b in zip(timeline, timeline[1:]) if a["event"] == b["event"] == "step"
              and b["step"] == a["step"] + 1]
-    if steps and first.extra["saves"]:
-        step_s = float(np.median(steps))
-        save_s = float(np.mean([s["seconds"] for s in first.extra["saves"]]))
-        restart_s = first.extra["load_seconds"] or save_s
-        trade = interval_tradeoff(step_s, save_s, restart_s, config.mtbf_s)
-        metrics = dict(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
-                       best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
-        checks = [Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
-                        reference="4,000 simulated segments per interval, exponential failure times",
-                        detail="relative difference, worst of 3 intervals"),
-                  Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
-                        trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
-                        detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps")]
-        return checks, metrics, {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
-    return [], {}, {}
+    if not (steps and first["saves"]):
+        return [], {}, {}
+    step_s = float(np.median(steps))
+    save_s = float(np.mean([s["seconds"] for s in first["saves"]]))
+    trade = interval_tradeoff(step_s, save_s, first["load_s"] or save_s, config.mtbf_s)
+    metrics = dict(step_s=step_s, young_interval_s=trade["young_s"], young_interval_steps=trade["young_steps"],
+                   best_interval_steps=trade["best_steps"], young_overhead_above_best_pct=100 * trade["young_vs_best"])
+    checks = [Check("Monte Carlo failures match the closed-form time per step", trade["mc_error"], 0.05,
+                    reference="4,000 simulated segments per interval, exponential failure times",
+                    detail="relative difference, worst of 3 intervals"),
+              Check("Young's interval sqrt(2 x save x MTBF) costs within 5 % of the best interval",
+                    trade["young_vs_best"], 0.05, reference="the exact expected time per step over 60 intervals",
+                    detail=f"Young {trade['young_steps']} steps, best {trade['best_steps']} steps")]
+    return checks, metrics, {"interval": trade["rows"], "monte_carlo": trade["monte_carlo"]}
 
 
-def combine(config: CheckpointConfig, reports) -> Result:
-    first = reports[0]
-    ref = reference_run(config.workload)
-    param_err = max((torch.from_numpy(r.params) - ref["params"]).abs().max().item() for r in reports)
-    loss_err = max(abs(a - b) for a, b in zip(first.losses, ref["losses"]))
-    files = first.extra["files"]
-    stored = sum(f["tensor bytes"] for f in files)
-    checks = [
-        Check("final parameters equal one process (float64, same Adam) after the resume", param_err, 1e-9,
-              reference="single-process PyTorch training the whole batch", detail="max |difference|"),
-        Check("every step's loss, kept in the checkpoint across the restart, equals the reference", loss_err, 1e-9,
-              reference="single-process PyTorch"),
-        Check("tensor bytes in the last checkpoint equal the model's state exactly", abs(stored - expected_tensor_bytes(config)), 0,
-              reference="weights + Adam m, v + Adam step + loop step, losses + per-rank RNG, counted from the settings",
-              detail=f"{stored} B stored in {len(files)} files"),
-    ]
-    per_rank = bytes_per_rank(config, first.extra["pieces"])
-    checks.append(Check("each rank's file holds exactly its own shards: weights, Adam m, v and its RNG state",
-                        max(abs(r["sharded bytes"] - r["expected sharded bytes"]) for r in per_rank), 0,
-                        reference="3 x 8 B per weight element the rank owns (ceil(total / n) pieces) + one generator "
-                                  "state, counted from the settings",
-                        detail="; ".join(f"rank {r['rank']}: {r['sharded bytes']:,} B" for r in per_rank)))
-    timeline = first.extra["timeline"]
-    kills = [e for e in timeline if e["event"] == "kill"]
-    metrics = {"strategy": config.strategy, "world_size": config.world_size, "attempts": first.extra["attempt"] + 1,
-               "checkpoint_tensor_bytes": stored, "checkpoint_file_bytes": sum(f["bytes"] for f in files),
-               "save_s_mean": float(np.mean([s["seconds"] for s in first.extra["saves"]])) if first.extra["saves"] else None,
-               "load_s": first.extra["load_seconds"],
-               "dcp_metadata_bytes": sum(f["bytes"] for f in files if f["file"] == ".metadata")}
-    if config.kill_rank >= 0:
-        base_err = max(float(np.abs(r.params - first.extra["baseline"]).max()) for r in reports)
-        bitwise = all(np.array_equal(r.params.view(np.uint64), first.extra["baseline"].view(np.uint64)) for r in reports)
-        checks.append(Check("final parameters equal the uninterrupted run's bit for bit", 0.0 if bitwise else max(base_err, 1e-300), 0,
-                            reference="the same strategy trained without checkpoints or the kill, in the same processes",
-                            detail="bits compared as uint64"))
-        resumed = [e for e in timeline if e["event"] == "start" and e["attempt"] > 0]
-        checks.append(Check("the killed rank died by SIGKILL and all ranks restarted", 0 if kills and resumed else 1, 0,
-                            reference="timeline: a kill, then a start in attempt 1 from the last checkpoint"))
-        last_saved = resumed[-1]["step"] if resumed else 0
-        metrics.update(killed_rank=config.kill_rank, killed_in_step=config.kill_step, resumed_from_step=last_saved,
-                       steps_redone=config.kill_step - last_saved)
-    interval_checks, interval_metrics, tables_extra = interval_result(config, first)
-    checks += interval_checks
-    metrics.update(interval_metrics)
-    tables_extra["bytes_per_rank"] = per_rank
-    if config.reshard_to != "off":
-        more_checks, more_metrics, more_tables = reshard_result(config, reports, ref)
-        checks += more_checks
-        metrics.update(more_metrics)
-        tables_extra.update(more_tables)
-    t0 = timeline[0]["t"] if timeline else 0.0
-    events = [{**e, "t_s": e["t"] - t0} for e in timeline]
-    notes = [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
-             f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
-             f"{metrics.get('steps_redone')} step(s)." if config.kill_rank >= 0 else "No fault: the run saved its checkpoints."]
-    if first.extra["parent"]:
-        metrics["parent_run"] = first.extra["parent"]
-        notes = [f"Run {first.extra['parent']} failed when rank {config.kill_rank} was killed by SIGKILL in step "
-                 f"{config.kill_step}; this run resumed it from its newest checkpoint ({first.extra['resumed_from']}), "
-                 f"redoing {metrics.get('steps_redone')} step(s). The timeline holds both runs."]
+def reshard_result(config: CheckpointConfig, payloads) -> tuple[list[Check], dict, dict]:
+    """The continuation on reshard_ranks ranks against one float64 process (mesh_checkpoint.reshard_result's checks)."""
+    from backend.parallel.mesh_train import reference_training
+    from backend.parallel.tp import cut
+
+    plan = config.plan()
+    return mesh_checkpoint.reshard_result(plan, payloads, reference_training(plan), cut, config.continued())
+
+
+def notes(config: CheckpointConfig, metrics: dict, first: dict) -> list[str]:
+    """What happened to the run: the kill and the restart, or the failed run it resumed."""
+    if first["parent"]:
+        return [f"Run {first['parent']} failed when rank {config.kill_rank} was killed by SIGKILL in step "
+                f"{config.kill_step}; this run resumed it from its newest checkpoint ({first['resumed_from']}), "
+                f"redoing {metrics.get('steps_redone')} step(s). The timeline holds both runs."]
+    if config.kill_rank < 0:
+        return ["No fault: the run saved its checkpoints."]
+    return [f"Rank {config.kill_rank} was killed by SIGKILL in step {config.kill_step}; every rank was restarted and "
+            f"resumed from the checkpoint after step {metrics.get('resumed_from_step')}, redoing "
+            f"{metrics.get('steps_redone')} step(s)."]
+
+
+MESH_TABLES = ("loss", "memory", "ranks", "checkpoint_timeline", "checkpoint_files", "checkpoint_bytes_per_rank",
+               "checkpoint_share_per_rank")  # of parallel.mesh's result, the ones the page draws
+
+
+def combine(config: CheckpointConfig, payloads) -> Result:
+    """The mesh's result (its checks: the weights and losses against one float64 process, the bytes and memory per rank,
+    each rank's file against its share, the kill bit for bit), with the continuation on fewer ranks, the interval
+    trade-off and bench/checkpoint.py's figures."""
+    from backend.experiments.parallel import mesh
+
+    result = mesh.combine(config.plan(), payloads)
+    first = payloads[0]["checkpoint"]
+    files = first["files"]
+    metrics = {**result.metrics, "model": "tiny_llama", "strategy": config.strategy, "world_size": config.world_size,
+               "dcp_metadata_bytes": sum(f["bytes"] for f in files if f["file"] == ".metadata"),
+               **({"parent_run": first["parent"]} if first["parent"] else {})}
+    checks, tables = result.checks, {k: result.tables[k] for k in MESH_TABLES if k in result.tables}
+    for more in (interval_result(config, first), reshard_result(config, payloads) if config.reshard_to != "off" else None):
+        if more:
+            checks += more[0]
+            metrics.update(more[1])
+            tables.update(more[2])
     measured = bench_rows()  # bench/checkpoint.py's figures as they stood when this run ran (None before the bench ran)
     if measured is not None:
-        about, tables_extra["bench"] = measured
+        about, tables["bench"] = measured
         metrics.update({f"bench.{k}": v for k, v in about.items()})
-    return Result(metrics=metrics, checks=checks, tables={"timeline": events, "files": files, **tables_extra,
-                                                          "loss": [{"step": i, "loss": l} for i, l in enumerate(first.losses)]},
-                  trace_events=[e for r in reports for e in r.trace["events"]], notes=notes)
+    return Result(metrics=metrics, checks=checks, tables=tables, trace_events=result.trace_events,
+                  notes=notes(config, metrics, first))
+
+
+def _v1_the_mlp(result: dict) -> None:
+    """Version 1 runs trained the Linear+tanh MLP (backend/parallel/loop.py) and did not name their model."""
+    result["metrics"].setdefault("model", "mlp")
 
 
 KILLED = ("killed_rank", "killed_in_step", "resumed_from_step", "steps_redone")  # kill_rank >= 0
@@ -377,24 +257,37 @@ INTERVAL = ("step_s", "young_interval_s", "young_interval_steps", "best_interval
             "young_overhead_above_best_pct")  # when the run timed consecutive steps and saved at least once
 RESHARD = ("reshard_plan", "reshard_from", "reshard_load_s")  # reshard_to != off
 BENCH = ("bench.machine", "bench.when", "bench.load")  # bench/results/checkpoint.json present when the run ran
-RESULT = Schema(
-    metrics=("strategy", "world_size", "attempts", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
+OWN = {"interval": ("interval_steps", "lost_work_s_per_failure", "overhead_pct", "time_per_step_s"),
+       "monte_carlo": ("interval_steps", "closed_form_s", "monte_carlo_s"),
+       "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
+       "reshard_bytes": ("new rank", "saved rank", "bytes"),
+       "bench": ("plan", "save", "blocking (s)", "min-max (s)", "load (s)", "step, saving (s)", "step, not (s)",
+                 "bytes / model (B)", "top rank (B)")}
+VERSION = dict(version=2, upgrades={1: _v1_the_mlp})
+MLP = Schema(  # version 1: the MLP's own loop
+    metrics=("model", "strategy", "world_size", "attempts", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
              "load_s", "dcp_metadata_bytes", *KILLED, *INTERVAL, *RESHARD, *BENCH, "parent_run"),
     tables={"timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "files": ("file", "rank", "bytes", "tensor bytes"),
-            "interval": ("interval_steps", "lost_work_s_per_failure", "overhead_pct", "time_per_step_s"),
-            "monte_carlo": ("interval_steps", "closed_form_s", "monte_carlo_s"),
             "bytes_per_rank": ("rank", "weights", "Adam m, v", "Adam step", "random state", "step and losses",
                                "replicated, written here", "sharded bytes", "expected sharded bytes"),
-            "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
-            "reshard_bytes": ("new rank", "saved rank", "bytes"),
-            "loss": ("step", "loss"),
-            "bench": ("plan", "save", "blocking (s)", "min-max (s)", "load (s)", "step, saving (s)", "step, not (s)",
-                      "bytes / model (B)", "top rank (B)")},
-    optional=(*KILLED, *INTERVAL, *RESHARD, "parent_run",  # parent_run: a run resumed from a failed one's checkpoint
-              "interval", "monte_carlo", "reshard_map", "reshard_bytes", *BENCH, "bench"),
-)
+            "loss": ("step", "loss"), **OWN},
+    optional=(*KILLED, *INTERVAL, *RESHARD, "parent_run", "interval", "monte_carlo", "reshard_map", "reshard_bytes",
+              *BENCH, "bench"), **VERSION)
 
-EXPERIMENT = define(__name__, CheckpointConfig, "Sharded DCP checkpoints, a rank killed by SIGKILL and the run resumed bit for bit",
-                    rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
+
+def _llama():
+    from backend.experiments.parallel import mesh
+
+    s, always = mesh.RESULT, ("attempts", *MESH_TABLES)  # (checkpoints are always on here)
+    return Schema(metrics=("model", "strategy", "world_size", "dcp_metadata_bytes", *s.metrics, *INTERVAL, *BENCH, "parent_run"),
+                  tables={**{k: s.tables[k] for k in MESH_TABLES}, **OWN},
+                  optional=(*(k for k in s.optional if k in s.metrics and k not in always), *INTERVAL, *BENCH, "parent_run",
+                            *OWN), **VERSION)
+
+
+RESULT = Shapes(by="model", shapes={"mlp": MLP, "tiny_llama": _llama()})
+
+EXPERIMENT = define(__name__, CheckpointConfig, "Sharded DCP checkpoints of the tiny LLaMA, a rank killed by SIGKILL and "
+                    "the run resumed bit for bit", rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm"),
                     preload=("torch.distributed.fsdp", "torch.distributed.checkpoint"), schema=RESULT)

@@ -1073,6 +1073,13 @@ def _v2_to_v3(result: dict) -> None:
     result["tables"]["experts_per_rank"] = experts_per_rank(result["tables"]["experts"])
 
 
+def _v3_to_v4(result: dict) -> None:
+    """Version 3 -> 4: each rank's whole checkpoint file against its share, summed from the stored per-category rows by
+    the experiment's own function (the page summed them before)."""
+    if "checkpoint_bytes_per_rank" in result["tables"]:
+        result["tables"]["checkpoint_share_per_rank"] = mesh_checkpoint.share_per_rank(result["tables"]["checkpoint_bytes_per_rank"])
+
+
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
              "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
 CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
@@ -1108,11 +1115,12 @@ RESULT = Schema(
             "checkpoint_timeline": ("t", "t_s", "event", "step", "attempt", "seconds", "blocking", "load_seconds", "rank", "pid"),
             "checkpoint_files": ("file", "rank", "bytes", "tensor bytes"),
             "checkpoint_bytes_per_rank": ("rank", "category", "written_bytes", "expected_bytes", "held_bytes"),
+            "checkpoint_share_per_rank": ("rank", "written_bytes", "expected_bytes"),  # bytes_per_rank summed per rank
             "reshard_map": ("new rank", "saved rank", "key", "file", "from byte", "bytes"),
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
     optional=("step_replayed_ms", "bubble_model_gap", "bubble_model_gap_detail", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
-              "checkpoint_bytes_per_rank", "reshard_map", "reshard_bytes"),
-    version=3, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3},
+              "checkpoint_bytes_per_rank", "checkpoint_share_per_rank", "reshard_map", "reshard_bytes"),
+    version=4, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3, 3: _v3_to_v4},
 )
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
