@@ -181,7 +181,7 @@ def run(config: Int8Config, ctx) -> Result:
                  "held_out_loss.w8a8": round(w["w8a8"]["held_out_loss"], 4), "entropy_rate_nats": corpus.entropy_rate,
                  "kv_bytes_per_token.fp32": kv_rows[0]["bytes_per_token"], "kv_bytes_per_token.int8": kv_rows[1]["bytes_per_token"],
                  **gemm_info},
-        tables={"models": rows, "kv_cache": kv_rows},
+        tables={"models": error_bars(rows), "kv_cache": kv_rows},
         checks=checks,
         notes=[f"A {SHAPE['d_model']}-wide, {SHAPE['n_layers']}-layer model trained {config.steps} steps on a synthetic corpus: "
                "a small-scale illustration of INT8's error, not a claim about large models."])
@@ -196,6 +196,19 @@ def changes_from_fp32(metrics: dict) -> None:
     metrics["w8a8_loss_change_nats"] = round(metrics["held_out_loss.w8a8"] - metrics["held_out_loss.fp32"], 4)
 
 
+def error_bars(rows: list[dict]) -> list[dict]:
+    """Each model's held-out loss one standard error either side (the mean over held-out tokens ± its standard error):
+    the bar the page draws."""
+    for r in rows:
+        r["loss_low"], r["loss_high"] = r["held_out_loss"] - r["stderr"], r["held_out_loss"] + r["stderr"]
+    return rows
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the error bars, from the stored rows by the experiment's own function (the page computed them)."""
+    error_bars(result["tables"]["models"])
+
+
 RESULT = Schema(
     metrics=(
         "weight_bytes.fp32", "weight_bytes.int8", "weight_saving_pct", "held_out_loss.fp32", "held_out_loss.w8",
@@ -204,10 +217,10 @@ RESULT = Schema(
     ),
     tables={
         "models": ("greedy_agreement", "held_out_loss", "loss_increase", "max_rel_logit_error", "model", "stderr",
-                   "weight_bytes"),
+                   "weight_bytes", "loss_low", "loss_high"),
         "kv_cache": ("bytes_per_token", "cache", "formula", "greedy_agreement", "kl_nats", "max_rel_logit_error"),
     },
-    version=2, upgrades={1: lambda result: changes_from_fp32(result["metrics"])},  # v1: the page computed the changes
+    version=3, upgrades={1: lambda result: changes_from_fp32(result["metrics"]), 2: _v2_to_v3},  # v1: the page computed the changes
 )
 
 EXPERIMENT = define(__name__, Int8Config,
