@@ -117,13 +117,13 @@ def test_the_loss_error_bars_come_from_the_result_and_old_runs_gain_them(monkeyp
     """The page draws loss ± one standard error from the result (pages only draw): equal to pandas' sums, the standard
     error itself equal to numpy's (float64, ddof 1) over the held-out tokens; a version 2 run gains the bars by the
     upgrade; bars of two standard errors fail."""
-    from backend.models.corpus import MarkovCorpus
+    from backend.models.corpus import MarkovCorpus, held_out_loss
     from backend.result import VERSION_KEY
 
     corpus = MarkovCorpus(32, 0)
     model = exp_int8.train(exp_int8.SHAPE, corpus, 3, 0)
     seqs = corpus.sample(8, 17, torch.Generator().manual_seed(1))
-    loss, se, logits = exp_int8.held_out(model, seqs)
+    loss, se, logits = held_out_loss(model, seqs)
     z = logits.double().numpy()
     logp = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, seqs[:, 1:].numpy()[..., None], -1).ravel()
@@ -141,6 +141,6 @@ def test_the_loss_error_bars_come_from_the_result_and_old_runs_gain_them(monkeyp
         for r in rows:
             r["loss_low"], r["loss_high"] = r["held_out_loss"] - 2 * r["stderr"], r["held_out_loss"] + 2 * r["stderr"]
         return rows
-    monkeypatch.setattr(exp_int8, "error_bars", two_errors)
+    monkeypatch.setattr(exp_int8, "loss_bars", two_errors)
     assert _error_bars_off(exp_int8.RESULT.upgrade(stored)["tables"]["models"]) > 1e-4
     assert _error_bars_off(experiments.run("numerics.int8", **FAST).tables["models"]) > 1e-4
