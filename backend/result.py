@@ -52,6 +52,14 @@ class Result:
         return body
 
 
+def error_bars(rows: list[dict], value: str, stderr: str, k: float, low: str, high: str) -> list[dict]:
+    """Each row's `value` k standard errors either side, as its columns `low` and `high`: the interval a page draws
+    as an error bar (a mean over n samples ± k·σ/√n)."""
+    for r in rows:
+        r[low], r[high] = r[value] - k * r[stderr], r[value] + k * r[stderr]
+    return rows
+
+
 VERSION_KEY = "schema_version"  # in result.json; a stored result without it is version 1 (stored before schemas)
 
 

@@ -27,12 +27,11 @@ def render(result: dict, rec) -> None:
         + alt.Chart(trans).mark_text().encode(x=alt.X("to:N", sort=None), y=alt.Y("from:N", sort=None), text=alt.Text("p:Q", format=".2f")),
         width="stretch")
     values = pd.DataFrame(t["values"])
-    values["lo"], values["hi"] = values["monte_carlo"] - 2 * values["mc_stderr"], values["monte_carlo"] + 2 * values["mc_stderr"]
     bars = alt.Chart(values).mark_bar(opacity=0.6).encode(
         x=alt.X("state:N", title=None, sort=None), y=alt.Y("linear_solve:Q", title="V(s)"),
         tooltip=["state", "reward", alt.Tooltip("linear_solve:Q", format=".5f"), alt.Tooltip("iteration:Q", format=".5f"),
                  alt.Tooltip("monte_carlo:Q", format=".4f"), alt.Tooltip("mc_stderr:Q", format=".4f")])
-    mc = alt.Chart(values).mark_errorbar(color="black").encode(x=alt.X("state:N", sort=None), y=alt.Y("lo:Q", title="V(s)"), y2="hi:Q")
+    mc = alt.Chart(values).mark_errorbar(color="black").encode(x=alt.X("state:N", sort=None), y=alt.Y("mc_low:Q", title="V(s)"), y2="mc_high:Q")
     right.altair_chart((bars + mc).properties(height=260), width="stretch")
     st.caption(f"Bars: V = (I − γP)⁻¹R with γ = {cfg['gamma']}. Black: Monte Carlo mean discounted return ± 2 standard errors.")
     conv = pd.DataFrame(t["convergence"]).melt(id_vars=["iteration"], value_vars=["error", "bound"], var_name="curve", value_name="max_error")

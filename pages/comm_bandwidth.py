@@ -15,7 +15,7 @@ def slowest_rank_chart(counts: pd.DataFrame, table: pd.DataFrame, world: int) ->
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(counts).mark_bar().encode(
         x=alt.X("rank:O", scale=alt.Scale(domain=list(range(world))), title="rank", axis=alt.Axis(labelAngle=0)),
-        y=alt.Y("sum(calls):Q", title="sizes it was slowest at"), color=alt.Color("op:N", title="collective"),
+        y=alt.Y("calls:Q", title="sizes it was slowest at"), color=alt.Color("op:N", title="collective"),
         tooltip=["rank", "op", "calls"],
     ).properties(height=260, title="Which rank set t (the slowest rank's mean)"), width="stretch")
     right.altair_chart(alt.Chart(table).mark_line(point=True).encode(
@@ -32,7 +32,7 @@ def slowest_rank_chart(counts: pd.DataFrame, table: pd.DataFrame, world: int) ->
 def render(result: dict, rec) -> None:
     table = pd.DataFrame(result["tables"]["bandwidth"])
     world = result["metrics"]["world_size"]
-    factors = ", ".join(f"{op} {f:.3g}" for op, f in table.groupby("op", sort=False)["bus_factor"].first().items())
+    factors = ", ".join(f"{r['op']} {r['bus_factor']:.3g}" for r in result["tables"]["bus_factors"])
     st.markdown(
         f"**{world} ranks on gloo.** algbw = S / t; busbw = algbw × factor, as nccl-tests defines them (all-reduce "
         f"2(n−1)/n, all-gather / reduce-scatter / all-to-all (n−1)/n, broadcast 1; here {factors}). "

@@ -32,13 +32,8 @@ def render(result: dict, rec) -> None:
         st.subheader("Which tiles are on chip, step by step (batch 0, head 0)")
         i = st.slider("tile step", 0, len(steps) - 1, 0, key=f"tile-{rec.id}")
         step = steps[i]
-        n_q = max(s["q_tile"] for s in steps) + 1
-        n_k = max(s["kv_tile"] for s in steps) + 1
-        grid = pd.DataFrame([{"q_tile": a, "kv_tile": b,
-                              "state": "on chip now" if (a, b) == (step["q_tile"], step["kv_tile"]) else
-                              ("done" if any(s["q_tile"] == a and s["kv_tile"] == b for s in steps[:i]) else
-                               ("skipped (causal)" if not any(s["q_tile"] == a and s["kv_tile"] == b for s in steps) else "to do"))}
-                             for a in range(n_q) for b in range(n_k)])
+        grid = pd.DataFrame([{**tile, "state": "skipped (causal)" if tile["step"] is None else "on chip now" if tile["step"] == i
+                              else "done" if tile["step"] < i else "to do"} for tile in tables["tile_grid"]])
         left, right = st.columns([1, 1])
         left.altair_chart(alt.Chart(grid).mark_rect(stroke="white").encode(
             x=alt.X("kv_tile:O", title=f"K/V tile ({cfg['block_n']} rows)"), y=alt.Y("q_tile:O", title=f"Q tile ({cfg['block_m']} rows)"),

@@ -28,13 +28,12 @@ def render(result: dict, rec) -> None:
     left.altair_chart(alt.Chart(models).mark_bar().encode(
         x=alt.X("weight_bytes:Q", title="weight bytes as stored (B)"), y=alt.Y("model:N", title=None, sort=None),
         tooltip=["model", alt.Tooltip("weight_bytes:Q", format=",")]).properties(height=150))
-    models["low"], models["high"] = models["held_out_loss"] - models["stderr"], models["held_out_loss"] + models["stderr"]
     right.altair_chart((alt.Chart(models).mark_point(filled=True, size=80).encode(
         x=alt.X("held_out_loss:Q", title="held-out loss (nats/token)", scale=alt.Scale(zero=False)), y=alt.Y("model:N", title=None, sort=None),
         tooltip=["model", alt.Tooltip("held_out_loss:Q", format=".5f"), alt.Tooltip("loss_increase:Q", format="+.5f"),
                  alt.Tooltip("stderr:Q", format=".4f")])
-        + alt.Chart(models).mark_rule().encode(x="low:Q", x2="high:Q", y=alt.Y("model:N", sort=None))).properties(height=150))
-    ui.table(models.drop(columns=["low", "high"]), column_config={
+        + alt.Chart(models).mark_rule().encode(x="loss_low:Q", x2="loss_high:Q", y=alt.Y("model:N", sort=None))).properties(height=150))
+    ui.table(models.drop(columns=["loss_low", "loss_high"]), column_config={
         "held_out_loss": st.column_config.NumberColumn("held-out loss", format="%.5f"),
         "loss_increase": st.column_config.NumberColumn("vs fp32 (nats)", format="%+.5f"),
         "max_rel_logit_error": st.column_config.NumberColumn("max logit error (rel.)", format="%.2e"),

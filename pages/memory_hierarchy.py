@@ -82,6 +82,4 @@ VIEWS = {"Roofline: presets and this machine": ("hardware.roofline", render,
                                       "Times a decode step of a tiny LLaMA whose weights outgrow this CPU's caches at several batch "
                                       "sizes, beside the roofline's prediction, and places Llama 2 and 3 decode steps and a prefill "
                                       "on a GPU preset's roofline.")}
-view = ui.chosen_view({view: name for view, (name, _, _) in VIEWS.items()}, key="memory-view")
-name, view_render, intro = VIEWS[view]
-ui.experiment_page(name, view_render, intro=intro)
+ui.experiment_views(VIEWS, key="memory-view")

@@ -24,9 +24,9 @@ def recompute_price(result: dict) -> None:
         cols[3].metric("backward ÷ forward FLOPs", f"{m['backward_to_forward_flops']:.2f}",
                        help="counted; at 2 (a GEMM's backward is two GEMMs) full recompute adds a third")
     peaks = pd.concat([rows.assign(run="without recompute", bytes=rows["activations_peak_without_bytes"],
-                                   cpu_ms=rows["compute_cpu_without_ms"], flops=rows["forward_flops"] + rows["backward_flops"]),
+                                   cpu_ms=rows["compute_cpu_without_ms"], flops=rows["step_flops_without"]),
                        rows.assign(run="with recompute", bytes=rows["activations_peak_bytes"], cpu_ms=rows["compute_cpu_ms"],
-                                   flops=rows["forward_flops"] + rows["backward_flops"] + rows["extra_flops"])])
+                                   flops=rows["step_flops_with"])])
     tooltip = ["rank", "run", alt.Tooltip("bytes:Q", format=",", title="peak activations (B)"),
                alt.Tooltip("flops:Q", format=",", title="FLOPs per step"), alt.Tooltip("cpu_ms:Q", format=".2f", title="compute CPU (ms)")]
     left, right = st.columns(2)

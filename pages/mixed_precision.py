@@ -51,7 +51,7 @@ def render(result: dict, rec) -> None:
         y=alt.Y("share:Q", title="share of elements", stack=None), color=alt.Color("gradient:N", title=None),
         tooltip=["gradient", "log2_magnitude", "elements", alt.Tooltip("share:Q", format=".4f")])
     rules = alt.Chart(FP16_LIMITS).mark_rule(strokeDash=[4, 4]).encode(x="log2_magnitude:Q", tooltip=["limit"])
-    scaled = alt.Chart(pd.DataFrame({"log2_magnitude": [-24 - cfg["static_scale_log2"]]})).mark_rule(color="green").encode(x="log2_magnitude:Q")
+    scaled = alt.Chart(pd.DataFrame({"log2_magnitude": [m["static_scale_keeps_from_log2"]]})).mark_rule(color="green").encode(x="log2_magnitude:Q")
     st.altair_chart((bars + rules + scaled).properties(height=280), width="stretch")
     st.caption(f"{m['share_below_fp16_subnormal']:.1%} of the nonzero elements lie below 2⁻²⁴ and become 0 in FP16. "
                f"Green: with the static scale 2^{cfg['static_scale_log2']} everything right of this line survives.")

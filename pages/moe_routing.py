@@ -16,7 +16,7 @@ def render(result: dict, rec) -> None:
     bars = alt.Chart(loads).mark_bar().encode(
         x=alt.X("expert:O", title="expert"), y=alt.Y("tokens:Q", title="tokens processed"),
         tooltip=["router", "expert", "tokens", alt.Tooltip("balanced:Q", title="balanced share", format=".2f")])
-    rule = alt.Chart(loads).mark_rule(strokeDash=[4, 4], color="black").encode(y="mean(balanced):Q")
+    rule = alt.Chart(loads).mark_rule(strokeDash=[4, 4], color="black").encode(y="balanced:Q")
     order = [r["router"] for r in t["summary"]]
     st.altair_chart(alt.layer(bars, rule, data=loads).properties(height=120, width=560)
                     .facet(row=alt.Row("router:N", title=None, sort=order, header=alt.Header(labelAngle=0, labelAlign="left"))))

@@ -20,10 +20,9 @@ def _one_query(result: dict, cfg: dict, rec) -> None:
     if row["compressed_visible"]:  # compressed keys summarise every token up to the last visible block's end
         spans.append({"branch": "compressed", "start": 0, "end": row["compressed_end"],
                       "what": f"{row['compressed_visible']} compressed keys (one per {cfg['cmp_block']} tokens, every {cfg['cmp_stride']})"})
-    for b in row["blocks"]:
-        start = b * cfg["sel_block"]
-        spans.append({"branch": "selected", "start": start, "end": min(start + cfg["sel_block"], t + 1), "what": f"block {b}"})
-    spans.append({"branch": "window", "start": max(0, t - cfg["window"] + 1), "end": t + 1, "what": f"last {cfg['window']} tokens"})
+    for b, (start, end) in zip(row["blocks"], row["selected_spans"]):
+        spans.append({"branch": "selected", "start": start, "end": end, "what": f"block {b}"})
+    spans.append({"branch": "window", "start": row["window_start"], "end": row["window_end"], "what": f"last {cfg['window']} tokens"})
     st.altair_chart(alt.Chart(pd.DataFrame(spans)).mark_bar(stroke="white").encode(
         x=alt.X("start:Q", title="key position", scale=alt.Scale(domain=[0, n])), x2="end:Q",
         y=alt.Y("branch:N", title=None, scale=alt.Scale(domain=list(BRANCHES))),

@@ -96,6 +96,4 @@ VIEWS = {"Floating-point formats": ("numerics.formats", render,
          "INT8 quantisation": ("numerics.int8", int8_view.render,
                                "Trains the tiny LLaMA, stores its weights in INT8 with per-channel scales, and runs it weight-only "
                                "and INT8 × INT8 → INT32, and with an INT8 KV cache, against fp32.")}
-view = ui.chosen_view({view: name for view, (name, _, _) in VIEWS.items()}, key="formats-view")
-name, view_render, intro = VIEWS[view]
-ui.experiment_page(name, view_render, intro=intro)
+ui.experiment_views(VIEWS, key="formats-view")

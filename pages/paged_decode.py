@@ -57,9 +57,7 @@ def render(result: dict, rec) -> None:
         left.altair_chart(block_tables(tables, cfg["block_size"]), width="stretch")
     left.caption("Each sequence's block table: logical block → physical block (the number)."
                  + (f" Swapped out to CPU: sequence {', '.join(map(str, snap['swapped']))}." if snap["swapped"] else ""))
-    held = pd.DataFrame([{"state": i, "label": h["label"], "seq": r["seq"]} for i, h in enumerate(history) for r in h["tables"]])
-    held = held.groupby(["state", "label", "seq"]).size().reset_index(name="blocks")
-    right.altair_chart(alt.Chart(held).mark_line(point=True, interpolate="step-after").encode(
+    right.altair_chart(alt.Chart(pd.DataFrame(t["blocks_held"])).mark_line(point=True, interpolate="step-after").encode(
         x=alt.X("state:Q", title="state (prefill, fork, swap, decode steps)"), y=alt.Y("blocks:Q", title="blocks held"),
         color="seq:N", tooltip=["label", "seq", "blocks"]).properties(height=220), width="stretch")
     right.caption("Blocks each sequence holds, state by state.")

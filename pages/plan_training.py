@@ -6,7 +6,7 @@ import streamlit as st
 from pages import form, plan_views, ui
 
 GiB = 2 ** 30
-VIEWS = {"plan.training": "One plan", "plan.search": "Search every plan"}
+VIEWS = {"One plan": "plan.training", "Search every plan": "plan.search"}  # label -> experiment
 
 
 def render_training(result: dict, rec) -> None:
@@ -101,14 +101,7 @@ def render_search(result: dict, rec) -> None:
 
 
 st.title("Plan a training run")
-run_id = st.query_params.get("run")
-shown = ui.store().get(run_id) if run_id else None
-asked = st.query_params.get("view")
-default = shown.experiment if shown and shown.experiment in VIEWS else asked if asked in VIEWS else "plan.training"
-view = st.segmented_control("View", list(VIEWS), default=default, format_func=VIEWS.get, key="plan-view") or default
-if shown and shown.experiment != view:
-    st.query_params.pop("run")
-st.query_params["view"] = view
+view = VIEWS[ui.chosen_view(VIEWS, key="plan-view", param="view")]
 form.model_config_upload(view, ui.store().root)
 ui.experiment_page(
     view, render_training if view == "plan.training" else render_search, page_params=("view",),

@@ -13,7 +13,7 @@ st.title("Serving: a real engine and its simulator")
 PHASES = alt.Scale(domain=["queued", "prefill", "decode", "preempted"], range=["#c9ced6", "#f2a541", "#1f6fd1", "#d1495b"])
 FIGURES = {"ttft_p50": "median TTFT (s)", "ttft_p90": "p90 TTFT (s)", "tpot_p50": "median TPOT (s)",
            "tpot_p90": "p90 TPOT (s)", "throughput_tok_s": "throughput (tokens/s)"}
-VIEWS = {"serving.engine": "Engine: real runs, and the simulator beside them", "serving.simulate": "Simulator at scale"}
+VIEWS = {"Engine: real runs, and the simulator beside them": "serving.engine", "Simulator at scale": "serving.simulate"}
 
 
 def fidelity_table(m: dict, real: str, simulated: str) -> None:
@@ -32,11 +32,11 @@ def latency_cdfs(latency: pd.DataFrame) -> None:
     for col, (field, title) in zip(cols, (("ttft", "time to first token (s)"), ("tpot", "time per output token (s)"),
                                           ("e2e", "end-to-end latency (s)"))):
         data = latency.dropna(subset=[field])
-        col.altair_chart(alt.Chart(data).transform_window(
-            share="cume_dist()", sort=[{"field": field}], groupby=["source"]).mark_line(interpolate="step-after").encode(
+        col.altair_chart(alt.Chart(data).mark_line(interpolate="step-after").encode(
             x=alt.X(f"{field}:Q", title=title, scale=alt.Scale(type="log", nice=False)),  # niced, decades of nothing
-            y=alt.Y("share:Q", title="share of requests", axis=alt.Axis(format="%")), color=alt.Color("source:N", title=None),
-            tooltip=["source", alt.Tooltip(f"{field}:Q", format=".4f"), alt.Tooltip("share:Q", format=".0%")],
+            y=alt.Y(f"{field}_share:Q", title="share of requests", axis=alt.Axis(format="%")),
+            color=alt.Color("source:N", title=None), order=alt.Order(f"{field}:Q"),
+            tooltip=["source", alt.Tooltip(f"{field}:Q", format=".4f"), alt.Tooltip(f"{field}_share:Q", format=".0%", title="share")],
         ).properties(height=240), width="stretch")
 
 
@@ -136,14 +136,7 @@ def render_simulate(result: dict, rec) -> None:
     cost_model(m, t["cost_model"], pd.DataFrame(t["steps"]), "simulated")
 
 
-run_id = st.query_params.get("run")
-shown = ui.store().get(run_id) if run_id else None
-asked = st.query_params.get("view")
-default = shown.experiment if shown and shown.experiment in VIEWS else asked if asked in VIEWS else "serving.engine"
-view = st.segmented_control("View", list(VIEWS), default=default, format_func=VIEWS.get, key="serving-view") or default
-if shown and shown.experiment != view:
-    st.query_params.pop("run")
-st.query_params["view"] = view
+view = VIEWS[ui.chosen_view(VIEWS, key="serving-view", param="view")]
 form.trace_upload(view, "milliseconds", ui.store().root)
 big = BIG[view.removeprefix("serving.")]
 ui.experiment_page(

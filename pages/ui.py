@@ -175,15 +175,27 @@ def submit(name: str, settings: dict) -> str | None:
         return None
 
 
-def chosen_view(views: dict[str, str], key: str) -> str:
+def chosen_view(views: dict[str, str], key: str, param: str | None = None) -> str:
     """A page of several views, one experiment each (view -> experiment): the view chosen, opening on the one the linked
-    run (?run=) belongs to, else the first; a linked run of another view than the chosen one leaves the URL."""
+    run (?run=) belongs to, else the one the URL's `param` names by its experiment (?view=plan.search: a link to a
+    view, kept in the URL as the view changes), else the first; a linked run of another view leaves the URL."""
     shown = store().get(st.query_params["run"]) if "run" in st.query_params else None
-    default = next((view for view, name in views.items() if shown and experiment_of(shown) == name), next(iter(views)))
+    asked = st.query_params.get(param) if param else None
+    default = next((view for view, name in views.items() if shown and experiment_of(shown) == name), None) or \
+        next((view for view, name in views.items() if name == asked), next(iter(views)))
     view = st.segmented_control("view", list(views), default=default, key=key) or default
     if shown and experiment_of(shown) != views[view]:
         del st.query_params["run"]
+    if param:
+        st.query_params[param] = views[view]
     return view
+
+
+def experiment_views(views: dict[str, tuple[str, Callable, str]], key: str) -> None:
+    """A page of several views, each one experiment's page (label -> (experiment, its render, its intro)), the view
+    chosen as chosen_view does."""
+    name, render, intro = views[chosen_view({label: name for label, (name, _, _) in views.items()}, key)]
+    experiment_page(name, render, intro=intro)
 
 
 def preset_buttons(name: str, per_row: int = 4) -> None:

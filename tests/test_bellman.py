@@ -61,3 +61,35 @@ def test_bad_inputs_name_the_field(values, field):
 
 def test_page_draws_a_run():
     render_recorded("pages/bellman.py", "rl.bellman", episodes="200", layout="3x3")
+
+
+def _bars_off(values: list[dict]) -> float:
+    """The largest gap between the values table's Monte Carlo bar and pandas' mean ∓ two standard errors."""
+    import pandas as pd
+
+    v = pd.DataFrame(values)
+    return float(max((v["mc_low"] - (v["monte_carlo"] - 2 * v["mc_stderr"])).abs().max(),
+                     (v["mc_high"] - (v["monte_carlo"] + 2 * v["mc_stderr"])).abs().max()))
+
+
+def test_the_monte_carlo_bars_come_from_the_result_and_old_runs_gain_them(monkeypatch):
+    """The page draws the Monte Carlo values ± 2 standard errors from the result (pages only draw): equal to pandas'
+    arithmetic; a version 1 run gains them by the upgrade; bars of one standard error fail."""
+    from backend.experiments.rl import bellman as exp_bellman
+    from backend.result import VERSION_KEY
+
+    result = experiments.run("rl.bellman", episodes=200)
+    assert _bars_off(result.tables["values"]) < 1e-12
+    stored = result.to_dict()
+    for row in stored["tables"]["values"]:
+        del row["mc_low"], row["mc_high"]
+    del stored[VERSION_KEY]  # stored before the bars: version 1
+    assert _bars_off(exp_bellman.RESULT.upgrade(stored)["tables"]["values"]) < 1e-12
+
+    def one_error(values):
+        for r in values:
+            r["mc_low"], r["mc_high"] = r["monte_carlo"] - r["mc_stderr"], r["monte_carlo"] + r["mc_stderr"]
+        return values
+    monkeypatch.setattr(exp_bellman, "monte_carlo_bars", one_error)
+    assert _bars_off(exp_bellman.RESULT.upgrade(stored)["tables"]["values"]) > 1e-6
+    assert _bars_off(experiments.run("rl.bellman", episodes=200).tables["values"]) > 1e-6

@@ -174,3 +174,37 @@ def test_gpu_fp16_and_bf16_against_sdpa():
         ref32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         same = F.scaled_dot_product_attention(q, k, v, is_causal=True).float()
         assert (out.float() - ref32).abs().max() <= 2 * (same - ref32).abs().max() + 1e-3
+
+
+def _grid_off(grid: list[dict], n: int, bm: int, bn: int, causal: bool) -> int:
+    """Tiles whose step differs from numpy's schedule: a tile is computed when some key in it is at or before some query
+    in it (any key without the causal mask), in row-major order (Q tiles outer, K/V tiles inner); None where skipped."""
+    import numpy as np
+
+    n_q, n_k = -(-n // bm), -(-n // bn)
+    i, j = np.meshgrid(np.arange(n_q), np.arange(n_k), indexing="ij")
+    computed = (j * bn <= np.minimum((i + 1) * bm, n) - 1) | (not causal)
+    steps = np.where(computed, np.cumsum(computed.ravel()).reshape(computed.shape) - 1, -1)
+    want = {(a, b): None if steps[a, b] < 0 else int(steps[a, b]) for a in range(n_q) for b in range(n_k)}
+    got = {(t["q_tile"], t["kv_tile"]): t["step"] for t in grid}
+    return sum(got.get(key, "absent") != step for key, step in want.items()) + len(set(got) - set(want))
+
+
+def test_the_tile_grid_comes_from_the_result_and_old_runs_gain_it(monkeypatch):
+    """The page's tile grid is the result's (pages only draw), equal to numpy's causal schedule; a version 3 run gains it
+    by the upgrade; a grid that skips no tile under the causal mask fails."""
+    from backend.experiments.attention import flash as exp_flash
+    from backend.result import VERSION_KEY
+
+    settings = dict(seq_len=40, heads=1, block_m=16, block_n=16, causal=True, impl="tiled", backward=False)
+    result = experiments.run("attention.flash", **settings)
+    assert _grid_off(result.tables["tile_grid"], 40, 16, 16, True) == 0
+    assert any(t["step"] is None for t in result.tables["tile_grid"])
+    stored = {**result.to_dict(), "config": experiments.get("attention.flash").make_config(settings).to_dict()}
+    del stored["tables"]["tile_grid"]
+    stored[VERSION_KEY] = 3
+    assert _grid_off(exp_flash.RESULT.upgrade(stored)["tables"]["tile_grid"], 40, 16, 16, True) == 0
+    right = exp_flash.tile_grid
+    monkeypatch.setattr(exp_flash, "tile_grid", lambda steps, n, bm, bn: [
+        dict(t, step=t["step"] if t["step"] is not None else 0) for t in right(steps, n, bm, bn)])
+    assert _grid_off(exp_flash.RESULT.upgrade(stored)["tables"]["tile_grid"], 40, 16, 16, True) > 0

@@ -102,3 +102,45 @@ def test_bad_input_is_refused_by_name():
     cls = experiments.get("numerics.int8").config_cls
     assert_refused(cls, {"gemm_k": 100}, "gemm_k")
     assert_refused(cls, {"steps": 0}, "steps")
+
+
+def _error_bars_off(rows: list[dict]) -> float:
+    """The largest gap between the models table's error bar and pandas' held-out loss ∓ one standard error."""
+    import pandas as pd
+
+    t = pd.DataFrame(rows)
+    return float(max((t["loss_low"] - (t["held_out_loss"] - t["stderr"])).abs().max(),
+                     (t["loss_high"] - (t["held_out_loss"] + t["stderr"])).abs().max()))
+
+
+def test_the_loss_error_bars_come_from_the_result_and_old_runs_gain_them(monkeypatch):
+    """The page draws loss ± one standard error from the result (pages only draw): equal to pandas' sums, the standard
+    error itself equal to numpy's (float64, ddof 1) over the held-out tokens; a version 2 run gains the bars by the
+    upgrade; bars of two standard errors fail."""
+    from backend.models.corpus import MarkovCorpus, held_out_loss
+    from backend.result import VERSION_KEY
+
+    corpus = MarkovCorpus(32, 0)
+    model = exp_int8.train(exp_int8.SHAPE, corpus, 3, 0)
+    seqs = corpus.sample(8, 17, torch.Generator().manual_seed(1))
+    loss, se, logits = held_out_loss(model, seqs)
+    z = logits.double().numpy()
+    logp = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, seqs[:, 1:].numpy()[..., None], -1).ravel()
+    assert loss == pytest.approx(nll.mean(), rel=1e-5) and se == pytest.approx(nll.std(ddof=1) / np.sqrt(nll.size), rel=1e-4)
+
+    result = experiments.run("numerics.int8", **FAST)
+    assert _error_bars_off(result.tables["models"]) < 1e-12
+    stored = result.to_dict()
+    for row in stored["tables"]["models"]:
+        del row["loss_low"], row["loss_high"]
+    stored[VERSION_KEY] = 2
+    assert _error_bars_off(exp_int8.RESULT.upgrade(stored)["tables"]["models"]) < 1e-12
+
+    def two_errors(rows):
+        for r in rows:
+            r["loss_low"], r["loss_high"] = r["held_out_loss"] - 2 * r["stderr"], r["held_out_loss"] + 2 * r["stderr"]
+        return rows
+    monkeypatch.setattr(exp_int8, "loss_bars", two_errors)
+    assert _error_bars_off(exp_int8.RESULT.upgrade(stored)["tables"]["models"]) > 1e-4
+    assert _error_bars_off(experiments.run("numerics.int8", **FAST).tables["models"]) > 1e-4

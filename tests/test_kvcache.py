@@ -467,3 +467,36 @@ def test_a_request_the_pool_cannot_admit_beside_the_watermark_is_refused_by_name
     monkeypatch.setattr(ServeConfig, "check", lambda self: None)
     with pytest.raises(RuntimeError, match="can never be scheduled"):
         experiments.run("kvcache.serve", **values)
+
+
+def _blocks_held_off(tables: dict) -> int:
+    """Rows where the blocks_held table differs from pandas' count of each snapshot's table entries per sequence."""
+    import pandas as pd
+
+    entries = pd.DataFrame([{"state": i, "label": h["label"], "seq": r["seq"]} for i, h in enumerate(tables["history"])
+                            for r in h["tables"]])
+    ref = entries.groupby(["state", "label", "seq"]).size().rename("blocks").reset_index()
+    got = pd.DataFrame(tables["blocks_held"])
+    both = ref.merge(got, on=["state", "label", "seq"], how="outer", suffixes=("_ref", "_got"), indicator=True)
+    return int(((both["_merge"] != "both") | (both["blocks_ref"] != both["blocks_got"])).sum())
+
+
+def test_the_blocks_each_sequence_holds_come_from_the_result_and_old_runs_gain_them(monkeypatch):
+    """The page's blocks-per-sequence curve is the result's (pages only draw), equal to pandas' groupby count over the
+    history's tables; a version 2 run gains it by the upgrade; a rule counting only unshared blocks fails."""
+    from backend.experiments.kvcache import paged_decode as exp_paged
+    from backend.result import VERSION_KEY
+
+    result = _paged_decode()
+    assert _blocks_held_off(result.tables) == 0
+    stored = result.to_dict()
+    del stored["tables"]["blocks_held"]
+    stored[VERSION_KEY] = 2
+    assert _blocks_held_off(exp_paged.RESULT.upgrade(stored)["tables"]) == 0
+    right = exp_paged.blocks_held
+
+    def shared_counted_once(history):
+        return right([dict(h, tables=[r for i, r in enumerate(h["tables"])
+                                      if r["physical"] not in {q["physical"] for q in h["tables"][:i]}]) for h in history])
+    monkeypatch.setattr(exp_paged, "blocks_held", shared_counted_once)
+    assert _blocks_held_off(exp_paged.RESULT.upgrade(stored)["tables"]) > 0

@@ -71,6 +71,45 @@ def test_selective_recompute_drops_the_scores_and_recomputes_two_gemms(runs, mon
     assert not {c.name: c for c in mesh.combine(cfg, payloads).checks}[FLOPS.format("selective")].passed
 
 
+def _step_flops_off(rows: list[dict], payloads) -> float:
+    """The largest gap between the recompute table's FLOPs per step (without, with) and an independent sum: pandas over
+    the table's forward, backward and extra columns, and the FLOP counter's own totals in the ranks' payloads."""
+    import pandas as pd
+
+    got = pd.DataFrame(rows).set_index("rank")[["step_flops_without", "step_flops_with"]]
+    summed = pd.DataFrame(rows).set_index("rank")
+    summed = pd.DataFrame({"step_flops_without": summed[["forward_flops", "backward_flops"]].sum(axis=1),
+                           "step_flops_with": summed[["forward_flops", "backward_flops", "extra_flops"]].sum(axis=1)})
+    counted = pd.DataFrame({"step_flops_without": [p["price"]["without_flops"] for p in payloads],
+                            "step_flops_with": [p["price"]["with_flops"] for p in payloads]},
+                           index=pd.Index([p["rank"] for p in payloads], name="rank"))
+    return float(max((got - summed).abs().to_numpy().max(), (got - counted.loc[got.index]).abs().to_numpy().max()))
+
+
+def test_each_ranks_flops_per_step_with_and_without_recompute_are_in_the_result(runs, monkeypatch):
+    """The page's per-rank FLOPs bars come from the result (pages only draw), equal to pandas' sums and to the counter's
+    totals; a stored version 3 run gains them by the upgrade; a rule that leaves the recomputed forwards out fails."""
+    from backend.result import VERSION_KEY
+
+    for name, (cfg, payloads) in runs.items():
+        result = mesh.combine(cfg, payloads)
+        assert _step_flops_off(result.tables["recompute"], payloads) == 0, name
+    stored = result.to_dict()
+    for row in stored["tables"]["recompute"]:
+        del row["step_flops_without"], row["step_flops_with"]
+    stored[VERSION_KEY] = 3
+    upgraded = mesh.RESULT.upgrade(stored)
+    assert _step_flops_off(upgraded["tables"]["recompute"], payloads) == 0
+
+    def without_the_recomputed_forwards(rows):
+        for r in rows:
+            r["step_flops_without"] = r["step_flops_with"] = r["forward_flops"] + r["backward_flops"]
+        return rows
+    monkeypatch.setattr(mesh, "step_flops", without_the_recomputed_forwards)
+    assert _step_flops_off(mesh.RESULT.upgrade(stored)["tables"]["recompute"], payloads) > 0
+    assert _step_flops_off(mesh.combine(cfg, payloads).tables["recompute"], payloads) > 0
+
+
 SPLIT = "each rank's last step splits into compute, exposed communication per dimension and idle that sum to its wall time"
 
 

@@ -165,3 +165,42 @@ def test_the_selection_checks_fail_for_the_0_1_overlap_rule(monkeypatch):
     monkeypatch.setattr(nsa, "selection_weights", _overlap_0_1)
     bad = {c.name: c for c in experiments.run("attention.nsa", sweep_sizes="").checks}
     assert not bad[checks[0]].passed and bad[checks[1]].error == 41
+
+
+def _spans_off(selection: list[dict], sel_block: int, window: int) -> int:
+    """Queries whose selected or window spans differ from numpy's: block b as [b·l', min((b+1)·l', t+1)), the window
+    as [max(0, t−w+1), t+1)."""
+    import numpy as np
+
+    wrong = 0
+    for row in selection:
+        t, blocks = row["query"], np.array(row["blocks"], dtype=np.int64)
+        want = np.stack([blocks * sel_block, np.minimum((blocks + 1) * sel_block, t + 1)], axis=1).reshape(-1, 2)
+        got = np.array(row["selected_spans"], dtype=np.int64).reshape(-1, 2)
+        wrong += not (np.array_equal(got, want) and (row["window_start"], row["window_end"]) == (max(0, t - window + 1), t + 1))
+    return wrong
+
+
+def test_what_each_query_reads_comes_from_the_result_and_old_runs_gain_it(monkeypatch):
+    """The page's per-query spans are the result's (pages only draw), equal to numpy's; a version 3 run gains them by the
+    upgrade; a selected block drawn past the query (not causal) fails."""
+    from backend.experiments.attention import nsa as exp_nsa
+    from backend.result import VERSION_KEY
+
+    settings = dict(seq_len=128, sel_block=16, window=20, sweep_sizes="128")
+    result = experiments.run("attention.nsa", **settings)
+    assert _spans_off(result.tables["selection"], 16, 20) == 0
+    assert any(b * 16 + 16 > row["query"] + 1 for row in result.tables["selection"] for b in row["blocks"])  # a cut block
+    stored = {**result.to_dict(), "config": experiments.get("attention.nsa").make_config(settings).to_dict()}
+    for row in stored["tables"]["selection"]:
+        del row["selected_spans"], row["window_start"], row["window_end"]
+    stored[VERSION_KEY] = 3
+    assert _spans_off(exp_nsa.RESULT.upgrade(stored)["tables"]["selection"], 16, 20) == 0
+
+    def past_the_query(selection, sel_block, window):
+        for row in selection:
+            row["selected_spans"] = [[b * sel_block, (b + 1) * sel_block] for b in row["blocks"]]
+            row["window_start"], row["window_end"] = max(0, row["query"] - window + 1), row["query"] + 1
+        return selection
+    monkeypatch.setattr(exp_nsa, "with_read_spans", past_the_query)
+    assert _spans_off(exp_nsa.RESULT.upgrade(stored)["tables"]["selection"], 16, 20) > 0

@@ -143,3 +143,28 @@ def test_mixed_precision_bad_inputs_name_the_field(values, field):
 
 def test_mixed_precision_page_draws_a_run():
     render_recorded("pages/mixed_precision.py", "numerics.mixed_precision", **SMALL_MP)
+
+
+def _keeps_from_wrong(keeps_log2: float, scale_log2: int) -> bool:
+    """Whether numpy's float16 disagrees that a gradient of 2^keeps survives the static scale 2^k and half of it does
+    not (the cast rounds to nearest even: half the smallest subnormal rounds to zero)."""
+    import numpy as np
+
+    survives = np.float16(2.0 ** keeps_log2 * 2.0 ** scale_log2) != 0
+    half_flushes = np.float16(2.0 ** (keeps_log2 - 1) * 2.0 ** scale_log2) == 0
+    return not (survives and half_flushes)
+
+
+def test_the_static_scales_survival_line_comes_from_the_result_and_old_runs_gain_it(monkeypatch):
+    """The page's green line is the result's (pages only draw): numpy's float16 keeps a gradient there under the
+    static scale and flushes half of it; a version 1 run gains it by the upgrade; a line at FP16's smallest normal fails."""
+    from backend.experiments.numerics import mixed_precision as exp_mp
+    from backend.result import VERSION_KEY
+
+    result = experiments.run("numerics.mixed_precision", **SMALL_MP, static_scale_log2="10")
+    assert not _keeps_from_wrong(result.metrics["static_scale_keeps_from_log2"], 10)
+    stored = {**result.to_dict(), "config": {"static_scale_log2": 10}}
+    del stored["metrics"]["static_scale_keeps_from_log2"], stored[VERSION_KEY]
+    assert not _keeps_from_wrong(exp_mp.RESULT.upgrade(stored)["metrics"]["static_scale_keeps_from_log2"], 10)
+    monkeypatch.setattr(exp_mp, "static_scale_keeps_from_log2", lambda k: math.log2(torch.finfo(torch.float16).tiny) - k)
+    assert _keeps_from_wrong(exp_mp.RESULT.upgrade(stored)["metrics"]["static_scale_keeps_from_log2"], 10)

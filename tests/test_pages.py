@@ -58,6 +58,35 @@ def test_bandwidth_run_counts_its_slowest_ranks(finished_run):
     assert _slowest_problems({**result, "tables": {**result["tables"], "slowest": moved}})
 
 
+def _factors_off(result: dict, world: int) -> float:
+    """The largest gap between the run's bus factors and nccl-tests' (doc/PERFORMANCE.md: all-reduce 2(n−1)/n,
+    broadcast 1), one row per collective the run timed, in its order."""
+    published = {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0}
+    rows = result["tables"]["bus_factors"]
+    if [r["op"] for r in rows] != list(dict.fromkeys(r["op"] for r in result["tables"]["bandwidth"])):
+        return float("inf")
+    return max(abs(r["bus_factor"] - published[r["op"]]) for r in rows)
+
+
+def test_bandwidth_run_holds_each_collectives_bus_factor_once(finished_run, monkeypatch):
+    """The page's line on busbw reads the factors from the result (it grouped the rows before); a real run stored before
+    them gains them by the upgrade; one factor for the whole sweep (its first row's) fails."""
+    import json
+
+    from backend.experiments.comm import bandwidth
+    from backend.store import RunStore
+    from tests.conftest import REPO
+
+    assert _factors_off(RunStore().get(finished_run).result(), 2) < 1e-12
+    four = experiments.run("comm.bandwidth", world_size=4, max_bytes=2048, iters=1, ops="all_reduce,broadcast")
+    assert _factors_off({"tables": four.tables}, 4) < 1e-12  # all-reduce 1.5, broadcast 1: told apart
+    old = json.loads((REPO / "tests" / "data" / "old_results" / "comm.bandwidth.json").read_text())
+    assert "bus_factors" not in old["tables"] and old["config"]["world_size"] == 2
+    assert _factors_off(bandwidth.RESULT.upgrade(old), 2) < 1e-12
+    monkeypatch.setattr(bandwidth, "bus_factors", lambda table: [{"op": table[0]["op"], "bus_factor": table[0]["bus_factor"]}])
+    assert _factors_off(bandwidth.RESULT.upgrade(old), 2) == float("inf")
+
+
 def test_unknown_run_is_a_clear_message():
     at = _app("pages/runs.py", run="doesnotexist")
     assert not at.exception

@@ -3,6 +3,8 @@ attention path equals the Triton kernel, the simulator replays the engine's sche
 equal single steps, the cost-model fit recovers a known answer, fidelity on a small held-out trace,
 and bad settings."""
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +21,8 @@ from backend.serving.engine import ModelExecutor, logits_error, serve, serve_int
 from backend.serving.scheduler import Scheduler, SchedulerConfig, StepLog
 from backend.serving.simulator import TERMS, CostModel, CostModelExecutor, ReplayExecutor, features, fidelity, latency_summary, simulate
 from backend.serving.workload import shared_prefix, sharegpt_like
+from backend.store import RunStore
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +443,43 @@ def test_the_page_draws_a_default_engine_run_with_every_check_passed():
 
     at = render_recorded("pages/serving.py", "serving.engine")
     assert any("a bigger run" in m.value for m in at.markdown)
+    run_id = at.query_params["run"][0] if isinstance(at.query_params["run"], list) else at.query_params["run"]
+    stored = json.loads(Path(RunStore().get(run_id).result_path).read_text())
+    assert _shares_off(stored["tables"]["latency"]) < 1e-12  # the CDFs drawn are the result's
+
+
+def _shares_off(rows: list[dict]) -> float:
+    """The largest gap between the latency rows' shares and pandas' empirical CDF: rank(method="max", pct=True) per
+    source over the requests with a value (the share no larger, ties together, as Vega's cume_dist)."""
+    import pandas as pd
+
+    t, gap = pd.DataFrame(rows), 0.0
+    for field in ("ttft", "tpot", "e2e"):
+        has = t[t[field].notna()]
+        ref = has.groupby("source")[field].rank(method="max", pct=True)
+        gap = max(gap, float((has[f"{field}_share"] - ref).abs().max()))
+        assert t.loc[t[field].isna(), f"{field}_share"].isna().all()
+    return gap
+
+
+def test_the_latency_cdfs_come_from_the_result_and_old_runs_gain_them(monkeypatch):
+    """A real run stored before the shares (tests/data/old_results) gains them by the upgrade, equal to pandas'; a share
+    counting only strictly smaller values fails."""
+    from backend.serving import report
+
+    old = json.loads((REPO / "tests" / "data" / "old_results" / "serving.engine.json").read_text())
+    assert "ttft_share" not in old["tables"]["latency"][0]
+    schema = experiments.get("serving.engine").schema
+    assert _shares_off(schema.upgrade(old)["tables"]["latency"]) < 1e-12
+
+    def strictly_smaller(rows, fields=("ttft", "tpot", "e2e")):
+        for field in fields:
+            for r in rows:
+                same = [q[field] for q in rows if q["source"] == r["source"] and q[field] is not None]
+                r[f"{field}_share"] = None if r[field] is None else sum(v < r[field] for v in same) / len(same)
+        return rows
+    monkeypatch.setattr(report, "with_shares", strictly_smaller)
+    assert _shares_off(schema.upgrade(old)["tables"]["latency"]) > 1e-3
 
 
 @pytest.mark.parametrize("view", ["engine", "simulate"])

@@ -6,7 +6,10 @@ independent floor for every experiment that trains the tiny LLaMA on it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 
 class MarkovCorpus:
@@ -25,3 +28,12 @@ class MarkovCorpus:
         for t in range(1, length):
             seqs[:, t] = torch.multinomial(self.P[seqs[:, t - 1]], 1, generator=g)[:, 0]
         return seqs
+
+
+def held_out_loss(model, seqs: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """A model's mean next-token loss over held-out sequences (nats per token), its standard error over the tokens, and
+    the logits: the figure every experiment training on this corpus holds against the entropy rate."""
+    with torch.no_grad():
+        logits = torch.stack([model(s[:-1]) for s in seqs])
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1), reduction="none")
+    return float(nll.mean()), float(nll.std() / math.sqrt(nll.numel())), logits

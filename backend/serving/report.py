@@ -29,6 +29,25 @@ def latency_rows(sched: Scheduler, source: str) -> list[dict]:
             for rid in range(len(t))]
 
 
+def with_shares(rows: list[dict], fields: tuple[str, ...] = ("ttft", "tpot", "e2e")) -> list[dict]:
+    """Each request's place in its source's latency distribution, per field: the share of that source's requests with a
+    value no larger (the empirical CDF, ties together; None where the request has no value), as `FIELD_share`."""
+    for field in fields:
+        ordered: dict[str, np.ndarray] = {}
+        for source in {r["source"] for r in rows}:
+            ordered[source] = np.sort([r[field] for r in rows if r["source"] == source and r[field] is not None])
+        for r in rows:
+            values = ordered[r["source"]]
+            r[f"{field}_share"] = None if r[field] is None else float(np.searchsorted(values, r[field], "right") / len(values))
+    return rows
+
+
+def latency_shares_written(result: dict) -> None:
+    """Schema version 2 -> 3 of both serving experiments: the latency rows' empirical CDF (the page's chart computed
+    it before)."""
+    with_shares(result["tables"]["latency"])
+
+
 def token_gap_rows(sched: Scheduler) -> list[dict]:
     """Every gap between two consecutive output tokens of a request (the engine records each token's time)."""
     return [{"request": rid, "gap": float(b - a)} for rid, times in sched.token_times.items() for a, b in zip(times, times[1:])]

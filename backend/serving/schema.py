@@ -32,7 +32,7 @@ CALIBRATION_METRICS = (*each("real", SUMMARY), *each("simulated", SUMMARY), *eac
 LOAD_COLUMNS = ("e2e_p50", "e2e_p90", "preemptions", "rate", "source", "throughput_req_s", "throughput_tok_s", "tpot_p50",
                 "tpot_p90", "ttft_p50", "ttft_p90")
 CALIBRATION_TABLES = {
-    "latency": ("e2e", "request", "source", "tpot", "ttft"),
+    "latency": ("e2e", "request", "source", "tpot", "ttft", "ttft_share", "tpot_share", "e2e_share"),  # share: its CDF
     "steps": ("decode_tokens", "end", "kv_blocks", "predicted_ms", "prefill_tokens", "requests", "running", "start",
               "step", "swapped", "swapped_blocks", "time_ms", "waiting"),
     "load": LOAD_COLUMNS,

@@ -147,6 +147,7 @@ def run(config: FlashConfig, ctx) -> Result:
         tiled_attention(q32[0, 0], k32[0, 0], v32[0, 0], config.causal, config.block_m, config.block_n,
                         on_step=lambda i, j, m, l: steps.append({"step": len(steps), "q_tile": i, "kv_tile": j,
                                                                  "m": m.tolist(), "l": l.tolist()}))
+    tables["tile_grid"] = tile_grid(steps, N, config.block_m, config.block_n)
     if config.impl == "tiled" and N >= 8192:
         notes.append(f"Resident memory grew by {metrics['peak_resident_growth_bytes'] / 2**20:.1f} MiB while the tiled "
                      f"path ran; naive attention would hold {B * H * N * N * 4 / 2**30:.2f} GiB of scores.")
@@ -227,6 +228,20 @@ def models_and_seeds(config: FlashConfig, elem: int):
                                 "torch.softmax for the normalised result", detail=detail)], [note]
 
 
+def tile_grid(steps: list[dict], n: int, block_m: int, block_n: int) -> list[dict]:
+    """Every (Q tile, K/V tile) of the score matrix with the step that computed it, None for a tile the schedule
+    skipped (above the causal diagonal): the page's grid, coloured against the step chosen. Empty with no steps."""
+    when = {(s["q_tile"], s["kv_tile"]): s["step"] for s in steps}
+    return [{"q_tile": i, "kv_tile": j, "step": when.get((i, j))}
+            for i in range(-(-n // block_m)) for j in range(-(-n // block_n))] if steps else []
+
+
+def _v3_to_v4(result: dict) -> None:
+    """Version 3 -> 4: the tile grid from the stored steps (the page searched the steps for each tile before)."""
+    cfg = result["config"]
+    result["tables"]["tile_grid"] = tile_grid(result["tables"]["tile_steps"], cfg["seq_len"], cfg["block_m"], cfg["block_n"])
+
+
 def _v1_to_v2(result: dict) -> None:
     """Version 1 left out the traffic table where nothing was counted (the tiled path) and the tile steps above 256
     tokens; version 2 holds them empty."""
@@ -254,9 +269,10 @@ RESULT = Schema(
         "online_softmax_example": ("block", "f", "f_block", "f_so_far", "l", "l_closed_form", "m", "m_before",
                                    "reference_softmax", "rescale_exp(m_old-m)", "softmax"),
         "tile_steps": ("kv_tile", "l", "m", "q_tile", "step"),  # (batch 0, head 0) up to 256 tokens, else empty
+        "tile_grid": ("q_tile", "kv_tile", "step"),  # every tile of tile_steps' grid, step None where skipped
     },
     optional=("hbm_bytes_counted",),  # the tiled path counts no traffic
-    version=3, upgrades={1: _v1_to_v2, 2: _v2_to_v3},
+    version=4, upgrades={1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4},
 )
 
 EXPERIMENT = define(__name__, FlashConfig,

@@ -236,6 +236,7 @@ def selection_tables(config: NSAConfig, chosen: dict) -> dict:
                   for tq in range(0, n, stride) for j in range(n_sel) if j * config.sel_block <= tq]
     selection = [{"query": tq, "blocks": sorted(int(b) for b, r in zip(blocks[0, tq], real[0, tq]) if r),
                   "compressed_visible": int(chosen["cmp_visible"][0, tq].sum())} for tq in range(n)]
+    with_read_spans(selection, config.sel_block, config.window)
     return {"importance": importance, "selection": with_spans(selection, config.cmp_block, config.cmp_stride)}
 
 
@@ -245,6 +246,16 @@ def with_spans(selection: list[dict], cmp_block: int, cmp_stride: int) -> list[d
     for row in selection:
         c = row["compressed_visible"]
         row["compressed_end"] = (c - 1) * cmp_stride + cmp_block if c else 0
+    return selection
+
+
+def with_read_spans(selection: list[dict], sel_block: int, window: int) -> list[dict]:
+    """Each query's selected blocks and window as spans of keys [start, end): block b covers b·l' up to the query
+    itself (causal), the window the last `window` tokens up to it."""
+    for row in selection:
+        t = row["query"]
+        row["selected_spans"] = [[b * sel_block, min((b + 1) * sel_block, t + 1)] for b in row["blocks"]]
+        row["window_start"], row["window_end"] = max(0, t - window + 1), t + 1
     return selection
 
 
@@ -259,6 +270,11 @@ def _v2_spans(result: dict) -> None:
     with_spans(result["tables"]["selection"], result["config"]["cmp_block"], result["config"]["cmp_stride"])
 
 
+def _v3_read_spans(result: dict) -> None:
+    """Version 3 -> 4: each query's selected and window spans (the page multiplied them out before)."""
+    with_read_spans(result["tables"]["selection"], result["config"]["sel_block"], result["config"]["window"])
+
+
 RESULT = Schema(
     metrics=(
         "kv_bytes_per_query.compressed_mean", "kv_bytes_per_query.compressed_last",
@@ -271,9 +287,10 @@ RESULT = Schema(
         "sweep": ("compressed_last", "compressed_mean", "full_last", "full_mean", "nsa_last", "nsa_mean",
                   "nsa_over_full_last", "selected_last", "selected_mean", "seq_len", "window_last", "window_mean"),
         "importance": ("importance", "query", "sel_block", "selected"),
-        "selection": ("blocks", "compressed_end", "compressed_visible", "query"),
+        "selection": ("blocks", "compressed_end", "compressed_visible", "query", "selected_spans", "window_start",
+                      "window_end"),
     },
-    version=3, upgrades={1: _v1_share, 2: _v2_spans},
+    version=4, upgrades={1: _v1_share, 2: _v2_spans, 3: _v3_read_spans},
 )
 
 EXPERIMENT = define(__name__, NSAConfig,

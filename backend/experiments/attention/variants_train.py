@@ -16,7 +16,7 @@ import torch
 from backend.config import Config, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.models.corpus import MarkovCorpus
+from backend.models.corpus import MarkovCorpus, held_out_loss
 from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result, Schema
 
@@ -69,11 +69,7 @@ def run(config: TrainConfig, ctx) -> Result:
                 ctx.partial(f"Training curves so far, to {variant} step {step}; held-out losses of the variants "
                             "that finished.", metrics={"entropy_rate_nats": corpus.entropy_rate},
                             tables={"curves": curves, "variants": rows})
-        with torch.no_grad():
-            logits = torch.stack([model(seq[:-1]) for seq in held_out])
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab), held_out[:, 1:].reshape(-1), reduction="none")
-        stderr = float(nll.std() / math.sqrt(nll.numel()))
-        held = float(nll.mean())
+        held, stderr, _ = held_out_loss(model, held_out)
         rows.append({"variant": variant, "held_out_loss": held, "stderr": stderr,
                      "final_train_loss": sum(c["loss"] for c in curves[-5:]) / min(5, config.steps),
                      "parameters": sum(p.numel() for p in model.parameters()),

@@ -187,7 +187,8 @@ def combine(config: BandwidthConfig, payloads: list[dict]) -> Result:
         metrics[f"peak_busbw_GBps.{op}"] = round(best["busbw_GBps"], 4)
         metrics[f"peak_at_bytes.{op}"] = best["size_bytes"]
     events = [e for p in payloads for e in p["trace"]["events"]]
-    return Result(metrics=metrics, tables={"bandwidth": table, "per_rank": per_rank, "slowest": slowest_counts(table, world)},
+    return Result(metrics=metrics, tables={"bandwidth": table, "per_rank": per_rank, "slowest": slowest_counts(table, world),
+                                           "bus_factors": bus_factors(table)},
                   checks=checks, trace_events=events)
 
 
@@ -198,6 +199,12 @@ def slowest_counts(table: list[dict], world: int) -> list[dict]:
     ops = list(dict.fromkeys(r["op"] for r in table))
     return [{"op": op, "rank": rank, "calls": sum(r["op"] == op and r["slowest_rank"] == rank for r in table)}
             for op in ops for rank in range(world)]
+
+
+def bus_factors(table: list[dict]) -> list[dict]:
+    """Each collective's busbw / algbw factor once (every size's row holds it), in the order the sweep ran them: the
+    page's line on how busbw was made."""
+    return [{"op": op, "bus_factor": factor} for op, factor in dict((r["op"], r["bus_factor"]) for r in table).items()]
 
 
 def _slowest_as_unmeasured(result: dict) -> None:
@@ -213,8 +220,10 @@ RESULT = Schema(
                       "spread_pct", "time_us"),
         "per_rank": ("op", "rank", "size_bytes", "time_us"),
         "slowest": ("calls", "op", "rank"),  # empty in a run stored before version 2
+        "bus_factors": ("op", "bus_factor"),
     },
-    version=2, upgrades={1: _slowest_as_unmeasured},
+    version=3, upgrades={1: _slowest_as_unmeasured,  # v2 -> 3: the factors once per collective (the page grouped them)
+                         2: lambda result: result["tables"].setdefault("bus_factors", bus_factors(result["tables"]["bandwidth"]))},
 )
 
 EXPERIMENT = define(__name__, BandwidthConfig,

@@ -182,7 +182,8 @@ def run(config: PagedDecodeConfig, ctx) -> Result:
                "kernel": "triton " + ("interpreter" if not torch.cuda.is_available() else "native")}
     return Result(
         metrics=metrics, checks=checks, notes=log,
-        tables={"block_tables": table_rows, "history": history, "logit_gaps": gaps, "final_logits": final,
+        tables={"block_tables": table_rows, "history": history, "blocks_held": blocks_held(history), "logit_gaps": gaps,
+                "final_logits": final,
                 "swap": [swap] if swap else [], "fork": [{"parent": 0, "child": config.sequences, "at_tokens": fork_at,
                                                           "shared_full_blocks": want_shared,
                                                           "copied_by": next((e["seq"] for e in m.events if e["op"] == "copy-on-write"), None)}],
@@ -196,6 +197,23 @@ def with_empty_slots(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def blocks_held(history: list[dict]) -> list[dict]:
+    """How many blocks each sequence's table holds at each state of the history (a sequence swapped out holds none
+    and has no row): the page's blocks-per-sequence curve."""
+    rows = []
+    for state, snap in enumerate(history):
+        held: dict[int, int] = {}
+        for entry in snap["tables"]:
+            held[entry["seq"]] = held.get(entry["seq"], 0) + 1
+        rows += [{"state": state, "label": snap["label"], "seq": seq, "blocks": n} for seq, n in sorted(held.items())]
+    return rows
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the blocks each sequence holds per state, from the stored history (the page counted them)."""
+    result["tables"]["blocks_held"] = blocks_held(result["tables"]["history"])
+
+
 RESULT = Schema(
     metrics=(
         "sequences", "block_size", "blocks_used", "cow_copies", "swaps", "max_logit_diff", "seed_waste.contiguous",
@@ -204,6 +222,7 @@ RESULT = Schema(
     tables={
         "block_tables": ("logical", "physical", "ref_count", "seq", "tokens"),
         "history": ("label", "pool", "step", "swapped", "tables"),
+        "blocks_held": ("state", "label", "seq", "blocks"),
         "logit_gaps": ("max_abs_diff", "position", "seq"),
         "final_logits": ("contiguous", "paged", "seq", "token"),
         "swap": ("in", "kv_gap", "out", "step"),
@@ -212,7 +231,8 @@ RESULT = Schema(
         "seed_cow_tables": ("logical", "physical", "seq", "tokens", "when"),
         "seed_cow_pool": ("block", "owners", "ref_count", "tokens", "when"),
     },
-    version=2, upgrades={1: lambda result: with_empty_slots(result["tables"]["seed_waste"])},  # v1: the page subtracted
+    version=3, upgrades={1: lambda result: with_empty_slots(result["tables"]["seed_waste"]),  # v1: the page subtracted
+                         2: _v2_to_v3},
 )
 
 EXPERIMENT = define(__name__, PagedDecodeConfig,

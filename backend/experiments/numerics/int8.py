@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import numpy as np
 import torch
@@ -21,9 +20,9 @@ from backend.config import Config, setting
 from backend.limits import DYNAMO_IMPORT_S, cost
 from backend.experiments import define
 from backend.experiments.decoding.speculative import train
-from backend.models.corpus import MarkovCorpus
+from backend.models.corpus import MarkovCorpus, held_out_loss
 from backend.numerics.int8 import Int8KVCache, Int8Linear, int8_matmul, quantize_model, quantize_rows, weight_bytes
-from backend.result import Check, Result, Schema
+from backend.result import Check, Result, Schema, error_bars
 
 SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
 
@@ -101,14 +100,6 @@ def w8a8_layer_check(model, x: torch.Tensor) -> Check:
                  reference="float64 matmul of qx·s_x and qw·s_w", detail=f"max |Δ| / max |y| = {err:.2e}")
 
 
-def held_out(model, seqs: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-    """Mean next-token loss, its standard error, and the logits."""
-    with torch.no_grad():
-        logits = torch.stack([model(s[:-1]) for s in seqs])
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1), reduction="none")
-    return float(nll.mean()), float(nll.std() / math.sqrt(nll.numel())), logits
-
-
 def generate(model, prompt: torch.Tensor, new_tokens: int, caches) -> torch.Tensor:
     """Greedy generation with the given caches; returns the logits of every generated position (new_tokens, vocab)."""
     out, tok = [], None
@@ -152,7 +143,7 @@ def run(config: Int8Config, ctx) -> Result:
     model = train(SHAPE, corpus, config.steps, config.seed)
     seqs = corpus.sample(64, 33, torch.Generator().manual_seed(config.seed + 999))
     ctx.progress(0.6, "quantising")
-    loss32, se32, logits32 = held_out(model, seqs)
+    loss32, se32, logits32 = held_out_loss(model, seqs)
     gemm, gemm_info = exact_gemm_check(config.gemm_k, config.seed)
     checks = [gemm, per_channel_check(model),
               w8a8_layer_check(model, model.blocks[0].ffn_norm(model.embed(seqs[0]).detach()))]
@@ -160,7 +151,7 @@ def run(config: Int8Config, ctx) -> Result:
              "loss_increase": 0.0, "max_rel_logit_error": 0.0, "greedy_agreement": 1.0}]
     for mode in ("w8", "w8a8"):
         q = quantize_model(copy.deepcopy(model), mode, config.keep_head)
-        loss, se, logits = held_out(q, seqs)
+        loss, se, logits = held_out_loss(q, seqs)
         rows.append({"model": mode, "weight_bytes": weight_bytes(q), "held_out_loss": loss, "stderr": se, "loss_increase": loss - loss32,
                      "max_rel_logit_error": float((logits - logits32).abs().max() / logits32.abs().max()),
                      "greedy_agreement": float((logits.argmax(-1) == logits32.argmax(-1)).float().mean())})
@@ -181,7 +172,7 @@ def run(config: Int8Config, ctx) -> Result:
                  "held_out_loss.w8a8": round(w["w8a8"]["held_out_loss"], 4), "entropy_rate_nats": corpus.entropy_rate,
                  "kv_bytes_per_token.fp32": kv_rows[0]["bytes_per_token"], "kv_bytes_per_token.int8": kv_rows[1]["bytes_per_token"],
                  **gemm_info},
-        tables={"models": rows, "kv_cache": kv_rows},
+        tables={"models": loss_bars(rows), "kv_cache": kv_rows},
         checks=checks,
         notes=[f"A {SHAPE['d_model']}-wide, {SHAPE['n_layers']}-layer model trained {config.steps} steps on a synthetic corpus: "
                "a small-scale illustration of INT8's error, not a claim about large models."])
@@ -196,6 +187,17 @@ def changes_from_fp32(metrics: dict) -> None:
     metrics["w8a8_loss_change_nats"] = round(metrics["held_out_loss.w8a8"] - metrics["held_out_loss.fp32"], 4)
 
 
+def loss_bars(rows: list[dict]) -> list[dict]:
+    """Each model's held-out loss one standard error either side (the mean over held-out tokens ± its standard error):
+    the bar the page draws."""
+    return error_bars(rows, "held_out_loss", "stderr", 1, "loss_low", "loss_high")
+
+
+def _v2_to_v3(result: dict) -> None:
+    """Version 2 -> 3: the error bars, from the stored rows by the experiment's own function (the page computed them)."""
+    loss_bars(result["tables"]["models"])
+
+
 RESULT = Schema(
     metrics=(
         "weight_bytes.fp32", "weight_bytes.int8", "weight_saving_pct", "held_out_loss.fp32", "held_out_loss.w8",
@@ -204,10 +206,10 @@ RESULT = Schema(
     ),
     tables={
         "models": ("greedy_agreement", "held_out_loss", "loss_increase", "max_rel_logit_error", "model", "stderr",
-                   "weight_bytes"),
+                   "weight_bytes", "loss_low", "loss_high"),
         "kv_cache": ("bytes_per_token", "cache", "formula", "greedy_agreement", "kl_nats", "max_rel_logit_error"),
     },
-    version=2, upgrades={1: lambda result: changes_from_fp32(result["metrics"])},  # v1: the page computed the changes
+    version=3, upgrades={1: lambda result: changes_from_fp32(result["metrics"]), 2: _v2_to_v3},  # v1: the page computed the changes
 )
 
 EXPERIMENT = define(__name__, Int8Config,

@@ -117,7 +117,7 @@ def run(config: MixedPrecisionConfig, ctx) -> Result:
                  "skipped_steps_dynamic": by_mode["fp16 dynamic scaling"]["skipped_steps"],
                  "share_below_fp16_subnormal": float(sum(((m > 0) & (m < 2.0 ** -24)).sum() for m in magnitudes.values())
                                                      / sum((m > 0).sum() for m in magnitudes.values())),
-                 "loss_weight": loss_weight},
+                 "loss_weight": loss_weight, "static_scale_keeps_from_log2": static_scale_keeps_from_log2(c.static_scale_log2)},
         tables={"summary": summary, "curves": [r for rows in runs.values() for r in rows], "gradient_histogram": histogram(magnitudes)},
         checks=checks,
         notes=["Underflow is counted where the fp16 gradient is exactly 0 and the fp32 gradient of the same weights is "
@@ -128,11 +128,18 @@ def run(config: MixedPrecisionConfig, ctx) -> Result:
                "CPU fp16: torch runs fp16 matmuls on the CPU (accumulating in fp32 inside the kernel)."])
 
 
+def static_scale_keeps_from_log2(scale_log2: int) -> float:
+    """The smallest |gradient| (log₂) that a static loss scale 2^k keeps from flushing to zero in FP16: scaled by 2^k it
+    reaches FP16's smallest subnormal (the smallest normal times ε: 2⁻¹⁴·2⁻¹⁰), so log₂(subnormal) − k."""
+    fp16 = torch.finfo(torch.float16)
+    return math.log2(fp16.tiny * fp16.eps) - scale_log2
+
+
 RESULT = Schema(
     metrics=(
         "final_loss.fp32", "final_loss.fp16 no scaling", "final_loss.fp16 static scaling",
         "final_loss.fp16 dynamic scaling", "final_loss.fp16 GradScaler", "underflow_no_scaling",
-        "skipped_steps_dynamic", "share_below_fp16_subnormal", "loss_weight",
+        "skipped_steps_dynamic", "share_below_fp16_subnormal", "loss_weight", "static_scale_keeps_from_log2",
     ),
     tables={
         "summary": ("activation_underflow", "activation_underflow_share", "final_loss", "final_scale",
@@ -141,6 +148,8 @@ RESULT = Schema(
                    "param_nonzero", "param_underflow", "scale", "skipped", "step"),
         "gradient_histogram": ("elements", "gradient", "log2_magnitude", "share"),
     },
+    version=2, upgrades={1: lambda result: result["metrics"].setdefault(  # v1: the page subtracted the scale
+        "static_scale_keeps_from_log2", static_scale_keeps_from_log2(result["config"]["static_scale_log2"]))},
 )
 
 EXPERIMENT = define(__name__, MixedPrecisionConfig,

@@ -931,6 +931,7 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
                     "time_overhead": cpu_with / cpu_without - 1,
                     "activations_peak_bytes": p["memory"]["activations"], "activations_peak_without_bytes": pr["peak_without"],
                     "activations_saved_bytes": pr["peak_without"] - p["memory"]["activations"]})
+    step_flops(out)
     extra, total = sum(r["extra_flops"] for r in out), sum(r["extra_flops"] / r["flops_overhead"] for r in out)
     forward, backward = sum(r["forward_flops"] for r in out), sum(r["backward_flops"] for r in out)
     cpu_with, cpu_without, cpu_forward = (sum(t[i] for t in timed) for i in range(3))
@@ -954,6 +955,15 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
                                 detail=f"recompute ÷ forward {ratio:.2f}; F/(F+B) by CPU time predicts "
                                        f"+{100 * cpu_forward / cpu_without:.1f} %, measured +{100 * (cpu_with / cpu_without - 1):.1f} %"))
     return checks, metrics, out
+
+
+def step_flops(rows: list[dict]) -> list[dict]:
+    """Each rank's FLOPs in one step without recompute (its forwards and backwards) and with it (plus the recomputed
+    forwards), added to its recompute row: the two bars the page draws per rank."""
+    for r in rows:
+        r["step_flops_without"] = r["forward_flops"] + r["backward_flops"]
+        r["step_flops_with"] = r["step_flops_without"] + r["extra_flops"]
+    return rows
 
 
 BUBBLE_POINTS = 0.05  # issue #27's target: the replayed bubble within 5 points of the makespan model
@@ -1080,6 +1090,12 @@ def _v3_to_v4(result: dict) -> None:
         result["tables"]["checkpoint_share_per_rank"] = mesh_checkpoint.share_per_rank(result["tables"]["checkpoint_bytes_per_rank"])
 
 
+def _v4_to_v5(result: dict) -> None:
+    """Version 4 -> 5: each rank's FLOPs per step with and without recompute, from the stored rows by the experiment's
+    own function (the page summed them before)."""
+    step_flops(result["tables"]["recompute"])
+
+
 RECOMPUTE = ("recompute", "recompute_flops_model", "recompute_flops_overhead", "recompute_time_overhead",
              "activation_peak_saved_bytes", "backward_to_forward_flops")  # recompute != none (the last: full only)
 CHECKPOINT = ("attempts", "checkpoint", "checkpoint_tensor_bytes", "checkpoint_file_bytes", "save_s_mean",
@@ -1102,7 +1118,8 @@ RESULT = Schema(
             "pipeline": ("rank", "pp", "busy_ms", "bubble_replayed", "bubble_makespan_model"),  # empty when pp = 1
             "recompute": ("rank", "forward_flops", "backward_flops", "extra_flops", "extra_flops_model", "flops_overhead",
                           "compute_cpu_ms", "compute_cpu_without_ms", "time_overhead", "activations_saved_bytes",
-                          "activations_peak_bytes", "activations_peak_without_bytes"),  # empty when recompute = none
+                          "activations_peak_bytes", "activations_peak_without_bytes", "step_flops_without",
+                          "step_flops_with"),  # empty when recompute = none
             "step_replayed": ("rank", "lane", "kind", "stage", "mb", "start_ms", "end_ms"),
             "step_split": ("rank", *SPLIT, "own_step_ms", "bubble_replayed"), "step_lanes": LANE,
             "comm_replay": ("rank", *SPLIT), "comm_lanes": LANE,
@@ -1120,7 +1137,7 @@ RESULT = Schema(
             "reshard_bytes": ("new rank", "saved rank", "bytes")},
     optional=("step_replayed_ms", "bubble_model_gap", "bubble_model_gap_detail", *RECOMPUTE, *CHECKPOINT, *KILLED, *RESHARD, "moved", "checkpoint_timeline", "checkpoint_files",
               "checkpoint_bytes_per_rank", "checkpoint_share_per_rank", "reshard_map", "reshard_bytes"),
-    version=4, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3, 3: _v3_to_v4},
+    version=5, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5},
 )
 
 EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "

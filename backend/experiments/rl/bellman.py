@@ -13,7 +13,7 @@ import torch
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
-from backend.result import Check, Result, Schema
+from backend.result import Check, Result, Schema, error_bars
 from backend.rl.bellman import (ARROWS, MOVES, Grid, best_deterministic_policy, grid_mdp, monte_carlo_values,
                                 mrp_iterate, mrp_solve, policy_evaluation, policy_iteration, value_iteration)
 
@@ -100,7 +100,7 @@ def markov_reward_process(c: BellmanConfig) -> tuple[dict, list[Check]]:
               reference=f"mean discounted return of {c.episodes} walks per state, cut at {horizon} steps",
               detail="largest |difference| in standard errors"),
     ]
-    return {"values": values, "convergence": convergence, "transition": [
+    return {"values": monte_carlo_bars(values), "convergence": convergence, "transition": [
         {"from": names[i], "to": names[j], "p": float(P[i, j])} for i in range(len(P)) for j in range(len(P))]}, checks
 
 
@@ -163,13 +163,19 @@ def run(config: BellmanConfig, ctx) -> Result:
                f"Exhaustive search over deterministic policies runs when there are at most {EXHAUSTIVE_LIMIT} of them."])
 
 
+def monte_carlo_bars(values: list[dict]) -> list[dict]:
+    """Each state's Monte Carlo value two standard errors either side (about 95 % of such intervals hold the true
+    value): the bar the page draws beside the linear solve."""
+    return error_bars(values, "monte_carlo", "mc_stderr", 2, "mc_low", "mc_high")
+
+
 RESULT = Schema(
     metrics=(
         "V.sunny", "V.cloudy", "V.rainy", "policy_iteration_steps", "value_iteration_steps",
         "policy_evaluation_steps", "exhaustive_policies",
     ),
     tables={
-        "values": ("iteration", "linear_solve", "mc_stderr", "monte_carlo", "reward", "state"),
+        "values": ("iteration", "linear_solve", "mc_stderr", "monte_carlo", "reward", "state", "mc_low", "mc_high"),
         "convergence": ("bound", "error", "iteration"),
         "transition": ("from", "p", "to"),
         "board": ("action", "col", "kind", "q_down", "q_left", "q_right", "q_up", "row", "uniform_value", "value"),
@@ -177,6 +183,7 @@ RESULT = Schema(
         "value_iteration": ("iteration", "residual"),
         "policy_evaluation": ("iteration", "update"),
     },
+    version=2, upgrades={1: lambda result: monte_carlo_bars(result["tables"]["values"])},  # v1: the page computed the bars
 )
 
 EXPERIMENT = define(__name__, BellmanConfig,

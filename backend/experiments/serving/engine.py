@@ -19,7 +19,8 @@ from backend.experiments import define
 from backend.result import Check, Result, Schema
 from backend.serving import attention
 from backend.serving.engine import logits_error, serve, token_mismatches
-from backend.serving.report import cost_rows, cost_summary_written, gantt_rows, knee, latency_rows, load_row, step_rows, token_gap_rows
+from backend.serving.report import (cost_rows, cost_summary_written, gantt_rows, knee, latency_rows, latency_shares_written, load_row,
+                                    step_rows, token_gap_rows, with_shares)
 from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES
 from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import simulate
@@ -89,7 +90,7 @@ def run(config: EngineConfig, ctx) -> Result:
     metrics = {**cal.metrics(), "prefix_hit_rate": real.m.stats.prefix_hit_tokens / max(1, real.m.stats.prefix_queried_tokens),
                "knee_rate": knee([r for r in load if r["source"] == "simulated"]), "attention": "batched torch (CPU)"}
     notes = [cal.note(), cal.fidelity_note()]
-    tables = {"gantt": gantt_rows(real, limit=200), "latency": latency_rows(real, "real") + latency_rows(cal.simulated, "simulated"),
+    tables = {"gantt": gantt_rows(real, limit=200), "latency": with_shares(latency_rows(real, "real") + latency_rows(cal.simulated, "simulated")),
               "steps": step_rows(real, cost), "load": load, "cost_model": cost_rows(cost), "token_gaps": token_gap_rows(real)}
     return Result(metrics=metrics, checks=checks, notes=notes, tables=tables)
 
@@ -97,7 +98,7 @@ def run(config: EngineConfig, ctx) -> Result:
 RESULT = Schema(
     metrics=(*CALIBRATION_METRICS, "prefix_hit_rate", "attention"),
     tables={**CALIBRATION_TABLES, "gantt": ("end", "phase", "request", "start"), "token_gaps": ("gap", "request")},
-    version=2, upgrades={1: cost_summary_written},
+    version=3, upgrades={1: cost_summary_written, 2: latency_shares_written},
 )
 
 EXPERIMENT = define(__name__, EngineConfig,

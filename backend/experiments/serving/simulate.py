@@ -15,7 +15,8 @@ import numpy as np
 from backend.config import ConfigError, setting
 from backend.experiments import define
 from backend.result import Check, Result, Schema
-from backend.serving.report import cost_rows, cost_summary_written, knee, latency_rows, load_row, step_rows
+from backend.serving.report import (cost_rows, cost_summary_written, knee, latency_rows, latency_shares_written, load_row, step_rows,
+                                    with_shares)
 from backend.serving.schema import CALIBRATION_METRICS, CALIBRATION_TABLES, LOAD_COLUMNS, SUMMARY, each
 from backend.experiments.serving._settings import ServingSettings
 from backend.serving.simulator import latency_summary, simulate
@@ -88,15 +89,15 @@ def run(config: SimulateConfig, ctx) -> Result:
     notes = [cal.note(), cal.fidelity_note(), f"{len(trace):,} requests ({len(big.log):,} steps) simulated in {seconds:.1f} s "
              f"({len(trace) / seconds:,.0f} requests/s of simulation)."]
     return Result(metrics=metrics, checks=checks, notes=notes,
-                  tables={"load": load, "knobs": knobs, "latency": latency + latency_rows(cal.real, "real (held-out)")
-                          + latency_rows(cal.simulated, "simulated (held-out)"),
+                  tables={"load": load, "knobs": knobs, "latency": with_shares(latency + latency_rows(cal.real, "real (held-out)")
+                                                                   + latency_rows(cal.simulated, "simulated (held-out)")),
                           "steps": step_rows(big, cost, limit=2000), "cost_model": cost_rows(cost)})
 
 
 RESULT = Schema(
     metrics=(*CALIBRATION_METRICS, *each("scale", SUMMARY), "simulation_seconds", "simulated_requests_per_second"),
     tables={**CALIBRATION_TABLES, "knobs": (*LOAD_COLUMNS, "knob", "setting")},
-    version=2, upgrades={1: cost_summary_written},
+    version=3, upgrades={1: cost_summary_written, 2: latency_shares_written},
 )
 
 EXPERIMENT = define(__name__, SimulateConfig,
