@@ -314,7 +314,7 @@ def test_a_version_3_mesh_run_gets_its_share_per_rank_from_the_upgrade(killed_an
     from backend.result import VERSION_KEY
 
     rows = killed_and_resharded.tables["checkpoint_bytes_per_rank"]
-    stored = {VERSION_KEY: 3, "metrics": {}, "tables": {"checkpoint_bytes_per_rank": rows}}
+    stored = {VERSION_KEY: 3, "metrics": {}, "tables": {"checkpoint_bytes_per_rank": rows, "recompute": []}}
     schema = experiments.get("parallel.mesh").schema
     upgraded = schema.upgrade(json.loads(json.dumps(stored)))
     want = pd.DataFrame(rows).groupby("rank", as_index=False)[["written_bytes", "expected_bytes"]].sum()
