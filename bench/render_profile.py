@@ -32,6 +32,7 @@ from bench.team_load import CHROMIUM, CHROMIUM_ARGS, HOST, PAGE, TOKEN, WS_TIMIN
 
 SETTLE_S = 2.0   # after the element is drawn: the rest of the script's messages drawn too
 IDLE_S = 12.0    # a page left open: its timers' cost (the sidebar's queue, a live run view)
+MOVE_S = 5.0     # after a queued run moves up: the view's redraw or new period, and its ticks
 RENDERER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration", "Nodes",
                     "LayoutObjects", "JSHeapUsedSize")
 
@@ -179,6 +180,7 @@ async def person(url: str, log: Path, repeat: int, profile: bool, result_run: st
                 await open_page(page, cdp, frames, live, lambda pg: pg.get_by_text("Queued: position"), log, name,
                                 profile and i == 0) for i in range(repeat)]
             out["idle_queued_view"] = await idle(page, log, name, run_id)
+            out["queue_move"] = await queue_move(page, url, log, name, run_id)
             opens["number_formats_result"] = [
                 await open_page(page, cdp, frames, f"{url}/{PAGE}?run={result_run}",
                                 lambda pg: pg.get_by_text("checks against independent references").first, log, name,
@@ -191,6 +193,30 @@ async def person(url: str, log: Path, repeat: int, profile: bool, result_run: st
         finally:
             await browser.close()
     return out
+
+
+async def queue_move(page, url: str, log: Path, person: str, ahead: str) -> dict:
+    """A second run queued behind the first (`ahead`), its view open; the first is then cancelled in the store, so
+    the view moves from second (polling every SLOW_POLL_S) to next (NEXT_POLL_S): the page's full script runs and
+    Chromium's CPU over the MOVE_S after (a redraw of the page for the new period, or the view's timer set in place),
+    beside its ticks."""
+    from backend.store import RunStore
+
+    await page.goto(f"{url}/{PAGE}?seed=8&sum_values=uniform&n_terms=100", wait_until="commit")
+    await page.get_by_role("button", name="Run", exact=True).click()
+    await page.get_by_text("Queued: position 2").wait_for()
+    await asyncio.sleep(SETTLE_S)
+    mine = page.url.split("run=")[-1].split("&")[0]
+    c0, t0 = chromium_cpu_s(), time.time()
+    RunStore(Path(os.environ["EXPLORER_DATA_DIR"])).finish(ahead, "cancelled", error="cancelled by the bench")
+    await page.get_by_text("Queued: position 1").wait_for()
+    seen = time.time() - t0
+    await asyncio.sleep(MOVE_S - seen)
+    c1, t1 = chromium_cpu_s(), time.time()
+    events = [e for e in read_events(log) if t0 <= e.get("t", e.get("t0", 0)) <= t1]
+    return {"seconds": round(t1 - t0, 1), "seen_s": round(seen, 3), "chromium_cpu_s": round(c1 - c0, 3),
+            "full_script_runs": sum(e["event"] == "script" and e.get("user") == person for e in events),
+            "view_ticks": sum(e["event"] == "tick" and e.get("run") == mine for e in events)}
 
 
 def stored_run(data: Path) -> str:
@@ -229,6 +255,7 @@ def main() -> None:
     env = {"EXPLORER_TOKEN": TOKEN, "EXPLORER_MAX_JOBS": "0", "EXPLORER_OPEN_ON_DEFAULT_RUN": "0",
            "EXPLORER_RENDER_LOG": str(log)}
     result_run = stored_run(data)
+    os.environ["EXPLORER_DATA_DIR"] = str(data)  # the store queue_move cancels a run in
     server, url = start(data, "--server.address", HOST, env=env, host=HOST)
     load0 = os.getloadavg()[0]
     try:
@@ -240,6 +267,7 @@ def main() -> None:
            "note": "one person in one Chromium context on the contended 2-core VM; CPU seconds are Chromium's own "
                    "processes (/proc), renderer_* the renderer main thread's wall time by DevTools",
            "pages": summarise(got["opens"]), "idle_queued_view": got["idle_queued_view"], "idle_home": got["idle_home"],
+           "queue_move": got["queue_move"],
            "opens": got["opens"]}
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
@@ -250,6 +278,7 @@ def main() -> None:
         print(key, {k: r[k] for k in ("drawn_s", "chromium_cpu_s", "renderer_task_s", "renderer_script_s", "dom_nodes",
                                       "elements", "ws_messages", "ws_kib", "server_script_runs", "server_script_cpu_s")})
     print("idle queued view", row["idle_queued_view"], "idle home", row["idle_home"], "load", row["load_average"])
+    print("queue move", row["queue_move"])
     for key, runs in got["opens"].items():
         if runs and runs[0].get("js_self_time"):
             print(key, json.dumps(runs[0]["js_self_time"])[:1500])
