@@ -119,8 +119,8 @@ PERIOD_KEY = "run-view-period"
 def _set_period(run_id: str, period: float) -> None:
     """In a tick of the view's own timer: the browser's timer for this fragment set to `period`, by the message that
     registering the fragment sends (the browser replaces a fragment's timer when its interval changes). A full redraw
-    did this before: measured in Chromium, about 0.6 s of the browser's CPU per redraw of a topic page, twice per run
-    (queued -> next -> running), against about 0.05 s for a tick (bench/render_profile.py)."""
+    of the page did this before, twice per run (queued -> next -> running): one more script run on the server and, in
+    Chromium, about 0.06 s more CPU over the 5 s after a move (bench/render_profile.py's queue_move)."""
     ctx = get_script_run_ctx()
     if ctx is None or len(ctx.fragment_ids_this_run or ()) != 1:  # not a timer's run of this one fragment
         return
