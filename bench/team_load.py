@@ -23,6 +23,16 @@ visit). What the server sends for its static assets (Cache-Control, Content-Enco
 wait has a limit, each N a time budget, and the server's process group and the browser are ended whatever happens.
 
     nice python bench/team_load.py [--people 1,5,10] [--cache warm,cold] [--out bench/results/team_load.json]
+
+Where the browser's time goes (bench/render_profile.py, one person page by page, bench/results/render_profile.json):
+each page open is one script run on the server (no rerun on first load), 15-20 ms of its CPU (the result page 0.13 s);
+in Chromium it costs 0.8-0.9 s of CPU for the Overview or a topic's form, 1.5-1.8 s for a result (3 Vega charts, 8
+grids), 1.6-2.0 s for the sign-in page (the bundle's first fetch and compile), most of it Streamlit's frontend starting
+on each navigation (a page of 16 elements costs what one of 74 does; a persistent profile's code cache saves about
+10%). A live view's tick costs Chromium about 0.045 s, so a waiting page costs 0.09 of a core at 0.5 s, 0.045 at 1 s,
+an idle one about 0.02. Ten people arriving together bring about 35 s of Chromium CPU for their first three pages:
+on 2 cores shared with the server, its runs and other work, the last of them draws well past 3 s whatever the server
+does; the N = 10 first-render target holds only where each person's browser has its own CPU.
 """
 from __future__ import annotations
 

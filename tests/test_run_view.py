@@ -233,3 +233,54 @@ def test_a_view_that_ticks_is_not_redrawn_by_the_watchdog(page_with_queue, runs,
     _end(started, exp, config)
     redrawn = any("succeeded" in h for h in _headings(_run_fragment(at, queue_id, {"run": started})))
     assert redrawn == broken
+
+
+# --- a change of the view's period (queued -> next -> running) -------------------------------------------------------
+def _timers(monkeypatch) -> list[tuple[str, float]]:
+    """Every fragment timer the script sends the browser from now on: (fragment id, interval)."""
+    from streamlit.runtime.scriptrunner_utils.script_run_context import ScriptRunContext
+
+    sent, real = [], ScriptRunContext.enqueue
+
+    def spy(self, msg):
+        if msg.WhichOneof("type") == "auto_rerun":
+            sent.append((msg.auto_rerun.fragment_id, round(msg.auto_rerun.interval, 3)))
+        real(self, msg)
+
+    monkeypatch.setattr(ScriptRunContext, "enqueue", spy)
+    return sent
+
+
+def _moved(app, runs, monkeypatch) -> tuple[list, str, AppTest]:
+    """The page draws a running run live; its state then asks for another period (as a queued run's does when it
+    moves up or starts); one tick of the view's timer, then a second. Returns the timers sent, the view's id and
+    the page after the ticks."""
+    from pages import run_view
+
+    earlier, started, _ = runs
+    app.query_params["run"] = started
+    sent = _timers(monkeypatch)
+    app.run()
+    (view_id,) = app._fragment_storage._fragments
+    assert sent == [(view_id, run_view.FAST_POLL_S)]
+    monkeypatch.setattr(run_view, "poll_s", lambda rec, place: 1.0)
+    for _ in range(2):
+        at = _fragment_run(app, {"run": started})
+    return sent, view_id, at
+
+
+def test_a_tick_that_finds_a_new_period_sets_its_timer_without_redrawing_the_page(app, runs, monkeypatch):
+    """The view's tick sets the browser's timer for itself to the new period once (the next tick sends nothing), and
+    the page is not redrawn: still the live view, its fragment the only one registered."""
+    sent, view_id, at = _moved(app, runs, monkeypatch)
+    assert sent[1:] == [(view_id, 1.0)], sent
+    assert any("running" in h for h in _headings(at)) and list(at._fragment_storage._fragments) == [view_id]
+
+
+def test_without_setting_the_period_the_view_keeps_its_first_timer(app, runs, monkeypatch):
+    """The rule broken (the tick does not set the new period): the browser's timer stays at the first period."""
+    from pages import run_view
+
+    monkeypatch.setattr(run_view, "_set_period", lambda run_id, period: None)
+    sent, view_id, _ = _moved(app, runs, monkeypatch)
+    assert sent[1:] == [], sent

@@ -356,7 +356,11 @@ def test_a_non_default_choice_runs(app, url_path):
 
 
 def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> None:
-    shown = parse_qs(urlparse(page.url).query).get("run")  # the page opened on its defaults' run
+    # The page opens on its defaults' run, but its title is drawn before the script puts that run in the URL (half the
+    # opens on a quiet box): read too early, no run was "shown", the defaults' run then in the URL passed for the new
+    # one, and the walk waited for that run's heading after the Run had redrawn the page (issue #31's flake).
+    page.wait_for_url(lambda u: "run" in parse_qs(urlparse(u).query), timeout=60_000)
+    shown = parse_qs(urlparse(page.url).query)["run"]
     if shown:  # a person changes a setting after the defaults' run has drawn, not while its live view refreshes
         done = page.locator("[data-testid=stHeading]").filter(
             has_text=re.compile(rf"Run {re.escape(shown[0])} · .* · (succeeded|failed|cancelled)"))
@@ -369,8 +373,7 @@ def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> N
     started = time.time()
     page.locator("[data-testid=stFormSubmitButton] button").first.click()
     # the new run's id reaches the URL when it is submitted; until then the defaults' run is still on the page
-    page.wait_for_url(lambda u: "run" in parse_qs(urlparse(u).query) and parse_qs(urlparse(u).query)["run"] != shown,
-                      timeout=60_000)
+    page.wait_for_url(lambda u: names_new_run(u, shown, field, value), timeout=60_000)
     run_id = _finished_run(page, parse_qs(urlparse(page.url).query)["run"][0])
     _timed(timings, f"{url_path} ({field}={value})", run_id, started)
     _checks_passed(page, run_id)
@@ -380,6 +383,26 @@ def _non_default_run(page, url_path: str, field: str, value, timings: dict) -> N
     _charts_drawn(page, f"{url_path} with {field}={value}")
     _metrics(page, f"{url_path} with {field}={value}")
     _readable(page, f"{url_path} with {field}={value}")
+
+
+def names_new_run(url: str, shown: list[str], field: str, value) -> bool:
+    """Whether `url` is the page after a Run with `field` = `value`: it names a run other than the one shown before
+    (`shown`, the URL's run list) and carries the choice."""
+    query = parse_qs(urlparse(url).query)
+    return query.get("run", shown) != shown and query.get(field) == [str(value)]
+
+
+def test_names_new_run_takes_only_the_run_a_choice_started():
+    """The walk's wait for the run its choice started: the defaults' run still in the URL is not it (nor a URL
+    without the choice); and reading "shown" before the page put the defaults' run in its URL (None, the flake's
+    rule) took the defaults' run for the new one."""
+    before = "http://h/training_estimates?run=aaaaaaaaaaaa"
+    after = "http://h/training_estimates?device=H100+%28SXM%29&run=bbbbbbbbbbbb"
+    assert not names_new_run(before, ["aaaaaaaaaaaa"], "device", "H100 (SXM)")
+    assert not names_new_run("http://h/training_estimates?run=bbbbbbbbbbbb", ["aaaaaaaaaaaa"], "device", "H100 (SXM)")
+    assert names_new_run(after, ["aaaaaaaaaaaa"], "device", "H100 (SXM)")
+    stale_rule = lambda u, shown: "run" in parse_qs(urlparse(u).query) and parse_qs(urlparse(u).query)["run"] != shown  # noqa: E731
+    assert stale_rule(before, None)  # the old wait, with "shown" read too early, took the defaults' run
 
 
 def test_readable_problems_finds_each_defect_and_passes_a_clean_page():
