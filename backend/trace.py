@@ -92,12 +92,13 @@ class Tracer:
         return {"rank": self.rank, "events": self.events, "bytes_sent": dict(self.bytes_sent), "bytes_recv": dict(self.bytes_recv)}
 
 
-def replay(actions: list[dict], depends_on) -> list[dict]:
+def replay(actions: list[dict], depends_on, latency: float = 0.0) -> list[dict]:
     """The timeline the actions imply with one dedicated core per rank: each action takes its measured CPU time
     (`cpu_us`), starts when the previous action of its rank has ended and every action it depends on has ended.
     `actions` are in each rank's executed order; `depends_on(action)` returns the keys ((rank, index) pairs of
-    other actions, e.g. the matched sender of a receive) it waits for. Returns copies with ts and dur replayed;
-    communication is taken as free, so the replay shows the schedule, not the wire."""
+    other actions, e.g. the matched sender of a receive) it waits for; a dependency on another rank's action adds
+    `latency` (0: communication is free, so the replay shows the schedule, not the wire). Returns copies with ts and
+    dur replayed. A key no action has (or a cycle) deadlocks: ValueError naming where each rank is stuck."""
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for a in actions:
         by_rank[a["rank"]].append(a)
@@ -112,7 +113,7 @@ def replay(actions: list[dict], depends_on) -> list[dict]:
                 deps = depends_on(a)
                 if any(d not in end for d in deps):
                     break  # waits on another rank: come back to this rank after the others advance
-                start = max([end.get((r, cursor[r] - 1), 0.0)] + [end[d] for d in deps])
+                start = max([end.get((r, cursor[r] - 1), 0.0)] + [end[d] + (latency if d[0] != r else 0.0) for d in deps])
                 end[(r, cursor[r])] = start + a["cpu_us"]
                 out.append({**a, "ts": start, "dur": a["cpu_us"]})
                 cursor[r] += 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from backend.parallel.pp.schedules import SCHEDULES, Action
+from backend.trace import replay
 
 
 @dataclass(frozen=True)
@@ -50,38 +51,32 @@ def _needs(a: Action, last_stage: int) -> list[tuple[str, int, int]]:
     return [("back", a.stage, a.mb)]  # W after its I
 
 
+def _phase(a: Action) -> tuple[str, int, int]:
+    return ("F" if a.kind == "F" else "W" if a.kind == "W" else "back", a.stage, a.mb)
+
+
 def makespan(schedule: str, p: int, m: int, v: int, costs: Mapping[str, Sequence[float]], latency: float = 0.0) -> Makespan:
     """Walk `schedule`'s per-rank orders (p ranks, m micro-batches, v chunks per rank for interleaved; the V schedules
     hold 2) with `costs[kind][stage]` per micro-batch for kind F, B, or I and W, over all p·v stages, and `latency` per
-    message between ranks. Returns the step time, each rank's busy time and idle fraction, and the timeline."""
+    message between ranks. Returns the step time, each rank's busy time and idle fraction, and the timeline. The walk is
+    the trace's replay (backend/trace.replay), given costs instead of measured CPU times."""
     plan = SCHEDULES[schedule]
     stages = p * plan.chunks(v)
     cost = stage_costs(costs, stages)
     orders = plan.actions(p, m, v)
-    done: dict[tuple[str, int, int], tuple[float, int]] = {}  # (phase, stage, mb) -> (end, rank)
-    clock, cursor = {r: 0.0 for r in orders}, {r: 0 for r in orders}
-    timeline = []
-    moved = True
-    while moved:
-        moved = False
-        for r, order in orders.items():
-            while cursor[r] < len(order):
-                a = order[cursor[r]]
-                needs = _needs(a, stages - 1)
-                if any(n not in done for n in needs):
-                    break
-                if a.kind not in cost:
-                    raise ValueError(f"{schedule} runs {a.kind} actions: give costs[{a.kind!r}]")
-                ready = [done[n][0] + (latency if done[n][1] != r else 0.0) for n in needs]
-                start = max([clock[r]] + ready)
-                clock[r] = start + cost[a.kind][a.stage]
-                done[("F" if a.kind == "F" else ("W" if a.kind == "W" else "back"), a.stage, a.mb)] = (clock[r], r)
-                timeline.append((r, a, start, clock[r]))
-                cursor[r] += 1
-                moved = True
-    stuck = {r: str(o[cursor[r]]) for r, o in orders.items() if cursor[r] < len(o)}
-    if stuck:
-        raise ValueError(f"{schedule}: the orders deadlock on their dependencies (waiting: {stuck})")
-    step = max(clock.values())
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}  # (phase, stage, mb) -> (rank, index in its order)
+    actions = []
+    for r, order in orders.items():
+        for i, a in enumerate(order):
+            if a.kind not in cost:
+                raise ValueError(f"{schedule} runs {a.kind} actions: give costs[{a.kind!r}]")
+            where[_phase(a)] = (r, i)
+            actions.append({"rank": r, "name": str(a), "action": a, "cpu_us": cost[a.kind][a.stage]})
+    try:
+        walked = replay(actions, lambda e: [where.get(n, ("none", n)) for n in _needs(e["action"], stages - 1)], latency)
+    except ValueError as err:
+        raise ValueError(f"{schedule}: the orders deadlock on their dependencies ({err})") from None
+    timeline = [(e["rank"], e["action"], e["ts"], e["ts"] + e["dur"]) for e in walked]
+    step = max((end for *_, end in timeline), default=0.0)
     busy = {r: sum(e - s for rr, _, s, e in timeline if rr == r) for r in orders}
     return Makespan(step, busy, {r: 1 - busy[r] / step if step else 0.0 for r in orders}, timeline)
