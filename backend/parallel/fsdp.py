@@ -156,23 +156,29 @@ class FullyShardedStages:
     and after the last one FSDP2's own post_backward reduce-scatters them (what torch.distributed.pipelining's
     perform_reduce_grad calls) and reshards. Adam (the workload's, elementwise) updates each local shard. FSDP2's
     all-gather and reduce-scatter run on the dp Wire (set_custom_all_gather / _reduce_scatter), so bytes are counted.
-    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored."""
+    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored.
+    `offload`: PyTorch's CPUOffloadPolicy (no pinning: no accelerator here), so the sharded parameters, their gradients
+    and Adam's states are the host's; FSDP2's own copies (the parameter shards up before each step's all-gather, the
+    gradient shards down after the reduce-scatter) counted by offload.FSDPTransfers."""
 
     strategy = "fsdp2"
+    overlap = None  # (no DDP overlap here)
 
-    def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float):
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float, offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from backend.parallel.workload import Adam
 
-        self.model, self.tracer, self.lr = model, tracer, lr
+        self.model, self.tracer, self.lr, self.offload = model, tracer, lr, offload
+        self.transfers = FSDPTransfers()
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
                       for n, p in model.named_parameters()}
         mesh = dp_device_mesh(group, rank)
         self.entries = []
         for chunk in model.values():
             entry = StageEntry(chunk)
-            fully_shard(entry, mesh=mesh, reshard_after_forward=False)
+            fully_shard(entry, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
             entry.set_custom_all_gather(WireAllGather(dp))
             entry.set_custom_reduce_scatter(WireReduceScatter(dp))
             entry.set_gradient_divide_factor(1.0)
@@ -193,7 +199,8 @@ class FullyShardedStages:
                 setattr(p, a, v)
 
     def weights_for_step(self, step: int):
-        self._unshard(step)
+        with self.transfers:  # (with offload: the parameter shards copied up in FSDP2's all_gather_inputs)
+            self._unshard(step)
         return None
 
     def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> None:
@@ -204,7 +211,7 @@ class FullyShardedStages:
         for p in self.model.parameters():
             p.grad.copy_(grads[at:at + p.numel()].view_as(p))
             at += p.numel()
-        with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
+        with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"), self.transfers:
             for e in self.entries:
                 reduce_gradients(e)
         grads = [p.grad.to_local() for p in self.shards]
@@ -224,14 +231,32 @@ class FullyShardedStages:
         self.load_final(model)
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
-    pools = overlap = None  # (no ZeRO-Offload, no DDP overlap here)
-
     def gradients(self, params: list) -> None:
         """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
         return None
 
+    def _held(self) -> dict[str, int]:
+        """Bytes of the DTensors' local shards (FSDP2's padding apart), their gradients and Adam's m, v."""
+        params = sum(p.to_local().numel() for p in self.shards)
+        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
+                "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps on the device between steps: its shards, or (offload) none."""
+        return {k: 0 for k in self._held()} if self.offload else self._held()
+
     def host_memory(self) -> dict[str, int]:
-        return {}
+        """Bytes in the host pool (offload: the shards, held on the CPU as FSDP2 placed them; nothing otherwise)."""
+        if not self.offload:
+            return {}
+        assert all(p.to_local().device.type == "cpu" for p in self.shards)
+        held = self._held()
+        return {"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
+                "optimizer states": held["optimizer states"]}
+
+    def moved(self) -> dict[str, int]:
+        """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
+        return dict(self.transfers.moved) if self.offload else {}
 
     def close(self) -> None:
         pass
@@ -239,9 +264,3 @@ class FullyShardedStages:
     def entry(self, chunk):
         """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""
         return self.entry_of.get(id(chunk))
-
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: the DTensors' local shards (FSDP2's padding apart) and Adam's m, v."""
-        params = sum(p.to_local().numel() for p in self.shards)
-        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
-                "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
