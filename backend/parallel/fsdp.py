@@ -189,6 +189,9 @@ class FullyShardedStages:
         self.shards = [p for p in model.parameters()]  # DTensors
         self.adams = [(Adam(lr), torch.zeros_like(p.to_local()), torch.zeros_like(p.to_local())) for p in self.shards]
         self.grads_kept = 0
+        self.counting = offload  # every copy FSDP2 makes from here to load_final (forward and backward hooks included)
+        if offload:
+            self.transfers.__enter__()
 
     def _unshard(self, step) -> None:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
@@ -199,8 +202,7 @@ class FullyShardedStages:
                 setattr(p, a, v)
 
     def weights_for_step(self, step: int):
-        with self.transfers:  # (with offload: the parameter shards copied up in FSDP2's all_gather_inputs)
-            self._unshard(step)
+        self._unshard(step)
         return None
 
     def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> None:
@@ -211,7 +213,7 @@ class FullyShardedStages:
         for p in self.model.parameters():
             p.grad.copy_(grads[at:at + p.numel()].view_as(p))
             at += p.numel()
-        with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"), self.transfers:
+        with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
             for e in self.entries:
                 reduce_gradients(e)
         grads = [p.grad.to_local() for p in self.shards]
@@ -222,7 +224,10 @@ class FullyShardedStages:
 
     def load_final(self, model) -> None:
         """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
-        as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
+        as plain modules (recompute's price, after training, calls no FSDP2 hook). The offload's counting ends first."""
+        if self.counting:
+            self.transfers.__exit__(None, None, None)
+            self.counting = False
         self._unshard("final")
         self.entry_of = {}
 
