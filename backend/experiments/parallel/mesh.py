@@ -178,8 +178,9 @@ class MeshConfig(TPConfig):
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
 
-    cost_drivers = ("comm_delay_ms", "steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
-                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp", "checkpoint_save")
+    cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
+                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp", "checkpoint_save",
+                    "comm_delay_ms")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
