@@ -59,10 +59,11 @@ def render_ps(result: dict, rec) -> None:
     llama = rec.config.get("model") == "tiny_llama"  # (runs stored before it trained the MLP: a held-out squared error)
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(pd.DataFrame(result["tables"]["eval"])).mark_line(point=True).encode(
-        x=alt.X("update:Q", title="server update"),
-        y=alt.Y("loss:Q", title="loss on the global batch (cross entropy, nats)" if llama else "held-out loss (mean squared error)",
+        x=alt.X("update:Q", title="server update", axis=alt.Axis(tickMinStep=1, format="d")),
+        y=alt.Y("loss:Q", title="loss (cross entropy, nats)" if llama else "held-out loss (squared error)",
                 scale=alt.Scale(zero=False)), tooltip=["update", alt.Tooltip("loss:Q", format=".4f")]
-    ).properties(height=260, title="Loss as the server applies updates"), width="stretch")
+    ).properties(height=260, title="Loss on the global batch, per update" if llama
+                 else "Loss as the server applies updates"), width="stretch")
     stale = pd.DataFrame(result["tables"]["staleness"])
     if not stale.empty:
         right.altair_chart(alt.Chart(stale).mark_bar().encode(
