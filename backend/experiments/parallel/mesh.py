@@ -568,7 +568,8 @@ def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict
                   reference="FSDP2: each parameter's local rows as torch.chunk cuts them, their gradients and Adam's m, v, "
                             "float64" if fsdp2 else "Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master "
                             "dtype) and the gradient shard (reduce dtype) on the host"),
-            Check("bytes moved host <-> device per step equal the " + ("FSDP2 shards'" if fsdp2 else "ψ/dp each way"),
+            Check("bytes moved host <-> device per step equal the FSDP2 shards'" if fsdp2 else
+                  "bytes moved host <-> device equal ψ/dp each way per step",
                   max(abs(r["measured_bytes_per_step"] - r["formula_bytes_per_step"]) for r in moved), 0,
                   reference="FSDP2: the padded parameter shards up before the step's all-gather, the local gradient rows "
                             "down after the reduce-scatter" if fsdp2 else "ZeRO-Offload: the gradient shard down in the "
