@@ -1,4 +1,5 @@
-"""Data parallel & ZeRO: DDP, ZeRO-1/2/3 and FSDP2 on one workload; memory per rank and bytes moved, measured."""
+"""Data parallel & ZeRO: parameter servers, DDP, ZeRO-1/2/3 and FSDP2 on the tiny LLaMA; memory per rank and bytes moved,
+measured. Runs stored on the retired Linear+tanh MLP still open and draw."""
 
 import altair as alt
 import pandas as pd
@@ -11,7 +12,8 @@ st.title("Data parallel & ZeRO")
 STRATEGIES = {"Parameter server": "parallel.dp_ps", "DDP (ours, beside torch DDP)": "parallel.ddp", "ZeRO-1/2/3 (ours)": "parallel.zero", "FSDP2 (PyTorch)": "parallel.fsdp"}
 SPMD = ("parallel.ddp", "parallel.zero", "parallel.fsdp")  # the strategies with a memory-per-rank table to compare
 BASE = ("world_size", "hidden", "layers", "batch", "steps", "lr", "seed", "model")
-MODEL_NAMES = {"mlp": "the Linear+tanh MLP (loss: mean squared error)", "tiny_llama": "the tiny LLaMA, through the mesh's loop (loss: cross entropy)"}
+MODEL_NAMES = {"mlp": "the retired Linear+tanh MLP, a stored run (loss: mean squared error)",
+               "tiny_llama": "the tiny LLaMA, through the mesh's loop (loss: cross entropy)"}
 
 
 def memory_chart(rows: pd.DataFrame, x: str, title: str) -> alt.Chart:
@@ -48,15 +50,20 @@ def offload_section(result: dict) -> None:
         st.markdown("ZeRO-Offload (Ren et al., 2021) keeps the master weights, Adam's m and v and the Adam step on the "
                     "host: each step a rank sends its ψ/n gradient shard down (2 bytes/param in fp16, 4 in fp32, 8 here "
                     "in float64) and receives its updated ψ/n parameter shard in the compute dtype. FSDP2's "
-                    "CPUOffloadPolicy copies every padded parameter shard up before each all-gather (forward, and "
-                    "again in backward) and each gradient shard down once.")
+                    "CPUOffloadPolicy copies every padded parameter shard up before the step's all-gather (once a step: "
+                    "the mesh unshards each stage once, reshard_after_forward=False) and each parameter's local gradient "
+                    "rows down once. (The retired MLP's stored FSDP2 runs gathered twice a step: forward and backward.)")
 
 
 def render_ps(result: dict, rec) -> None:
+    llama = rec.config.get("model") == "tiny_llama"  # (runs stored before it trained the MLP: a held-out squared error)
     left, right = st.columns(2)
     left.altair_chart(alt.Chart(pd.DataFrame(result["tables"]["eval"])).mark_line(point=True).encode(
-        x=alt.X("update:Q", title="server update"), y=alt.Y("loss:Q", title="held-out loss", scale=alt.Scale(zero=False))
-    ).properties(height=260, title="Loss as the server applies updates"), width="stretch")
+        x=alt.X("update:Q", title="server update", axis=alt.Axis(tickMinStep=1, format="d")),
+        y=alt.Y("loss:Q", title="loss (cross entropy, nats)" if llama else "held-out loss (squared error)",
+                scale=alt.Scale(zero=False)), tooltip=["update", alt.Tooltip("loss:Q", format=".4f")]
+    ).properties(height=260, title="Loss on the global batch, per update" if llama
+                 else "Loss as the server applies updates"), width="stretch")
     stale = pd.DataFrame(result["tables"]["staleness"])
     if not stale.empty:
         right.altair_chart(alt.Chart(stale).mark_bar().encode(
@@ -99,14 +106,13 @@ def render(result: dict, rec) -> None:
 
     st.subheader("Compare strategies on these settings")
     base = {k: rec.config.get(k, "mlp") if k == "model" else rec.config[k] for k in BASE}  # (runs before the model setting: mlp)
-    llama = base["model"] == "tiny_llama"  # the mesh's loop: FSDP2 without offload
     runs = [("parallel.ddp", {}), ("parallel.zero", {"stage": 1}), ("parallel.zero", {"stage": 2}),
-            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {}), ("parallel.zero", {"stage": 2, "offload": True})]
-    runs += [] if llama else [("parallel.fsdp", {"offload": True})]
-    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2 and ZeRO-2 with CPU offload" + ("" if llama else " (and FSDP2's)") +
-                 " on these settings"):
+            ("parallel.zero", {"stage": 3}), ("parallel.fsdp", {}), ("parallel.zero", {"stage": 2, "offload": True}),
+            ("parallel.fsdp", {"offload": True})]
+    if st.button("Run DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2, and ZeRO-2 and FSDP2 with CPU offload on these settings" +
+                 ("" if base["model"] == "tiny_llama" else " (on the tiny LLaMA: the MLP is retired)")):
         for name, extra in runs:
-            ui.runner().submit(name, {**base, **extra})
+            ui.runner().submit(name, {**base, "model": "tiny_llama", **extra})
         st.info("Queued; the comparison fills in as they finish (reload).")
     rows = []
     for name in SPMD:
@@ -127,6 +133,6 @@ choice = st.radio("strategy", list(STRATEGIES), horizontal=True,
                   if st.query_params.get("strategy") in STRATEGIES.values() else 0)
 st.query_params["strategy"] = STRATEGIES[choice]
 ui.experiment_page(STRATEGIES[choice], render, page_params=("strategy",),
-                   intro="Every strategy trains the tiny LLaMA of the other parallel pages through the mesh's loop (or, with "
-                         "model = mlp, the older Linear+tanh workload), checked step by step against one process training "
+                   intro="Every strategy trains the tiny LLaMA of the other parallel pages (DDP, ZeRO and FSDP2 through the "
+                         "mesh's loop; the parameter server by push and pull over P2P), checked against one process training "
                          "the whole batch.")

@@ -41,8 +41,9 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dic
                 if exp.config_cls.item_type(f) is not None:  # a list setting, written comma-separated as in a URL
                     values[f.name] = st.text_input(label, value=exp.config_cls.text_of(initial), help=helptext, key=key)
                 elif meta.get("choices"):
-                    choices = list(meta["choices"])
-                    values[f.name] = st.selectbox(label, choices, index=choices.index(initial), help=helptext, key=key)
+                    choices = list(meta["choices"])  # a stored run's retired choice (model=mlp) shows the default
+                    index = choices.index(initial if initial in choices else f.default)
+                    values[f.name] = st.selectbox(label, choices, index=index, help=helptext, key=key)
                 elif t is bool:
                     values[f.name] = st.checkbox(label, value=initial, help=helptext, key=key)
                 elif t is int:

@@ -1,6 +1,6 @@
-"""The data-parallel experiments with model = tiny_llama: DDP, ZeRO-1/2/3 and FSDP2 train the one model as a dp-only
-plan of parallel.mesh, equal to one float64 process, dp bytes and memory against the models; 3 ranks, so the shards
-are uneven; what only the MLP's loop does is refused by name; the page draws such a run and names the model."""
+"""The data-parallel experiments on the tiny LLaMA: DDP, ZeRO-1/2/3 and FSDP2 train the one model as a dp-only plan of
+parallel.mesh, equal to one float64 process, dp bytes and memory against the models; 3 ranks, so the shards are uneven;
+DDP's simulated slow link (comm_delay_ms) on the dp wire; the page draws such a run and names the model."""
 import copy
 import dataclasses
 import math
@@ -19,9 +19,12 @@ from backend.result import UndeclaredKey
 from tests.sweep import assert_refused
 
 BASE = dict(world_size=3, hidden=10, layers=2, batch=6, steps=2, model="tiny_llama")  # 10 rows over 3: 4, 4, 2
+DELAY_MS = 150
 CASES = {"ddp": (ddp, DDPConfig(overlap=True, bucket_kb=1, **BASE)), "zero1": (zero, ZeroConfig(stage=1, **BASE)),
          "zero2": (zero, ZeroConfig(stage=2, **BASE)), "zero3": (zero, ZeroConfig(stage=3, **BASE)),
-         "fsdp2": (fsdp, FSDPConfig(**BASE))}
+         "fsdp2": (fsdp, FSDPConfig(**BASE)),
+         "ddp after backward": (ddp, DDPConfig(overlap=False, bucket_kb=1024, **BASE)),  # one bucket
+         "ddp slow link": (ddp, DDPConfig(overlap=False, bucket_kb=1024, comm_delay_ms=DELAY_MS, **BASE))}
 
 
 def _all(rank, world, cases, ctx):
@@ -42,7 +45,7 @@ def test_every_strategy_on_the_tiny_llama_equals_one_process_and_its_models(runs
     for name, (module, cfg, payloads) in runs.items():
         result = module.EXPERIMENT.combine(cfg, payloads)
         assert result.passed, (name, [(c.name, c.error) for c in result.checks if not c.passed])
-        assert result.metrics["model"] == "tiny_llama" and result.metrics["strategy"] == f"{name} · tiny LLaMA"
+        assert result.metrics["model"] == "tiny_llama" and result.metrics["strategy"] == f"{name.split()[0]} · tiny LLaMA"
         assert result.checks[0].error < 1e-9
         assert all(v["sent_bytes"] == v["formula_bytes"] > 0 for v in result.tables["volume"])
         assert result.metrics["final_loss"] < result.tables["loss"][0]["loss"]  # it trains
@@ -103,22 +106,36 @@ def test_the_tiny_llama_result_is_held_to_its_own_shape(runs):
             schema.stamp(dataclasses.replace(result, metrics={**result.metrics, "parameter_bytes": 1}), name)
 
 
-@pytest.mark.parametrize("config_cls, values, field", [
-    (DDPConfig, {"model": "tiny_llama", "comm_delay_ms": "5"}, "comm_delay_ms"),
-    (DDPConfig, {"model": "mlp", "precision": "bf16_mixed"}, "precision"),
-    (ZeroConfig, {"model": "tiny_llama", "offload": "true", "stage": "3"}, "offload"),
-    (FSDPConfig, {"model": "tiny_llama", "offload": "true"}, "offload"),
-    (FSDPConfig, {"model": "tiny_llama", "hidden": "1024"}, "hidden"),  # the tiny LLaMA's d_model stops at 512
-])
-def test_what_only_the_mlp_loop_does_is_refused_by_name(config_cls, values, field):
-    assert_refused(config_cls, values, field)
+def _bucket_spans_ms(payloads) -> list[float]:
+    """Every rank's DDP bucket all-reduces on the dp wire (their trace spans), in ms."""
+    return [e["dur"] / 1000 for p in payloads for e in p["trace"]["events"]
+            if e["lane"] == "collective" and e["name"].startswith("all_reduce data-parallel gradients, bucket")]
+
+
+def test_comm_delay_slows_every_bucket_on_the_dp_wire_and_shows_as_exposed_dp_time(runs):
+    """comm_delay_ms: each bucket's all-reduce on the dp wire waits that long inside its span, so without overlap every
+    such span lasts at least the delay and the step split's exposed dp time of every rank's last step holds it; the same
+    plan without the delay has no bucket that slow (the rule broken: no wait), and both equal one process."""
+    module, cfg, payloads = runs["ddp slow link"]
+    slow = _bucket_spans_ms(payloads)
+    assert len(slow) == 3 * cfg.steps and min(slow) >= DELAY_MS  # one bucket a step on each of 3 ranks
+    result = module.EXPERIMENT.combine(cfg, payloads)
+    assert min(r["dp_ms"] for r in result.tables["step_split"]) >= DELAY_MS
+    quick = _bucket_spans_ms(runs["ddp after backward"][2])
+    assert len(quick) == len(slow) and max(quick) < DELAY_MS
+
+
+def test_comm_delay_is_refused_where_no_bucket_crosses_the_dp_wire():
+    from backend.experiments.parallel.mesh import MeshConfig
+
+    assert_refused(MeshConfig, {"comm_delay_ms": "5", "dp_strategy": "zero1", "tp": "1", "pp": "1"}, "comm_delay_ms")
+    assert_refused(MeshConfig, {"comm_delay_ms": "5", "dp_strategy": "ddp", "tp": "2", "pp": "2"}, "comm_delay_ms")  # dp 1
 
 
 def test_the_page_names_the_model_it_ran():
     from tests.test_pages import _app, _recorded
 
-    rid = _recorded("parallel.fsdp", {"world_size": "2", "hidden": "8", "layers": "2", "batch": "4", "steps": "2",
-                                      "model": "tiny_llama"})
+    rid = _recorded("parallel.fsdp", {"world_size": "2", "hidden": "8", "layers": "2", "batch": "4", "steps": "2"})
     at = _app("pages/data_parallel.py", strategy="parallel.fsdp", run=rid)
     assert not at.exception, at.exception
     assert any("tiny LLaMA" in c.value for c in at.caption)

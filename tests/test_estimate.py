@@ -91,3 +91,16 @@ def test_table_check_fails_at_the_v100_fp32_rate(monkeypatch):
     monkeypatch.setitem(est.ACCELERATORS, "V100 (32 GB)", (15.7e12, 32e9))  # fp32 CUDA cores, not tensor cores
     failed = [c.name for c in exp.seed_checks(TrainingEstimateConfig()) if not c.passed]
     assert failed == ["seed 004's table: no training time is shorter than 6·N·D at the V100's peak"]
+
+
+@pytest.mark.parametrize("broken, why", [({"stage": 2}, "gradients sharded where ZeRO-1 keeps them whole"),
+                                         ({"precision": "fp64"}, "fp64 weights, not the bf16 the formula counts")])
+def test_zero_run_check_fails_when_the_run_breaks_the_rule(monkeypatch, broken, why):
+    """The ZeRO-1 check compares the tiny LLaMA run's bytes with the seed's formula at the run's fp32 gradients (the
+    seed's 2ψ beside them); a run that does not hold what ZeRO-1 in bf16 holds fails it."""
+    from backend.experiments.estimate import training as module
+
+    rows, check = module.zero_memory(TrainingEstimateConfig(zero_run=True))
+    assert check.passed and all(r["formula_bytes"] == 2 * r["seed_formula_bytes"] for r in rows if r["category"] == "gradients")
+    monkeypatch.setattr(module, "ZERO_RUN", {**module.ZERO_RUN, **broken})
+    assert not module.zero_memory(TrainingEstimateConfig(zero_run=True))[1].passed, why

@@ -1,105 +1,79 @@
-"""CPU offload: ZeRO-Offload (ours, stages 1 and 2) and FSDP2's CPUOffloadPolicy against their non-offloaded runs,
-one process, memory per pool and bytes moved host <-> device per step; runs that break the rule fail the checks."""
-import functools
+"""CPU offload through the data-parallel pages on the tiny LLaMA: FSDP2's CPUOffloadPolicy on the mesh's fsdp2 against
+the same run without it (bitwise the same weights; memory per pool and bytes moved host <-> device per step against
+the model, at dp 3 where FSDP2 pads the last rank's rows), a run that breaks the rule failing the bytes check; the
+page draws the pools. (ZeRO-Offload on the mesh: tests/test_mesh_offload.py.)"""
+import copy
 import multiprocessing
 
 import numpy as np
 import pytest
 
 from backend.comm.spawn import spawn_ranks
-from backend.config import ConfigError
 from backend.experiments import RunContext
-from backend.experiments.parallel import fsdp, zero
+from backend.experiments.parallel import fsdp
 from backend.experiments.parallel.fsdp import FSDPConfig
-from backend.experiments.parallel.zero import ZeroConfig
+
+BASE = dict(world_size=3, hidden=10, layers=2, batch=6, steps=2)  # 10 rows over 3: 4, 4, 2 (the last rank's padded)
+MOVED = "bytes moved host <-> device per step equal the FSDP2 shards'"
 
 
-def _cases(world):
-    base = dict(world_size=world, hidden=6, layers=3, batch=12, steps=3, model="mlp")  # 126 parameters: uneven ZeRO shards, an empty FSDP2 row shard at n = 4
-    mixed = dict(base, hidden=16, precision="bf16_mixed")
-    return {"zero1": (zero, ZeroConfig(stage=1, **base)), "zero1-offload": (zero, ZeroConfig(stage=1, offload=True, **base)),
-            "zero2": (zero, ZeroConfig(stage=2, **base)), "zero2-offload": (zero, ZeroConfig(stage=2, offload=True, **base)),
-            "zero2 bf16": (zero, ZeroConfig(stage=2, **mixed)), "zero2-offload bf16": (zero, ZeroConfig(stage=2, offload=True, **mixed)),
-            "fsdp": (fsdp, FSDPConfig(**base)), "fsdp-offload": (fsdp, FSDPConfig(offload=True, **base))}
+def _both(rank, world, configs, ctx):
+    return [fsdp.run_rank(rank, world, c, ctx) for c in configs]
 
 
-def _all(rank, world, cases, ctx):
-    import importlib
-
-    return [importlib.import_module(name).run_rank(rank, world, cfg, ctx) for name, cfg in cases]
-
-
-@pytest.fixture(scope="module", params=[2, 4])
-def runs(request):
-    cases = _cases(request.param)
-    per_rank = spawn_ranks(_all, request.param, [(m.__name__, c) for m, c in cases.values()], RunContext(timeout_s=240))
+@pytest.fixture(scope="module")
+def runs():
+    configs = [FSDPConfig(**BASE).validate(), FSDPConfig(offload=True, **BASE).validate()]
+    per_rank = spawn_ranks(_both, 3, configs, RunContext(timeout_s=240))
     assert multiprocessing.active_children() == []
-    return {name: (module, cfg, [per_rank[r][i] for r in range(request.param)]) for i, (name, (module, cfg)) in enumerate(cases.items())}
+    return [(c, [per_rank[r][i] for r in range(3)]) for i, c in enumerate(configs)]
 
 
-def test_offloaded_runs_pass_every_check(runs):
-    for name, (module, cfg, reports) in runs.items():
-        result = module.EXPERIMENT.combine(cfg, reports)
-        assert result.passed, (name, [(c.name, c.error) for c in result.checks if not c.passed])
-        assert any("host <-> device" in c.name for c in result.checks) == name.split()[0].endswith("offload")
+def test_fsdp2_offload_passes_and_changes_where_not_what(runs):
+    (plain_cfg, plain), (cfg, offloaded) = runs
+    result = fsdp.EXPERIMENT.combine(cfg, offloaded)
+    assert result.passed, [(c.name, c.error) for c in result.checks if not c.passed]
+    assert {MOVED, "the host pool holds the FSDP2 CPUOffloadPolicy memory model"} <= {c.name for c in result.checks}
+    for a, b in zip(plain, offloaded):
+        assert all(np.array_equal(a["params"][k], b["params"][k]) for k in a["params"]) and a["losses"] == b["losses"]
+        assert b["memory"]["optimizer states"] == 0 < a["memory"]["optimizer states"] == b["host_memory"]["optimizer states"]
+        assert b["host_memory"]["parameters (shard)"] == a["memory"]["parameters"]
+    rows = [r for r in result.tables["moved"] if r["direction"] == "host to device"]
+    assert rows[0]["measured_bytes_per_step"] > 0 and len({r["measured_bytes_per_step"] for r in rows}) == 1  # padded alike
+    down = {r["rank"]: r["measured_bytes_per_step"] for r in result.tables["moved"] if r["direction"] == "device to host"}
+    by_dp = {p["rank"]: p["coords"]["dp"] for p in offloaded}
+    assert down[next(r for r, d in by_dp.items() if d == 2)] < down[next(r for r, d in by_dp.items() if d == 0)]  # 2 rows, not 4
 
 
-@pytest.mark.parametrize("plain, offloaded", [("zero1", "zero1-offload"), ("zero2", "zero2-offload"),
-                                              ("zero2 bf16", "zero2-offload bf16"), ("fsdp", "fsdp-offload")])
-def test_offload_changes_where_not_what(runs, plain, offloaded):
-    """Bitwise the same parameters and losses as without offload; the optimizer states leave the device."""
-    assert runs[plain][2][0].memory["optimizer states"] > 0
-    for a, b in zip(runs[plain][2], runs[offloaded][2]):
-        assert np.array_equal(a.params, b.params) and a.losses == b.losses
-        assert b.memory["optimizer states"] == 0  # (FSDP2 at n = 4 leaves rank 3 no rows: 0 either way)
-        master = b.host_memory.get("parameters (master shard)", 0) if "bf16" in plain else 0  # counted apart once on the host
-        assert b.host_memory["optimizer states"] + master == a.memory["optimizer states"]
+def test_a_byte_moved_or_held_off_the_model_fails(runs):
+    cfg, payloads = runs[1]
+    for pool in ("moved", "host_memory"):
+        broken = copy.deepcopy(payloads)
+        key = next(iter(broken[1][pool]))
+        broken[1][pool][key] += 8
+        assert not fsdp.EXPERIMENT.combine(cfg, broken).passed, pool
 
 
-def test_zero_offload_moves_the_papers_bytes_per_parameter(runs):
-    """ZeRO-Offload per owned parameter per step: fp64 8 down and 8 up; bf16 mixed 4 down (fp32 gradients) and
-    2 up (bf16 parameters), the paper's fp16 figure being 2 and 2. Read off the run, not the formula."""
-    for name, down, up in (("zero2-offload", 8, 8), ("zero2-offload bf16", 4, 2)):
-        module, cfg, reports = runs[name]
-        for r in reports:
-            owned = r.host_memory["parameters (master shard)"] // (4 if "bf16" in name else 8)
-            assert r.extra["moved"] == {"device_to_host": down * owned * cfg.steps, "host_to_device": up * owned * cfg.steps}
-
-
-def _rank_moving_fp32_parameters(rank, world, cfg, ctx):
-    """ZeRO-Offload that sends the updated master shard up in fp32 instead of casting it to bf16 on the host."""
-    from backend.parallel import offload
-
-    move = offload.Pools.move
-    offload.Pools.move = lambda self, t, to, dtype=None: move(self, t, to)
-    return zero.run_rank(rank, world, cfg, ctx)
-
-
-def _rank_fsdp_keeping_parameters(rank, world, cfg, ctx):
-    """FSDP2 told not to reshard after forward: one host -> device copy per step instead of two."""
+def _rank_fsdp_resharding_after_forward(rank, world, cfg, ctx):
+    """FSDP2 told to reshard after the forward (the retired MLP loop's choice): it gathers again in the backward, so
+    each parameter shard is copied up twice a step instead of once."""
     import torch.distributed.fsdp as api
 
-    api.fully_shard = functools.partial(api.fully_shard, reshard_after_forward=False)
+    real = api.fully_shard
+
+    def resharding(module, **kw):
+        return real(module, **{**kw, "reshard_after_forward": True})
+    resharding.state = real.state
+    api.fully_shard = resharding
     return fsdp.run_rank(rank, world, cfg, ctx)
 
 
-@pytest.mark.parametrize("rank_fn, module, cfg", [
-    (_rank_moving_fp32_parameters, zero, ZeroConfig(world_size=2, hidden=16, layers=2, batch=8, steps=2, stage=1, offload=True, precision="bf16_mixed",
-                                                      model="mlp")),
-    (_rank_fsdp_keeping_parameters, fsdp, FSDPConfig(world_size=2, hidden=6, layers=2, batch=8, steps=2, offload=True, model="mlp")),
-])
-def test_a_run_that_breaks_the_rule_fails_the_bytes_check(rank_fn, module, cfg):
-    reports = spawn_ranks(rank_fn, 2, cfg.validate(), RunContext(timeout_s=120))
-    result = module.EXPERIMENT.combine(cfg, reports)
-    check = next(c for c in result.checks if "host <-> device" in c.name)
+def test_a_run_that_breaks_the_rule_fails_the_bytes_check():
+    cfg = FSDPConfig(offload=True, **BASE).validate()
+    result = fsdp.EXPERIMENT.combine(cfg, spawn_ranks(_rank_fsdp_resharding_after_forward, 3, cfg, RunContext(timeout_s=120)))
+    check = next(c for c in result.checks if c.name == MOVED)
     assert not check.passed and check.error > 0
     assert next(c for c in result.checks if c.name.startswith("final parameters")).passed  # the arithmetic is still right
-
-
-def test_offload_refuses_stage_3():
-    with pytest.raises(ConfigError) as info:
-        ZeroConfig.from_dict({"stage": "3", "offload": "true"})
-    assert info.value.field == "offload"
 
 
 def test_the_data_parallel_page_draws_the_pools_and_the_bytes_moved():

@@ -411,3 +411,19 @@ def test_a_recorded_run_draws_reading_only_declared_keys(page, name, settings):
     from tests.sweep import render_recorded
 
     render_recorded(page, name, **settings)
+
+
+def test_a_stored_mlp_run_draws_on_the_data_parallel_page():
+    """The MLP is retired (model=mlp refused by name), yet a run stored with it opens and draws on its page: memory per
+    rank, the loss, the bytes, the model named as the retired MLP."""
+    from tests.test_pages import _app
+
+    body, store = json.loads((OLD_RESULTS / "v1" / "parallel.zero.json").read_text()), RunStore()
+    rid = store.create(body["experiment"], body["config"], "old-mlp-parallel.zero", status="running")
+    path = store.run_dir(rid) / "result.json"
+    path.write_text(json.dumps(body))
+    store.finish(rid, "succeeded", result_path=str(path))
+    at = _app("pages/data_parallel.py", strategy="parallel.zero", run=rid)
+    assert not at.exception, at.exception
+    assert any("retired Linear+tanh MLP" in c.value for c in at.caption)
+    assert len(at.get("vega_lite_chart")) >= 2  # memory per rank, the loss

@@ -1,7 +1,7 @@
 """Our DDP: per-parameter gradient hooks, buckets in reverse parameter order, and a ring all-reduce started as soon
 as a bucket's gradients are all ready, overlapping the rest of the backward (seed 000; the hooks and the communication
-thread are mesh_dp.BucketOverlap's, shared with the mesh). Torch's DistributedDataParallel is the peer: `TorchDDP` on
-the MLP workload, `torch_ddp_peer` on the tiny LLaMA.
+thread are mesh_dp.BucketOverlap's, shared with the mesh). Torch's DistributedDataParallel is the peer:
+`torch_ddp_peer` on the tiny LLaMA. (`DDP`, the Strategy of loop.py, stays for parallel.checkpoint's MLP runs.)
 
 Per-rank volume: a ring all-reduce of a bucket padded to P elements (a multiple of n) sends 2P(n-1)/n, counted on our
 Wire's send/recv.
@@ -42,19 +42,18 @@ class FullReplica(Strategy):
 
 class DDP(FullReplica):
     """The MLP loop's DDP: mesh_dp.BucketOverlap's hooks and buckets (the mesh's DDP) over this loop's dp ranks, each
-    bucket's ring all-reduce on our Wire (every byte counted), during the backward or (`overlap` off) after it;
-    `comm_delay_ms`: a simulated slow link before each bucket's ring."""
+    bucket's ring all-reduce on our Wire (every byte counted), during the backward or (`overlap` off) after it."""
     name = "ddp"
 
-    def __init__(self, *args, bucket_kb: int = 25, overlap: bool = True, comm_delay_ms: int = 0, **kw):
+    def __init__(self, *args, bucket_kb: int = 25, overlap: bool = True, **kw):
         super().__init__(*args, **kw)
-        self.bucket_bytes, self.overlap, self.comm_delay_ms = bucket_kb * 1024, overlap, comm_delay_ms
+        self.bucket_bytes, self.overlap = bucket_kb * 1024, overlap
 
     def setup(self, model):
         super().setup(model)
         self.buckets = bucket_ranges(self.params, self.bucket_bytes, self.flat.element_size())
         wire = Wire(self.rank, self.world, self.mesh.ranks("dp"), Tracer(self.mesh.rank))
-        self.sync = BucketOverlap(self.params, self.buckets, wire, self.tracer, 1, self.flat.dtype, self.comm_delay_ms / 1000)
+        self.sync = BucketOverlap(self.params, self.buckets, wire, self.tracer, 1, self.flat.dtype)
 
     def before_forward(self, step):
         super().before_forward(step)
@@ -75,28 +74,6 @@ class DDP(FullReplica):
 
     def extra(self):
         return {"buckets": [b - a for a, b in self.buckets]}
-
-
-class TorchDDP(FullReplica):
-    """torch's DistributedDataParallel on the same workload (the peer); it averages gradients, so the loss is scaled by n."""
-    name = "torch ddp"
-
-    def __init__(self, *args, bucket_kb: int = 25, **kw):
-        super().__init__(*args, **kw)
-        self.bucket_kb = bucket_kb
-
-    @property
-    def loss_multiplier(self):
-        return self.world
-
-    def setup(self, model):
-        from torch.nn.parallel import DistributedDataParallel
-
-        super().setup(model)
-        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_kb / 1024, process_group=self.mesh.group("dp"))
-
-    def forward(self, x):
-        return self.ddp(x)  # the wrapper's hooks all-reduce during backward
 
 
 def torch_ddp_peer(config, rank: int, world: int) -> dict:

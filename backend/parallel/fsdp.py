@@ -1,9 +1,6 @@
-"""PyTorch's FSDP2 (fully_shard) on the same workload: the production peer of our ZeRO-3.
-Each Linear is its own FSDP unit, as our ZeRO-3 shards per layer. FSDP2 averages gradients, so the local
-loss is scaled by n; torch.optim.Adam (foreach=False) is the same formula as the workload's Adam.
-With `offload`, fully_shard gets PyTorch's CPUOffloadPolicy (no pinning: there is no accelerator): the sharded
-parameters, their gradients and Adam's states are the host's, and FSDP2's copies between host and device are
-counted by backend/parallel/offload.FSDPTransfers."""
+"""PyTorch's FSDP2 (fully_shard): `FullyShardedStages`, the mesh's fsdp2 (and its CPUOffloadPolicy), and `FSDP2`, the
+Strategy of loop.py that parallel.checkpoint's MLP runs still use: each Linear its own FSDP unit; FSDP2 averages
+gradients, so the local loss is scaled by n; torch.optim.Adam (foreach=False) is the workload's Adam's formula."""
 from __future__ import annotations
 
 import torch
@@ -13,11 +10,7 @@ from backend.parallel.offload import FSDPTransfers
 
 
 class FSDP2(Strategy):
-    def __init__(self, *args, offload: bool = False, **kw):
-        super().__init__(*args, **kw)
-        self.offload = offload
-        self.name = "fsdp-offload" if offload else "fsdp"
-        self.transfers = FSDPTransfers()
+    name = "fsdp"
 
     @property
     def loss_multiplier(self):
@@ -25,45 +18,26 @@ class FSDP2(Strategy):
 
     def setup(self, model):
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         super().setup(model)
         mesh = DeviceMesh("cpu", self.mesh.ranks("dp"))
-        policy = CPUOffloadPolicy(pin_memory=False) if self.offload else OffloadPolicy()
         for mod in self.model:
             if isinstance(mod, torch.nn.Linear):
-                fully_shard(mod, mesh=mesh, offload_policy=policy)
-        fully_shard(self.model, mesh=mesh, offload_policy=policy)
+                fully_shard(mod, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=self.workload.lr, foreach=False)
-
-    def forward_backward(self, xs, ys, step):
-        with self.transfers:  # FSDP2's host <-> device copies happen in its forward and backward hooks
-            return super().forward_backward(xs, ys, step)
 
     def optimizer_step(self, step):
         self.opt.step()
 
-    def _held(self) -> dict[str, int]:
+    def memory(self):
+        """What FSDP2 keeps between steps: every parameter's local rows, their gradients and Adam's m, v."""
         local = [p.to_local() for p in self.model.parameters()]
         item, owned = local[0].element_size(), sum(t.numel() for t in local)
         grads = sum(p.grad.to_local().numel() for p in self.model.parameters() if p.grad is not None)
         states = sum(s.to_local().numel() for st in self.opt.state.values() for k, s in st.items() if k in ("exp_avg", "exp_avg_sq"))
         return {"parameters": owned * item, "gradients": grads * item, "optimizer states": states * item}
-
-    def memory(self):
-        """On the device, what FSDP2 keeps there: everything sharded, or (offloaded) nothing between steps."""
-        return {k: 0 for k in self._held()} if self.offload else self._held()
-
-    def host_memory(self):
-        if not self.offload:
-            return {}
-        held = self._held()
-        assert all(p.to_local().device.type == "cpu" for p in self.model.parameters())
-        return {"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
-                "optimizer states": held["optimizer states"]}
-
-    def extra(self):
-        return {"moved": dict(self.transfers.moved), "copies": dict(self.transfers.calls)} if self.offload else {}
 
     def final_params(self):
         return torch.cat([p.full_tensor().detach().reshape(-1) for p in self.model.parameters()])
@@ -144,23 +118,29 @@ class FullyShardedStages:
     and after the last one FSDP2's own post_backward reduce-scatters them (what torch.distributed.pipelining's
     perform_reduce_grad calls) and reshards. Adam (the workload's, elementwise) updates each local shard. FSDP2's
     all-gather and reduce-scatter run on the dp Wire (set_custom_all_gather / _reduce_scatter), so bytes are counted.
-    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored."""
+    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored.
+    `offload`: PyTorch's CPUOffloadPolicy (no pinning: no accelerator here), so the sharded parameters, their gradients
+    and Adam's states are the host's; FSDP2's own copies (the parameter shards up before each step's all-gather, the
+    gradient shards down after the reduce-scatter) counted by offload.FSDPTransfers."""
 
     strategy = "fsdp2"
+    overlap = None  # (no DDP overlap here)
 
-    def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float):
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float, offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from backend.parallel.workload import Adam
 
-        self.model, self.tracer, self.lr = model, tracer, lr
+        self.model, self.tracer, self.lr, self.offload = model, tracer, lr, offload
+        self.transfers = FSDPTransfers()
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
                       for n, p in model.named_parameters()}
         mesh = dp_device_mesh(group, rank)
         self.entries = []
         for chunk in model.values():
             entry = StageEntry(chunk)
-            fully_shard(entry, mesh=mesh, reshard_after_forward=False)
+            fully_shard(entry, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
             entry.set_custom_all_gather(WireAllGather(dp))
             entry.set_custom_reduce_scatter(WireReduceScatter(dp))
             entry.set_gradient_divide_factor(1.0)
@@ -171,6 +151,9 @@ class FullyShardedStages:
         self.shards = [p for p in model.parameters()]  # DTensors
         self.adams = [(Adam(lr), torch.zeros_like(p.to_local()), torch.zeros_like(p.to_local())) for p in self.shards]
         self.grads_kept = 0
+        self.counting = offload  # every copy FSDP2 makes from here to load_final (forward and backward hooks included)
+        if offload:
+            self.transfers.__enter__()
 
     def _unshard(self, step) -> None:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
@@ -203,7 +186,10 @@ class FullyShardedStages:
 
     def load_final(self, model) -> None:
         """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
-        as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
+        as plain modules (recompute's price, after training, calls no FSDP2 hook). The offload's counting ends first."""
+        if self.counting:
+            self.transfers.__exit__(None, None, None)
+            self.counting = False
         self._unshard("final")
         self.entry_of = {}
 
@@ -212,14 +198,32 @@ class FullyShardedStages:
         self.load_final(model)
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
-    pools = overlap = None  # (no ZeRO-Offload, no DDP overlap here)
-
     def gradients(self, params: list) -> None:
         """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
         return None
 
+    def _held(self) -> dict[str, int]:
+        """Bytes of the DTensors' local shards (FSDP2's padding apart), their gradients and Adam's m, v."""
+        params = sum(p.to_local().numel() for p in self.shards)
+        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
+                "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps on the device between steps: its shards, or (offload) none."""
+        return {k: 0 for k in self._held()} if self.offload else self._held()
+
     def host_memory(self) -> dict[str, int]:
-        return {}
+        """Bytes in the host pool (offload: the shards, held on the CPU as FSDP2 placed them; nothing otherwise)."""
+        if not self.offload:
+            return {}
+        assert all(p.to_local().device.type == "cpu" for p in self.shards)
+        held = self._held()
+        return {"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
+                "optimizer states": held["optimizer states"]}
+
+    def moved(self) -> dict[str, int]:
+        """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
+        return dict(self.transfers.moved) if self.offload else {}
 
     def close(self) -> None:
         pass
@@ -227,9 +231,3 @@ class FullyShardedStages:
     def entry(self, chunk):
         """The fully_shard-ed module stage `chunk`'s forward is called through (its hooks fire on a module call)."""
         return self.entry_of.get(id(chunk))
-
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: the DTensors' local shards (FSDP2's padding apart) and Adam's m, v."""
-        params = sum(p.to_local().numel() for p in self.shards)
-        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
-                "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}

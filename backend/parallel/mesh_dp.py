@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import torch
 from torch import nn
@@ -40,19 +39,23 @@ STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: 
 
 def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: Wire, tracer, precision: Precision = FP64):
     """This rank's dp strategy for its stage chunks (`model`, a ModuleDict): ours over the flat (master) vector
-    `weights`, or FSDP2's (float64 only: MeshConfig refuses another precision with it)."""
+    `weights`, or FSDP2's (float64 only: MeshConfig refuses another precision with it). `comm_delay_ms` (DDP): the dp
+    wire, and the overlap thread's, made that slow per collective."""
+    dp.delay_s = getattr(config, "comm_delay_ms", 0) / 1000
     if config.dp_strategy == "fsdp2":
         from backend.parallel.fsdp import FullyShardedStages
 
-        return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr)
+        return FullyShardedStages(model, mesh.group("dp"), mesh.rank, dp, tracer, config.lr, getattr(config, "offload", False))
     sync = DataParallel(config.dp_strategy, weights, params, dp, tracer, config.lr, config.bucket_kb, precision,
                         getattr(config, "offload", False))
     if getattr(config, "overlap", False):
         from backend.parallel.pp.schedules import SCHEDULES
 
-        sync.overlap = BucketOverlap(params, sync.buckets, Wire(dp.index, dp.n, dp.p2p.ranks or list(range(dp.n)), Tracer(mesh.rank)),
+        sync.overlap = BucketOverlap(params, sync.buckets, Wire(dp.index, dp.n, dp.p2p.ranks or list(range(dp.n)), Tracer(mesh.rank),
+                                                                dp.delay_s),
                                      tracer, SCHEDULES[config.schedule].microbatches(config.microbatches), precision.reduce)
     return sync
+
 
 def named_slices(model: nn.Module, flat: torch.Tensor) -> dict:
     """A flat vector (in the order of model.parameters()) cut into each named parameter's shape, as float64 arrays."""
@@ -105,12 +108,11 @@ class BucketOverlap:
     its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
     one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
     an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
-    after the backward, as without overlap (`arm(live=False)`: every bucket so). `delay_s`: a simulated slow link, the
-    thread sleeps that long before each bucket's ring (the MLP's overlap view)."""
+    after the backward, as without overlap (`arm(live=False)`: every bucket so)."""
 
     def __init__(self, params: list, ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
-                 reduce: torch.dtype, delay_s: float = 0.0):
-        self.wire, self.tracer, self.reduce, self.ranges, self.delay_s = wire, tracer, reduce, ranges, delay_s
+                 reduce: torch.dtype):
+        self.wire, self.tracer, self.reduce, self.ranges = wire, tracer, reduce, ranges
         offsets, at = {}, 0
         for p in params:
             offsets[id(p)], at = (at, p), at + p.numel()
@@ -146,7 +148,6 @@ class BucketOverlap:
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
             i, grads, done = job
-            time.sleep(self.delay_s)
             grads.copy_(sum_gradients(self.wire, grads, f"data-parallel gradients, bucket {i} (overlapped)"))
             done.set()
 
@@ -290,3 +291,7 @@ class DataParallel:
     def host_memory(self) -> dict[str, int]:
         """Bytes in the host pool by category (ZeRO-Offload; nothing otherwise)."""
         return self.pools.bytes("host") if self.pools else {}
+
+    def moved(self) -> dict[str, int]:
+        """Bytes copied between the pools over the run's steps, by direction (ZeRO-Offload; none otherwise)."""
+        return dict(self.pools.moved) if self.pools else {}

@@ -282,7 +282,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "losses": losses, "params": final,
             "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
-            "host_memory": sync.host_memory(), "moved": dict(sync.pools.moved) if sync.pools else {},
+            "host_memory": sync.host_memory(), "moved": sync.moved(),
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
             "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
             "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},

@@ -11,6 +11,7 @@ bytes sent). The models in the experiments predict these rows exactly.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -18,11 +19,12 @@ from backend.comm.collectives import Spec, all_gather_ring, all_reduce_ring, all
 from backend.comm.p2p import P2P, Transfer
 
 
-
-
 class Wire:
-    def __init__(self, index: int, n: int, ranks: list[int], tracer):
-        self.n, self.index, self.tracer = n, index, tracer
+    """`delay_s`: a simulated slow link, every collective along the dimension waits that long first, inside its span
+    (so the step split counts it as this dimension's communication; parallel.ddp's comm_delay_ms on the dp wire)."""
+
+    def __init__(self, index: int, n: int, ranks: list[int], tracer, delay_s: float = 0.0):
+        self.n, self.index, self.tracer, self.delay_s = n, index, tracer, delay_s
         self.p2p = P2P(index, n, tracer, ranks=ranks)
         self.log: list[dict] = []
 
@@ -38,6 +40,8 @@ class Wire:
     def _run(self, op: str, phase: str, name: str, x: torch.Tensor, fn):
         before = self.p2p.bytes_sent
         with self.tracer.span("collective", f"{op} {name}", phase=phase, numel=x.numel()):
+            if self.delay_s:
+                time.sleep(self.delay_s)
             out = fn()
         self.log.append({"op": op, "phase": phase, "name": name, "numel": x.numel(),
                          "payload_bytes": x.numel() * x.element_size(), "sent_bytes": self.p2p.bytes_sent - before})

@@ -12,9 +12,8 @@ weights) only for those elements.
            before its backward, then freed; its gradients are reduce-scattered as soon as they exist.
 Per-rank volume sent (seed 000: 2ψ, 2ψ, 3ψ): gradients reduce-scattered in the reduce dtype, parameters
 all-gathered in the compute dtype, (n-1)/n of the padded vector each time.
-ZeRO-Offload (stages 1, 2; `offload`): the owned master shard, Adam's m and v and the Adam step live in the host
-pool (backend/parallel/offload.py); after the reduce-scatter the gradient shard moves down to the host, and the
-updated shard, cast to the compute dtype on the host, moves back up before the all-gather: ψ/n elements each way.
+`Sharded` is the mesh's too (mesh_dp.DataParallel, where ZeRO-Offload lives); the `ZeRO` Strategy of loop.py stays for
+parallel.checkpoint's MLP runs.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from backend.comm.collectives import Spec, all_gather_ring, reduce_scatter_ring
 from backend.comm.p2p import P2P
 from backend.parallel.loop import Strategy
-from backend.parallel.offload import Pools
 from backend.parallel.workload import Adam, activation_bytes, flat_params, load_flat, loss_fn
 
 
@@ -61,11 +59,9 @@ class Sharded:
 
 
 class ZeRO(Strategy):
-    def __init__(self, *args, stage: int = 1, offload: bool = False, **kw):
+    def __init__(self, *args, stage: int = 1, **kw):
         super().__init__(*args, **kw)
-        self.stage, self.offload = stage, offload
-        self.name = f"zero{stage}" + ("-offload" if offload else "")
-        self.pools = Pools() if offload else None
+        self.stage, self.name = stage, f"zero{stage}"
 
     def setup(self, model):
         p = self.precision
@@ -81,9 +77,6 @@ class ZeRO(Strategy):
         self.v = [torch.zeros_like(s) for s in self.sh.shards]
         self.adams = [Adam(self.workload.lr) for _ in self.sh.shards]
         self.flat = master.to(p.compute)  # stages 1 and 2 hold the full parameters in the compute dtype
-        if self.offload:
-            self.pools.place("host", "parameters (master shard)", self.sh.shards)
-            self.pools.place("host", "optimizer states", self.m + self.v)
 
     def before_forward(self, step):
         if self.stage < 3:
@@ -102,21 +95,13 @@ class ZeRO(Strategy):
             self.grad_shards = [self.sh.reduce_scatter(0, grad)]
         if self.stage == 2:
             self.model.zero_grad(set_to_none=True)  # stage 2 keeps only its shard of the gradients
-        if self.offload:
-            with self.tracer.span("comm", f"gradient shard to host {step}", kind="offload"):
-                self.grad_shards = self.pools.place("host", "gradients (shard)",
-                                                    [self.pools.move(g, "host") for g in self.grad_shards])
 
     def optimizer_step(self, step):
         for shard, g, m, v, adam in zip(self.sh.shards, self.grad_shards, self.m, self.v, self.adams):
             adam.update(shard, g.to(self.precision.master), m, v)
         if self.stage < 3:
-            shard = None
-            if self.offload:  # cast on the host, then only the compute dtype's bytes cross
-                with self.tracer.span("comm", f"parameter shard to device {step}", kind="offload"):
-                    shard = self.pools.move(self.sh.shards[0], "device", self.precision.compute)
             with self.tracer.span("collective", f"all-gather params {step}", kind="collective"):
-                self.flat = self.sh.gather(0, self.precision.compute, shard)
+                self.flat = self.sh.gather(0, self.precision.compute)
 
     def _layer_by_layer(self, xs, ys, step):
         """Stage 3: forward and backward one layer at a time on parameters gathered from the shards, then freed."""
@@ -155,16 +140,8 @@ class ZeRO(Strategy):
         params = self.numel if self.stage < 3 else owned + largest
         grads = self.numel * p.item("compute") if self.stage == 1 else sum(g.numel() for g in self.grad_shards) * p.item("reduce")
         master_copy = owned if p.mixed else 0  # the fp32 master weights exist apart from the compute copy only when mixed
-        if self.offload:  # the device keeps the compute copy and the gradients; the rest is the host's (host_memory)
-            return {"parameters": params * p.item("compute"), "gradients": grads, "optimizer states": 0}
         return {"parameters": params * p.item("compute"), "gradients": grads,
                 "optimizer states": (2 * owned + master_copy) * p.item("master")}
-
-    def host_memory(self):
-        return self.pools.bytes("host") if self.offload else {}
-
-    def extra(self):
-        return {"moved": dict(self.pools.moved)} if self.offload else {}
 
     def sent_bytes(self):
         return self.comm.bytes_sent

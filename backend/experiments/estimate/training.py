@@ -2,7 +2,8 @@
 equation and 175B memory; seed 004's table of training times on a V100), with the formulas checked against
 small runs measured here: FLOPs of the tiny LLaMA counted by torch's FlopCounterMode against 6·N·D plus the
 attention term; the bytes a mixed-precision Adam step holds against (2 + 2 + 12)ψ; optionally, the memory per
-rank of a real ZeRO-1 run (parallel.zero, 2 gloo ranks) against the per-rank formula.
+rank of a real ZeRO-1 run (parallel.zero on the tiny LLaMA, 2 gloo ranks, bf16 mixed) against the per-rank formula,
+with the gradient bytes that run holds (fp32 sums, where the seed counts 16-bit gradients).
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from backend.models.llama import ModelShape, TinyDecoder
 from backend.result import Check, Result, Schema
 
 SHAPE = ModelShape(vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_ff=128)
-ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2, model="mlp")  # the MLP: fp16-size gradients, as the seed counts
+ZERO_RUN = dict(stage=1, precision="bf16_mixed", world_size=2, steps=1, hidden=32, layers=2, batch=2)  # the tiny LLaMA
+# The mesh's bf16_mixed keeps the gradients it sums as fp32 (FSDP's MixedPrecision(reduce_dtype=fp32), Megatron's fp32
+# main grads), where the seed's (2 + 2 + 12)ψ counts 16-bit gradients: the run is compared with 4 bytes a gradient.
+HELD_GRADIENT_BYTES = torch.finfo(torch.float32).bits // 8
 
 
 @dataclasses.dataclass
@@ -38,7 +42,8 @@ class TrainingEstimateConfig(Config):
     bytes_per_token: float = setting(4.0, min=1.0, max=16.0, help="dataset bytes per token, for seed 004's table")
     measure_batch: int = setting(4, min=1, max=32, help="sequences in the measured tiny-LLaMA step")
     measure_seq_len: int = setting(32, min=4, max=256, help="tokens per measured sequence")
-    zero_run: bool = setting(False, help="also run parallel.zero (ZeRO-1, bf16 mixed, 2 ranks) and check its memory per rank (~20 s)")
+    zero_run: bool = setting(False, help="also run parallel.zero (ZeRO-1 on the tiny LLaMA, bf16 mixed, 2 ranks) and check its "
+                             "memory per rank (~20 s)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="tiny model weights and tokens")
 
     cost_drivers = ("measure_seq_len", "measure_batch", "zero_run")
@@ -94,16 +99,31 @@ def measure(c: TrainingEstimateConfig) -> tuple[dict, list[Check], list[dict]]:
 
 
 def zero_memory(c: TrainingEstimateConfig) -> tuple[list[dict], Check]:
-    """A real ZeRO-1 bf16 run's memory per rank against the per-rank formula for its ψ."""
+    """A real ZeRO-1 bf16 run's memory per rank against the per-rank formula for its ψ, counted on the model itself
+    (its parameters' numel); the formula's gradients at the bytes the run holds (fp32), the seed's 2ψ beside them."""
+    from backend.experiments.parallel import dp_model
+    from backend.parallel.tp_model import reference_model
+
+    config = experiments.get("parallel.zero").config_cls(**ZERO_RUN)
+    psi = sum(p.numel() for p in reference_model(dp_model.mesh_plan(config, "zero1")).parameters())
     result = experiments.run("parallel.zero", **ZERO_RUN)
-    psi = result.metrics["parameter_bytes"] // 2  # in the compute dtype, bf16: 2 bytes a parameter
-    want = memory_per_rank(psi, 2, 1)
-    names = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states"}
-    rows = [{"rank": r["rank"], "category": names[r["category"]], "measured_bytes": r["measured_bytes"],
-             "formula_bytes": want[names[r["category"]]]} for r in result.tables["memory"] if r["category"] in names]
-    return rows, Check("ZeRO-1 run: memory per rank equals 2ψ + 2ψ + 12ψ/n", max(abs(r["measured_bytes"] - r["formula_bytes"]) for r in rows), 0,
-                       reference="parallel.zero (2 gloo ranks, bf16 mixed precision), tensors' bytes per rank",
-                       detail="ψ from that run (ZeRO pads ψ to a multiple of n)")
+    seed = memory_per_rank(psi, config.world_size, 1)
+    want = {**seed, "gradients": seed["gradients"] * HELD_GRADIENT_BYTES / BYTES["gradients"]}
+    names = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer states",
+             "master weights": "optimizer states"}  # the fp32 master is the seed's 4 of the 12 optimizer bytes
+    held: dict[tuple[int, str], int] = {}
+    for r in result.tables["memory"]:
+        if r["category"] in names:
+            key = (r["rank"], names[r["category"]])
+            held[key] = held.get(key, 0) + r["measured_bytes"]
+    rows = [{"rank": rank, "category": cat, "measured_bytes": got, "formula_bytes": want[cat], "seed_formula_bytes": seed[cat]}
+            for (rank, cat), got in sorted(held.items())]
+    return rows, Check(f"ZeRO-1 run: memory per rank equals 2ψ + {HELD_GRADIENT_BYTES}ψ + 12ψ/n (the run's gradients fp32)",
+                       max(abs(r["measured_bytes"] - r["formula_bytes"]) for r in rows), 0,
+                       reference="parallel.zero (the tiny LLaMA, 2 gloo ranks, bf16 mixed precision), tensors' bytes per rank",
+                       detail=f"ψ = {psi:,} parameters counted on the model; the seed's (2 + 2 + 12)ψ counts 16-bit gradients, "
+                              f"the run sums and keeps them in fp32 ({HELD_GRADIENT_BYTES} bytes), so its gradients are "
+                              f"{HELD_GRADIENT_BYTES * psi:,} B where the seed says {2 * psi:,} B")
 
 
 # Published figures the run's formulas must reproduce: seed 002's 175B example ("参数放内存占用700GB", "~5600GB",
@@ -182,7 +202,7 @@ RESULT = Schema(
         "measured": ("all_params", "attention", "counted", "cpu_flops_per_s", "double_step_predicted_s",
                      "double_step_s", "exact", "linear_params", "six_n_all", "six_n_linear", "step_s", "tokens"),
         "memory_measured": ("category", "formula_bytes", "measured_bytes"),
-        "zero_memory": ("category", "formula_bytes", "measured_bytes", "rank"),  # empty unless zero_run
+        "zero_memory": ("category", "formula_bytes", "measured_bytes", "rank", "seed_formula_bytes"),  # empty unless zero_run
         "seed_002_175b": ("bytes", "cards", "formula", "quantity", "seed"),
         "seed_004": ("dataset_bytes", "flops_6nd", "implied_mfu", "implied_tflops", "model", "parameters",
                      "predicted_days", "seed_days", "tokens"),

@@ -11,7 +11,7 @@ import torch
 
 from backend.config import ConfigError, setting
 from backend.graph.dot import to_dot
-from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu
+from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu, with_wait
 from backend.experiments import define
 from backend.parallel import mesh_checkpoint
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
@@ -137,9 +137,12 @@ class MeshConfig(TPConfig):
                                    "process: the scale check then fails, showing each step's peak")
     bucket_kb: int = setting(4, min=1, max=1024, help="DDP's gradient bucket size (KiB), cut in reverse parameter order")
     offload: bool = setting(False, help="ZeRO-1/2: ZeRO-Offload, the master shard, Adam's m and v and the Adam step in the "
-                            "host pool; the gradient shard down and the updated weight shard up each step")
+                            "host pool; the gradient shard down and the updated weight shard up each step. FSDP2: "
+                            "PyTorch's CPUOffloadPolicy, the sharded parameters, gradients and Adam states on the host")
     overlap: bool = setting(False, help="DDP: start each bucket's all-reduce as soon as its gradients are final, during "
                             "the last micro-batch's backward, on a communication thread (else after the backward)")
+    comm_delay_ms: int = setting(0, min=0, max=1000, help="DDP: a simulated slow network, every collective on the dp wire "
+                                 "(each bucket's all-reduce) waits this long first")
     preset: str = setting("none", choices=("none", *PRESETS), help="fill the mesh, schedule and dp strategy from a preset "
                                                                    "(the settings it names left at their defaults): " +
                           "; ".join(f"{k}: {v}" for k, v in PRESET_NOTES.items()))
@@ -176,7 +179,8 @@ class MeshConfig(TPConfig):
                 setattr(self, name, value)
 
     cost_drivers = ("steps", "d_model", "seq", "batch", "layers", "d_ff", "vocab", "world_size", "cp", "microbatches", "experts",
-                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp", "checkpoint_save")
+                    "compare_schedules", "recompute", "checkpoint_every", "kill_rank", "reshard_tp", "checkpoint_save",
+                    "comm_delay_ms")
 
     def estimate(self):
         """The leader trains the whole model on the whole batch as the reference, and every rank its part (counted
@@ -197,7 +201,9 @@ class MeshConfig(TPConfig):
                             seconds=DYNAMO_IMPORT_S + saves * self.world_size * 0.2 + killing * self.world_size * 1.0)
         ring_steps = self.world_size * passes * self.microbatches * self.layers * (3 * self.cp - 2) if self.cp > 1 else 0
         actions = self.world_size * passes * self.microbatches * self.layers
-        return plus_cpu(base, (ring_steps * 200 + actions * 400) * OP_S)
+        params = self.layers * (4 * self.d_model ** 2 + 3 * self.d_model * self.d_ff) + 2 * self.vocab * self.d_model
+        buckets = -(-params * 8 // (self.bucket_kb * 1024))  # comm_delay_ms: each bucket's all-reduce waits first
+        return with_wait(plus_cpu(base, (ring_steps * 200 + actions * 400) * OP_S), passes * buckets * self.comm_delay_ms / 1000)
 
     @property
     def max_restarts(self) -> int:
@@ -264,9 +270,14 @@ class MeshConfig(TPConfig):
             raise ConfigError("precision", f"{self.precision} with dp_strategy fsdp2: FSDP2 in the mesh runs float64 only "
                                            "(its MixedPrecisionPolicy is not wired) (allowed: fp64 with fsdp2, or another "
                                            "dp_strategy)")
-        if self.offload and self.dp_strategy not in ("zero1", "zero2"):
+        if self.offload and self.dp_strategy not in ("zero1", "zero2", "fsdp2"):
             raise ConfigError("offload", f"true with dp_strategy {self.dp_strategy}: ZeRO-Offload is built on ZeRO-1 and "
-                                         "ZeRO-2's shards (allowed: false, or true with dp_strategy zero1 or zero2)")
+                                         "ZeRO-2's shards, CPU offload on FSDP2's (allowed: false, or true with dp_strategy "
+                                         "zero1, zero2 or fsdp2)")
+        if self.comm_delay_ms and (self.dp_strategy != "ddp" or self.dp == 1):
+            raise ConfigError("comm_delay_ms", f"{self.comm_delay_ms} with dp_strategy {self.dp_strategy} and dp {self.dp}: "
+                                               "the simulated slow link delays DDP's bucket all-reduces (allowed: 0, or > 0 "
+                                               "with dp_strategy ddp and dp > 1)")
         if self.offload and self.checkpoint_every:
             raise ConfigError("offload", "true with checkpoint_every: the checkpoint is not wired to the host pool "
                                          "(allowed: false with checkpoint_every > 0)")
@@ -523,28 +534,48 @@ def offload_memory(strategy: str, n: int, k: int, precision: str = "fp64") -> tu
     return device, host
 
 
+def offload_models(config: MeshConfig, p: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """One rank's host pool by category and bytes moved per step by direction, as modelled. ZeRO-Offload (Ren et al.
+    2021): master shard, Adam's m and v (⌈ψ/dp⌉ each, master dtype) and the gradient shard (reduce dtype) on the host;
+    the gradient shard down in the reduce dtype and the weight shard up in the compute dtype each step (2 + 2 bytes a
+    parameter of ψ/dp in fp16). FSDP2's CPUOffloadPolicy (float64): every parameter's local rows (torch.chunk's), as many
+    gradient elements and Adam's m, v on the host; each step the padded shards up once before the all-gather
+    (reshard_after_forward=False: one unshard a step) and the local gradient rows down after the reduce-scatter."""
+    if config.dp_strategy == "fsdp2":
+        held = fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"])
+        padded = sum(fsdp2_rows(s[0], config.dp, 0) * math.prod(s[1:]) for chunk in p["param_shapes"].values() for s in chunk)
+        return ({"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
+                 "optimizer states": held["optimizer states"]},
+                {"device_to_host": held["gradients"], "host_to_device": 8 * padded})
+    p_, shard = PRECISIONS[config.precision], -(-p["flat_numel"] // config.dp)
+    return (offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[1],
+            {"device_to_host": shard * p_.item("reduce"), "host_to_device": shard * p_.item("compute")})
+
+
 def offload_checks(config: MeshConfig, payloads) -> tuple[list[Check], list[dict], list[dict]]:
-    """The host pool's bytes per category against ZeRO-Offload's model, and the bytes moved between the pools per step
-    against ψ/dp each way (the gradient shard down in the reduce dtype, the weight shard up in the compute dtype: Ren et
-    al.'s 2 + 2 bytes a parameter of ψ/dp in fp16); with the host rows of the memory table and the moved rows."""
-    p_, rows, moved = PRECISIONS[config.precision], [], []
+    """The host pool's bytes per category and the bytes moved between the pools per step against offload_models; with
+    the host rows of the memory table and the moved rows."""
+    rows, moved = [], []
     for p in payloads:
-        host = offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[1]
+        host, want = offload_models(config, p)
         rows += [{"rank": p["rank"], "pool": "host", "category": c, "measured_bytes": got, "formula_bytes": host.get(c)}
                  for c, got in p["host_memory"].items()]
-        shard = -(-p["flat_numel"] // config.dp)
-        want = {"device_to_host": shard * p_.item("reduce"), "host_to_device": shard * p_.item("compute")}
         moved += [{"rank": p["rank"], "direction": d.replace("_", " "), "measured_bytes_per_step": p["moved"][d] / config.steps,
                    "formula_bytes_per_step": want[d]} for d in want]
-    return [Check("the host pool holds the ZeRO-Offload memory model", max(abs(r["measured_bytes"] - (r["formula_bytes"] or 0))
-                                                                          for r in rows), 0,
-                  reference="Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master dtype) and the gradient "
-                            "shard (reduce dtype) on the host"),
-            Check("bytes moved host <-> device equal ψ/dp each way per step",
+    fsdp2 = config.dp_strategy == "fsdp2"
+    return [Check(f"the host pool holds the {'FSDP2 CPUOffloadPolicy' if fsdp2 else 'ZeRO-Offload'} memory model",
+                  max(abs(r["measured_bytes"] - (r["formula_bytes"] or 0)) for r in rows), 0,
+                  reference="FSDP2: each parameter's local rows as torch.chunk cuts them, their gradients and Adam's m, v, "
+                            "float64" if fsdp2 else "Ren et al. 2021: master shard, Adam's m and v (⌈ψ/dp⌉ each, master "
+                            "dtype) and the gradient shard (reduce dtype) on the host"),
+            Check("bytes moved host <-> device per step equal the FSDP2 shards'" if fsdp2 else
+                  "bytes moved host <-> device equal ψ/dp each way per step",
                   max(abs(r["measured_bytes_per_step"] - r["formula_bytes_per_step"]) for r in moved), 0,
-                  reference="ZeRO-Offload: the gradient shard down in the reduce dtype, the updated weight shard up in the "
-                            "compute dtype, per rank per step", detail="counted on the copies between the pools (no "
-                            "accelerator here: both pools are this CPU's memory)")], rows, moved
+                  reference="FSDP2: the padded parameter shards up before the step's all-gather, the local gradient rows "
+                            "down after the reduce-scatter" if fsdp2 else "ZeRO-Offload: the gradient shard down in the "
+                            "reduce dtype, the updated weight shard up in the compute dtype, per rank per step",
+                  detail="counted on the copies between the pools (FSDP2's own Tensor.to calls, offload.FSDPTransfers; no "
+                         "accelerator here: both pools are this CPU's memory)")], rows, moved
 
 
 def expert_rows(config: MeshConfig, routing: list[torch.Tensor], payload: dict) -> list[torch.Tensor]:
@@ -700,7 +731,8 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
                            "formula_bytes": formula if cat == "activations" else None})
-    states = {p["rank"]: fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]) if config.dp_strategy == "fsdp2"
+    states = {p["rank"]: {k: v * (not config.offload) for k, v in fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"]).items()}
+              if config.dp_strategy == "fsdp2"
               else offload_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision)[0] if config.offload
               else dp_memory(config.dp_strategy, p["flat_numel"], config.dp, config.precision) for p in payloads}
     checks.append(Check(f"parameters, gradients and optimizer states per rank equal the {config.dp_strategy} memory model",

@@ -1,28 +1,43 @@
 """(A package, not a module: the experiment registry requires every module here to define an experiment.)
-The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on either model: `tiny_llama` (the default),
-the one model every other parallel page trains, run as a dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one
-micro-batch) through the mesh's own loop and dp strategy (backend/parallel/mesh_dp.py: DDP's buckets overlapping the
-backward, ZeRO-1/2/3, ZeRO-Offload, bf16 mixed precision; FSDP2: backend/parallel/fsdp.FullyShardedStages), with torch
-DDP as DDP's peer, checked by the mesh's checks: parameters and losses against one float64 process, dp bytes and
-memory per rank against the models; or `mlp`, the Linear+tanh workload of backend/parallel/loop.py (older runs, DDP's
-simulated slow network, FSDP2's CPUOffloadPolicy)."""
+The data-parallel experiments (parallel.ddp, parallel.zero, parallel.fsdp) on the tiny LLaMA, the one model every other
+parallel page trains, run as a dp-only plan of parallel.mesh (tp = pp = cp = ep = 1, one micro-batch) through the mesh's
+own loop and dp strategy (backend/parallel/mesh_dp.py: DDP's buckets overlapping the backward and its simulated slow
+link, ZeRO-1/2/3, ZeRO-Offload, bf16 mixed precision; FSDP2 and its CPUOffloadPolicy:
+backend/parallel/fsdp.FullyShardedStages), with torch DDP as DDP's peer, checked by the mesh's checks: parameters and
+losses against one float64 process, dp bytes and memory per rank against the models. The Linear+tanh MLP these pages
+once trained is retired: `model=mlp` is refused by name, and runs stored with it still open (result_schema)."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-from backend.config import ConfigError, setting
+from backend.config import Config, ConfigError, setting
 from backend.result import Check, Result, Schema, Shapes
 
-MODELS = ("mlp", "tiny_llama")
 LLAMA = "tiny LLaMA"
 
 
-def model_setting():
-    return setting("tiny_llama", choices=MODELS, help="tiny_llama: the one model of the other parallel pages (hidden as "
-                   "d_model, layers as blocks, batch as 8-token sequences), trained by the mesh's loop as a dp-only plan; "
-                   "mlp: the Linear+tanh workload of the older runs (its slow-network view, FSDP2's CPU offload)")
+@dataclasses.dataclass
+class DPConfig(Config):
+    """The settings every data-parallel experiment shares: the tiny LLaMA's shape (the names the MLP had, so old links
+    keep their values) and the rank count."""
+
+    world_size: int = setting(4, min=2, max=8, help="data-parallel ranks n")
+    hidden: int = setting(64, min=4, max=1024, help="the tiny LLaMA's d_model")
+    layers: int = setting(4, min=1, max=16, help="decoder blocks")
+    batch: int = setting(32, min=1, max=4096, help="global batch per step, split over ranks: 8-token sequences")
+    steps: int = setting(5, min=1, max=100, help="training steps")
+    lr: float = setting(0.01, min=0.0, max=1.0, help="Adam learning rate")
+    seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
+    model: str = setting("tiny_llama", choices=("tiny_llama",), help="the one model of the parallel pages (the older "
+                         "Linear+tanh MLP is retired; its stored runs still open)")
+
+    cost_drivers = ("batch", "hidden", "steps", "layers", "world_size")
+
+    def check(self) -> None:
+        if self.batch < self.world_size:
+            raise ConfigError("batch", f"{self.batch} is smaller than world_size={self.world_size} (allowed: >= world_size)")
 
 
 def mesh_plan(config, dp_strategy: str):
@@ -32,18 +47,12 @@ def mesh_plan(config, dp_strategy: str):
     return MeshConfig(world_size=config.world_size, tp=1, pp=1, microbatches=1, dp_strategy=dp_strategy, layers=config.layers,
                       d_model=config.hidden, batch=config.batch, steps=config.steps, lr=config.lr, seed=config.seed,
                       bucket_kb=getattr(config, "bucket_kb", 4), overlap=getattr(config, "overlap", False),
-                      precision=getattr(config, "precision", "fp64"), offload=getattr(config, "offload", False))
+                      precision=getattr(config, "precision", "fp64"), offload=getattr(config, "offload", False),
+                      comm_delay_ms=getattr(config, "comm_delay_ms", 0))
 
 
-def check_plan(config, dp_strategy: str, mlp_only: dict) -> None:
-    """With tiny_llama: each MLP-only setting (name: (the value the mesh's loop runs, why)) at that value, and the mesh's
-    plan valid; a refusal of the plan names this experiment's own setting (d_model is `hidden` here)."""
-    if config.model != "tiny_llama":
-        return
-    for name, (allowed, why) in mlp_only.items():
-        if getattr(config, name) != allowed:
-            raise ConfigError(name, f"{getattr(config, name)} with model=tiny_llama: {why} (allowed with tiny_llama: "
-                                    f"{str(allowed).lower()}, or model=mlp)")
+def check_plan(config, dp_strategy: str) -> None:
+    """The mesh's plan valid; a refusal of the plan names this experiment's own setting (d_model is `hidden` here)."""
     try:
         mesh_plan(config, dp_strategy).validate()
     except ConfigError as err:
@@ -97,25 +106,15 @@ def combine(config, payloads, dp_strategy: str, label: str) -> Result:
     return result
 
 
-def combine_mlp(config, reports, peer: str | None = None) -> Result:
-    """The MLP loop's result (backend/parallel/reconcile.combine), naming its model as the tiny LLaMA's does."""
-    from backend.parallel.reconcile import combine as reconcile
-
-    result = reconcile(config, reports, peer=peer)
-    result.metrics["model"] = "mlp"
-    return result
-
-
 def _v1_named_no_model(result: dict) -> None:
     """Version 1 MLP runs did not name their model (the tiny LLaMA's always did)."""
     result["metrics"].setdefault("model", "mlp")
 
 
 def result_schema() -> Shapes:
-    """The keys of parallel.ddp, zero and fsdp, one shape per model: the MLP loop's (combine_mlp) or parallel.mesh's result
-    with the strategy, the model and the dp bytes per rank (combine above). Each requires its own keys; the MLP's
-    optional ones come with a setting (buckets: DDP; moved bytes and host memory: offload; the error against float64:
-    bf16_mixed)."""
+    """The keys of parallel.ddp, zero and fsdp, one shape per model: parallel.mesh's result with the strategy, the model and
+    the dp bytes per rank (combine above), or the retired MLP loop's, kept so its stored runs still open (its optional
+    keys came with a setting: buckets: DDP; moved bytes and host memory: offload; the error against float64: bf16_mixed)."""
     from backend.experiments.parallel import mesh
 
     named = ("model", "strategy", "world_size")
