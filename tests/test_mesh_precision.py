@@ -12,7 +12,7 @@ from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
 from backend.parallel import mesh_train
 from backend.numerics.mixed_precision import DynamicLossScaler
-from backend.parallel.workload import PRECISIONS, Precision
+from backend.parallel.precision import PRECISIONS, Precision
 from tests.mesh_runs import checks as _checks, failures, run_plans
 
 BASE = dict(world_size=4, batch=8, seq=8, d_model=16, n_heads=8, n_kv_heads=4, d_head=4, d_ff=16, vocab=16, layers=4, steps=3)

@@ -670,7 +670,7 @@ class MeshState:
         """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
         shards; ZeRO-3 gathers at every step's start anyway; FSDP2 holds them in its DTensors, unsharded at each step's
         start). fp16: the loss scaler's S and clean-step count."""
-        from backend.parallel.workload import load_flat
+        from backend.parallel.precision import load_flat
 
         for adam in self._adams():
             adam.step = int(state["optim.step"])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from backend.comm.p2p import P2P, Transfer
 from backend.parallel.tp_model import reference_model, tokens
-from backend.parallel.workload import Adam, flat_params, load_flat
+from backend.parallel.precision import Adam, flat_params, load_flat
 from backend.result import Check, Result
 from backend.trace import Tracer
 

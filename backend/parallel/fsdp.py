@@ -1,46 +1,11 @@
-"""PyTorch's FSDP2 (fully_shard): `FullyShardedStages`, the mesh's fsdp2 (and its CPUOffloadPolicy), and `FSDP2`, the
-Strategy of loop.py that parallel.checkpoint's MLP runs still use: each Linear its own FSDP unit; FSDP2 averages
-gradients, so the local loss is scaled by n; torch.optim.Adam (foreach=False) is the workload's Adam's formula."""
+"""PyTorch's FSDP2 (fully_shard) as the mesh's fsdp2: `FullyShardedStages` shards each pipeline stage's blocks over the
+dp group (optionally with torch's CPUOffloadPolicy), its all-gathers and reduce-scatters run as our rings on the dp
+Wire so every byte is counted; torch.optim.Adam (foreach=False) is precision.Adam's formula."""
 from __future__ import annotations
 
 import torch
 
-from backend.parallel.loop import Strategy
 from backend.parallel.offload import FSDPTransfers
-
-
-class FSDP2(Strategy):
-    name = "fsdp"
-
-    @property
-    def loss_multiplier(self):
-        return self.world
-
-    def setup(self, model):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        super().setup(model)
-        mesh = DeviceMesh("cpu", self.mesh.ranks("dp"))
-        for mod in self.model:
-            if isinstance(mod, torch.nn.Linear):
-                fully_shard(mod, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.workload.lr, foreach=False)
-
-    def optimizer_step(self, step):
-        self.opt.step()
-
-    def memory(self):
-        """What FSDP2 keeps between steps: every parameter's local rows, their gradients and Adam's m, v."""
-        local = [p.to_local() for p in self.model.parameters()]
-        item, owned = local[0].element_size(), sum(t.numel() for t in local)
-        grads = sum(p.grad.to_local().numel() for p in self.model.parameters() if p.grad is not None)
-        states = sum(s.to_local().numel() for st in self.opt.state.values() for k, s in st.items() if k in ("exp_avg", "exp_avg_sq"))
-        return {"parameters": owned * item, "gradients": grads * item, "optimizer states": states * item}
-
-    def final_params(self):
-        return torch.cat([p.full_tensor().detach().reshape(-1) for p in self.model.parameters()])
 
 
 def dp_device_mesh(group, rank: int):
@@ -129,7 +94,7 @@ class FullyShardedStages:
     def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float, offload: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from backend.parallel.workload import Adam
+        from backend.parallel.precision import Adam
 
         self.model, self.tracer, self.lr, self.offload = model, tracer, lr, offload
         self.transfers = FSDPTransfers()

@@ -97,3 +97,15 @@ class DeviceMesh:
         """Plain data for a page: the shape, and every group of every dimension used."""
         return {"shape": {d: s for d, s in self.shape.items() if s > 1},
                 "groups": {d: self.lines(self.shape, d) for d in DIMS if self.shape[d] > 1}}
+
+
+def start_rank(rank: int, world_size: int, **mesh_sizes: int):
+    """This rank's mesh (all ranks data parallel unless sizes say otherwise) and a tracer aligned across ranks."""
+    import torch.distributed as dist
+
+    from backend.trace import Tracer
+
+    mesh = DeviceMesh.build(rank, world_size, **(mesh_sizes or {"dp": world_size}))
+    tracer = Tracer(rank)
+    tracer.align(dist.barrier)
+    return mesh, tracer

@@ -14,7 +14,7 @@ import numpy as np
 
 from backend.config import ConfigError
 from backend.parallel import checkpoint as ckpt
-from backend.parallel.workload import PRECISIONS
+from backend.parallel.precision import PRECISIONS
 from backend.result import Check
 
 BASELINE = "uninterrupted_rank{}.npz"

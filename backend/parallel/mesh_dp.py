@@ -30,7 +30,7 @@ from torch import nn
 
 from backend.parallel.offload import Pools
 from backend.parallel.wire import Wire
-from backend.parallel.workload import FP64, Adam, Precision
+from backend.parallel.precision import FP64, Adam, Precision
 from backend.parallel.zero import Sharded
 from backend.trace import Tracer
 

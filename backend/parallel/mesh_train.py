@@ -62,7 +62,7 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire
-from backend.parallel.workload import FP64, PRECISIONS, Precision, flat_params, load_flat
+from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 

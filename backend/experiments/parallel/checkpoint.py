@@ -248,7 +248,7 @@ def combine(config: CheckpointConfig, payloads) -> Result:
 
 
 def _v1_the_mlp(result: dict) -> None:
-    """Version 1 runs trained the Linear+tanh MLP (backend/parallel/loop.py) and did not name their model."""
+    """Version 1 runs trained the Linear+tanh MLP (the retired MLP loop) and did not name their model."""
     result["metrics"].setdefault("model", "mlp")
 
 

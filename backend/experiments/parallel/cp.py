@@ -11,7 +11,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.cp import RingAttention, positions
-from backend.parallel.loop import start_rank
+from backend.parallel.mesh import start_rank
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema

@@ -11,7 +11,7 @@ from backend.experiments import define
 from backend.models import moe_reference
 from backend.models.moe import MoELayer
 from backend.parallel.ep import ExpertParallelMoE, grouped_reference
-from backend.parallel.loop import start_rank
+from backend.parallel.mesh import start_rank
 from backend.parallel.parallelize import sources, tag_sources
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire

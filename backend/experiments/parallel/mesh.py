@@ -32,7 +32,7 @@ from backend.parallel.tp import cut
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
 from backend.comm.collectives import ring_bytes
-from backend.parallel.workload import PRECISIONS
+from backend.parallel.precision import PRECISIONS
 from backend.result import Check, Result, Schema
 
 TOL = 1e-9  # float64 after a few Adam steps: sums regrouped over ranks, then divided by √v

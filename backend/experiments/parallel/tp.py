@@ -14,7 +14,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.models.llama import TinyDecoder
-from backend.parallel.loop import start_rank
+from backend.parallel.mesh import start_rank
 from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
 from backend.parallel.parallelize import expected, parallelize
 from backend.parallel.tp import part, sum_norm_grads
