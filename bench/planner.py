@@ -6,7 +6,6 @@ full search for Llama 3 405B on 16,384 H100s. Writes bench/results/planner.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -1,8 +1,6 @@
 """A team on one server: one person's burst cannot starve the others (a per-person cap on queued runs), a queued
 run's place and expected wait, cancelling one's own queued runs, and a server killed with runs queued."""
-import json
 import os
-import signal
 import subprocess
 import sys
 import time

@@ -11,7 +11,6 @@ fp32 master, m and v; ZeRO-1/2/3 divide the optimizer states / and gradients / a
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode

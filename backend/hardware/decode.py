@@ -15,7 +15,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from backend.attention.rope import apply_rope, rope_angles
 from backend.result import Check

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from backend.parallel import costs
 from backend.plan import models as M

@@ -1,7 +1,6 @@
 """Settings shared by plan.training and plan.search: the model (a shipped config or an uploaded one's hash) and the cluster."""
 from __future__ import annotations
 
-import dataclasses
 
 from backend.config import ConfigError, setting
 from backend.plan import models as M

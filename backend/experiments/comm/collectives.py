@@ -201,7 +201,6 @@ def closed_form(config) -> str:
 
 # --- the run ------------------------------------------------------------------------------------------------
 def rank_main(rank: int, world: int, config: CollectivesConfig, ctx) -> dict:
-    import torch
     import torch.distributed as dist
 
     from backend.comm.collectives import builtin

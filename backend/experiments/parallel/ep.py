@@ -16,7 +16,6 @@ from backend.parallel.parallelize import sources, tag_sources
 from backend.parallel.sp import SavedActivations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema
-from backend.trace import Tracer
 
 TOL = 1e-12
 
