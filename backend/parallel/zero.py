@@ -39,10 +39,6 @@ class Sharded:
             full[:b - a] = flat[a:b]
             self.shards.append(full.tensor_split(world)[rank].clone())
 
-    @property
-    def psi_elements(self) -> int:
-        return sum(self.pads)
-
     def gather(self, i: int, dtype: torch.dtype, shard: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather segment i in `dtype`, from this rank's shard (or from `shard`, a copy of it held elsewhere)."""
         a, b = self.segs[i]
