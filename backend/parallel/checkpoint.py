@@ -1,7 +1,7 @@
 """Sharded checkpoints of the mesh's training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
 
-    saver = Checkpointer(folder(ctx), every=2, rank=rank)
-    hook = MeshHook(saver, fault, reference_shapes(config))  # what mesh_train.train_rank calls: resume, fault, save
+    hook = MeshHook(Checkpointer(folder(ctx), every=2, rank=rank), fault, reference_shapes(config))
+    train_rank(rank, world, config, progress, hook)  # mesh_train calls it: resume, fault mid-step, save after a step
 
 Each rank hands DCP its own pieces of the one model's tensors at their global offsets (MeshState: Pieces), whatever its
 tp shard, pp stage and dp cut, so DCP reshards them onto another tp x pp x dp mesh, dp strategy or world size of the
@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,15 +47,9 @@ def folder(ctx) -> Path:
 
 
 @dataclass
-class SaveRecord:
-    step: int
-    seconds: float
-    path: str
-
-
-@dataclass
 class Checkpointer:
-    """Save every `every` steps into root/step_<k>/, resume from the newest complete one."""
+    """Save every `every` steps into root/step_<k>/, resume from the newest complete one. The state saved is a
+    MeshState's: checkpoint_state() (its tensors, the next step under "loop.step") and load_checkpoint_state()."""
     root: Path
     every: int  # 0: never save (a run that only resumes, e.g. on another plan)
     rank: int
@@ -62,9 +57,10 @@ class Checkpointer:
     source: Path | None = None  # resume from this checkpoint (saved on another plan) instead of root's newest
     parent: Path | None = None  # a failed run's checkpoint folder, resumed from while root holds none (parent_folder)
     asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
-    saves: list[SaveRecord] = field(default_factory=list)
+    saves: list[dict] = field(default_factory=list)  # each save's step, blocking seconds and folder name
     load_seconds: float | None = None
     resumed_from: str | None = None
+    start: int = 0  # the step the loaded checkpoint was saved after (0: none loaded)
     reads: list[dict] = field(default_factory=list)  # what this rank's load read from which saved file (read_map)
     held_bytes: int = 0  # tensor bytes of the state this rank loaded into
     _pending: tuple | None = None  # (future, path, record) of an async save still writing
@@ -75,54 +71,52 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        own = max(complete(self.root), key=_step_of, default=None)
-        return own or (max(complete(self.parent), key=_step_of, default=None) if self.parent else None)
+        return newest([self.root]) or (newest([self.parent]) if self.parent else None)
 
-    def after_step(self, step: int, strategy, loop_state: dict) -> None:
+    def after_step(self, step: int, state) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
         self.finish()  # an async save started after the previous step has had this step to write
         if self.rank == 0:
             log_event(self.root, event="step", step=step, attempt=self.attempt)
         if self.every and (step + 1) % self.every == 0:
-            self.save(step, strategy, loop_state)
+            self.save(step, state)
 
-    def save(self, step: int, strategy, loop_state: dict) -> None:
+    def save(self, step: int, state) -> None:
         import torch.distributed.checkpoint as dcp
 
         path = self.root / f"step_{step + 1:05d}"
         self.finish()
         started = time.perf_counter()
-        state = {**strategy.checkpoint_state(), **loop_state}
+        tensors, future = state.checkpoint_state(), None
         if self.asynchronous:
-            future = dcp.async_save(staged_copy(state), checkpoint_id=str(path), process_group=self._group,
-                                    async_stager=_AlreadyStaged(), planner=_save_planner())
-            self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
-            return
-        dcp.save(state, checkpoint_id=str(path), planner=_save_planner())
-        self._complete(path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+            future = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self._group,
+                                    async_stager=_Stager(), planner=_save_planner())
+        else:
+            dcp.save(tensors, checkpoint_id=str(path), planner=_save_planner())
+        self._pending = (future, path, {"step": step + 1, "seconds": time.perf_counter() - started, "path": path.name})
+        if future is None:
+            self.finish()
 
     def finish(self) -> None:
-        """Wait for an async save still writing, then make it complete (its manifest). The blocking time is the
-        save's: what the step paid is the staging, recorded when it was started."""
-        if self._pending:
-            future, path, record = self._pending
-            self._pending = None
+        """Wait for a save still writing, then make it complete: every rank's files in the manifest, the newest KEEP
+        complete checkpoints kept (a long run must not fill the data dir). The blocking time is the save's: what the
+        step paid (the staging, for an async save) is recorded when it was started."""
+        if not self._pending:
+            return
+        future, path, record = self._pending
+        self._pending = None
+        if future:
             future.result()
-            self._complete(path, record)
-
-    def _complete(self, path: Path, record: SaveRecord) -> None:
         write_manifest(path, self.rank)
         self.saves.append(record)
-        if self.rank == 0:  # keep the newest KEEP complete checkpoints: a long run must not fill the data dir
-            done = sorted((p for p in self.root.glob("step_*") if (p / MANIFEST).exists()), key=lambda p: p.name)
-            for old in done[:-KEEP]:
-                shutil.rmtree(old)
         if self.rank == 0:
-            log_event(self.root, event="save", step=record.step, seconds=record.seconds, attempt=self.attempt,
+            for old in sorted(complete(self.root), key=_step_of)[:-KEEP]:
+                shutil.rmtree(old)
+            log_event(self.root, event="save", step=record["step"], seconds=record["seconds"], attempt=self.attempt,
                       blocking="staging" if self.asynchronous else "whole save")
 
-    def resume(self, strategy, loop_state: dict) -> int:
-        """Load the newest complete checkpoint into the strategy and loop_state (in place); the next step to run."""
+    def resume(self, state) -> int:
+        """Load the newest complete checkpoint into the state (in place); the next step to run."""
         import torch.distributed.checkpoint as dcp
 
         path = self.source or self.latest()
@@ -131,17 +125,16 @@ class Checkpointer:
                 log_event(self.root, event="start", step=0, attempt=self.attempt)
             return 0
         started = time.perf_counter()
-        state = {**strategy.checkpoint_state(), **loop_state}
-        verify(path, state)
+        tensors = state.checkpoint_state()
+        verify(path, tensors)
         planner = _recording_planner()
-        dcp.load(state, checkpoint_id=str(path), planner=planner)
+        dcp.load(tensors, checkpoint_id=str(path), planner=planner)
         self.reads = read_map(planner.local_plan.items, planner.metadata, self.rank)
-        self.held_bytes = local_tensor_bytes(state)
-        strategy.load_checkpoint_state(state)
-        loop_state.update({k: state[k] for k in loop_state})
+        self.held_bytes = sum(_local_bytes(v) for v in tensors.values())
+        state.load_checkpoint_state(tensors)
         self.load_seconds = time.perf_counter() - started
-        self.resumed_from = path.name
-        step = int(loop_state["loop.step"].item())
+        self.resumed_from, self.start = path.name, _step_of(path)
+        step = int(tensors["loop.step"].item())
         if self.rank == 0:
             log_event(self.root, event="start", step=step, attempt=self.attempt, load_seconds=self.load_seconds)
         return step
@@ -170,16 +163,15 @@ def resumable(store, run_id: str):
     from backend.store import is_run_id
 
     rec = store.get(run_id) if is_run_id(run_id) else None
+    allowed = "(allowed: the id of a failed run with a checkpoint)"
     if rec is None:
-        raise CheckpointError(f"no run {run_id!r} in this store (allowed: the id of a failed run with a checkpoint)")
+        raise CheckpointError(f"no run {run_id!r} in this store {allowed}")
     if rec.status != "failed":
-        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed (allowed: a failed run with "
-                              f"a checkpoint)")
-    newest = max(complete(Path(store.root) / "runs" / rec.id / CHECKPOINTS), key=_step_of, default=None)
-    if newest is None:
-        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from (allowed: a failed run "
-                              f"with a checkpoint)")
-    verify_files(newest)
+        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed {allowed}")
+    last = newest([Path(store.root) / "runs" / rec.id / CHECKPOINTS])
+    if last is None:
+        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from {allowed}")
+    verify_files(last)
     return rec
 
 
@@ -194,15 +186,19 @@ def complete(root: Path) -> list[Path]:
     return [p for p in root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
 
 
+def newest(roots: list[Path | None], before: int | None = None) -> Path | None:
+    """The newest complete checkpoint under the roots (a run's own folder and the failed run it resumed), or with
+    `before` the newest saved before that step (one a run can still continue from)."""
+    done = [p for root in roots if root for p in complete(root) if before is None or _step_of(p) < before]
+    return max(done, key=_step_of, default=None)
+
+
 def newest_before(roots: list[Path | None], steps: int) -> Path:
-    """The newest complete checkpoint under the roots saved before step `steps` (one a run can still continue
-    from): a run's own folder and the failed run it resumed."""
-    done = [p for root in roots if root for p in complete(root) if _step_of(p) < steps]
-    if not done:
+    """newest(roots, before=steps), refused by name where there is none."""
+    found = newest(roots, before=steps)
+    if found is None:
         raise CheckpointError(f"no complete checkpoint before step {steps} in {', '.join(r.name for r in roots if r)}")
-    return max(done, key=_step_of)
-
-
+    return found
 def _recording_planner():
     """DCP's default load planner, keeping the plan it made for this rank (the reads the load performs), and loading
     into Pieces (found by their offsets)."""
@@ -270,67 +266,18 @@ def read_map(items, metadata, rank: int) -> list[dict]:
     return rows
 
 
-def reshard_tables(reads: list[list[dict]]) -> dict[str, list[dict]]:
-    """The new ranks' read_map rows as a result's tables: every read (reshard_map), and the bytes each new rank read
-    from each saved rank (reshard_bytes)."""
-    pairs: dict[tuple[int, int], int] = {}
-    for row in (r for rows in reads for r in rows):
-        pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
-    return {"reshard_map": [r for rows in reads for r in rows],
-            "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
-
-
-def reshard_result(plan: str, new: list[dict], param_err: float, loss_err: float,
-                   reference: str) -> tuple[list, dict, dict]:
-    """The checks, metrics and tables of a checkpoint continued on another plan (parallel.checkpoint's reshard_to,
-    parallel.mesh's reshard_tp/pp): its parameters and every step's loss against one process (`param_err`, `loss_err`,
-    measured by the caller against `reference`), each new rank's reads against the tensor bytes it loaded into (DCP's
-    load plan must cover exactly what the rank holds), and DCP's reads as the resharding map. `new`: each new rank's
-    {"reads": read_map rows, "held": bytes it holds, "from": the checkpoint's name, "load_s"}."""
-    from backend.result import Check
-
-    read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
-    cover_err = sum(abs(read[i] - n["held"]) for i, n in enumerate(new))
-    checks = [
-        Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9, reference=reference,
-              detail="max |difference|"),
-        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference=reference),
-        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
-              reference="the pieces of the model's tensors (and Adam's m, v) each new rank loaded into",
-              detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
-    ]
-    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    return checks, metrics, reshard_tables([n["reads"] for n in new])
-
-
-def local_tensor_bytes(state: dict) -> int:
-    """Bytes of the tensors this rank holds in a state dict: its Pieces and its plain tensors (the reference a load's
-    reads must add up to)."""
-    return sum(v.local_bytes() if isinstance(v, Pieces) else v.numel() * v.element_size() for v in state.values())
-
-
 def staged_copy(state: dict) -> dict:
     """A copy of the state for a save that writes while training goes on: Pieces over cloned views, tensors cloned
     (DCP's own stager cannot copy a Pieces)."""
     return {k: v.staged() if isinstance(v, Pieces) else v.detach().clone() for k, v in state.items()}
 
 
-class _AlreadyStaged:
-    """DCP's AsyncStager protocol for a state dict already copied (staged_copy): nothing more to stage."""
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
+class _Stager:
+    """DCP's AsyncStager protocol, staging by staged_copy (the call async_save makes before it returns)."""
+    should_synchronize_after_execute = False
 
     def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        return staged_copy(state_dict)
 
 
 def _sha256(path: Path) -> str:
@@ -478,6 +425,11 @@ class Pieces:
         return out
 
 
+def _local_bytes(value) -> int:
+    """Bytes of a state dict's value this rank holds: a Pieces' pieces, or a plain tensor."""
+    return value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
+
+
 def _lookup(state_dict: dict, index):
     """DCP's find_state_dict_object, which finds a piece only in a torch.Tensor subclass, extended to Pieces."""
     from torch.distributed.checkpoint.utils import find_state_dict_object
@@ -555,24 +507,6 @@ def global_rectangles(p, shapes: dict, offsets, sizes):
     return out
 
 
-def model_keys(kind: str, ref: str) -> str:
-    """The checkpoint's key of a reference tensor: its weights, or Adam's m or v of it (the names category() reads)."""
-    return f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
-
-
-class _Sourced:
-    """A parameter's shape and parallelize's `source` (FSDP2 swaps the parameters for DTensors, which lose it)."""
-
-    def __init__(self, source, shape):
-        self.source, self.shape = source, torch.Size(shape)
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
 class MeshState:
     """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's, keyed by the one model's
     parameter names: each reference tensor (and Adam's m and v of it) is a Pieces of the rectangles this rank holds at
@@ -590,7 +524,7 @@ class MeshState:
         self.fsdp = getattr(sync, "strategy", None) == "fsdp2"
         self.last = any(getattr(c, "head", None) is not None for c in model.values())
         self.losses = torch.zeros(steps, dtype=torch.float64)
-        self.adam_step = torch.tensor(0)
+        self.adam_step, self.step = torch.tensor(0), torch.tensor(0)  # Adam's, and the next step to run
         self.scaler = loss_scale if loss_scale is not None and getattr(loss_scale, "scaler", None) else None
         if self.scaler:  # fp16: S and its clean steps, each step's S and whether it was skipped
             self.scaler_state = torch.zeros(2, dtype=torch.float64)
@@ -599,9 +533,10 @@ class MeshState:
         self.tensors = self._pieces(shapes, tp_group)
 
     def _sourced(self) -> list:
-        """This rank's parameters in order, each with its shape and source (FSDP2's from before it swapped them)."""
+        """This rank's parameters in order, each with its source (FSDP2's from before it swapped the parameters for
+        DTensors, which lose it)."""
         if self.fsdp:
-            return [_Sourced(a["source"], p.shape) for a, p in zip(self.sync.attrs.values(), self.sync.shards)]
+            return [types.SimpleNamespace(source=a["source"]) for a in self.sync.attrs.values()]
         return list(self.model.parameters())
 
     def _adams(self) -> list:
@@ -614,7 +549,8 @@ class MeshState:
             for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
                 for kind, view in held.items():
                     view = view.narrow(*narrow) if narrow else view
-                    out.setdefault(model_keys(kind, ref), Pieces(shapes[ref], view.dtype)).add(glob, view, writes[piece])
+                    key = f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
+                    out.setdefault(key, Pieces(shapes[ref], view.dtype)).add(glob, view, writes[piece])
         return out
 
     def _flat_held(self):
@@ -657,7 +593,7 @@ class MeshState:
         self.adam_step.fill_(self._adams()[0].step)
         losses = Pieces(self.losses.shape, self.losses.dtype)
         losses.add((0,), self.losses, self.last)  # the reported losses: the last stage's
-        out = {**self.tensors, "optim.step": self.adam_step, "loop.losses": losses}
+        out = {**self.tensors, "optim.step": self.adam_step, "loop.step": self.step, "loop.losses": losses}
         if self.scaler:
             ran = len(self.scaler.scales)
             self.scaler_state.copy_(torch.tensor([self.scaler.scaler.scale, self.scaler.scaler.clean_steps]))
@@ -694,8 +630,7 @@ class MeshState:
         m and v of them, and the rest (Adam's step, the losses, the loss scaler)."""
         out = {"weights": 0, "Adam m, v": 0, "the rest": 0}
         for key, value in self.checkpoint_state().items():
-            n = value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
-            out[mesh_category(key)] += n
+            out[mesh_category(key)] += _local_bytes(value)
         return out
 
     def reported_losses(self, start: int) -> list[float]:
@@ -726,15 +661,13 @@ class MeshHook:
     fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
     shapes: dict = field(default_factory=dict)
     state: MeshState | None = None
-    loop: dict = field(default_factory=dict)
 
     def resume(self, sync, model, mesh, steps: int, loss_scale=None) -> tuple[int, list[float]]:
         """Load the newest checkpoint into this rank's state (and fp16's loss scaler): the step to run next and the
         losses so far."""
         self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None,
                                loss_scale)
-        self.loop = {"loop.step": torch.tensor(0)}
-        start = self.saver.resume(self.state, self.loop)
+        start = self.saver.resume(self.state)
         self.state.restore_history(start)
         return start, self.state.reported_losses(start)
 
@@ -744,8 +677,8 @@ class MeshHook:
 
     def after_step(self, step: int, loss: float) -> None:
         self.state.losses[step] = loss
-        self.loop["loop.step"].fill_(step + 1)
-        self.saver.after_step(step, self.state, self.loop)
+        self.state.step.fill_(step + 1)
+        self.saver.after_step(step, self.state)
 
     def finish(self) -> None:
         self.saver.finish()

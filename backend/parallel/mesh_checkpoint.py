@@ -97,8 +97,8 @@ def train_with_checkpoints(rank: int, world: int, config, ctx, train_rank) -> di
                               asynchronous=config.checkpoint_save == "async", parent=parent)
     hook = ckpt.MeshHook(saver, fault if killing else None, shapes)
     payload = train_rank(rank, world, config, ctx.progress, hook)
-    out = {"attempt": attempt, "start": resumed_step(saver), "resumed_from": saver.resumed_from,
-           "load_s": saver.load_seconds, "saves": [dataclasses.asdict(s) for s in saver.saves],
+    out = {"attempt": attempt, "start": saver.start, "resumed_from": saver.resumed_from,
+           "load_s": saver.load_seconds, "saves": saver.saves,
            "held": hook.state.held_bytes(), "parent": parent.parent.name if parent else None}
     if killing:
         with np.load(root / BASELINE.format(rank)) as base:
@@ -125,13 +125,6 @@ def inherit(rank: int, root, parent) -> int:
         if (parent / name).exists() and not (root / name).exists():
             shutil.copy(parent / name, root / name)
     return 1 + max((e.get("attempt", 0) for e in ckpt.read_timeline(parent)), default=0)
-
-
-def resumed_step(saver) -> int:
-    """The step the last attempt started from (0 when it resumed nothing): the saved step of the checkpoint it loaded."""
-    if not saver.resumed_from:
-        return 0
-    return int(saver.resumed_from.split("_")[1])
 
 
 def continue_on_another_mesh(rank: int, world: int, config, root, shapes, attempt: int, train_rank) -> dict:
@@ -215,15 +208,34 @@ def bytes_checks(config, payloads, ref) -> tuple[list[Check], list[dict]]:
 
 
 def reshard_result(config, payloads, ref, cut, new_plan=None) -> tuple[list[Check], dict, dict]:
-    """The continuation on the other mesh (`new_plan`; resharded(config) unless given) against one float64 process
-    (checkpoint.reshard_result's checks), from the ranks that ran it."""
+    """The checks, metrics and tables of the continuation on the other mesh (`new_plan`; resharded(config) unless
+    given), from the ranks that ran it: its parameters and every step's loss against one float64 process, each new
+    rank's reads against the tensor bytes it loaded into (DCP's load plan must cover exactly what the rank holds),
+    and DCP's reads as the resharding map: every read (reshard_map), and the bytes each new rank read from each saved
+    rank (reshard_bytes)."""
     new = [p["checkpoint"]["reshard"] for p in payloads if p["checkpoint"].get("reshard")]
-    param_err = max(float(np.abs(v - cut(ref["state"], n["sources"])[k].numpy()).max()) for n in new for k, v in n["params"].items())
+    param_err = max(float(np.abs(v - cut(ref["state"], n["sources"])[k].numpy()).max())
+                    for n in new for k, v in n["params"].items())
     last = next(n for n in new if n["last_stage"])
     loss_err = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
     plan = f"{mesh_label(config)} -> {mesh_label(new_plan or resharded(config))}"
-    return ckpt.reshard_result(plan, new, param_err, loss_err,
-                               "TinyDecoder, float64, torch.optim.Adam, one process, all the steps")
+    reference = "TinyDecoder, float64, torch.optim.Adam, one process, all the steps"
+    read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
+    checks = [
+        Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9, reference=reference,
+              detail="max |difference|"),
+        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference=reference),
+        Check("resharded: each new rank's reads add up to the tensor bytes it holds",
+              sum(abs(read[i] - n["held"]) for i, n in enumerate(new)), 0,
+              reference="the pieces of the model's tensors (and Adam's m, v) each new rank loaded into",
+              detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
+    ]
+    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
+    reads, pairs = [r for n in new for r in n["reads"]], {}
+    for row in reads:
+        pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
+    return checks, metrics, {"reshard_map": reads, "reshard_bytes": [
+        {"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
 
 
 def mesh_label(config) -> str:
