@@ -1,16 +1,14 @@
-"""Sharded checkpoints of the mesh's training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): the mechanics, whatever state is saved.
 
-    hook = MeshHook(Checkpointer(folder(ctx), every=2, rank=rank), fault, reference_shapes(config))
-    train_rank(rank, world, config, progress, hook)  # mesh_train calls it: resume, fault mid-step, save after a step
+    saver = Checkpointer(folder(ctx), every=2, rank=rank)  # the mesh's MeshHook (mesh_checkpoint.py) drives it
 
-Each rank hands DCP its own pieces of the one model's tensors at their global offsets (MeshState: Pieces), whatever its
-tp shard, pp stage and dp cut, so DCP reshards them onto another tp x pp x dp mesh, dp strategy or world size of the
-same model. A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder
-without it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
-Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder); a run
-that resumes a failed one reads the parent's folder, found from its own record in the store (parent_folder).
-Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
-keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads).
+Each rank hands DCP its own pieces of global tensors at their offsets (Pieces), so DCP reshards them onto any other
+cut of the same tensors. A checkpoint is complete once `manifest.json` (every file's size and sha256) is written,
+last: a folder without it, or whose files do not match it, or whose tensors have other shapes than the state's, is
+refused by name. Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch
+folder); a run that resumes a failed one reads the parent's folder, found from its own record in the store
+(parent_folder). Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank
+holds: resume() keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads).
 """
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ import os
 import shutil
 import signal
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +68,7 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        return newest([self.root]) or (newest([self.parent]) if self.parent else None)
+        return newest([self.root]) or newest([self.parent])
 
     def after_step(self, step: int, state) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
@@ -130,7 +127,7 @@ class Checkpointer:
         planner = _recording_planner()
         dcp.load(tensors, checkpoint_id=str(path), planner=planner)
         self.reads = read_map(planner.local_plan.items, planner.metadata, self.rank)
-        self.held_bytes = sum(_local_bytes(v) for v in tensors.values())
+        self.held_bytes = sum(local_bytes(v) for v in tensors.values())
         state.load_checkpoint_state(tensors)
         self.load_seconds = time.perf_counter() - started
         self.resumed_from, self.start = path.name, _step_of(path)
@@ -188,17 +185,11 @@ def complete(root: Path) -> list[Path]:
 
 def newest(roots: list[Path | None], before: int | None = None) -> Path | None:
     """The newest complete checkpoint under the roots (a run's own folder and the failed run it resumed), or with
-    `before` the newest saved before that step (one a run can still continue from)."""
+    `before` the newest saved before that step (one a run can still continue from); None where there is none."""
     done = [p for root in roots if root for p in complete(root) if before is None or _step_of(p) < before]
     return max(done, key=_step_of, default=None)
 
 
-def newest_before(roots: list[Path | None], steps: int) -> Path:
-    """newest(roots, before=steps), refused by name where there is none."""
-    found = newest(roots, before=steps)
-    if found is None:
-        raise CheckpointError(f"no complete checkpoint before step {steps} in {', '.join(r.name for r in roots if r)}")
-    return found
 def _recording_planner():
     """DCP's default load planner, keeping the plan it made for this rank (the reads the load performs), and loading
     into Pieces (found by their offsets)."""
@@ -288,15 +279,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _entry(path: Path, rank: int) -> dict:
+    """A file's line in the manifest: its size, sha256 and the rank that wrote it."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path), "rank": rank}
+
+
 def write_manifest(path: Path, rank: int) -> None:
     """Every rank hashes the files it wrote (DCP names them __<rank>_<i>.distcp); rank 0 writes the manifest last,
     so a folder with a manifest is a complete checkpoint."""
-    mine = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank} for f in path.glob(f"__{rank}_*.distcp")}
+    mine = {f.name: _entry(f, rank) for f in path.glob(f"__{rank}_*.distcp")}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         files = {k: v for d in every for k, v in d.items()}
-        files[".metadata"] = {"bytes": (path / ".metadata").stat().st_size, "sha256": _sha256(path / ".metadata"), "rank": 0}
+        files[".metadata"] = _entry(path / ".metadata", 0)
         tmp = path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps({"files": files}, indent=1))
         tmp.replace(path / MANIFEST)
@@ -407,9 +403,9 @@ class Pieces:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
-                                                      properties=TensorProperties.create_from_tensor(v), size=self._size))
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
+                    properties=TensorProperties.create_from_tensor(v), size=self._size))
                 for o, v, writes in self.pieces if writes]
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
@@ -425,7 +421,7 @@ class Pieces:
         return out
 
 
-def _local_bytes(value) -> int:
+def local_bytes(value) -> int:
     """Bytes of a state dict's value this rank holds: a Pieces' pieces, or a plain tensor."""
     return value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
 
@@ -449,243 +445,3 @@ def _save_planner():
             return _lookup(self.state_dict, index)
 
     return PiecesSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def rectangles(shape, x: int, y: int) -> list[tuple[tuple, tuple]]:
-    """The elements [x, y) of a row-major tensor of `shape` (1-D or 2-D) as rectangles (offsets, sizes): a range of a
-    1-D tensor, or a partial first row, whole rows and a partial last row."""
-    if x >= y:
-        return []
-    if len(shape) == 1:
-        return [((x,), (y - x,))]
-    if len(shape) != 2:
-        raise CheckpointError(f"a {len(shape)}-D parameter: only 1-D and 2-D ones are cut into rectangles")
-    cols = shape[1]
-    (r0, c0), (r1, c1) = divmod(x, cols), divmod(y, cols)
-    if r0 == r1:
-        return [((r0, c0), (1, c1 - c0))]
-    out = []
-    if c0:
-        out.append(((r0, c0), (1, cols - c0)))
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, 0), (r1 - r0, cols)))
-    if c1:
-        out.append(((r1, 0), (1, c1)))
-    return out
-
-
-def source_pieces(p: torch.nn.Parameter, shapes: dict) -> list[tuple[str, int | None, int, int, int]]:
-    """A rank's parameter as the reference pieces it holds (parallelize's `source`: a dim and the (name, slice) pieces
-    concatenated along it): (reference name, dim, start in the reference along dim, start here along dim, length)."""
-    dim, parts = p.source
-    if dim is None:
-        (ref, _), = parts
-        return [(ref, None, 0, 0, 0)]
-    out, here = [], 0
-    for ref, s in parts:
-        start, stop, _ = s.indices(shapes[ref][dim])
-        out.append((ref, dim, start, here, stop - start))
-        here += stop - start
-    return out
-
-
-def global_rectangles(p, shapes: dict, offsets, sizes):
-    """A rectangle of a rank's parameter (offsets, sizes in its own coordinates) in the reference tensors it comes
-    from: (reference name, global offsets, the narrow (dim, start, length) of the rectangle or None for all of it,
-    the source piece)."""
-    out = []
-    for ref, dim, start, here, length in source_pieces(p, shapes):
-        if dim is None:
-            out.append((ref, tuple(offsets), None, (ref, dim, start, length)))
-            continue
-        lo, hi = max(offsets[dim], here), min(offsets[dim] + sizes[dim], here + length)
-        if lo < hi:
-            glob = list(offsets)
-            glob[dim] = start + lo - here
-            out.append((ref, tuple(glob), (dim, lo - offsets[dim], hi - lo), (ref, dim, start, length)))
-    return out
-
-
-class MeshState:
-    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's, keyed by the one model's
-    parameter names: each reference tensor (and Adam's m and v of it) is a Pieces of the rectangles this rank holds at
-    their global offsets, whatever its tp shard (parallelize's sources), pp stage (which layers) and dp cut: the ZeRO cut
-    of its flat vector, or FSDP2's dim-0 rows of each DTensor (the offset DTensor itself gives). So a checkpoint of
-    tp 2 x pp 2 loads on tp 1 x pp 4, FSDP2's on dp 2 or under ZeRO-1, and one of another model (another shape, or a
-    layer more) is refused by name. In mixed precision the weights saved are the master copy (Adam's m, v beside it).
-    A piece held by several ranks is written once: by the lowest tp rank holding it (a replicated norm; KV heads shared
-    over tp), and among identical dp, cp or ep replicas by the lowest rank (DCP's deduplication). Adam's step, the
-    reported losses (the last stage's) and fp16's loss scaler (S, its clean-step count, each step's S and skips) are
-    saved beside them."""
-
-    def __init__(self, sync, model: torch.nn.Module, steps: int, shapes: dict, tp_group=None, loss_scale=None):
-        self.sync, self.model = sync, model
-        self.fsdp = getattr(sync, "strategy", None) == "fsdp2"
-        self.last = any(getattr(c, "head", None) is not None for c in model.values())
-        self.losses = torch.zeros(steps, dtype=torch.float64)
-        self.adam_step, self.step = torch.tensor(0), torch.tensor(0)  # Adam's, and the next step to run
-        self.scaler = loss_scale if loss_scale is not None and getattr(loss_scale, "scaler", None) else None
-        if self.scaler:  # fp16: S and its clean steps, each step's S and whether it was skipped
-            self.scaler_state = torch.zeros(2, dtype=torch.float64)
-            self.scales, self.skipped = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.int64)
-        self.params = self._sourced()
-        self.tensors = self._pieces(shapes, tp_group)
-
-    def _sourced(self) -> list:
-        """This rank's parameters in order, each with its source (FSDP2's from before it swapped the parameters for
-        DTensors, which lose it)."""
-        if self.fsdp:
-            return [types.SimpleNamespace(source=a["source"]) for a in self.sync.attrs.values()]
-        return list(self.model.parameters())
-
-    def _adams(self) -> list:
-        """The Adam objects whose step counts this rank's updates: one (ours), or one per DTensor (FSDP2's)."""
-        return [adam for adam, _, _ in self.sync.adams] if self.fsdp else [self.sync.adam]
-
-    def _pieces(self, shapes: dict, tp_group) -> dict[str, Pieces]:
-        writes, out = self._tp_writer(shapes, tp_group), {}
-        for p, held, offsets, sizes in (self._fsdp_held() if self.fsdp else self._flat_held()):
-            for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
-                for kind, view in held.items():
-                    view = view.narrow(*narrow) if narrow else view
-                    key = f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
-                    out.setdefault(key, Pieces(shapes[ref], view.dtype)).add(glob, view, writes[piece])
-        return out
-
-    def _flat_held(self):
-        """(parameter, {kind: view}, offsets, sizes) of each rectangle of a parameter in this rank's ZeRO cut [lo, hi) of
-        the flat (master) vector and of Adam's m and v (the whole vector unless ZeRO), views into them."""
-        s = self.sync
-        total = sum(p.numel() for p in self.params)
-        lo = s.dp.index * s.owned.numel() if s.zero else 0
-        hi = min(lo + s.owned.numel(), total)
-        at = 0
-        for p in self.params:
-            a, b = at, at + p.numel()
-            at = b
-            cols = p.shape[1] if p.dim() == 2 else 1
-            stride = (cols, 1) if p.dim() == 2 else (1,)
-            for offsets, sizes in rectangles(tuple(p.shape), max(a, lo) - a, min(b, hi) - a):
-                start = a - lo + offsets[0] * cols + (offsets[1] if p.dim() == 2 else 0)
-                yield p, {kind: flat.as_strided(sizes, stride, flat.storage_offset() + start)
-                          for kind, flat in (("param", s.owned), ("exp_avg", s.m), ("exp_avg_sq", s.v))}, offsets, sizes
-
-    def _fsdp_held(self):
-        """The same for FSDP2: each DTensor's local rows (and Adam's m, v of them) at the offset DTensor computes for
-        this rank (torch.chunk's rows of dim 0); a rank past the last row holds none of that parameter."""
-        for p, shard, (_, m, v) in zip(self.params, self.sync.shards, self.sync.adams):
-            local = shard.to_local().detach()  # (the same storage, outside autograd: DCP loads into it in place)
-            if local.numel():
-                yield p, {"param": local, "exp_avg": m, "exp_avg_sq": v}, dtensor_offset(shard), tuple(local.shape)
-
-    def _tp_writer(self, shapes: dict, tp_group) -> dict[tuple, bool]:
-        """Whether this rank writes each reference piece it holds: no lower tp rank holds the same one."""
-        mine = {(ref, dim, start, length) for p in self.params for ref, dim, start, _, length in source_pieces(p, shapes)}
-        lower = set()
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            every = [None] * dist.get_world_size(tp_group)
-            dist.all_gather_object(every, mine, group=tp_group)
-            lower = set().union(*every[:dist.get_rank(tp_group)])
-        return {piece: piece not in lower for piece in mine}
-
-    def checkpoint_state(self) -> dict:
-        self.adam_step.fill_(self._adams()[0].step)
-        losses = Pieces(self.losses.shape, self.losses.dtype)
-        losses.add((0,), self.losses, self.last)  # the reported losses: the last stage's
-        out = {**self.tensors, "optim.step": self.adam_step, "loop.step": self.step, "loop.losses": losses}
-        if self.scaler:
-            ran = len(self.scaler.scales)
-            self.scaler_state.copy_(torch.tensor([self.scaler.scaler.scale, self.scaler.scaler.clean_steps]))
-            self.scales[:ran] = torch.tensor(self.scaler.scales, dtype=torch.float64)
-            self.skipped[:ran] = torch.tensor(self.scaler.skipped, dtype=torch.int64)
-            out.update({"loop.loss_scaler": self.scaler_state, "loop.loss_scales": self.scales, "loop.skipped": self.skipped})
-        return out
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
-        shards; ZeRO-3 gathers at every step's start anyway; FSDP2 holds them in its DTensors, unsharded at each step's
-        start). fp16: the loss scaler's S and clean-step count."""
-        from backend.parallel.precision import load_flat
-
-        for adam in self._adams():
-            adam.step = int(state["optim.step"])
-        if self.scaler:
-            self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(self.scaler_state[0]), int(self.scaler_state[1])
-        if self.fsdp:
-            return
-        if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
-            self.sync.weights = self.sync.compute_weights()
-        if self.sync.weights is not None:
-            load_flat(self.model, self.sync.weights)
-
-    def restore_history(self, start: int) -> None:
-        """fp16: each step's S and skip before `start`, as the run records them (its checks compare every step's)."""
-        if self.scaler:
-            self.scaler.scales = self.scales[:start].tolist()
-            self.scaler.skipped = [bool(x) for x in self.skipped[:start].tolist()]
-
-    def held_bytes(self) -> dict[str, int]:
-        """Tensor bytes this rank hands DCP by category (before deduplication): the weights (master copy), Adam's
-        m and v of them, and the rest (Adam's step, the losses, the loss scaler)."""
-        out = {"weights": 0, "Adam m, v": 0, "the rest": 0}
-        for key, value in self.checkpoint_state().items():
-            out[mesh_category(key)] += _local_bytes(value)
-        return out
-
-    def reported_losses(self, start: int) -> list[float]:
-        """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
-        return self.losses[:start].tolist() if self.last else [0.0] * start
-
-
-def dtensor_offset(shard) -> tuple[int, ...]:
-    """Where a DTensor's local tensor starts in its global tensor, as DTensor computes it for this rank (what DCP
-    itself writes for a DTensor)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return tuple(compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)[1])
-
-
-def mesh_category(key: str) -> str:
-    """What a mesh checkpoint's key holds: the weights, Adam's m and v, or the rest (steps, losses, loss scaler)."""
-    if key.startswith("model."):
-        return "weights"
-    return "Adam m, v" if key.endswith((".exp_avg", ".exp_avg_sq")) else "the rest"
-
-
-@dataclass
-class MeshHook:
-    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save. `shapes`: the
-    one model's parameter shapes (reference_shapes), the global tensors the checkpoint holds."""
-    saver: Checkpointer
-    fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
-    shapes: dict = field(default_factory=dict)
-    state: MeshState | None = None
-
-    def resume(self, sync, model, mesh, steps: int, loss_scale=None) -> tuple[int, list[float]]:
-        """Load the newest checkpoint into this rank's state (and fp16's loss scaler): the step to run next and the
-        losses so far."""
-        self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None,
-                               loss_scale)
-        start = self.saver.resume(self.state)
-        self.state.restore_history(start)
-        return start, self.state.reported_losses(start)
-
-    def mid_step(self, step: int) -> None:
-        if self.fault:
-            self.fault(step)
-
-    def after_step(self, step: int, loss: float) -> None:
-        self.state.losses[step] = loss
-        self.state.step.fill_(step + 1)
-        self.saver.after_step(step, self.state)
-
-    def finish(self) -> None:
-        self.saver.finish()
-
-
-def reference_shapes(config) -> dict[str, tuple]:
-    """The one model's parameter shapes (the global tensors of a mesh checkpoint), from its config."""
-    from backend.parallel.tp_model import reference_model
-
-    return {k: tuple(v.shape) for k, v in reference_model(config).named_parameters()}
