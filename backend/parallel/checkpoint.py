@@ -225,6 +225,11 @@ def _chunk(entry, index):
     return next(c for c in entry.chunks if tuple(c.offsets) == offset)
 
 
+def _nbytes(entry, sizes) -> int:
+    """Bytes of a piece of `sizes` of a saved tensor (`entry`: its metadata)."""
+    return entry.properties.dtype.itemsize * int(torch.Size(sizes).numel())
+
+
 def key_layout(metadata) -> dict[str, tuple[int, int]]:
     """Each saved tensor's [start, end) in bytes when the checkpoint's tensors are laid end to end by name: the
     one axis on which a resharding map is drawn."""
@@ -232,8 +237,8 @@ def key_layout(metadata) -> dict[str, tuple[int, int]]:
     for key in sorted(metadata.state_dict_metadata):
         entry = metadata.state_dict_metadata[key]
         if hasattr(entry, "chunks"):
-            n = entry.properties.dtype.itemsize * int(torch.Size(entry.size).numel())
-            out[key], at = (at, at + n), at + n
+            out[key] = (at, at + _nbytes(entry, entry.size))
+            at = out[key][1]
     return out
 
 
@@ -249,11 +254,9 @@ def read_map(items, metadata, rank: int) -> list[dict]:
         chunk, info = _chunk(entry, item.storage_index), metadata.storage_data[item.storage_index]
         first = [c + o for c, o in zip(chunk.offsets, item.storage_offsets)]
         strides = [int(torch.Size(entry.size[i + 1:]).numel()) for i in range(len(entry.size))]
-        itemsize = entry.properties.dtype.itemsize
-        at = layout[item.storage_index.fqn][0] + itemsize * sum(f * s for f, s in zip(first, strides))
+        at = layout[item.storage_index.fqn][0] + _nbytes(entry, [sum(f * s for f, s in zip(first, strides))])
         rows.append({"new rank": rank, "key": item.storage_index.fqn, "saved rank": _saved_rank(info.relative_path),
-                     "file": info.relative_path, "from byte": at,
-                     "bytes": itemsize * int(torch.Size(item.lengths).numel())})
+                     "file": info.relative_path, "from byte": at, "bytes": _nbytes(entry, item.lengths)})
     return rows
 
 
@@ -271,17 +274,10 @@ class _Stager:
         return staged_copy(state_dict)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _entry(path: Path, rank: int) -> dict:
     """A file's line in the manifest: its size, sha256 and the rank that wrote it."""
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path), "rank": rank}
+    with open(path, "rb") as f:
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest(), "rank": rank}
 
 
 def write_manifest(path: Path, rank: int) -> None:
@@ -309,7 +305,7 @@ def verify_files(path: Path) -> None:
         f = path / name
         if not f.is_file() or f.is_symlink():
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) is missing")
-        if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
+        if _entry(f, want["rank"]) != want:
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
                                   f"match its sha256 in {MANIFEST}")
 
@@ -343,9 +339,8 @@ def pieces(path: Path) -> list[dict]:
     for index, info in md.storage_data.items():
         entry = md.state_dict_metadata[index.fqn]
         if hasattr(entry, "chunks"):
-            n = int(torch.Size(_chunk(entry, index).sizes).numel())
             out.append({"file": info.relative_path, "rank": _saved_rank(info.relative_path), "key": index.fqn,
-                        "bytes": n * entry.properties.dtype.itemsize})
+                        "bytes": _nbytes(entry, _chunk(entry, index).sizes)})
     return out
 
 

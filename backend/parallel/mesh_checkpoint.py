@@ -187,26 +187,23 @@ class MeshState:
     def load_checkpoint_state(self, state: dict) -> None:
         """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
         shards; ZeRO-3 gathers at every step's start anyway; FSDP2 holds them in its DTensors, unsharded at each step's
-        start). fp16: the loss scaler's S and clean-step count."""
+        start). fp16: the loss scaler's S and clean-step count, and its history (the run's checks compare every
+        step's S and skip)."""
         from backend.parallel.precision import load_flat
 
         for adam in self._adams():
             adam.step = int(state["optim.step"])
-        if self.scaler:
+        if self.scaler:  # (and each step's S and skip before the loaded step, as the run records them)
             scale, clean = self.scaler_state.tolist()
             self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(scale), int(clean)
+            self.scaler.scales = self.scales[:int(self.step)].tolist()
+            self.scaler.skipped = [bool(x) for x in self.skipped[:int(self.step)].tolist()]
         if self.fsdp:
             return
         if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
             self.sync.weights = self.sync.compute_weights()
         if self.sync.weights is not None:
             load_flat(self.model, self.sync.weights)
-
-    def restore_history(self, start: int) -> None:
-        """fp16: each step's S and skip before `start`, as the run records them (its checks compare every step's)."""
-        if self.scaler:
-            self.scaler.scales = self.scales[:start].tolist()
-            self.scaler.skipped = [bool(x) for x in self.skipped[:start].tolist()]
 
     def held_bytes(self) -> dict[str, int]:
         """Tensor bytes this rank hands DCP by category (before deduplication): the weights (master copy), Adam's
@@ -216,9 +213,6 @@ class MeshState:
             out[mesh_category(key)] += ckpt.local_bytes(value)
         return out
 
-    def reported_losses(self, start: int) -> list[float]:
-        """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
-        return self.losses[:start].tolist() if self.last else [0.0] * start
 
 
 def dtensor_offset(shard) -> tuple[int, ...]:
@@ -247,12 +241,11 @@ class MeshHook:
 
     def resume(self, sync, model, mesh, steps: int, loss_scale=None) -> tuple[int, list[float]]:
         """Load the newest checkpoint into this rank's state (and fp16's loss scaler): the step to run next and the
-        losses so far."""
+        losses so far as this rank reports them (0 off the last stage, as its steps do)."""
         self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None,
                                loss_scale)
         start = self.saver.resume(self.state)
-        self.state.restore_history(start)
-        return start, self.state.reported_losses(start)
+        return start, self.state.losses[:start].tolist() if self.state.last else [0.0] * start
 
     def mid_step(self, step: int) -> None:
         if self.fault:
