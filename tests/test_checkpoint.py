@@ -17,6 +17,7 @@ from backend.experiments import RunContext
 from backend.experiments.parallel import checkpoint as exp
 from backend.parallel import checkpoint as ckpt
 from backend.parallel import mesh_checkpoint
+from backend.parallel.mesh_checkpoint import MeshHook, reference_shapes
 from backend.store import pid_alive
 from tests.conftest import REPO
 
@@ -49,7 +50,7 @@ def _train(root, every=2, plan=None, fault=None, attempt=0) -> dict:
     from backend.parallel.mesh_train import train_rank
 
     plan = plan or _plan()
-    hook = ckpt.MeshHook(ckpt.Checkpointer(root, every, 0, attempt=attempt), fault, ckpt.reference_shapes(plan))
+    hook = MeshHook(ckpt.Checkpointer(root, every, 0, attempt=attempt), fault, reference_shapes(plan))
     return train_rank(0, 1, plan, None, hook)
 
 
@@ -73,7 +74,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(one_rank, monkeypatch):
 
     plain = train_rank(0, 1, _plan())["params"]
     assert _bitwise(_interrupted(one_rank / "a"), plain)
-    monkeypatch.setattr(ckpt.MeshState, "load_checkpoint_state", lambda self, state: None)
+    monkeypatch.setattr(mesh_checkpoint.MeshState, "load_checkpoint_state", lambda self, state: None)
     assert not _bitwise(_interrupted(one_rank / "b"), plain)
 
 
@@ -184,7 +185,7 @@ def test_a_checkpoint_saved_on_4_ranks_continues_on_fewer_ranks_equal_to_one_pro
 
 def _continue_without_restoring_the_shards(rank, world, config, ctx):
     """The rule broken in the new ranks: what DCP loaded is not put back (ZeRO-1's gathered weights, Adam's step)."""
-    ckpt.MeshState.load_checkpoint_state = lambda self, state: None
+    mesh_checkpoint.MeshState.load_checkpoint_state = lambda self, state: None
     return exp.run_rank(rank, world, config, ctx)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints of the composed mesh run (backend/parallel/mesh_train.py through checkpoint.MeshHook): a tp 2 x pp 2
+"""Checkpoints of the composed mesh run (backend/parallel/mesh_train.py through mesh_checkpoint.MeshHook): a tp 2 x pp 2
 plan saves every 2 steps, rank 1 is killed by SIGKILL in step 2, the spawner restarts all four ranks, they resume
 from step 2 and end bit for bit equal to the uninterrupted run. A tp 2 x pp 2 checkpoint continued on tp 1 x pp 4 and
 tp 2 x pp 1 (and back) equals one process; another model's is refused by name."""
@@ -11,6 +11,8 @@ from backend import experiments
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.parallel import checkpoint as ckpt
+from backend.parallel import mesh_checkpoint
+from backend.parallel.mesh_checkpoint import MeshHook, reference_shapes
 from backend.store import pid_alive
 
 KILLED_RANK, KILLED_STEP = 1, 2
@@ -35,7 +37,7 @@ def _killed_and_resumed_rank(rank, world, config, ctx):
     def fault(step):
         if ctx.attempt == 0 and rank == KILLED_RANK and step == KILLED_STEP:
             ckpt.kill_self(root, rank, step)
-    hook = ckpt.MeshHook(ckpt.Checkpointer(root, 2, rank, attempt=ctx.attempt), fault, ckpt.reference_shapes(config))
+    hook = MeshHook(ckpt.Checkpointer(root, 2, rank, attempt=ctx.attempt), fault, reference_shapes(config))
     out = train_rank(rank, world, config, None, hook)
     return {"params": out["params"], "losses": out["losses"], "attempt": ctx.attempt,
             "resumed_from": hook.saver.resumed_from, "timeline": ckpt.read_timeline(root)}
@@ -43,7 +45,7 @@ def _killed_and_resumed_rank(rank, world, config, ctx):
 
 def _resumed_without_adam_step(rank, world, config, ctx):
     """The rule broken: Adam's step count is not restored with m and v (bias correction restarts)."""
-    ckpt.MeshState.load_checkpoint_state = lambda self, state: None
+    mesh_checkpoint.MeshState.load_checkpoint_state = lambda self, state: None
     return _killed_and_resumed_rank(rank, world, config, ctx)
 
 
@@ -77,7 +79,7 @@ def test_the_resume_differs_when_adams_step_is_not_restored(tmp_path):
 def _plain_with_checkpoints(rank, world, config, ctx):
     from backend.parallel.mesh_train import train_rank
 
-    hook = ckpt.MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 2, rank), None, ckpt.reference_shapes(config))
+    hook = MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 2, rank), None, reference_shapes(config))
     train_rank(rank, world, config, None, hook)
     return {}
 
@@ -87,7 +89,7 @@ def _resumed_rank(source, rank, world, config, ctx):
     losses and DCP's reads."""
     from backend.parallel.mesh_train import train_rank
 
-    hook = ckpt.MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 1, rank, source=source), None, ckpt.reference_shapes(config))
+    hook = MeshHook(ckpt.Checkpointer(ckpt.folder(ctx), 1, rank, source=source), None, reference_shapes(config))
     out = train_rank(rank, world, config, None, hook)
     return {**{k: out[k] for k in ("params", "sources", "losses", "last_stage")}, "reads": hook.saver.reads,
             "held": hook.saver.held_bytes}
@@ -139,12 +141,12 @@ def test_a_tp2xpp2_checkpoint_continues_on_another_mesh_equal_to_one_process(tmp
 
 def _wrong_offsets_rank(source, rank, world, config, ctx):
     """The rule broken: each tp shard read at the other shard's offsets (a mesh position instead of its own rows)."""
-    right = ckpt.source_pieces
+    right = mesh_checkpoint.source_pieces
 
     def wrong(p, shapes):
         return [(ref, dim, start if dim is None else (start + length) % shapes[ref][dim], here, length)
                 for ref, dim, start, here, length in right(p, shapes)]
-    ckpt.source_pieces = wrong
+    mesh_checkpoint.source_pieces = wrong
     return _resumed_rank(source, rank, world, config, ctx)
 
 

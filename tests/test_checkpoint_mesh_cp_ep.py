@@ -51,7 +51,7 @@ def _experts_rotated(rank, world, config, ctx):
     resume on the same mesh reads them back right and the checkpoint's bytes are all there, but at the wrong keys."""
     from backend.experiments.parallel import mesh
 
-    right, shift = ckpt.source_pieces, config.experts // config.ep
+    right, shift = mesh_checkpoint.source_pieces, config.experts // config.ep
 
     def rotated(p, shapes):
         out = []
@@ -66,9 +66,9 @@ def _experts_rotated(rank, world, config, ctx):
     continued = mesh_checkpoint.continue_on_another_mesh
 
     def continue_right(*args, **kwargs):  # the continuation on ep 1 keys its experts rightly
-        ckpt.source_pieces = right
+        mesh_checkpoint.source_pieces = right
         return continued(*args, **kwargs)
-    ckpt.source_pieces, mesh_checkpoint.continue_on_another_mesh = rotated, continue_right
+    mesh_checkpoint.source_pieces, mesh_checkpoint.continue_on_another_mesh = rotated, continue_right
     return mesh.run_rank(rank, world, config, ctx)
 
 

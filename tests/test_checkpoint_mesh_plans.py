@@ -1,4 +1,4 @@
-"""Mesh checkpoints for every plan (backend/parallel/checkpoint.MeshState through parallel.mesh's settings): FSDP2's
+"""Mesh checkpoints for every plan (backend/parallel/mesh_checkpoint.MeshState through parallel.mesh's settings): FSDP2's
 DTensor state saved with DCP, a killed rank resumed bit for bit and the checkpoint continued on dp 2 and under ZeRO-1
 (and ZeRO-3's under FSDP2) equal to one float64 process; every precision's master weights, Adam states and fp16's loss
 scaler restored bit for bit; async_save's checkpoints equal the sync save's bit for bit; each rank's file holding
@@ -11,6 +11,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.config import ConfigError
 from backend.experiments import RunContext
 from backend.parallel import checkpoint as ckpt
+from backend.parallel import mesh_checkpoint
 
 EXP = experiments.get("parallel.mesh")
 BITWISE = "final parameters equal the uninterrupted run's bit for bit"
@@ -70,12 +71,12 @@ def _next_ranks_rows(rank, world, config, ctx):
     """The rule broken: each FSDP2 rank saves (and loads) its rows at the next dp rank's offset."""
     from backend.experiments.parallel import mesh
 
-    right = ckpt.dtensor_offset
+    right = mesh_checkpoint.dtensor_offset
 
     def shifted(shard):
         offset = right(shard)
         return ((offset[0] + shard.to_local().shape[0]) % shard.shape[0],) + offset[1:]
-    ckpt.dtensor_offset = shifted
+    mesh_checkpoint.dtensor_offset = shifted
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -110,12 +111,12 @@ def _scaler_not_restored(rank, world, config, ctx):
     """The rule broken: the loss scaler restarts at init_loss_scale after the load (its state not restored)."""
     from backend.experiments.parallel import mesh
 
-    restore = ckpt.MeshState.load_checkpoint_state
+    restore = mesh_checkpoint.MeshState.load_checkpoint_state
 
     def without_scaler(self, state):
         restore(self, state)
         self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(config.init_loss_scale), 0
-    ckpt.MeshState.load_checkpoint_state = without_scaler
+    mesh_checkpoint.MeshState.load_checkpoint_state = without_scaler
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -130,11 +131,11 @@ def _tp_rank_1_writes(rank, world, config, ctx):
     still holds every byte once, but rank 1's file holds rank 0's share."""
     from backend.experiments.parallel import mesh
 
-    right = ckpt.MeshState._tp_writer
+    right = mesh_checkpoint.MeshState._tp_writer
 
     def higher(self, shapes, tp_group):
         return {piece: not w if piece[1] is None else w for piece, w in right(self, shapes, tp_group).items()}
-    ckpt.MeshState._tp_writer = higher
+    mesh_checkpoint.MeshState._tp_writer = higher
     return mesh.run_rank(rank, world, config, ctx)
 
 

@@ -41,9 +41,10 @@ def _broken_rank(rank, world, config, ctx):
     saved twice, and the continuation on the other mesh reads each block's tensors from the next block's (ownership by
     position, not by layer index)."""
     from backend.experiments.parallel import mesh
-    from backend.parallel import checkpoint as ckpt, mesh_checkpoint
+    from backend.parallel import mesh_checkpoint
 
-    restore, right, go_on = ckpt.MeshState.load_checkpoint_state, ckpt.source_pieces, mesh_checkpoint.continue_on_another_mesh
+    restore, right = mesh_checkpoint.MeshState.load_checkpoint_state, mesh_checkpoint.source_pieces
+    go_on = mesh_checkpoint.continue_on_another_mesh
 
     def without_adam_step(self, state):
         step = self.sync.adam.step
@@ -55,16 +56,16 @@ def _broken_rank(rank, world, config, ctx):
                 for ref, *rest in right(p, shapes)]
 
     def continued_from_the_next_block(*args):
-        ckpt.MeshState.load_checkpoint_state = restore
-        ckpt.source_pieces = next_block
+        mesh_checkpoint.MeshState.load_checkpoint_state = restore
+        mesh_checkpoint.source_pieces = next_block
         return go_on(*args)
-    state = ckpt.MeshState.checkpoint_state
+    state = mesh_checkpoint.MeshState.checkpoint_state
 
     def with_a_second_copy(self):  # a third rule broken: the model's weights saved twice (under another name too)
         out = state(self)
         return {**out, **{k.replace("model.", "copy.", 1): v for k, v in out.items() if k.startswith("model.")}}
-    ckpt.MeshState.load_checkpoint_state = without_adam_step
-    ckpt.MeshState.checkpoint_state = with_a_second_copy
+    mesh_checkpoint.MeshState.load_checkpoint_state = without_adam_step
+    mesh_checkpoint.MeshState.checkpoint_state = with_a_second_copy
     mesh_checkpoint.continue_on_another_mesh = continued_from_the_next_block
     return mesh.run_rank(rank, world, config, ctx)
 

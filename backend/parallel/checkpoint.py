@@ -1,16 +1,14 @@
-"""Sharded checkpoints of the mesh's training run with torch.distributed.checkpoint (DCP), and the fault that tests them.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): the mechanics, whatever state is saved.
 
-    saver = Checkpointer(folder(ctx), every=2, rank=rank)
-    hook = MeshHook(saver, fault, reference_shapes(config))  # what mesh_train.train_rank calls: resume, fault, save
+    saver = Checkpointer(folder(ctx), every=2, rank=rank)  # the mesh's MeshHook (mesh_checkpoint.py) drives it
 
-Each rank hands DCP its own pieces of the one model's tensors at their global offsets (MeshState: Pieces), whatever its
-tp shard, pp stage and dp cut, so DCP reshards them onto another tp x pp x dp mesh, dp strategy or world size of the
-same model. A checkpoint is complete once `manifest.json` (every file's size and sha256) is written, last: a folder
-without it, or whose files do not match it, or whose tensors have other shapes than the model's, is refused by name.
-Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch folder); a run
-that resumes a failed one reads the parent's folder, found from its own record in the store (parent_folder).
-Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank holds: resume()
-keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads).
+Each rank hands DCP its own pieces of global tensors at their offsets (Pieces), so DCP reshards them onto any other
+cut of the same tensors. A checkpoint is complete once `manifest.json` (every file's size and sha256) is written,
+last: a folder without it, or whose files do not match it, or whose tensors have other shapes than the state's, is
+refused by name. Checkpoints live only under the run's own folder in the data dir (or the unrecorded run's scratch
+folder); a run that resumes a failed one reads the parent's folder, found from its own record in the store
+(parent_folder). Loading on another plan, DCP plans each rank's reads where a saved chunk overlaps what the rank
+holds: resume() keeps that plan as a resharding map (read_map: which saved file's bytes each new rank reads).
 """
 from __future__ import annotations
 
@@ -46,15 +44,9 @@ def folder(ctx) -> Path:
 
 
 @dataclass
-class SaveRecord:
-    step: int
-    seconds: float
-    path: str
-
-
-@dataclass
 class Checkpointer:
-    """Save every `every` steps into root/step_<k>/, resume from the newest complete one."""
+    """Save every `every` steps into root/step_<k>/, resume from the newest complete one. The state saved is a
+    MeshState's: checkpoint_state() (its tensors, the next step under "loop.step") and load_checkpoint_state()."""
     root: Path
     every: int  # 0: never save (a run that only resumes, e.g. on another plan)
     rank: int
@@ -62,9 +54,10 @@ class Checkpointer:
     source: Path | None = None  # resume from this checkpoint (saved on another plan) instead of root's newest
     parent: Path | None = None  # a failed run's checkpoint folder, resumed from while root holds none (parent_folder)
     asynchronous: bool = False  # DCP's async_save: stage a copy, write it in a thread over its own gloo group
-    saves: list[SaveRecord] = field(default_factory=list)
+    saves: list[dict] = field(default_factory=list)  # each save's step, blocking seconds and folder name
     load_seconds: float | None = None
     resumed_from: str | None = None
+    start: int = 0  # the step the loaded checkpoint was saved after (0: none loaded)
     reads: list[dict] = field(default_factory=list)  # what this rank's load read from which saved file (read_map)
     held_bytes: int = 0  # tensor bytes of the state this rank loaded into
     _pending: tuple | None = None  # (future, path, record) of an async save still writing
@@ -75,54 +68,52 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def latest(self) -> Path | None:
-        own = max(complete(self.root), key=_step_of, default=None)
-        return own or (max(complete(self.parent), key=_step_of, default=None) if self.parent else None)
+        return newest([self.root]) or newest([self.parent])
 
-    def after_step(self, step: int, strategy, loop_state: dict) -> None:
+    def after_step(self, step: int, state) -> None:
         """Log the step on the run's timeline (rank 0) and save when the interval says so."""
         self.finish()  # an async save started after the previous step has had this step to write
         if self.rank == 0:
             log_event(self.root, event="step", step=step, attempt=self.attempt)
         if self.every and (step + 1) % self.every == 0:
-            self.save(step, strategy, loop_state)
+            self.save(step, state)
 
-    def save(self, step: int, strategy, loop_state: dict) -> None:
+    def save(self, step: int, state) -> None:
         import torch.distributed.checkpoint as dcp
 
         path = self.root / f"step_{step + 1:05d}"
         self.finish()
         started = time.perf_counter()
-        state = {**strategy.checkpoint_state(), **loop_state}
+        tensors, future = state.checkpoint_state(), None
         if self.asynchronous:
-            future = dcp.async_save(staged_copy(state), checkpoint_id=str(path), process_group=self._group,
-                                    async_stager=_AlreadyStaged(), planner=_save_planner())
-            self._pending = (future, path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
-            return
-        dcp.save(state, checkpoint_id=str(path), planner=_save_planner())
-        self._complete(path, SaveRecord(step + 1, time.perf_counter() - started, path.name))
+            future = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self._group,
+                                    async_stager=_Stager(), planner=_save_planner())
+        else:
+            dcp.save(tensors, checkpoint_id=str(path), planner=_save_planner())
+        self._pending = (future, path, {"step": step + 1, "seconds": time.perf_counter() - started, "path": path.name})
+        if future is None:
+            self.finish()
 
     def finish(self) -> None:
-        """Wait for an async save still writing, then make it complete (its manifest). The blocking time is the
-        save's: what the step paid is the staging, recorded when it was started."""
-        if self._pending:
-            future, path, record = self._pending
-            self._pending = None
+        """Wait for a save still writing, then make it complete: every rank's files in the manifest, the newest KEEP
+        complete checkpoints kept (a long run must not fill the data dir). The blocking time is the save's: what the
+        step paid (the staging, for an async save) is recorded when it was started."""
+        if not self._pending:
+            return
+        future, path, record = self._pending
+        self._pending = None
+        if future:
             future.result()
-            self._complete(path, record)
-
-    def _complete(self, path: Path, record: SaveRecord) -> None:
         write_manifest(path, self.rank)
         self.saves.append(record)
-        if self.rank == 0:  # keep the newest KEEP complete checkpoints: a long run must not fill the data dir
-            done = sorted((p for p in self.root.glob("step_*") if (p / MANIFEST).exists()), key=lambda p: p.name)
-            for old in done[:-KEEP]:
-                shutil.rmtree(old)
         if self.rank == 0:
-            log_event(self.root, event="save", step=record.step, seconds=record.seconds, attempt=self.attempt,
+            for old in sorted(complete(self.root), key=_step_of)[:-KEEP]:
+                shutil.rmtree(old)
+            log_event(self.root, event="save", step=record["step"], seconds=record["seconds"], attempt=self.attempt,
                       blocking="staging" if self.asynchronous else "whole save")
 
-    def resume(self, strategy, loop_state: dict) -> int:
-        """Load the newest complete checkpoint into the strategy and loop_state (in place); the next step to run."""
+    def resume(self, state) -> int:
+        """Load the newest complete checkpoint into the state (in place); the next step to run."""
         import torch.distributed.checkpoint as dcp
 
         path = self.source or self.latest()
@@ -131,17 +122,16 @@ class Checkpointer:
                 log_event(self.root, event="start", step=0, attempt=self.attempt)
             return 0
         started = time.perf_counter()
-        state = {**strategy.checkpoint_state(), **loop_state}
-        verify(path, state)
+        tensors = state.checkpoint_state()
+        verify(path, tensors)
         planner = _recording_planner()
-        dcp.load(state, checkpoint_id=str(path), planner=planner)
+        dcp.load(tensors, checkpoint_id=str(path), planner=planner)
         self.reads = read_map(planner.local_plan.items, planner.metadata, self.rank)
-        self.held_bytes = local_tensor_bytes(state)
-        strategy.load_checkpoint_state(state)
-        loop_state.update({k: state[k] for k in loop_state})
+        self.held_bytes = sum(local_bytes(v) for v in tensors.values())
+        state.load_checkpoint_state(tensors)
         self.load_seconds = time.perf_counter() - started
-        self.resumed_from = path.name
-        step = int(loop_state["loop.step"].item())
+        self.resumed_from, self.start = path.name, _step_of(path)
+        step = int(tensors["loop.step"].item())
         if self.rank == 0:
             log_event(self.root, event="start", step=step, attempt=self.attempt, load_seconds=self.load_seconds)
         return step
@@ -170,16 +160,15 @@ def resumable(store, run_id: str):
     from backend.store import is_run_id
 
     rec = store.get(run_id) if is_run_id(run_id) else None
+    allowed = "(allowed: the id of a failed run with a checkpoint)"
     if rec is None:
-        raise CheckpointError(f"no run {run_id!r} in this store (allowed: the id of a failed run with a checkpoint)")
+        raise CheckpointError(f"no run {run_id!r} in this store {allowed}")
     if rec.status != "failed":
-        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed (allowed: a failed run with "
-                              f"a checkpoint)")
-    newest = max(complete(Path(store.root) / "runs" / rec.id / CHECKPOINTS), key=_step_of, default=None)
-    if newest is None:
-        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from (allowed: a failed run "
-                              f"with a checkpoint)")
-    verify_files(newest)
+        raise CheckpointError(f"run {rec.id} {rec.status}: only a failed run is resumed {allowed}")
+    last = newest([Path(store.root) / "runs" / rec.id / CHECKPOINTS])
+    if last is None:
+        raise CheckpointError(f"run {rec.id} left no complete checkpoint to resume from {allowed}")
+    verify_files(last)
     return rec
 
 
@@ -194,13 +183,11 @@ def complete(root: Path) -> list[Path]:
     return [p for p in root.glob("step_*") if not p.is_symlink() and (p / MANIFEST).exists()]
 
 
-def newest_before(roots: list[Path | None], steps: int) -> Path:
-    """The newest complete checkpoint under the roots saved before step `steps` (one a run can still continue
-    from): a run's own folder and the failed run it resumed."""
-    done = [p for root in roots if root for p in complete(root) if _step_of(p) < steps]
-    if not done:
-        raise CheckpointError(f"no complete checkpoint before step {steps} in {', '.join(r.name for r in roots if r)}")
-    return max(done, key=_step_of)
+def newest(roots: list[Path | None], before: int | None = None) -> Path | None:
+    """The newest complete checkpoint under the roots (a run's own folder and the failed run it resumed), or with
+    `before` the newest saved before that step (one a run can still continue from); None where there is none."""
+    done = [p for root in roots if root for p in complete(root) if before is None or _step_of(p) < before]
+    return max(done, key=_step_of, default=None)
 
 
 def _recording_planner():
@@ -238,6 +225,11 @@ def _chunk(entry, index):
     return next(c for c in entry.chunks if tuple(c.offsets) == offset)
 
 
+def _nbytes(entry, sizes) -> int:
+    """Bytes of a piece of `sizes` of a saved tensor (`entry`: its metadata)."""
+    return entry.properties.dtype.itemsize * int(torch.Size(sizes).numel())
+
+
 def key_layout(metadata) -> dict[str, tuple[int, int]]:
     """Each saved tensor's [start, end) in bytes when the checkpoint's tensors are laid end to end by name: the
     one axis on which a resharding map is drawn."""
@@ -245,8 +237,8 @@ def key_layout(metadata) -> dict[str, tuple[int, int]]:
     for key in sorted(metadata.state_dict_metadata):
         entry = metadata.state_dict_metadata[key]
         if hasattr(entry, "chunks"):
-            n = entry.properties.dtype.itemsize * int(torch.Size(entry.size).numel())
-            out[key], at = (at, at + n), at + n
+            out[key] = (at, at + _nbytes(entry, entry.size))
+            at = out[key][1]
     return out
 
 
@@ -262,51 +254,10 @@ def read_map(items, metadata, rank: int) -> list[dict]:
         chunk, info = _chunk(entry, item.storage_index), metadata.storage_data[item.storage_index]
         first = [c + o for c, o in zip(chunk.offsets, item.storage_offsets)]
         strides = [int(torch.Size(entry.size[i + 1:]).numel()) for i in range(len(entry.size))]
-        itemsize = entry.properties.dtype.itemsize
-        at = layout[item.storage_index.fqn][0] + itemsize * sum(f * s for f, s in zip(first, strides))
+        at = layout[item.storage_index.fqn][0] + _nbytes(entry, [sum(f * s for f, s in zip(first, strides))])
         rows.append({"new rank": rank, "key": item.storage_index.fqn, "saved rank": _saved_rank(info.relative_path),
-                     "file": info.relative_path, "from byte": at,
-                     "bytes": itemsize * int(torch.Size(item.lengths).numel())})
+                     "file": info.relative_path, "from byte": at, "bytes": _nbytes(entry, item.lengths)})
     return rows
-
-
-def reshard_tables(reads: list[list[dict]]) -> dict[str, list[dict]]:
-    """The new ranks' read_map rows as a result's tables: every read (reshard_map), and the bytes each new rank read
-    from each saved rank (reshard_bytes)."""
-    pairs: dict[tuple[int, int], int] = {}
-    for row in (r for rows in reads for r in rows):
-        pairs[(row["new rank"], row["saved rank"])] = pairs.get((row["new rank"], row["saved rank"]), 0) + row["bytes"]
-    return {"reshard_map": [r for rows in reads for r in rows],
-            "reshard_bytes": [{"new rank": a, "saved rank": b, "bytes": v} for (a, b), v in sorted(pairs.items())]}
-
-
-def reshard_result(plan: str, new: list[dict], param_err: float, loss_err: float,
-                   reference: str) -> tuple[list, dict, dict]:
-    """The checks, metrics and tables of a checkpoint continued on another plan (parallel.checkpoint's reshard_to,
-    parallel.mesh's reshard_tp/pp): its parameters and every step's loss against one process (`param_err`, `loss_err`,
-    measured by the caller against `reference`), each new rank's reads against the tensor bytes it loaded into (DCP's
-    load plan must cover exactly what the rank holds), and DCP's reads as the resharding map. `new`: each new rank's
-    {"reads": read_map rows, "held": bytes it holds, "from": the checkpoint's name, "load_s"}."""
-    from backend.result import Check
-
-    read = {i: sum(r["bytes"] for r in n["reads"]) for i, n in enumerate(new)}
-    cover_err = sum(abs(read[i] - n["held"]) for i, n in enumerate(new))
-    checks = [
-        Check(f"resharded ({plan}): final parameters equal one process", param_err, 1e-9, reference=reference,
-              detail="max |difference|"),
-        Check("resharded: every step's loss equals one process", loss_err, 1e-9, reference=reference),
-        Check("resharded: each new rank's reads add up to the tensor bytes it holds", cover_err, 0,
-              reference="the pieces of the model's tensors (and Adam's m, v) each new rank loaded into",
-              detail=", ".join(f"rank {i}: {b:,} B read" for i, b in read.items())),
-    ]
-    metrics = {"reshard_plan": plan, "reshard_from": new[0]["from"], "reshard_load_s": max(n["load_s"] for n in new)}
-    return checks, metrics, reshard_tables([n["reads"] for n in new])
-
-
-def local_tensor_bytes(state: dict) -> int:
-    """Bytes of the tensors this rank holds in a state dict: its Pieces and its plain tensors (the reference a load's
-    reads must add up to)."""
-    return sum(v.local_bytes() if isinstance(v, Pieces) else v.numel() * v.element_size() for v in state.values())
 
 
 def staged_copy(state: dict) -> dict:
@@ -315,41 +266,29 @@ def staged_copy(state: dict) -> dict:
     return {k: v.staged() if isinstance(v, Pieces) else v.detach().clone() for k, v in state.items()}
 
 
-class _AlreadyStaged:
-    """DCP's AsyncStager protocol for a state dict already copied (staged_copy): nothing more to stage."""
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
+class _Stager:
+    """DCP's AsyncStager protocol, staging by staged_copy (the call async_save makes before it returns)."""
+    should_synchronize_after_execute = False
 
     def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        return staged_copy(state_dict)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _entry(path: Path, rank: int) -> dict:
+    """A file's line in the manifest: its size, sha256 and the rank that wrote it."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest(), "rank": rank}
 
 
 def write_manifest(path: Path, rank: int) -> None:
     """Every rank hashes the files it wrote (DCP names them __<rank>_<i>.distcp); rank 0 writes the manifest last,
     so a folder with a manifest is a complete checkpoint."""
-    mine = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank} for f in path.glob(f"__{rank}_*.distcp")}
+    mine = {f.name: _entry(f, rank) for f in path.glob(f"__{rank}_*.distcp")}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         files = {k: v for d in every for k, v in d.items()}
-        files[".metadata"] = {"bytes": (path / ".metadata").stat().st_size, "sha256": _sha256(path / ".metadata"), "rank": 0}
+        files[".metadata"] = _entry(path / ".metadata", 0)
         tmp = path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps({"files": files}, indent=1))
         tmp.replace(path / MANIFEST)
@@ -366,7 +305,7 @@ def verify_files(path: Path) -> None:
         f = path / name
         if not f.is_file() or f.is_symlink():
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) is missing")
-        if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
+        if _entry(f, want["rank"]) != want:
             raise CheckpointError(f"checkpoint {path.name} is corrupt: file {name} (rank {want['rank']}) does not "
                                   f"match its sha256 in {MANIFEST}")
 
@@ -400,9 +339,8 @@ def pieces(path: Path) -> list[dict]:
     for index, info in md.storage_data.items():
         entry = md.state_dict_metadata[index.fqn]
         if hasattr(entry, "chunks"):
-            n = int(torch.Size(_chunk(entry, index).sizes).numel())
             out.append({"file": info.relative_path, "rank": _saved_rank(info.relative_path), "key": index.fqn,
-                        "bytes": n * entry.properties.dtype.itemsize})
+                        "bytes": _nbytes(entry, _chunk(entry, index).sizes)})
     return out
 
 
@@ -460,9 +398,9 @@ class Pieces:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
-                                                      properties=TensorProperties.create_from_tensor(v), size=self._size))
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
+                    properties=TensorProperties.create_from_tensor(v), size=self._size))
                 for o, v, writes in self.pieces if writes]
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
@@ -476,6 +414,11 @@ class Pieces:
         out = Pieces(self._size, self.dtype)
         out.pieces = [(o, v.clone(), w) for o, v, w in self.pieces]
         return out
+
+
+def local_bytes(value) -> int:
+    """Bytes of a state dict's value this rank holds: a Pieces' pieces, or a plain tensor."""
+    return value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
 
 
 def _lookup(state_dict: dict, index):
@@ -497,262 +440,3 @@ def _save_planner():
             return _lookup(self.state_dict, index)
 
     return PiecesSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def rectangles(shape, x: int, y: int) -> list[tuple[tuple, tuple]]:
-    """The elements [x, y) of a row-major tensor of `shape` (1-D or 2-D) as rectangles (offsets, sizes): a range of a
-    1-D tensor, or a partial first row, whole rows and a partial last row."""
-    if x >= y:
-        return []
-    if len(shape) == 1:
-        return [((x,), (y - x,))]
-    if len(shape) != 2:
-        raise CheckpointError(f"a {len(shape)}-D parameter: only 1-D and 2-D ones are cut into rectangles")
-    cols = shape[1]
-    (r0, c0), (r1, c1) = divmod(x, cols), divmod(y, cols)
-    if r0 == r1:
-        return [((r0, c0), (1, c1 - c0))]
-    out = []
-    if c0:
-        out.append(((r0, c0), (1, cols - c0)))
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, 0), (r1 - r0, cols)))
-    if c1:
-        out.append(((r1, 0), (1, c1)))
-    return out
-
-
-def source_pieces(p: torch.nn.Parameter, shapes: dict) -> list[tuple[str, int | None, int, int, int]]:
-    """A rank's parameter as the reference pieces it holds (parallelize's `source`: a dim and the (name, slice) pieces
-    concatenated along it): (reference name, dim, start in the reference along dim, start here along dim, length)."""
-    dim, parts = p.source
-    if dim is None:
-        (ref, _), = parts
-        return [(ref, None, 0, 0, 0)]
-    out, here = [], 0
-    for ref, s in parts:
-        start, stop, _ = s.indices(shapes[ref][dim])
-        out.append((ref, dim, start, here, stop - start))
-        here += stop - start
-    return out
-
-
-def global_rectangles(p, shapes: dict, offsets, sizes):
-    """A rectangle of a rank's parameter (offsets, sizes in its own coordinates) in the reference tensors it comes
-    from: (reference name, global offsets, the narrow (dim, start, length) of the rectangle or None for all of it,
-    the source piece)."""
-    out = []
-    for ref, dim, start, here, length in source_pieces(p, shapes):
-        if dim is None:
-            out.append((ref, tuple(offsets), None, (ref, dim, start, length)))
-            continue
-        lo, hi = max(offsets[dim], here), min(offsets[dim] + sizes[dim], here + length)
-        if lo < hi:
-            glob = list(offsets)
-            glob[dim] = start + lo - here
-            out.append((ref, tuple(glob), (dim, lo - offsets[dim], hi - lo), (ref, dim, start, length)))
-    return out
-
-
-def model_keys(kind: str, ref: str) -> str:
-    """The checkpoint's key of a reference tensor: its weights, or Adam's m or v of it (the names category() reads)."""
-    return f"model.{ref}" if kind == "param" else f"optim.{ref}.{kind}"
-
-
-class _Sourced:
-    """A parameter's shape and parallelize's `source` (FSDP2 swaps the parameters for DTensors, which lose it)."""
-
-    def __init__(self, source, shape):
-        self.source, self.shape = source, torch.Size(shape)
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-class MeshState:
-    """The mesh run's state on one rank, as Checkpointer saves and loads a strategy's, keyed by the one model's
-    parameter names: each reference tensor (and Adam's m and v of it) is a Pieces of the rectangles this rank holds at
-    their global offsets, whatever its tp shard (parallelize's sources), pp stage (which layers) and dp cut: the ZeRO cut
-    of its flat vector, or FSDP2's dim-0 rows of each DTensor (the offset DTensor itself gives). So a checkpoint of
-    tp 2 x pp 2 loads on tp 1 x pp 4, FSDP2's on dp 2 or under ZeRO-1, and one of another model (another shape, or a
-    layer more) is refused by name. In mixed precision the weights saved are the master copy (Adam's m, v beside it).
-    A piece held by several ranks is written once: by the lowest tp rank holding it (a replicated norm; KV heads shared
-    over tp), and among identical dp, cp or ep replicas by the lowest rank (DCP's deduplication). Adam's step, the
-    reported losses (the last stage's) and fp16's loss scaler (S, its clean-step count, each step's S and skips) are
-    saved beside them."""
-
-    def __init__(self, sync, model: torch.nn.Module, steps: int, shapes: dict, tp_group=None, loss_scale=None):
-        self.sync, self.model = sync, model
-        self.fsdp = getattr(sync, "strategy", None) == "fsdp2"
-        self.last = any(getattr(c, "head", None) is not None for c in model.values())
-        self.losses = torch.zeros(steps, dtype=torch.float64)
-        self.adam_step = torch.tensor(0)
-        self.scaler = loss_scale if loss_scale is not None and getattr(loss_scale, "scaler", None) else None
-        if self.scaler:  # fp16: S and its clean steps, each step's S and whether it was skipped
-            self.scaler_state = torch.zeros(2, dtype=torch.float64)
-            self.scales, self.skipped = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.int64)
-        self.params = self._sourced()
-        self.tensors = self._pieces(shapes, tp_group)
-
-    def _sourced(self) -> list:
-        """This rank's parameters in order, each with its shape and source (FSDP2's from before it swapped them)."""
-        if self.fsdp:
-            return [_Sourced(a["source"], p.shape) for a, p in zip(self.sync.attrs.values(), self.sync.shards)]
-        return list(self.model.parameters())
-
-    def _adams(self) -> list:
-        """The Adam objects whose step counts this rank's updates: one (ours), or one per DTensor (FSDP2's)."""
-        return [adam for adam, _, _ in self.sync.adams] if self.fsdp else [self.sync.adam]
-
-    def _pieces(self, shapes: dict, tp_group) -> dict[str, Pieces]:
-        writes, out = self._tp_writer(shapes, tp_group), {}
-        for p, held, offsets, sizes in (self._fsdp_held() if self.fsdp else self._flat_held()):
-            for ref, glob, narrow, piece in global_rectangles(p, shapes, offsets, sizes):
-                for kind, view in held.items():
-                    view = view.narrow(*narrow) if narrow else view
-                    out.setdefault(model_keys(kind, ref), Pieces(shapes[ref], view.dtype)).add(glob, view, writes[piece])
-        return out
-
-    def _flat_held(self):
-        """(parameter, {kind: view}, offsets, sizes) of each rectangle of a parameter in this rank's ZeRO cut [lo, hi) of
-        the flat (master) vector and of Adam's m and v (the whole vector unless ZeRO), views into them."""
-        s = self.sync
-        total = sum(p.numel() for p in self.params)
-        lo = s.dp.index * s.owned.numel() if s.zero else 0
-        hi = min(lo + s.owned.numel(), total)
-        at = 0
-        for p in self.params:
-            a, b = at, at + p.numel()
-            at = b
-            cols = p.shape[1] if p.dim() == 2 else 1
-            stride = (cols, 1) if p.dim() == 2 else (1,)
-            for offsets, sizes in rectangles(tuple(p.shape), max(a, lo) - a, min(b, hi) - a):
-                start = a - lo + offsets[0] * cols + (offsets[1] if p.dim() == 2 else 0)
-                yield p, {kind: flat.as_strided(sizes, stride, flat.storage_offset() + start)
-                          for kind, flat in (("param", s.owned), ("exp_avg", s.m), ("exp_avg_sq", s.v))}, offsets, sizes
-
-    def _fsdp_held(self):
-        """The same for FSDP2: each DTensor's local rows (and Adam's m, v of them) at the offset DTensor computes for
-        this rank (torch.chunk's rows of dim 0); a rank past the last row holds none of that parameter."""
-        for p, shard, (_, m, v) in zip(self.params, self.sync.shards, self.sync.adams):
-            local = shard.to_local().detach()  # (the same storage, outside autograd: DCP loads into it in place)
-            if local.numel():
-                yield p, {"param": local, "exp_avg": m, "exp_avg_sq": v}, dtensor_offset(shard), tuple(local.shape)
-
-    def _tp_writer(self, shapes: dict, tp_group) -> dict[tuple, bool]:
-        """Whether this rank writes each reference piece it holds: no lower tp rank holds the same one."""
-        mine = {(ref, dim, start, length) for p in self.params for ref, dim, start, _, length in source_pieces(p, shapes)}
-        lower = set()
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            every = [None] * dist.get_world_size(tp_group)
-            dist.all_gather_object(every, mine, group=tp_group)
-            lower = set().union(*every[:dist.get_rank(tp_group)])
-        return {piece: piece not in lower for piece in mine}
-
-    def checkpoint_state(self) -> dict:
-        self.adam_step.fill_(self._adams()[0].step)
-        losses = Pieces(self.losses.shape, self.losses.dtype)
-        losses.add((0,), self.losses, self.last)  # the reported losses: the last stage's
-        out = {**self.tensors, "optim.step": self.adam_step, "loop.losses": losses}
-        if self.scaler:
-            ran = len(self.scaler.scales)
-            self.scaler_state.copy_(torch.tensor([self.scaler.scaler.scale, self.scaler.scaler.clean_steps]))
-            self.scales[:ran] = torch.tensor(self.scaler.scales, dtype=torch.float64)
-            self.skipped[:ran] = torch.tensor(self.scaler.skipped, dtype=torch.int64)
-            out.update({"loop.loss_scaler": self.scaler_state, "loop.loss_scales": self.scales, "loop.skipped": self.skipped})
-        return out
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        """After DCP loaded into the views: Adam's step, and the model's weights from them (ZeRO-1/2 gather their
-        shards; ZeRO-3 gathers at every step's start anyway; FSDP2 holds them in its DTensors, unsharded at each step's
-        start). fp16: the loss scaler's S and clean-step count."""
-        from backend.parallel.precision import load_flat
-
-        for adam in self._adams():
-            adam.step = int(state["optim.step"])
-        if self.scaler:
-            self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(self.scaler_state[0]), int(self.scaler_state[1])
-        if self.fsdp:
-            return
-        if self.sync.strategy != "zero3":  # (zero1/2: all-gathered; otherwise the master cast to the compute dtype)
-            self.sync.weights = self.sync.compute_weights()
-        if self.sync.weights is not None:
-            load_flat(self.model, self.sync.weights)
-
-    def restore_history(self, start: int) -> None:
-        """fp16: each step's S and skip before `start`, as the run records them (its checks compare every step's)."""
-        if self.scaler:
-            self.scaler.scales = self.scales[:start].tolist()
-            self.scaler.skipped = [bool(x) for x in self.skipped[:start].tolist()]
-
-    def held_bytes(self) -> dict[str, int]:
-        """Tensor bytes this rank hands DCP by category (before deduplication): the weights (master copy), Adam's
-        m and v of them, and the rest (Adam's step, the losses, the loss scaler)."""
-        out = {"weights": 0, "Adam m, v": 0, "the rest": 0}
-        for key, value in self.checkpoint_state().items():
-            n = value.local_bytes() if isinstance(value, Pieces) else value.numel() * value.element_size()
-            out[mesh_category(key)] += n
-        return out
-
-    def reported_losses(self, start: int) -> list[float]:
-        """The losses of the steps before `start` as this rank reports them (0 off the last stage, as its steps do)."""
-        return self.losses[:start].tolist() if self.last else [0.0] * start
-
-
-def dtensor_offset(shard) -> tuple[int, ...]:
-    """Where a DTensor's local tensor starts in its global tensor, as DTensor computes it for this rank (what DCP
-    itself writes for a DTensor)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return tuple(compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)[1])
-
-
-def mesh_category(key: str) -> str:
-    """What a mesh checkpoint's key holds: the weights, Adam's m and v, or the rest (steps, losses, loss scaler)."""
-    if key.startswith("model."):
-        return "weights"
-    return "Adam m, v" if key.endswith((".exp_avg", ".exp_avg_sq")) else "the rest"
-
-
-@dataclass
-class MeshHook:
-    """What backend/parallel/mesh_train.train_rank calls (a few lines there) to resume, fault and save. `shapes`: the
-    one model's parameter shapes (reference_shapes), the global tensors the checkpoint holds."""
-    saver: Checkpointer
-    fault: object = None  # fault(step), mid-step (after the pipeline's forwards and backwards)
-    shapes: dict = field(default_factory=dict)
-    state: MeshState | None = None
-    loop: dict = field(default_factory=dict)
-
-    def resume(self, sync, model, mesh, steps: int, loss_scale=None) -> tuple[int, list[float]]:
-        """Load the newest checkpoint into this rank's state (and fp16's loss scaler): the step to run next and the
-        losses so far."""
-        self.state = MeshState(sync, model, steps, self.shapes, mesh.group("tp") if mesh.size("tp") > 1 else None,
-                               loss_scale)
-        self.loop = {"loop.step": torch.tensor(0)}
-        start = self.saver.resume(self.state, self.loop)
-        self.state.restore_history(start)
-        return start, self.state.reported_losses(start)
-
-    def mid_step(self, step: int) -> None:
-        if self.fault:
-            self.fault(step)
-
-    def after_step(self, step: int, loss: float) -> None:
-        self.state.losses[step] = loss
-        self.loop["loop.step"].fill_(step + 1)
-        self.saver.after_step(step, self.state, self.loop)
-
-    def finish(self) -> None:
-        self.saver.finish()
-
-
-def reference_shapes(config) -> dict[str, tuple]:
-    """The one model's parameter shapes (the global tensors of a mesh checkpoint), from its config."""
-    from backend.parallel.tp_model import reference_model
-
-    return {k: tuple(v.shape) for k, v in reference_model(config).named_parameters()}

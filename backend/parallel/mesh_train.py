@@ -216,7 +216,7 @@ def moe_calls(chunks: dict, layers: dict) -> list[dict]:
 
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
-    """This rank's training. `checkpoint` (checkpoint.MeshHook): resume from its newest checkpoint, call its fault
+    """This rank's training. `checkpoint` (mesh_checkpoint.MeshHook): resume from its newest checkpoint, call its fault
     mid-step, save after each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged
     to an action), so the replay can take each action's least CPU time over the steps trained."""
     keep_freed_memory()

@@ -116,7 +116,7 @@ def continue_on_fewer_ranks(rank: int, world: int, config: CheckpointConfig, ctx
     regroup(rank, world, n, stores[0], ctx.timeout_s)
     if rank < n:
         out = mesh_checkpoint.continue_on(rank, n, config.continued(), [root, ckpt.parent_folder(ctx)], root,
-                                          ckpt.reference_shapes(config.plan()), ctx.attempt, train_rank)
+                                          mesh_checkpoint.reference_shapes(config.plan()), ctx.attempt, train_rank)
     regroup(rank, n, world, stores[1], ctx.timeout_s)
     return out
 
