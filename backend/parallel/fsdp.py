@@ -14,7 +14,9 @@ def dp_device_mesh(group, rank: int):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group if group is not None else dist.new_group([rank], use_local_synchronization=True), "cpu")
+    if group is None:
+        group = dist.new_group([rank], use_local_synchronization=True)
+    return DeviceMesh.from_group(group, "cpu")
 
 
 class WireAllGather:
@@ -149,18 +151,15 @@ class FullyShardedStages:
             for p, g, (adam, m, v) in zip(self.shards, grads, self.adams):
                 adam.update(p.to_local(), g, m, v)
 
-    def load_final(self, model) -> None:
-        """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
-        as plain modules (recompute's price, after training, calls no FSDP2 hook). The offload's counting ends first."""
+    def final_named(self, model) -> dict:
+        """The trained weights by name, as float64 arrays: one more all-gather onto the modules (as ZeRO-3's report);
+        from here on the stages run as plain modules (recompute's price, after training, calls no FSDP2 hook). The
+        offload's counting ends first."""
         if self.counting:
             self.transfers.__exit__(None, None, None)
             self.counting = False
         self._unshard("final")
         self.entry_of = {}
-
-    def final_named(self, model) -> dict:
-        """The trained weights by name, as float64 arrays, after `load_final`."""
-        self.load_final(model)
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
     def gradients(self, params: list) -> None:
@@ -169,8 +168,7 @@ class FullyShardedStages:
 
     def _held(self) -> dict[str, int]:
         """Bytes of the DTensors' local shards (FSDP2's padding apart), their gradients and Adam's m, v."""
-        params = sum(p.to_local().numel() for p in self.shards)
-        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
+        return {"parameters": sum(p.to_local().numel() for p in self.shards) * 8, "gradients": self.grads_kept * 8,
                 "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
 
     def memory(self) -> dict[str, int]:
@@ -182,9 +180,8 @@ class FullyShardedStages:
         if not self.offload:
             return {}
         assert all(p.to_local().device.type == "cpu" for p in self.shards)
-        held = self._held()
-        return {"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
-                "optimizer states": held["optimizer states"]}
+        names = {"parameters": "parameters (shard)", "gradients": "gradients (shard)"}
+        return {names.get(k, k): n for k, n in self._held().items()}
 
     def moved(self) -> dict[str, int]:
         """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
