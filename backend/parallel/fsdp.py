@@ -98,8 +98,7 @@ class FullyShardedStages:
 
         from backend.parallel.precision import Adam
 
-        self.model, self.tracer, self.lr, self.offload = model, tracer, lr, offload
-        self.transfers = FSDPTransfers()
+        self.model, self.tracer, self.offload = model, tracer, offload
         policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
                       for n, p in model.named_parameters()}
@@ -115,12 +114,11 @@ class FullyShardedStages:
             entry.set_requires_gradient_sync(False)
             self.entries.append(entry)
         self.entry_of = {id(c): e for c, e in zip(model.values(), self.entries)}
-        self.shards = [p for p in model.parameters()]  # DTensors
+        self.shards = list(model.parameters())  # DTensors
         self.adams = [(Adam(lr), torch.zeros_like(p.to_local()), torch.zeros_like(p.to_local())) for p in self.shards]
         self.grads_kept = 0
-        self.counting = offload  # every copy FSDP2 makes from here to load_final (forward and backward hooks included)
-        if offload:
-            self.transfers.__enter__()
+        # every copy FSDP2 makes from here to final_named (forward and backward hooks included)
+        self.transfers = FSDPTransfers().start() if offload else None
 
     def _unshard(self, step) -> None:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
@@ -155,14 +153,13 @@ class FullyShardedStages:
         """The trained weights by name, as float64 arrays: one more all-gather onto the modules (as ZeRO-3's report);
         from here on the stages run as plain modules (recompute's price, after training, calls no FSDP2 hook). The
         offload's counting ends first."""
-        if self.counting:
-            self.transfers.__exit__(None, None, None)
-            self.counting = False
+        if self.transfers:
+            self.transfers.stop()
         self._unshard("final")
         self.entry_of = {}
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
-    def gradients(self, params: list) -> None:
+    def gradients(self) -> None:
         """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
         return None
 
@@ -185,7 +182,7 @@ class FullyShardedStages:
 
     def moved(self) -> dict[str, int]:
         """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
-        return dict(self.transfers.moved) if self.offload else {}
+        return dict(self.transfers.moved) if self.transfers else {}
 
     def close(self) -> None:
         pass

@@ -99,8 +99,8 @@ class DataParallel:
         self.grads_kept, self.grad_item = 0, precision.item("reduce")
         self.pools = Pools() if offload else None  # ZeRO-Offload: what the host pool holds, and the bytes moved
         if self.pools:
-            self.pools.place("host", "parameters (master shard)", [self.owned])
-            self.pools.place("host", "optimizer states", [self.m, self.v])
+            self.pools.place("parameters (master shard)", [self.owned])
+            self.pools.place("optimizer states", [self.m, self.v])
 
     def weights_for_step(self, step: int) -> torch.Tensor | None:
         """The full weights to load before this step's forwards: zero3 gathers them from the shards; None: as loaded."""
@@ -128,7 +128,7 @@ class DataParallel:
         self.grad_item = grads.element_size()
         if self.pools:
             with self.tracer.span("offload", f"gradient shard to host {step}", kind="offload"):
-                grads = self.pools.place("host", "gradients (shard)", [self.pools.move(grads, "host")])[0]
+                grads = self.pools.place("gradients (shard)", [self.pools.move(grads, "host")])[0]
         if skip:
             return None
         with self.tracer.span("compute", f"adam {step}", kind="optimizer"):
@@ -144,7 +144,7 @@ class DataParallel:
             self.weights = self.compute_weights()
         return self.weights
 
-    def gradients(self, params: list) -> torch.Tensor | None:
+    def gradients(self) -> torch.Tensor | None:
         """With overlap, this rank's flat gradients already summed over dp (its buckets' rings), in the reduce dtype;
         otherwise None: the loop reads the parameters' own."""
         return self.overlap.wait() if self.overlap else None
@@ -191,7 +191,7 @@ class DataParallel:
 
     def host_memory(self) -> dict[str, int]:
         """Bytes in the host pool by category (ZeRO-Offload; nothing otherwise)."""
-        return self.pools.bytes("host") if self.pools else {}
+        return self.pools.host_bytes() if self.pools else {}
 
     def moved(self) -> dict[str, int]:
         """Bytes copied between the pools over the run's steps, by direction (ZeRO-Offload; none otherwise)."""

@@ -262,7 +262,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             sum_norm_grads(model, tp)
         params = list(model.parameters())  # (fsdp2: its unsharded ones, read afresh)
         grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
-            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients(params)))
+            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients()))
         weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)

@@ -121,10 +121,6 @@ class Wire:
             return self.p2p.bytes_sent
         return sum(r["sent_bytes"] for r in self.log if (op is None or r["op"] == op) and (names is None or r["name"] in names))
 
-    @property
-    def sent_bytes(self) -> int:
-        return self.p2p.bytes_sent
-
 
 def padded(flat: torch.Tensor, n: int) -> torch.Tensor:
     """`flat` zero-padded to a multiple of n elements (a ring cuts its vector into n equal chunks)."""
