@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+
 class Pools:
     """The tensors placed in the host pool, by category (every other tensor is the device's), and the bytes each copy
     between the two pools moved."""
