@@ -1,4 +1,4 @@
-"""DDP's overlap on the mesh (mesh_dp.BucketOverlap): each bucket's ring all-reduce starts on a communication thread
+"""DDP's overlap on the mesh (ddp.BucketOverlap): each bucket's ring all-reduce starts on a communication thread
 as soon as its gradients are final in the last micro-batch's backward. The run equals the same plan without overlap
 bit for bit (same buckets, same ring, same sums), and one float64 process within 1e-9; the buckets really start
 before the backward ends; the exposed dp time is the main thread's waits; starting a bucket after its first
@@ -20,13 +20,13 @@ PLAN = dict(world_size=2, tp=1, pp=1, dp_strategy="ddp", microbatches=2, bucket_
 def _both(rank, world, configs, ctx, early=False):
     """Each config's mesh run on this rank; `early`: a bucket counted final after its first micro-batch's gradients."""
     if early:
-        from backend.parallel import mesh_dp
+        from backend.parallel import ddp
 
-        init = mesh_dp.BucketOverlap.__init__
+        init = ddp.BucketOverlap.__init__
 
-        def early_init(self, params, ranges, wire, tracer, microbatches, reduce):
-            init(self, params, ranges, wire, tracer, 1, reduce)
-        mesh_dp.BucketOverlap.__init__ = early_init
+        def early_init(self, buckets, ranges, wire, tracer, microbatches, reduce):
+            init(self, buckets, ranges, wire, tracer, 1, reduce)
+        ddp.BucketOverlap.__init__ = early_init
     return [mesh.run_rank(rank, world, c, ctx) for c in configs]
 
 

@@ -193,7 +193,7 @@ def test_bad_schedule_inputs(values, field):
 
 
 def test_zero1_over_dp_shards_adams_state_and_equals_one_process(schedule_runs):
-    """pp 2 x dp 2: ZeRO-1 (parallel/zero.py's shards) passes every check with half the optimizer state of the
+    """pp 2 x dp 2: ZeRO-1 (mesh_dp.ZeroShard) passes every check with half the optimizer state of the
     all-reduce run and the same bytes over dp (2ψ(n-1)/n either way); a rank claiming the whole state fails."""
     by = {c.dp_strategy: (c, p) for c, p in schedule_runs if c.dp == 2 and c.pp == 2 and c.schedule == "1f1b"}
     (plain_cfg, plain), (cfg, zero) = by["allreduce"], by["zero1"]

@@ -12,7 +12,7 @@ from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import PRESET_NOTES, PRESETS, MeshConfig
 from backend.config import ConfigError
-from backend.parallel.mesh_dp import make_buckets
+from backend.parallel.ddp import make_buckets
 
 FOUR = [name for name, p in PRESETS.items() if p["world_size"] == 4]
 MEMORY = "parameters, gradients and optimizer states per rank equal the {} memory model"
@@ -61,7 +61,7 @@ def test_every_dp_strategy_equals_one_process_and_its_models(runs):
             assert p["memory"]["optimizer states"] == 16 * (psi // 2 if sharded >= 1 else p["flat_numel"])
             assert p["memory"]["gradients"] == 8 * (psi // 2 if sharded >= 2 else p["flat_numel"])
             assert p["memory"]["parameters"] == 8 * (psi // 2 if sharded >= 3 else p["flat_numel"])
-    # DDP ran one ring all-reduce per bucket, as many as mesh_dp.make_buckets cuts at bucket_kb
+    # DDP ran one ring all-reduce per bucket, as many as ddp.make_buckets cuts at bucket_kb
     cfg, payloads = _strategy(runs, "ddp")
     buckets = {e["name"] for e in payloads[0]["trace"]["events"] if "bucket" in e["name"]}
     stage = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in payloads[0]["param_numels"]])

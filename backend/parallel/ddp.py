@@ -1,22 +1,123 @@
-"""Our DDP: per-parameter gradient hooks, buckets in reverse parameter order, and a ring all-reduce started as soon
-as a bucket's gradients are all ready, overlapping the rest of the backward (seed 000; the hooks and the communication
-thread are mesh_dp.BucketOverlap's, shared with the mesh). Torch's DistributedDataParallel is the peer:
-`torch_ddp_peer` on the tiny LLaMA.
+"""Our DDP on the mesh's dp dimension (seed 000): the gradients summed bucket by bucket (`make_buckets`: reverse
+parameter order, cut at bucket_kb), one ring all-reduce per bucket, issued after the pipeline's last backward or
+(`BucketOverlap`) started by gradient hooks as soon as a bucket's gradients are final, overlapping the rest of the
+backward. mesh_dp.DataParallel drives them. Torch's DistributedDataParallel is the peer: `torch_ddp_peer` on the tiny
+LLaMA.
 
 Per-rank volume: a ring all-reduce of a bucket padded to P elements (a multiple of n) sends 2P(n-1)/n, counted on our
 Wire's send/recv.
 """
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 
+from backend.parallel.wire import Wire, sum_gradients
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+                 item: int | None = None) -> list[list[torch.nn.Parameter]]:
+    """Reverse parameter order (the output layer's gradients are ready first), cut when a bucket reaches bucket_bytes
+    (`item`: bytes per gradient element on the wire, when they are reduced in another dtype than the parameters')."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * (item or p.element_size())
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_ranges(params: list, buckets: list[list]) -> list[tuple[int, int]]:
+    """Each bucket (make_buckets: consecutive parameters from the last) as its (start, end) range of the flat vector
+    of `params` in their order."""
+    ranges, end = [], sum(p.numel() for p in params)
+    for bucket in buckets:
+        ranges.append((end - sum(p.numel() for p in bucket), end))
+        end = ranges[-1][0]
+    return ranges
+
+
+class BucketOverlap:
+    """DDP's overlap (seed 000; torch DDP's Reducer): a gradient hook on every parameter counts its accumulations, and a
+    bucket whose parameters have all received their last micro-batch's gradient is final, so its ring all-reduce starts
+    at once on a communication thread while the backward goes on. Buckets start in index order (the next one waits for
+    the one before), so every dp rank runs the same collectives in the same order. The thread's ring runs on a Wire of
+    its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
+    one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
+    an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
+    after the backward, as without overlap (`arm(live=False)`: every bucket so)."""
+
+    def __init__(self, buckets: list[list], ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
+                 reduce: torch.dtype):
+        self.wire, self.tracer, self.reduce, self.ranges = wire, tracer, reduce, ranges
+        self.members = [bucket[::-1] for bucket in buckets]  # each in the flat vector's order
+        self.bucket_of = {id(p): i for i, ps in enumerate(self.members) for p in ps}
+        self.need = [len(ps) * microbatches for ps in self.members]
+        self.armed, self.jobs = False, queue.Queue()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        for bucket in buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self, live: bool = True) -> None:
+        """A step begins: no bucket counted or launched yet; `live`: the hooks start them (else wait() does)."""
+        self.count, self.launched, self.pending, self.armed = [0] * len(self.members), 0, [], live
+
+    def _on_grad(self, p) -> None:
+        if not self.armed:
+            return
+        self.count[self.bucket_of[id(p)]] += 1
+        while self.launched < len(self.members) and self.count[self.launched] >= self.need[self.launched]:
+            self._launch(self.launched)
+
+    def _launch(self, i: int) -> None:
+        grads = torch.cat([p.grad.reshape(-1) for p in self.members[i]]).to(self.reduce)
+        done = threading.Event()
+        self.pending.append((i, grads, done, self.tracer.now_us()))
+        self.jobs.put((i, grads, done))
+        self.launched = i + 1
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            i, grads, done = job
+            grads.copy_(sum_gradients(self.wire, grads, f"data-parallel gradients, bucket {i} (overlapped)"))
+            done.set()
+
+    def wait(self) -> torch.Tensor:
+        """The flat gradients summed over dp (buckets not yet started start now), once every bucket's ring has ended."""
+        while self.launched < len(self.members):
+            self._launch(self.launched)
+        self.armed = False
+        flat = torch.empty(self.ranges[0][1], dtype=self.reduce)
+        for i, grads, done, launched in self.pending:
+            waited = self.tracer.now_us()
+            done.wait()
+            end = self.tracer.now_us()
+            self.tracer.events.append({"name": f"all-reduce bucket {i} (overlapped)", "lane": "comm",
+                                       "rank": self.tracer.rank, "ts": launched, "dur": end - launched,
+                                       "args": {"bytes": grads.numel() * grads.element_size(),
+                                                "blocked_us": end - waited, "overlapped": True}})
+            a, b = self.ranges[i]
+            flat[a:b] = grads
+        return flat
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
 
 
 def torch_ddp_peer(config, rank: int, world: int) -> dict:
-    """torch's DistributedDataParallel training the tiny LLaMA of a dp-only mesh plan (`config`, a MeshConfig) in float64:
-    this rank's slice of the global batch (tensor_split over the ranks, as the mesh cuts it), torch.optim.Adam, the
-    reference's initial weights. DDP averages the gradients over the ranks, so the local mean loss is weighted by the
-    slice's share of the batch times the rank count. Returns the final weights by state_dict name (float64 arrays)."""
+    """torch's DistributedDataParallel training the tiny LLaMA of a dp-only mesh plan (`config`, a MeshConfig) in
+    float64: this rank's slice of the global batch (tensor_split over the ranks, as the mesh cuts it), torch.optim.Adam,
+    the reference's initial weights. DDP averages the gradients over the ranks, so the local mean loss is weighted by
+    the slice's share of the batch times the rank count. Returns the final weights by state_dict name, in float64."""
     from torch.nn.parallel import DistributedDataParallel
 
     from backend.parallel.tp_model import reference_model, tokens

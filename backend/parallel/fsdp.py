@@ -14,7 +14,9 @@ def dp_device_mesh(group, rank: int):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group if group is not None else dist.new_group([rank], use_local_synchronization=True), "cpu")
+    if group is None:
+        group = dist.new_group([rank], use_local_synchronization=True)
+    return DeviceMesh.from_group(group, "cpu")
 
 
 class WireAllGather:
@@ -96,8 +98,7 @@ class FullyShardedStages:
 
         from backend.parallel.precision import Adam
 
-        self.model, self.tracer, self.lr, self.offload = model, tracer, lr, offload
-        self.transfers = FSDPTransfers()
+        self.model, self.tracer, self.offload = model, tracer, offload
         policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
                       for n, p in model.named_parameters()}
@@ -113,12 +114,11 @@ class FullyShardedStages:
             entry.set_requires_gradient_sync(False)
             self.entries.append(entry)
         self.entry_of = {id(c): e for c, e in zip(model.values(), self.entries)}
-        self.shards = [p for p in model.parameters()]  # DTensors
+        self.shards = list(model.parameters())  # DTensors
         self.adams = [(Adam(lr), torch.zeros_like(p.to_local()), torch.zeros_like(p.to_local())) for p in self.shards]
         self.grads_kept = 0
-        self.counting = offload  # every copy FSDP2 makes from here to load_final (forward and backward hooks included)
-        if offload:
-            self.transfers.__enter__()
+        # every copy FSDP2 makes from here to final_named (forward and backward hooks included)
+        self.transfers = FSDPTransfers().start() if offload else None
 
     def _unshard(self, step) -> None:
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
@@ -149,28 +149,23 @@ class FullyShardedStages:
             for p, g, (adam, m, v) in zip(self.shards, grads, self.adams):
                 adam.update(p.to_local(), g, m, v)
 
-    def load_final(self, model) -> None:
-        """The trained weights onto the modules (one more all-gather, as ZeRO-3's report); from here on the stages run
-        as plain modules (recompute's price, after training, calls no FSDP2 hook). The offload's counting ends first."""
-        if self.counting:
-            self.transfers.__exit__(None, None, None)
-            self.counting = False
+    def final_named(self, model) -> dict:
+        """The trained weights by name, as float64 arrays: one more all-gather onto the modules (as ZeRO-3's report);
+        from here on the stages run as plain modules (recompute's price, after training, calls no FSDP2 hook). The
+        offload's counting ends first."""
+        if self.transfers:
+            self.transfers.stop()
         self._unshard("final")
         self.entry_of = {}
-
-    def final_named(self, model) -> dict:
-        """The trained weights by name, as float64 arrays, after `load_final`."""
-        self.load_final(model)
         return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
 
-    def gradients(self, params: list) -> None:
+    def gradients(self) -> None:
         """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
         return None
 
     def _held(self) -> dict[str, int]:
         """Bytes of the DTensors' local shards (FSDP2's padding apart), their gradients and Adam's m, v."""
-        params = sum(p.to_local().numel() for p in self.shards)
-        return {"parameters": params * 8, "gradients": self.grads_kept * 8,
+        return {"parameters": sum(p.to_local().numel() for p in self.shards) * 8, "gradients": self.grads_kept * 8,
                 "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
 
     def memory(self) -> dict[str, int]:
@@ -182,13 +177,12 @@ class FullyShardedStages:
         if not self.offload:
             return {}
         assert all(p.to_local().device.type == "cpu" for p in self.shards)
-        held = self._held()
-        return {"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
-                "optimizer states": held["optimizer states"]}
+        names = {"parameters": "parameters (shard)", "gradients": "gradients (shard)"}
+        return {names.get(k, k): n for k, n in self._held().items()}
 
     def moved(self) -> dict[str, int]:
         """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
-        return dict(self.transfers.moved) if self.offload else {}
+        return dict(self.transfers.moved) if self.transfers else {}
 
     def close(self) -> None:
         pass

@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
-from backend.parallel.mesh_dp import data_parallel, sum_gradients
+from backend.parallel.mesh_dp import data_parallel
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute, keep_freed_memory
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
@@ -61,7 +61,7 @@ from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
-from backend.parallel.wire import Wire
+from backend.parallel.wire import Wire, sum_gradients
 from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
@@ -262,7 +262,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             sum_norm_grads(model, tp)
         params = list(model.parameters())  # (fsdp2: its unsharded ones, read afresh)
         grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
-            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients(params)))
+            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients()))
         weights = sync.update(grads, step, skip=overflow)
         if weights is not None:
             load_flat(model, weights)

@@ -17,19 +17,18 @@ import sys
 
 import torch
 
-POOLS = ("device", "host")
-
 
 class Pools:
-    """Tensors placed in the device or the host pool, and the bytes each copy between them moved."""
+    """The tensors placed in the host pool, by category (every other tensor is the device's), and the bytes each copy
+    between the two pools moved."""
 
     def __init__(self):
-        self.held: dict[str, dict[str, list[torch.Tensor]]] = {pool: {} for pool in POOLS}
+        self.host: dict[str, list[torch.Tensor]] = {}
         self.moved = {"device_to_host": 0, "host_to_device": 0}
 
-    def place(self, pool: str, category: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Register `tensors` as this pool's `category` (replacing what it held there); returns them."""
-        self.held[pool][category] = list(tensors)
+    def place(self, category: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Register `tensors` as the host's `category` (replacing what it held there); returns them."""
+        self.host[category] = list(tensors)
         return tensors
 
     def move(self, tensor: torch.Tensor, to: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,35 +37,35 @@ class Pools:
         self.moved["host_to_device" if to == "device" else "device_to_host"] += copy.numel() * copy.element_size()
         return copy
 
-    def bytes(self, pool: str) -> dict[str, int]:
-        return {cat: sum(t.numel() * t.element_size() for t in ts) for cat, ts in self.held[pool].items()}
+    def host_bytes(self) -> dict[str, int]:
+        return {cat: sum(t.numel() * t.element_size() for t in ts) for cat, ts in self.host.items()}
 
 
 class FSDPTransfers:
     """Bytes FSDP2 copies with `Tensor.to(device)` from its offload code: parameter shards host -> device before
     each all-gather (`all_gather_inputs`), gradient shards device -> host after each reduce-scatter
     (`foreach_reduce`). Only calls made from those two functions count. A TorchFunctionMode would miss the
-    backward's calls (the autograd engine runs FSDP2's hooks without Python modes), so while this context is
-    entered `torch.Tensor.to` is wrapped, and restored on exit."""
+    backward's calls (the autograd engine runs FSDP2's hooks without Python modes), so from `start` to `stop`
+    `torch.Tensor.to` is wrapped, and then restored."""
 
     SITES = {"all_gather_inputs": "host_to_device", "foreach_reduce": "device_to_host"}
 
     def __init__(self):
         self.moved = {"device_to_host": 0, "host_to_device": 0}
-        self.calls = {"device_to_host": 0, "host_to_device": 0}
         self._to = None
 
-    def __enter__(self):
+    def start(self) -> "FSDPTransfers":
         self._to = original = torch.Tensor.to
 
         def counted(tensor, *args, **kwargs):
             direction = self.SITES.get(sys._getframe(1).f_code.co_name)
             if direction and any(isinstance(a, torch.device) for a in args):
                 self.moved[direction] += tensor.numel() * tensor.element_size()
-                self.calls[direction] += 1
             return original(tensor, *args, **kwargs)
         torch.Tensor.to = counted
         return self
 
-    def __exit__(self, *exc):
-        torch.Tensor.to = self._to
+    def stop(self) -> None:
+        """Counting ends (again: nothing)."""
+        if self._to is not None:
+            torch.Tensor.to, self._to = self._to, None

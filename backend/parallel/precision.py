@@ -37,7 +37,6 @@ FP16_MIXED = Precision(torch.float16, torch.float32, torch.float32)   # with dyn
 PRECISIONS = {"fp64": FP64, "fp32": FP32, "bf16_mixed": BF16_MIXED, "fp16_mixed": FP16_MIXED}
 
 
-
 @dataclass
 class Adam:
     """PyTorch's Adam on a flat vector (or a shard of one): identical arithmetic element by element."""

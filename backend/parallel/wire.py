@@ -121,6 +121,16 @@ class Wire:
             return self.p2p.bytes_sent
         return sum(r["sent_bytes"] for r in self.log if (op is None or r["op"] == op) and (names is None or r["name"] in names))
 
-    @property
-    def sent_bytes(self) -> int:
-        return self.p2p.bytes_sent
+
+def padded(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """`flat` zero-padded to a multiple of n elements (a ring cuts its vector into n equal chunks)."""
+    out = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype)
+    out[:flat.numel()] = flat
+    return out
+
+
+def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:
+    """Ring all-reduce of a flat gradient vector over one mesh dimension (zero-padded to equal chunks)."""
+    if wire.n == 1:
+        return flat
+    return wire.all_reduce(padded(flat, wire.n), "backward", what)[:flat.numel()]

@@ -294,7 +294,7 @@ class RankWalk:
         """Wait for the sends in flight; the walk's figures."""
         for req in self.pending_sends:
             req.wait()
-        return {"loss": self.loss_sum, "sent_bytes": self.wire.sent_bytes, "peak_live": self.peak, "timeline": self.timeline,
+        return {"loss": self.loss_sum, "sent_bytes": self.wire.sent(), "peak_live": self.peak, "timeline": self.timeline,
                 "versions": self.versions, "grad_errors": self.grad_errors, "executed": self.executed,
                 "recompute_cpu_us": self.recompute_cpu_us}
 
