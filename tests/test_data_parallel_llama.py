@@ -115,7 +115,7 @@ def _bucket_spans_ms(payloads) -> list[float]:
 def test_comm_delay_slows_every_bucket_on_the_dp_wire_and_shows_as_exposed_dp_time(runs):
     """comm_delay_ms: each bucket's all-reduce on the dp wire waits that long inside its span, so without overlap every
     such span lasts at least the delay and the step split's exposed dp time of every rank's last step holds it; the
-    same plan without the delay has its median bucket faster than that (the rule broken: no wait), and both equal one
+    same plan without the delay has a bucket faster than that (the rule broken: no wait), and both equal one
     process."""
     module, cfg, payloads = runs["ddp slow link"]
     slow = _bucket_spans_ms(payloads)
@@ -123,8 +123,8 @@ def test_comm_delay_slows_every_bucket_on_the_dp_wire_and_shows_as_exposed_dp_ti
     result = module.EXPERIMENT.combine(cfg, payloads)
     assert min(r["dp_ms"] for r in result.tables["step_split"]) >= DELAY_MS
     quick = _bucket_spans_ms(runs["ddp after backward"][2])
-    assert len(quick) == len(slow) and sorted(quick)[len(quick) // 2] < DELAY_MS  # the median: one preempted
-    # bucket on a loaded 2-core box has taken 198 ms without any delay
+    assert len(quick) == len(slow) and min(quick) < DELAY_MS  # the check above (min >= the delay) fails without it;
+    # not every bucket: on a loaded 2-core box half the buckets of a run without any delay have taken over 150 ms
 
 
 def test_comm_delay_is_refused_where_no_bucket_crosses_the_dp_wire():
