@@ -26,7 +26,8 @@ from pages import render_log
 from pages.form import settings_form
 from pages.markup import escape
 from pages.navigation_guard import route_through_app
-from pages.run_view import page_experiment, resume_button, show_run, watchdog  # noqa: F401  (pages call ui.show_run, ui.resume_button)
+from pages.live_view import watchdog  # noqa: F401
+from pages.run_view import page_experiment, resume_button, show_run  # noqa: F401  (pages call ui.show_run, ui.resume_button)
 from pages.server import STATUS_ICON, experiment_of, page_of, result_of, runner, store, url_run_id  # noqa: F401  (every page's ui.store)
 from pages.sign_in import current_user, who_is_signed_in
 from pages.tables import MISSING, number_format, readable, table, words  # noqa: F401  (every page's ui.table)
@@ -109,7 +110,7 @@ def sidebar() -> None:
 # How often an open page's sidebar redraws the team's queue. Each redraw is a script run on the server and, measured in
 # Chromium (DevTools Performance.getMetrics), about 0.1 s of the page's renderer main thread however little changed:
 # at 2 s an idle page cost its browser 0.08 s a second (10 open pages: 0.8 of a core), at 10 s about 0.02. A person's
-# own run is followed by its run view at its own rate (pages/run_view.poll_s); this is the team's overview.
+# own run is followed by its run view at its own rate (pages/live_view.poll_s); this is the team's overview.
 QUEUE_REFRESH_S = 10.0
 
 

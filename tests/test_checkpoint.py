@@ -19,7 +19,7 @@ from backend.parallel import checkpoint as ckpt
 from backend.parallel import mesh_checkpoint
 from backend.parallel.mesh_checkpoint import MeshHook, reference_shapes
 from backend.store import pid_alive
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun_killed_and_restarted
 
 SMALL = dict(steps=4, every=2, kill_step=2, reshard_to="off")
 BITWISE = "final parameters equal the uninterrupted run's bit for bit"
@@ -246,34 +246,10 @@ def test_interval_tradeoff_closed_form_against_monte_carlo_and_young(monkeypatch
 def test_torchrun_max_restarts_resumes_the_killed_group_bit_for_bit(tmp_path):
     """Under torchrun --max-restarts 1: rank 1 dies by SIGKILL, torchrun restarts both ranks, rank 0 reopens the
     same run, they load its last checkpoint and finish equal to the uninterrupted run; no process is left."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from backend.store import RunStore
-    from tests.conftest import processes_in_group
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    sets = [a for k, v in {**SMALL, "strategy": "zero3"}.items() for a in ("--set", f"{k}={v}")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "EXPLORER_DATA_DIR": str(tmp_path)}
-    agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m",
-                              "backend.launch", "parallel.checkpoint", *sets, "--out", str(tmp_path / "out"), "--json"],
-                             cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = agent.communicate(timeout=240)
-        assert agent.returncode == 0, err[-3000:]
-        report = json.loads(out.strip().splitlines()[-1])
-        assert report["passed"] and report["metrics"]["attempts"] == 2, report["checks"]
-        assert RunStore(tmp_path).get(report["run_id"]).status == "succeeded"
-        result = json.loads((tmp_path / "out" / "result.json").read_text())
-        kill = [e for e in result["tables"]["checkpoint_timeline"] if e["event"] == "kill"]
-        assert kill and not pid_alive(kill[0]["pid"])
-        assert processes_in_group(agent.pid) == [], "a rank outlived torchrun"
-    finally:
-        if processes_in_group(agent.pid):
-            os.killpg(agent.pid, 9)
+    report, _ = torchrun_killed_and_restarted("parallel.checkpoint", {**SMALL, "strategy": "zero3"}, 2, tmp_path, 240)
+    assert RunStore(tmp_path).get(report["run_id"]).status == "succeeded"
 
 
 # --- runs stored before version 2 (the MLP) -------------------------------------------------------------------------

@@ -98,33 +98,8 @@ def test_torchrun_max_restarts_resumes_a_killed_mesh_bit_for_bit(tmp_path):
     """tp 2 x pp 2 under torchrun --max-restarts 1: rank 1 dies by SIGKILL in step 2, torchrun restarts the four
     ranks, rank 0 reopens the same run, they load its last checkpoint and end bit for bit equal to the uninterrupted
     run; no process outlives torchrun."""
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.conftest import torchrun_killed_and_restarted
 
-    from backend.store import pid_alive
-    from tests.conftest import REPO, processes_in_group
-
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    sets = [a for k, v in {"steps": 3, "checkpoint_every": 1, "kill_rank": 1, "kill_step": 2}.items()
-            for a in ("--set", f"{k}={v}")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "EXPLORER_DATA_DIR": str(tmp_path)}
-    agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
-                              "backend.launch", "parallel.mesh", *sets, "--out", str(tmp_path / "out"), "--json"],
-                             cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = agent.communicate(timeout=840)
-        assert agent.returncode == 0, err[-3000:]
-        report = json.loads(out.strip().splitlines()[-1])
-        assert report["passed"] and report["metrics"]["attempts"] == 2, report["checks"]
-        assert {c["name"] for c in report["checks"]} >= set(NAMES[:2])
-        timeline = json.loads((tmp_path / "out" / "result.json").read_text())["tables"]["checkpoint_timeline"]
-        kill = [e for e in timeline if e["event"] == "kill"]
-        assert kill and not pid_alive(kill[0]["pid"])
-        assert processes_in_group(agent.pid) == [], "a rank outlived torchrun"
-    finally:
-        if processes_in_group(agent.pid):
-            os.killpg(agent.pid, 9)
+    sets = {"steps": 3, "checkpoint_every": 1, "kill_rank": 1, "kill_step": 2}
+    report, _ = torchrun_killed_and_restarted("parallel.mesh", sets, 4, tmp_path, 840)
+    assert {c["name"] for c in report["checks"]} >= set(NAMES[:2])

@@ -1,5 +1,5 @@
 """The server's own time per script run (pages/render_log.py), which bench/team_load.py lays beside the browser's,
-and the run view's refresh period (pages/run_view.poll_s)."""
+and the run view's refresh period (pages/live_view.poll_s)."""
 import json
 import time
 from types import SimpleNamespace
@@ -62,9 +62,9 @@ def _rec(status: str) -> SimpleNamespace:
     ("running", None, "FAST_POLL_S"), ("queued", 0, "NEXT_POLL_S"), ("queued", 1, "SLOW_POLL_S"),
     ("queued", 9, "SLOW_POLL_S")])
 def test_a_run_view_polls_faster_the_nearer_its_run_is_to_its_end(status, ahead, period):
-    from pages import run_view
+    from pages import live_view
 
     place = QueuePlace(running=1, ahead=ahead, wait_s=10.0) if ahead is not None else None
-    assert run_view.poll_s(_rec(status), place) == getattr(run_view, period)
+    assert live_view.poll_s(_rec(status), place) == getattr(live_view, period)
     # bench/team_load.py's target is Run-to-result within 1 s of queue + run: the view's share is at most its period
-    assert run_view.FAST_POLL_S <= 0.25 and run_view.FAST_POLL_S < run_view.NEXT_POLL_S < run_view.SLOW_POLL_S <= 1.0
+    assert live_view.FAST_POLL_S <= 0.25 and live_view.FAST_POLL_S < live_view.NEXT_POLL_S < live_view.SLOW_POLL_S <= 1.0

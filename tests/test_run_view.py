@@ -103,9 +103,9 @@ def test_a_fragment_request_with_a_stale_url_does_not_redraw_the_page_at_it(app,
 def test_with_the_redraw_at_whatever_url_the_request_carried_the_earlier_run_is_drawn(app, runs, monkeypatch):
     """The rule broken (the fragment redraws the page at any URL its request carried, as before the fix): the stale
     request puts the earlier run on the page, the walk's flake."""
-    from pages import run_view
+    from pages import live_view
 
-    monkeypatch.setattr(run_view, "_url_names", lambda run_id: True)
+    monkeypatch.setattr(live_view, "_url_names", lambda run_id: True)
     earlier, started, (exp, config) = runs
     app.query_params["run"] = started
     app.run()
@@ -181,7 +181,7 @@ def _stalled(page_with_queue, runs, how, monkeypatch):
     """A page drawing a running run live, whose view then lost its timer; the run ends; the view's own timer is
     gone (a tick of it draws nothing), so only the sidebar's timer still reaches the server. Returns what the next
     sidebar tick drew, and the run."""
-    from pages import run_view
+    from pages import live_view
 
     earlier, started, (exp, config) = runs
     at = page_with_queue
@@ -192,9 +192,9 @@ def _stalled(page_with_queue, runs, how, monkeypatch):
     _end(started, exp, config)
     if how == "dropped":  # its timer still fires, into nothing: no tick, no redraw
         assert not any("succeeded" in h for h in _headings(_run_fragment(at, view_id, {"run": started})))
-    live = at.session_state[run_view.LIVE_KEY]
-    live[started] -= run_view.STALE_S + 1  # its last tick longer ago than the watchdog allows
-    at.session_state[run_view.LIVE_KEY] = live
+    live = at.session_state[live_view.LIVE_KEY]
+    live[started] -= live_view.STALE_S + 1  # its last tick longer ago than the watchdog allows
+    at.session_state[live_view.LIVE_KEY] = live
     return _run_fragment(at, queue_id, {"run": started}), started
 
 
@@ -221,10 +221,10 @@ def test_without_the_watchdog_a_view_that_lost_its_timer_never_shows_its_result(
 def test_a_view_that_ticks_is_not_redrawn_by_the_watchdog(page_with_queue, runs, broken, monkeypatch):
     """A live view whose last tick is recent: the sidebar's tick draws the sidebar only (no full redraw per tick).
     With the staleness rule broken (any view counts as stalled), the page is redrawn."""
-    from pages import run_view
+    from pages import live_view
 
     if broken:
-        monkeypatch.setattr(run_view, "STALE_S", -1.0)
+        monkeypatch.setattr(live_view, "STALE_S", -1.0)
     earlier, started, (exp, config) = runs
     at = page_with_queue
     at.query_params["run"] = started
@@ -255,15 +255,15 @@ def _moved(app, runs, monkeypatch) -> tuple[list, str, AppTest]:
     """The page draws a running run live; its state then asks for another period (as a queued run's does when it
     moves up or starts); one tick of the view's timer, then a second. Returns the timers sent, the view's id and
     the page after the ticks."""
-    from pages import run_view
+    from pages import live_view
 
     earlier, started, _ = runs
     app.query_params["run"] = started
     sent = _timers(monkeypatch)
     app.run()
     (view_id,) = app._fragment_storage._fragments
-    assert sent == [(view_id, run_view.FAST_POLL_S)]
-    monkeypatch.setattr(run_view, "poll_s", lambda rec, place: 1.0)
+    assert sent == [(view_id, live_view.FAST_POLL_S)]
+    monkeypatch.setattr(live_view, "poll_s", lambda rec, place: 1.0)
     for _ in range(2):
         at = _fragment_run(app, {"run": started})
     return sent, view_id, at
@@ -279,8 +279,8 @@ def test_a_tick_that_finds_a_new_period_sets_its_timer_without_redrawing_the_pag
 
 def test_without_setting_the_period_the_view_keeps_its_first_timer(app, runs, monkeypatch):
     """The rule broken (the tick does not set the new period): the browser's timer stays at the first period."""
-    from pages import run_view
+    from pages import live_view
 
-    monkeypatch.setattr(run_view, "_set_period", lambda run_id, period: None)
+    monkeypatch.setattr(live_view, "_set_period", lambda run_id, period: None)
     sent, view_id, _ = _moved(app, runs, monkeypatch)
     assert sent[1:] == [], sent
