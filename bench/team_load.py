@@ -22,7 +22,14 @@ times: warm (the bundle cached by the sign-in page: a returning member) and cold
 visit). What the server sends for its static assets (Cache-Control, Content-Encoding) is recorded. Bounded: every
 wait has a limit, each N a time budget, and the server's process group and the browser are ended whatever happens.
 
-    nice python bench/team_load.py [--people 1,5,10] [--cache warm,cold] [--out bench/results/team_load.json]
+Two layouts. "shared": all N people in Chromium on this box, their browsers on the server's 2 cores. "own": a team as
+it is, each browser on its own machine: one person in Chromium here, whose timings are end to end, and N-1 on the wire
+(bench/wire_person.py: Streamlit's protocol as the browser speaks it, the same page opens, Run and fragment timers),
+so the server carries N people while this box runs one browser; `--rounds` repeats the arrival for more samples of
+the Chromium person. The wire people's own figures (`*_wire`: to the script's end, no drawing) are reported apart.
+
+    nice python bench/team_load.py [--people 1,5,10] [--cache warm,cold] [--layout shared,own] [--rounds 5]
+                                   [--out bench/results/team_load.json]
 
 Where the browser's time goes (bench/render_profile.py, one person page by page, bench/results/render_profile.json):
 each page open is one script run on the server (no rerun on first load), 15-20 ms of its CPU (the result page 0.13 s);
@@ -46,14 +53,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, quote, urlencode, urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend import limits  # noqa: E402
+from backend import auth, limits  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.store import RunStore  # noqa: E402
+from wire_person import WirePage  # noqa: E402  (bench/, the script's own folder)
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -67,6 +75,8 @@ VERDICT = "checks against independent references"
 
 
 CACHES = ("warm", "cold")
+LAYOUTS = ("shared", "own")  # every person's browser on this box; or one here and the others on their own machines
+OWN_FIRST = 1000  # the "own" layout's first person number
 
 
 def settings_of(n: int, person: int, cache: str = "warm") -> dict:
@@ -223,7 +233,8 @@ async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict
     pages load with the bundle the sign-in page cached (a returning team member's browser); "cold": with the
     browser's cache off for them (a first-ever visit: every asset fetched and compiled again)."""
     from playwright.async_api import TimeoutError as PlaywrightTimeout
-    out: dict = {"person": person_name(n, i, cache), "cache": cache, "first_render_s": [], "first_render_at": [],
+    out: dict = {"person": person_name(n, i, cache), "index": i, "kind": "browser", "cache": cache, "first_render_s": [],
+                 "first_render_at": [],
                  "first_render_page": [], "first_render_split": [], "run_id": None, "error": None}
     step = "sign in"
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
@@ -283,14 +294,57 @@ async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict
     return out
 
 
-async def phase(url: str, n: int, cache: str = "warm") -> list[dict]:
+async def wire_person(url: str, n: int, i: int, cache: str = "warm") -> dict:
+    """One person whose browser is on their own machine (bench/wire_person.py), returning from an earlier visit (the
+    sign-in cookies held): the same page opens, Run and wait for the verdict as `person`, each timed on the wire to
+    the server's script finishing (no drawing)."""
+    name = person_name(n, i, cache)
+    out: dict = {"person": name, "index": i, "kind": "wire", "cache": cache, "first_render_s": [],
+                 "first_render_at": [],
+                 "first_render_page": [], "run_id": None, "error": None}
+    cookie = f"{auth.COOKIE}={auth.session_proof(TOKEN)}; {auth.NAME_COOKIE}={quote(name)}"
+    limit, step, tab = STEP_TIMEOUT_MS / 1000, "open pages", None
+    try:
+        for page, query in (("", ""), (PAGE, urlencode(settings_of(n, i, cache)))):
+            if tab is not None:
+                await tab.close()
+            out_at = time.time()
+            tab, took = await WirePage.open(url, page, query, cookie, limit)
+            out["first_render_s"].append(round(took, 3))
+            out["first_render_at"].append(out_at)
+            out["first_render_page"].append(page)
+        step = "run"
+        clicked, out["clicked_at"] = time.monotonic(), time.time()
+        await tab.press("Run", limit)
+        out["pressed_run"] = True
+        await tab.wait_for_text(VERDICT, limit)
+        out["run_to_result_s"] = round(time.monotonic() - clicked, 3)
+        out["run_id"] = (parse_qs(tab.query).get("run") or [None])[0]
+    except Exception as err:  # a timeout or a closed connection: counted, the others go on
+        out["error"] = f"{step}: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    finally:
+        if tab is not None:
+            await tab.close()
+    return out
+
+
+async def phase(url: str, n: int, cache: str = "warm", layout: str = "shared", rounds: int = 1) -> list[dict]:
+    """`rounds` times, n people arriving together. Layout "shared": all of them in Chromium on this box; "own": one in
+    Chromium here, the others on the wire, their browsers on their own machines (people numbered from OWN_FIRST, so
+    no seed or name is another layout's)."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        people: list[dict] = []
         try:
-            return await asyncio.wait_for(asyncio.gather(*(person(browser, url, n, i, cache) for i in range(n))),
-                                          PHASE_BUDGET_S)
+            first = OWN_FIRST if layout == "own" else 0
+            for r in range(rounds):
+                ids = range(first + r * n, first + (r + 1) * n)
+                people += await asyncio.wait_for(asyncio.gather(*(
+                    person(browser, url, n, i, cache) if layout == "shared" or i == ids[0]
+                    else wire_person(url, n, i, cache) for i in ids)), PHASE_BUDGET_S)
+            return people
         finally:
             await browser.close()
 
@@ -300,7 +354,7 @@ def account(store: RunStore, n: int, people: list[dict], cache: str = "warm") ->
     rows, lost, doubled = [], 0, 0
     runs = [r for r in store.list(experiment=EXPERIMENT, limit=10_000)]
     for i, who in enumerate(people):
-        seed = int(settings_of(n, i, cache)["seed"])
+        seed = int(settings_of(n, who.get("index", i), cache)["seed"])
         mine = [r for r in runs if r.config.get("seed") == seed]
         doubled += max(0, len(mine) - 1)
         if not who.get("pressed_run"):  # stopped before pressing Run: an error, no run to lose
@@ -386,7 +440,7 @@ def stalled_views(events: list[dict], people: list[dict], store: RunStore, n: in
     for i, who in enumerate(people):
         if not who.get("pressed_run") or who.get("run_to_result_s") is not None:
             continue
-        seed = int(settings_of(n, i, cache)["seed"])
+        seed = int(settings_of(n, who.get("index", i), cache)["seed"])
         rec = next((r for r in runs if r.config.get("seed") == seed and r.owner == who["person"]), None)
         zero = (rec.finished if rec and rec.finished else None) or who.get("clicked_at") or 0.0
         last = lambda times: round(max(times) - zero, 3) if times else None  # noqa: E731
@@ -428,11 +482,17 @@ def stall_candidate(events: list[dict], person: str, rec) -> str:
 
 def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict, renders_server: list[dict],
             cache: str = "warm") -> dict:
-    renders = [t for p in people for t in p["first_render_s"]]
+    """The phase's figures: end to end over the people in Chromium here; `*_wire` over those on the wire (the server's
+    side of the same flow, their browsers elsewhere); the server's share from its render log over everyone."""
+    browser = {p["person"] for p in people if p.get("kind", "browser") == "browser"}
+    renders = [t for p in people if p["person"] in browser for t in p["first_render_s"]]
+    wire_renders = [t for p in people if p["person"] not in browser for t in p["first_render_s"]]
     splits = [x for p in people for x in p.get("first_render_split", [])]
     served = lambda key: [r[key] for r in renders_server if r[key] is not None]  # noqa: E731
-    col = lambda key: [r[key] for r in runs["rows"] if r[key] is not None]  # noqa: E731
-    out = {"people": n, "cache": cache, "wall_s": round(wall_s, 1), "pressed_run": sum(bool(p.get("pressed_run")) for p in people),
+    col = lambda key, wire=False: [r[key] for r in runs["rows"]  # noqa: E731
+                                   if r[key] is not None and (r["person"] in browser) != wire]
+    out = {"people": n, "cache": cache, "in_chromium": len(browser), "on_the_wire": len(people) - len(browser),
+           "wall_s": round(wall_s, 1), "pressed_run": sum(bool(p.get("pressed_run")) for p in people),
            "errors": sum(p["error"] is not None for p in people),
            "error_messages": [p["error"] for p in people if p["error"]], "runs_lost": runs["lost"],
            "runs_doubled": runs["doubled"], **server}
@@ -443,7 +503,9 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict,
                          ("overhead_click", col("click_s")), ("overhead_submit", col("submit_s")),
                          ("overhead_notice", col("notice_s")), ("overhead_tick_gap", col("tick_gap_s")),
                          ("overhead_result_script", col("result_s")), ("overhead_browser", col("browser_s")),
-                         ("overhead_server", col("server_overhead_s"))):
+                         ("overhead_server", col("server_overhead_s")), ("first_render_wire", wire_renders),
+                         ("run_to_result_wire", col("run_to_result_s", wire=True)),
+                         ("overhead_wire", col("overhead_s", wire=True))):
         out[f"{name}_p50_s"], out[f"{name}_p95_s"] = percentile(values, 50), percentile(values, 95)
     out["first_render_split"] = {key: {"p50": percentile([x[key] for x in splits if x.get(key) is not None], 50),
                                        "p95": percentile([x[key] for x in splits if x.get(key) is not None], 95)}
@@ -501,12 +563,22 @@ def main() -> None:
     p.add_argument("--people", default="1,5,10", help="comma-separated counts of simultaneous people")
     p.add_argument("--cache", default="warm,cold", help="the browser cache for the pages after sign-in, each a pass "
                    "of its own: warm (a returning member: the bundle cached), cold (a first-ever visit)")
+    p.add_argument("--layout", default="shared,own", help="where the people's browsers run, each a pass of its own: "
+                   "shared (all N in Chromium on this box), own (one in Chromium here, N-1 on the wire: their browsers "
+                   "on their own machines; skipped at N = 1, where it is the shared pass)")
+    p.add_argument("--rounds", type=int, default=5, help="the own layout's rounds of N people arriving together (the "
+                   "Chromium person's samples: 2 page opens and 1 run a round), 1 to 20")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "team_load.json"))
     args = p.parse_args()
     counts = [int(c) for c in args.people.split(",")]
     caches = [c for c in args.cache.split(",") if c]
+    layouts = [c for c in args.layout.split(",") if c]
     if set(caches) - set(CACHES):
         p.error(f"--cache: {args.cache!r} (allowed: a comma-separated list of {', '.join(CACHES)})")
+    if set(layouts) - set(LAYOUTS):
+        p.error(f"--layout: {args.layout!r} (allowed: a comma-separated list of {', '.join(LAYOUTS)})")
+    if not 1 <= args.rounds <= 20:
+        p.error(f"--rounds: {args.rounds} (allowed: 1 to 20)")
     data = Path(tempfile.mkdtemp(prefix="team-load-"))
     render_log = data / "render_log.jsonl"  # the server's own time per script run (pages/render_log.py)
     env = {"EXPLORER_TOKEN": TOKEN, "EXPLORER_MAX_JOBS": "1", "EXPLORER_OPEN_ON_DEFAULT_RUN": "0",
@@ -515,9 +587,12 @@ def main() -> None:
     phases = []
     try:
         assets = static_headers(url)
-        for n, cache in [(n, cache) for n in counts for cache in caches]:
+        passes = [(layout, n, cache) for layout in layouts for n in counts for cache in caches
+                  if layout == "shared" or n > 1]
+        for layout, n, cache in passes:
+            rounds = args.rounds if layout == "own" else 1
             load, sampler, begun = os.getloadavg()[0], ProcessSampler(server.pid), time.monotonic()
-            people = asyncio.run(phase(url, n, cache))
+            people = asyncio.run(phase(url, n, cache, layout, rounds))
             wall = time.monotonic() - begun
             store, events = RunStore(data), read_events(render_log)
             runs = account(store, n, people, cache)
@@ -525,14 +600,18 @@ def main() -> None:
             row = summary(n, people, runs, wall, sampler.stop(), server_renders(events, people), cache)
             row["stalled_views"] = stalled_views(events, people, store, n, cache)
             for stalled in row["stalled_views"]:  # a person who never saw their result, and which way it matches
-                print(f"N={n:2d} {cache}: stalled {stalled}", flush=True)
+                print(f"N={n:2d} {layout} {cache}: stalled {stalled}", flush=True)
             row["watchdog_redraws"] = sum(e["event"] == "watchdog" and e.get("user") in {p["person"] for p in people}
                                           for e in events)  # the run view's watchdog, for this phase's people
             row["load_average_at_start"] = round(load, 1)
+            row["layout"], row["rounds"] = layout, rounds
             phases.append(row)
             split = {k: v["p95"] for k, v in row["first_render_split"].items()}
-            print(f"N={n:2d} {cache}: first render p95 split {split}; cpu {row['cpu_s']}", flush=True)
-            print(f"N={n:2d} {cache}: first render p50 {row['first_render_p50_s']} p95 {row['first_render_p95_s']} s; "
+            print(f"N={n:2d} {layout} {cache}: first render p95 split {split}; cpu {row['cpu_s']}", flush=True)
+            print(f"N={n:2d} {layout} {cache}: on the wire: first render p95 {row['first_render_wire_p95_s']} s, "
+                  f"overhead p95 {row['overhead_wire_p95_s']} s", flush=True)
+            print(f"N={n:2d} {layout} {cache}: first render p50 {row['first_render_p50_s']} "
+                  f"p95 {row['first_render_p95_s']} s; "
                   f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
                   f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
                   f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
@@ -544,10 +623,11 @@ def main() -> None:
     finally:
         stop(server)
     out = {"device": describe()["name"], "cpus": os.cpu_count(),
-           "note": "measured on a shared, contended 2-core VM (other engineers' tests and benchmarks ran at the same "
-                   "time; see each phase's load_average and cpu_s.everyone_else), and Chromium with all N people's "
-                   "pages runs on the same 2 cores as the server and its runs (cpu_s.chromium): the timings are this "
-                   "box's, not a team server's, where each person's browser runs on their own machine",
+           "note": "measured on a 2-core VM (see each phase's load_average and cpu_s.everyone_else for other work). "
+                   "Layout 'shared': Chromium with all N people's pages runs on the same 2 cores as the server and its "
+                   "runs (cpu_s.chromium). Layout 'own': one person in Chromium here (end-to-end figures), N-1 on the "
+                   "wire (Streamlit's protocol, their browsers on their own machines; *_wire figures), as a team's "
+                   "server is used; the N = 10 targets are judged on it",
            "experiment": EXPERIMENT, "max_jobs": 1, "server": f"streamlit on {HOST} (loopback), one process",
            "static_assets": assets,
            "first_render_target": {

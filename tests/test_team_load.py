@@ -15,8 +15,8 @@ from tests.conftest import REPO
 def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     _require_browser()
     out = tmp_path / "team_load.json"
-    done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--layout", "shared", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     phases = json.loads(out.read_text())["phases"]
     assert [(p["people"], p["cache"]) for p in phases] == [(5, "warm"), (5, "cold")]  # all 5 arrive together, twice
@@ -27,6 +27,25 @@ def test_five_people_at_once_lose_and_double_no_run(tmp_path):
         assert all(r["queue_wait_s"] >= 0 and r["run_time_s"] > 0 for r in phase["runs_detail"])
         renders = [s for p in phase["people_detail"] for s in p["first_render_split"]]
         assert len(renders) == 10 and all(s["first_message_s"] is not None for s in renders)
+
+
+def test_people_on_the_wire_open_pages_press_run_and_read_their_result(tmp_path):
+    """The "own" layout, once: three people arrive together, one in Chromium and two speaking Streamlit's protocol
+    (bench/wire_person.py), as browsers elsewhere do. Each opens both pages, their Run reaches the server's queue under
+    their own name and they read its verdict (a press the server did not take, or a page whose timers were not fired,
+    leaves their run lost or their verdict unseen)."""
+    _require_browser()
+    out = tmp_path / "team_load.json"
+    done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "3", "--layout", "own", "--cache", "warm",
+                           "--rounds", "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (phase,) = json.loads(out.read_text())["phases"]
+    assert (phase["layout"], phase["in_chromium"], phase["on_the_wire"]) == ("own", 1, 2)
+    assert phase["errors"] == 0, phase["error_messages"]
+    assert phase["runs_lost"] == phase["runs_doubled"] == 0 and not phase["stalled_views"]
+    wire = [p for p in phase["people_detail"] if p["kind"] == "wire"]
+    assert all(len(p["first_render_s"]) == 2 and p["run_to_result_s"] > 0 for p in wire)
+    assert sorted(r["person"] for r in phase["runs_detail"]) == sorted(p["person"] for p in phase["people_detail"])
 
 
 def test_the_count_of_lost_and_doubled_runs_sees_both(monkeypatch, store):
