@@ -194,7 +194,7 @@ def _restarted_run(store, attempt: int) -> str | None:
 def _exit(code: int) -> None:
     """End this rank without Python's teardown, as spawn's ranks do: gloo's worker threads release the last work's
     tensors after it completes, and a release that needs the GIL while the interpreter tears down ends the thread
-    inside a C++ destructor (std::terminate: SIGABRT, seen about one run in ten under load)."""
+    inside a C++ destructor (std::terminate: SIGABRT)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
