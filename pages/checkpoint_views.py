@@ -1,4 +1,4 @@
-"""Checkpoint views shared by the Checkpoints page and the 3D parallel page: a run's timeline (steps, saves, the kill,
+"""Checkpoint views shared by the Checkpoints page and the Compose parallelism page: a run's timeline (steps, saves, the kill,
 the restart) and the resharding map (which saved rank's bytes each new rank read, from DCP's load plan)."""
 import altair as alt
 import pandas as pd
@@ -91,16 +91,16 @@ MESH_RESHARD = {"steps": 4, "checkpoint_every": 2, "kill_rank": 1, "kill_step": 
 
 
 def mesh_reshard_from_store(runs: list) -> None:
-    """The newest stored 3D parallel run whose checkpoint was continued on another mesh: its resharding map, linked;
+    """The newest stored Compose parallelism run whose checkpoint was continued on another mesh: its resharding map, linked;
     or a link that starts one (tp 2 x pp 2 killed, restarted, then continued on tp 1 x pp 4)."""
     st.subheader("A tp × pp mesh's checkpoint on another mesh")
     run = next((r for r in runs if r.config.get("reshard_tp")), None)
     start = "&".join(f"{k}={v}" for k, v in MESH_RESHARD.items())
     if run is None or not (run.result() or {}).get("tables", {}).get("reshard_map"):
-        st.caption(f"No 3D parallel run here has continued a checkpoint on another mesh yet: [run tp 2 x pp 2, killed "
+        st.caption(f"No Compose parallelism run here has continued a checkpoint on another mesh yet: [run tp 2 x pp 2, killed "
                    f"and resumed, then continued on tp 1 x pp 4](mesh_parallel?{start}).")
         return
     result = run.result()
-    st.caption(f"From 3D parallel run [{run.id}](mesh_parallel?run={run.id}): its checks compare the continued run "
+    st.caption(f"From Compose parallelism run [{run.id}](mesh_parallel?run={run.id}): its checks compare the continued run "
                f"with one float64 process.")
     reshard_section(result["metrics"], result["tables"])

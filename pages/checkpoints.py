@@ -31,7 +31,7 @@ def bench_expander(m, t) -> None:
     if "bench" not in t:
         return
     with st.expander("Measured by bench/checkpoint.py: the mesh's save, load and step times"):
-        st.markdown(f"Three 4-rank plans of the 3D parallel run, saving every other step with dcp.save and dcp.async_save "
+        st.markdown(f"Three 4-rank plans of the Compose parallelism run, saving every other step with dcp.save and dcp.async_save "
                     f"(async: the step pays the staging), on {m['bench.machine']} at load {m['bench.load']:.1f} "
                     f"({m['bench.when']}); each step of a run is a repeat. Blocking: what the step waits for (sync: the "
                     f"whole save); top rank: the largest rank's file.")

@@ -1,11 +1,12 @@
-"""3D parallel: the tiny LLaMA (dense or MoE) trained on a pp x dp x cp x ep x tp mesh of gloo ranks."""
+"""Compose parallelism: the tiny LLaMA (dense or MoE) trained on a pp x dp x cp x ep x tp mesh of gloo ranks, every
+strategy a transform of the one model, any pipeline schedule, any dp strategy."""
 import altair as alt
 import pandas as pd
 import streamlit as st
 
 from pages import checkpoint_views, mesh_views, schedule_views, timeline, ui
 
-st.title("3D parallel")
+st.title("Compose parallelism")
 DIMS = ("tp", "dp", "pp", "cp", "ep")  # the order a rank's mesh coordinates are read in
 
 

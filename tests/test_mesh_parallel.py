@@ -1,4 +1,4 @@
-"""3D parallel: every factorisation of 4 ranks into pp x dp x cp x tp trains the tiny LLaMA like one process, and
+"""Compose parallelism: every factorisation of 4 ranks into pp x dp x cp x tp trains the tiny LLaMA like one process, and
 the MoE variant on every factorisation with an ep dimension (plus MoE under tp, where each tp rank runs it alike)."""
 import itertools
 import math
