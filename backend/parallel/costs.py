@@ -113,15 +113,7 @@ def state_bytes(psi: float, n: int, strategy: str, grad_item: int) -> dict[str, 
 def live_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> int:
     """Chunk-micro-batches whose activations pipeline rank `rank` holds at its peak: the schedule's own bound
     (1F1B min(m, p − r); interleaved the peak of its order, v·p + p − 1 on rank 0 for m ≥ p; GPipe m)."""
-    if p == 1:
-        return 1
-    sched = schedules.SCHEDULES[schedule]
-    if sched.live_bound_fn:
-        return sched.live_bound(p, m, rank, v)
-    # Schedule.live_bound's rule for one rank, without building every other rank's order
-    mb = sched.microbatches(m)
-    order = sched.order_fn(p, mb, rank, v) if sched.interleaved else sched.order_fn(p, mb, rank)
-    return schedules.live_activations(order)
+    return schedules.SCHEDULES[schedule].live_bound(p, m, rank, v) if p > 1 else 1
 
 
 def activation_bytes_per_layer(m, b: int, s: int, t: int, sp: bool, recompute: str, cp: int = 1) -> dict[str, float]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
+from statistics import median_high
 from typing import ClassVar
 
 import networkx as nx
@@ -28,7 +30,7 @@ from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
                                          replay_split, replay_step, step_items)
-from backend.parallel.tp import cut
+from backend.parallel.tp import cut, part
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
 from backend.comm.collectives import ring_bytes
@@ -362,11 +364,6 @@ def split_of(config: MeshConfig, coords: dict) -> TokenSplit:
                        {d: getattr(config, d) for d in DIMS}, coords, config.sp)
 
 
-def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
-    """Sequences per micro-batch on the rank at `coords`: the batch split over dp x ep, then into micro-batches."""
-    return split_of(config, coords).microbatch_sizes
-
-
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     split = split_of(config, payload["coords"])
@@ -475,32 +472,31 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
     return steps * ring_bytes("reduce_scatter", pad(n), k, grad) + gathers * gather + (report if reported else 0)
 
 
-def fsdp2_rows(rows: int, k: int, index: int) -> int:
-    """Rows of a dim-0 of `rows` on dp rank `index` of k, as torch.chunk cuts it: ⌈rows/k⌉ each, the last ones fewer
-    or none (FSDP2's Shard(0))."""
-    per = -(-rows // k)
-    return max(0, min(per, rows - index * per))
+def fsdp2_elements(shapes: dict, k: int, index: int) -> int:
+    """Elements of every parameter (`shapes`: per stage chunk, its parameters' shapes) on dp rank `index` of k: each
+    dim-0's rows as torch.chunk cuts them (FSDP2's Shard(0)), ⌈rows/k⌉ each, the last ones fewer or none. Rank 0's
+    count is every rank's padded shard (FSDP2 pads the short ones)."""
+    total = 0
+    for shape in (s for chunk in shapes.values() for s in chunk):
+        per = -(-shape[0] // k)
+        total += max(0, min(per, shape[0] - index * per)) * math.prod(shape[1:])
+    return total
 
 
 def fsdp2_bytes(shapes: dict, k: int, steps: int) -> int:
-    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per stage chunk (one fully_shard unit) and per step
-    one ring all-gather of its padded shard (every parameter's ⌈rows/k⌉ rows, FSDP2 pads the short ones) and one ring
-    reduce-scatter of k such shards (the unsharded gradients padded the same way): ZeRO-3's 2ψ(k-1)/k per step with ψ
-    the padded size; plus one all-gather at the end to report the trained weights."""
+    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per step one ring all-gather of the padded shard
+    (fsdp2_elements of rank 0) and one ring reduce-scatter of k such shards (the unsharded gradients padded the same
+    way): ZeRO-3's 2ψ(k-1)/k per step with ψ the padded size; plus one all-gather at the end to report the weights."""
     if k == 1:
         return 0
-    total = 0
-    for chunk in shapes.values():
-        shard = sum(fsdp2_rows(s[0], k, 0) * math.prod(s[1:]) for s in chunk)
-        gather = ring_bytes("all_gather", shard, k, 8)
-        total += steps * (gather + ring_bytes("reduce_scatter", k * shard, k, 8)) + gather
-    return total
+    shard = fsdp2_elements(shapes, k, 0)
+    return (steps + 1) * ring_bytes("all_gather", shard, k, 8) + steps * ring_bytes("reduce_scatter", k * shard, k, 8)
 
 
 def fsdp2_memory(shapes: dict, k: int, index: int) -> dict[str, int]:
     """FSDP2's bytes kept between steps on dp rank `index` (float64): the local rows of every parameter (torch.chunk's,
     unpadded), as many gradient elements, and Adam's m and v for them: ZeRO-3's split with FSDP2's per-parameter cut."""
-    mine = sum(fsdp2_rows(s[0], k, index) * math.prod(s[1:]) for chunk in shapes.values() for s in chunk)
+    mine = fsdp2_elements(shapes, k, index)
     return {"parameters": 8 * mine, "gradients": 8 * mine, "optimizer states": 16 * mine}
 
 
@@ -543,7 +539,7 @@ def offload_models(config: MeshConfig, p: dict) -> tuple[dict[str, int], dict[st
     (reshard_after_forward=False: one unshard a step) and the local gradient rows down after the reduce-scatter."""
     if config.dp_strategy == "fsdp2":
         held = fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"])
-        padded = sum(fsdp2_rows(s[0], config.dp, 0) * math.prod(s[1:]) for chunk in p["param_shapes"].values() for s in chunk)
+        padded = fsdp2_elements(p["param_shapes"], config.dp, 0)
         return ({"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
                  "optimizer states": held["optimizer states"]},
                 {"device_to_host": held["gradients"], "host_to_device": 8 * padded})
@@ -604,7 +600,7 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     if n == 1:
         return 0
     forwards = 2 if config.recompute == "full" else 1
-    mine = slice(me * per, (me + 1) * per)
+    mine = part(config.experts, me, n)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
     return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _item(config, "compute")
@@ -620,8 +616,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
     order = payload["layers"]
     first_step = rows[:config.plan.microbatches(config.microbatches) * len(order)]
-    per = config.experts // config.ep
-    mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
+    mine = part(config.experts, payload["coords"]["ep"], config.ep)
     out = {}
     for j, b in enumerate(split.microbatch_sizes):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
@@ -950,7 +945,7 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
         forward = sum(f["flops"] for f in pr["without_forwards"])
         extra = pr["with_flops"] - pr["without_flops"]
         model = forward if full else sum(core_flops(b, heads, config.seq, config.d_head) * p["layers_here"]
-                                         for b in _microbatch_sizes(config, p["coords"]))
+                                         for b in split_of(config, p["coords"]).microbatch_sizes)
         flops_err = max(flops_err, abs(extra - model))
         per = activation_formula(plain, p, rows[p["rank"]])
         formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
@@ -980,8 +975,7 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
     if full:
         metrics["backward_to_forward_flops"] = round(backward / forward, 3)
         if cpu_without >= MIN_TIMED_CPU_MS:  # below it, CPU-time ratios are timer and scheduler noise
-            from backend.parallel.pp.recompute import _median
-            ratio = _median([u for t in timed for u in t[3]]) / _median([u for t in timed for u in t[4]])
+            ratio = median_high([u for t in timed for u in t[3]]) / median_high([u for t in timed for u in t[4]])
             checks.append(Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1),
                                 TIME_TOLERANCE, reference="the same plan's forwards without recompute (median over ranks)",
                                 detail=f"recompute ÷ forward {ratio:.2f}; F/(F+B) by CPU time predicts "
@@ -1102,9 +1096,9 @@ def _v1_before_the_later_settings(result: dict) -> None:
 
 def experts_per_rank(experts: list[dict]) -> list[dict]:
     """Token assignments each rank computed for each expert, over every block and step (the experts table summed)."""
-    total: dict[tuple[int, int], int] = {}
+    total = Counter()
     for r in experts:
-        total[r["rank"], r["expert"]] = total.get((r["rank"], r["expert"]), 0) + r["rows computed"]
+        total[r["rank"], r["expert"]] += r["rows computed"]
     return [{"rank": rank, "expert": e, "rows computed": n} for (rank, e), n in sorted(total.items())]
 
 

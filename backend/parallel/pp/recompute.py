@@ -17,6 +17,7 @@ prediction from this run's own measured forward and backward CPU times is F / (F
 from __future__ import annotations
 
 from contextlib import contextmanager
+from statistics import median_high
 
 import torch
 
@@ -94,11 +95,6 @@ TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine 
                          # recomputing twice (2) or not at all (0) still fails it; the FLOPs are checked exactly
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0
-
-
 def _cpu_ms(trace: dict, kinds: str) -> float:
     return sum(e["cpu_us"] for e in trace["events"] if e["lane"] == "compute" and e["args"].get("kind") in kinds) / 1e3
 
@@ -128,7 +124,8 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
             forwards = [e["cpu_us"] / 1e3 for e in base["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") == "F"]
             cpu = {"with": _cpu_ms(pl["trace"], "FBIW"), "without": _cpu_ms(base["trace"], "FBIW"),
                    "forward": _cpu_ms(base["trace"], "F"), "recompute": sum(pl["recompute_cpu_us"]) / 1e3,
-                   "median_forward": _median(forwards), "median_recompute": _median([t / 1e3 for t in pl["recompute_cpu_us"]])}
+                   "median_forward": median_high(forwards),
+                   "median_recompute": median_high([t / 1e3 for t in pl["recompute_cpu_us"]])}
             totals["median_forward"] = totals.get("median_forward", 0.0) + cpu["median_forward"]
             totals["median_recompute"] = totals.get("median_recompute", 0.0) + cpu["median_recompute"]
             totals["cpu_with"] += cpu["with"]

@@ -86,12 +86,6 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     return ops
 
 
-def pipedream(p: int, m: int, r: int) -> list[Action]:
-    """PipeDream's asynchronous 1F1B: the same order as 1F1B, but each stage updates its weights after every
-    backward, with no flush; weight stashing keeps each micro-batch's backward on the weights its forward used."""
-    return one_f_one_b(p, m, r)
-
-
 def zb_v(p: int, m: int, r: int) -> list[Action]:
     """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W. Warm-up
     2(p-r)-1 forwards of chunk 0, then r pairs F1 F0, then p-r rounds F1 I1 W1; steady rounds F0 I0 W0 F1 I1 W1;
@@ -251,11 +245,13 @@ class Schedule:
     def stages_on(self, rank: int, p: int, v: int = 1) -> list[int]:
         return [s for s in range(p * self.chunks(v)) if self.rank_of(s, p) == rank]
 
-    def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+    def order(self, p: int, m: int, r: int, v: int = 1) -> list[Action]:
+        """Rank r's actions."""
         m = self.microbatches(m)
-        if self.interleaved:
-            return {r: self.order_fn(p, m, r, v) for r in range(p)}
-        return {r: self.order_fn(p, m, r) for r in range(p)}
+        return self.order_fn(p, m, r, v) if self.interleaved else self.order_fn(p, m, r)
+
+    def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+        return {r: self.order(p, m, r, v) for r in range(p)}
 
     def bubble(self, p: int, m: int, v: int = 1) -> float:
         """Idle fraction of each stage with equal action costs: the textbook formula."""
@@ -263,7 +259,7 @@ class Schedule:
 
     def live_bound(self, p: int, m: int, r: int, v: int = 1) -> int:
         bound = self.live_bound_fn(p, self.microbatches(m), r) if self.live_bound_fn else None
-        return live_activations(self.actions(p, m, v)[r]) if bound is None else bound
+        return live_activations(self.order(p, m, r, v)) if bound is None else bound
 
 
 def _forward_then_backward(f, b, m):  # every forward wave, then every backward wave
@@ -328,6 +324,8 @@ SCHEDULES = {s.name: s for s in (
              live_bound_source="DeepSeek-V3 Table 2: PP + 1 chunk activations, PP = 2p", torch_order="ScheduleDualPipeV",
              min_microbatches_fn=lambda p: 2 * p, published_idle_fn=_dualpipe_idle,
              published_idle_formula="DeepSeek-V3 Table 2: (PP/2−1)(F&B+B−3W), PP = 2p, B = I + W, F&B = F + B unoverlapped"),
-    Schedule("pipedream", "PipeDream (async 1F1B)", pipedream, asynchronous=True, live_bound_fn=_p_minus_r,
+    # PipeDream: 1F1B's order, each stage updating its weights after every backward with no flush (weight stashing
+    # keeps each micro-batch's backward on the weights its forward used)
+    Schedule("pipedream", "PipeDream (async 1F1B)", one_f_one_b, asynchronous=True, live_bound_fn=_p_minus_r,
              live_bound_source="seed 000: p − r"),
 )}
