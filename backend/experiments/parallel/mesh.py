@@ -606,11 +606,11 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _item(config, "compute")
 
 
-def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
-    """Bytes each (stage, micro-batch) forward saves on this rank: sp.activation_elements x the stage's blocks (+ RoPE's
-    tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its
-    experts computed in the first step (the one measured) taken from the reference's routing; under SP it routes only
-    its sequence shard's tokens."""
+def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[int, dict[int, float]]:
+    """Bytes each (stage, micro-batch) forward saves on this rank, {stage: {mb: bytes}}: sp.activation_elements x the
+    stage's blocks (+ RoPE's tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU
+    term, with the rows its experts computed in the first step (the one measured) taken from the reference's routing;
+    under SP it routes only its sequence shard's tokens."""
     split = split_of(config, payload["coords"])
     s = len(split.positions)
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
@@ -631,7 +631,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
                         b * len(split.sp_positions), int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
-            out[(stage, j)] = elements * _item(config, "compute")
+            out.setdefault(stage, {})[j] = elements * _item(config, "compute")
     return out
 
 
@@ -720,8 +720,7 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
     checks = []
     memory = []
     for p in payloads:
-        per = activation_formula(config, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]},
+        formula = peak_in_flight(p["order_actions"], activation_formula(config, p, rows[p["rank"]]),
                                  kept_inputs(config, p) if config.recompute == "full" else None)
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
@@ -947,8 +946,7 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
         model = forward if full else sum(core_flops(b, heads, config.seq, config.d_head) * p["layers_here"]
                                          for b in split_of(config, p["coords"]).microbatch_sizes)
         flops_err = max(flops_err, abs(extra - model))
-        per = activation_formula(plain, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        formula = peak_in_flight(p["order_actions"], activation_formula(plain, p, rows[p["rank"]]))
         peak_err = max(peak_err, abs(pr["peak_without"] / formula - 1))
         cpu_with, cpu_without = sum(pr["with_cpu_us"].values()) / 1e3, sum(pr["without_cpu_us"].values()) / 1e3
         timed.append((cpu_with, cpu_without, pr["without_cpu_us"]["F"] / 1e3, pr["recompute_cpu_us"], pr["without_forward_cpu_us"]))
