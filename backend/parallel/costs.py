@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import torch
+
 from backend.estimate import training as estimate
 from backend.parallel import sp as sp_model
 from backend.comm import collectives
@@ -72,12 +74,9 @@ def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item:
 def rank_strides(order: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
     """How far apart the ranks of one group of each dimension are, for ranks numbered in `order` (outermost first, as
     backend/parallel/mesh.DIMS documents the live mesh's: a rank's coordinate on each dimension is its mixed-radix
-    digit, the last dimension the fastest-varying): a dimension's stride is the product of the sizes inside it."""
-    out, stride = {}, 1
-    for dim, size in zip(reversed(order), reversed(sizes)):
-        out[dim] = stride
-        stride *= size
-    return out
+    digit, the last dimension the fastest-varying): a dimension's stride is the product of the sizes inside it, a
+    contiguous tensor's stride."""
+    return dict(zip(order, torch.empty(sizes, device="meta").stride()))
 
 
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from statistics import median_high
+from statistics import fmean, median_high
 from typing import ClassVar
 
 import networkx as nx
@@ -375,10 +375,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
     kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * c for b in sizes)
-    n = payload["flat_numel"]
 
-    def gradients(k: int) -> int:
-        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, r_) if k > 1 else 0
+    def gradients(numel: int, k: int) -> int:  # one ring all-reduce a step of the vector padded to a multiple of k
+        return steps * ring_bytes("all_reduce", -(-numel // k) * k, k, r_) if k > 1 else 0
     forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
 
     split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
@@ -407,10 +406,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             "dp gradients": fsdp2_bytes(payload["param_shapes"], config.dp, steps) if config.dp_strategy == "fsdp2" else
             dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024,
                      config.precision, sum(payload.get("skipped", []))),
-            "cp gradients": gradients(config.cp),
+            "cp gradients": gradients(payload["flat_numel"], config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
-            "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
-                                               config.ep, r_) if config.ep > 1 else 0}
+            "ep gradients": gradients(payload["replicated_over_ep"], config.ep)}
 
 
 def _item(config: MeshConfig, which: str) -> int:
@@ -842,20 +840,14 @@ def schedule_means(rows: list[dict]) -> list[dict]:
     """Per schedule that ran (in the comparison's order), the pipeline's bubble as the mean over ranks of each rank's
     idle share, replayed and modelled (the mean, as the pipeline page reports a schedule's bubble), beside the
     closed form and the replayed step time, which are one number per schedule already."""
-    out: dict[str, dict] = {}
+    ran: dict[str, list[dict]] = {}
     for r in rows:
-        if r["refused"]:
-            continue
-        mean = out.setdefault(r["schedule"], {"schedule": r["schedule"], "ranks": 0, "step_replayed_ms": r["step_replayed_ms"],
-                                              "bubble_replayed": 0.0, "bubble_makespan_model": 0.0,
-                                              "bubble_formula": r["bubble_formula"]})
-        mean["ranks"] += 1
-        mean["bubble_replayed"] += r["bubble_replayed"]
-        mean["bubble_makespan_model"] += r["bubble_makespan_model"]
-    for mean in out.values():
-        mean["bubble_replayed"] /= mean["ranks"]
-        mean["bubble_makespan_model"] /= mean["ranks"]
-    return list(out.values())
+        if not r["refused"]:
+            ran.setdefault(r["schedule"], []).append(r)
+    return [{"schedule": name, "ranks": len(rs), "step_replayed_ms": rs[0]["step_replayed_ms"],
+             "bubble_replayed": fmean(r["bubble_replayed"] for r in rs),
+             "bubble_makespan_model": fmean(r["bubble_makespan_model"] for r in rs),
+             "bubble_formula": rs[0]["bubble_formula"]} for name, rs in ran.items()]
 
 
 def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:

@@ -9,6 +9,8 @@ s + 1) and added by the executor; a boundary inside one rank (stage p - 1 to p i
 """
 from __future__ import annotations
 
+import itertools
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -66,24 +68,14 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     def bwd_stage(step):
         return (v - 1 - ((step - warmup) // per_round) % v) * p + r
 
-    next_f, next_b, ops = {}, {}, []
+    taken = {"F": defaultdict(itertools.count), "B": defaultdict(itertools.count)}  # next micro-batch per stage
 
-    def take(counter, stage):
-        counter[stage] = counter.get(stage, -1) + 1
-        return counter[stage]
-
-    for step in range(warmup):
-        s = fwd_stage(step)
-        ops.append(Action("F", take(next_f, s), s))
+    def act(kind: str, stage: int) -> Action:
+        return Action(kind, next(taken[kind][stage]), stage)
+    ops = [act("F", fwd_stage(step)) for step in range(warmup)]
     for step in range(warmup, total):
-        s = fwd_stage(step)
-        ops.append(Action("F", take(next_f, s), s))
-        s = bwd_stage(step)
-        ops.append(Action("B", take(next_b, s), s))
-    for step in range(total, total + warmup):
-        s = bwd_stage(step)
-        ops.append(Action("B", take(next_b, s), s))
-    return ops
+        ops += [act("F", fwd_stage(step)), act("B", bwd_stage(step))]
+    return ops + [act("B", bwd_stage(step)) for step in range(total, total + warmup)]
 
 
 def zb_v(p: int, m: int, r: int) -> list[Action]:
