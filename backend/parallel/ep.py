@@ -64,7 +64,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (..., d), this rank's."""
-        x, wire, n, per = tokens.reshape(-1, tokens.shape[-1]), self.wire, self.wire.n, len(self.mine)
+        x = tokens.reshape(-1, tokens.shape[-1])
+        wire, n, per = self.wire, self.wire.n, len(self.mine)
         routing = capacity_topk(self.router(x), self.top_k, self.capacity_factor)
         token, slot = torch.where(routing.kept)
         expert = routing.indices[token, slot]
