@@ -175,7 +175,7 @@ def test_a_v_turn_counted_as_a_message_fails(schedule_runs):
     """In a V, stage pp-1 hands its output to stage pp on the same rank: no bytes. Counting it fails the byte check."""
     cfg, payloads = next((c, p) for c, p in schedule_runs if c.schedule == "zb_v" and c.pp == 4)
     last_rank = next(p for p in payloads if p["coords"]["pp"] == 3)
-    act = sum(b * cfg.seq * cfg.d_model * 8 for b in mesh._microbatch_sizes(cfg, last_rank["coords"]))
+    act = sum(b * cfg.seq * cfg.d_model * 8 for b in mesh.split_of(cfg, last_rank["coords"]).microbatch_sizes)
     last_rank["bytes"]["pp"] += cfg.steps * act
     assert not mesh.combine(cfg, payloads).passed
 

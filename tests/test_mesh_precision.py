@@ -97,7 +97,8 @@ def test_bytes_are_counted_at_the_dtype_sent(runs):
     all-gather); counting the activations at 8 bytes fails the byte check."""
     cfg, _, payloads = runs[0]
     for p in payloads:
-        act = sum(b * cfg.seq * cfg.d_model for b in mesh._microbatch_sizes(cfg, p["coords"]))  # elements per step
+        sizes = mesh.split_of(cfg, p["coords"]).microbatch_sizes
+        act = sum(b * cfg.seq * cfg.d_model for b in sizes)  # elements per step
         assert p["bytes"]["pp"] == cfg.steps * act * 2  # one boundary on each of the two stages, 2 bytes each
     for p in payloads:  # per step: reduce-scatter n/2 fp32 and all-gather n/2 bf16; then the fp32 master gathered to report
         n = -(-p["flat_numel"] // 2) * 2  # this stage's weights, padded to a multiple of dp

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import torch
+
 from backend.estimate import training as estimate
 from backend.parallel import sp as sp_model
 from backend.comm import collectives
@@ -72,12 +74,9 @@ def unfused_attention_bytes(b: int, queries: int, keys: int, heads: float, item:
 def rank_strides(order: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
     """How far apart the ranks of one group of each dimension are, for ranks numbered in `order` (outermost first, as
     backend/parallel/mesh.DIMS documents the live mesh's: a rank's coordinate on each dimension is its mixed-radix
-    digit, the last dimension the fastest-varying): a dimension's stride is the product of the sizes inside it."""
-    out, stride = {}, 1
-    for dim, size in zip(reversed(order), reversed(sizes)):
-        out[dim] = stride
-        stride *= size
-    return out
+    digit, the last dimension the fastest-varying): a dimension's stride is the product of the sizes inside it, a
+    contiguous tensor's stride."""
+    return dict(zip(order, torch.empty(sizes, device="meta").stride()))
 
 
 def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -113,15 +112,7 @@ def state_bytes(psi: float, n: int, strategy: str, grad_item: int) -> dict[str, 
 def live_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> int:
     """Chunk-micro-batches whose activations pipeline rank `rank` holds at its peak: the schedule's own bound
     (1F1B min(m, p − r); interleaved the peak of its order, v·p + p − 1 on rank 0 for m ≥ p; GPipe m)."""
-    if p == 1:
-        return 1
-    sched = schedules.SCHEDULES[schedule]
-    if sched.live_bound_fn:
-        return sched.live_bound(p, m, rank, v)
-    # Schedule.live_bound's rule for one rank, without building every other rank's order
-    mb = sched.microbatches(m)
-    order = sched.order_fn(p, mb, rank, v) if sched.interleaved else sched.order_fn(p, mb, rank)
-    return schedules.live_activations(order)
+    return schedules.SCHEDULES[schedule].live_bound(p, m, rank, v) if p > 1 else 1
 
 
 def activation_bytes_per_layer(m, b: int, s: int, t: int, sp: bool, recompute: str, cp: int = 1) -> dict[str, float]:

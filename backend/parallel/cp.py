@@ -35,12 +35,16 @@ def positions(seq: int, index: int, n: int, split: str) -> torch.Tensor:
     return torch.arange(index * c, (index + 1) * c)
 
 
+def scores(q, k, pos_q, pos_k, causal: bool, scale: float) -> torch.Tensor:
+    """QKᵀ·scale of q against one K/V block, -inf where a key's global position is after the query's (causal)."""
+    s = q @ k.transpose(-1, -2) * scale
+    return s.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf")) if causal else s
+
+
 def block_attention(q, k, v, pos_q, pos_k, causal: bool, scale: float):
     """Attention of q to one K/V block: its output normalised within the block, and each row's log-sum-exp
     (-inf for a row that sees nothing in this block)."""
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    s = scores(q, k, pos_q, pos_k, causal, scale)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return p @ v, lse, p
@@ -72,7 +76,6 @@ class RingAttention(Function):
     def forward(ctx, q, k, v, pos, ring, causal, steps_log):
         n, r = ring.n, ring.index
         scale = 1 / math.sqrt(q.shape[-1])
-        all_pos = [pos[(r - i) % n] for i in range(n)]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
         own = kv = torch.stack([k, v])
@@ -80,13 +83,14 @@ class RingAttention(Function):
         for i in range(n):
             handle = ring.start(kv, i, f"K/V block of rank {(r - i - 1) % n} in") if i < n - 1 else None
             src = (r - i) % n
+            visible = _visible(pos[r], pos[src], causal)
             with ring.tracer.span("compute", f"attend to block of rank {src}", step=i):
-                if _visible(pos[r], all_pos[i], causal):
+                if visible:
                     k_i, v_i = _repeat(kv, group)
-                    o_i, lse_i, _ = block_attention(q, k_i, v_i, pos[r], all_pos[i], causal, scale)
+                    o_i, lse_i, _ = block_attention(q, k_i, v_i, pos[r], pos[src], causal, scale)
                     out, lse = merge(out, lse, o_i, lse_i)
             last = lse[0, 0, -1].item()  # the running log-sum-exp of this rank's last query (batch 0, head 0)
-            steps_log.append({"step": i, "block_of_rank": src, "computed": _visible(pos[r], all_pos[i], causal),
+            steps_log.append({"step": i, "block_of_rank": src, "computed": visible,
                               "running_lse_last_query": last if math.isfinite(last) else None})
             if handle:
                 kv = ring.finish(handle)
@@ -109,9 +113,7 @@ class RingAttention(Function):
             with ring.tracer.span("compute", f"backward on block of rank {src}", step=i):
                 if _visible(pos[r], pos[src], causal):
                     k_i, v_i = _repeat(kv, group)
-                    s = q @ k_i.transpose(-1, -2) * scale
-                    if causal:
-                        s = s.masked_fill(pos[src][None, :] > pos[r][:, None], float("-inf"))
+                    s = scores(q, k_i, pos[r], pos[src], causal, scale)
                     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)       # the final softmax, recomputed per block
                     ds = p * (grad_out @ v_i.transpose(-1, -2) - delta[..., None])
                     dq += ds @ k_i * scale

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.autograd import Function
 
 from backend.models.moe import MoELayer, capacity_topk
+from backend.parallel.tp import part
 
 
 class AllToAll(Function):
@@ -31,11 +32,6 @@ class AllToAll(Function):
     def backward(ctx, grad):
         send_rows, recv_rows, wire, name = ctx.args
         return wire.all_to_all(grad.contiguous(), recv_rows, send_rows, "backward", name), None, None, None, None
-
-
-def experts_of(index: int, n: int, n_experts: int) -> range:
-    per = n_experts // n
-    return range(index * per, (index + 1) * per)
 
 
 def apply_ep(model, wire):
@@ -57,7 +53,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.wire, self.n_experts = wire, len(layer.experts)
         self.top_k, self.capacity_factor = layer.top_k, layer.capacity_factor
-        self.mine = experts_of(wire.index, wire.n, self.n_experts)
+        self.mine = range(self.n_experts)[part(self.n_experts, wire.index, wire.n)]
         self.router, self.shared = layer.router, layer.shared
         self.experts = nn.ModuleList(layer.experts[e] for e in self.mine)
         self.stats: list[dict] = []  # one per call: what was routed, kept, sent and computed
@@ -66,12 +62,9 @@ class ExpertParallelMoE(nn.Module):
         """The parameters every ep rank holds whole (their gradients are summed over the ep ranks' tokens)."""
         return list(self.router.parameters()) + (list(self.shared.parameters()) if self.shared is not None else [])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., d), this rank's tokens."""
-        flat = x.reshape(-1, x.shape[-1])
-        return self.tokens(flat).view_as(x)
-
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (..., d), this rank's."""
+        x = tokens.reshape(-1, tokens.shape[-1])
         wire, n, per = self.wire, self.wire.n, len(self.mine)
         routing = capacity_topk(self.router(x), self.top_k, self.capacity_factor)
         token, slot = torch.where(routing.kept)
@@ -100,16 +93,16 @@ class ExpertParallelMoE(nn.Module):
             self.stats.append({"tokens": x.shape[0], "routed": routed.tolist(), "kept": per_expert.tolist(),
                                "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
                                "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
-        return y
+        return y.view_as(tokens)
 
 
 def grouped_reference(layer: MoELayer, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, list[dict]]:
     """The layer in one process, routing `groups` slices of the tokens separately (as that many ranks route theirs,
     the capacity being per group): output, and per group the assignments routed and kept per expert."""
     outs, stats = [], []
-    for part in x.tensor_split(groups):
-        routing = layer.route(part)
-        outs.append(layer(part, routing))
+    for group in x.tensor_split(groups):
+        routing = layer.route(group)
+        outs.append(layer(group, routing))
         routed = torch.bincount(routing.indices.flatten(), minlength=len(layer.experts))
         stats.append({"routed": routed.tolist(), "kept": routing.load(len(layer.experts)).tolist()})
     return torch.cat(outs), stats

@@ -11,9 +11,10 @@ a process group is itself a collective call, made by all ranks in the same order
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
+
+import torch
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")  # outermost first
 
@@ -38,27 +39,15 @@ class DeviceMesh:
 
     @classmethod
     def coords(cls, rank: int, shape: dict[str, int]) -> dict[str, int]:
-        out, rest = {}, rank
-        for d in reversed(DIMS):  # the innermost dimension is the fastest-varying digit
-            out[d], rest = rest % shape[d], rest // shape[d]
-        return out
-
-    @classmethod
-    def rank_of(cls, coords: dict[str, int], shape: dict[str, int]) -> int:
-        rank = 0
-        for d in DIMS:
-            rank = rank * shape[d] + coords[d]
-        return rank
+        """Rank's mixed-radix digits, the innermost dimension the fastest-varying."""
+        digits = torch.unravel_index(torch.tensor(rank), tuple(shape[d] for d in DIMS))
+        return {d: int(i) for d, i in zip(DIMS, digits)}
 
     @classmethod
     def lines(cls, shape: dict[str, int], dim: str) -> list[list[int]]:
         """Every group of dimension `dim`: the ranks sharing all other coordinates, in index order."""
-        others = [d for d in DIMS if d != dim]
-        out = []
-        for fixed in itertools.product(*(range(shape[d]) for d in others)):
-            base = dict(zip(others, fixed))
-            out.append([cls.rank_of({**base, dim: i}, shape) for i in range(shape[dim])])
-        return out
+        grid = torch.arange(math.prod(shape.values())).view(*(shape[d] for d in DIMS))
+        return grid.movedim(DIMS.index(dim), -1).reshape(-1, shape[dim]).tolist()
 
     @classmethod
     def build(cls, rank: int, world_size: int, **sizes: int) -> "DeviceMesh":
@@ -68,17 +57,11 @@ class DeviceMesh:
         shape = cls.layout(world_size, **sizes)
         mesh = cls(rank, shape)
         for dim in DIMS:
-            for members in cls.lines(shape, dim):
-                if shape[dim] == 1:
-                    mine = [rank]
-                    group = None  # nothing to communicate along a dimension of size 1
-                elif shape[dim] == world_size:
-                    group, mine = dist.group.WORLD, members
-                else:
-                    group = dist.new_group(members)
-                    mine = members
+            for members in cls.lines(shape, dim):  # (a group of one has nothing to communicate)
+                group = (None if shape[dim] == 1 else dist.group.WORLD if shape[dim] == world_size
+                         else dist.new_group(members))
                 if rank in members:
-                    mesh.groups[dim], mesh.group_ranks[dim] = group, mine
+                    mesh.groups[dim], mesh.group_ranks[dim] = group, members
         return mesh
 
     def size(self, dim: str) -> int:

@@ -15,9 +15,10 @@ the paper's own formula for a GPT block (34sbh + 5as²b bytes in fp16, divided a
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.autograd import Function
+
+from backend.parallel.pp.recompute import ActivationMeter
 
 SEQ = 1  # activations are (batch, sequence, hidden)
 
@@ -84,28 +85,21 @@ def korthikanti_bytes(b: int, s: int, h: int, heads: int, t: int, sp: bool) -> f
     return s * b * h * (10 + 24 / t + 5 * heads * s / (h * t))
 
 
-class SavedActivations:
-    """Bytes autograd saves inside a `with` block: each storage counted once (a tensor saved by three linears,
-    or a view of it, is one allocation), parameters left out (they are weights, not activations)."""
+class SavedActivations(ActivationMeter):
+    """Bytes autograd saves inside a `with` block: the pipeline's ActivationMeter under one key (each storage counted
+    once, parameters left out: they are weights, not activations)."""
 
     def __init__(self, params):
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.skip:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        super().__init__()
+        self.block = self.saving(0, list(params))
 
     def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
+        self.block.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
+        return self.block.__exit__(*exc)
 
     @property
     def bytes(self) -> int:
-        return sum(self.storages.values())
+        return self.live

@@ -30,16 +30,12 @@ def union(intervals) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def measure(intervals) -> float:
-    return sum(b - a for a, b in union(intervals))
-
-
 def parts(intervals: list[tuple[dict, tuple[float, float]]], step: float) -> dict[str, float]:
     """µs per category of a rank's (item, interval) pairs within a step of `step` µs (see the module's note)."""
     out = {c: 0.0 for c in CATEGORIES}
     for it, (a, b) in intervals:
         out["compute" if it["op"] == "compute" else it["dim"]] += max(b - a, 0.0)
-    out["idle"] = step - measure(iv for _, iv in intervals)
+    out["idle"] = step - sum(b - a for a, b in union(iv for _, iv in intervals))
     return out
 
 

@@ -197,9 +197,6 @@ def sum_norm_grads(module: nn.Module, wire) -> None:
 
 
 def cut(reference_tensors: dict[str, torch.Tensor], sources: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, (dim, pieces) in sources.items():
-        parts = [reference_tensors[ref] if dim is None else reference_tensors[ref].narrow(dim, s.start, s.stop - s.start)
-                 for ref, s in pieces]
-        out[name] = torch.cat(parts, dim if dim is not None else 0)
-    return out
+    """Reference tensors cut as each parameter's `source` says: its (name, slice) pieces along its dim, concatenated."""
+    return {name: torch.cat([reference_tensors[ref][(slice(None),) * (dim or 0) + (s,)] for ref, s in pieces], dim or 0)
+            for name, (dim, pieces) in sources.items()}

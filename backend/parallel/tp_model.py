@@ -40,27 +40,25 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
 
     def add(phase, op, name, numel):
         rows.append({"phase": phase, "op": op, "name": name, "numel": numel})
+    linears = ("attention", "mlp") if dense_ffn else ("attention",)  # each column-then-row pair of a block
     if sp:
         if first:
             add("forward", "reduce_scatter", "embedding", nh)
-        for _ in range(L):
-            for name in ("attention", "mlp") if dense_ffn else ("attention",):
-                add("forward", "all_gather", name, nh // n)
-                add("forward", "reduce_scatter", name, nh)
+        for name in linears * L:
+            add("forward", "all_gather", name, nh // n)
+            add("forward", "reduce_scatter", name, nh)
         if last:
             add("forward", "all_gather", "head", nh // n)
     else:
         if first:
             add("forward", "all_reduce", "embedding", nh)
-        for _ in range(L):
-            add("forward", "all_reduce", "attention", nh)
-            if dense_ffn:
-                add("forward", "all_reduce", "mlp", nh)
+        for name in linears * L:
+            add("forward", "all_reduce", name, nh)
     if last:
         add("forward", "all_gather", "cross entropy: max", tokens_)
         add("forward", "all_reduce", "cross entropy: target logit", tokens_)
         add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
-    for name in ["head"] * last + (["mlp", "attention"] if dense_ffn else ["attention"]) * L:
+    for name in ("head",) * last + linears[::-1] * L:
         if sp:
             if name != "head":
                 add("backward", "all_gather", name, nh // n)  # g' backward

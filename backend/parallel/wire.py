@@ -14,6 +14,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 
 from backend.comm.collectives import Spec, all_gather_ring, all_reduce_ring, all_to_all_direct, reduce_scatter_ring
 from backend.comm.p2p import P2P, Transfer
@@ -124,9 +125,7 @@ class Wire:
 
 def padded(flat: torch.Tensor, n: int) -> torch.Tensor:
     """`flat` zero-padded to a multiple of n elements (a ring cuts its vector into n equal chunks)."""
-    out = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype)
-    out[:flat.numel()] = flat
-    return out
+    return F.pad(flat, (0, -flat.numel() % n))
 
 
 def sum_gradients(wire: Wire, flat: torch.Tensor, what: str) -> torch.Tensor:

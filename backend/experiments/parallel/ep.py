@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import torch
 
@@ -114,11 +115,10 @@ def combine(config: EPConfig, payloads) -> Result:
         in_rows = sum(matrix[j][i] for j in range(n) if j != i)
         model = {("forward", "dispatch"): out_rows, ("forward", "combine"): in_rows,
                  ("backward", "combine"): out_rows, ("backward", "dispatch"): in_rows}
-        measured = {}
+        measured = Counter()
         for r in p["log"]:
-            if r["name"] in ("dispatch", "combine"):
-                measured[(r["phase"], r["name"])] = measured.get((r["phase"], r["name"]), 0) + r["sent_bytes"]
-        err = sum(abs(measured.get(k, 0) - v * d * 8) for k, v in model.items())
+            measured[r["phase"], r["name"]] += r["sent_bytes"]
+        err = sum(abs(measured[k] - v * d * 8) for k, v in model.items())
         checks.append(Check(f"rank {i}: all-to-all bytes equal the rows routed to other ranks x d x 8", err, 0,
                             reference="the routing matrix of the one-process reference"))
     experts = [{"source rank": p["rank"], "expert": e, "on rank": e // per, "routed": p["stats"]["routed"][e],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
+from statistics import fmean, median_high
 from typing import ClassVar
 
 import networkx as nx
@@ -28,7 +30,7 @@ from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
                                          replay_split, replay_step, step_items)
-from backend.parallel.tp import cut
+from backend.parallel.tp import cut, part
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
 from backend.comm.collectives import ring_bytes
@@ -362,11 +364,6 @@ def split_of(config: MeshConfig, coords: dict) -> TokenSplit:
                        {d: getattr(config, d) for d in DIMS}, coords, config.sp)
 
 
-def _microbatch_sizes(config: MeshConfig, coords: dict) -> list[int]:
-    """Sequences per micro-batch on the rank at `coords`: the batch split over dp x ep, then into micro-batches."""
-    return split_of(config, coords).microbatch_sizes
-
-
 def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[str, int]:
     """What one rank sends per run, dimension by dimension, from the shapes alone."""
     split = split_of(config, payload["coords"])
@@ -378,10 +375,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
     crossings = sum((st < S - 1 and plan.rank_of(st + 1, config.pp) != me) + (st > 0 and plan.rank_of(st - 1, config.pp) != me)
                     for st in payload["stages"])
     kv_block = sum(2 * b * (config.n_kv_heads // config.tp) * s * config.d_head * c for b in sizes)
-    n = payload["flat_numel"]
 
-    def gradients(k: int) -> int:
-        return steps * ring_bytes("all_reduce", -(-n // k) * k, k, r_) if k > 1 else 0
+    def gradients(numel: int, k: int) -> int:  # one ring all-reduce a step of the vector padded to a multiple of k
+        return steps * ring_bytes("all_reduce", -(-numel // k) * k, k, r_) if k > 1 else 0
     forwards = 2 if config.recompute == "full" else 1  # full recompute runs each forward again inside B
 
     split = {(st, mb) for kind, mb, st in payload["order_actions"] if kind == "W"}  # backwards run as I then W
@@ -410,10 +406,9 @@ def predicted_bytes(config: MeshConfig, payload: dict, rows: list[torch.Tensor])
             "dp gradients": fsdp2_bytes(payload["param_shapes"], config.dp, steps) if config.dp_strategy == "fsdp2" else
             dp_bytes(config.dp_strategy, payload["param_numels"], config.dp, steps, config.bucket_kb * 1024,
                      config.precision, sum(payload.get("skipped", []))),
-            "cp gradients": gradients(config.cp),
+            "cp gradients": gradients(payload["flat_numel"], config.cp),
             "ep all-to-all": sum(all_to_all_bytes(config, call, payload["coords"]) for call in rows),
-            "ep gradients": steps * ring_bytes("all_reduce", -(-payload["replicated_over_ep"] // config.ep) * config.ep,
-                                               config.ep, r_) if config.ep > 1 else 0}
+            "ep gradients": gradients(payload["replicated_over_ep"], config.ep)}
 
 
 def _item(config: MeshConfig, which: str) -> int:
@@ -475,32 +470,31 @@ def dp_bytes(strategy: str, numels: list[int], k: int, steps: int, bucket_bytes:
     return steps * ring_bytes("reduce_scatter", pad(n), k, grad) + gathers * gather + (report if reported else 0)
 
 
-def fsdp2_rows(rows: int, k: int, index: int) -> int:
-    """Rows of a dim-0 of `rows` on dp rank `index` of k, as torch.chunk cuts it: ⌈rows/k⌉ each, the last ones fewer
-    or none (FSDP2's Shard(0))."""
-    per = -(-rows // k)
-    return max(0, min(per, rows - index * per))
+def fsdp2_elements(shapes: dict, k: int, index: int) -> int:
+    """Elements of every parameter (`shapes`: per stage chunk, its parameters' shapes) on dp rank `index` of k: each
+    dim-0's rows as torch.chunk cuts them (FSDP2's Shard(0)), ⌈rows/k⌉ each, the last ones fewer or none. Rank 0's
+    count is every rank's padded shard (FSDP2 pads the short ones)."""
+    total = 0
+    for shape in (s for chunk in shapes.values() for s in chunk):
+        per = -(-shape[0] // k)
+        total += max(0, min(per, shape[0] - index * per)) * math.prod(shape[1:])
+    return total
 
 
 def fsdp2_bytes(shapes: dict, k: int, steps: int) -> int:
-    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per stage chunk (one fully_shard unit) and per step
-    one ring all-gather of its padded shard (every parameter's ⌈rows/k⌉ rows, FSDP2 pads the short ones) and one ring
-    reduce-scatter of k such shards (the unsharded gradients padded the same way): ZeRO-3's 2ψ(k-1)/k per step with ψ
-    the padded size; plus one all-gather at the end to report the trained weights."""
+    """Bytes one rank sends over dp under FSDP2 in a run of `steps`: per step one ring all-gather of the padded shard
+    (fsdp2_elements of rank 0) and one ring reduce-scatter of k such shards (the unsharded gradients padded the same
+    way): ZeRO-3's 2ψ(k-1)/k per step with ψ the padded size; plus one all-gather at the end to report the weights."""
     if k == 1:
         return 0
-    total = 0
-    for chunk in shapes.values():
-        shard = sum(fsdp2_rows(s[0], k, 0) * math.prod(s[1:]) for s in chunk)
-        gather = ring_bytes("all_gather", shard, k, 8)
-        total += steps * (gather + ring_bytes("reduce_scatter", k * shard, k, 8)) + gather
-    return total
+    shard = fsdp2_elements(shapes, k, 0)
+    return (steps + 1) * ring_bytes("all_gather", shard, k, 8) + steps * ring_bytes("reduce_scatter", k * shard, k, 8)
 
 
 def fsdp2_memory(shapes: dict, k: int, index: int) -> dict[str, int]:
     """FSDP2's bytes kept between steps on dp rank `index` (float64): the local rows of every parameter (torch.chunk's,
     unpadded), as many gradient elements, and Adam's m and v for them: ZeRO-3's split with FSDP2's per-parameter cut."""
-    mine = sum(fsdp2_rows(s[0], k, index) * math.prod(s[1:]) for chunk in shapes.values() for s in chunk)
+    mine = fsdp2_elements(shapes, k, index)
     return {"parameters": 8 * mine, "gradients": 8 * mine, "optimizer states": 16 * mine}
 
 
@@ -543,7 +537,7 @@ def offload_models(config: MeshConfig, p: dict) -> tuple[dict[str, int], dict[st
     (reshard_after_forward=False: one unshard a step) and the local gradient rows down after the reduce-scatter."""
     if config.dp_strategy == "fsdp2":
         held = fsdp2_memory(p["param_shapes"], config.dp, p["coords"]["dp"])
-        padded = sum(fsdp2_rows(s[0], config.dp, 0) * math.prod(s[1:]) for chunk in p["param_shapes"].values() for s in chunk)
+        padded = fsdp2_elements(p["param_shapes"], config.dp, 0)
         return ({"parameters (shard)": held["parameters"], "gradients (shard)": held["gradients"],
                  "optimizer states": held["optimizer states"]},
                 {"device_to_host": held["gradients"], "host_to_device": 8 * padded})
@@ -604,24 +598,23 @@ def all_to_all_bytes(config: MeshConfig, rows: torch.Tensor, coords: dict) -> in
     if n == 1:
         return 0
     forwards = 2 if config.recompute == "full" else 1
-    mine = slice(me * per, (me + 1) * per)
+    mine = part(config.experts, me, n)
     out_rows = int(rows[me].sum() - rows[me, mine].sum())
     in_rows = int(rows[:, mine].sum() - rows[me, mine].sum())
     return forwards * (n - 1) * per * 8 + (forwards + 1) * (out_rows + in_rows) * config.d_model * _item(config, "compute")
 
 
-def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[tuple[int, int], float]:
-    """Bytes each (stage, micro-batch) forward saves on this rank: sp.activation_elements x the stage's blocks (+ RoPE's
-    tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU term, with the rows its
-    experts computed in the first step (the one measured) taken from the reference's routing; under SP it routes only
-    its sequence shard's tokens."""
+def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tensor]) -> dict[int, dict[int, float]]:
+    """Bytes each (stage, micro-batch) forward saves on this rank, {stage: {mb: bytes}}: sp.activation_elements x the
+    stage's blocks (+ RoPE's tables). An MoE block's feed-forward is ep.moe_activation_elements instead of the SwiGLU
+    term, with the rows its experts computed in the first step (the one measured) taken from the reference's routing;
+    under SP it routes only its sequence shard's tokens."""
     split = split_of(config, payload["coords"])
     s = len(split.positions)
     ring = config.n_kv_heads * config.d_head if config.cp > 1 else None
     order = payload["layers"]
     first_step = rows[:config.plan.microbatches(config.microbatches) * len(order)]
-    per = config.experts // config.ep
-    mine = slice(payload["coords"]["ep"] * per, (payload["coords"]["ep"] + 1) * per)
+    mine = part(config.experts, payload["coords"]["ep"], config.ep)
     out = {}
     for j, b in enumerate(split.microbatch_sizes):
         block = activation_elements(b, s, config.d_model, config.n_heads, config.n_heads * config.d_head,
@@ -636,7 +629,7 @@ def activation_formula(config: MeshConfig, payload: dict, rows: list[torch.Tenso
                         b * len(split.sp_positions), int(first_step[j * len(order) + order.index(layer)][:, mine].sum()), config.d_model,
                         config.d_ff, config.experts, config.top_k, 1).values())
                 elements += sum(block.values())
-            out[(stage, j)] = elements * _item(config, "compute")
+            out.setdefault(stage, {})[j] = elements * _item(config, "compute")
     return out
 
 
@@ -725,8 +718,7 @@ def memory_checks(config: MeshConfig, payloads, rows: dict) -> tuple[list[Check]
     checks = []
     memory = []
     for p in payloads:
-        per = activation_formula(config, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]},
+        formula = peak_in_flight(p["order_actions"], activation_formula(config, p, rows[p["rank"]]),
                                  kept_inputs(config, p) if config.recompute == "full" else None)
         for cat, got in p["memory"].items():
             memory.append({"rank": p["rank"], "category": cat, "measured_bytes": got,
@@ -848,20 +840,14 @@ def schedule_means(rows: list[dict]) -> list[dict]:
     """Per schedule that ran (in the comparison's order), the pipeline's bubble as the mean over ranks of each rank's
     idle share, replayed and modelled (the mean, as the pipeline page reports a schedule's bubble), beside the
     closed form and the replayed step time, which are one number per schedule already."""
-    out: dict[str, dict] = {}
+    ran: dict[str, list[dict]] = {}
     for r in rows:
-        if r["refused"]:
-            continue
-        mean = out.setdefault(r["schedule"], {"schedule": r["schedule"], "ranks": 0, "step_replayed_ms": r["step_replayed_ms"],
-                                              "bubble_replayed": 0.0, "bubble_makespan_model": 0.0,
-                                              "bubble_formula": r["bubble_formula"]})
-        mean["ranks"] += 1
-        mean["bubble_replayed"] += r["bubble_replayed"]
-        mean["bubble_makespan_model"] += r["bubble_makespan_model"]
-    for mean in out.values():
-        mean["bubble_replayed"] /= mean["ranks"]
-        mean["bubble_makespan_model"] /= mean["ranks"]
-    return list(out.values())
+        if not r["refused"]:
+            ran.setdefault(r["schedule"], []).append(r)
+    return [{"schedule": name, "ranks": len(rs), "step_replayed_ms": rs[0]["step_replayed_ms"],
+             "bubble_replayed": fmean(r["bubble_replayed"] for r in rs),
+             "bubble_makespan_model": fmean(r["bubble_makespan_model"] for r in rs),
+             "bubble_formula": rs[0]["bubble_formula"]} for name, rs in ran.items()]
 
 
 def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
@@ -950,10 +936,9 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
         forward = sum(f["flops"] for f in pr["without_forwards"])
         extra = pr["with_flops"] - pr["without_flops"]
         model = forward if full else sum(core_flops(b, heads, config.seq, config.d_head) * p["layers_here"]
-                                         for b in _microbatch_sizes(config, p["coords"]))
+                                         for b in split_of(config, p["coords"]).microbatch_sizes)
         flops_err = max(flops_err, abs(extra - model))
-        per = activation_formula(plain, p, rows[p["rank"]])
-        formula = peak_in_flight(p["order_actions"], {st: {mb: b for (s_, mb), b in per.items() if s_ == st} for st in p["stages"]})
+        formula = peak_in_flight(p["order_actions"], activation_formula(plain, p, rows[p["rank"]]))
         peak_err = max(peak_err, abs(pr["peak_without"] / formula - 1))
         cpu_with, cpu_without = sum(pr["with_cpu_us"].values()) / 1e3, sum(pr["without_cpu_us"].values()) / 1e3
         timed.append((cpu_with, cpu_without, pr["without_cpu_us"]["F"] / 1e3, pr["recompute_cpu_us"], pr["without_forward_cpu_us"]))
@@ -980,8 +965,7 @@ def recompute_price(config: MeshConfig, payloads, rows) -> tuple[list[Check], di
     if full:
         metrics["backward_to_forward_flops"] = round(backward / forward, 3)
         if cpu_without >= MIN_TIMED_CPU_MS:  # below it, CPU-time ratios are timer and scheduler noise
-            from backend.parallel.pp.recompute import _median
-            ratio = _median([u for t in timed for u in t[3]]) / _median([u for t in timed for u in t[4]])
+            ratio = median_high([u for t in timed for u in t[3]]) / median_high([u for t in timed for u in t[4]])
             checks.append(Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1),
                                 TIME_TOLERANCE, reference="the same plan's forwards without recompute (median over ranks)",
                                 detail=f"recompute ÷ forward {ratio:.2f}; F/(F+B) by CPU time predicts "
@@ -1102,9 +1086,9 @@ def _v1_before_the_later_settings(result: dict) -> None:
 
 def experts_per_rank(experts: list[dict]) -> list[dict]:
     """Token assignments each rank computed for each expert, over every block and step (the experts table summed)."""
-    total: dict[tuple[int, int], int] = {}
+    total = Counter()
     for r in experts:
-        total[r["rank"], r["expert"]] = total.get((r["rank"], r["expert"]), 0) + r["rows computed"]
+        total[r["rank"], r["expert"]] += r["rows computed"]
     return [{"rank": rank, "expert": e, "rows computed": n} for (rank, e), n in sorted(total.items())]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -150,9 +151,7 @@ def run_rank(rank, world, config: TPConfig, ctx):
 
 def _neighbour_shard(ref_grads, config, wire):
     """A deliberately wrong shard: the next rank's columns of the down projection's gradient."""
-    cols = config.d_ff // wire.n
-    j = (wire.index + 1) % wire.n
-    return ref_grads["blocks.0.ffn.down.weight"][:, j * cols:(j + 1) * cols]
+    return ref_grads["blocks.0.ffn.down.weight"][:, part(config.d_ff, (wire.index + 1) % wire.n, wire.n)]
 
 
 def numeric_checks(mode: str, ranks: list[dict]) -> list[Check]:
@@ -384,10 +383,7 @@ class DTensorCollectives(TorchDispatchMode):
     def counts(self) -> dict[str, int]:
         """Calls per op under torch's names, as CommDebugMode.get_comm_counts reports them."""
         torch_name = {v: k for k, v in self.OPS.items()}
-        out: dict[str, int] = {}
-        for r in self.rows:
-            out[torch_name[r["op"]]] = out.get(torch_name[r["op"]], 0) + 1
-        return out
+        return dict(Counter(torch_name[r["op"]] for r in self.rows))
 
 
 def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: torch.Tensor, n: int, rank: int) -> dict:

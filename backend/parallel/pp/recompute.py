@@ -17,6 +17,7 @@ prediction from this run's own measured forward and backward CPU times is F / (F
 from __future__ import annotations
 
 from contextlib import contextmanager
+from statistics import median_high
 
 import torch
 
@@ -94,11 +95,6 @@ TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine 
                          # recomputing twice (2) or not at all (0) still fails it; the FLOPs are checked exactly
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0
-
-
 def _cpu_ms(trace: dict, kinds: str) -> float:
     return sum(e["cpu_us"] for e in trace["events"] if e["lane"] == "compute" and e["args"].get("kind") in kinds) / 1e3
 
@@ -109,15 +105,12 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
     plan, p, S = config.plan, config.world_size, config.num_stages
     m = plan.microbatches(config.microbatches)
     rows, flops_err, peak_err = [], 0, 0
-    totals = {"flops_with": 0, "flops_without": 0, "extra_forward": 0, "extra_model": 0,
-              "cpu_with": 0.0, "cpu_without": 0.0, "forward_without": 0.0, "recompute": 0.0}
+    totals = {"flops_with": 0, "flops_without": 0, "extra_model": 0}
     for pl in payloads:
         base, r = pl["baseline"], pl["rank"]
         for s, (f, b) in pl["flops"].items():
             layers, last = stage_layers(config, s), s == S - 1
             done, plain = pl["executed"][s], base["executed"][s]
-            extra = (done["F"] + done["R"] - plain["F"]) * f
-            totals["extra_forward"] += extra
             totals["extra_model"] += m * forward_flops_model(config, layers)
             flops_err = max(flops_err, abs(f - forward_flops_model(config, layers)))
             totals["flops_with"] += (done["F"] + done["R"]) * f + done["B"] * b
@@ -126,47 +119,45 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
             model_with, model_without = (peak_model(config, layers, last, bound, flag) for flag in (True, False))
             peak_err = max(peak_err, abs(pl["activation_peak_bytes"] - model_with), abs(base["activation_peak_bytes"] - model_without))
             forwards = [e["cpu_us"] / 1e3 for e in base["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") == "F"]
-            cpu = {"with": _cpu_ms(pl["trace"], "FBIW"), "without": _cpu_ms(base["trace"], "FBIW"),
-                   "forward": _cpu_ms(base["trace"], "F"), "recompute": sum(pl["recompute_cpu_us"]) / 1e3,
-                   "median_forward": _median(forwards), "median_recompute": _median([t / 1e3 for t in pl["recompute_cpu_us"]])}
-            totals["median_forward"] = totals.get("median_forward", 0.0) + cpu["median_forward"]
-            totals["median_recompute"] = totals.get("median_recompute", 0.0) + cpu["median_recompute"]
-            totals["cpu_with"] += cpu["with"]
-            totals["cpu_without"] += cpu["without"]
-            totals["forward_without"] += cpu["forward"]
-            totals["recompute"] += cpu["recompute"]
             rows.append({"rank": r, "stage": s, "forwards": done["F"] + done["R"], "forwards_without": plain["F"],
-                         "forward_flops_per_microbatch": f, "extra_forward_flops": extra,
+                         "forward_flops_per_microbatch": f,
+                         "extra_forward_flops": (done["F"] + done["R"] - plain["F"]) * f,
                          "peak_activation_bytes": pl["activation_peak_bytes"], "peak_model_bytes": model_with,
                          "peak_without_bytes": base["activation_peak_bytes"], "peak_without_model_bytes": model_without,
                          "saved_bytes": base["activation_peak_bytes"] - pl["activation_peak_bytes"],
-                         "compute_cpu_ms": cpu["with"], "compute_cpu_without_ms": cpu["without"],
-                         "recompute_cpu_ms": cpu["recompute"], "forward_cpu_without_ms": cpu["forward"],
-                         "median_recompute_cpu_ms": cpu["median_recompute"], "median_forward_cpu_without_ms": cpu["median_forward"]})
+                         "compute_cpu_ms": _cpu_ms(pl["trace"], "FBIW"),
+                         "compute_cpu_without_ms": _cpu_ms(base["trace"], "FBIW"),
+                         "recompute_cpu_ms": sum(pl["recompute_cpu_us"]) / 1e3,
+                         "forward_cpu_without_ms": _cpu_ms(base["trace"], "F"),
+                         "median_recompute_cpu_ms": median_high(pl["recompute_cpu_us"]) / 1e3,
+                         "median_forward_cpu_without_ms": median_high(forwards)})
+    totals.update({column: sum(row[column] for row in rows) for column in rows[0]})  # (each rank's rows summed)
     checks = [
         Check("forward FLOPs per micro-batch per stage, counted, equal 2·b·h²·L", flops_err, 0,
               reference="torch.utils.flop_counter.FlopCounterMode against the GEMM count"),
         Check("recomputation's extra forward FLOPs equal one forward per micro-batch per stage",
-              abs(totals["extra_forward"] - totals["extra_model"]), 0,
+              abs(totals["extra_forward_flops"] - totals["extra_model"]), 0,
               reference="seed 003: the backward re-runs each stage's forward once; m · Σ 2·b·h²·L",
-              detail=f"{totals['extra_forward']:,} counted, {totals['extra_model']:,} modelled"),
+              detail=f"{totals['extra_forward_flops']:,} counted, {totals['extra_model']:,} modelled"),
         Check("peak activation bytes per rank, with and without recomputation, equal the model", peak_err, 0,
               reference="k·A without, k·A_in + (A − A_in) with (k: the schedule's live bound); bytes of the storages "
                         "autograd saved, parameters excluded")]
-    overhead = totals["cpu_with"] / totals["cpu_without"] - 1
-    predicted = totals["forward_without"] / totals["cpu_without"]
+    overhead = totals["compute_cpu_ms"] / totals["compute_cpu_without_ms"] - 1
+    predicted = totals["forward_cpu_without_ms"] / totals["compute_cpu_without_ms"]
     metrics = {"recompute_flops_overhead": round(totals["flops_with"] / totals["flops_without"] - 1, 4),
                "recompute_time_overhead": round(overhead, 4), "recompute_time_model": round(predicted, 4),
                "recompute_textbook_overhead": round(1 / 3, 4),
                "activation_peak_saved_bytes": max(row["saved_bytes"] for row in rows),
-               "recompute_cpu_ms": round(totals["recompute"], 3),
-               "recompute_to_forward_time": round(totals["median_recompute"] / totals["median_forward"], 4)}
-    notes = [f"Recomputation re-ran {totals['extra_forward']:,} forward FLOPs "
+               "recompute_cpu_ms": round(totals["recompute_cpu_ms"], 3),
+               "recompute_to_forward_time":
+                   round(totals["median_recompute_cpu_ms"] / totals["median_forward_cpu_without_ms"], 4)}
+    notes = [f"Recomputation re-ran {totals['extra_forward_flops']:,} forward FLOPs "
              f"(+{100 * metrics['recompute_flops_overhead']:.1f} % of all GEMM FLOPs; the textbook 3 → 4 units is +33 %, "
              f"more here because stage 0 computes no input gradient, so its backward is smaller) and cost +{100 * overhead:.1f} % CPU time against the "
              f"same run without it, to hold up to {metrics['activation_peak_saved_bytes']:,} fewer activation bytes on a rank."]
-    if totals["cpu_without"] < MIN_TIMED_CPU_MS:
-        notes.append(f"The run's compute took {totals['cpu_without']:.1f} ms of CPU, too little to time its +{100 * predicted:.0f} % "
+    if totals["compute_cpu_without_ms"] < MIN_TIMED_CPU_MS:
+        notes.append(f"The run's compute took {totals['compute_cpu_without_ms']:.1f} ms of CPU, too little to time its "
+                     f"+{100 * predicted:.0f} % "
                      "against the clock's noise, so the time overhead is shown but not checked (a larger hidden size or batch "
                      "makes it longer).")
     else:

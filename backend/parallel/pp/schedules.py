@@ -9,6 +9,8 @@ s + 1) and added by the executor; a boundary inside one rank (stage p - 1 to p i
 """
 from __future__ import annotations
 
+import itertools
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -66,30 +68,14 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     def bwd_stage(step):
         return (v - 1 - ((step - warmup) // per_round) % v) * p + r
 
-    next_f, next_b, ops = {}, {}, []
+    taken = {"F": defaultdict(itertools.count), "B": defaultdict(itertools.count)}  # next micro-batch per stage
 
-    def take(counter, stage):
-        counter[stage] = counter.get(stage, -1) + 1
-        return counter[stage]
-
-    for step in range(warmup):
-        s = fwd_stage(step)
-        ops.append(Action("F", take(next_f, s), s))
+    def act(kind: str, stage: int) -> Action:
+        return Action(kind, next(taken[kind][stage]), stage)
+    ops = [act("F", fwd_stage(step)) for step in range(warmup)]
     for step in range(warmup, total):
-        s = fwd_stage(step)
-        ops.append(Action("F", take(next_f, s), s))
-        s = bwd_stage(step)
-        ops.append(Action("B", take(next_b, s), s))
-    for step in range(total, total + warmup):
-        s = bwd_stage(step)
-        ops.append(Action("B", take(next_b, s), s))
-    return ops
-
-
-def pipedream(p: int, m: int, r: int) -> list[Action]:
-    """PipeDream's asynchronous 1F1B: the same order as 1F1B, but each stage updates its weights after every
-    backward, with no flush; weight stashing keeps each micro-batch's backward on the weights its forward used."""
-    return one_f_one_b(p, m, r)
+        ops += [act("F", fwd_stage(step)), act("B", bwd_stage(step))]
+    return ops + [act("B", bwd_stage(step)) for step in range(total, total + warmup)]
 
 
 def zb_v(p: int, m: int, r: int) -> list[Action]:
@@ -251,11 +237,13 @@ class Schedule:
     def stages_on(self, rank: int, p: int, v: int = 1) -> list[int]:
         return [s for s in range(p * self.chunks(v)) if self.rank_of(s, p) == rank]
 
-    def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+    def order(self, p: int, m: int, r: int, v: int = 1) -> list[Action]:
+        """Rank r's actions."""
         m = self.microbatches(m)
-        if self.interleaved:
-            return {r: self.order_fn(p, m, r, v) for r in range(p)}
-        return {r: self.order_fn(p, m, r) for r in range(p)}
+        return self.order_fn(p, m, r, v) if self.interleaved else self.order_fn(p, m, r)
+
+    def actions(self, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+        return {r: self.order(p, m, r, v) for r in range(p)}
 
     def bubble(self, p: int, m: int, v: int = 1) -> float:
         """Idle fraction of each stage with equal action costs: the textbook formula."""
@@ -263,7 +251,7 @@ class Schedule:
 
     def live_bound(self, p: int, m: int, r: int, v: int = 1) -> int:
         bound = self.live_bound_fn(p, self.microbatches(m), r) if self.live_bound_fn else None
-        return live_activations(self.actions(p, m, v)[r]) if bound is None else bound
+        return live_activations(self.order(p, m, r, v)) if bound is None else bound
 
 
 def _forward_then_backward(f, b, m):  # every forward wave, then every backward wave
@@ -328,6 +316,8 @@ SCHEDULES = {s.name: s for s in (
              live_bound_source="DeepSeek-V3 Table 2: PP + 1 chunk activations, PP = 2p", torch_order="ScheduleDualPipeV",
              min_microbatches_fn=lambda p: 2 * p, published_idle_fn=_dualpipe_idle,
              published_idle_formula="DeepSeek-V3 Table 2: (PP/2−1)(F&B+B−3W), PP = 2p, B = I + W, F&B = F + B unoverlapped"),
-    Schedule("pipedream", "PipeDream (async 1F1B)", pipedream, asynchronous=True, live_bound_fn=_p_minus_r,
+    # PipeDream: 1F1B's order, each stage updating its weights after every backward with no flush (weight stashing
+    # keeps each micro-batch's backward on the weights its forward used)
+    Schedule("pipedream", "PipeDream (async 1F1B)", one_f_one_b, asynchronous=True, live_bound_fn=_p_minus_r,
              live_bound_source="seed 000: p − r"),
 )}
