@@ -90,7 +90,7 @@ def test_a_recomputation_that_keeps_the_graph_fails_the_memory_check():
     payloads = spawn_ranks(_rank_keeping_the_graph, 2, config, RunContext(timeout_s=120))
     result = combine(config, payloads)
     assert not _check(result, "peak activation bytes").passed
-    assert _check(result, "gradients equal").passed  # the arithmetic is still right: only the memory is not saved
+    assert _check(result, "weights after").passed  # the arithmetic is still right: only the memory is not saved
 
 
 def test_the_pipeline_page_draws_the_price():

@@ -22,8 +22,10 @@ import torch
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
+from backend.parallel.mesh_train import train_rank
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import TIMED_STEPS, make_batch, make_stage, run_rank, stage_layers
+from backend.parallel.pp.executor import mark_least_cpu
+from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result, Schema
@@ -43,7 +45,7 @@ class PipelineConfig(Config):
     recompute: bool = setting(False, help="keep only stage inputs; recompute the forward in backward (naive, gpipe, 1f1b)")
     weight_stashing: bool = setting(True, help="pipedream: backward on the weights its forward used")
     vertical_sync: bool = setting(False, help="pipedream: every stage runs a micro-batch on the weight version stage 0 used")
-    lr: float = setting(0.05, min=0.0, max=1.0, help="pipedream: SGD learning rate per micro-batch")
+    lr: float = setting(0.05, min=0.0, max=1.0, help="learning rate: Adam's per step (pipedream: SGD's per micro-batch)")
     seed: int = setting(0, min=0, max=2**31 - 1, help="weights and data")
 
     @property
@@ -57,14 +59,14 @@ class PipelineConfig(Config):
     cost_drivers = ("batch", "hidden", "layers", "microbatches", "world_size")
 
     def estimate(self):
-        """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
-        more steps on the same ranks, and the executor a warm-up step and TIMED_STEPS timed ones (PipeDream one):
-        about seven training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
-        worst case) in each; recomputation adds a third of a step to each of the executor's and its run without it."""
+        """float64 stages; the reference runs every stage on the whole batch for the loop's steps, and PyTorch's own
+        schedule runs two more steps on the same ranks, and the loop a warm-up step and TIMED_STEPS timed ones:
+        about eight training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
+        worst case) in each; recomputation adds the same run without it, the loop's price (four steps) and a third of
+        a step to each recomputing one."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        executor = 1 if self.plan.asynchronous else 1 + TIMED_STEPS  # a warm-up step before the timed ones
-        steps = 3 + executor + 1.5 * executor * self.recompute  # with recomputation, the same run again without it
+        steps = 2 + 2 * STEPS + self.recompute * (STEPS + 4 + (STEPS + 2) / 3)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
@@ -113,7 +115,8 @@ def _names(flag: str) -> str:
 
 
 def reference_grads(config) -> list[list[torch.Tensor]]:
-    """Gradients of one process running every stage on the whole batch (the same seeds, float64)."""
+    """Gradients of one process running every stage on the whole batch (the same seeds, float64): one step's, from
+    the initial weights (what PyTorch's schedule run as a peer computes)."""
     stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
     x, y = make_batch(config)
     out = x
@@ -121,6 +124,19 @@ def reference_grads(config) -> list[list[torch.Tensor]]:
         out = mod(out)
     (((out - y) ** 2).mean()).backward()
     return [[prm.grad for prm in mod.parameters()] for mod in stages]
+
+
+def reference_training(config) -> dict[str, torch.Tensor]:
+    """The weights of one process training every stage on the whole batch (the same seeds, float64) with
+    torch.optim.Adam for the loop's STEPS steps, by the loop's names (stage{s}.{parameter})."""
+    stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
+    model, (x, y) = torch.nn.Sequential(*stages), make_batch(config)
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages) for k, v in mod.named_parameters()}
 
 
 def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] | None:
@@ -186,11 +202,52 @@ def torch_peer_refusal(config) -> str | None:
     return None
 
 
+TIMED_STEPS = 3  # steps timed after the loop's first; an action's cost: its least CPU time over them
+STEPS = 1 + TIMED_STEPS  # the first step's first forwards cost about twice the later ones (allocator and caches)
+
+
+def loop_config(config: PipelineConfig) -> SimpleNamespace:
+    """These settings as the mesh's training loop reads them (parallel/mesh_train.train_rank, with the Linear+tanh
+    stack as its model): a pipeline of world_size ranks and nothing else (dp = cp = ep = tp = 1), float64, Adam at
+    lr after each synchronous step, STEPS steps; recomputation is the loop's full one."""
+    return SimpleNamespace(**{**dataclasses.asdict(config), "recompute": "full" if config.recompute else "none"},
+                           num_stages=config.num_stages, pp=config.world_size, dp=1, cp=1, ep=1, tp=1, sp=False, seq=0,
+                           experts=0, precision="fp64", dp_strategy="allreduce", bucket_kb=0, steps=STEPS)
+
+
+def run_loop(rank: int, p: int, config: PipelineConfig, ctx) -> dict:
+    """This rank's run through the mesh's one training loop: its last step as the page draws it (the actions, each
+    with its least CPU time over the timed steps, and the sends and receives), that step's walk (live activations,
+    PipeDream's versions, what ran) and the trained weights."""
+    out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
+    return {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
+            "params": out["params"], "order": out["order"], "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
+
+
+def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
+    """The rank's actions (F, B, I, W) and its sends and receives in its last step (the loop's `step_us` windows), each
+    action marked with its least CPU time over the timed steps (every step after the first: executor.mark_least_cpu)."""
+    kept = [e for e in events if e["lane"] in ("recv", "send")
+            or (e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"))]
+    drawn = [e for e in kept if e["ts"] >= step_us[-1][0]]
+    mark_least_cpu(drawn, [e for e in kept if e["ts"] >= step_us[0][1]])
+    return drawn
+
+
+def stage_flops_here(rank: int, p: int, config: PipelineConfig) -> dict[int, tuple[int, int]]:
+    """(forward, backward) FLOPs of one micro-batch through each of this rank's stages, counted by FlopCounterMode."""
+    plan = config.plan
+    x = make_batch(config)[0].chunk(plan.microbatches(config.microbatches))[0]
+    return {s: recompute.stage_flops(make_stage(s, config.hidden, stage_layers(config, s), config.seed), x, s > 0)
+            for s in plan.stages_on(rank, p, config.virtual_stages)}
+
+
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
-    payload = run_rank(rank, p, config, ctx)
+    payload = run_loop(rank, p, config, ctx)
     if config.recompute:  # the same run without recomputation, on the same ranks: what it costs and what it saves
-        plain = run_rank(rank, p, dataclasses.replace(config, recompute=False), ctx)
+        plain = run_loop(rank, p, dataclasses.replace(config, recompute=False), ctx)
         payload["baseline"] = {k: plain[k] for k in ("trace", "activation_peak_bytes", "executed")}
+        payload["flops"] = stage_flops_here(rank, p, config)
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
@@ -225,6 +282,7 @@ def pipedream_seed_example(config, versions: list[dict]) -> Check | None:
                  detail="; ".join(f"{what}: version {ours} (seed: {theirs})" for what, ours, theirs in figures))
 
 
+WEIGHTS_TOLERANCE = 1e-9  # float64 after a few Adam steps: micro-batch gradients summed in another order, divided by √v
 MIN_TIMED_ACTION_US = 500  # below this, a forward's CPU time is mostly Python overhead and scheduler jitter
 
 
@@ -250,7 +308,7 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
 
 def least_costs(compute: list[dict]) -> list[dict]:
     """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`, the executor's
-    TIMED_STEPS; PipeDream's one step): what the replay and the makespan model take as its cost. Ranks share a loaded
+    TIMED_STEPS after the loop's first step): what the replay and the makespan model take as its cost. Ranks share a loaded
     2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
     least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
     step, 0.06 at the least; load 7-26)."""
@@ -416,10 +474,11 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
-        ref = reference_grads(config)
-        worst = max([0.0] + [max_grad_error(zip(grads, ref[int(s)])) for pl in payloads for s, grads in pl["grads"].items() if grads])
-        checks.append(Check("gradients equal one process running the whole model on the whole batch", worst, 1e-12,
-                            reference="single-process PyTorch autograd, float64", detail="max |difference| over every parameter"))
+        ref = reference_training(config)
+        worst = max(float(abs(torch.from_numpy(w) - ref[name]).max()) for pl in payloads for name, w in pl["params"].items())
+        checks.append(Check(f"weights after {STEPS} Adam steps equal one process training the whole model on the whole batch",
+                            worst, WEIGHTS_TOLERANCE, reference="single-process PyTorch autograd and torch.optim.Adam, float64",
+                            detail=f"max |difference| over every parameter of every stage (lr {config.lr})"))
     for r in range(config.world_size):
         theirs = payloads[r]["torch_order"]
         if theirs is not None:
