@@ -322,3 +322,25 @@ def test_idle_split_on_a_hand_timed_trace():
     split = idle_split(events, 2)
     assert split[0] == {"idle": 23, "waiting": 20, "transfer": 3, "between": 0}
     assert split[1] == {"idle": 24, "waiting": 8, "transfer": 4, "between": 12}
+
+
+def _rank_with_the_loss_share_doubled(rank, world, config, ctx):
+    """The pipeline's rank whose stages weight the loss by twice the micro-batch's share of the batch's mean."""
+    from backend.parallel.pp import linear
+
+    init = linear.LinearStage.__init__
+
+    def doubled(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scale *= 2
+    linear.LinearStage.__init__ = doubled
+    return run_rank_with_peer(rank, world, config, ctx)
+
+
+def test_a_loss_share_off_by_two_fails_the_training_checks():
+    """The loss off by 2 (and so every gradient): each step's loss is twice one process's, and Adam, though it all but
+    cancels a constant factor, leaves the weights further than the tolerance through its eps."""
+    config = PipelineConfig(schedule="1f1b", world_size=2, microbatches=4, hidden=16, batch=8, layers=4).validate()
+    result = combine(config, spawn_ranks(_rank_with_the_loss_share_doubled, 2, config, RunContext(timeout_s=120)))
+    failed = {c.name.split(" ")[0] for c in result.checks if not c.passed}
+    assert failed == {"each", "weights"}, failed

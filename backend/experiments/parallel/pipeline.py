@@ -126,17 +126,19 @@ def reference_grads(config) -> list[list[torch.Tensor]]:
     return [[prm.grad for prm in mod.parameters()] for mod in stages]
 
 
-def reference_training(config) -> dict[str, torch.Tensor]:
-    """The weights of one process training every stage on the whole batch (the same seeds, float64) with
-    torch.optim.Adam for the loop's STEPS steps, by the loop's names (stage{s}.{parameter})."""
+def reference_training(config) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process training every stage on the whole batch (the same seeds, float64) with torch.optim.Adam for the
+    loop's STEPS steps: each step's loss and the final weights, by the loop's names (stage{s}.{parameter})."""
     stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
     model, (x, y) = torch.nn.Sequential(*stages), make_batch(config)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    opt, losses = torch.optim.Adam(model.parameters(), lr=config.lr), []
     for _ in range(STEPS):
         opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
         opt.step()
-    return {f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages) for k, v in mod.named_parameters()}
+        losses.append(loss.item())
+    return losses, {f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages) for k, v in mod.named_parameters()}
 
 
 def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] | None:
@@ -221,7 +223,7 @@ def run_loop(rank: int, p: int, config: PipelineConfig, ctx) -> dict:
     PipeDream's versions, what ran) and the trained weights."""
     out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
     return {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
-            "params": out["params"], "order": out["order"], "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
+            "losses": out["losses"], "params": out["params"], "order": out["order"], "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
 
 
 def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
@@ -467,6 +469,22 @@ def max_grad_error(pairs) -> float:
     return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
 
 
+def training_checks(config: PipelineConfig, payloads: list[dict]) -> list[Check]:
+    """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
+    torch.optim.Adam: each step's loss (summed over the ranks: only the last stage's is not zero) and the final weights.
+    The loss also catches a gradient off by a constant factor, which Adam's update all but cancels."""
+    losses, weights = reference_training(config)
+    ours = [sum(step) for step in zip(*(pl["losses"] for pl in payloads))]
+    worst = max(float(abs(torch.from_numpy(w) - weights[name]).max()) for pl in payloads for name, w in pl["params"].items())
+    reference = "single-process PyTorch autograd and torch.optim.Adam, float64"
+    return [Check("each step's loss equals one process training the whole model on the whole batch",
+                  max(abs(a - b) for a, b in zip(ours, losses)), WEIGHTS_TOLERANCE, reference=reference,
+                  detail=" ".join(f"{a:.6g}" for a in ours) + f" (one process: {' '.join(f'{b:.6g}' for b in losses)})"),
+            Check(f"weights after {STEPS} Adam steps equal one process training the whole model on the whole batch",
+                  worst, WEIGHTS_TOLERANCE, reference=reference,
+                  detail=f"max |difference| over every parameter of every stage (lr {config.lr})")]
+
+
 def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[dict]) -> list[Check]:
     """Peak live activations against the schedule's bound, gradients against one float64 process, and each rank's op
     order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
@@ -474,11 +492,7 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
-        ref = reference_training(config)
-        worst = max(float(abs(torch.from_numpy(w) - ref[name]).max()) for pl in payloads for name, w in pl["params"].items())
-        checks.append(Check(f"weights after {STEPS} Adam steps equal one process training the whole model on the whole batch",
-                            worst, WEIGHTS_TOLERANCE, reference="single-process PyTorch autograd and torch.optim.Adam, float64",
-                            detail=f"max |difference| over every parameter of every stage (lr {config.lr})"))
+        checks += training_checks(config, payloads)
     for r in range(config.world_size):
         theirs = payloads[r]["torch_order"]
         if theirs is not None:
