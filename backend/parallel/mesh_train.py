@@ -313,7 +313,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     return payload
 
 
-WALK = ("peak_live", "timeline", "versions", "grad_errors", "executed", "recompute_cpu_us")  # the last step's, reported
+WALK = ("peak_live", "timeline", "versions", "grad_errors")  # the last step's, reported
 
 
 def step_weights(config, model: nn.Module, sync, loss_scale: LossScale, wires: tuple, replicated_over_ep: torch.Tensor,

@@ -62,11 +62,11 @@ class PipelineConfig(Config):
         """float64 stages; the reference runs every stage on the whole batch for the loop's steps, and PyTorch's own
         schedule runs two more steps on the same ranks, and the loop a warm-up step and TIMED_STEPS timed ones:
         about eight training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
-        worst case) in each; recomputation adds the same run without it, the loop's price (four steps) and a third of
-        a step to each recomputing one."""
+        worst case) in each; recomputation adds the loop's price (a step without it and one with it, each twice: timed,
+        then FLOP-counted) and a third of a step to each recomputing one."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        steps = 2 + 2 * STEPS + self.recompute * (STEPS + 4 + (STEPS + 2) / 3)
+        steps = 2 + 2 * STEPS + self.recompute * (4 + (STEPS + 2) / 3)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
@@ -217,15 +217,6 @@ def loop_config(config: PipelineConfig) -> SimpleNamespace:
                            experts=0, precision="fp64", dp_strategy="allreduce", bucket_kb=0, steps=STEPS)
 
 
-def run_loop(rank: int, p: int, config: PipelineConfig, ctx) -> dict:
-    """This rank's run through the mesh's one training loop: its last step as the page draws it (the actions, each
-    with its least CPU time over the timed steps, and the sends and receives), that step's walk (live activations,
-    PipeDream's versions, what ran) and the trained weights."""
-    out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
-    return {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
-            "losses": out["losses"], "params": out["params"], "order": out["order"], "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
-
-
 def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
     """The rank's actions (F, B, I, W) and its sends and receives in its last step (the loop's `step_us` windows), each
     action marked with its least CPU time over the timed steps (every step after the first: executor.mark_least_cpu)."""
@@ -236,20 +227,15 @@ def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
     return drawn
 
 
-def stage_flops_here(rank: int, p: int, config: PipelineConfig) -> dict[int, tuple[int, int]]:
-    """(forward, backward) FLOPs of one micro-batch through each of this rank's stages, counted by FlopCounterMode."""
-    plan = config.plan
-    x = make_batch(config)[0].chunk(plan.microbatches(config.microbatches))[0]
-    return {s: recompute.stage_flops(make_stage(s, config.hidden, stage_layers(config, s), config.seed), x, s > 0)
-            for s in plan.stages_on(rank, p, config.virtual_stages)}
-
-
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
-    payload = run_loop(rank, p, config, ctx)
-    if config.recompute:  # the same run without recomputation, on the same ranks: what it costs and what it saves
-        plain = run_loop(rank, p, dataclasses.replace(config, recompute=False), ctx)
-        payload["baseline"] = {k: plain[k] for k in ("trace", "activation_peak_bytes", "executed")}
-        payload["flops"] = stage_flops_here(rank, p, config)
+    """This rank's run through the mesh's one training loop (parallel/mesh_train.train_rank, the Linear+tanh stack as
+    its model): its last step as the page draws it (the actions, each with its least CPU time over the timed steps, and
+    the sends and receives), that step's walk (live activations, PipeDream's versions), each step's loss, the trained
+    weights and recomputation's price; then PyTorch's order for this rank and its schedule run as a peer."""
+    out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
+    payload = {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
+               "losses": out["losses"], "params": out["params"], "order": out["order"],
+               "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"], **{k: out[k] for k in ("price",) if k in out}}
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
