@@ -263,6 +263,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     for t in along.values():
         t.t0_ns = tracer.t0_ns
     step_us, losses, activations, kept, pp_bytes = [], [], {}, {}, 0  # step_us: each step's (start, end) on this rank
+    walk, meter = dict.fromkeys(WALK), ActivationMeter()  # (a resumed run with no step left walks nothing)
 
     def make_stages():  # (fsdp2: each stage called through its fully_shard-ed module, sync.entry)
         return choice.stages(chunks, sync.entry, precision.compute, loss_scale.scale)

@@ -1,13 +1,16 @@
 """parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
-Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
-replayed with one core per rank from each action's least CPU time over the timed steps and checked against the makespan model
-(parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed forms beside it ((p-1)/(m+p-1),
-interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per rank against the schedule's bound. Checked: gradients against one process running the whole model on
-the whole batch (float64); each rank's op order against PyTorch's own schedule code
-(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and the runtime orders of
-ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one;
-PipeDream's forward and backward weight versions.
+The ranks train through the mesh's one loop (parallel/mesh_train.train_rank: a pipeline-only plan, its model the
+uniform Linear+tanh stack of parallel/pp/linear.py, so that stages cost the same), a warm-up step and TIMED_STEPS
+timed ones. Measured: every action's start and end on every rank in the last step (aligned clocks); bubble per rank =
+1 - busy/makespan, replayed with one core per rank from each action's least CPU time over the timed steps and checked
+against the makespan model (parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed
+forms beside it ((p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per
+rank against the schedule's bound. Checked: each step's loss and the weights after the loop's Adam steps against one
+process training the whole model on the whole batch (float64, torch.optim.Adam); each rank's op order against
+PyTorch's own schedule code (torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+and the runtime orders of ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one, and its GPipe / 1F1B
+run as a peer; PipeDream's forward and backward weight versions; recomputation's price (the loop's).
 """
 from __future__ import annotations
 
