@@ -240,7 +240,9 @@ def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
     out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
     payload = {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
                "losses": out["losses"], "params": out["params"], "order": out["order"],
-               "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"], **{k: out[k] for k in ("price",) if k in out}}
+               "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
+    if "price" in out:  # recompute: the loop's step with it and one without, timed and FLOP-counted
+        payload["price"] = out["price"]
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
@@ -300,8 +302,8 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
 
 
 def least_costs(compute: list[dict]) -> list[dict]:
-    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`, the executor's
-    TIMED_STEPS after the loop's first step): what the replay and the makespan model take as its cost. Ranks share a loaded
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: the TIMED_STEPS
+    after the loop's first, last_step): what the replay and the makespan model take as its cost. Ranks share a loaded
     2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
     least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
     step, 0.06 at the least; load 7-26)."""
@@ -477,8 +479,8 @@ def training_checks(config: PipelineConfig, payloads: list[dict]) -> list[Check]
 
 
 def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[dict]) -> list[Check]:
-    """Peak live activations against the schedule's bound, gradients against one float64 process, and each rank's op
-    order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
+    """Peak live activations against the schedule's bound, the loop's losses and weights against one float64 process,
+    and each rank's op order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
     plan = config.plan
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
