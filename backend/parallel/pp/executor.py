@@ -70,9 +70,8 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
     (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
     from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
     handed over in memory. Returns the last stage's summed loss, the peak of live activations and their timeline,
-    and the bytes this rank sent to other pipeline ranks; with a meter, the activation bytes autograd saves per
-    (stage, micro-batch), the forwards, recomputations and backwards executed per stage and each recomputation's
-    CPU time (recomputation's price)."""
+    the bytes this rank sent to other pipeline ranks, PipeDream's weight versions and each recomputation's CPU time;
+    with a meter, the activation bytes autograd holds, live (parallel/pp/recompute.ActivationMeter)."""
     walk = RankWalk(plan, stages, pp_ranks, me, p, m, tracer, recompute, pipedream, meter)
     for kind, mb, s in order:
         if kind == "F":
@@ -98,7 +97,7 @@ class RankWalk:
         self.pending_sends, self.live, self.peak, self.timeline, self.versions, self.grad_errors = [], 0, 0, [], [], []
         self.loss_sum, self.wire = 0.0, Wire(me, p, pp_ranks, tracer)  # the pp dimension: every message counted there
         self.version = {s: 0 for s in stages}
-        self.executed, self.recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+        self.recompute_cpu_us = []
         if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used, before any action
             from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
             self.backward_input, self.backward_weight = stage_backward_input, stage_backward_weight
@@ -139,7 +138,6 @@ class RankWalk:
                     self.meter.keep((s, mb), x)
             else:
                 out = st.forward(x, mb, params) if params else st.forward(x, mb)
-        self.executed[s]["F"] += 1
         if st.last:
             self.loss_sum += out.item()
         self.saved[(s, mb)] = {"x": x, "out": out, "params": params}
@@ -161,8 +159,6 @@ class RankWalk:
                 with self.saving((s, mb)):
                     sv["out"] = st.forward(sv["x"], mb)
                 self.recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
-                self.executed[s]["R"] += 1
-            self.executed[s]["B"] += 1
             if self.pipedream:
                 _pipedream_backward(self.pipedream, st, sv, grad_out, s, mb, self.version, self.versions, self.grad_errors)
                 self.history[s][self.version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
@@ -198,8 +194,7 @@ class RankWalk:
         for req in self.pending_sends:
             req.wait()
         return {"loss": self.loss_sum, "sent_bytes": self.wire.sent(), "peak_live": self.peak, "timeline": self.timeline,
-                "versions": self.versions, "grad_errors": self.grad_errors, "executed": self.executed,
-                "recompute_cpu_us": self.recompute_cpu_us}
+                "versions": self.versions, "grad_errors": self.grad_errors, "recompute_cpu_us": self.recompute_cpu_us}
 
 
 def vertical_version(config, p: int, mb: int) -> int:
