@@ -117,31 +117,22 @@ def _names(flag: str) -> str:
     return ", ".join(name for name, s in SCHEDULES.items() if getattr(s, flag))
 
 
-def reference_grads(config) -> list[list[torch.Tensor]]:
-    """Gradients of one process running every stage on the whole batch (the same seeds, float64): one step's, from
-    the initial weights (what PyTorch's schedule run as a peer computes)."""
-    stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
-    x, y = make_batch(config)
-    out = x
-    for mod in stages:
-        out = mod(out)
-    (((out - y) ** 2).mean()).backward()
-    return [[prm.grad for prm in mod.parameters()] for mod in stages]
-
-
-def reference_training(config) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_training(config) -> SimpleNamespace:
     """One process training every stage on the whole batch (the same seeds, float64) with torch.optim.Adam for the
-    loop's STEPS steps: each step's loss and the final weights, by the loop's names (stage{s}.{parameter})."""
+    loop's STEPS steps: each step's loss, the first step's gradients per stage (what PyTorch's schedule run as a peer
+    computes) and the final weights, by the loop's names (stage{s}.{parameter})."""
     stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
     model, (x, y) = torch.nn.Sequential(*stages), make_batch(config)
-    opt, losses = torch.optim.Adam(model.parameters(), lr=ADAM_LR), []
+    opt, losses, first = torch.optim.Adam(model.parameters(), lr=ADAM_LR), [], []
     for _ in range(STEPS):
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
+        first = first or [[prm.grad.clone() for prm in mod.parameters()] for mod in stages]
         opt.step()
         losses.append(loss.item())
-    return losses, {f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages) for k, v in mod.named_parameters()}
+    return SimpleNamespace(losses=losses, grads=first, weights={f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages)
+                                                                for k, v in mod.named_parameters()})
 
 
 def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] | None:
@@ -462,17 +453,16 @@ def max_grad_error(pairs) -> float:
     return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
 
 
-def training_checks(config: PipelineConfig, payloads: list[dict]) -> list[Check]:
+def training_checks(config: PipelineConfig, payloads: list[dict], ref: SimpleNamespace) -> list[Check]:
     """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
-    torch.optim.Adam: each step's loss (summed over the ranks: only the last stage's is not zero) and the final weights.
-    The loss also catches a gradient off by a constant factor, which Adam's update all but cancels."""
-    losses, weights = reference_training(config)
+    torch.optim.Adam (`ref`, reference_training): each step's loss (summed over the ranks: only the last stage's is not
+    zero) and the final weights. The loss also catches a gradient off by a constant factor, which Adam all but cancels."""
     ours = [sum(step) for step in zip(*(pl["losses"] for pl in payloads))]
-    worst = max(float(abs(torch.from_numpy(w) - weights[name]).max()) for pl in payloads for name, w in pl["params"].items())
+    worst = max(float(abs(torch.from_numpy(w) - ref.weights[name]).max()) for pl in payloads for name, w in pl["params"].items())
     reference = "single-process PyTorch autograd and torch.optim.Adam, float64"
     return [Check("each step's loss equals one process training the whole model on the whole batch",
-                  max(abs(a - b) for a, b in zip(ours, losses)), WEIGHTS_TOLERANCE, reference=reference,
-                  detail=" ".join(f"{a:.6g}" for a in ours) + f" (one process: {' '.join(f'{b:.6g}' for b in losses)})"),
+                  max(abs(a - b) for a, b in zip(ours, ref.losses)), WEIGHTS_TOLERANCE, reference=reference,
+                  detail=" ".join(f"{a:.6g}" for a in ours) + f" (one process: {' '.join(f'{b:.6g}' for b in ref.losses)})"),
             Check(f"weights after {STEPS} Adam steps equal one process training the whole model on the whole batch",
                   worst, WEIGHTS_TOLERANCE, reference=reference,
                   detail=f"max |difference| over every parameter of every stage (Adam's lr {ADAM_LR})")]
@@ -482,10 +472,11 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
     """Peak live activations against the schedule's bound, the loop's losses and weights against one float64 process,
     and each rank's op order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
     plan = config.plan
+    ref = None if plan.asynchronous else reference_training(config)  # (PyTorch's peers are GPipe and 1F1B: synchronous)
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
-        checks += training_checks(config, payloads)
+        checks += training_checks(config, payloads, ref)
     for r in range(config.world_size):
         theirs = payloads[r]["torch_order"]
         if theirs is not None:
@@ -498,8 +489,7 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
         checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {plan.torch_peer} run as a peer",
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
-        ref = reference_grads(config)
-        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref[pl["rank"]])) for pl in payloads)
+        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]])) for pl in payloads)
         checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64"))
     return checks
