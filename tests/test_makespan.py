@@ -11,7 +11,6 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel import pipeline
 from backend.parallel.pp import makespan as M
-from backend.parallel.pp.executor import TIMED_STEPS
 from backend.parallel.pp.schedules import SCHEDULES
 
 # Published idle fractions with F = I = W = 1 per chunk (B = 2), equal stages: GPipe / 1F1B (GPipe paper,
@@ -127,22 +126,22 @@ STALL_S = 0.03  # CPU seconds one action of the drawn step burns on top of its w
 
 
 def _stalled_rank(rank, world, config, ctx):
-    """The executor's rank, whose stage-0 forward of micro-batch 0 burns STALL_S of CPU in the last timed step only."""
+    """The loop's rank, whose stage-0 forward of micro-batch 0 burns STALL_S of CPU in the last timed step only."""
     import time
 
-    from backend.parallel.pp import executor
+    from backend.parallel.pp import linear
 
-    forward, calls = executor.LinearStage.forward, []
+    forward, calls = linear.LinearStage.forward, []
 
     def stalled(self, x, mb, params=None):
         if self.index == 0 and mb == 0:
             calls.append(mb)
-            if len(calls) == 1 + executor.TIMED_STEPS:  # after the warm-up step's and the earlier timed steps'
+            if len(calls) == 1 + pipeline.TIMED_STEPS:  # after the warm-up step's and the earlier timed steps'
                 end = time.thread_time() + STALL_S
                 while time.thread_time() < end:
                     pass
         return forward(self, x, mb, params)
-    executor.LinearStage.forward = stalled
+    linear.LinearStage.forward = stalled
     return pipeline.run_rank_with_peer(rank, world, config, ctx)
 
 
@@ -153,11 +152,11 @@ def test_an_action_stalled_in_one_step_is_replayed_at_its_least_cpu_time(monkeyp
     config = pipeline.PipelineConfig(schedule="gpipe", world_size=2, microbatches=4, layers=4, hidden=64, batch=32).validate()
     payloads = spawn_ranks(_stalled_rank, 2, config, RunContext(timeout_s=120))
     f0 = next(e for e in payloads[0]["trace"]["events"] if e["lane"] == "compute" and e["name"] == "F0")
-    spread = STALL_S * 1e6 / TIMED_STEPS  # what the stall adds to a mean over the timed steps: the least has none of it
+    spread = STALL_S * 1e6 / pipeline.TIMED_STEPS  # what the stall adds to a mean over the timed steps: the least has none of it
     assert f0["cpu_us"] >= STALL_S * 1e6 and f0["cpu_least_us"] < spread, f0
     result = pipeline.combine(config, payloads)
     assert result.metrics["makespan_replayed_ms"] < spread / 1e3, result.metrics
-    assert _check(result, "gradients equal").passed  # each timed step starts from zero gradients
+    assert _check(result, "Adam steps equal").passed  # each step starts from zero gradients
     monkeypatch.setattr(pipeline, "least_costs", lambda compute: compute)
     assert pipeline.combine(config, payloads).metrics["makespan_replayed_ms"] >= STALL_S * 1e3
 

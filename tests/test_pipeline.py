@@ -10,7 +10,6 @@ import pytest
 from backend.config import ConfigError
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
-from backend.parallel.pp.executor import run_rank
 from backend.experiments.parallel.pipeline import PipelineConfig, combine, pipedream_seed_example, run_rank_with_peer
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 
@@ -49,7 +48,7 @@ def test_every_schedule_passes_its_checks(matrix):
         assert not failed, (config.schedule, failed)
         names = " ".join(c.name for c in result.checks)
         if config.schedule != "pipedream":
-            assert "gradients equal" in names
+            assert "Adam steps equal one process" in names
         if config.schedule in ("interleaved_1f1b", "zb_h1", "gpipe", "1f1b", "zb_v", "dualpipe_v"):
             assert "torch.distributed.pipelining" in names
 
@@ -94,9 +93,10 @@ def test_pipedream_reproduces_seed_000s_weight_versions(matrix):
     assert not check.passed and "device 1 forward: version 2 (seed: 1)" in check.detail
 
 
-def test_a_wrong_gradient_fails_the_check(matrix):
+def test_a_wrong_weight_fails_the_check(matrix):
     config, payloads = next((c, p) for c, p in matrix if c.schedule == "1f1b" and not c.recompute)
-    payloads[0]["grads"][0][0] = payloads[0]["grads"][0][0] + 1e-6
+    name = next(iter(payloads[0]["params"]))
+    payloads[0]["params"][name] = payloads[0]["params"][name] + 1e-6
     assert not combine(config, payloads).passed
 
 
@@ -322,3 +322,25 @@ def test_idle_split_on_a_hand_timed_trace():
     split = idle_split(events, 2)
     assert split[0] == {"idle": 23, "waiting": 20, "transfer": 3, "between": 0}
     assert split[1] == {"idle": 24, "waiting": 8, "transfer": 4, "between": 12}
+
+
+def _rank_with_the_loss_share_doubled(rank, world, config, ctx):
+    """The pipeline's rank whose stages weight the loss by twice the micro-batch's share of the batch's mean."""
+    from backend.parallel.pp import linear
+
+    init = linear.LinearStage.__init__
+
+    def doubled(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scale *= 2
+    linear.LinearStage.__init__ = doubled
+    return run_rank_with_peer(rank, world, config, ctx)
+
+
+def test_a_loss_share_off_by_two_fails_the_training_checks():
+    """The loss off by 2 (and so every gradient): each step's loss is twice one process's, and Adam, though it all but
+    cancels a constant factor, leaves the weights further than the tolerance through its eps."""
+    config = PipelineConfig(schedule="1f1b", world_size=2, microbatches=4, hidden=16, batch=8, layers=4).validate()
+    result = combine(config, spawn_ranks(_rank_with_the_loss_share_doubled, 2, config, RunContext(timeout_s=120)))
+    failed = {c.name.split(" ")[0] for c in result.checks if not c.passed}
+    assert failed == {"each", "weights"}, failed

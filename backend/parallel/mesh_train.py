@@ -55,6 +55,7 @@ from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_dp import data_parallel
 from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute, keep_freed_memory
+from backend.parallel.pp.recompute import ActivationMeter
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
@@ -182,10 +183,10 @@ class MeshStage:
         kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
         if self.chunk.embed is not None:
             x = self.chunk.embed(x)
-        memory = SavedActivations(self.chunk.parameters())
-        with memory:
-            y = self.chunk.run_blocks(x)
-        if self.activations is not None and torch.is_grad_enabled():  # (recompute: the backward's forward records)
+        recording = self.activations is not None and torch.is_grad_enabled()  # (recompute: the backward's forward records)
+        with SavedActivations(self.chunk.parameters()) if recording else contextlib.nullcontext() as memory:
+            y = self.chunk.run_blocks(x)  # (not recording: the executor's ActivationMeter, if any, sees what is saved)
+        if recording:
             self.activations[mb] = memory.bytes
             self.kept[mb] = kept
         if not self.last:
@@ -204,21 +205,45 @@ def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -
     return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
 
 
-def stage_layers(config, chunks: dict, S: int) -> dict[int, list[int]]:
-    """Each of this rank's stage chunks: the indices of the model's layers it holds."""
-    return {s: list(range(*part(config.layers, s, S).indices(config.layers))) for s in chunks}
+class TinyLlama:
+    """The loop's model choice for the mesh (the pipeline page's is parallel/pp/linear.LinearStack): this rank's stage
+    chunks of the tiny LLaMA (build_stages), run as MeshStages on this rank's tokens (parallel/token_split.py)."""
+
+    def __init__(self, config, mesh: DeviceMesh, S: int, m: int, tp: Wire, ep: Wire, shard):
+        self.config, self.S, self.tp, self.ep, self.shard = config, S, tp, ep, shard
+        self.split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
+        self.batches = [tokens(config)[seqs] for seqs in self.split.sequences]  # this rank's sequences, per micro-batch
+
+    def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
+        return build_stages(self.config, stages, self.S, self.tp, self.ep, self.shard)
+
+    def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
+        """This step's stage objects (`entry`: fsdp2's fully_shard-ed module per chunk, sync.entry)."""
+        c = self.config
+        return {s: MeshStage(chunk, s, self.S, self.batches, self.shard, self.split.positions, c.d_model, c.batch * c.seq,
+                             c.tp if c.sp else 1, entry(chunk), dtype, loss_scale) for s, chunk in chunks.items()}
+
+    def layers(self, chunks: dict) -> dict[int, list[int]]:
+        """Each of this rank's stage chunks: the indices of the model's layers it holds."""
+        return {s: list(range(*part(self.config.layers, s, self.S).indices(self.config.layers))) for s in chunks}
+
+    def sources(self, chunks: dict) -> dict:
+        return {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()}
 
 
 def moe_calls(chunks: dict, layers: dict) -> list[dict]:
     """Every MoE layer call's routing statistics on this rank, named by the model layer it ran in."""
-    return [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(c.blocks)
+    return [dict(call, layer=layers[s][i]) for s, c in chunks.items() for i, b in enumerate(getattr(c, "blocks", ()))
             for call in getattr(b.ffn, "stats", [])]
 
 
-def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) -> dict:
-    """This rank's training. `checkpoint` (mesh_checkpoint.MeshHook): resume from its newest checkpoint, call its fault
-    mid-step, save after each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged
-    to an action), so the replay can take each action's least CPU time over the steps trained."""
+def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, model_choice=TinyLlama) -> dict:
+    """This rank's training of `model_choice` (TinyLlama; the pipeline page's LinearStack, parallel/pp/linear.py).
+    `checkpoint` (mesh_checkpoint.MeshHook): resume from its newest checkpoint, call its fault mid-step, save after each
+    step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged to an action), so the
+    replay can take each action's least CPU time over the steps trained. The last step's walk runs with an
+    ActivationMeter (the bytes autograd holds, live). An asynchronous schedule (PipeDream) steps each stage's weights in
+    the walk itself (SGD after every backward, executor.RankWalk): the loop then sums and steps nothing."""
     keep_freed_memory()
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
     tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
@@ -227,8 +252,8 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     shard = SequenceShard(config.seq, cp) if config.cp > 1 else None
     plan, p, me = SCHEDULES[config.schedule], config.pp, mesh.index("pp")
     S, m = p * plan.chunks(config.virtual_stages), plan.microbatches(config.microbatches)
-    split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
-    chunks, model = build_stages(config, plan.stages_on(me, p, config.virtual_stages), S, tp, ep, shard)
+    choice = model_choice(config, mesh, S, m, tp, ep, shard)
+    chunks, model = choice.build(plan.stages_on(me, p, config.virtual_stages))
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     precision, loss_scale = PRECISIONS[config.precision], LossScale(config)
@@ -238,12 +263,10 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     for t in along.values():
         t.t0_ns = tracer.t0_ns
     step_us, losses, activations, kept, pp_bytes = [], [], {}, {}, 0  # step_us: each step's (start, end) on this rank
-    batches = [tokens(config)[seqs] for seqs in split.sequences]  # this rank's sequences, per micro-batch
+    walk, meter = dict.fromkeys(WALK), ActivationMeter()  # (a resumed run with no step left walks nothing)
 
     def make_stages():  # (fsdp2: each stage called through its fully_shard-ed module, sync.entry)
-        return {s: MeshStage(c, s, S, batches, shard, split.positions, config.d_model, config.batch * config.seq,
-                             config.tp if config.sp else 1, sync.entry(c), precision.compute, loss_scale.scale)
-                for s, c in chunks.items()}
+        return choice.stages(chunks, sync.entry, precision.compute, loss_scale.scale)
     start, losses = checkpoint.resume(sync, model, mesh, config.steps, loss_scale) if checkpoint else (0, losses)
     for step in range(start, config.steps):
         start_us = tracer.now_us()
@@ -254,19 +277,14 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
         if step == start:
             for s, st in stages.items():
                 st.activations, st.kept = activations.setdefault(s, {}), kept.setdefault(s, {})
-        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer, recompute=config.recompute == "full")
+        meter = ActivationMeter() if step == config.steps - 1 else None
+        walk = execute(order, plan, stages, mesh.ranks("pp"), me, p, m, tracer, recompute=config.recompute == "full",
+                       pipedream=config if plan.asynchronous else None, meter=meter)
         pp_bytes += walk["sent_bytes"]
         if checkpoint:
             checkpoint.mid_step(step)
-        if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
-            sum_norm_grads(model, tp)
-        params = list(model.parameters())  # (fsdp2: its unsharded ones, read afresh)
-        grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
-            params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients()))
-        weights = sync.update(grads, step, skip=overflow)
-        if weights is not None:
-            load_flat(model, weights)
-        model.zero_grad(set_to_none=True)
+        scale, params = (1.0, list(model.parameters())) if plan.asynchronous else step_weights(
+            config, model, sync, loss_scale, (tp, cp, ep), replicated_over_ep, precision, step)
         step_us.append((start_us, tracer.now_us()))  # (the loss reported below is not training)
         losses.append(reported_loss(walk["loss"] / scale, mesh))
         if checkpoint:
@@ -276,11 +294,10 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
     if checkpoint:
         checkpoint.finish()
     sync.close()
-    final = sync.final_named(model)  # (zero3, fsdp2: one more all-gather, to report the trained weights)
-    layers = stage_layers(config, chunks, S)
+    final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more all-gather)
+    layers = choice.layers(chunks)
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": final,
-            "sources": {f"stage{s}.{k}": src for s, c in chunks.items() for k, src in sources(c).items()},
+            "losses": losses, "params": final, "sources": choice.sources(chunks),
             "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
             "host_memory": sync.host_memory(), "moved": sync.moved(),
             "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
@@ -290,10 +307,37 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None) ->
             "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
             "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
-            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped}
+            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
+            "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
     return payload
+
+
+WALK = ("peak_live", "timeline", "versions", "grad_errors")  # the last step's, reported
+
+
+def step_weights(config, model: nn.Module, sync, loss_scale: LossScale, wires: tuple, replicated_over_ep: torch.Tensor,
+                 precision: Precision, step: int) -> tuple[float, list]:
+    """After a synchronous step's walk: the gradients summed (sp's norms over tp, then over cp, ep and dp as the
+    dp_strategy does), unscaled, and the strategy's Adam step taken and loaded. Returns the step's loss scale S and
+    the parameters the gradients were read from (fsdp2: its unsharded ones, read afresh)."""
+    tp, cp, ep = wires
+    if config.sp:  # each tp rank's norms saw only its sequence shard: their gradients summed over tp, once a step
+        sum_norm_grads(model, tp)
+    params = list(model.parameters())
+    grads, overflow, scale = loss_scale.unscale(gradients_over_cp_ep(  # (ddp overlap: summed over dp already)
+        params, cp, ep, replicated_over_ep, precision.reduce, sync.gradients()))
+    weights = sync.update(grads, step, skip=overflow)
+    if weights is not None:
+        load_flat(model, weights)
+    model.zero_grad(set_to_none=True)
+    return scale, params
+
+
+def named_weights(model: nn.Module) -> dict:
+    """The model's weights as they are, by name, as float64 arrays (what an asynchronous schedule trained)."""
+    return {name: p_.detach().double().numpy().copy() for name, p_ in model.named_parameters()}
 
 
 class _Counted:
@@ -314,7 +358,7 @@ class _Counted:
 
 def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     """One flag per element of the flat parameters: True where it is not a routed expert's (replicated over ep)."""
-    experts = {id(p_) for c in chunks.values() for b in c.blocks for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
+    experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ()) for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
     return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
 
 
@@ -369,8 +413,8 @@ def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m
     full, selective = config.recompute == "full", config.recompute == "selective"
     out = {"recompute_cpu_us": last_walk["recompute_cpu_us"]}
     for label, on in (("without", False), ("with", True), ("without", False), ("with", True)):
-        for c in chunks.values():
-            apply_selective_recompute(c, selective and on)
+        for c in chunks.values() if selective else ():
+            apply_selective_recompute(c, on)
         stages, timed = make_stages(), f"{label}_cpu_us" not in out
         if not timed:
             forwards = []
@@ -397,8 +441,8 @@ def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m
         else:
             out[f"{label}_flops"] = counter.total
             out[f"{label}_forwards"] = forwards
-    for c in chunks.values():
-        apply_selective_recompute(c, selective)
+    for c in chunks.values() if selective else ():
+        apply_selective_recompute(c, True)
     return out
 
 

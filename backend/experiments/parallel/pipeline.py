@@ -1,13 +1,16 @@
 """parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
-Measured: every action's start and end on every rank (aligned clocks); bubble per rank = 1 - busy/makespan,
-replayed with one core per rank from each action's least CPU time over the timed steps and checked against the makespan model
-(parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed forms beside it ((p-1)/(m+p-1),
-interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per rank against the schedule's bound. Checked: gradients against one process running the whole model on
-the whole batch (float64); each rank's op order against PyTorch's own schedule code
-(torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, and the runtime orders of
-ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one;
-PipeDream's forward and backward weight versions.
+The ranks train through the mesh's one loop (parallel/mesh_train.train_rank: a pipeline-only plan, its model the
+uniform Linear+tanh stack of parallel/pp/linear.py, so that stages cost the same), a warm-up step and TIMED_STEPS
+timed ones. Measured: every action's start and end on every rank in the last step (aligned clocks); bubble per rank =
+1 - busy/makespan, replayed with one core per rank from each action's least CPU time over the timed steps and checked
+against the makespan model (parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed
+forms beside it ((p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1), ...); peak live activations per
+rank against the schedule's bound. Checked: each step's loss and the weights after the loop's Adam steps against one
+process training the whole model on the whole batch (float64, torch.optim.Adam); each rank's op order against
+PyTorch's own schedule code (torch.distributed.pipelining: ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+and the runtime orders of ScheduleZBVZeroBubble and ScheduleDualPipeV) where PyTorch has one, and its GPipe / 1F1B
+run as a peer; PipeDream's forward and backward weight versions; recomputation's price (the loop's).
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import torch
 from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
+from backend.parallel.mesh_train import train_rank
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import TIMED_STEPS, make_batch, make_stage, run_rank, stage_layers
+from backend.parallel.pp.executor import mark_least_cpu
+from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.result import Check, Result, Schema
@@ -57,14 +62,14 @@ class PipelineConfig(Config):
     cost_drivers = ("batch", "hidden", "layers", "microbatches", "world_size")
 
     def estimate(self):
-        """float64 stages; the reference runs every stage on the whole batch, and PyTorch's own schedule runs two
-        more steps on the same ranks, and the executor a warm-up step and TIMED_STEPS timed ones (PipeDream one):
-        about seven training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
-        worst case) in each; recomputation adds a third of a step to each of the executor's and its run without it."""
+        """float64 stages; the reference runs every stage on the whole batch for the loop's steps, and PyTorch's own
+        schedule runs two more steps on the same ranks, and the loop a warm-up step and TIMED_STEPS timed ones:
+        about eight training steps of 6·batch·params flops, and every micro-batch's activations held at once (GPipe's
+        worst case) in each; recomputation adds the loop's price (a step without it and one with it, each twice: timed,
+        then FLOP-counted) and a third of a step to each recomputing one."""
         params = self.layers * (self.hidden * self.hidden + self.hidden)
         activations = self.batch * self.hidden * self.layers * 8 * 3
-        executor = 1 if self.plan.asynchronous else 1 + TIMED_STEPS  # a warm-up step before the timed ones
-        steps = 3 + executor + 1.5 * executor * self.recompute  # with recomputation, the same run again without it
+        steps = 2 + 2 * STEPS + self.recompute * (4 + (STEPS + 2) / 3)
         return cost(data_bytes=2 * (params * 8 * 3 + activations),
                     flops=steps * 6 * self.batch * params, moved_bytes=steps * 2 * self.batch * self.hidden * 8 * self.world_size,
                     ops=steps * self.microbatches * self.num_stages * 60, ranks=self.world_size,
@@ -112,15 +117,22 @@ def _names(flag: str) -> str:
     return ", ".join(name for name, s in SCHEDULES.items() if getattr(s, flag))
 
 
-def reference_grads(config) -> list[list[torch.Tensor]]:
-    """Gradients of one process running every stage on the whole batch (the same seeds, float64)."""
+def reference_training(config) -> SimpleNamespace:
+    """One process training every stage on the whole batch (the same seeds, float64) with torch.optim.Adam for the
+    loop's STEPS steps: each step's loss, the first step's gradients per stage (what PyTorch's schedule run as a peer
+    computes) and the final weights, by the loop's names (stage{s}.{parameter})."""
     stages = [make_stage(s, config.hidden, stage_layers(config, s), config.seed) for s in range(config.num_stages)]
-    x, y = make_batch(config)
-    out = x
-    for mod in stages:
-        out = mod(out)
-    (((out - y) ** 2).mean()).backward()
-    return [[prm.grad for prm in mod.parameters()] for mod in stages]
+    model, (x, y) = torch.nn.Sequential(*stages), make_batch(config)
+    opt, losses, first = torch.optim.Adam(model.parameters(), lr=ADAM_LR), [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        first = first or [[prm.grad.clone() for prm in mod.parameters()] for mod in stages]
+        opt.step()
+        losses.append(loss.item())
+    return SimpleNamespace(losses=losses, grads=first, weights={f"stage{s}.{k}": v.detach() for s, mod in enumerate(stages)
+                                                                for k, v in mod.named_parameters()})
 
 
 def torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[str] | None:
@@ -186,11 +198,42 @@ def torch_peer_refusal(config) -> str | None:
     return None
 
 
+TIMED_STEPS = 3  # steps timed after the loop's first; an action's cost: its least CPU time over them
+STEPS = 1 + TIMED_STEPS  # the first step's first forwards cost about twice the later ones (allocator and caches)
+ADAM_LR = 1e-3  # a synchronous schedule's Adam: small beside the weights' 1/√hidden, so no tanh saturates in STEPS steps
+
+
+def loop_config(config: PipelineConfig) -> SimpleNamespace:
+    """These settings as the mesh's training loop reads them (parallel/mesh_train.train_rank, with the Linear+tanh
+    stack as its model): a pipeline of world_size ranks and nothing else (dp = cp = ep = tp = 1), float64, STEPS
+    steps; recomputation is the loop's full one. `lr`: PipeDream's SGD in the walk, else Adam's after each step."""
+    lr = config.lr if config.plan.asynchronous else ADAM_LR
+    return SimpleNamespace(**{**dataclasses.asdict(config), "recompute": "full" if config.recompute else "none", "lr": lr},
+                           num_stages=config.num_stages, pp=config.world_size, dp=1, cp=1, ep=1, tp=1, sp=False, seq=0,
+                           experts=0, precision="fp64", dp_strategy="allreduce", bucket_kb=0, steps=STEPS)
+
+
+def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
+    """The rank's actions (F, B, I, W) and its sends and receives in its last step (the loop's `step_us` windows), each
+    action marked with its least CPU time over the timed steps (every step after the first: executor.mark_least_cpu)."""
+    kept = [e for e in events if e["lane"] in ("recv", "send")
+            or (e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"))]
+    drawn = [e for e in kept if e["ts"] >= step_us[-1][0]]
+    mark_least_cpu(drawn, [e for e in kept if e["ts"] >= step_us[0][1]])
+    return drawn
+
+
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
-    payload = run_rank(rank, p, config, ctx)
-    if config.recompute:  # the same run without recomputation, on the same ranks: what it costs and what it saves
-        plain = run_rank(rank, p, dataclasses.replace(config, recompute=False), ctx)
-        payload["baseline"] = {k: plain[k] for k in ("trace", "activation_peak_bytes", "executed")}
+    """This rank's run through the mesh's one training loop (parallel/mesh_train.train_rank, the Linear+tanh stack as
+    its model): its last step as the page draws it (the actions, each with its least CPU time over the timed steps, and
+    the sends and receives), that step's walk (live activations, PipeDream's versions), each step's loss, the trained
+    weights and recomputation's price; then PyTorch's order for this rank and its schedule run as a peer."""
+    out = train_rank(rank, p, loop_config(config), ctx.progress if rank == 0 else None, model_choice=LinearStack)
+    payload = {"rank": rank, "trace": {"rank": rank, "events": last_step(out["step_us"], out["trace"]["events"])},
+               "losses": out["losses"], "params": out["params"], "order": out["order"],
+               "activation_peak_bytes": out["activation_peak_bytes"], **out["walk"]}
+    if "price" in out:  # recompute: the loop's step with it and one without, timed and FLOP-counted
+        payload["price"] = out["price"]
     # computed here, where the fork server has imported torch's pipelining (the leader would import it again: 2.6 s)
     payload["torch_order"] = torch_order(config.schedule, p, config.plan.microbatches(config.microbatches),
                                          config.plan.chunks(config.virtual_stages), rank)
@@ -225,6 +268,7 @@ def pipedream_seed_example(config, versions: list[dict]) -> Check | None:
                  detail="; ".join(f"{what}: version {ours} (seed: {theirs})" for what, ours, theirs in figures))
 
 
+WEIGHTS_TOLERANCE = 1e-12  # float64, micro-batch gradients summed in another order, through Adam (measured ~1e-15)
 MIN_TIMED_ACTION_US = 500  # below this, a forward's CPU time is mostly Python overhead and scheduler jitter
 
 
@@ -249,8 +293,8 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
 
 
 def least_costs(compute: list[dict]) -> list[dict]:
-    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`, the executor's
-    TIMED_STEPS; PipeDream's one step): what the replay and the makespan model take as its cost. Ranks share a loaded
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: the TIMED_STEPS
+    after the loop's first, last_step): what the replay and the makespan model take as its cost. Ranks share a loaded
     2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
     least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
     step, 0.06 at the least; load 7-26)."""
@@ -409,17 +453,30 @@ def max_grad_error(pairs) -> float:
     return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
 
 
+def training_checks(config: PipelineConfig, payloads: list[dict], ref: SimpleNamespace) -> list[Check]:
+    """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
+    torch.optim.Adam (`ref`, reference_training): each step's loss (summed over the ranks: only the last stage's is not
+    zero) and the final weights. The loss also catches a gradient off by a constant factor, which Adam all but cancels."""
+    ours = [sum(step) for step in zip(*(pl["losses"] for pl in payloads))]
+    worst = max(float(abs(torch.from_numpy(w) - ref.weights[name]).max()) for pl in payloads for name, w in pl["params"].items())
+    reference = "single-process PyTorch autograd and torch.optim.Adam, float64"
+    return [Check("each step's loss equals one process training the whole model on the whole batch",
+                  max(abs(a - b) for a, b in zip(ours, ref.losses)), WEIGHTS_TOLERANCE, reference=reference,
+                  detail=" ".join(f"{a:.6g}" for a in ours) + f" (one process: {' '.join(f'{b:.6g}' for b in ref.losses)})"),
+            Check(f"weights after {STEPS} Adam steps equal one process training the whole model on the whole batch",
+                  worst, WEIGHTS_TOLERANCE, reference=reference,
+                  detail=f"max |difference| over every parameter of every stage (Adam's lr {ADAM_LR})")]
+
+
 def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[dict]) -> list[Check]:
-    """Peak live activations against the schedule's bound, gradients against one float64 process, and each rank's op
-    order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
+    """Peak live activations against the schedule's bound, the loop's losses and weights against one float64 process,
+    and each rank's op order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
     plan = config.plan
+    ref = None if plan.asynchronous else reference_training(config)  # (PyTorch's peers are GPipe and 1F1B: synchronous)
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
-        ref = reference_grads(config)
-        worst = max([0.0] + [max_grad_error(zip(grads, ref[int(s)])) for pl in payloads for s, grads in pl["grads"].items() if grads])
-        checks.append(Check("gradients equal one process running the whole model on the whole batch", worst, 1e-12,
-                            reference="single-process PyTorch autograd, float64", detail="max |difference| over every parameter"))
+        checks += training_checks(config, payloads, ref)
     for r in range(config.world_size):
         theirs = payloads[r]["torch_order"]
         if theirs is not None:
@@ -432,8 +489,7 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
         checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {plan.torch_peer} run as a peer",
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
-        ref = reference_grads(config)
-        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref[pl["rank"]])) for pl in payloads)
+        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]])) for pl in payloads)
         checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64"))
     return checks

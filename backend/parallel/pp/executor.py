@@ -1,14 +1,12 @@
 """One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any
-stage objects: the pipeline page's Linear+tanh stages here, the tiny LLaMA's stages of the 3D mesh
-(parallel/mesh_train.py).
+stage objects: the tiny LLaMA's stages of the 3D mesh and the pipeline page's uniform Linear+tanh stack, both run by
+the mesh's one training loop (parallel/mesh_train.train_rank; the stack is parallel/pp/linear.py).
 
-On the pipeline page stage s is a stack of Linear+tanh layers (float64, seeded by s); stage s feeds s + 1, on the
-rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back). Forward activations and
-backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so interleaved stages
-sharing a pair of ranks never cross. Every action
-and every send/recv wait is a trace event; the live activations of each rank are counted as actions run. A rank
-times a synchronous step TIMED_STEPS times after a warm-up and gives each action its least CPU time over them, with
-freed memory kept in the process (keep_freed_memory): the pipeline page replays the step from these costs.
+Stage s feeds s + 1, on the rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back).
+Forward activations and backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so
+interleaved stages sharing a pair of ranks never cross. Every action and every send/recv wait is a trace event; the
+live activations of each rank are counted as actions run. The loop keeps freed memory in the process
+(keep_freed_memory), and the pages give each action its least CPU time over the steps trained (mark_least_cpu).
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
 updates a stage's weights (SGD) after every backward; with weight stashing its backward uses the weights
@@ -22,61 +20,11 @@ import time
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.func import functional_call
 
-from backend.parallel.pp.recompute import ActivationMeter, stage_flops
+from backend.parallel.pp.recompute import ActivationMeter
 from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.wire import Wire
 from backend.trace import Tracer
-
-TIMED_STEPS = 3  # a synchronous schedule's steps timed after its warm-up; an action's cost: its least CPU time over them
-
-
-def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
-    torch.manual_seed(seed * 1000 + stage)
-    mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(hidden, hidden, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*mods)
-
-
-def make_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(config.seed + 12345)
-    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    y = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    return x, y
-
-
-def stage_layers(config, stage: int) -> int:
-    """Layers in a stage: layers / (p·v), or (unequal_stages) the last stage twice as deep, to show the bottleneck."""
-    per = config.layers // config.num_stages
-    return per * (2 if config.unequal_stages and stage == config.num_stages - 1 else 1)
-
-
-def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
-    return (stage * m + mb) * 2 + int(grad)
-
-
-class LinearStage:
-    """Stage s of the pipeline page's model: Linear+tanh layers; the first reads micro-batch mb of x, the last
-    returns the squared error's share of the whole batch's mean (the loss its backward starts from)."""
-
-    def __init__(self, s: int, config, xs, ys):
-        self.index, self.last, self.xs, self.ys = s, s == config.num_stages - 1, xs, ys
-        self.module = make_stage(s, config.hidden, stage_layers(config, s), config.seed)
-        self.scale = 1.0 / (config.batch * config.hidden)
-
-    def input(self, mb: int) -> torch.Tensor:
-        return self.xs[mb].clone()
-
-    def input_like(self, mb: int) -> torch.Tensor:
-        return torch.empty(self.xs[mb].shape, dtype=torch.float64)
-
-    def forward(self, x: torch.Tensor, mb: int, params: dict | None = None) -> torch.Tensor:
-        out = functional_call(self.module, params, (x,)) if params else self.module(x)
-        return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
 
 
 def keep_freed_memory() -> bool:
@@ -95,53 +43,8 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def run_rank(rank: int, p: int, config, ctx) -> dict:
-    keep_freed_memory()
-    plan = SCHEDULES[config.schedule]
-    m = plan.microbatches(config.microbatches)
-    x_all, y_all = make_batch(config)
-    xs, ys = x_all.chunk(m), y_all.chunk(m)
-    stages = {s: LinearStage(s, config, xs, ys) for s in plan.stages_on(rank, p, config.virtual_stages)}
-    for st in stages.values():  # warm up outside the measurement: the first weight-gradient GEMM of a
-        for needs_input_grad in (False, True):  # process costs ~0.4 s of one-time library set-up on this CPU
-            out = st.module(xs[0].clone().requires_grad_(needs_input_grad))
-            out.backward(torch.randn_like(out))
-        st.module.zero_grad(set_to_none=True)
-    flops = {s: stage_flops(st.module, xs[0], s > 0) for s, st in stages.items()}  # one micro-batch, per stage
-    order = plan.actions(p, m, config.virtual_stages)[rank]
-    walk, tracer, meter = timed_steps(order, plan, stages, rank, p, m, config)
-    if rank == 0:
-        ctx.progress(0.8, "gathering gradients")
-    # numpy, not tensors: a tensor crosses processes by a shared-memory handle that dies with its rank
-    grads = {s: [prm.grad.numpy().copy() if prm.grad is not None else None for prm in st.module.parameters()]
-             for s, st in stages.items()}
-    return {"rank": rank, "trace": tracer.payload(), "peak_live": walk["peak_live"], "timeline": walk["timeline"],
-            "grads": grads, "order": [str(a) for a in order], "versions": walk["versions"],
-            "grad_errors": walk["grad_errors"], "activation_peak_bytes": meter.peak, "executed": walk["executed"],
-            "flops": flops, "recompute_cpu_us": walk["recompute_cpu_us"]}
-
-
-def timed_steps(order, plan, stages: dict, rank: int, p: int, m: int, config) -> tuple[dict, Tracer, ActivationMeter]:
-    """A synchronous schedule's step, untimed once, then timed TIMED_STEPS times, each from zero gradients (PipeDream's
-    steps change its weights: it runs one). The last step's walk, trace and meter are returned, and each compute event
-    of that trace also carries `cpu_least_us`, the action's least CPU time over the timed steps: ranks share the cores
-    with each other and other work, and an action preempted mid-way refills its caches on its own CPU clock (a
-    backward's CPU time varied 10-15 % over one step's micro-batches), noise that only adds."""
-    if not plan.asynchronous:  # the first step's first forwards cost about twice the later ones (allocator and caches)
-        execute(order, plan, stages, list(range(p)), rank, p, m, Tracer(rank), recompute=config.recompute)
-    timed = []
-    for _ in range(1 if plan.asynchronous else TIMED_STEPS):
-        if not plan.asynchronous:  # one step's gradients (the last step's are checked)
-            for st in stages.values():
-                st.module.zero_grad(set_to_none=True)
-        meter, tracer = ActivationMeter(), Tracer(rank)
-        tracer.align(dist.barrier)
-        walk = execute(order, plan, stages, list(range(p)), rank, p, m, tracer, recompute=config.recompute,
-                       pipedream=config if plan.asynchronous else None, meter=meter)
-        dist.barrier()
-        timed += tracer.events
-    mark_least_cpu(tracer.events, timed)
-    return walk, tracer, meter
+def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
+    return (stage * m + mb) * 2 + int(grad)
 
 
 def mark_least_cpu(drawn: list[dict], timed: list[dict]) -> None:
@@ -167,9 +70,8 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
     (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
     from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
     handed over in memory. Returns the last stage's summed loss, the peak of live activations and their timeline,
-    and the bytes this rank sent to other pipeline ranks; with a meter, the activation bytes autograd saves per
-    (stage, micro-batch), the forwards, recomputations and backwards executed per stage and each recomputation's
-    CPU time (recomputation's price)."""
+    the bytes this rank sent to other pipeline ranks, PipeDream's weight versions and each recomputation's CPU time;
+    with a meter, the activation bytes autograd holds, live (parallel/pp/recompute.ActivationMeter)."""
     walk = RankWalk(plan, stages, pp_ranks, me, p, m, tracer, recompute, pipedream, meter)
     for kind, mb, s in order:
         if kind == "F":
@@ -195,7 +97,7 @@ class RankWalk:
         self.pending_sends, self.live, self.peak, self.timeline, self.versions, self.grad_errors = [], 0, 0, [], [], []
         self.loss_sum, self.wire = 0.0, Wire(me, p, pp_ranks, tracer)  # the pp dimension: every message counted there
         self.version = {s: 0 for s in stages}
-        self.executed, self.recompute_cpu_us = {s: {"F": 0, "R": 0, "B": 0} for s in stages}, []
+        self.recompute_cpu_us = []
         if plan.split_backward:  # torch's pipelining package costs seconds to import: only where it is used, before any action
             from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
             self.backward_input, self.backward_weight = stage_backward_input, stage_backward_weight
@@ -236,7 +138,6 @@ class RankWalk:
                     self.meter.keep((s, mb), x)
             else:
                 out = st.forward(x, mb, params) if params else st.forward(x, mb)
-        self.executed[s]["F"] += 1
         if st.last:
             self.loss_sum += out.item()
         self.saved[(s, mb)] = {"x": x, "out": out, "params": params}
@@ -258,8 +159,6 @@ class RankWalk:
                 with self.saving((s, mb)):
                     sv["out"] = st.forward(sv["x"], mb)
                 self.recompute_cpu_us.append((time.thread_time_ns() - cpu_start) / 1e3)
-                self.executed[s]["R"] += 1
-            self.executed[s]["B"] += 1
             if self.pipedream:
                 _pipedream_backward(self.pipedream, st, sv, grad_out, s, mb, self.version, self.versions, self.grad_errors)
                 self.history[s][self.version[s]] = {k: v.detach().clone() for k, v in st.module.named_parameters()}
@@ -295,8 +194,7 @@ class RankWalk:
         for req in self.pending_sends:
             req.wait()
         return {"loss": self.loss_sum, "sent_bytes": self.wire.sent(), "peak_live": self.peak, "timeline": self.timeline,
-                "versions": self.versions, "grad_errors": self.grad_errors, "executed": self.executed,
-                "recompute_cpu_us": self.recompute_cpu_us}
+                "versions": self.versions, "grad_errors": self.grad_errors, "recompute_cpu_us": self.recompute_cpu_us}
 
 
 def vertical_version(config, p: int, mb: int) -> int:

@@ -1,0 +1,86 @@
+"""The pipeline page's model, a choice of the mesh's one training loop (parallel/mesh_train.train_rank, beside the
+tiny LLaMA): a uniform stack of Linear+tanh layers (float64, stage s seeded by s), so that every stage costs the same
+and the bubble formulas, which assume equal stages, apply; `unequal_stages` makes the last stage twice as deep. The
+last stage returns the squared error's share of the whole batch's mean, the loss the backward starts from.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from backend.parallel.sp import SavedActivations
+
+
+def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed * 1000 + stage)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(hidden, hidden, dtype=torch.float64), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def make_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(config.seed + 12345)
+    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
+    y = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def stage_layers(config, stage: int) -> int:
+    """Layers in a stage: layers / (p·v), or (unequal_stages) the last stage twice as deep, to show the bottleneck."""
+    per = config.layers // config.num_stages
+    return per * (2 if config.unequal_stages and stage == config.num_stages - 1 else 1)
+
+
+class LinearStage:
+    """Stage s for the executor: its Linear+tanh layers; the first reads micro-batch mb of x, the last returns the
+    squared error's share of the whole batch's mean. `params` (PipeDream's stashed weights) runs the stage on them."""
+
+    def __init__(self, s: int, module: nn.Module, config, xs, ys):
+        self.index, self.last, self.xs, self.ys, self.module = s, s == config.num_stages - 1, xs, ys, module
+        self.scale = 1.0 / (config.batch * config.hidden)
+        self.activations: dict[int, int] | None = None  # the loop's first step records (parallel/mesh_train.py)
+        self.kept: dict[int, int] = {}
+
+    def input(self, mb: int) -> torch.Tensor:
+        return self.xs[mb].clone()
+
+    def input_like(self, mb: int) -> torch.Tensor:
+        return torch.empty(self.xs[mb].shape, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mb: int, params: dict | None = None) -> torch.Tensor:
+        if self.activations is not None and torch.is_grad_enabled():
+            with SavedActivations(self.module.parameters()) as memory:
+                out = self._forward(x, mb, params)
+            self.activations[mb], self.kept[mb] = memory.bytes, x.numel() * x.element_size()
+            return out
+        return self._forward(x, mb, params)
+
+    def _forward(self, x: torch.Tensor, mb: int, params: dict | None) -> torch.Tensor:
+        out = functional_call(self.module, params, (x,)) if params else self.module(x)
+        return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
+
+
+class LinearStack:
+    """The loop's model choice for the pipeline page (parallel/mesh_train.TinyLlama is the other): this rank's stages
+    of the Linear+tanh stack and the batch's micro-batches. Pipeline only (tp = cp = ep = 1, float64)."""
+
+    def __init__(self, config, mesh, S: int, m: int, tp=None, ep=None, shard=None):
+        x, y = make_batch(config)
+        self.config, self.xs, self.ys = config, x.chunk(m), y.chunk(m)
+
+    def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
+        chunks = {s: make_stage(s, self.config.hidden, stage_layers(self.config, s), self.config.seed) for s in stages}
+        return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
+
+    def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
+        return {s: LinearStage(s, c, self.config, self.xs, self.ys) for s, c in chunks.items()}
+
+    def layers(self, chunks: dict) -> dict[int, list[int]]:
+        """Each stage chunk's layer indices in the whole stack."""
+        first = [sum(stage_layers(self.config, t) for t in range(s)) for s in range(self.config.num_stages + 1)]
+        return {s: list(range(first[s], first[s] + stage_layers(self.config, s))) for s in chunks}
+
+    def sources(self, chunks: dict) -> dict:
+        return {}
