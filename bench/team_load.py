@@ -556,6 +556,24 @@ def static_headers(url: str) -> dict:
             "largest_script": {"path": script, "bytes_sent": size, **pick(headers)}}
 
 
+def print_pass(row: dict, label: str, load: float) -> None:
+    """One pass's figures on the terminal, as they land in the JSON."""
+    split = {k: v["p95"] for k, v in row["first_render_split"].items()}
+    print(f"{label}: first render p95 split {split}; cpu {row['cpu_s']}", flush=True)
+    print(f"{label}: on the wire: first render p95 {row['first_render_wire_p95_s']} s, "
+          f"overhead p95 {row['overhead_wire_p95_s']} s", flush=True)
+    print(f"{label}: first render p50 {row['first_render_p50_s']} "
+          f"p95 {row['first_render_p95_s']} s; "
+          f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
+          f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
+          f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
+          f"s, overhead p95 {row['overhead_server_p95_s']} s (submit {row['overhead_submit_p95_s']}, notice "
+          f"{row['overhead_notice_p95_s']}, result script {row['overhead_result_script_p95_s']}; the click "
+          f"reaching it p95 {row['overhead_click_p95_s']}); "
+          f"errors {row['errors']}, lost {row['runs_lost']}, doubled {row['runs_doubled']}; server RSS "
+          f"{row['server_peak_rss_mib']} MiB, CPU {row['server_cpu_s']} s; load {load:.1f}", flush=True)
+
+
 def main() -> None:
     from tests.browser.streamlit_server import start, stop
 
@@ -606,20 +624,7 @@ def main() -> None:
             row["load_average_at_start"] = round(load, 1)
             row["layout"], row["rounds"] = layout, rounds
             phases.append(row)
-            split = {k: v["p95"] for k, v in row["first_render_split"].items()}
-            print(f"N={n:2d} {layout} {cache}: first render p95 split {split}; cpu {row['cpu_s']}", flush=True)
-            print(f"N={n:2d} {layout} {cache}: on the wire: first render p95 {row['first_render_wire_p95_s']} s, "
-                  f"overhead p95 {row['overhead_wire_p95_s']} s", flush=True)
-            print(f"N={n:2d} {layout} {cache}: first render p50 {row['first_render_p50_s']} "
-                  f"p95 {row['first_render_p95_s']} s; "
-                  f"Run-to-result p50 {row['run_to_result_p50_s']} p95 {row['run_to_result_p95_s']} s (queue p95 "
-                  f"{row['queue_wait_p95_s']}, run p95 {row['run_time_p95_s']}, overhead p95 {row['overhead_p95_s']}); "
-                  f"server: render script p50 {row['first_render_server_p50_s']} p95 {row['first_render_server_p95_s']} "
-                  f"s, overhead p95 {row['overhead_server_p95_s']} s (submit {row['overhead_submit_p95_s']}, notice "
-                  f"{row['overhead_notice_p95_s']}, result script {row['overhead_result_script_p95_s']}; the click "
-                  f"reaching it p95 {row['overhead_click_p95_s']}); "
-                  f"errors {row['errors']}, lost {row['runs_lost']}, doubled {row['runs_doubled']}; server RSS "
-                  f"{row['server_peak_rss_mib']} MiB, CPU {row['server_cpu_s']} s; load {load:.1f}", flush=True)
+            print_pass(row, f"N={n:2d} {layout} {cache}", load)
     finally:
         stop(server)
     out = {"device": describe()["name"], "cpus": os.cpu_count(),

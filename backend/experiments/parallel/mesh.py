@@ -1156,7 +1156,7 @@ RESULT = Schema(
     version=5, upgrades={1: _v1_before_the_later_settings, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5},
 )
 
-EXPERIMENT = define(__name__, MeshConfig, "3D parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
+EXPERIMENT = define(__name__, MeshConfig, "Compose parallelism: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (any pipeline "
                     "schedule on the one executor, TP shards, ring attention over sequence shards, MoE experts over ep, DP by all-reduce, DDP, ZeRO-1/2/3 or FSDP2), equal to one "
                     "process on the whole batch",
                     rank_fn=run_rank, combine=combine, lanes=("compute", "collective", "comm", "recv"),
