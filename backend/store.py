@@ -138,6 +138,9 @@ class RunRecord:
             return json.loads(Path(self.result_path).read_text())
         return None
 
+    def has_trace(self) -> bool:
+        return bool(self.trace_path) and Path(self.trace_path).exists()
+
     def trace_bytes(self) -> bytes | None:
         if self.trace_path and Path(self.trace_path).exists():
             return Path(self.trace_path).read_bytes()

@@ -95,15 +95,16 @@ def _checks(result: dict) -> None:
 
 
 def _downloads(rec: RunRecord) -> None:
+    """The run's result and trace, read from the store when clicked (a result can be tens of MB: formatting it on every
+    draw of the page cost a second per draw and held a copy per session); a click does not redraw the page."""
     cols = st.columns([1, 1, 3])
     with cols[0]:
-        st.download_button("Result JSON", json.dumps(rec.result(), indent=1), file_name=f"{rec.id}-result.json",
-                           mime="application/json", key=f"dl-result-{rec.id}")
-    trace = rec.trace_bytes()
+        st.download_button("Result JSON", lambda: json.dumps(rec.result(), indent=1), file_name=f"{rec.id}-result.json",
+                           mime="application/json", key=f"dl-result-{rec.id}", on_click="ignore")
     with cols[1]:
-        if trace:
-            st.download_button("Trace (Chrome JSON)", trace, file_name=f"{rec.id}-trace.json",
-                               mime="application/json", key=f"dl-trace-{rec.id}",
+        if rec.has_trace():
+            st.download_button("Trace (Chrome JSON)", rec.trace_bytes, file_name=f"{rec.id}-trace.json",
+                               mime="application/json", key=f"dl-trace-{rec.id}", on_click="ignore",
                                help="Opens in ui.perfetto.dev or chrome://tracing")
     with cols[2]:
         st.caption(f"Link to this run: add `?run={rec.id}` to this page's address. "

@@ -86,6 +86,10 @@ def test_launch_bandwidth_run_see_chart_download_trace(server, tmp_path):
         trace = json.loads(path.read_text())
         ranks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
         assert ranks == {0, 1}
+        with page.expect_download(timeout=UI_TIMEOUT_MS) as info:  # read from the store when clicked, not per draw
+            page.get_by_role("button", name="Result JSON").click()
+        info.value.save_as(tmp_path / "result.json")
+        assert json.loads((tmp_path / "result.json").read_text())["experiment"] == "comm.bandwidth"
         if os.environ.get("EXPLORER_SCREENSHOT"):
             page.screenshot(path=os.environ["EXPLORER_SCREENSHOT"], full_page=True)
         # The run is shared: the Runs page lists it and opens it by URL.
