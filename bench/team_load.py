@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from backend import auth, limits  # noqa: E402
 from backend.device import describe  # noqa: E402
 from backend.store import RunStore  # noqa: E402
-from wire_person import WirePage  # noqa: E402  (bench/, the script's own folder)
+from bench.wire_person import WirePage  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
