@@ -193,6 +193,28 @@ PAGE_TIMING = """() => {
           body_bytes: n.decodedBodySize + r.reduce((a, e) => a + e.decodedBodySize, 0)};
 }"""
 
+# Installed just before Run is clicked: the person's own Run-to-result on the page's clock (epoch ms), from the click
+# event reaching the page to the verdict's text added to the DOM (a MutationObserver reading only added nodes, so no
+# layout is forced). The driver's figure (Playwright's click call to its wait returning) adds its own actionability
+# checks before the click and its polling after the verdict, neither of which the person waits for.
+RUN_TIMING = """(verdict) => {
+  const t = window.__explorerRun = {click: null, verdict: null};
+  document.addEventListener('click', () => { if (t.click === null) t.click = performance.timeOrigin + performance.now(); },
+                            {capture: true});
+  const has = node => (node.textContent || '').includes(verdict);
+  const watch = new MutationObserver(records => {
+    if (t.verdict !== null) return;
+    for (const r of records) {
+      if ((r.type === 'characterData' && has(r.target)) || [...r.addedNodes].some(has)) {
+        t.verdict = performance.timeOrigin + performance.now();
+        watch.disconnect();
+        return;
+      }
+    }
+  });
+  watch.observe(document.body, {childList: true, subtree: true, characterData: true});
+}"""
+
 # Chromium's own accounting of a page's renderer main thread (DevTools Performance.getMetrics), in seconds.
 BROWSER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
 
@@ -276,11 +298,15 @@ async def person(browser, url: str, n: int, i: int, cache: str = "warm") -> dict
             out["first_render_split"].append(render_split(marks, cpu, took, out_at))
         await cdp.send("Network.setCacheDisabled", {"cacheDisabled": False})
         step = "run"
-        clicked, out["clicked_at"] = time.monotonic(), time.time()
+        await page.evaluate(RUN_TIMING, VERDICT)
+        clicked = time.monotonic()
         await page.get_by_role("button", name="Run", exact=True).click()
         out["pressed_run"] = True
         await page.get_by_text(VERDICT).first.wait_for()
-        out["run_to_result_s"] = round(time.monotonic() - clicked, 3)
+        out["run_to_result_driver_s"] = round(time.monotonic() - clicked, 3)
+        marks = await page.evaluate("() => window.__explorerRun")
+        out["clicked_at"] = marks["click"] / 1000
+        out["run_to_result_s"] = round((marks["verdict"] - marks["click"]) / 1000, 3)
         out["run_id"] = (parse_qs(urlparse(page.url).query).get("run") or [None])[0]
         if await page.locator("[data-testid='stException']").count():
             out["error"] = "the page showed an exception"
@@ -366,6 +392,7 @@ def account(store: RunStore, n: int, people: list[dict], cache: str = "warm") ->
         queue_s, run_s = rec.started - rec.created, rec.finished - rec.started
         rows.append({"person": who["person"], "run": rec.id, "queue_wait_s": round(queue_s, 3),
                      "run_time_s": round(run_s, 3), "run_to_result_s": who.get("run_to_result_s"),
+                     "run_to_result_driver_s": who.get("run_to_result_driver_s"),
                      "overhead_s": round(who["run_to_result_s"] - queue_s - run_s, 3)
                      if who.get("run_to_result_s") is not None else None})
     return {"rows": rows, "lost": lost, "doubled": doubled}
@@ -402,7 +429,8 @@ def server_overhead(events: list[dict], people: list[dict], store: RunStore, row
     the server's share is only its loop picking the message up); submit_s, from then to the run's row in the store
     (the server's script); notice_s, the run's end to its run view noticing it (the view's polling: its ticks are
     timed by the browser, tick_gap_s the longest gap between ticks in the 5 s before the end); result_s, from then to
-    the end of the script run that draws the result (the rerun's start and the script); browser_s, what is left (the
+    the end of the script run that draws the result (the rerun's start and the script; verdict_s, its part up to the
+    script drawing the checks' verdict, which the browser can show before the script ends); browser_s, what is left (the
     browser drawing it, negative when the verdict showed before the script ended: a script's output streams).
     server_overhead_s = submit_s + notice_s + result_s."""
     clicked = {p["person"]: p.get("clicked_at") for p in people}
@@ -420,6 +448,9 @@ def server_overhead(events: list[dict], people: list[dict], store: RunStore, row
         row["notice_s"] = round(seen - rec.finished, 3) if seen else None
         row["tick_gap_s"] = round(max(b - a for a, b in zip(ticks, ticks[1:])), 3) if len(ticks) > 1 else None
         row["result_s"] = round(drawn["t1"] - seen, 3) if drawn else None
+        verdict = min((e["t"] for e in events if e["event"] == "verdict" and e["run"] == row["run"]
+                       and seen is not None and e["t"] >= seen), default=None)
+        row["verdict_s"] = round(verdict - seen, 3) if verdict else None
         row["result_cpu_s"] = round(drawn["cpu_s"], 3) if drawn else None
         row["browser_s"] = (round(at + row["run_to_result_s"] - drawn["t1"], 3)
                             if drawn and at and row["run_to_result_s"] is not None else None)
@@ -497,12 +528,14 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict,
            "error_messages": [p["error"] for p in people if p["error"]], "runs_lost": runs["lost"],
            "runs_doubled": runs["doubled"], **server}
     for name, values in (("first_render", renders), ("run_to_result", col("run_to_result_s")),
+                         ("run_to_result_driver", col("run_to_result_driver_s")),
                          ("queue_wait", col("queue_wait_s")), ("run_time", col("run_time_s")),
                          ("overhead", col("overhead_s")), ("first_render_server", served("server_s")),
                          ("first_render_server_cpu", served("server_cpu_s")), ("first_render_before_script", served("before_s")),
                          ("overhead_click", col("click_s")), ("overhead_submit", col("submit_s")),
                          ("overhead_notice", col("notice_s")), ("overhead_tick_gap", col("tick_gap_s")),
-                         ("overhead_result_script", col("result_s")), ("overhead_browser", col("browser_s")),
+                         ("overhead_result_script", col("result_s")),
+                         ("overhead_to_verdict", col("verdict_s")), ("overhead_browser", col("browser_s")),
                          ("overhead_server", col("server_overhead_s")), ("first_render_wire", wire_renders),
                          ("run_to_result_wire", col("run_to_result_s", wire=True)),
                          ("overhead_wire", col("overhead_s", wire=True))):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import time
 from typing import Callable
 
 import pandas as pd
@@ -13,6 +14,7 @@ from backend.config import ConfigError
 from backend.jobs import log_tail
 from backend.store import ACTIVE, QueueFull, RunRecord, is_run_id
 from pages.live_view import LIVE_KEY, header, live_status
+from pages import render_log
 from pages.markup import escape
 from pages.server import experiment_of, page_of, result_of, runner, store, url_run_id
 from pages.sign_in import current_user
@@ -49,6 +51,7 @@ def show_run(run_id: str, render: Callable[[dict, RunRecord], None] | None = Non
     if result is None:
         st.error(f"Run {rec.id} succeeded but its result file is missing ({rec.result_path}).")
         return
+    render_log.write({"event": "verdict", "run": rec.id, "t": time.time()})  # the checks' verdict drawn (bench)
     _checks(result)
     for note in result.get("notes", []):  # what the run says about its own figures, on every page alike
         st.info(escape(note), icon=":material/info:")

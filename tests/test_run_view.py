@@ -284,3 +284,39 @@ def test_without_setting_the_period_the_view_keeps_its_first_timer(app, runs, mo
     monkeypatch.setattr(live_view, "_set_period", lambda run_id, period: None)
     sent, view_id, _ = _moved(app, runs, monkeypatch)
     assert sent[1:] == [], sent
+
+
+# --- a running run's end, noticed within the tick that is waiting for it ----------------------------------------------
+def _tick_as_it_ends(app, runs, wait_s: float, monkeypatch) -> list[str]:
+    """The page draws a running run live; the view's timer ticks; the run ends 1 s into that tick (recorded in the store
+    by another thread, as its leader does). Returns the headings after that one tick."""
+    import threading
+
+    from backend.store import RunStore
+    from pages import live_view
+
+    monkeypatch.setattr(live_view, "END_WAIT_S", wait_s)
+    _, started, _ = runs
+    app.query_params["run"] = started
+    app.run()
+    assert any("running" in h for h in _headings(app)), _headings(app)
+    ender = threading.Timer(1.0, lambda: RunStore().finish(started, "cancelled", error="ended by the test"))
+    ender.start()
+    try:
+        return _headings(_fragment_run(app, {"run": started}))
+    finally:
+        ender.join()
+
+
+def test_a_tick_notices_the_run_ending_while_it_waits(app, runs, monkeypatch):
+    """The tick waits on the server for the running run's end: the end 1 s in is drawn by that same tick (the page
+    redrawn with the ended run), not by a later one."""
+    headings = _tick_as_it_ends(app, runs, 5.0, monkeypatch)
+    assert any("cancelled" in h for h in headings), headings
+
+
+def test_without_the_wait_the_tick_draws_the_run_still_running(app, runs, monkeypatch):
+    """The rule broken (no wait): the tick reads the store once and draws the run as running; its end waits for the
+    browser's next tick."""
+    headings = _tick_as_it_ends(app, runs, 0.0, monkeypatch)
+    assert any("running" in h for h in headings) and not any("cancelled" in h for h in headings), headings
