@@ -5,7 +5,8 @@ read the result. The server runs with EXPLORER_MAX_JOBS=1, as a team server does
 (127.0.0.2: loopback, but not one the app treats as local, so it asks for the token and a name).
 
 Per N it reports: first render (navigation to the page's first element drawn) p50/p95; Run-to-result (the click to
-the checks' verdict on the page) p50/p95 beside the store's own timestamps for the same run, split into queue wait
+the checks' verdict on the page, both on the page's own clock; the driver's figure, which adds Playwright's own
+checks before the click and polling after, beside it) p50/p95 beside the store's own timestamps for the same run, split into queue wait
 (created -> started) and run time (started -> finished), and their overhead (Run-to-result minus both: the page's
 polling and drawing); errors (a person's flow that raised or a page that showed an exception); runs lost (a person
 who pressed Run whose run is missing, not succeeded or not theirs) or doubled (more than one run for a person's settings); the server
