@@ -166,10 +166,8 @@ def mesh_label(config) -> str:
 def regroup(rank: int, old: int, new: int, store, timeout_s: float, wait_s: float | None = None) -> None:
     """Replace this process's default group of `old` ranks by one of the first `new` ranks, over a fresh file store
     in the run's folder; ranks past `new` are left without a group. Every rank of both groups calls it. A rank outside
-    the old group (idle while it worked) waits on the store's file for the old group's rank 0 to put DONE there (up to
-    `wait_s`, timeout_s unless given) and only then enters gloo's rendezvous, so all ranks enter it within moments of
-    each other: a rank that entered it at once would sit in it with a listening socket open, and its rendezvous
-    bounded by the group's timeout, for as long as the others work."""
+    the old group (idle while it worked) first waits for the old group (wait_for_old_group), so that all ranks enter
+    gloo's rendezvous within moments of each other."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -180,8 +178,15 @@ def regroup(rank: int, old: int, new: int, store, timeout_s: float, wait_s: floa
         if rank == 0 and new > old:
             joined.set(DONE, str(time.time()))
     elif rank < new:
-        joined.set_timeout(datetime.timedelta(seconds=wait_s or timeout_s))
-        joined.wait([DONE])
-        joined.set_timeout(timeout)
+        wait_for_old_group(joined, wait_s or timeout_s)
     if rank < new:
         dist.init_process_group("gloo", store=joined, rank=rank, world_size=new, timeout=timeout)
+
+
+def wait_for_old_group(store, wait_s: float) -> None:
+    """An idle rank's wait, on the store's file, until the old group's rank 0 has put DONE there (up to wait_s: the
+    others' work, e.g. a continued training). Entering gloo's rendezvous at once instead, it would sit there for all
+    that time, a listening socket open, bounded by the group's timeout: once the others' work outlasts it, the idle
+    rank fails and the late peer's connectFullMesh finds it gone."""
+    store.set_timeout(datetime.timedelta(seconds=wait_s))
+    store.wait([DONE])
