@@ -170,17 +170,18 @@ def regroup(rank: int, old: int, new: int, store, timeout_s: float, wait_s: floa
     gloo's rendezvous within moments of each other."""
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    joined = dist.FileStore(str(store), new) if rank < new else None
     if rank < old:
-        dist.barrier()  # every member is here before the group is taken down
+        dist.barrier()  # every member is here before the group is taken down (and before the store is opened)
         dist.destroy_process_group()
-        if rank == 0 and new > old:
-            joined.set(DONE, str(time.time()))
-    elif rank < new:
+    if rank >= new:
+        return
+    joined = dist.FileStore(str(store), new)
+    if rank == 0 and new > old:
+        joined.set(DONE, str(time.time()))
+    elif rank >= old:
         wait_for_old_group(joined, wait_s or timeout_s)
-    if rank < new:
-        dist.init_process_group("gloo", store=joined, rank=rank, world_size=new, timeout=timeout)
+    dist.init_process_group("gloo", store=joined, rank=rank, world_size=new,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def wait_for_old_group(store, wait_s: float) -> None:
