@@ -100,7 +100,7 @@ class JobRunner:
 
     def why_not_resumable(self, run_id: str) -> str | None:
         """None when `run_id` is a failed run with a complete, intact checkpoint; else the reason it cannot resume."""
-        from backend.parallel.checkpoint import CheckpointError, resumable
+        from backend.checkpoint.checkpointer import CheckpointError, resumable
 
         try:
             resumable(self.store, run_id)
@@ -112,7 +112,7 @@ class JobRunner:
         """Queue a run that continues a failed run from its newest checkpoint: the parent's settings, its record's
         id stored as this run's parent (the ranks find the checkpoint folder from it, never from a path), submitted
         as any run is (validated, within the budget, in the person's queue). Two resumes of one parent are one run."""
-        from backend.parallel.checkpoint import CheckpointError, resumable
+        from backend.checkpoint.checkpointer import CheckpointError, resumable
 
         try:
             parent = resumable(self.store, parent_id)

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend import experiments  # noqa: E402
 from backend.device import describe  # noqa: E402
-from backend.parallel.mesh_checkpoint import reference_shapes, rest_bytes, step_intervals  # noqa: E402
+from backend.checkpoint.mesh_checks import rest_bytes, step_intervals  # noqa: E402
+from backend.checkpoint.mesh_state import reference_shapes  # noqa: E402
 
 PLANS = {
     "zero3 dp 4": {"world_size": 4, "tp": 1, "pp": 1, "dp_strategy": "zero3", "microbatches": 1},

@@ -1,4 +1,4 @@
-"""Sharded DCP checkpoints (backend/parallel/checkpoint.py) and parallel.checkpoint on the tiny LLaMA mesh: a rank killed
+"""Sharded DCP checkpoints (backend/checkpoint/) and parallel.checkpoint on the tiny LLaMA mesh: a rank killed
 by SIGKILL, every rank restarted from the last checkpoint (the spawner's restarts, torchrun's --max-restarts), the result
 bit for bit the uninterrupted run's; corrupt, incomplete and foreign checkpoints refused by name; the last checkpoint
 continued on fewer ranks under another dp strategy; the interval trade-off; old MLP runs still drawn."""
@@ -15,9 +15,9 @@ from backend.comm.spawn import spawn_ranks
 from backend.config import ConfigError
 from backend.experiments import RunContext
 from backend.experiments.parallel import checkpoint as exp
-from backend.parallel import checkpoint as ckpt
-from backend.parallel import mesh_checkpoint
-from backend.parallel.mesh_checkpoint import MeshHook, reference_shapes
+from backend.checkpoint import checkpointer as ckpt
+from backend.checkpoint import mesh_checks, mesh_run, mesh_state
+from backend.checkpoint.mesh_state import MeshHook, reference_shapes
 from backend.store import pid_alive
 from tests.conftest import REPO, torchrun_killed_and_restarted
 
@@ -74,7 +74,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(one_rank, monkeypatch):
 
     plain = train_rank(0, 1, _plan())["params"]
     assert _bitwise(_interrupted(one_rank / "a"), plain)
-    monkeypatch.setattr(mesh_checkpoint.MeshState, "load_checkpoint_state", lambda self, state: None)
+    monkeypatch.setattr(mesh_state.MeshState, "load_checkpoint_state", lambda self, state: None)
     assert not _bitwise(_interrupted(one_rank / "b"), plain)
 
 
@@ -152,11 +152,11 @@ def test_the_share_per_rank_is_the_per_category_rows_summed(killed_and_resharded
         got = pd.DataFrame(table)[["rank", "written_bytes", "expected_bytes"]].to_dict("records")
         return got == want
     assert matches(killed_and_resharded.tables["checkpoint_share_per_rank"])
-    assert matches(mesh_checkpoint.share_per_rank(rows.to_dict("records")))
-    right = mesh_checkpoint.share_per_rank
-    monkeypatch.setattr(mesh_checkpoint, "share_per_rank",
+    assert matches(mesh_checks.share_per_rank(rows.to_dict("records")))
+    right = mesh_checks.share_per_rank
+    monkeypatch.setattr(mesh_checks, "share_per_rank",
                         lambda per_rank: right([r for r in per_rank if r["category"] != "the rest"]))
-    assert not matches(mesh_checkpoint.share_per_rank(rows.to_dict("records")))
+    assert not matches(mesh_checks.share_per_rank(rows.to_dict("records")))
 
 
 def test_async_save_resumes_from_a_checkpoint_written_while_training_went_on():
@@ -185,7 +185,7 @@ def test_a_checkpoint_saved_on_4_ranks_continues_on_fewer_ranks_equal_to_one_pro
 
 def _continue_without_restoring_the_shards(rank, world, config, ctx):
     """The rule broken in the new ranks: what DCP loaded is not put back (ZeRO-1's gathered weights, Adam's step)."""
-    mesh_checkpoint.MeshState.load_checkpoint_state = lambda self, state: None
+    mesh_state.MeshState.load_checkpoint_state = lambda self, state: None
     return exp.run_rank(rank, world, config, ctx)
 
 
@@ -307,10 +307,10 @@ def test_a_resumed_run_inherits_the_parents_timeline_baseline_and_attempts(tmp_p
     ckpt.log_event(parent, event="start", step=0, attempt=0)
     ckpt.log_event(parent, event="kill", rank=1, step=2, pid=1)
     for rank in (0, 1):
-        (parent / mesh_checkpoint.BASELINE.format(rank)).write_bytes(b"baseline %d" % rank)
-    assert mesh_checkpoint.inherit(1, root, parent) == 1
-    assert (root / mesh_checkpoint.BASELINE.format(1)).read_bytes() == b"baseline 1"
-    assert not (root / ckpt.TIMELINE).exists() and not (root / mesh_checkpoint.BASELINE.format(0)).exists()
-    assert mesh_checkpoint.inherit(0, root, parent) == 1
+        (parent / mesh_run.BASELINE.format(rank)).write_bytes(b"baseline %d" % rank)
+    assert mesh_run.inherit(1, root, parent) == 1
+    assert (root / mesh_run.BASELINE.format(1)).read_bytes() == b"baseline 1"
+    assert not (root / ckpt.TIMELINE).exists() and not (root / mesh_run.BASELINE.format(0)).exists()
+    assert mesh_run.inherit(0, root, parent) == 1
     assert [e["event"] for e in ckpt.read_timeline(root)] == ["start", "kill"]
-    assert mesh_checkpoint.inherit(0, tmp_path / "alone", None) == 0
+    assert mesh_run.inherit(0, tmp_path / "alone", None) == 0

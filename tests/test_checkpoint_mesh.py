@@ -1,4 +1,4 @@
-"""Checkpoints of the composed mesh run (backend/parallel/mesh_train.py through mesh_checkpoint.MeshHook): a tp 2 x pp 2
+"""Checkpoints of the composed mesh run (backend/parallel/mesh_train.py through mesh_state.MeshHook): a tp 2 x pp 2
 plan saves every 2 steps, rank 1 is killed by SIGKILL in step 2, the spawner restarts all four ranks, they resume
 from step 2 and end bit for bit equal to the uninterrupted run. A tp 2 x pp 2 checkpoint continued on tp 1 x pp 4 and
 tp 2 x pp 1 (and back) equals one process; another model's is refused by name."""
@@ -10,9 +10,9 @@ import pytest
 from backend import experiments
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
-from backend.parallel import checkpoint as ckpt
-from backend.parallel import mesh_checkpoint
-from backend.parallel.mesh_checkpoint import MeshHook, reference_shapes
+from backend.checkpoint import checkpointer as ckpt
+from backend.checkpoint import mesh_state
+from backend.checkpoint.mesh_state import MeshHook, reference_shapes
 from backend.store import pid_alive
 
 KILLED_RANK, KILLED_STEP = 1, 2
@@ -45,7 +45,7 @@ def _killed_and_resumed_rank(rank, world, config, ctx):
 
 def _resumed_without_adam_step(rank, world, config, ctx):
     """The rule broken: Adam's step count is not restored with m and v (bias correction restarts)."""
-    mesh_checkpoint.MeshState.load_checkpoint_state = lambda self, state: None
+    mesh_state.MeshState.load_checkpoint_state = lambda self, state: None
     return _killed_and_resumed_rank(rank, world, config, ctx)
 
 
@@ -141,12 +141,12 @@ def test_a_tp2xpp2_checkpoint_continues_on_another_mesh_equal_to_one_process(tmp
 
 def _wrong_offsets_rank(source, rank, world, config, ctx):
     """The rule broken: each tp shard read at the other shard's offsets (a mesh position instead of its own rows)."""
-    right = mesh_checkpoint.source_pieces
+    right = mesh_state.source_pieces
 
     def wrong(p, shapes):
         return [(ref, dim, start if dim is None else (start + length) % shapes[ref][dim], here, length)
                 for ref, dim, start, here, length in right(p, shapes)]
-    mesh_checkpoint.source_pieces = wrong
+    mesh_state.source_pieces = wrong
     return _resumed_rank(source, rank, world, config, ctx)
 
 

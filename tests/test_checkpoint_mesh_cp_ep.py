@@ -7,8 +7,8 @@ import pytest
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.parallel import checkpoint as ckpt
-from backend.parallel import mesh_checkpoint
+from backend.checkpoint import mesh_checks, mesh_run, mesh_state
+from backend.checkpoint import pieces as dcp_pieces
 from backend.parallel.tp_model import reference_model
 from tests.test_checkpoint_mesh_plans import BITWISE, KILLED, PER_RANK, RESHARDED, TOTAL, _checks, _failing, _spawned
 
@@ -51,7 +51,7 @@ def _experts_rotated(rank, world, config, ctx):
     resume on the same mesh reads them back right and the checkpoint's bytes are all there, but at the wrong keys."""
     from backend.experiments.parallel import mesh
 
-    right, shift = mesh_checkpoint.source_pieces, config.experts // config.ep
+    right, shift = mesh_state.source_pieces, config.experts // config.ep
 
     def rotated(p, shapes):
         out = []
@@ -63,12 +63,12 @@ def _experts_rotated(rank, world, config, ctx):
             out.append((ref, *rest))
         return out
 
-    continued = mesh_checkpoint.continue_on_another_mesh
+    continued = mesh_run.continue_on_another_mesh
 
     def continue_right(*args, **kwargs):  # the continuation on ep 1 keys its experts rightly
-        mesh_checkpoint.source_pieces = right
+        mesh_state.source_pieces = right
         return continued(*args, **kwargs)
-    mesh_checkpoint.source_pieces, mesh_checkpoint.continue_on_another_mesh = rotated, continue_right
+    mesh_state.source_pieces, mesh_run.continue_on_another_mesh = rotated, continue_right
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -89,8 +89,8 @@ def _replicas_balanced(rank, world, config, ctx):
 
     class Balanced(DefaultSavePlanner):
         def lookup_object(self, index):
-            return ckpt._lookup(self.state_dict, index)
-    ckpt._save_planner = lambda: Balanced(dedup_save_to_lowest_rank=False)
+            return dcp_pieces.lookup(self.state_dict, index)
+    dcp_pieces.save_planner = lambda: Balanced(dedup_save_to_lowest_rank=False)
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -124,10 +124,10 @@ def test_the_checkpoints_page_reads_the_bench_figures_from_its_json(tmp_path):
            "save_blocking": {"median_s": 0.01, "min_s": 0.005, "max_s": 0.03}, "load": {"seconds_slowest_rank": 0.4},
            "step_after_save": {"median_s": 0.8}, "step_without_save": {"median_s": 0.25}}
     path = tmp_path / "checkpoint.json"
-    assert mesh_checkpoint.bench_rows(path) is None
+    assert mesh_checks.bench_rows(path) is None
     path.write_text(json.dumps({"device": {"name": "CPU (2 cores)"}, "when": "T", "load_average_1_5_15_min_at_start": [3.5, 1, 1],
                                 "rows": [row]}))
-    about, (got,) = mesh_checkpoint.bench_rows(path)
+    about, (got,) = mesh_checks.bench_rows(path)
     assert about == {"machine": "CPU (2 cores)", "when": "T", "load": 3.5}
     assert (got["blocking (s)"], got["min-max (s)"], got["load (s)"]) == (0.01, "0.005-0.030", 0.4)
     assert (got["step, saving (s)"], got["step, not (s)"], got["top rank (B)"]) == (0.8, 0.25, 600)

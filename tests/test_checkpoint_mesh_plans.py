@@ -1,4 +1,4 @@
-"""Mesh checkpoints for every plan (backend/parallel/mesh_checkpoint.MeshState through parallel.mesh's settings): FSDP2's
+"""Mesh checkpoints for every plan (backend/checkpoint/mesh_state.MeshState through parallel.mesh's settings): FSDP2's
 DTensor state saved with DCP, a killed rank resumed bit for bit and the checkpoint continued on dp 2 and under ZeRO-1
 (and ZeRO-3's under FSDP2) equal to one float64 process; every precision's master weights, Adam states and fp16's loss
 scaler restored bit for bit; async_save's checkpoints equal the sync save's bit for bit; each rank's file holding
@@ -10,8 +10,9 @@ from backend import experiments
 from backend.comm.spawn import spawn_ranks
 from backend.config import ConfigError
 from backend.experiments import RunContext
-from backend.parallel import checkpoint as ckpt
-from backend.parallel import mesh_checkpoint
+from backend.checkpoint import checkpointer as ckpt
+from backend.checkpoint import mesh_state
+from backend.checkpoint import pieces as dcp_pieces
 
 EXP = experiments.get("parallel.mesh")
 BITWISE = "final parameters equal the uninterrupted run's bit for bit"
@@ -71,12 +72,12 @@ def _next_ranks_rows(rank, world, config, ctx):
     """The rule broken: each FSDP2 rank saves (and loads) its rows at the next dp rank's offset."""
     from backend.experiments.parallel import mesh
 
-    right = mesh_checkpoint.dtensor_offset
+    right = mesh_state.dtensor_offset
 
     def shifted(shard):
         offset = right(shard)
         return ((offset[0] + shard.to_local().shape[0]) % shard.shape[0],) + offset[1:]
-    mesh_checkpoint.dtensor_offset = shifted
+    mesh_state.dtensor_offset = shifted
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -111,12 +112,12 @@ def _scaler_not_restored(rank, world, config, ctx):
     """The rule broken: the loss scaler restarts at init_loss_scale after the load (its state not restored)."""
     from backend.experiments.parallel import mesh
 
-    restore = mesh_checkpoint.MeshState.load_checkpoint_state
+    restore = mesh_state.MeshState.load_checkpoint_state
 
     def without_scaler(self, state):
         restore(self, state)
         self.scaler.scaler.scale, self.scaler.scaler.clean_steps = float(config.init_loss_scale), 0
-    mesh_checkpoint.MeshState.load_checkpoint_state = without_scaler
+    mesh_state.MeshState.load_checkpoint_state = without_scaler
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -131,11 +132,11 @@ def _tp_rank_1_writes(rank, world, config, ctx):
     still holds every byte once, but rank 1's file holds rank 0's share."""
     from backend.experiments.parallel import mesh
 
-    right = mesh_checkpoint.MeshState._tp_writer
+    right = mesh_state.MeshState._tp_writer
 
     def higher(self, shapes, tp_group):
         return {piece: not w if piece[1] is None else w for piece, w in right(self, shapes, tp_group).items()}
-    mesh_checkpoint.MeshState._tp_writer = higher
+    mesh_state.MeshState._tp_writer = higher
     return mesh.run_rank(rank, world, config, ctx)
 
 
@@ -175,16 +176,16 @@ def _staged_one_ulp_off(rank, world, config, ctx):
     """The rule broken: the copy an async save writes is not the state (one weight moved by one ulp)."""
     from backend.experiments.parallel import mesh
 
-    right = ckpt.staged_copy
+    right = dcp_pieces.staged_copy
 
     def off(state):
         out = right(state)
-        t = next(v for k, value in out.items() if k.startswith("model.") and isinstance(value, ckpt.Pieces)
+        t = next(v for k, value in out.items() if k.startswith("model.") and isinstance(value, dcp_pieces.Pieces)
                  for _, v, writes in value.pieces if writes)
         first = (0,) * t.dim()
         t[first] = torch.nextafter(t[first], torch.tensor(float("inf"), dtype=t.dtype))
         return out
-    ckpt.staged_copy = off
+    dcp_pieces.staged_copy = off
     return mesh.run_rank(rank, world, config, ctx)
 
 

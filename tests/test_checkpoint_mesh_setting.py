@@ -1,4 +1,4 @@
-"""Kill and resume, and resharding, as settings of parallel.mesh (backend/parallel/mesh_checkpoint.py): the run's own
+"""Kill and resume, and resharding, as settings of parallel.mesh (backend/checkpoint/mesh_run.py): the run's own
 checks pass (bit for bit against the uninterrupted run, the killed process gone, the continuation on tp 1 x pp 4 equal
 to one process), fail when the rules are broken, and bad combinations are refused by name."""
 import re
@@ -41,10 +41,10 @@ def _broken_rank(rank, world, config, ctx):
     saved twice, and the continuation on the other mesh reads each block's tensors from the next block's (ownership by
     position, not by layer index)."""
     from backend.experiments.parallel import mesh
-    from backend.parallel import mesh_checkpoint
+    from backend.checkpoint import mesh_run, mesh_state
 
-    restore, right = mesh_checkpoint.MeshState.load_checkpoint_state, mesh_checkpoint.source_pieces
-    go_on = mesh_checkpoint.continue_on_another_mesh
+    restore, right = mesh_state.MeshState.load_checkpoint_state, mesh_state.source_pieces
+    go_on = mesh_run.continue_on_another_mesh
 
     def without_adam_step(self, state):
         step = self.sync.adam.step
@@ -56,17 +56,17 @@ def _broken_rank(rank, world, config, ctx):
                 for ref, *rest in right(p, shapes)]
 
     def continued_from_the_next_block(*args):
-        mesh_checkpoint.MeshState.load_checkpoint_state = restore
-        mesh_checkpoint.source_pieces = next_block
+        mesh_state.MeshState.load_checkpoint_state = restore
+        mesh_state.source_pieces = next_block
         return go_on(*args)
-    state = mesh_checkpoint.MeshState.checkpoint_state
+    state = mesh_state.MeshState.checkpoint_state
 
     def with_a_second_copy(self):  # a third rule broken: the model's weights saved twice (under another name too)
         out = state(self)
         return {**out, **{k.replace("model.", "copy.", 1): v for k, v in out.items() if k.startswith("model.")}}
-    mesh_checkpoint.MeshState.load_checkpoint_state = without_adam_step
-    mesh_checkpoint.MeshState.checkpoint_state = with_a_second_copy
-    mesh_checkpoint.continue_on_another_mesh = continued_from_the_next_block
+    mesh_state.MeshState.load_checkpoint_state = without_adam_step
+    mesh_state.MeshState.checkpoint_state = with_a_second_copy
+    mesh_run.continue_on_another_mesh = continued_from_the_next_block
     return mesh.run_rank(rank, world, config, ctx)
 
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from backend.config import ConfigError
-from backend.parallel import checkpoint as ckpt
+from backend.checkpoint import checkpointer as ckpt
 
 # rank 1 killed in step 2 with no restart allowed: the run fails after saving step_00002
 FAILING = dict(strategy="zero3", steps=4, every=2, kill_step=2, max_restarts=0, reshard_to="off")

@@ -239,8 +239,8 @@ def moe_calls(chunks: dict, layers: dict) -> list[dict]:
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, model_choice=TinyLlama) -> dict:
     """This rank's training of `model_choice` (TinyLlama; the pipeline page's LinearStack, parallel/pp/linear.py).
-    `checkpoint` (mesh_checkpoint.MeshHook): resume from its newest checkpoint, call its fault mid-step, save after each
-    step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged to an action), so the
+    `checkpoint` (checkpoint/mesh_state.MeshHook): resume from its newest checkpoint, call its fault mid-step, save after
+    each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged to an action), so the
     replay can take each action's least CPU time over the steps trained. The last step's walk runs with an
     ActivationMeter (the bytes autograd holds, live). An asynchronous schedule (PipeDream) steps each stage's weights in
     the walk itself (SGD after every backward, executor.RankWalk): the loop then sums and steps nothing."""

@@ -1,5 +1,5 @@
 """parallel.checkpoint: the tiny LLaMA trained by the mesh's loop as a dp-only plan (dp_model.mesh_plan), saving sharded
-DCP checkpoints (backend/parallel/mesh_checkpoint.py); a rank killed by SIGKILL, every rank restarted from the last
+DCP checkpoints (backend/checkpoint/); a rank killed by SIGKILL, every rank restarted from the last
 checkpoint (the spawner's or torchrun's --max-restarts; with none the run fails and its page resumes it from the store),
 the final weights bit for bit against the uninterrupted run; the last checkpoint before the end continued on fewer ranks
 under another dp strategy; the save interval against the failure rate. Runs stored before version 2 trained the
@@ -7,16 +7,15 @@ Linear+tanh MLP (the `mlp` shape of the result, still drawn by the page)."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 
 import numpy as np
 
 from backend.config import Config, ConfigError, setting
 from backend.experiments import define
 from backend.experiments.parallel import dp_model
-from backend.parallel import checkpoint as ckpt
-from backend.parallel import mesh_checkpoint
-from backend.parallel.mesh_checkpoint import bench_rows
+from backend.checkpoint import checkpointer as ckpt
+from backend.checkpoint import mesh_checks, mesh_run, mesh_state
+from backend.checkpoint.mesh_checks import bench_rows
 from backend.result import Check, Result, Schema, Shapes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -113,25 +112,12 @@ def continue_on_fewer_ranks(rank: int, world: int, config: CheckpointConfig, ctx
     if rank == 0:
         for store in stores:  # left by an earlier attempt: their stale keys would be read as this one's
             store.unlink(missing_ok=True)
-    regroup(rank, world, n, stores[0], ctx.timeout_s)
+    mesh_run.regroup(rank, world, n, stores[0], ctx.timeout_s)
     if rank < n:
-        out = mesh_checkpoint.continue_on(rank, n, config.continued(), [root, ckpt.parent_folder(ctx)], root,
-                                          mesh_checkpoint.reference_shapes(config.plan()), ctx.attempt, train_rank)
-    regroup(rank, n, world, stores[1], ctx.timeout_s)
+        out = mesh_run.continue_on(rank, n, config.continued(), [root, ckpt.parent_folder(ctx)], root,
+                                   mesh_state.reference_shapes(config.plan()), ctx.attempt, train_rank)
+    mesh_run.regroup(rank, n, world, stores[1], ctx.timeout_s)
     return out
-
-
-def regroup(rank: int, old: int, new: int, store, timeout_s: float) -> None:
-    """Replace this process's default group of `old` ranks by one of the first `new` ranks (a file store in the run's
-    folder as the rendezvous); ranks past `new` are left without a group. Every rank of the old group calls it."""
-    import torch.distributed as dist
-
-    if rank < old:
-        dist.barrier()  # every member is here before the group is taken down
-        dist.destroy_process_group()
-    if rank < new:
-        dist.init_process_group("gloo", store=dist.FileStore(str(store), new), rank=rank, world_size=new,
-                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def expected_time_per_step(k: np.ndarray, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> np.ndarray:
@@ -196,12 +182,12 @@ def interval_result(config: CheckpointConfig, first: dict) -> tuple[list[Check],
 
 
 def reshard_result(config: CheckpointConfig, payloads) -> tuple[list[Check], dict, dict]:
-    """The continuation on reshard_ranks ranks against one float64 process (mesh_checkpoint.reshard_result's checks)."""
+    """The continuation on reshard_ranks ranks against one float64 process (mesh_checks.reshard_result's checks)."""
     from backend.parallel.mesh_train import reference_training
     from backend.parallel.tp import cut
 
     plan = config.plan()
-    return mesh_checkpoint.reshard_result(plan, payloads, reference_training(plan), cut, config.continued())
+    return mesh_checks.reshard_result(plan, payloads, reference_training(plan), cut, config.continued())
 
 
 def notes(config: CheckpointConfig, metrics: dict, first: dict) -> list[str]:

@@ -15,7 +15,7 @@ from backend.config import ConfigError, setting
 from backend.graph.dot import to_dot
 from backend.limits import DYNAMO_IMPORT_S, OP_S, plus_cpu, with_wait
 from backend.experiments import define
-from backend.parallel import mesh_checkpoint
+from backend.checkpoint import mesh_checks, mesh_run
 from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
@@ -254,7 +254,7 @@ class MeshConfig(TPConfig):
         super().check()
         self._check_strategies()
         self._check_sequence_and_schedule()
-        mesh_checkpoint.check_settings(self)
+        mesh_run.check_settings(self)
 
     def _check_strategies(self) -> None:
         """Precision, loss scale, dp strategy, offload and overlap: the combinations that do not hold together."""
@@ -334,7 +334,7 @@ class MeshConfig(TPConfig):
 
 def run_rank(rank, world, config: MeshConfig, ctx):
     if config.checkpoint_every:
-        payload = mesh_checkpoint.train_with_checkpoints(rank, world, config, ctx, train_rank)
+        payload = mesh_run.train_with_checkpoints(rank, world, config, ctx, train_rank)
     else:
         payload = train_rank(rank, world, config, ctx.progress)
     if config.compare_schedules:
@@ -698,7 +698,7 @@ def byte_checks(config: MeshConfig, payloads, rows: dict) -> list[Check]:
         start = p["checkpoint"]["start"] if "checkpoint" in p else 0
         ran = dataclasses.replace(config, steps=config.steps - start)  # (fp16: the skips of those steps; a resume restored the earlier)
         model = predicted_bytes(ran, {**p, "skipped": p.get("skipped", [])[start:]}, rows[p["rank"]])
-        model["dp gradients"] += mesh_checkpoint.resume_bytes(config, p) if start else 0
+        model["dp gradients"] += mesh_checks.resume_bytes(config, p) if start else 0
         checks.append(Check(f"rank {p['rank']}: tensor, pipeline, ring and gradient bytes equal the model",
                             sum(abs(p["bytes"][k] - v) for k, v in model.items()), 0,
                             reference="TP: tp_model.expected_collectives per micro-batch on this stage; PP: activations "
@@ -793,7 +793,7 @@ def combine(config: MeshConfig, payloads) -> Result:
     tables_per_expert = {"experts": experts, "experts_per_rank": experts_per_rank(experts)}
     checkpoint_tables = {}
     if config.checkpoint_every:
-        more_checks, more_metrics, checkpoint_tables = mesh_checkpoint.checks_and_tables(config, payloads, ref, cut)
+        more_checks, more_metrics, checkpoint_tables = mesh_checks.checks_and_tables(config, payloads, ref, cut)
         checks += more_checks
         metrics.update(more_metrics)
     return Result(metrics=metrics, checks=checks, tables={**checkpoint_tables, "loss": loss, "ranks": ranks, "memory": memory,
@@ -1103,7 +1103,7 @@ def _v3_to_v4(result: dict) -> None:
     """Version 3 -> 4: each rank's whole checkpoint file against its share, summed from the stored per-category rows by
     the experiment's own function (the page summed them before)."""
     if "checkpoint_bytes_per_rank" in result["tables"]:
-        result["tables"]["checkpoint_share_per_rank"] = mesh_checkpoint.share_per_rank(result["tables"]["checkpoint_bytes_per_rank"])
+        result["tables"]["checkpoint_share_per_rank"] = mesh_checks.share_per_rank(result["tables"]["checkpoint_bytes_per_rank"])
 
 
 def _v4_to_v5(result: dict) -> None:

@@ -1,0 +1,51 @@
+"""The regroup of a run's ranks onto fewer and back (mesh_run.regroup, parallel.checkpoint's continuation on fewer
+ranks): rank 1 idle while rank 0 works alone for longer than the new group's timeout, as a continued training does on
+a loaded machine. The idle rank must wait on the store, not in gloo's rendezvous; with that wait taken out (the old
+regroup) the rendezvous times out and the run fails."""
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.checkpoint import mesh_run
+from backend.comm.spawn import RankFailed, spawn_ranks
+from backend.experiments import RunContext
+
+TIMEOUT_S = 2.0  # the regrouped groups' timeout, made small
+LATE_S = 3 * TIMEOUT_S  # rank 0's work alone, longer than that timeout
+
+
+def _shrink_work_grow(rank, world, late_s, ctx):
+    """Both ranks as one group, rank 0 alone for late_s, both again; then an all-reduce over the whole group."""
+    import torch
+    import torch.distributed as dist
+
+    root = Path(ctx.scratch_dir)
+    mesh_run.regroup(rank, world, 1, root / "new.store", TIMEOUT_S, wait_s=60)
+    if rank == 0:
+        time.sleep(late_s)
+    mesh_run.regroup(rank, 1, world, root / "all.store", TIMEOUT_S, wait_s=60)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    return {"sum": total.item(), "world": dist.get_world_size()}
+
+
+def _idle_rank_joins_at_once(rank, world, late_s, ctx):
+    """The rule broken: the idle rank enters gloo's rendezvous without waiting for the old group (the old regroup)."""
+    mesh_run.wait_for_old_group = lambda store, wait_s: None
+    return _shrink_work_grow(rank, world, late_s, ctx)
+
+
+def test_an_idle_rank_joins_a_late_peer_after_more_than_the_groups_timeout(tmp_path):
+    started = time.monotonic()
+    out = spawn_ranks(_shrink_work_grow, 2, LATE_S, RunContext(scratch_dir=str(tmp_path), timeout_s=120))
+    assert out == [{"sum": 3.0, "world": 2}] * 2
+    assert time.monotonic() - started > LATE_S
+    assert multiprocessing.active_children() == []
+
+
+def test_the_regroup_fails_when_the_idle_rank_enters_the_rendezvous_at_once(tmp_path):
+    with pytest.raises(RankFailed, match="(?i)timeout|connectFullMesh"):
+        spawn_ranks(_idle_rank_joins_at_once, 2, LATE_S, RunContext(scratch_dir=str(tmp_path), timeout_s=120))
+    assert multiprocessing.active_children() == []
