@@ -53,9 +53,8 @@ import torch.nn as nn
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_dp import data_parallel
-from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute, keep_freed_memory
-from backend.parallel.pp.recompute import ActivationMeter
+from backend.parallel.pp.recompute import ActivationMeter, MeteredStage
 from backend.parallel.pp.schedules import SCHEDULES, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
@@ -150,7 +149,7 @@ class LossScale:
         return grads / scale, overflow, scale
 
 
-class MeshStage:
+class MeshStage(MeteredStage):
     """Pipeline stage `s` of S on this rank, for the one executor: the tiny LLaMA's blocks of stage s at this rank's
     tp shard (the embedding on stage 0, norm, head and loss on stage S-1), run on this rank's micro-batches and cp
     positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
@@ -166,8 +165,6 @@ class MeshStage:
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens, self.dtype = d_model, global_tokens, dtype  # dtype: the activations'
         self.loss_scale = loss_scale  # fp16: the loss scale S the backward starts from
-        self.activations: dict[int, int] | None = None  # set to a dict to record
-        self.kept: dict[int, int] = {}
 
     def input(self, mb: int) -> torch.Tensor:
         return self.inputs[mb]
@@ -180,15 +177,9 @@ class MeshStage:
         return self._forward(x, mb) if self.entry is None else self.entry(self._forward, x, mb)
 
     def _forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
-        kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
-        if self.chunk.embed is not None:
-            x = self.chunk.embed(x)
-        recording = self.activations is not None and torch.is_grad_enabled()  # (recompute: the backward's forward records)
-        with SavedActivations(self.chunk.parameters()) if recording else contextlib.nullcontext() as memory:
-            y = self.chunk.run_blocks(x)  # (not recording: the executor's ActivationMeter, if any, sees what is saved)
-        if recording:
-            self.activations[mb] = memory.bytes
-            self.kept[mb] = kept
+        h = x if self.chunk.embed is None else self.chunk.embed(x)
+        with self.recording(mb, x, self.chunk.parameters()):  # the blocks; x is what full recompute keeps (ids on stage 0)
+            y = self.chunk.run_blocks(h)
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])

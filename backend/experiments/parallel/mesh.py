@@ -26,7 +26,7 @@ from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, least_costs, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
-from backend.parallel.pp.executor import mark_least_cpu
+from backend.parallel.pp.executor import is_action, mark_least_cpu
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
                                          replay_split, replay_step, step_items)
@@ -987,18 +987,15 @@ BUBBLE_POINTS = 0.05  # issue #27's target: the replayed bubble within 5 points 
 
 def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
     """The last step's F/B/I/W actions of each pipeline (the ranks that share every mesh coordinate but pp), replayed
-    with one core per rank, each action at its least CPU time over the steps the run trained (the pipeline page's
-    rule, least_costs: every step runs the same actions on the same shapes, and a shared box's noise only adds; tp, cp
-    and ep collectives run inside them), and the makespan model fed with their mean costs: checked equal to the replay
-    at those same costs action by action; the replayed bubble's distance from the model's (mean over ranks) is reported,
-    not checked: it is a timing on a shared CPU, measured over many runs by bench/mesh_bubble.py against 5 points.
+    with one core per rank, each at its least CPU time over the steps after the warm-up one (executor.mark_least_cpu,
+    the pipeline page's rule; tp, cp and ep collectives run inside the actions), and the makespan model fed with
+    their mean costs: checked equal to the replay at those same costs action by action. The replayed bubble's distance
+    from the model's (mean over ranks) is reported, not checked: a timing on a shared CPU (bench/mesh_bubble.py).
     Returns the checks, the replayed step time and bubble gap, per rank its replayed and modelled idle, and the actions."""
     m = config.plan.microbatches(config.microbatches)
     lines: dict[tuple, list[dict]] = {}
     for p in payloads:
-        steps = [e for e in p["trace"]["events"] if e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W")]
-        last = steps[-len(p["order_actions"]):]  # each step runs the rank's whole order once
-        mark_least_cpu(last, steps)
+        last = mark_least_cpu([e for e in p["trace"]["events"] if is_action(e)], p["step_us"])
         key = tuple(v for d, v in p["coords"].items() if d != "pp")
         lines.setdefault(key, []).extend({**e, "rank": p["coords"]["pp"], "global_rank": p["rank"]} for e in last)
     exacts, nears, rows, step, actions = [], [], [], 0.0, []

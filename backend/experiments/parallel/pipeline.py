@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import dataclasses
 import os
+from statistics import median_high
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +28,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.mesh_train import train_rank
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import mark_least_cpu
+from backend.parallel.pp.executor import is_action, mark_least_cpu
 from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES
@@ -214,13 +215,9 @@ def loop_config(config: PipelineConfig) -> SimpleNamespace:
 
 
 def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
-    """The rank's actions (F, B, I, W) and its sends and receives in its last step (the loop's `step_us` windows), each
-    action marked with its least CPU time over the timed steps (every step after the first: executor.mark_least_cpu)."""
-    kept = [e for e in events if e["lane"] in ("recv", "send")
-            or (e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"))]
-    drawn = [e for e in kept if e["ts"] >= step_us[-1][0]]
-    mark_least_cpu(drawn, [e for e in kept if e["ts"] >= step_us[0][1]])
-    return drawn
+    """The rank's actions (F, B, I, W) and its sends and receives in its last step, each action marked with its least
+    CPU time over the timed steps (executor.mark_least_cpu: the warm-up step left out)."""
+    return mark_least_cpu([e for e in events if e["lane"] in ("recv", "send") or is_action(e)], step_us)
 
 
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
@@ -306,7 +303,7 @@ def median_costs(compute: list[dict]) -> dict[tuple, float]:
     costs: dict[tuple, list[float]] = {}
     for e in compute:
         costs.setdefault((e["rank"], e["args"]["kind"], e["args"]["stage"]), []).append(e["cpu_us"])
-    return {key: sorted(c)[len(c) // 2] for key, c in costs.items()}
+    return {key: median_high(c) for key, c in costs.items()}
 
 
 def bubbles(compute: list[dict], p: int) -> tuple[float, dict[int, float]]:

@@ -6,7 +6,8 @@ Stage s feeds s + 1, on the rank the schedule places it (looped: (s + 1) % p; V-
 Forward activations and backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so
 interleaved stages sharing a pair of ranks never cross. Every action and every send/recv wait is a trace event; the
 live activations of each rank are counted as actions run. The loop keeps freed memory in the process
-(keep_freed_memory), and the pages give each action its least CPU time over the steps trained (mark_least_cpu).
+(keep_freed_memory), and the pages give each action its least CPU time over the steps after the warm-up one
+(mark_least_cpu).
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
 updates a stage's weights (SGD) after every backward; with weight stashing its backward uses the weights
@@ -47,18 +48,29 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
 
 
-def mark_least_cpu(drawn: list[dict], timed: list[dict]) -> None:
-    """Give each compute event of the drawn step `cpu_least_us`: the least CPU time of the same action (kind, stage,
-    micro-batch) over the compute events of `timed` (several steps' worth, the drawn one among them). Noise on a shared
-    box only adds to an action's CPU time, so the least over repeats is its own cost."""
+ACTIONS = ("F", "B", "I", "W")  # a compute event's kind when it is a pipeline action
+WARM_UP_STEPS = 1  # left out of the least: the loop's first step pays one-off costs (allocator growth, cold caches)
+
+
+def is_action(e: dict) -> bool:
+    return e["lane"] == "compute" and e["args"].get("kind") in ACTIONS
+
+
+def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
+    """The events of the last step (`step_us`: the loop's (start, end) per step), each action marked `cpu_least_us`:
+    the least CPU time of the same action (kind, stage, micro-batch) over the steps after the warm-up one (all of
+    them if there is no other). Noise on a shared box only adds to an action's CPU time, so the least over repeats is
+    its own cost; the warm-up step's one-off costs are not the action's, so it never counts."""
+    since = (step_us[WARM_UP_STEPS:] or step_us)[0][0]
     least: dict[tuple, float] = {}
-    for e in timed:
-        if e["lane"] == "compute":
+    for e in events:
+        if is_action(e) and e["ts"] >= since:
             key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
             least[key] = min(least.get(key, float("inf")), e["cpu_us"])
-    for e in drawn:
-        if e["lane"] == "compute":
-            e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
+    drawn = [e for e in events if e["ts"] >= step_us[-1][0]]
+    for e in filter(is_action, drawn):
+        e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
+    return drawn
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,

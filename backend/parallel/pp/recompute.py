@@ -19,6 +19,7 @@ prediction from this run's own measured forward and backward CPU times is F / (F
 from __future__ import annotations
 
 from contextlib import contextmanager
+from statistics import median_high
 
 import torch
 
@@ -61,6 +62,25 @@ class ActivationMeter:
         self.live -= sum(self.held.pop(key, {}).values())
 
 
+class MeteredStage:
+    """A pipeline stage that records, while `activations` and `kept` are dicts (the loop sets them), each forward run
+    with gradients: per micro-batch the bytes autograd saves in the recorded body and the bytes of the stage input,
+    what full recomputation keeps instead (its F runs without gradients and records nothing)."""
+
+    activations: dict[int, int] | None = None
+    kept: dict[int, int] | None = None
+
+    @contextmanager
+    def recording(self, mb: int, x: torch.Tensor, parameters):
+        if self.activations is None or not torch.is_grad_enabled():
+            yield
+            return
+        meter = ActivationMeter()
+        with meter.saving(mb, list(parameters)):
+            yield
+        self.activations[mb], self.kept[mb] = meter.live, x.numel() * x.element_size()
+
+
 def forward_flops_model(config, layers: int) -> int:
     """2·b·h²·L: one micro-batch's forward through a stage of `layers` Linear(h, h) (FlopCounterMode counts a GEMM
     of m×k by k×n as 2·m·n·k, and nothing else in this model)."""
@@ -84,11 +104,6 @@ TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine 
                          # recomputing twice (2) or not at all (0) still fails it; the FLOPs are checked exactly
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0
-
-
 def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict, list[dict], list[str]]:
     """What recomputation cost and saved in this run: each rank's price from the loop (its `price`, the steps with and
     without it) and its live peak, against the models above: (checks, metrics, per-(rank, stage) rows, notes)."""
@@ -101,8 +116,8 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
         pr, r = pl["price"], pl["rank"]
         cpu = {"cpu_with": sum(pr["with_cpu_us"].values()) / 1e3, "cpu_without": sum(pr["without_cpu_us"].values()) / 1e3,
                "forward_without": pr["without_cpu_us"]["F"] / 1e3, "recompute": sum(pr["recompute_cpu_us"]) / 1e3,
-               "median_forward": _median([t / 1e3 for t in pr["without_forward_cpu_us"]]),
-               "median_recompute": _median([t / 1e3 for t in pr["recompute_cpu_us"]])}
+               "median_forward": median_high([t / 1e3 for t in pr["without_forward_cpu_us"]]),
+               "median_recompute": median_high([t / 1e3 for t in pr["recompute_cpu_us"]])}
         for key, ms in cpu.items():
             totals[key] += ms
         totals["flops_with"] += pr["with_flops"]
