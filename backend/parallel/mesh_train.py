@@ -62,7 +62,7 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire, sum_gradients
-from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat
+from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat, named_weights
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
@@ -186,16 +186,6 @@ class MeshStage(MeteredStage):
         return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
 
 
-def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -> tuple[dict, nn.Module]:
-    """This rank's stage chunks of the one model, each parallelized (tp, sp, ep, cp) and its attention core set for
-    the recompute choice; and all of them as one module, in stage order."""
-    reference = reference_model(config)
-    chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard) for s in stages}
-    for c in chunks.values():
-        apply_selective_recompute(c, config.recompute == "selective")
-    return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
-
-
 class TinyLlama:
     """The loop's model choice for the mesh (the pipeline page's is parallel/pp/linear.LinearStack): this rank's stage
     chunks of the tiny LLaMA (build_stages), run as MeshStages on this rank's tokens (parallel/token_split.py)."""
@@ -206,7 +196,14 @@ class TinyLlama:
         self.batches = [tokens(config)[seqs] for seqs in self.split.sequences]  # this rank's sequences, per micro-batch
 
     def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
-        return build_stages(self.config, stages, self.S, self.tp, self.ep, self.shard)
+        """This rank's stage chunks of the one model, each parallelized (tp, sp, ep, cp) and its attention core set for
+        the recompute choice; and all of them as one module, in stage order."""
+        reference = reference_model(self.config)
+        chunks = {s: parallelize(reference, self.tp, self.config.sp, stage=s, stages=self.S, ep=self.ep, cp=self.shard)
+                  for s in stages}
+        for chunk in chunks.values():
+            apply_selective_recompute(chunk, self.config.recompute == "selective")
+        return chunks, nn.ModuleDict({f"stage{s}": chunk for s, chunk in chunks.items()})
 
     def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
         """This step's stage objects (`entry`: fsdp2's fully_shard-ed module per chunk, sync.entry)."""
@@ -297,7 +294,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
             "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
             "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
-            "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
+            "layers_here": sum(len(ls) for ls in layers.values()),
             "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
             "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
@@ -324,11 +321,6 @@ def step_weights(config, model: nn.Module, sync, loss_scale: LossScale, wires: t
         load_flat(model, weights)
     model.zero_grad(set_to_none=True)
     return scale, params
-
-
-def named_weights(model: nn.Module) -> dict:
-    """The model's weights as they are, by name, as float64 arrays (what an asynchronous schedule trained)."""
-    return {name: p_.detach().double().numpy().copy() for name, p_ in model.named_parameters()}
 
 
 class _Counted:
@@ -423,9 +415,8 @@ def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m
             cpu = {k: sum(e["cpu_us"] for e in tracer.events if e["lane"] == "compute" and e["args"].get("kind") == k)
                    for k in "FBIW"}
             out[f"{label}_cpu_us"] = cpu
-            out[f"{label}_forward_cpu_us"] = [e["cpu_us"] for e in tracer.events if e["args"].get("kind") == "F"]
             if not on:
-                out["activations_without"] = {f"{s},{mb}": b for s, d in per.items() for mb, b in d.items()}
+                out["without_forward_cpu_us"] = [e["cpu_us"] for e in tracer.events if e["args"].get("kind") == "F"]
                 out["peak_without"] = peak_in_flight(order, per)
             else:
                 out["recompute_cpu_us"] = walk["recompute_cpu_us"]

@@ -22,11 +22,11 @@ from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
 from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
 from backend.parallel.pp.recompute import MIN_TIMED_CPU_MS, TIME_TOLERANCE
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, least_costs, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
-from backend.parallel.pp.executor import is_action, mark_least_cpu
+from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
                                          replay_split, replay_step, step_items)
@@ -912,8 +912,6 @@ def free_communication_check(config: MeshConfig, steps, partners, pp_of: dict[in
     costs: dict[str, list[float]] = {}
     for (kind, stage, _), c in means.items():
         costs.setdefault(kind, [0.0] * config.num_stages)[stage] += c
-    if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage with no full backward measured has I + W
-        costs["B"] = [b or costs["I"][s] + costs["W"][s] for s, b in enumerate(costs["B"])]
     model = makespan(config.schedule, config.pp, config.plan.microbatches(config.microbatches), config.virtual_stages, costs)
     start = {(r, a["kind"], a["stage"], a["mb"]): a["ts"] for r, items in free.items() for a in items if a.get("piece") == 0}
     apart = max(abs(start[(r, a.kind, a.stage, a.mb)] - begin) for r in steps for q, a, begin, _ in model.timeline

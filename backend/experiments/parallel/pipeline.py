@@ -28,10 +28,10 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.mesh_train import train_rank
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import is_action, mark_least_cpu
+from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.result import Check, Result, Schema
 from backend.trace import replay
 
@@ -290,11 +290,9 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
 
 
 def least_costs(compute: list[dict]) -> list[dict]:
-    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: the TIMED_STEPS
-    after the loop's first, last_step): what the replay and the makespan model take as its cost. Ranks share a loaded
-    2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
-    least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
-    step, 0.06 at the least; load 7-26)."""
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: mark_least_cpu): what
+    the replay and the makespan model take as its cost. An action preempted mid-way refills its caches on its own
+    CPU clock: noise that only adds, so the least over repeats is the action's own cost."""
     return [{**e, "cpu_us": e["cpu_least_us"]} for e in compute]
 
 
@@ -361,8 +359,6 @@ def model_against_replay(schedule: str, p: int, m: int, v: int, compute: list[di
     stages = p * SCHEDULES[schedule].chunks(v)
     means = mean_stage_costs(compute)
     costs = {kind: [by_stage.get(s, 0.0) for s in range(stages)] for kind, by_stage in means.items()}
-    if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage's full backward where it has none measured is I + W
-        costs["B"] = [b or means["I"].get(s, 0.0) + means["W"].get(s, 0.0) for s, b in enumerate(costs["B"])]
     model = makespan(schedule, p, m, v, costs)
     at_means = replayed([{**e, "cpu_us": means[e["args"]["kind"]][e["args"]["stage"]]} for e in compute], stages)
     start_of = {(e["rank"], e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]): e["ts"] for e in at_means}

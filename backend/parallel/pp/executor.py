@@ -23,17 +23,17 @@ from contextlib import nullcontext
 import torch
 
 from backend.parallel.pp.recompute import ActivationMeter
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.parallel.wire import Wire
 from backend.trace import Tracer
 
 
 def keep_freed_memory() -> bool:
     """Have glibc keep what this process frees for its next allocations: no block of up to 32 MiB mapped on its own
-    (so none is unmapped when freed) and no trim of the heap's top. By default a freed block of 128 KiB or more goes back
-    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks (a 512-wide
-    float64 weight gradient, 2 MiB: 512 faults, 0.5-1 ms of a 2 ms backward measured), so equal actions timed unequally.
-    A GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc took both settings."""
+    (so none is unmapped when freed) and no trim of the heap's top. Otherwise a freed block of 128 KiB or more goes back
+    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks, so equal
+    actions time unequally; a GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc
+    took both settings."""
     if not sys.platform.startswith("linux"):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -48,12 +48,7 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
 
 
-ACTIONS = ("F", "B", "I", "W")  # a compute event's kind when it is a pipeline action
 WARM_UP_STEPS = 1  # left out of the least: the loop's first step pays one-off costs (allocator growth, cold caches)
-
-
-def is_action(e: dict) -> bool:
-    return e["lane"] == "compute" and e["args"].get("kind") in ACTIONS
 
 
 def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
