@@ -217,30 +217,23 @@ def vertical_version(config, p: int, mb: int) -> int:
 
 def _pipedream_backward(config, st, sv, seed_grad, s, mb, version, versions, grad_errors):
     """Backward with the stashed weights (consistent) and, without stashing, with the current ones; SGD update."""
-    module = st.module
-    names = [k for k, _ in module.named_parameters()]
-    stashed = sv["params"]
-    root = sv["out"]
-    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([sv["x"]] if s > 0 else []), seed_grad)
-    g_consistent, gx = consistent[:len(names)], (consistent[-1] if s > 0 else None)
-    used = g_consistent
-    if not config.weight_stashing:  # recompute the forward on the weights as they are now: what PipeDream without stashing does
-        current = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
+    def grads(out, weights: dict, x) -> tuple:  # the weights' gradients, and the input's (none on stage 0)
+        got = torch.autograd.grad(out, [*weights.values(), *([x] if s > 0 else [])], seed_grad)
+        return got[:len(weights)], (got[-1] if s > 0 else None)
+    consistent, gx = grads(sv["out"], sv["params"], sv["x"])
+    used = consistent
+    if not config.weight_stashing:  # the forward again on the weights as they are now: PipeDream without stashing
+        current = {k: v.detach().clone().requires_grad_() for k, v in st.module.named_parameters()}
         x = sv["x"].detach().requires_grad_(s > 0)
-        root2 = st.forward(x, mb, current)
-        res = torch.autograd.grad(root2, [current[k] for k in names] + ([x] if s > 0 else []), seed_grad)
-        used, gx = res[:len(names)], (res[-1] if s > 0 else None)
-        num = sum(((a - b) ** 2).sum() for a, b in zip(used, g_consistent)) ** 0.5
-        den = sum((b ** 2).sum() for b in g_consistent) ** 0.5
-        grad_errors.append({"stage": s, "mb": mb, "relative_error": float(num / den)})
+        used, gx = grads(st.forward(x, mb, current), current, x)
+        error = torch.stack([torch.dist(a, b) for a, b in zip(used, consistent)]).norm()
+        size = torch.stack([b.norm() for b in consistent]).norm()
+        grad_errors.append({"stage": s, "mb": mb, "relative_error": float(error / size)})
     if s > 0:
         sv["x"].grad = gx
-    forward_version = next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
-    b_version = forward_version if config.weight_stashing else version[s]
-    for v in versions:
-        if v["stage"] == s and v["mb"] == mb:
-            v["backward_version"] = b_version
+    record = next(v for v in versions if v["stage"] == s and v["mb"] == mb)
+    record["backward_version"] = record["forward_version"] if config.weight_stashing else version[s]
     with torch.no_grad():
-        for prm, g in zip(module.parameters(), used):
+        for prm, g in zip(st.module.parameters(), used):
             prm -= config.lr * g
     version[s] += 1

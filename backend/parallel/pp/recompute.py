@@ -62,6 +62,15 @@ class ActivationMeter:
         self.live -= sum(self.held.pop(key, {}).values())
 
 
+@contextmanager
+def saved_activations(parameters):
+    """The meter of what autograd saves inside the block, under one key (`live`: its bytes; each storage counted once,
+    `parameters` left out: they are weights, not activations)."""
+    meter = ActivationMeter()
+    with meter.saving(0, list(parameters)):
+        yield meter
+
+
 class MeteredStage:
     """A pipeline stage that records, while `activations` and `kept` are dicts (the loop sets them), each forward run
     with gradients: per micro-batch the bytes autograd saves in the recorded body and the bytes of the stage input,
@@ -75,8 +84,7 @@ class MeteredStage:
         if self.activations is None or not torch.is_grad_enabled():
             yield
             return
-        meter = ActivationMeter()
-        with meter.saving(mb, list(parameters)):
+        with saved_activations(parameters) as meter:
             yield
         self.activations[mb], self.kept[mb] = meter.live, x.numel() * x.element_size()
 
