@@ -44,8 +44,6 @@ them), so only the replicated weights are summed over ep; all are summed over dp
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -55,7 +53,7 @@ from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_dp import data_parallel
 from backend.parallel.pp.executor import execute, keep_freed_memory
 from backend.parallel.pp.recompute import ActivationMeter, MeteredStage
-from backend.parallel.pp.schedules import SCHEDULES, live_activations
+from backend.parallel.pp.schedules import ACTIONS, SCHEDULES, is_action, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
@@ -298,7 +296,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
             "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
             "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
-        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
+        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank)
     return payload
 
 
@@ -389,40 +387,38 @@ def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:
         {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]}
 
 
-def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank, last_walk) -> dict:
+def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank) -> dict:
     """Recompute's price on this rank: one step of the same plan without recompute and one with it, each timed (CPU
-    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one); the
-    activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
+    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one);
+    the activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
     full, selective = config.recompute == "full", config.recompute == "selective"
-    out = {"recompute_cpu_us": last_walk["recompute_cpu_us"]}
-    for label, on in (("without", False), ("with", True), ("without", False), ("with", True)):
+
+    def step(on: bool, stages: dict) -> tuple[dict, Tracer]:
         for c in chunks.values() if selective else ():
             apply_selective_recompute(c, on)
-        stages, timed = make_stages(), f"{label}_cpu_us" not in out
-        if not timed:
-            forwards = []
-            stages = {s: _Counted(st, forwards) for s, st in stages.items()}
-        elif not on:
-            per = {}
-            for s, st in stages.items():
-                st.activations, st.kept = per.setdefault(s, {}), {}
         tracer = Tracer(rank)
-        with FlopCount() if not timed else contextlib.nullcontext() as counter:
-            walk = execute(order, plan, stages, pp_ranks, me, p, m, tracer, recompute=full and on)
+        walk = execute(order, plan, stages, pp_ranks, me, p, m, tracer, recompute=full and on)
         for c in chunks.values():
             c.zero_grad(set_to_none=True)
-        if timed:
-            cpu = {k: sum(e["cpu_us"] for e in tracer.events if e["lane"] == "compute" and e["args"].get("kind") == k)
-                   for k in "FBIW"}
-            out[f"{label}_cpu_us"] = cpu
-            if not on:
-                out["without_forward_cpu_us"] = [e["cpu_us"] for e in tracer.events if e["args"].get("kind") == "F"]
-                out["peak_without"] = peak_in_flight(order, per)
-            else:
-                out["recompute_cpu_us"] = walk["recompute_cpu_us"]
+        return walk, tracer
+    out, per = {}, {}
+    for label, on in (("without", False), ("with", True)):
+        stages = make_stages()
+        for s, st in stages.items() if not on else ():  # what each (stage, micro-batch) saves without recompute
+            st.activations, st.kept = per.setdefault(s, {}), {}
+        walk, tracer = step(on, stages)
+        actions = [e for e in tracer.events if is_action(e)]
+        out[f"{label}_cpu_us"] = {k: sum(e["cpu_us"] for e in actions if e["args"]["kind"] == k) for k in ACTIONS}
+        if on:
+            out["recompute_cpu_us"] = walk["recompute_cpu_us"]
         else:
-            out[f"{label}_flops"] = counter.total
-            out[f"{label}_forwards"] = forwards
+            out["without_forward_cpu_us"] = [e["cpu_us"] for e in actions if e["args"]["kind"] == "F"]
+            out["peak_without"] = peak_in_flight(order, per)
+    for label, on in (("without", False), ("with", True)):
+        forwards = []
+        with FlopCount() as counter:
+            step(on, {s: _Counted(st, forwards) for s, st in make_stages().items()})
+        out[f"{label}_flops"], out[f"{label}_forwards"] = counter.total, forwards
     for c in chunks.values() if selective else ():
         apply_selective_recompute(c, True)
     return out
