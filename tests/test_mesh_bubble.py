@@ -66,7 +66,7 @@ def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run
     assert NEAR not in {c.name for c in result.checks}  # reported, not a check: a timing on a shared CPU
     assert all(p["kept_freed_memory"] == [True] for p in payloads)  # every rank keeps freed memory, before its steps
     differ = []
-    for p in payloads:  # the reference: pandas' min over the steps after the first of the same (kind, stage, micro-batch)
+    for p in payloads:  # the reference: pandas' min of each (kind, stage, micro-batch) over the steps after the first
         frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"], "ts": e["ts"]} for e in _actions(p)])
         assert len(frame) == config.steps * len(p["order_actions"])
         timed = frame[frame["ts"] >= p["step_us"][1][0]]

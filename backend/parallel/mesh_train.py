@@ -176,7 +176,7 @@ class MeshStage(MeteredStage):
 
     def _forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         h = x if self.chunk.embed is None else self.chunk.embed(x)
-        with self.recording(mb, x, self.chunk.parameters()):  # the blocks; x is what full recompute keeps (ids on stage 0)
+        with self.recording(mb, x, self.chunk.parameters()):  # the blocks; x is what full recompute keeps
             y = self.chunk.run_blocks(h)
         if not self.last:
             return y

@@ -76,8 +76,8 @@ def run_rank(rank, world, config: CPConfig, ctx):
     return {"rank": rank, "positions": mine.tolist(),
             "output_error": (out - reference[:, :, mine]).abs().max().item(),
             "grad_errors": {name: (a.grad - b.grad[:, :, mine]).abs().max().item() for name, a, b in zip("qkv", local, full)},
-            "steps": steps, "ring": [{**r, "what": r["name"]} for r in ring.log], "forward_compute_ms": forward_ms, "unmasked_scores": unmasked, "activation_bytes": saved.live,
-            "trace": tracer.payload()}
+            "steps": steps, "ring": [{**r, "what": r["name"]} for r in ring.log], "forward_compute_ms": forward_ms,
+            "unmasked_scores": unmasked, "activation_bytes": saved.live, "trace": tracer.payload()}
 
 
 def combine(config: CPConfig, payloads) -> Result:

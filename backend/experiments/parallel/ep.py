@@ -88,8 +88,8 @@ def run_rank(rank, world, config: EPConfig, ctx):
                      for name, p in model.named_parameters())
     return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(), "grad_error": grad_error,
             "input_grad_error": (x.grad - x_all.grad.tensor_split(world)[rank]).abs().max().item(),
-            "stats": model.stats[0], "activation_bytes": saved.live, "reference_stats": ref_stats[rank], "log": wire.log,
-            "trace": tracer.payload()}
+            "stats": model.stats[0], "activation_bytes": saved.live, "reference_stats": ref_stats[rank],
+            "log": wire.log, "trace": tracer.payload()}
 
 
 def combine(config: EPConfig, payloads) -> Result:

@@ -441,11 +441,6 @@ def stage_row(pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, m
             "peak_live": pl["peak_live"], "peak_live_bound": live_bound}
 
 
-def max_grad_error(pairs) -> float:
-    """The largest |difference| over (numpy gradient, float64 reference tensor) pairs."""
-    return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
-
-
 def training_checks(config: PipelineConfig, payloads: list[dict], ref: SimpleNamespace) -> list[Check]:
     """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
     torch.optim.Adam (`ref`, reference_training): each step's loss (summed over the ranks: only the last stage's is not
@@ -482,7 +477,8 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
         checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {plan.torch_peer} run as a peer",
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
-        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]])) for pl in payloads)
+        worst = max((torch.from_numpy(g) - rg).abs().max().item()
+                    for pl in payloads for g, rg in zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]]))
         checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64"))
     return checks
