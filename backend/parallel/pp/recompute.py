@@ -124,7 +124,7 @@ def time_check(prices: list[dict], overhead: float, predicted: float) -> Check:
     overhead and the F/(F+B) it predicts."""
     ratio = time_ratio(prices)
     return Check("a recomputation takes the time of one forward (CPU time, within 50 %)", abs(ratio - 1),
-                 TIME_TOLERANCE, reference="the forwards of the same plan's step without recomputation (median, all ranks)",
+                 TIME_TOLERANCE, reference="the forwards of the plan's step without recomputation (median, all ranks)",
                  detail=f"recompute ÷ forward {ratio:.2f}; whole run +{100 * overhead:.1f} % CPU time, "
                         f"F/(F+B) predicts +{100 * predicted:.1f} %, the textbook +33 %")
 
