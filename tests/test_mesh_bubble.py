@@ -1,8 +1,10 @@
 """The composed mesh's replayed bubble against its makespan model (issue #27): the replay takes each action's least CPU
-time over the steps the run trained (the same rule as the pipeline page), and the replayed bubble (mean over a
-pipeline's ranks) is within 5 points of the model's (reported by the run, asserted here with one retry). The least costs are checked against pandas' groupby min of the
-raw trace; a step with one stalled action, replayed as drawn, fails the check. Every rank keeps freed memory
-(keep_freed_memory, as the pipeline page's ranks: no page faults charged to an action)."""
+time over the steps the run trained after the warm-up one (the same rule as the pipeline page), and the replayed
+bubble (mean over a pipeline's ranks) is within 5 points of the model's (reported by the run, asserted here with one
+retry). The least costs are checked against pandas' groupby min of the raw trace; a step with one stalled action,
+replayed as drawn, fails the check. Every rank keeps freed memory (keep_freed_memory, as the pipeline page's ranks: no
+page faults charged to an action)."""
+import copy
 import multiprocessing
 
 import pandas as pd
@@ -12,6 +14,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
+from backend.parallel.pp import executor
 
 NEAR = "replayed bubble (mean over ranks) within 5 points of the makespan model"
 STALL_US = 10_000  # one action of the drawn step given 10 ms more CPU (about two forwards): a time slice lost to another process
@@ -63,10 +66,12 @@ def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run
     assert NEAR not in {c.name for c in result.checks}  # reported, not a check: a timing on a shared CPU
     assert all(p["kept_freed_memory"] == [True] for p in payloads)  # every rank keeps freed memory, before its steps
     differ = []
-    for p in payloads:  # the reference: pandas' min over every step's events of the same (kind, stage, micro-batch)
-        frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"]} for e in _actions(p)])
+    for p in payloads:  # the reference: pandas' min of each (kind, stage, micro-batch) over the steps after the first
+        frame = pd.DataFrame([{**e["args"], "cpu_us": e["cpu_us"], "ts": e["ts"]} for e in _actions(p)])
         assert len(frame) == config.steps * len(p["order_actions"])
-        least = frame.groupby(["kind", "stage", "mb"])["cpu_us"].min()
+        timed = frame[frame["ts"] >= p["step_us"][1][0]]
+        assert len(timed) == (config.steps - 1) * len(p["order_actions"])
+        least = timed.groupby(["kind", "stage", "mb"])["cpu_us"].min()
         last = _actions(p)[-len(p["order_actions"]):]
         assert all(e["cpu_least_us"] == least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])] for e in last)
         differ += [e["cpu_least_us"] < e["cpu_us"] for e in last]
@@ -74,6 +79,24 @@ def test_the_replay_takes_each_actions_least_cpu_time_over_the_steps_trained(run
     # quickest everywhere on one rank, as warm-up ends; on every rank at once it has not been seen)
     replayed = {r["rank"]: r["bubble_replayed"] for r in result.tables["pipeline"]}
     assert len(replayed) == config.world_size and all(0 < v < 1 for v in replayed.values())
+
+
+def _least_with_a_free_warm_up(payload) -> list[float]:
+    """The last step's least CPU times after the warm-up step's actions were made to cost nothing."""
+    p = copy.deepcopy(payload)
+    for e in _actions(p):
+        if e["ts"] < p["step_us"][0][1]:
+            e["cpu_us"] = 0.0
+    return [e["cpu_least_us"] for e in executor.mark_least_cpu(_actions(p), p["step_us"])]
+
+
+def test_the_warm_up_step_never_sets_an_actions_least_cpu_time(run, monkeypatch):
+    """The warm-up step's one-off costs are not an action's: made free, they change no least; with the warm-up step
+    counted (the rule broken), every least becomes 0."""
+    config, payloads = run
+    assert all(t > 0 for t in _least_with_a_free_warm_up(payloads[0]))
+    monkeypatch.setattr(executor, "WARM_UP_STEPS", 0)
+    assert all(t == 0 for t in _least_with_a_free_warm_up(payloads[0]))
 
 
 def test_a_stalled_action_replayed_as_drawn_fails_the_check(run, monkeypatch):

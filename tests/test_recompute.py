@@ -111,10 +111,9 @@ def test_a_recomputation_timed_as_two_forwards_fails_the_time_check(runs, monkey
     monkeypatch.setattr(recompute, "MIN_TIMED_CPU_MS", 0.0)
     config, payloads = runs[0]
     payloads = copy.deepcopy(payloads)
-    for pl in payloads:  # every recomputation exactly as long as the median forward of the run without it
-        price = pl["price"]
-        forwards = sorted(price["without_forward_cpu_us"])
-        price["recompute_cpu_us"] = [forwards[len(forwards) // 2]] * len(price["recompute_cpu_us"])
+    forwards = sorted(t for pl in payloads for t in pl["price"]["without_forward_cpu_us"])
+    for pl in payloads:  # every recomputation exactly as long as the median forward (over the ranks) without it
+        pl["price"]["recompute_cpu_us"] = [forwards[len(forwards) // 2]] * len(pl["price"]["recompute_cpu_us"])
     assert _check(combine(config, payloads), "a recomputation takes the time").error < 1e-9
     for pl in payloads:
         pl["price"]["recompute_cpu_us"] = [2 * t for t in pl["price"]["recompute_cpu_us"]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from itertools import accumulate
 
 import torch
 
@@ -36,11 +37,9 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
 def bucket_ranges(params: list, buckets: list[list]) -> list[tuple[int, int]]:
     """Each bucket (make_buckets: consecutive parameters from the last) as its (start, end) range of the flat vector
     of `params` in their order."""
-    ranges, end = [], sum(p.numel() for p in params)
-    for bucket in buckets:
-        ranges.append((end - sum(p.numel() for p in bucket), end))
-        end = ranges[-1][0]
-    return ranges
+    sizes = accumulate((sum(p.numel() for p in bucket) for bucket in buckets), initial=0)
+    ends = [sum(p.numel() for p in params) - size for size in sizes]
+    return list(zip(ends[1:], ends[:-1]))
 
 
 class BucketOverlap:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from backend.parallel.offload import FSDPTransfers
+from backend.parallel.precision import Adam, named_weights
 
 
 def dp_device_mesh(group, rank: int):
@@ -96,8 +97,6 @@ class FullyShardedStages:
     def __init__(self, model: torch.nn.ModuleDict, group, rank: int, dp, tracer, lr: float, offload: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from backend.parallel.precision import Adam
-
         self.model, self.tracer, self.offload = model, tracer, offload
         policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.attrs = {n: {a: getattr(p, a) for a in ("source", "sequence_parallel") if hasattr(p, a)}
@@ -157,7 +156,7 @@ class FullyShardedStages:
             self.transfers.stop()
         self._unshard("final")
         self.entry_of = {}
-        return {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
+        return named_weights(model)
 
     def gradients(self) -> None:
         """None: the loop reads the unsharded parameters' gradients (no overlap here)."""

@@ -76,11 +76,6 @@ class DeviceMesh:
     def ranks(self, dim: str) -> list[int]:
         return self.group_ranks[dim]
 
-    def describe(self) -> dict:
-        """Plain data for a page: the shape, and every group of every dimension used."""
-        return {"shape": {d: s for d, s in self.shape.items() if s > 1},
-                "groups": {d: self.lines(self.shape, d) for d in DIMS if self.shape[d] > 1}}
-
 
 def start_rank(rank: int, world_size: int, **mesh_sizes: int):
     """This rank's mesh (all ranks data parallel unless sizes say otherwise) and a tracer aligned across ranks."""

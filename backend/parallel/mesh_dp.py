@@ -28,7 +28,7 @@ import torch
 from backend.comm.collectives import Spec, all_gather_ring, reduce_scatter_ring
 from backend.parallel.ddp import BucketOverlap, bucket_ranges, make_buckets
 from backend.parallel.offload import Pools
-from backend.parallel.precision import FP64, Adam, Precision
+from backend.parallel.precision import FP64, Adam, Precision, named_weights
 from backend.parallel.wire import Wire, padded, sum_gradients
 from backend.trace import Tracer
 
@@ -166,11 +166,7 @@ class DataParallel:
         if self.zero:
             whole = self.strategy != "zero3" and not self.precision.mixed  # the last all-gather left the master whole
             flat = self.weights if whole else self.zero.gather(self.precision.master)
-        out, at = {}, 0
-        for name, p in model.named_parameters():
-            out[name] = flat[at:at + p.numel()].view(p.shape).double().numpy().copy()
-            at += p.numel()
-        return out
+        return named_weights(model, flat)
 
     def entry(self, chunk):
         """The module a stage's forward is called through: none, the chunk's own methods are (FSDP2's differs)."""

@@ -44,8 +44,6 @@ them), so only the replicated weights are summed over ep; all are summed over dp
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -53,17 +51,16 @@ import torch.nn as nn
 from backend.parallel.cp import SequenceShard
 from backend.parallel.mesh import DeviceMesh
 from backend.parallel.mesh_dp import data_parallel
-from backend.parallel.sp import SavedActivations
 from backend.parallel.pp.executor import execute, keep_freed_memory
-from backend.parallel.pp.recompute import ActivationMeter
-from backend.parallel.pp.schedules import SCHEDULES, live_activations
+from backend.parallel.pp.recompute import ActivationMeter, MeteredStage
+from backend.parallel.pp.schedules import ACTIONS, SCHEDULES, is_action, live_activations
 from backend.parallel.parallelize import parallelize, sources
 from backend.parallel.recompute import FlopCount, apply_selective_recompute
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire, sum_gradients
-from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat
+from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat, named_weights
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
@@ -150,7 +147,7 @@ class LossScale:
         return grads / scale, overflow, scale
 
 
-class MeshStage:
+class MeshStage(MeteredStage):
     """Pipeline stage `s` of S on this rank, for the one executor: the tiny LLaMA's blocks of stage s at this rank's
     tp shard (the embedding on stage 0, norm, head and loss on stage S-1), run on this rank's micro-batches and cp
     positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
@@ -166,8 +163,6 @@ class MeshStage:
         self.targets = [mb[:, 1:][:, columns] for mb in batches]
         self.d_model, self.global_tokens, self.dtype = d_model, global_tokens, dtype  # dtype: the activations'
         self.loss_scale = loss_scale  # fp16: the loss scale S the backward starts from
-        self.activations: dict[int, int] | None = None  # set to a dict to record
-        self.kept: dict[int, int] = {}
 
     def input(self, mb: int) -> torch.Tensor:
         return self.inputs[mb]
@@ -180,29 +175,13 @@ class MeshStage:
         return self._forward(x, mb) if self.entry is None else self.entry(self._forward, x, mb)
 
     def _forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
-        kept = x.numel() * x.element_size()  # what full recompute keeps from F to B: the stage's input (token ids on stage 0)
-        if self.chunk.embed is not None:
-            x = self.chunk.embed(x)
-        recording = self.activations is not None and torch.is_grad_enabled()  # (recompute: the backward's forward records)
-        with SavedActivations(self.chunk.parameters()) if recording else contextlib.nullcontext() as memory:
-            y = self.chunk.run_blocks(x)  # (not recording: the executor's ActivationMeter, if any, sees what is saved)
-        if recording:
-            self.activations[mb] = memory.bytes
-            self.kept[mb] = kept
+        h = x if self.chunk.embed is None else self.chunk.embed(x)
+        with self.recording(mb, x, self.chunk.parameters()):  # the blocks; x is what full recompute keeps
+            y = self.chunk.run_blocks(h)
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
         return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
-
-
-def build_stages(config, stages: list[int], S: int, tp: Wire, ep: Wire, shard) -> tuple[dict, nn.Module]:
-    """This rank's stage chunks of the one model, each parallelized (tp, sp, ep, cp) and its attention core set for
-    the recompute choice; and all of them as one module, in stage order."""
-    reference = reference_model(config)
-    chunks = {s: parallelize(reference, tp, config.sp, stage=s, stages=S, ep=ep, cp=shard) for s in stages}
-    for c in chunks.values():
-        apply_selective_recompute(c, config.recompute == "selective")
-    return chunks, nn.ModuleDict({f"stage{s}": c for s, c in chunks.items()})
 
 
 class TinyLlama:
@@ -215,7 +194,14 @@ class TinyLlama:
         self.batches = [tokens(config)[seqs] for seqs in self.split.sequences]  # this rank's sequences, per micro-batch
 
     def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
-        return build_stages(self.config, stages, self.S, self.tp, self.ep, self.shard)
+        """This rank's stage chunks of the one model, each parallelized (tp, sp, ep, cp) and its attention core set for
+        the recompute choice; and all of them as one module, in stage order."""
+        reference = reference_model(self.config)
+        chunks = {s: parallelize(reference, self.tp, self.config.sp, stage=s, stages=self.S, ep=self.ep, cp=self.shard)
+                  for s in stages}
+        for chunk in chunks.values():
+            apply_selective_recompute(chunk, self.config.recompute == "selective")
+        return chunks, nn.ModuleDict({f"stage{s}": chunk for s, chunk in chunks.items()})
 
     def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
         """This step's stage objects (`entry`: fsdp2's fully_shard-ed module per chunk, sync.entry)."""
@@ -306,11 +292,11 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
             "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
             "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
             "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
-            "layers_here": sum(len(ls) for ls in layers.values()), "mesh": mesh.describe(),
+            "layers_here": sum(len(ls) for ls in layers.values()),
             "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
             "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
-        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank, walk)
+        payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank)
     return payload
 
 
@@ -333,11 +319,6 @@ def step_weights(config, model: nn.Module, sync, loss_scale: LossScale, wires: t
         load_flat(model, weights)
     model.zero_grad(set_to_none=True)
     return scale, params
-
-
-def named_weights(model: nn.Module) -> dict:
-    """The model's weights as they are, by name, as float64 arrays (what an asynchronous schedule trained)."""
-    return {name: p_.detach().double().numpy().copy() for name, p_ in model.named_parameters()}
 
 
 class _Counted:
@@ -406,41 +387,38 @@ def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:
         {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]}
 
 
-def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank, last_walk) -> dict:
+def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank) -> dict:
     """Recompute's price on this rank: one step of the same plan without recompute and one with it, each timed (CPU
-    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one); the
-    activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
+    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one);
+    the activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
     full, selective = config.recompute == "full", config.recompute == "selective"
-    out = {"recompute_cpu_us": last_walk["recompute_cpu_us"]}
-    for label, on in (("without", False), ("with", True), ("without", False), ("with", True)):
+
+    def step(on: bool, stages: dict) -> tuple[dict, Tracer]:
         for c in chunks.values() if selective else ():
             apply_selective_recompute(c, on)
-        stages, timed = make_stages(), f"{label}_cpu_us" not in out
-        if not timed:
-            forwards = []
-            stages = {s: _Counted(st, forwards) for s, st in stages.items()}
-        elif not on:
-            per = {}
-            for s, st in stages.items():
-                st.activations, st.kept = per.setdefault(s, {}), {}
         tracer = Tracer(rank)
-        with FlopCount() if not timed else contextlib.nullcontext() as counter:
-            walk = execute(order, plan, stages, pp_ranks, me, p, m, tracer, recompute=full and on)
+        walk = execute(order, plan, stages, pp_ranks, me, p, m, tracer, recompute=full and on)
         for c in chunks.values():
             c.zero_grad(set_to_none=True)
-        if timed:
-            cpu = {k: sum(e["cpu_us"] for e in tracer.events if e["lane"] == "compute" and e["args"].get("kind") == k)
-                   for k in "FBIW"}
-            out[f"{label}_cpu_us"] = cpu
-            out[f"{label}_forward_cpu_us"] = [e["cpu_us"] for e in tracer.events if e["args"].get("kind") == "F"]
-            if not on:
-                out["activations_without"] = {f"{s},{mb}": b for s, d in per.items() for mb, b in d.items()}
-                out["peak_without"] = peak_in_flight(order, per)
-            else:
-                out["recompute_cpu_us"] = walk["recompute_cpu_us"]
+        return walk, tracer
+    out, per = {}, {}
+    for label, on in (("without", False), ("with", True)):
+        stages = make_stages()
+        for s, st in stages.items() if not on else ():  # what each (stage, micro-batch) saves without recompute
+            st.activations, st.kept = per.setdefault(s, {}), {}
+        walk, tracer = step(on, stages)
+        actions = [e for e in tracer.events if is_action(e)]
+        out[f"{label}_cpu_us"] = {k: sum(e["cpu_us"] for e in actions if e["args"]["kind"] == k) for k in ACTIONS}
+        if on:
+            out["recompute_cpu_us"] = walk["recompute_cpu_us"]
         else:
-            out[f"{label}_flops"] = counter.total
-            out[f"{label}_forwards"] = forwards
+            out["without_forward_cpu_us"] = [e["cpu_us"] for e in actions if e["args"]["kind"] == "F"]
+            out["peak_without"] = peak_in_flight(order, per)
+    for label, on in (("without", False), ("with", True)):
+        forwards = []
+        with FlopCount() as counter:
+            step(on, {s: _Counted(st, forwards) for s, st in make_stages().items()})
+        out[f"{label}_flops"], out[f"{label}_forwards"] = counter.total, forwards
     for c in chunks.values() if selective else ():
         apply_selective_recompute(c, True)
     return out

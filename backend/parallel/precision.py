@@ -57,6 +57,13 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def named_weights(model: nn.Module, flat: torch.Tensor | None = None) -> dict:
+    """The model's weights by name as float64 arrays: its own, or those of `flat` (laid out as flat_params does)."""
+    params = dict(model.named_parameters())
+    values = params.values() if flat is None else flat.split([p.numel() for p in params.values()])
+    return {n: v.detach().reshape(p.shape).double().numpy().copy() for (n, p), v in zip(params.items(), values)}
+
+
 def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from backend.parallel.pp.recompute import ActivationMeter
 
 SEQ = 1  # activations are (batch, sequence, hidden)
 
@@ -84,22 +83,3 @@ def korthikanti_bytes(b: int, s: int, h: int, heads: int, t: int, sp: bool) -> f
         return s * b * h / t * (34 + 5 * heads * s / h)
     return s * b * h * (10 + 24 / t + 5 * heads * s / (h * t))
 
-
-class SavedActivations(ActivationMeter):
-    """Bytes autograd saves inside a `with` block: the pipeline's ActivationMeter under one key (each storage counted
-    once, parameters left out: they are weights, not activations)."""
-
-    def __init__(self, params):
-        super().__init__()
-        self.block = self.saving(0, list(params))
-
-    def __enter__(self):
-        self.block.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.block.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return self.live

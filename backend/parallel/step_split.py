@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from backend.parallel.pp.schedules import is_action
+
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 CATEGORIES = ("compute", *DIMENSIONS, "idle")
-FBIW = ("F", "B", "I", "W")
 
 
 def union(intervals) -> list[tuple[float, float]]:
@@ -90,9 +91,9 @@ def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
     """One rank's step (`window` on its clock) as replay items in order: compute pieces and communication calls. A piece
     inside an action carries (kind, stage, mb, piece): an action with k calls inside it is k + 1 pieces."""
     events = [e for e in events if window[0] <= e["ts"] and e["ts"] + e["dur"] <= window[1]]
-    actions = sorted((e for e in events if e["lane"] == "compute" and e["args"].get("kind") in FBIW), key=lambda e: e["ts"])
+    actions = sorted(filter(is_action, events), key=lambda e: e["ts"])
     calls, items, at = _calls(events), [], window[0]
-    loose = [e for e in events if e["lane"] == "compute" and e["args"].get("kind") not in FBIW
+    loose = [e for e in events if e["lane"] == "compute" and not is_action(e)
              and not any(_inside(e, a) for a in actions)]  # traced compute outside the actions (Adam's update)
 
     def gap(a: float, b: float):

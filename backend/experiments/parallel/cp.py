@@ -12,7 +12,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.cp import RingAttention, positions
 from backend.parallel.mesh import start_rank
-from backend.parallel.sp import SavedActivations
+from backend.parallel.pp.recompute import saved_activations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema
 
@@ -67,7 +67,7 @@ def run_rank(rank, world, config: CPConfig, ctx):
     tracer.align(dist.barrier)  # time zero once every rank has its chunk: the trace is the ring alone
     steps = []
     ctx.progress(0.3, "ring forward")
-    with SavedActivations([]) as saved:
+    with saved_activations([]) as saved:
         out = RingAttention.apply(*local, pos, ring, config.causal, steps)
     ctx.progress(0.6, "ring backward")
     out.backward(grad[:, :, mine])
@@ -76,8 +76,8 @@ def run_rank(rank, world, config: CPConfig, ctx):
     return {"rank": rank, "positions": mine.tolist(),
             "output_error": (out - reference[:, :, mine]).abs().max().item(),
             "grad_errors": {name: (a.grad - b.grad[:, :, mine]).abs().max().item() for name, a, b in zip("qkv", local, full)},
-            "steps": steps, "ring": [{**r, "what": r["name"]} for r in ring.log], "forward_compute_ms": forward_ms, "unmasked_scores": unmasked, "activation_bytes": saved.bytes,
-            "trace": tracer.payload()}
+            "steps": steps, "ring": [{**r, "what": r["name"]} for r in ring.log], "forward_compute_ms": forward_ms,
+            "unmasked_scores": unmasked, "activation_bytes": saved.live, "trace": tracer.payload()}
 
 
 def combine(config: CPConfig, payloads) -> Result:

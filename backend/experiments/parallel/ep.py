@@ -14,7 +14,7 @@ from backend.models.moe import MoELayer
 from backend.parallel.ep import ExpertParallelMoE, grouped_reference
 from backend.parallel.mesh import start_rank
 from backend.parallel.parallelize import sources, tag_sources
-from backend.parallel.sp import SavedActivations
+from backend.parallel.pp.recompute import saved_activations
 from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema
 
@@ -75,7 +75,7 @@ def run_rank(rank, world, config: EPConfig, ctx):
     x = x_all.detach().tensor_split(world)[rank].requires_grad_()
     t = target.tensor_split(world)[rank]
     ctx.progress(0.3, "dispatch, experts, combine")
-    with tracer.span("compute", "MoE forward", kind="forward"), SavedActivations(model.parameters()) as saved:
+    with tracer.span("compute", "MoE forward", kind="forward"), saved_activations(model.parameters()) as saved:
         y = model(x)
         loss = ((y - t) ** 2).sum() / config.tokens
     with tracer.span("compute", "MoE backward", kind="backward"):
@@ -88,8 +88,8 @@ def run_rank(rank, world, config: EPConfig, ctx):
                      for name, p in model.named_parameters())
     return {"rank": rank, "output_error": (y - ref_slice).abs().max().item(), "grad_error": grad_error,
             "input_grad_error": (x.grad - x_all.grad.tensor_split(world)[rank]).abs().max().item(),
-            "stats": model.stats[0], "activation_bytes": saved.bytes, "reference_stats": ref_stats[rank], "log": wire.log,
-            "trace": tracer.payload()}
+            "stats": model.stats[0], "activation_bytes": saved.live, "reference_stats": ref_stats[rank],
+            "log": wire.log, "trace": tracer.payload()}
 
 
 def combine(config: EPConfig, payloads) -> Result:

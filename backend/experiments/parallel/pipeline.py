@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import dataclasses
 import os
+from statistics import median_high
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +31,7 @@ from backend.parallel.pp import recompute
 from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.result import Check, Result, Schema
 from backend.trace import replay
 
@@ -214,13 +215,9 @@ def loop_config(config: PipelineConfig) -> SimpleNamespace:
 
 
 def last_step(step_us: list[tuple], events: list[dict]) -> list[dict]:
-    """The rank's actions (F, B, I, W) and its sends and receives in its last step (the loop's `step_us` windows), each
-    action marked with its least CPU time over the timed steps (every step after the first: executor.mark_least_cpu)."""
-    kept = [e for e in events if e["lane"] in ("recv", "send")
-            or (e["lane"] == "compute" and e["args"].get("kind") in ("F", "B", "I", "W"))]
-    drawn = [e for e in kept if e["ts"] >= step_us[-1][0]]
-    mark_least_cpu(drawn, [e for e in kept if e["ts"] >= step_us[0][1]])
-    return drawn
+    """The rank's actions (F, B, I, W) and its sends and receives in its last step, each action marked with its least
+    CPU time over the timed steps (executor.mark_least_cpu: the warm-up step left out)."""
+    return mark_least_cpu([e for e in events if e["lane"] in ("recv", "send") or is_action(e)], step_us)
 
 
 def run_rank_with_peer(rank: int, p: int, config, ctx) -> dict:
@@ -293,11 +290,9 @@ def replayed(compute: list[dict], num_stages: int) -> list[dict]:
 
 
 def least_costs(compute: list[dict]) -> list[dict]:
-    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: the TIMED_STEPS
-    after the loop's first, last_step): what the replay and the makespan model take as its cost. Ranks share a loaded
-    2-core box, and an action preempted mid-way refills its caches on its own CPU clock: noise that only adds, so the
-    least over repeats is the action's own cost (1F1B's backwards: CV over a step's micro-batches 0.10 in the drawn
-    step, 0.06 at the least; load 7-26)."""
+    """The drawn step's actions, each at its least CPU time over the timed steps (`cpu_least_us`: mark_least_cpu): what
+    the replay and the makespan model take as its cost. An action preempted mid-way refills its caches on its own
+    CPU clock: noise that only adds, so the least over repeats is the action's own cost."""
     return [{**e, "cpu_us": e["cpu_least_us"]} for e in compute]
 
 
@@ -306,7 +301,7 @@ def median_costs(compute: list[dict]) -> dict[tuple, float]:
     costs: dict[tuple, list[float]] = {}
     for e in compute:
         costs.setdefault((e["rank"], e["args"]["kind"], e["args"]["stage"]), []).append(e["cpu_us"])
-    return {key: sorted(c)[len(c) // 2] for key, c in costs.items()}
+    return {key: median_high(c) for key, c in costs.items()}
 
 
 def bubbles(compute: list[dict], p: int) -> tuple[float, dict[int, float]]:
@@ -364,8 +359,6 @@ def model_against_replay(schedule: str, p: int, m: int, v: int, compute: list[di
     stages = p * SCHEDULES[schedule].chunks(v)
     means = mean_stage_costs(compute)
     costs = {kind: [by_stage.get(s, 0.0) for s in range(stages)] for kind, by_stage in means.items()}
-    if "B" in costs and "I" in costs:  # DualPipe-V runs both: a stage's full backward where it has none measured is I + W
-        costs["B"] = [b or means["I"].get(s, 0.0) + means["W"].get(s, 0.0) for s, b in enumerate(costs["B"])]
     model = makespan(schedule, p, m, v, costs)
     at_means = replayed([{**e, "cpu_us": means[e["args"]["kind"]][e["args"]["stage"]]} for e in compute], stages)
     start_of = {(e["rank"], e["args"]["kind"], e["args"]["stage"], e["args"]["mb"]): e["ts"] for e in at_means}
@@ -448,11 +441,6 @@ def stage_row(pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, m
             "peak_live": pl["peak_live"], "peak_live_bound": live_bound}
 
 
-def max_grad_error(pairs) -> float:
-    """The largest |difference| over (numpy gradient, float64 reference tensor) pairs."""
-    return max((torch.from_numpy(g) - rg).abs().max().item() for g, rg in pairs)
-
-
 def training_checks(config: PipelineConfig, payloads: list[dict], ref: SimpleNamespace) -> list[Check]:
     """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
     torch.optim.Adam (`ref`, reference_training): each step's loss (summed over the ranks: only the last stage's is not
@@ -489,7 +477,8 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
         checks.append(Check(f"op order (F/B per rank) equals torch.distributed.pipelining's {plan.torch_peer} run as a peer",
                             sum(a != b for a, b in zip(ours, theirs)), 0, reference="PyTorch's schedule on the same model, recorded by module hooks",
                             detail=" | ".join(theirs)))
-        worst = max(max_grad_error(zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]])) for pl in payloads)
+        worst = max((torch.from_numpy(g) - rg).abs().max().item()
+                    for pl in payloads for g, rg in zip(pl["torch_peer"]["grads"], ref.grads[pl["rank"]]))
         checks.append(Check("the PyTorch peer's gradients equal the single-process reference too", worst, 1e-12,
                             reference="single-process PyTorch autograd, float64"))
     return checks

@@ -16,7 +16,8 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.models.llama import TinyDecoder
 from backend.parallel.mesh import start_rank
-from backend.parallel.sp import SavedActivations, activation_elements, korthikanti_bytes
+from backend.parallel.pp.recompute import saved_activations
+from backend.parallel.sp import activation_elements, korthikanti_bytes
 from backend.parallel.parallelize import expected, parallelize
 from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import (expected_collectives, reference_model, tokens,
@@ -95,11 +96,10 @@ def decoder_cost(c: TPConfig, processes: int, passes: int, seconds: float = 0.0)
 def _step(reference, config, wire, sp):
     """One forward and backward of rank `wire.index`'s shard; the measurements the checks read."""
     model = parallelize(reference, wire, sp)
-    memory = SavedActivations(model.parameters())  # around the blocks only: the layers the activation formula counts
     mode, batch = "TP + SP" if sp else "TP", tokens(config)
     with wire.tracer.span("compute", f"{mode} forward", kind="forward"):
         x = model.embed(batch[:, :-1])
-        with memory:
+        with saved_activations(model.parameters()) as memory:  # the blocks only: the layers the formula counts
             x = model.run_blocks(x)
         loss, logits = model.head_loss(x, batch[:, 1:])
     with wire.tracer.span("compute", f"{mode} backward", kind="backward"):
@@ -107,7 +107,7 @@ def _step(reference, config, wire, sp):
         if sp:
             sum_norm_grads(model, wire)
     grads = {k: p.grad for k, p in model.named_parameters()}
-    return model, loss, logits, grads, memory.bytes
+    return model, loss, logits, grads, memory.live
 
 
 def run_rank(rank, world, config: TPConfig, ctx):

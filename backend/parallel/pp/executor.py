@@ -6,7 +6,8 @@ Stage s feeds s + 1, on the rank the schedule places it (looped: (s + 1) % p; V-
 Forward activations and backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so
 interleaved stages sharing a pair of ranks never cross. Every action and every send/recv wait is a trace event; the
 live activations of each rank are counted as actions run. The loop keeps freed memory in the process
-(keep_freed_memory), and the pages give each action its least CPU time over the steps trained (mark_least_cpu).
+(keep_freed_memory), and the pages give each action its least CPU time over the steps after the warm-up one
+(mark_least_cpu).
 
 Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
 updates a stage's weights (SGD) after every backward; with weight stashing its backward uses the weights
@@ -22,17 +23,17 @@ from contextlib import nullcontext
 import torch
 
 from backend.parallel.pp.recompute import ActivationMeter
-from backend.parallel.pp.schedules import SCHEDULES
+from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.parallel.wire import Wire
 from backend.trace import Tracer
 
 
 def keep_freed_memory() -> bool:
     """Have glibc keep what this process frees for its next allocations: no block of up to 32 MiB mapped on its own
-    (so none is unmapped when freed) and no trim of the heap's top. By default a freed block of 128 KiB or more goes back
-    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks (a 512-wide
-    float64 weight gradient, 2 MiB: 512 faults, 0.5-1 ms of a 2 ms backward measured), so equal actions timed unequally.
-    A GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc took both settings."""
+    (so none is unmapped when freed) and no trim of the heap's top. Otherwise a freed block of 128 KiB or more goes back
+    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks, so equal
+    actions time unequally; a GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc
+    took both settings."""
     if not sys.platform.startswith("linux"):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -47,18 +48,24 @@ def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
 
 
-def mark_least_cpu(drawn: list[dict], timed: list[dict]) -> None:
-    """Give each compute event of the drawn step `cpu_least_us`: the least CPU time of the same action (kind, stage,
-    micro-batch) over the compute events of `timed` (several steps' worth, the drawn one among them). Noise on a shared
-    box only adds to an action's CPU time, so the least over repeats is its own cost."""
+WARM_UP_STEPS = 1  # left out of the least: the loop's first step pays one-off costs (allocator growth, cold caches)
+
+
+def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
+    """The events of the last step (`step_us`: the loop's (start, end) per step), each action marked `cpu_least_us`:
+    the least CPU time of the same action (kind, stage, micro-batch) over the steps after the warm-up one (all of
+    them if there is no other). Noise on a shared box only adds to an action's CPU time, so the least over repeats is
+    its own cost; the warm-up step's one-off costs are not the action's, so it never counts."""
+    since = (step_us[WARM_UP_STEPS:] or step_us)[0][0]
     least: dict[tuple, float] = {}
-    for e in timed:
-        if e["lane"] == "compute":
+    for e in events:
+        if is_action(e) and e["ts"] >= since:
             key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
             least[key] = min(least.get(key, float("inf")), e["cpu_us"])
-    for e in drawn:
-        if e["lane"] == "compute":
-            e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
+    drawn = [e for e in events if e["ts"] >= step_us[-1][0]]
+    for e in filter(is_action, drawn):
+        e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
+    return drawn
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
@@ -210,30 +217,23 @@ def vertical_version(config, p: int, mb: int) -> int:
 
 def _pipedream_backward(config, st, sv, seed_grad, s, mb, version, versions, grad_errors):
     """Backward with the stashed weights (consistent) and, without stashing, with the current ones; SGD update."""
-    module = st.module
-    names = [k for k, _ in module.named_parameters()]
-    stashed = sv["params"]
-    root = sv["out"]
-    consistent = torch.autograd.grad(root, [stashed[k] for k in names] + ([sv["x"]] if s > 0 else []), seed_grad)
-    g_consistent, gx = consistent[:len(names)], (consistent[-1] if s > 0 else None)
-    used = g_consistent
-    if not config.weight_stashing:  # recompute the forward on the weights as they are now: what PipeDream without stashing does
-        current = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
+    def grads(out, weights: dict, x) -> tuple:  # the weights' gradients, and the input's (none on stage 0)
+        got = torch.autograd.grad(out, [*weights.values(), *([x] if s > 0 else [])], seed_grad)
+        return got[:len(weights)], (got[-1] if s > 0 else None)
+    consistent, gx = grads(sv["out"], sv["params"], sv["x"])
+    used = consistent
+    if not config.weight_stashing:  # the forward again on the weights as they are now: PipeDream without stashing
+        current = {k: v.detach().clone().requires_grad_() for k, v in st.module.named_parameters()}
         x = sv["x"].detach().requires_grad_(s > 0)
-        root2 = st.forward(x, mb, current)
-        res = torch.autograd.grad(root2, [current[k] for k in names] + ([x] if s > 0 else []), seed_grad)
-        used, gx = res[:len(names)], (res[-1] if s > 0 else None)
-        num = sum(((a - b) ** 2).sum() for a, b in zip(used, g_consistent)) ** 0.5
-        den = sum((b ** 2).sum() for b in g_consistent) ** 0.5
-        grad_errors.append({"stage": s, "mb": mb, "relative_error": float(num / den)})
+        used, gx = grads(st.forward(x, mb, current), current, x)
+        error = torch.stack([torch.dist(a, b) for a, b in zip(used, consistent)]).norm()
+        size = torch.stack([b.norm() for b in consistent]).norm()
+        grad_errors.append({"stage": s, "mb": mb, "relative_error": float(error / size)})
     if s > 0:
         sv["x"].grad = gx
-    forward_version = next(v["forward_version"] for v in versions if v["stage"] == s and v["mb"] == mb)
-    b_version = forward_version if config.weight_stashing else version[s]
-    for v in versions:
-        if v["stage"] == s and v["mb"] == mb:
-            v["backward_version"] = b_version
+    record = next(v for v in versions if v["stage"] == s and v["mb"] == mb)
+    record["backward_version"] = record["forward_version"] if config.weight_stashing else version[s]
     with torch.no_grad():
-        for prm, g in zip(module.parameters(), used):
+        for prm, g in zip(st.module.parameters(), used):
             prm -= config.lr * g
     version[s] += 1

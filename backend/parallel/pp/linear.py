@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from backend.parallel.sp import SavedActivations
+from backend.parallel.pp.recompute import MeteredStage
 
 
 def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
@@ -33,15 +33,13 @@ def stage_layers(config, stage: int) -> int:
     return per * (2 if config.unequal_stages and stage == config.num_stages - 1 else 1)
 
 
-class LinearStage:
+class LinearStage(MeteredStage):
     """Stage s for the executor: its Linear+tanh layers; the first reads micro-batch mb of x, the last returns the
     squared error's share of the whole batch's mean. `params` (PipeDream's stashed weights) runs the stage on them."""
 
     def __init__(self, s: int, module: nn.Module, config, xs, ys):
         self.index, self.last, self.xs, self.ys, self.module = s, s == config.num_stages - 1, xs, ys, module
         self.scale = 1.0 / (config.batch * config.hidden)
-        self.activations: dict[int, int] | None = None  # the loop's first step records (parallel/mesh_train.py)
-        self.kept: dict[int, int] = {}
 
     def input(self, mb: int) -> torch.Tensor:
         return self.xs[mb].clone()
@@ -50,16 +48,9 @@ class LinearStage:
         return torch.empty(self.xs[mb].shape, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, mb: int, params: dict | None = None) -> torch.Tensor:
-        if self.activations is not None and torch.is_grad_enabled():
-            with SavedActivations(self.module.parameters()) as memory:
-                out = self._forward(x, mb, params)
-            self.activations[mb], self.kept[mb] = memory.bytes, x.numel() * x.element_size()
-            return out
-        return self._forward(x, mb, params)
-
-    def _forward(self, x: torch.Tensor, mb: int, params: dict | None) -> torch.Tensor:
-        out = functional_call(self.module, params, (x,)) if params else self.module(x)
-        return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
+        with self.recording(mb, x, self.module.parameters()):
+            out = functional_call(self.module, params, (x,)) if params else self.module(x)
+            return ((out - self.ys[mb]) ** 2).sum() * self.scale if self.last else out
 
 
 class LinearStack:

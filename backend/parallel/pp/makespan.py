@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from backend.parallel.pp.schedules import SCHEDULES, Action
+from backend.parallel.pp.schedules import ACTIONS, SCHEDULES, Action
 from backend.trace import replay
 
 
@@ -28,17 +28,18 @@ class Makespan:
 
 
 def stage_costs(costs: Mapping[str, Sequence[float]], stages: int) -> dict[str, list[float]]:
-    """Each kind's cost per stage: F is required; a full backward B may be given, or I and W (B = I + W, I = B - W)."""
+    """Each kind's cost per stage: F is required; a full backward B may be given, or I and W (I = B - W; a stage's B
+    not given, or 0 where a schedule splits that stage's backwards as DualPipe-V does, is I + W)."""
     if "F" not in costs or len(costs["F"]) != stages:
         raise ValueError(f"costs['F'] must give one forward cost per stage ({stages} stages)")
-    out = {k: list(c) for k, c in costs.items() if k in ("F", "B", "I", "W")}
-    if "B" not in out and "I" in out and "W" in out:
-        out["B"] = [i + w for i, w in zip(out["I"], out["W"])]
-    if "I" not in out and "B" in out and "W" in out:
-        out["I"] = [b - w for b, w in zip(out["B"], out["W"])]
+    out = {k: list(c) for k, c in costs.items() if k in ACTIONS}
     for kind, c in out.items():
         if len(c) != stages:
             raise ValueError(f"costs[{kind!r}] has {len(c)} entries for {stages} stages")
+    if "I" in out and "W" in out:
+        out["B"] = [b or i + w for b, i, w in zip(out.get("B", [0.0] * stages), out["I"], out["W"])]
+    if "I" not in out and "B" in out and "W" in out:
+        out["I"] = [b - w for b, w in zip(out["B"], out["W"])]
     return out
 
 

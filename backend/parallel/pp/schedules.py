@@ -24,6 +24,14 @@ class Action(NamedTuple):
         return f"{self.stage}{self.kind}{self.mb}"
 
 
+ACTIONS = ("F", "B", "I", "W")
+
+
+def is_action(e: dict) -> bool:
+    """Whether a trace event is a pipeline action (the executor's F, B, I or W span)."""
+    return e["lane"] == "compute" and e["args"].get("kind") in ACTIONS
+
+
 def gpipe(p: int, m: int, r: int) -> list[Action]:
     """F-then-B: every forward, then every backward; m activations live at the peak."""
     return [Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
