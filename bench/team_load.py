@@ -394,6 +394,8 @@ def account(store: RunStore, n: int, people: list[dict], cache: str = "warm") ->
         rows.append({"person": who["person"], "run": rec.id, "queue_wait_s": round(queue_s, 3),
                      "run_time_s": round(run_s, 3), "run_to_result_s": who.get("run_to_result_s"),
                      "run_to_result_driver_s": who.get("run_to_result_driver_s"),
+                     "overhead_driver_s": round(who["run_to_result_driver_s"] - queue_s - run_s, 3)
+                     if who.get("run_to_result_driver_s") is not None else None,
                      "overhead_s": round(who["run_to_result_s"] - queue_s - run_s, 3)
                      if who.get("run_to_result_s") is not None else None})
     return {"rows": rows, "lost": lost, "doubled": doubled}
@@ -530,6 +532,7 @@ def summary(n: int, people: list[dict], runs: dict, wall_s: float, server: dict,
            "runs_doubled": runs["doubled"], **server}
     for name, values in (("first_render", renders), ("run_to_result", col("run_to_result_s")),
                          ("run_to_result_driver", col("run_to_result_driver_s")),
+                         ("overhead_driver", col("overhead_driver_s")),
                          ("queue_wait", col("queue_wait_s")), ("run_time", col("run_time_s")),
                          ("overhead", col("overhead_s")), ("first_render_server", served("server_s")),
                          ("first_render_server_cpu", served("server_cpu_s")), ("first_render_before_script", served("before_s")),
