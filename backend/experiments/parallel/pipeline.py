@@ -28,7 +28,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.mesh_train import train_rank
 from backend.parallel.pp import recompute
-from backend.parallel.pp.executor import mark_least_cpu
+from backend.parallel.pp.executor import WARM_UP_STEPS, mark_least_cpu
 from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES, is_action
@@ -199,8 +199,8 @@ def torch_peer_refusal(config) -> str | None:
     return None
 
 
-TIMED_STEPS = 3  # steps timed after the loop's first; an action's cost: its least CPU time over them
-STEPS = 1 + TIMED_STEPS  # the first step's first forwards cost about twice the later ones (allocator and caches)
+TIMED_STEPS = 3  # steps timed after the warm-up; an action's cost: its least CPU time over them (mark_least_cpu)
+STEPS = WARM_UP_STEPS + TIMED_STEPS
 ADAM_LR = 1e-3  # a synchronous schedule's Adam: small beside the weights' 1/√hidden, so no tanh saturates in STEPS steps
 
 
