@@ -49,3 +49,42 @@ def test_the_regroup_fails_when_the_idle_rank_enters_the_rendezvous_at_once(tmp_
     with pytest.raises(RankFailed, match="(?i)timeout|connectFullMesh"):
         spawn_ranks(_idle_rank_joins_at_once, 2, LATE_S, RunContext(scratch_dir=str(tmp_path), timeout_s=120))
     assert multiprocessing.active_children() == []
+
+
+def _first_rendezvous_broken(rank, world, tries, ctx):
+    """Rank 1's first group is formed and at once closed, as when a peer's connection drops in gloo's rendezvous
+    ("connectFullMesh failed: Connection closed by peer"); `tries`: the regroup's trials. Returns the all-reduce's sum
+    and how many groups each rank formed."""
+    import torch
+    import torch.distributed as dist
+
+    mesh_run.TRIES = tries
+    real, inits = dist.init_process_group, []
+
+    def init(*args, **kwargs):
+        inits.append(1)
+        real(*args, **kwargs)
+        if rank == 1 and len(inits) == 1:
+            dist.destroy_process_group()
+            raise RuntimeError("injected: Connection closed by peer")
+
+    dist.init_process_group = init
+    root = Path(ctx.scratch_dir)
+    mesh_run.regroup(rank, world, 1, root / "new.store", 30)
+    mesh_run.regroup(rank, 1, world, root / "all.store", 30)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    return {"sum": total.item(), "inits": len(inits)}
+
+
+def test_a_rendezvous_that_fails_on_one_rank_is_tried_again_by_all(tmp_path):
+    out = spawn_ranks(_first_rendezvous_broken, 2, mesh_run.TRIES, RunContext(scratch_dir=str(tmp_path), timeout_s=120))
+    # rank 0: its group of one, the broken trial, the one tried again; rank 1: the last two
+    assert out == [{"sum": 3.0, "inits": 3}, {"sum": 3.0, "inits": 2}]
+    assert multiprocessing.active_children() == []
+
+
+def test_with_one_trial_the_broken_rendezvous_fails_the_regroup(tmp_path):
+    with pytest.raises(RankFailed, match="regroup of 2 ranks: all 1 rendezvous trials failed"):
+        spawn_ranks(_first_rendezvous_broken, 2, 1, RunContext(scratch_dir=str(tmp_path), timeout_s=120))
+    assert multiprocessing.active_children() == []

@@ -23,6 +23,7 @@ from backend.config import ConfigError
 
 BASELINE = "uninterrupted_rank{}.npz"
 DONE = "old_group_done"  # the key an idle rank waits for before it joins a regroup (regroup)
+TRIES = 3  # rendezvous trials of a regroup (join)
 
 
 def check_settings(config) -> None:
@@ -167,7 +168,8 @@ def regroup(rank: int, old: int, new: int, store, timeout_s: float, wait_s: floa
     """Replace this process's default group of `old` ranks by one of the first `new` ranks, over a fresh file store
     in the run's folder; ranks past `new` are left without a group. Every rank of both groups calls it. A rank outside
     the old group (idle while it worked) first waits for the old group (wait_for_old_group), so that all ranks enter
-    gloo's rendezvous within moments of each other."""
+    gloo's rendezvous within moments of each other. A rendezvous that fails on any rank is tried again by all of
+    them, up to TRIES times (join)."""
     import torch.distributed as dist
 
     if rank < old:
@@ -180,8 +182,7 @@ def regroup(rank: int, old: int, new: int, store, timeout_s: float, wait_s: floa
         joined.set(DONE, str(time.time()))
     elif rank >= old:
         wait_for_old_group(joined, wait_s or timeout_s)
-    dist.init_process_group("gloo", store=joined, rank=rank, world_size=new,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    join(rank, new, joined, timeout_s)
 
 
 def wait_for_old_group(store, wait_s: float) -> None:
@@ -191,3 +192,50 @@ def wait_for_old_group(store, wait_s: float) -> None:
     rank fails and the late peer's connectFullMesh finds it gone."""
     store.set_timeout(datetime.timedelta(seconds=wait_s))
     store.wait([DONE])
+
+
+def join(rank: int, world: int, store, timeout_s: float) -> None:
+    """Form the default gloo group of `world` ranks over `store`, tried until every rank has formed it and summed a
+    1 over it. Gloo's rendezvous trusts any connection that names the awaited sequence number, and on a busy machine
+    one can fail ("connectFullMesh failed: Connection closed by peer"); each rank then puts its verdict in the file
+    store (which needs no sockets), and if any rank failed, all leave the trial's group and form a fresh one under
+    the next trial's keys. After TRIES failed trials the last error is raised."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    for trial in range(TRIES):
+        error = ""
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"trial_{trial}", store), rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+            ones = torch.ones(1)
+            dist.all_reduce(ones)
+            if ones.item() != world:
+                error = f"the check all-reduce summed {ones.item():g}, not {world}"
+        except RuntimeError as err:
+            error = f"{type(err).__name__}: {err}"
+        store.set(f"verdict_{trial}_{rank}", error or "ok")
+        verdicts = [f"verdict_{trial}_{r}" for r in range(world)]
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        store.wait(verdicts)
+        failed = [v for v in store.multi_get(verdicts) if v != b"ok"]
+        if not failed:
+            return
+        print(f"regroup: trial {trial} of {world} ranks failed on rank {rank}: {error or 'ok here'}; "
+              f"{len(failed)} rank(s) failed", file=sys.stderr, flush=True)
+        leave_group()
+    raise RuntimeError(f"regroup of {world} ranks: all {TRIES} rendezvous trials failed; last: {failed[0].decode()}")
+
+
+def leave_group() -> None:
+    """Leave a failed trial's group as destroy_process_group leaves a process: no default group, and torch's group
+    counter at 0, so the next trial's group has the same name (the store key prefix) on every rank even where the
+    failed init had counted a group it never made."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    distributed_c10d._world.group_count = 0
