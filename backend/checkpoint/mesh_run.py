@@ -196,10 +196,10 @@ def wait_for_old_group(store, wait_s: float) -> None:
 
 def join(rank: int, world: int, store, timeout_s: float) -> None:
     """Form the default gloo group of `world` ranks over `store`, tried until every rank has formed it and summed a
-    1 over it. On the busy test machine gloo's rendezvous has failed, rarely, in the regroup back to
-    the whole group ("connectFullMesh failed: Connection closed by peer"; the cause is not known). Each rank puts its verdict in the file store (which
-    needs no sockets); if any rank failed, all leave the trial's group and form a fresh one under the next trial's
-    keys. After TRIES failed trials the last error is raised."""
+    1 over it. On the busy test machine gloo's rendezvous has failed, rarely, in the regroup back to the whole group
+    ("connectFullMesh failed: Connection closed by peer"; the cause is not known). Each rank puts its verdict in the
+    file store (which needs no sockets); if any rank failed, all leave the trial's group and form a fresh one under the
+    next trial's keys. After TRIES failed trials the last error is raised."""
     import sys
 
     import torch
