@@ -283,8 +283,7 @@ class Standby:
 
     def __init__(self, env: dict[str, str]):
         self.version = experiments.code_version()
-        preload = sorted({m for e in experiments.all_experiments() for m in e.preload})
-        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby", *preload], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby", *experiments.every_preload()], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                      cwd=experiments.REPO_ROOT, start_new_session=True)
 

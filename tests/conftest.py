@@ -53,6 +53,20 @@ def torchrun_killed_and_restarted(name: str, sets: dict, nproc: int, tmp_path: P
             os.killpg(agent.pid, signal.SIGKILL)
 
 
+@pytest.fixture(scope="session", autouse=os.environ.get("PYTEST_XDIST_WORKER") is not None)
+def ranks_fork_server():
+    """In the suite's workers, the ranks' fork server starts at once with every experiment's preload, as the server's
+    standby leader starts it: a worker runs runs of every experiment, and the first one would otherwise fix the
+    preload for all (the others' ranks then import torch.distributed.pipelining, DTensor and DCP each, about 1 s)."""
+    import multiprocessing.forkserver
+
+    from backend import experiments
+    from backend.comm.spawn import rank_processes
+
+    rank_processes(experiments.every_preload())
+    multiprocessing.forkserver.ensure_running()  # it imports on the other core while the first tests start
+
+
 @pytest.fixture
 def store(tmp_path):
     from backend.store import RunStore

@@ -173,6 +173,12 @@ def all_experiments() -> list[Experiment]:
     return sorted(_REGISTRY.values(), key=lambda e: e.name)
 
 
+def every_preload() -> tuple[str, ...]:
+    """Every experiment's `preload`: what the ranks' fork server imports in a process that leads runs of any
+    experiment (the server's standby leader, a test worker), so that no rank imports them itself."""
+    return tuple(sorted({m for e in all_experiments() for m in e.preload}))
+
+
 def canonical(name: str) -> str:
     """The name an experiment has now, for a name it has or had (an unknown name is returned as it is)."""
     seen = {name}
