@@ -1,4 +1,4 @@
-"""bench/team_load.py once at N = 5 people, warm and cold cache: every person's run is in the store once, succeeded,
+"""bench/team_load.py once at N = 5 people (warm browser cache): every person's run is in the store once, succeeded,
 under their name.
 Timings are recorded in its JSON, not asserted (the box is shared)."""
 import json
@@ -15,11 +15,12 @@ from tests.conftest import REPO
 def test_five_people_at_once_lose_and_double_no_run(tmp_path):
     _require_browser()
     out = tmp_path / "team_load.json"
-    done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--layout", "shared", "--out",
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "bench/team_load.py", "--people", "5", "--layout", "shared", "--cache",
+                           "warm", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     phases = json.loads(out.read_text())["phases"]
-    assert [(p["people"], p["cache"]) for p in phases] == [(5, "warm"), (5, "cold")]  # all 5 arrive together, twice
+    # all 5 arrive together, once (the issue's "once in CI"; the bench's own passes add the cold browser cache)
+    assert [(p["people"], p["cache"]) for p in phases] == [(5, "warm")]
     for phase in phases:
         assert phase["runs_lost"] == 0 and phase["runs_doubled"] == 0, phase
         assert phase["pressed_run"] == 5, phase["error_messages"]  # every person got as far as pressing Run
