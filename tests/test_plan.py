@@ -12,7 +12,7 @@ from backend import experiments
 from backend.config import ConfigError
 from backend.estimate.training import counted_flops
 from backend.models.llama import ModelShape, TinyDecoder
-from backend.parallel import costs
+from backend.plan import costs
 from backend.plan import gantt, published, search
 from backend.plan import models as M
 from backend.plan.clusters import GPUS, Cluster

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend.config import ConfigError
-from backend.parallel import costs
+from backend.plan import costs
 from backend.plan import compute as C
 from backend.plan import models as M
 from backend.plan import predict, published

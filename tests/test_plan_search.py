@@ -9,7 +9,7 @@ import pytest
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.parallel import costs
+from backend.plan import costs
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.plan import models as M
 from backend.plan import predict, search

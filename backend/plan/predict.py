@@ -1,7 +1,7 @@
 """One training plan at real scale: memory per GPU by category, the step's time split into compute, exposed
 communication per dimension and pipeline bubble, throughput, MFU and days to train.
 
-The model (every byte figure from backend/parallel/costs.py and the functions it calls; time from FLOPs and bytes):
+The model (every byte figure from backend/plan/costs.py and the functions it calls; time from FLOPs and bytes):
   compute   each layer's GEMMs from their shapes (backend/plan/compute.py: 128×256 tiles in waves on the GPU's SMs,
             the roofline for small ones) at a fitted share of peak per GPU family (Ampere; Hopper at 700 W; the 500 W
             H100 96GB); attention's FLOPs (models.training_flops_per_token, FlopCounterMode's formula, causal pairs
@@ -27,7 +27,7 @@ import functools
 import math
 
 from backend.config import ConfigError
-from backend.parallel import costs
+from backend.plan import costs
 from backend.parallel.pp import schedules
 from backend.plan import compute as C
 from backend.plan import models as M

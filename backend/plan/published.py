@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from backend.parallel import costs
+from backend.plan import costs
 from backend.plan import models as M
 from backend.plan.clusters import GPUS, Cluster
 from backend.plan.predict import Efficiency, Plan, evaluate, reserved_bytes, validate

@@ -1,5 +1,5 @@
 """Memory a training step holds only for a moment, and memory outside PyTorch's allocator: the terms that decide the
-peak beside the weights, gradients, optimizer states and kept activations (backend/parallel/costs.py).
+peak beside the weights, gradients, optimizer states and kept activations (backend/plan/costs.py).
 
 Each is a plain function of the plan's shapes with its why. The peak of a step is the larger of two moments:
   loss      the end of the forward on the last stage: every kept activation, plus the loss's fp32 logits, their

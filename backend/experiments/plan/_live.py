@@ -10,7 +10,8 @@ import math
 
 from backend import experiments
 from backend.config import ConfigError
-from backend.parallel import costs, mesh
+from backend.parallel import mesh
+from backend.plan import costs
 from backend.parallel.pp import schedules
 from backend.result import Check
 

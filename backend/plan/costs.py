@@ -1,5 +1,5 @@
-"""Bytes, memory and time of a parallel plan as plain functions of (plan, model shape), for the planner
-(backend/plan/) at real scale. Where a live run already checks a function it is called, not copied:
+"""Bytes, memory and time of a parallel plan at real scale, as plain functions of (plan, model shape): the planner's
+layer over the models the live parallel runs verify (backend/parallel/). Where a live run already checks a function it is called, not copied:
   tensor/sequence parallel bytes   backend/parallel/tp_model.expected_collectives (checked against gloo's sockets)
   ring collective bytes            backend/comm/collectives.ring_bytes (checked against every logged transfer)
   Korthikanti's activation bytes   backend/parallel/sp.korthikanti_bytes
