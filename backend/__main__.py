@@ -130,14 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def standby_main(preload: list[str]) -> int:
     """The standby process (see backend.jobs.Standby): a run's leader, warm before its run; `preload`: every experiment's modules for the ranks' fork server."""
-    import multiprocessing.forkserver
-
     from backend import experiments, limits
-    from backend.comm.spawn import output_to, rank_processes
+    from backend.comm.spawn import output_to, start_fork_server
 
     limits.limit_this_process(limits.memory_budget())  # before the fork server starts: its ranks inherit the cap
-    rank_processes(tuple(preload))
-    multiprocessing.forkserver.ensure_running()  # it imports on the other core while this process imports the rest
+    start_fork_server(tuple(preload))
     experiments.all_experiments()
     line = sys.stdin.readline()
     if not line:  # the runner closed: no run for this one

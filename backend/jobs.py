@@ -283,9 +283,9 @@ class Standby:
 
     def __init__(self, env: dict[str, str]):
         self.version = experiments.code_version()
-        self.proc = subprocess.Popen([sys.executable, "-m", "backend", "standby", *experiments.every_preload()], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                     cwd=experiments.REPO_ROOT, start_new_session=True)
+        command = [sys.executable, "-m", "backend", "standby", *experiments.every_preload()]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=env, cwd=experiments.REPO_ROOT, start_new_session=True)
 
     def lead(self, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
         """Hand it a run (`python -m backend` arguments); None, and it is ended, if it can no longer take one."""

@@ -58,13 +58,10 @@ def ranks_fork_server():
     """In the suite's workers, the ranks' fork server starts at once with every experiment's preload, as the server's
     standby leader starts it: a worker runs runs of every experiment, and the first one would otherwise fix the
     preload for all (the others' ranks then import torch.distributed.pipelining, DTensor and DCP each, about 1 s)."""
-    import multiprocessing.forkserver
-
     from backend import experiments
-    from backend.comm.spawn import rank_processes
+    from backend.comm.spawn import start_fork_server
 
-    rank_processes(experiments.every_preload())
-    multiprocessing.forkserver.ensure_running()  # it imports on the other core while the first tests start
+    start_fork_server(experiments.every_preload())
 
 
 @pytest.fixture

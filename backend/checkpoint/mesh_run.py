@@ -205,6 +205,7 @@ def join(rank: int, world: int, store, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))  # (the verdicts' wait)
     for trial in range(TRIES):
         error = ""
         try:
@@ -218,7 +219,6 @@ def join(rank: int, world: int, store, timeout_s: float) -> None:
             error = f"{type(err).__name__}: {err}"
         store.set(f"verdict_{trial}_{rank}", error or "ok")
         verdicts = [f"verdict_{trial}_{r}" for r in range(world)]
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
         store.wait(verdicts)
         failed = [v for v in store.multi_get(verdicts) if v != b"ok"]
         if not failed:

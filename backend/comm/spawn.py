@@ -98,6 +98,15 @@ def rank_processes(preload: tuple[str, ...] = ()):
     return ctx
 
 
+def start_fork_server(preload: tuple[str, ...]) -> None:
+    """Start the ranks' fork server now with `preload` (rank_processes), so it imports on the other core while this
+    process goes on, and every later run's ranks fork from it."""
+    import multiprocessing.forkserver
+
+    rank_processes(preload)
+    multiprocessing.forkserver.ensure_running()
+
+
 def output_to(path) -> None:
     """Point this process's stdout and stderr (file descriptors 1 and 2) at the end of `path`."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
