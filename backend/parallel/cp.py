@@ -34,8 +34,7 @@ def scores(q, k, pos_q, pos_k, causal: bool, scale: float) -> torch.Tensor:
 
 
 def block_attention(q, k, v, pos_q, pos_k, causal: bool, scale: float):
-    """Attention of q to one K/V block: its output normalised within the block, and each row's log-sum-exp
-    (-inf for a row that sees nothing in this block)."""
+    """Attention of q to one K/V block: the output normalised in the block, each row's log-sum-exp (-inf: none seen)."""
     s = scores(q, k, pos_q, pos_k, causal, scale)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
@@ -120,8 +119,7 @@ class RingAttention(Function):
 
 
 class SequenceShard:
-    """This rank's share of every sequence (zigzag positions) and ring attention over the cp group, for a model's
-    attention to call (`apply_cp` puts it there)."""
+    """This rank's zigzag positions and ring attention over the cp group, for a model's attention (via `apply_cp`)."""
 
     def __init__(self, seq: int, ring):
         self.all = [positions(seq, j, ring.n, "zigzag") for j in range(ring.n)]

@@ -24,15 +24,14 @@ class WireAllGather:
     """FSDP2's all-gather (set_custom_all_gather) as our ring on the dp Wire, of the one flat buffer FSDP2 hands:
     every parameter's dim-0 shard, padded."""
 
-    def __init__(self, wire, phase: str = "forward"):
-        self.wire, self.phase = wire, phase
+    def __init__(self, wire):
+        self.wire = wire
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        output_tensor.copy_(self.wire.all_gather(input_tensor, 0, self.phase, "fsdp2 parameters"))
-        return None
+        output_tensor.copy_(self.wire.all_gather(input_tensor, 0, "forward", "fsdp2 parameters"))
 
 
 class WireReduceScatter(WireAllGather):
@@ -45,7 +44,6 @@ class WireReduceScatter(WireAllGather):
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"FSDP2 asked for a {op} reduce-scatter; the mesh sums (gradient divide factor 1)")
         output_tensor.copy_(self.wire.reduce_scatter(input_tensor, 0, "backward", "fsdp2 gradients"))
-        return None
 
 
 class StageEntry(torch.nn.Module):
@@ -114,7 +112,8 @@ class FullyShardedStages:
         # every copy FSDP2 makes from here to final_named (forward and backward hooks included)
         self.transfers = FSDPTransfers().start() if offload else None
 
-    def _unshard(self, step) -> None:
+    def weights_for_step(self, step) -> None:
+        """Every chunk unsharded once (None: the modules hold the weights, nothing to load)."""
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
             for e in self.entries:
                 e.unshard()
@@ -122,17 +121,12 @@ class FullyShardedStages:
             for a, v in self.attrs[n].items():
                 setattr(p, a, v)
 
-    def weights_for_step(self, step: int):
-        self._unshard(step)
-        return None
-
     def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> None:
         """`grads` (flat, unsharded, summed over cp and ep) onto FSDP2's unsharded parameters, its reduce-scatter and
         reshard, Adam on the local shards. None: the modules hold the shards."""
-        at = 0
-        for p in self.model.parameters():
-            p.grad.copy_(grads[at:at + p.numel()].view_as(p))
-            at += p.numel()
+        params = list(self.model.parameters())
+        for p, g in zip(params, grads.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
         with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
             for e in self.entries:
                 reduce_gradients(e)
@@ -147,7 +141,7 @@ class FullyShardedStages:
         as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
         if self.transfers:
             self.transfers.stop()
-        self._unshard("final")
+        self.weights_for_step("final")
         self.entry_of = {}
         return named_weights(model)
 

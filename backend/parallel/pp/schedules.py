@@ -49,15 +49,11 @@ def zb_h1(p: int, m: int, r: int) -> list[Action]:
     fill the bubble the drain would leave."""
     warmup = min(m, p - r)
     ops = [Action("F", i, r) for i in range(warmup)]
-    w_next = 0
     for k in range(m):
-        ops.append(Action("I", k, r))
-        if k >= r:
-            ops.append(Action("W", w_next, r))
-            w_next += 1
+        ops += [Action("I", k, r)] + ([Action("W", k - r, r)] if k >= r else [])
         if k + warmup < m:
             ops.append(Action("F", k + warmup, r))
-    return ops + [Action("W", i, r) for i in range(w_next, m)]
+    return ops + [Action("W", i, r) for i in range(max(0, m - r), m)]
 
 
 def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
@@ -84,50 +80,47 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     return ops + [act("B", bwd_stage(step)) for step in range(total, total + warmup)]
 
 
+class _V:
+    """A V schedule's order being built on rank r: chunk 0 is stage r, chunk 1 stage 2p - 1 - r; F and the backward
+    (B or I) count their micro-batches per chunk, and each I's W waits in `deferred` until played."""
+
+    def __init__(self, p: int, r: int):
+        self.stages, self.ops, self.deferred = (r, 2 * p - 1 - r), [], []
+        self.count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+
+    def play(self, pattern: str, times: int = 1) -> None:
+        """Append `pattern` `times` times: "F0 B1 I1" are (kind, chunk); "W" the oldest waiting W, "W1" chunk 1's."""
+        for _ in range(times):
+            for a in pattern.split():
+                if a[0] == "W":
+                    waiting = [w for w in self.deferred if a[1:] in ("", str(w[0]))]
+                    if waiting:
+                        self.deferred.remove(waiting[0])
+                        self.ops.append(Action("W", waiting[0][1], self.stages[waiting[0][0]]))
+                    continue
+                key = ("F" if a[0] == "F" else "B") + a[1]
+                self.ops.append(Action(a[0], self.count[key], self.stages[int(a[1])]))
+                if a[0] == "I":
+                    self.deferred.append((int(a[1]), self.count[key]))
+                self.count[key] += 1
+
+
 def zb_v(p: int, m: int, r: int) -> list[Action]:
     """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W. Warm-up
     2(p-r)-1 forwards of chunk 0, then r pairs F1 F0, then p-r rounds F1 I1 W1; steady rounds F0 I0 W0 F1 I1 W1;
     cool-down r pairs I0 I1, then p-r pairs I0 W0, then the deferred Ws. Built for max(m, 2p-1) micro-batches and
     the ones past m dropped, as torch's ScheduleZBVZeroBubble does."""
-    n = max(2 * p - 1, m)
-    c0, c1 = r, 2 * p - 1 - r
-    cnt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
-    ops: list[Action] = []
-
-    def add(kind, chunk, key=None):
-        key = key or (("F" if kind == "F" else "B") + str(chunk))
-        ops.append(Action(kind, cnt[key], (c0, c1)[chunk]))
-        if kind in ("F", "I"):
-            cnt[key] += 1
-
-    def iw(chunk):  # input gradient, then its weight gradient at once
-        add("I", chunk)
-        ops.append(Action("W", cnt["B%d" % chunk] - 1, (c0, c1)[chunk]))
-
-    for _ in range(2 * (p - r) - 1):
-        add("F", 0)
-    for _ in range(r):
-        add("F", 1)
-        add("F", 0)
-    for _ in range(p - r):
-        add("F", 1)
-        iw(1)
-    while cnt["F1"] < cnt["F0"] or cnt["F0"] < n:
-        if cnt["F0"] < n:
-            add("F", 0)
-        iw(0)
-        add("F", 1)
-        iw(1)
-    w = {0: cnt["B0"], 1: cnt["B1"]}
-    for _ in range(r):
-        add("I", 0)
-        add("I", 1)
-    for _ in range(p - r):
-        add("I", 0)
-        ops.append(Action("W", w[0], c0))
-        w[0] += 1
-    ops += [Action("W", i, c1) for i in range(w[1], cnt["B1"])] + [Action("W", i, c0) for i in range(w[0], cnt["B0"])]
-    return [a for a in ops if a.mb < m]
+    v, n = _V(p, r), max(2 * p - 1, m)
+    v.play("F0", 2 * (p - r) - 1)
+    v.play("F1 F0", r)
+    v.play("F1 I1 W1", p - r)
+    while v.count["F1"] < v.count["F0"] or v.count["F0"] < n:
+        v.play(("F0 " if v.count["F0"] < n else "") + "I0 W0 F1 I1 W1")
+    v.play("I0 I1", r)
+    v.play("I0 W0", p - r)
+    v.play("W1", r)
+    v.play("W0", r)
+    return [a for a in v.ops if a.mb < m]
 
 
 def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
@@ -136,53 +129,21 @@ def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
     full backward of the other (F0 B1, F1 B0: DualPipe overlaps the pair's compute and communication, here they run
     one after the other); then B1 (F1 B0) x (p-r-1); B1 B0 x (r+1), switching to I (weight gradient deferred) half
     way; (W I0) x (p-r-1); the deferred Ws. Needs m >= 2p."""
-    c = (r, 2 * p - 1 - r)
-    nxt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
-    deferred: list[tuple[int, int]] = []  # (stage, mb) whose W waits
-    ops: list[Action] = []
-
-    def add(kind, chunk):
-        key = ("F" if kind == "F" else "B", chunk)
-        ops.append(Action(kind, nxt[key], c[chunk]))
-        if kind == "I":
-            deferred.append((c[chunk], nxt[key]))
-        nxt[key] += 1
-
-    def weight():
-        if deferred:
-            s, mb = deferred.pop(0)
-            ops.append(Action("W", mb, s))
-
-    for _ in range(2 * (p - r - 1)):
-        add("F", 0)
-    for _ in range(r + 1):
-        add("F", 0)
-        add("F", 1)
-    for _ in range(p - r - 1):
-        add("I", 1)
-        weight()
-        add("F", 1)
-    for _ in range(m - 2 * p + r + 1):
-        add("F", 0)
-        add("B", 1)
-        add("F", 1)
-        add("B", 0)
-    for _ in range(p - r - 1):
-        add("B", 1)
-        add("F", 1)
-        add("B", 0)
+    v = _V(p, r)
+    v.play("F0", 2 * (p - r - 1))
+    v.play("F0 F1", r + 1)
+    v.play("I1 W F1", p - r - 1)
+    v.play("F0 B1 F1 B0", m - 2 * p + r + 1)
+    v.play("B1 F1 B0", p - r - 1)
     split = False
     for i in range(r + 1):
         split = split or (i == (r + 1) // 2 and r % 2 == 1)
-        add("I" if split else "B", 1)
+        v.play("I1" if split else "B1")
         split = split or (i == (r + 1) // 2 and r % 2 == 0)
-        add("I" if split else "B", 0)
-    for _ in range(p - r - 1):
-        weight()
-        add("I" if split else "B", 0)
-    for _ in range(r + 1):
-        weight()
-    return ops
+        v.play("I0" if split else "B0")
+    v.play("W I0" if split else "W B0", p - r - 1)
+    v.play("W", r + 1)
+    return v.ops
 
 
 def live_activations(order: list[Action], size=None) -> int:
