@@ -1,11 +1,10 @@
-"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools.
+"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools of this CPU's memory.
 
-Both are this CPU's memory, so what is modelled is the placement: every tensor a strategy keeps is registered in one
-pool, and crosses only through `Pools.move`, a new copy (in the dtype that crosses) whose bytes count by direction.
-ZeRO-Offload (Ren et al., 2021) keeps the fp32 optimizer states and Adam's step on the host: per step each rank sends
-its gradient shard down (2 bytes/param in fp16, 4 in fp32) and takes its updated parameter shard back up. FSDP2's
-CPUOffloadPolicy moves with `Tensor.to(device)` inside torch: `FSDPTransfers` counts those calls (on a CPU the call
-returns the tensor itself: the bytes counted are those FSDP2 asks to move).
+What is modelled is the placement: every tensor a strategy keeps is registered in one pool, and crosses only through
+`Pools.move`, a new copy (in the dtype that crosses) whose bytes count by direction. ZeRO-Offload (Ren et al., 2021)
+keeps the fp32 optimizer states and Adam's step on the host: per step each rank sends its gradient shard down (2
+bytes/param in fp16, 4 in fp32) and takes its updated parameter shard back up. FSDP2's CPUOffloadPolicy moves with
+`Tensor.to(device)`: `FSDPTransfers` counts the bytes FSDP2 asks to move (on a CPU the call returns the tensor itself).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The one communication front end of the parallel code: every collective and point-to-point transfer along one mesh
-dimension (tp, sp, cp, ep, dp, pp), every byte counted on the wire and attributed to that dimension.
-
-Collectives run our own algorithms (backend/comm/collectives.py: rings, direct all-to-all with uneven splits) over
-logged send/recv; pipeline messages (`send`, `recv`) and ring attention's K/V steps (`start`, `finish`) use the same
-P2P log. So `sent_bytes` is what this rank really sent along the dimension, and every call is one trace event and one
-log row (op, phase, name, payload elements, bytes sent), which the experiments' models predict exactly.
+dimension, run by our own algorithms (backend/comm/collectives.py) over one logged P2P, pipeline messages (`send`,
+`recv`) and ring attention's K/V steps (`start`, `finish`) included. So `sent_bytes` is what this rank really sent
+along the dimension, and every call is one trace event and one log row (op, phase, name, payload elements, bytes
+sent), which the experiments' models predict exactly.
 """
 from __future__ import annotations
 

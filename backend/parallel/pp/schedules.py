@@ -157,10 +157,6 @@ def live_activations(order: list[Action], size=None) -> int:
     return peak
 
 
-def _flush_bubble(p: int, m: int, v: int) -> float:
-    return (p - 1) / (m + p - 1)
-
-
 @dataclass(frozen=True)
 class Schedule:
     """A schedule: its per-rank action lists, what it implies, and the flags the config, executor and page read
@@ -168,7 +164,7 @@ class Schedule:
     name: str
     title: str
     order_fn: Callable[..., list[Action]]          # (p, m, r) or, interleaved, (p, m, r, v)
-    bubble_fn: Callable[[int, int, int], float] = _flush_bubble
+    bubble_fn: Callable[[int, int, int], float] = lambda p, m, v: (p - 1) / (m + p - 1)  # (p, m, v chunks)
     bubble_formula: str = "(p−1)/(m+p−1)"
     interleaved: bool = False       # v model chunks per rank
     v_shape: bool = False           # two chunks per rank in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r
