@@ -1,4 +1,4 @@
-"""A device mesh: the ranks laid out on named dimensions DIMS, outermost first (tp innermost, so its ranks are neighbours
+"""A device mesh: the ranks on named dimensions DIMS, outermost first (tp innermost, so its ranks are neighbours
 sharing the fastest links, as Megatron-LM and picotron place them), with one process group per line of the mesh.
 Rank r's coordinate on each dimension is its mixed-radix digit; the group of dimension d holds the ranks differing from
 r only in d. Every rank must build the same mesh: creating a process group is a collective, made in the same order.

@@ -1,4 +1,4 @@
-"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools of this CPU's memory.
+"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools of one memory.
 
 What is modelled is the placement: every tensor a strategy keeps is registered in one pool, and crosses only through
 `Pools.move`, a new copy (in the dtype that crosses) whose bytes count by direction. ZeRO-Offload (Ren et al., 2021)

@@ -20,10 +20,8 @@ def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
 
 
 def make_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(config.seed + 12345)
-    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    y = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    return x, y
+    g = torch.Generator().manual_seed(config.seed + 12345)  # x, then y
+    return tuple(torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64) for _ in range(2))
 
 
 def stage_layers(config, stage: int) -> int:
