@@ -109,16 +109,17 @@ class RankWalk:
             self.pending_sends.append(self.wire.send(t, to, _tag(s, mb, grad, self.m), f"send {'grad' if grad else 'act'} {mb}",
                                                      stage=s, mb=mb))
 
-    def recv(self, buf, from_stage, s_tag, mb, grad, what):
+    def recv(self, buf, from_stage, s_tag, mb, grad):
         frm = self.plan.rank_of(from_stage, self.p)
         if frm == self.me:
             return self.local.pop((s_tag, mb, grad))
-        return self.wire.recv(buf, frm, _tag(s_tag, mb, grad, self.m), f"recv {what} {mb}", stage=from_stage, mb=mb)
+        name = f"recv {'grad' if grad else 'act'} {mb}"
+        return self.wire.recv(buf, frm, _tag(s_tag, mb, grad, self.m), name, stage=from_stage, mb=mb)
 
     def forward(self, mb: int, s: int):
         """F: receive the input (stage 0: the batch), run the stage, keep what backward needs, send the output on."""
         st = self.stages[s]
-        x = st.input(mb) if s == 0 else self.recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
+        x = st.input(mb) if s == 0 else self.recv(st.input_like(mb), s - 1, s - 1, mb, False).requires_grad_(True)
         params = None
         if self.pipedream:
             use = vertical_version(self.pipedream, self.p, mb) if self.pipedream.vertical_sync else self.version[s]
@@ -144,7 +145,7 @@ class RankWalk:
     def backward(self, kind: str, mb: int, s: int):
         """B (whole backward) or I (input gradient only); the forward rerun first if only the input was kept."""
         st, sv = self.stages[s], self.saved[(s, mb)]
-        grad_out = None if st.last else self.recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
+        grad_out = None if st.last else self.recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True)
         with self.tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
             if self.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
                 cpu_start = time.thread_time_ns()

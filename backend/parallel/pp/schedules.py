@@ -106,10 +106,8 @@ class _V:
 
 
 def zb_v(p: int, m: int, r: int) -> list[Action]:
-    """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W. Warm-up
-    2(p-r)-1 forwards of chunk 0, then r pairs F1 F0, then p-r rounds F1 I1 W1; steady rounds F0 I0 W0 F1 I1 W1;
-    cool-down r pairs I0 I1, then p-r pairs I0 W0, then the deferred Ws. Built for max(m, 2p-1) micro-batches and
-    the ones past m dropped, as torch's ScheduleZBVZeroBubble does."""
+    """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W (the
+    phases below). Built for max(m, 2p-1) micro-batches, those past m dropped, as torch's ScheduleZBVZeroBubble does."""
     v, n = _V(p, r), max(2 * p - 1, m)
     v.play("F0", 2 * (p - r) - 1)
     v.play("F1 F0", r)
@@ -124,11 +122,10 @@ def zb_v(p: int, m: int, r: int) -> list[Action]:
 
 
 def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
-    """DualPipe-V (DeepSeek-V3's DualPipe cut in half, as torch's ScheduleDualPipeV): two chunks per rank in a V.
-    Warm-up F0 x 2(p-r-1), (F0 F1) x (r+1), (I1 W F1) x (p-r-1); the main phase pairs a forward of one chunk with a
-    full backward of the other (F0 B1, F1 B0: DualPipe overlaps the pair's compute and communication, here they run
-    one after the other); then B1 (F1 B0) x (p-r-1); B1 B0 x (r+1), switching to I (weight gradient deferred) half
-    way; (W I0) x (p-r-1); the deferred Ws. Needs m >= 2p."""
+    """DualPipe-V (DeepSeek-V3's DualPipe cut in half, as torch's ScheduleDualPipeV): two chunks per rank in a V. The
+    main phase pairs a forward of one chunk with a full backward of the other (DualPipe overlaps the pair's compute
+    and communication; here they run one after the other); the cool-down switches to I (W deferred) half way through
+    its B1 B0 pairs. Needs m >= 2p."""
     v = _V(p, r)
     v.play("F0", 2 * (p - r - 1))
     v.play("F0 F1", r + 1)
