@@ -1,20 +1,12 @@
 """Context parallel: ring attention (Liu et al. 2023; seed 003) on the mesh's cp ranks.
 
-Each rank holds a chunk of the sequence: its queries, keys and values. The K/V blocks go round the ring: at
-step i rank r attends its queries to the block that started on rank r - i, while the next block is already
-in flight (isend to r + 1 and irecv from r - 1 are posted before the compute and waited after it). Each
-step yields a partial output O_i and its rows' log-sum-exp L_i; partials merge exactly as FlashAttention's
-online softmax merges tiles: L = log(e^L + e^L_i), O = e^(L_old - L) O + e^(L_i - L) O_i.
-
-Causal masking uses global positions. With a contiguous split rank 0 has nothing to do after step 0 while
-the last rank attends to everything; the zigzag split (rank r holds chunks r and 2n-1-r of 2n) gives every
-rank the same number of unmasked scores. Backward is the same ring in reverse roles: K/V blocks travel again,
-and each block's dK/dV accumulator travels with it, one step behind, and finally home.
-
-With GQA (fewer K/V heads than query heads) the ring carries the K/V heads only; each is repeated over its
-group of query heads inside the block computation, and its gradient summed back over the group.
-The ring's messages go through the cp dimension's Wire (start posts one step, finish waits for it), so their bytes
-count on the cp wire. `SequenceShard` is what a model's attention needs to run this (`apply_cp` puts it there).
+Each rank holds a chunk of the sequence: its queries, keys and values. K/V blocks go round the ring on the cp Wire (so
+their bytes count there): at step i rank r attends to the block of rank r - i while the next is already in flight
+(posted before the compute, waited after it). Partials merge as FlashAttention's online softmax merges tiles:
+L = log(e^L + e^L_i), O = e^(L_old - L) O + e^(L_i - L) O_i. Causal masking uses global positions; the zigzag split
+(rank r holds chunks r and 2n-1-r of 2n) gives every rank the same unmasked scores, where a contiguous one idles rank 0
+after step 0. Backward is the same ring, each block's dK/dV accumulator travelling one step behind it, finally home.
+With GQA the ring carries the K/V heads only, repeated over their query group inside the block, gradients summed back.
 """
 from __future__ import annotations
 
@@ -42,8 +34,7 @@ def scores(q, k, pos_q, pos_k, causal: bool, scale: float) -> torch.Tensor:
 
 
 def block_attention(q, k, v, pos_q, pos_k, causal: bool, scale: float):
-    """Attention of q to one K/V block: its output normalised within the block, and each row's log-sum-exp
-    (-inf for a row that sees nothing in this block)."""
+    """Attention of q to one K/V block: the output normalised in the block, each row's log-sum-exp (-inf: none seen)."""
     s = scores(q, k, pos_q, pos_k, causal, scale)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
@@ -128,8 +119,7 @@ class RingAttention(Function):
 
 
 class SequenceShard:
-    """This rank's share of every sequence under context parallel: its global positions (zigzag split, so causal
-    work is equal per rank), and ring attention over the cp group for a model's attention to call."""
+    """This rank's zigzag positions and ring attention over the cp group, for a model's attention (via `apply_cp`)."""
 
     def __init__(self, seq: int, ring):
         self.all = [positions(seq, j, ring.n, "zigzag") for j in range(ring.n)]
@@ -150,9 +140,8 @@ class SequenceShard:
 
 
 def apply_cp(model, shard: SequenceShard):
-    """The model's attention, in place, over this rank's positions `shard.mine` of each sequence: RoPE at those
-    global positions and ring attention over the cp group in place of the whole-sequence softmax. Costs n-1 K/V
-    blocks sent per layer forward, n-1 K/V and n dK/dV blocks backward, and no s x s scores kept."""
+    """The model's attention, in place, over `shard.mine` (RoPE at those global positions, ring attention). Costs
+    n-1 K/V blocks sent per layer forward, n-1 K/V and n dK/dV blocks backward, and no s x s scores kept."""
     for block in model.blocks:
         block.attn.core = shard
     return model

@@ -10,8 +10,8 @@ from backend.parallel.precision import Adam, named_weights
 
 
 def dp_device_mesh(group, rank: int):
-    """torch's DeviceMesh over an existing dp process group (from_group: no new group, so ranks outside it need not
-    join); a dp of one (group None) gets a group of this rank alone (local synchronisation: only it calls)."""
+    """torch's DeviceMesh over the dp group (from_group: ranks outside it need not join); a dp of one gets a group of
+    this rank alone (local synchronisation: only it calls)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -21,23 +21,22 @@ def dp_device_mesh(group, rank: int):
 
 
 class WireAllGather:
-    """FSDP2's all-gather (set_custom_all_gather) run as our ring over the dp Wire, so every byte it sends is counted
-    on the wire and its span is on the dp lane. FSDP2 hands one flat buffer: every parameter's dim-0 shard, padded."""
+    """FSDP2's all-gather (set_custom_all_gather) as our ring on the dp Wire, of the one flat buffer FSDP2 hands:
+    every parameter's dim-0 shard, padded."""
 
-    def __init__(self, wire, phase: str = "forward"):
-        self.wire, self.phase = wire, phase
+    def __init__(self, wire):
+        self.wire = wire
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        output_tensor.copy_(self.wire.all_gather(input_tensor, 0, self.phase, "fsdp2 parameters"))
-        return None
+        output_tensor.copy_(self.wire.all_gather(input_tensor, 0, "forward", "fsdp2 parameters"))
 
 
 class WireReduceScatter(WireAllGather):
-    """FSDP2's reduce-scatter of the flat padded gradient buffer, as our ring over the dp Wire (a sum: the divide
-    factor is set to 1, since each micro-batch's loss is already its share of the global mean)."""
+    """FSDP2's reduce-scatter of the flat padded gradients on the dp Wire: a sum (divide factor 1, since each
+    micro-batch's loss is already its share of the global mean)."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         import torch.distributed as dist
@@ -45,12 +44,11 @@ class WireReduceScatter(WireAllGather):
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"FSDP2 asked for a {op} reduce-scatter; the mesh sums (gradient divide factor 1)")
         output_tensor.copy_(self.wire.reduce_scatter(input_tensor, 0, "backward", "fsdp2 gradients"))
-        return None
 
 
 class StageEntry(torch.nn.Module):
-    """One pipeline stage's chunk as the module FSDP2 wraps: its forward runs the stage's forward (`fn`), so
-    fully_shard's hooks, which fire on a module call, see every forward and backward of the stage."""
+    """A stage's chunk as the module FSDP2 wraps: its forward runs the stage's (`fn`), so fully_shard's hooks, which
+    fire on a module call, see every forward and backward of the stage."""
 
     def __init__(self, chunk: torch.nn.Module):
         super().__init__()
@@ -61,9 +59,9 @@ class StageEntry(torch.nn.Module):
 
 
 def reduce_gradients(entry) -> None:
-    """After a pipeline's last backward: FSDP2's post_backward on the module's parameter groups with gradient sync on
-    (the reduce-scatter, then reshard), as torch.distributed.pipelining's perform_reduce_grad does (FSDP2 has no public
-    call for it: the pipeline's backwards do not run through its autograd hooks' last one); sync off again after."""
+    """After a pipeline's last backward: FSDP2's post_backward with gradient sync on (reduce-scatter, reshard), as
+    torch.distributed.pipelining's perform_reduce_grad does (no public call: the pipeline's backwards do not run
+    through FSDP2's last autograd hook); sync off again after."""
     from torch.distributed.fsdp import fully_shard
 
     entry.set_is_last_backward(True)
@@ -79,17 +77,12 @@ def reduce_gradients(entry) -> None:
 
 
 class FullyShardedStages:
-    """dp_strategy fsdp2 in the mesh: PyTorch's fully_shard on each of this rank's stage chunks over torch's DeviceMesh
-    of the dp group, torchtitan's shape under a pipeline. The parameters are DTensors sharded on dim 0 (torch.chunk's
-    rows, padded for the collectives) between steps; each step's start unshards every chunk once (reshard_after_forward
-    False: not again per micro-batch), the pipeline's backwards accumulate unsharded gradients with gradient sync off,
-    and after the last one FSDP2's own post_backward reduce-scatters them (what torch.distributed.pipelining's
-    perform_reduce_grad calls) and reshards. Adam (the workload's, elementwise) updates each local shard. FSDP2's
-    all-gather and reduce-scatter run on the dp Wire (set_custom_all_gather / _reduce_scatter), so bytes are counted.
-    Parameters lose their Python attributes when FSDP2 swaps them (source, sequence_parallel): kept and restored.
-    `offload`: PyTorch's CPUOffloadPolicy (no pinning: no accelerator here), so the sharded parameters, their gradients
-    and Adam's states are the host's; FSDP2's own copies (the parameter shards up before each step's all-gather, the
-    gradient shards down after the reduce-scatter) counted by offload.FSDPTransfers."""
+    """dp_strategy fsdp2: fully_shard on each stage chunk over the dp group, torchtitan's shape under a pipeline.
+    Parameters are DTensors sharded on dim 0 between steps; each step's start unshards every chunk once
+    (reshard_after_forward False), the backwards accumulate unsharded gradients with sync off, and after the last one
+    FSDP2's own post_backward reduce-scatters and reshards. Adam (elementwise) updates each local shard. Parameters
+    lose their Python attributes (source, sequence_parallel) when FSDP2 swaps them: kept and restored. `offload`:
+    CPUOffloadPolicy (no pinning: no accelerator), FSDP2's own copies counted by offload.FSDPTransfers."""
 
     strategy = "fsdp2"
     overlap = None  # (no DDP overlap here)
@@ -119,7 +112,8 @@ class FullyShardedStages:
         # every copy FSDP2 makes from here to final_named (forward and backward hooks included)
         self.transfers = FSDPTransfers().start() if offload else None
 
-    def _unshard(self, step) -> None:
+    def weights_for_step(self, step) -> None:
+        """Every chunk unsharded once (None: the modules hold the weights, nothing to load)."""
         with self.tracer.span("collective", f"all-gather weights {step}", kind="collective"):
             for e in self.entries:
                 e.unshard()
@@ -127,18 +121,12 @@ class FullyShardedStages:
             for a, v in self.attrs[n].items():
                 setattr(p, a, v)
 
-    def weights_for_step(self, step: int):
-        self._unshard(step)
-        return None
-
     def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> None:
-        """`grads`: the flat unsharded gradients already summed over cp (and ep where replicated), written back onto
-        FSDP2's unsharded parameters; then FSDP2's post_backward on every chunk (the reduce-scatter over dp on the
-        Wire, and reshard), and Adam on the local shards. Returns None: the modules hold the shards, nothing to load."""
-        at = 0
-        for p in self.model.parameters():
-            p.grad.copy_(grads[at:at + p.numel()].view_as(p))
-            at += p.numel()
+        """`grads` (flat, unsharded, summed over cp and ep) onto FSDP2's unsharded parameters, its reduce-scatter and
+        reshard, Adam on the local shards. None: the modules hold the shards."""
+        params = list(self.model.parameters())
+        for p, g in zip(params, grads.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
         with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
             for e in self.entries:
                 reduce_gradients(e)
@@ -149,17 +137,15 @@ class FullyShardedStages:
                 adam.update(p.to_local(), g, m, v)
 
     def final_named(self, model) -> dict:
-        """The trained weights by name, as float64 arrays: one more all-gather onto the modules (as ZeRO-3's report);
-        from here on the stages run as plain modules (recompute's price, after training, calls no FSDP2 hook). The
-        offload's counting ends first."""
+        """The trained weights by name (float64): one more all-gather (as ZeRO-3's report); from here on the stages run
+        as plain modules (recompute's price, after training, calls no FSDP2 hook)."""
         if self.transfers:
             self.transfers.stop()
-        self._unshard("final")
+        self.weights_for_step("final")
         self.entry_of = {}
         return named_weights(model)
 
-    def gradients(self) -> None:
-        """None: the loop reads the unsharded parameters' gradients (no overlap here)."""
+    def gradients(self) -> None:  # the loop reads the unsharded parameters' own
         return None
 
     def _held(self) -> dict[str, int]:
@@ -168,11 +154,9 @@ class FullyShardedStages:
                 "optimizer states": sum(m.numel() + v.numel() for _, m, v in self.adams) * 8}
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps on the device between steps: its shards, or (offload) none."""
         return {k: 0 for k in self._held()} if self.offload else self._held()
 
     def host_memory(self) -> dict[str, int]:
-        """Bytes in the host pool (offload: the shards, held on the CPU as FSDP2 placed them; nothing otherwise)."""
         if not self.offload:
             return {}
         assert all(p.to_local().device.type == "cpu" for p in self.shards)
@@ -180,7 +164,6 @@ class FullyShardedStages:
         return {names.get(k, k): n for k, n in self._held().items()}
 
     def moved(self) -> dict[str, int]:
-        """Bytes FSDP2 copied between the pools over the run's steps (offload; none otherwise)."""
         return dict(self.transfers.moved) if self.transfers else {}
 
     def close(self) -> None:

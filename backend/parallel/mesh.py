@@ -1,10 +1,7 @@
-"""A device mesh: the ranks laid out on named dimensions, with one process group per line of the mesh.
-
-Dimensions are ordered outermost first, DIMS below (pp, dp, cp, ep, tp: tensor parallel
-innermost, so its ranks are neighbours, as Megatron-LM and picotron place them; on a node those share
-the fastest links). Rank r's coordinate on each dimension is its mixed-radix digit, and the group of
-dimension d holds the ranks that differ from r only in d. Every rank must build the same mesh: creating
-a process group is itself a collective call, made by all ranks in the same order.
+"""A device mesh: the ranks on named dimensions DIMS, outermost first (tp innermost, so its ranks are neighbours
+sharing the fastest links, as Megatron-LM and picotron place them), with one process group per line of the mesh.
+Rank r's coordinate on each dimension is its mixed-radix digit; the group of dimension d holds the ranks differing from
+r only in d. Every rank must build the same mesh: creating a process group is a collective, made in the same order.
 
     mesh = DeviceMesh.build(rank, world_size, dp=2, tp=2)
     mesh.size("tp"), mesh.index("tp"), mesh.group("tp"), mesh.ranks("tp")

@@ -1,25 +1,19 @@
-"""The data-parallel strategy over the mesh's dp dimension (after the cp and ep sums): how each rank turns its
-summed-over-micro-batches gradients into updated weights, and what it keeps between steps (seed 000's table).
+"""The data-parallel strategy over the mesh's dp dimension (after the cp and ep sums): how each rank turns its summed
+gradients into updated weights, and what it keeps between steps (seed 000's table).
 
-  allreduce  one ring all-reduce of the flat gradient vector, Adam on the whole vector    (2ψ per rank sent)
-  ddp        the same sum bucket by bucket (backend/parallel/ddp.py: reverse parameter order, cut at bucket_kb), one
-             ring all-reduce per bucket; issued after the pipeline's last backward, or (`overlap`, `BucketOverlap`)
-             each as soon as its gradients are final, during the last micro-batch's backward
-  zero1      reduce-scatter the gradients, Adam on this dp rank's 1/dp shard (`ZeroShard`: the flat vector padded to
-             a multiple of dp, cut in dp equal shards), all-gather the weights                (2ψ)
+  allreduce  one ring all-reduce of the flat gradient vector, Adam on the whole vector              (2ψ per rank sent)
+  ddp        the same sum bucket by bucket (parallel/ddp.py: reverse parameter order, cut at bucket_kb); after the
+             pipeline's last backward, or (`overlap`) each as soon as its gradients are final, during the last backward
+  zero1      reduce-scatter the gradients, Adam on this rank's 1/dp shard (`ZeroShard`), all-gather the weights  (2ψ)
   zero2      as zero1, but only the gradient shard is kept after the reduce-scatter
-  zero3      as zero2, and the weights too stay sharded between steps: all-gathered once at the start of each step
-             and kept through its micro-batches (torchtitan's FSDP under a pipeline: reshard_after_forward=False,
-             so the gather is not repeated per micro-batch); 2ψ per step, plus one gather to report the weights
-  offload    (zero1, zero2) ZeRO-Offload (Ren et al. 2021): the master shard, Adam's m and v and the Adam step live in
-             the host pool (backend/parallel/offload.Pools); the gradient shard moves down after the reduce-scatter
-             (in the reduce dtype), the updated shard moves up cast to the compute dtype before the all-gather: ψ/dp
-             each way
-Adam is elementwise, so updating a shard equals updating those elements of the full vector.
-Precision (precision.Precision): the gradients arrive in the reduce dtype and are summed in it; Adam steps the master
-copy (and keeps m, v) in the master dtype; the weights the model loads are cast to the compute dtype (ZeRO: the shard
-is cast, then all-gathered in the compute dtype, as Megatron's distributed optimizer and FSDP's param_dtype do). In
-mixed precision the master copy is a tensor of its own beside the compute copy; in fp64 or fp32 they are one tensor.
+  zero3      as zero2, and the weights stay sharded between steps: gathered once per step, kept through its
+             micro-batches (torchtitan's FSDP under a pipeline, reshard_after_forward=False); 2ψ, + one report gather
+  offload    (zero1, zero2) ZeRO-Offload (Ren et al. 2021): master shard, Adam's m, v and step in the host pool; the
+             gradient shard moves down (reduce dtype), the updated shard up cast to the compute dtype: ψ/dp each way
+Adam is elementwise, so updating a shard equals updating those elements of the full vector. Gradients are summed in
+the reduce dtype; Adam steps the master copy (and m, v) in the master dtype; the model loads the compute dtype (ZeRO
+casts the shard, then all-gathers in the compute dtype, as Megatron's distributed optimizer and FSDP's param_dtype do).
+The master copy is a tensor of its own only in mixed precision; in fp64 or fp32 it is the compute copy.
 """
 from __future__ import annotations
 
@@ -37,9 +31,8 @@ STRATEGIES = ("allreduce", "ddp", "zero1", "zero2", "zero3", "fsdp2")  # fsdp2: 
 
 def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: Wire, tracer,
                   precision: Precision = FP64):
-    """This rank's dp strategy for its stage chunks (`model`, a ModuleDict): ours over the flat (master) vector
-    `weights`, or FSDP2's (float64 only: MeshConfig refuses another precision with it). `comm_delay_ms` (DDP): the dp
-    wire, and the overlap thread's, made that slow per collective."""
+    """This rank's dp strategy for its stage chunks (`model`): ours over the flat vector `weights`, or FSDP2's
+    (float64 only). `comm_delay_ms` (DDP): the dp wire, and the overlap thread's, that slow per collective."""
     dp.delay_s = getattr(config, "comm_delay_ms", 0) / 1000
     offload = getattr(config, "offload", False)
     if config.dp_strategy == "fsdp2":
@@ -58,8 +51,7 @@ def data_parallel(config, model, weights: torch.Tensor, params: list, mesh, dp: 
 
 
 class ZeroShard:
-    """ZeRO's cut of a flat vector over the dp ranks: zero-padded to a multiple of dp, rank r holding the r-th of dp
-    equal shards; the reduce-scatter and all-gather are our rings on the dp wire's logged send/recv."""
+    """ZeRO's cut of a flat vector: zero-padded to a multiple of dp, rank r holding the r-th of dp equal shards."""
 
     def __init__(self, flat: torch.Tensor, dp: Wire):
         self.numel, self.n, self.comm = flat.numel(), dp.n, dp.p2p
@@ -112,9 +104,8 @@ class DataParallel:
             return self.zero.gather(self.precision.compute)
 
     def update(self, grads: torch.Tensor, step: int, skip: bool = False) -> torch.Tensor | None:
-        """Sum `grads` over dp as the strategy does, Adam on what this rank owns; the full weights to load after the
-        step (None for zero3, which gathers them at the next step's start). `skip` (a loss-scaled step that overflowed,
-        on every rank alike): the sum is made, then nothing is stepped or gathered (None: the weights stay)."""
+        """Sum `grads` over dp, Adam on what this rank owns; returns the weights to load (None: as they are; zero3
+        gathers at the next step). `skip` (a loss-scaled step that overflowed, on every rank alike): only the sum."""
         if self.zero:
             with self.tracer.span("collective", f"reduce-scatter gradients {step}", kind="collective"):
                 grads = self.zero.reduce_scatter(grads)
@@ -145,23 +136,19 @@ class DataParallel:
         return self.weights
 
     def gradients(self) -> torch.Tensor | None:
-        """With overlap, this rank's flat gradients already summed over dp (its buckets' rings), in the reduce dtype;
-        otherwise None: the loop reads the parameters' own."""
+        """With overlap, this rank's flat gradients already summed over dp; otherwise None (the parameters' own)."""
         return self.overlap.wait() if self.overlap else None
 
     def close(self) -> None:
-        """Training is over: the overlap's communication thread ends."""
         if self.overlap:
             self.overlap.close()
 
     def compute_weights(self) -> torch.Tensor:
-        """The whole compute copy from the master: ZeRO all-gathers the shards cast to the compute dtype; otherwise
-        a cast (the master tensor itself unless mixed)."""
         return self.zero.gather(self.precision.compute) if self.zero else self.owned.to(self.precision.compute)
 
     def final_named(self, model) -> dict:
-        """The trained master weights by name, as float64 arrays. ZeRO-3, and ZeRO-1/2 in mixed precision (whose last
-        all-gather was of the compute copy), all-gather them once more in the master dtype (reporting, not training)."""
+        """The trained master weights by name (float64 arrays); ZeRO gathers them once more in the master dtype unless
+        its last gather left them whole (reporting, not training)."""
         flat = self.owned
         if self.zero:
             whole = self.strategy != "zero3" and not self.precision.mixed  # the last all-gather left the master whole
@@ -169,14 +156,13 @@ class DataParallel:
         return named_weights(model, flat)
 
     def entry(self, chunk):
-        """The module a stage's forward is called through: none, the chunk's own methods are (FSDP2's differs)."""
+        """The module a stage's forward is called through: none here (FSDP2's differs)."""
         return None
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps by category, each at its tensor's item size: the compute copy of the
-        weights (none between steps under ZeRO-3 unless not mixed: then its shard is the one copy), the master copy
-        apart from it (mixed precision only), the gradients Adam read, and Adam's m and v (with ZeRO-Offload the master
-        shard and Adam's states are the host's: host_memory)."""
+        """Bytes this rank keeps between steps by category: the compute copy (under ZeRO-3 none, unless not mixed:
+        its shard is the one copy), the master copy apart from it (mixed only), the gradients Adam read, Adam's m, v
+        (ZeRO-Offload: master shard and Adam's states are the host's)."""
         mixed = self.precision.mixed
         params = nbytes(self.weights) if self.weights is not None else 0 if mixed else nbytes(self.owned)
         out = {"parameters": params, "gradients": self.grads_kept * self.grad_item,
@@ -185,10 +171,8 @@ class DataParallel:
             out["master weights"] = 0 if self.pools else nbytes(self.owned)
         return out
 
-    def host_memory(self) -> dict[str, int]:
-        """Bytes in the host pool by category (ZeRO-Offload; nothing otherwise)."""
+    def host_memory(self) -> dict[str, int]:  # the host pool by category (ZeRO-Offload)
         return self.pools.host_bytes() if self.pools else {}
 
-    def moved(self) -> dict[str, int]:
-        """Bytes copied between the pools over the run's steps, by direction (ZeRO-Offload; none otherwise)."""
+    def moved(self) -> dict[str, int]:  # bytes copied between the pools over the run, by direction (ZeRO-Offload)
         return dict(self.pools.moved) if self.pools else {}

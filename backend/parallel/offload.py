@@ -1,15 +1,10 @@
-"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools.
+"""CPU offload on a machine with no accelerator: the "device" and the "host" as two accounting pools of one memory.
 
-On gloo ranks both pools are this CPU's memory, so what is modelled is the placement, not the hardware: every
-tensor a strategy keeps is registered in one pool, and a tensor crosses only through `Pools.move`, which makes
-a new copy (its own storage, in the dtype that crosses) and counts its bytes by direction. Memory per pool is
-the bytes of the tensors registered there; bytes moved are those of the copies made. ZeRO-Offload
-(Ren et al., 2021) keeps the fp32 optimizer states and the Adam step on the host: per step each rank sends its
-gradient shard down (2 bytes/param in fp16, 4 in fp32) and takes its updated parameter shard back up.
-
-FSDP2's own CPUOffloadPolicy moves tensors with `Tensor.to(device)` inside torch; `FSDPTransfers` counts those
-calls, naming each by the FSDP2 function that made it (on a CPU the call returns the tensor itself: the bytes
-counted are those FSDP2 asks to move).
+What is modelled is the placement: every tensor a strategy keeps is registered in one pool, and crosses only through
+`Pools.move`, a new copy (in the dtype that crosses) whose bytes count by direction. ZeRO-Offload (Ren et al., 2021)
+keeps the fp32 optimizer states and Adam's step on the host: per step each rank sends its gradient shard down (2
+bytes/param in fp16, 4 in fp32) and takes its updated parameter shard back up. FSDP2's CPUOffloadPolicy moves with
+`Tensor.to(device)`: `FSDPTransfers` counts the bytes FSDP2 asks to move (on a CPU the call returns the tensor itself).
 """
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ import torch
 
 
 class Pools:
-    """The tensors placed in the host pool, by category (every other tensor is the device's), and the bytes each copy
-    between the two pools moved."""
+    """The tensors in the host pool by category (every other is the device's), and the bytes each crossing moved."""
 
     def __init__(self):
         self.host: dict[str, list[torch.Tensor]] = {}
@@ -42,11 +36,10 @@ class Pools:
 
 
 class FSDPTransfers:
-    """Bytes FSDP2 copies with `Tensor.to(device)` from its offload code: parameter shards host -> device before
-    each all-gather (`all_gather_inputs`), gradient shards device -> host after each reduce-scatter
-    (`foreach_reduce`). Only calls made from those two functions count. A TorchFunctionMode would miss the
-    backward's calls (the autograd engine runs FSDP2's hooks without Python modes), so from `start` to `stop`
-    `torch.Tensor.to` is wrapped, and then restored."""
+    """Bytes FSDP2 moves with `Tensor.to(device)`, counted only from its two offload sites (SITES): parameter shards
+    up before each all-gather, gradient shards down after each reduce-scatter. A TorchFunctionMode would miss the
+    backward's calls (autograd runs FSDP2's hooks without Python modes), so `torch.Tensor.to` is wrapped from `start`
+    to `stop`."""
 
     SITES = {"all_gather_inputs": "host_to_device", "foreach_reduce": "device_to_host"}
 
@@ -66,6 +59,5 @@ class FSDPTransfers:
         return self
 
     def stop(self) -> None:
-        """Counting ends (again: nothing)."""
         if self._to is not None:
             torch.Tensor.to, self._to = self._to, None

@@ -21,8 +21,7 @@ from backend.parallel.tp import apply_tp, cut, part
 
 
 def parallelize(reference: TinyDecoder, tp, sp: bool = False, stage: int = 0, stages: int = 1, ep=None, cp=None) -> TinyDecoder:
-    """This rank's model: a copy of `reference` with its pipeline stage kept, sharded over the `tp` wire (`sp`:
-    sequence parallel too), its experts over the `ep` wire and its attention over the `cp` SequenceShard."""
+    """This rank's model: a copy of `reference`, every transform applied (`tp`, `ep`: Wires; `cp`: a SequenceShard)."""
     model = tag_sources(copy.deepcopy(reference))
     model.zero_grad(set_to_none=True)
     split_stages(model, stage, stages)
@@ -35,8 +34,7 @@ def parallelize(reference: TinyDecoder, tp, sp: bool = False, stage: int = 0, st
 
 
 def split_stages(model: TinyDecoder, stage: int, stages: int) -> TinyDecoder:
-    """Stage `stage` of `stages`, in place: its share of the blocks; the embedding only on the first stage, the final
-    norm, head and loss only on the last. The pipeline executor runs embed / run_blocks / head_loss of each stage."""
+    """Stage `stage` of `stages`, in place (the executor runs each stage's embed / run_blocks / head_loss)."""
     model.blocks = model.blocks[part(model.shape.n_layers, stage, stages)]
     if stage > 0:
         model.embed = None

@@ -1,9 +1,7 @@
-"""What a rank holds and how it updates it, for every data-parallel strategy of the mesh.
-
-`Precision` says which dtype computes, which holds the master weights and Adam's states, and which reduces gradients:
-float64 throughout (for exact checks against one process), fp32 throughout, bf16 mixed, or fp16 mixed with dynamic
-loss scaling. `Adam` is PyTorch's formula written out on a flat vector, so a shard updates exactly the elements the
-full vector would (ZeRO, the parameter server); `flat_params` / `load_flat` lay a module's parameters out flat.
+"""What a rank holds and how it updates it, for every data-parallel strategy of the mesh. `Precision`: which dtype
+computes, which holds the master weights and Adam's states, which reduces gradients (PRECISIONS; fp64 for exact checks
+against one process). `Adam` is PyTorch's formula on a flat vector, so a shard updates exactly the elements the full
+vector would (ZeRO, the parameter server); `flat_params` / `load_flat` lay a module's parameters out flat.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Activation recompute per pipeline stage, as a transform of the stage's chunk (Korthikanti et al. 2022).
 
   none       autograd keeps everything the backward reads
-  full       the stage keeps only its input from F to B and reruns its whole forward inside B (or I): one more
-             forward per micro-batch, about a third more compute at F:B = 1:2 (the executor's `recompute`,
-             backend/parallel/pp/executor.py)
-  selective  only the attention core softmax(QKᵀ/√d)·V is recomputed in the backward: its inputs q, k, v are
-             kept, its a·s²·b scores and probabilities are not (the term that grows with s²), for two extra
-             batched GEMMs per layer, 4·b·a·s²·d FLOPs, instead of a whole forward
-
-Selective recompute is a custom autograd function around the core: its forward runs without a graph and saves
-q, k, v (through autograd's saved-tensor hooks, so the activation meters see them); its backward runs the core
-again with a graph and differentiates it. No collective sits inside the core, so nothing is re-sent.
+  full       the stage keeps only its input from F to B and reruns its forward inside B (or I, the executor's
+             `recompute`): one more forward per micro-batch, about a third more compute at F:B = 1:2
+  selective  only the attention core softmax(QKᵀ/√d)·V is recomputed in the backward: q, k, v are kept, its a·s²·b
+             scores and probabilities (the term that grows with s²) are not, for 4·b·a·s²·d more FLOPs per layer
+Selective's forward runs without a graph and saves q, k, v (through autograd's saved-tensor hooks, so the activation
+meters see them); no collective sits inside the core, so nothing is re-sent.
 """
 from __future__ import annotations
 
@@ -41,19 +37,14 @@ class RecomputedCore(Function):
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-def recomputed_core(q, k, v):
-    return RecomputedCore.apply(q, k, v)
-
-
 class SelectiveCore(CausalCore):
     """The one model's attention core over whole sequences, recomputed in the backward."""
 
-    core = staticmethod(recomputed_core)
+    core = staticmethod(RecomputedCore.apply)
 
 
 def apply_selective_recompute(chunk, on: bool = True) -> int:
-    """Swap the attention core of every block of `chunk` for the recomputed one (on) or back to the plain one.
-    Returns how many attention cores were swapped."""
+    """Swap every block's attention core for the recomputed one (on) or back; returns how many were swapped."""
     for block in chunk.blocks:
         if on:
             block.attn.core = SelectiveCore()
@@ -69,9 +60,8 @@ def core_flops(b: int, heads: int, s: int, d_head: int) -> int:
 
 
 class FlopCount(TorchDispatchMode):
-    """FLOPs of every op run inside it, by torch's own per-op formulas (torch.utils.flop_counter.flop_registry: GEMMs,
-    convolutions, attention kernels). FlopCounterMode itself also tracks modules with multi-grad hooks, which
-    torch.distributed.pipelining's split backward (autograd.grad on leaf inputs) does not allow; this counts the ops only."""
+    """FLOPs of every op run inside it, by torch's own per-op formulas (flop_registry). FlopCounterMode also tracks
+    modules with multi-grad hooks, which pipelining's split backward (autograd.grad on leaf inputs) does not allow."""
 
     def __init__(self):
         super().__init__()

@@ -1,23 +1,16 @@
 """Sequence parallel (Megatron-SP, Korthikanti et al. 2022) on top of tensor parallel.
 
-Tensor parallel leaves the norms (and dropout) replicated: every rank holds the whole (b, s, h) activation
-there. Sequence parallel splits those regions along the sequence instead, and swaps each all-reduce for the
-two halves it is made of:
+TP leaves the norms replicated: every rank holds the whole (b, s, h) activation there. SP splits those regions along
+the sequence and swaps each all-reduce for its two halves (same volume: an all-reduce is reduce-scatter + all-gather):
     g  (before a column-parallel linear): all-gather along s in forward, reduce-scatter in backward
     g' (after a row-parallel linear):     reduce-scatter along s in forward, all-gather in backward
-An all-reduce is a reduce-scatter followed by an all-gather, so the volume is the same. The column-parallel
-linear after g keeps only this rank's sequence shard for its weight gradient and gathers it again in
-backward (Megatron does the same, overlapped with the input-gradient GEMM), so no rank ever holds the whole
-norm output: that is the memory SP saves, at the price of one extra all-gather per such linear in backward.
-
-`activation_elements` counts what our block saves for backward, term by term in the paper's manner, beside
-the paper's own formula for a GPT block (34sbh + 5as²b bytes in fp16, divided as TP and SP divide it).
+The linear after g saves only this rank's shard for its weight gradient and re-gathers it in backward (as Megatron
+does), so no rank holds the whole norm output: that is SP's memory saving, for one extra all-gather per such linear.
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch.autograd import Function
-
 
 SEQ = 1  # activations are (batch, sequence, hidden)
 
@@ -55,8 +48,8 @@ class ReduceScatterToSP(Function):
 
 def activation_elements(b: int, s: int, h: int, heads: int, q_dim: int, d_ff: int, t: int, sp: bool,
                         ring_kv_dim: int | None = None) -> dict[str, float]:
-    """Elements one block of our decoder saves for backward on one rank (tensor-parallel degree t).
-
+    """Elements one block of our decoder saves for backward on one rank (tensor-parallel degree t), term by term in
+    Korthikanti's manner (korthikanti_bytes: the paper's own formula for a GPT block).
     RMSNorm (composed of elementwise ops): its input x, x·rsqrt and its output (read by the next linear): 3sbh,
       plus rsqrt itself, sb; two norms per block. Replicated under TP; split by t under SP.
     Attention (heads split): q and k after RoPE for QKᵀ, v for PV (k and v repeated over their GQA group), the

@@ -1,14 +1,11 @@
-"""The one token split: which tokens of a step's global batch one rank of the mesh holds.
-
-The global batch is `batch` sequences of `seq` input positions (each position's target is the next token). A rank at
-mesh coordinates (dp, ep, cp, tp) holds, on every one of its pipeline stages:
-  sequences     the batch cut into dp x ep near-equal slices (torch.tensor_split; dp outer, ep inner: ep ranks are
-                data-parallel for all but the experts), its slice cut again into the schedule's micro-batches
-  positions     of each sequence its context-parallel shard: zigzag, chunks r and 2cp-1-r of 2cp (cp.positions, so
-                causal work is equal per rank); every position when cp = 1. What its embedding, loss and attention see
-  sp_positions  under sequence parallel the tp-th of tp contiguous shares of `positions` (SP's reduce-scatter along the
-                sequence leaves rank t chunk t): what its norms, stage boundaries and MoE layers hold, so the tokens it
-                routes to the experts. Without SP every tp rank holds all of `positions`
+"""The one token split: which tokens of a step's global batch (`batch` sequences of `seq` positions, each position's
+target the next token) the rank at mesh coordinates (dp, ep, cp, tp) holds, on every one of its pipeline stages:
+  sequences     the batch cut into dp x ep near-equal slices (dp outer, ep inner: ep ranks are data-parallel for all
+                but the experts), its slice cut again into the schedule's micro-batches
+  positions     of each sequence its cp shard: zigzag, chunks r and 2cp-1-r of 2cp (cp.positions: equal causal work);
+                what its embedding, loss and attention see
+  sp_positions  under SP the tp-th of tp contiguous shares of `positions` (SP's reduce-scatter leaves rank t chunk t):
+                what its norms, stage boundaries and MoE layers hold (so the tokens it routes); else `positions`
 mesh_train feeds each rank these tokens; the experiment's byte, memory and routing models read the same split.
 """
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Tensor parallel (Megatron-LM): the tiny LLaMA's weights split over the ranks of the mesh's tp dimension.
 
-For Y = XA (seed 004), split A by columns and each rank computes its own columns of Y from the whole X; split
-A by rows and X by columns and each rank computes a partial sum of the whole Y. Two operators glue them:
+For Y = XA (seed 004): split A by columns and each rank computes its columns of Y from the whole X; split A by rows
+and X by columns and each rank computes a partial sum of Y. Two operators glue them:
     f: identity in forward, all-reduce of the input gradient in backward   (before a column-parallel linear)
     g: all-reduce in forward, identity in backward                         (after a row-parallel linear)
-A column split lets a rank apply an elementwise activation to its own columns before any communication
-(seed 002), so Megatron's MLP is column then row: one all-reduce of b·s·h in forward (g), one in backward (f).
-Attention splits by heads (GQA: each rank takes its query heads with the KV heads of their groups), the
-embedding and the output head by vocabulary, and the cross entropy runs on vocabulary shards with three
-all-reduces of b·s numbers (max, target logit, sum of exponentials), never gathering the logits.
-
-`apply_tp` swaps the one TinyDecoder's own modules for rank r's shards of them (backend/parallel/parallelize.py
-applies it with the other transforms); each new parameter's `source` says which reference tensors it was cut
-from, so the reference's gradients can be cut the same way for the check. With `sp` the norm regions are
-sequence shards (backend/parallel/sp.py); MoE feed-forwards are split by expert by apply_ep and run alike on
-every tp rank.
+A column split lets a rank apply an elementwise activation to its own columns first (seed 002), so the MLP is column
+then row: one all-reduce of b·s·h forward (g), one backward (f). Attention splits by heads (GQA: each rank's query
+heads with their groups' KV heads), embedding and head by vocabulary, and the cross entropy runs on vocabulary shards
+with three all-reduces of b·s numbers (max, target logit, sum of exponentials), never gathering the logits.
 """
 from __future__ import annotations
 
@@ -59,8 +52,8 @@ def part(total: int, index: int, parts: int) -> slice:
 
 
 def shard(name: str, module: nn.Module, dim: int, pieces: list[tuple[nn.Parameter, slice]]) -> None:
-    """Give `module` the parameter `name`: the pieces of the model's own (whole, source-tagged) parameters cut along
-    dim and concatenated, tagged in turn with the reference tensors it came from (parallelize.sources)."""
+    """Give `module` parameter `name`: pieces of whole source-tagged parameters cut along dim and concatenated, tagged
+    with the reference tensors they came from."""
     new = nn.Parameter(torch.cat([p.detach()[(slice(None),) * dim + (s,)] for p, s in pieces], dim).clone())
     new.source = (dim, [(p.source[1][0][0], s) for p, s in pieces])
     module.register_parameter(name, new)
@@ -144,14 +137,12 @@ class VocabParallelLoss(nn.Module):
 
 
 def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
-    """Rank wire.index of wire.n of the model, in place: its own linears and embedding swapped for the shards
-    (q, k, v fused column-parallel and wo row-parallel, the attention left with its local heads and their GQA
-    groups; gate and up fused column-parallel, down row-parallel; embedding, head and loss by vocabulary). Costs
-    per layer two all-reduces of b·s·h forward (g) and two backward (f); with `sp` the norms see sequence shards
-    (each all-reduce becomes an all-gather and a reduce-scatter, the gathered inputs re-gathered in backward) and
-    the norm weights' gradients need summing (sum_norm_grads). MoE feed-forwards are left to apply_ep: without SP every
-    tp rank runs them alike on the whole sequence; with SP each on its sequence shard (no tp collective around them,
-    Megatron's SP + EP), so their gradients, like the norms', are summed over tp."""
+    """Rank wire.index of wire.n of the model, in place: q, k, v fused column-parallel, wo row-parallel (local heads
+    with their GQA groups); gate and up fused column-parallel, down row-parallel; embedding, head and loss by
+    vocabulary. Each new parameter's `source` says which reference pieces it was cut from. Costs per layer two
+    all-reduces of b·s·h forward (g) and two backward (f); `sp`: sequence-parallel norms (sp.py), whose weights'
+    gradients need summing (sum_norm_grads). MoE feed-forwards are left to apply_ep: without SP every tp rank runs them
+    on the whole sequence; with SP each on its sequence shard (Megatron's SP + EP), gradients summed over tp."""
     s, r, n = model.shape, wire.index, wire.n
     if s.variant == "mla":
         raise ValueError("tensor parallel of multi-head latent attention is not built (variant: mha, mqa or gqa)")
@@ -190,7 +181,7 @@ def apply_tp(model: TinyDecoder, wire, sp: bool = False) -> TinyDecoder:
 
 def sum_norm_grads(module: nn.Module, wire) -> None:
     """Under SP each rank's norm weights (and MoE layers) saw only its sequence shard: sum their gradients (Megatron's
-    all-reduce of layer-norm gradients). Under plain TP f already made them whole, so only SP calls this."""
+    all-reduce of layer-norm gradients; under plain TP f already made them whole)."""
     for p in module.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             p.grad = wire.all_reduce(p.grad, "backward", "norm weight gradients")

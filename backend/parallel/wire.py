@@ -1,12 +1,8 @@
-"""The one communication front end of the parallel code: every collective and point-to-point transfer along one
-dimension of the mesh (tp, sp, cp, ep, dp, pp), every byte counted on the wire and attributed to that dimension.
-
-Collectives take a tensor and a dimension and run our own algorithms from backend/comm/collectives.py over logged
-send/recv (ring all-reduce, all-gather and reduce-scatter; direct all-to-all with uneven splits); the pipeline's
-stage-to-stage messages (`send`, `recv`) and ring attention's K/V blocks (`start`, `finish`: posted before the
-block's compute, waited after it) go through the same P2P log. So `sent_bytes` is what this rank really put on the
-wire along the dimension, and every call is one trace event and one log row: (op, phase, name, payload elements,
-bytes sent). The models in the experiments predict these rows exactly.
+"""The one communication front end of the parallel code: every collective and point-to-point transfer along one mesh
+dimension, run by our own algorithms (backend/comm/collectives.py) over one logged P2P, pipeline messages (`send`,
+`recv`) and ring attention's K/V steps (`start`, `finish`) included. So `sent_bytes` is what this rank really sent
+along the dimension, and every call is one trace event and one log row (op, phase, name, payload elements, bytes
+sent), which the experiments' models predict exactly.
 """
 from __future__ import annotations
 

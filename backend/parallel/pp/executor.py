@@ -1,17 +1,10 @@
-"""One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any
-stage objects: the tiny LLaMA's stages of the 3D mesh and the pipeline page's uniform Linear+tanh stack, both run by
-the mesh's one training loop (parallel/mesh_train.train_rank; the stack is parallel/pp/linear.py).
+"""One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any stage
+objects (the tiny LLaMA's stages, or parallel/pp/linear.py's uniform stack), run by parallel/mesh_train.train_rank.
 
-Stage s feeds s + 1, on the rank the schedule places it (looped: (s + 1) % p; V-shaped: down the ranks and back).
-Forward activations and backward gradients travel by send/recv with a tag per (stage, micro-batch, direction), so
-interleaved stages sharing a pair of ranks never cross. Every action and every send/recv wait is a trace event; the
-live activations of each rank are counted as actions run. The loop keeps freed memory in the process
-(keep_freed_memory), and the pages give each action its least CPU time over the steps after the warm-up one
-(mark_least_cpu).
-
-Synchronous schedules accumulate gradients over the micro-batches (one step's worth). PipeDream instead
-updates a stage's weights (SGD) after every backward; with weight stashing its backward uses the weights
-its forward used, without it the current ones, and the executor measures how far that gradient is off.
+Stage s feeds s + 1 on the rank the schedule places it; activations and gradients travel by send/recv with a tag per
+(stage, micro-batch, direction), so interleaved stages sharing a pair of ranks never cross. Synchronous schedules
+accumulate gradients over the micro-batches; PipeDream updates a stage's weights (SGD) after every backward, with
+weight stashing on the weights its forward used, without it on the current ones (and measures how far that is off).
 """
 from __future__ import annotations
 
@@ -29,11 +22,10 @@ from backend.trace import Tracer
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc keep what this process frees for its next allocations: no block of up to 32 MiB mapped on its own
-    (so none is unmapped when freed) and no trim of the heap's top. Otherwise a freed block of 128 KiB or more goes back
-    to the kernel, and the next one page-faults fresh zeroed pages on the CPU clock of the action that asks, so equal
-    actions time unequally; a GPU framework's caching allocator keeps freed blocks the same way. Returns whether glibc
-    took both settings."""
+    """Have glibc keep what this process frees (no block of up to 32 MiB mmapped on its own, no trim of the heap's top),
+    as a GPU framework's caching allocator does; otherwise a freed block of 128 KiB or more goes back to the kernel and
+    the next page-faults fresh pages on the CPU clock of the action that asks, so equal actions time unequally. Returns
+    whether glibc took both settings."""
     if not sys.platform.startswith("linux"):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -52,10 +44,9 @@ WARM_UP_STEPS = 1  # left out of the least: the loop's first step pays one-off c
 
 
 def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
-    """The events of the last step (`step_us`: the loop's (start, end) per step), each action marked `cpu_least_us`:
-    the least CPU time of the same action (kind, stage, micro-batch) over the steps after the warm-up one (all of
-    them if there is no other). Noise on a shared box only adds to an action's CPU time, so the least over repeats is
-    its own cost; the warm-up step's one-off costs are not the action's, so it never counts."""
+    """The events of the last step (`step_us`: (start, end) per step), each action marked `cpu_least_us`: the least
+    CPU time of the same (kind, stage, mb) over the steps after the warm-up one (if any). Noise on a shared box only
+    adds to CPU time, so the least over repeats is the action's own cost; the warm-up's one-off costs are not."""
     since = (step_us[WARM_UP_STEPS:] or step_us)[0][0]
     least: dict[tuple, float] = {}
     for e in events:
@@ -71,14 +62,10 @@ def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
             recompute: bool = False, pipedream=None, meter: ActivationMeter | None = None) -> dict:
     """Walk one rank's action list for one step over its stages ({stage: object with input, input_like and
-    forward(x, mb) -> output, or on the last stage the loss}); pp_ranks[i] is the global rank of pipeline rank i.
-    F receives its input from the previous stage's rank, runs and sends its output on; B (or I) receives the
-    output's gradient, runs the backward and sends the input's gradient back; W then takes the weight gradients
-    (torch.distributed.pipelining's own split: I keeps the gradients reaching each weight's consumer, W finishes
-    from them, so W repeats no input-gradient work or collective). A boundary within this rank (a V's turn) is
-    handed over in memory. Returns the last stage's summed loss, the peak of live activations and their timeline,
-    the bytes this rank sent to other pipeline ranks, PipeDream's weight versions and each recomputation's CPU time;
-    with a meter, the activation bytes autograd holds, live (parallel/pp/recompute.ActivationMeter)."""
+    forward(x, mb) -> output, or the loss on the last}); pp_ranks[i]: the global rank of pipeline rank i. I and W are
+    torch.distributed.pipelining's own split (I keeps the gradients reaching each weight's consumer, W finishes from
+    them: no input-gradient work or collective repeated). A boundary within this rank (a V's turn) is handed over in
+    memory. Returns the figures of RankWalk.finish; a meter records the activation bytes autograd holds."""
     walk = RankWalk(plan, stages, pp_ranks, me, p, m, tracer, recompute, pipedream, meter)
     for kind, mb, s in order:
         if kind == "F":
@@ -92,8 +79,7 @@ def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: 
 
 
 class RankWalk:
-    """One rank's state while it walks its actions: what each micro-batch saved, boundaries handed over in memory,
-    sends in flight, live activations and their peak, and PipeDream's weight versions; one method per action kind."""
+    """One rank's state while it walks its actions; one method per action kind."""
 
     def __init__(self, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
                  recompute: bool, pipedream, meter: ActivationMeter | None):
@@ -123,16 +109,17 @@ class RankWalk:
             self.pending_sends.append(self.wire.send(t, to, _tag(s, mb, grad, self.m), f"send {'grad' if grad else 'act'} {mb}",
                                                      stage=s, mb=mb))
 
-    def recv(self, buf, from_stage, s_tag, mb, grad, what):
+    def recv(self, buf, from_stage, s_tag, mb, grad):
         frm = self.plan.rank_of(from_stage, self.p)
         if frm == self.me:
             return self.local.pop((s_tag, mb, grad))
-        return self.wire.recv(buf, frm, _tag(s_tag, mb, grad, self.m), f"recv {what} {mb}", stage=from_stage, mb=mb)
+        name = f"recv {'grad' if grad else 'act'} {mb}"
+        return self.wire.recv(buf, frm, _tag(s_tag, mb, grad, self.m), name, stage=from_stage, mb=mb)
 
     def forward(self, mb: int, s: int):
-        """F: receive the input (or take the batch on stage 0), run the stage, keep what backward needs, send the output on."""
+        """F: receive the input (stage 0: the batch), run the stage, keep what backward needs, send the output on."""
         st = self.stages[s]
-        x = st.input(mb) if s == 0 else self.recv(st.input_like(mb), s - 1, s - 1, mb, False, "act").requires_grad_(True)
+        x = st.input(mb) if s == 0 else self.recv(st.input_like(mb), s - 1, s - 1, mb, False).requires_grad_(True)
         params = None
         if self.pipedream:
             use = vertical_version(self.pipedream, self.p, mb) if self.pipedream.vertical_sync else self.version[s]
@@ -156,10 +143,9 @@ class RankWalk:
         self.peak = max(self.peak, self.live)
 
     def backward(self, kind: str, mb: int, s: int):
-        """B (whole backward) or I (input gradient only): receive the output's gradient, recompute the forward if only
-        the input was kept, run the backward, send the input's gradient back."""
+        """B (whole backward) or I (input gradient only); the forward rerun first if only the input was kept."""
         st, sv = self.stages[s], self.saved[(s, mb)]
-        grad_out = None if st.last else self.recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True, "grad")
+        grad_out = None if st.last else self.recv(torch.empty(sv["out"].shape, dtype=sv["out"].dtype), s + 1, s, mb, True)
         with self.tracer.span("compute", f"{kind}{mb}", kind=kind, stage=s, mb=mb):
             if self.recompute:  # GPipe's recomputation: the forward again, this time keeping the graph
                 cpu_start = time.thread_time_ns()
@@ -197,7 +183,9 @@ class RankWalk:
             self.meter.free((s, mb))
 
     def finish(self) -> dict:
-        """Wait for the sends in flight; the walk's figures."""
+        """Wait for the sends in flight; the walk's figures (the loss summed on the last stage, the bytes sent to other
+        pipeline ranks, the peak of live activations and their timeline, PipeDream's weight versions and gradient
+        errors, each recomputation's CPU time)."""
         for req in self.pending_sends:
             req.wait()
         return {"loss": self.loss_sum, "sent_bytes": self.wire.sent(), "peak_live": self.peak, "timeline": self.timeline,

@@ -1,7 +1,6 @@
-"""The pipeline page's model, a choice of the mesh's one training loop (parallel/mesh_train.train_rank, beside the
-tiny LLaMA): a uniform stack of Linear+tanh layers (float64, stage s seeded by s), so that every stage costs the same
-and the bubble formulas, which assume equal stages, apply; `unequal_stages` makes the last stage twice as deep. The
-last stage returns the squared error's share of the whole batch's mean, the loss the backward starts from.
+"""The pipeline page's model, the mesh loop's other choice beside the tiny LLaMA: a uniform stack of Linear+tanh layers
+(float64, stage s seeded by s), so every stage costs the same and the bubble formulas, which assume equal stages, apply
+(`unequal_stages`: the last stage twice as deep). The last stage returns the squared error's share of the batch mean.
 """
 from __future__ import annotations
 
@@ -21,10 +20,8 @@ def make_stage(stage: int, hidden: int, layers: int, seed: int) -> nn.Module:
 
 
 def make_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(config.seed + 12345)
-    x = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    y = torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64)
-    return x, y
+    g = torch.Generator().manual_seed(config.seed + 12345)  # x, then y
+    return tuple(torch.randn(config.batch, config.hidden, generator=g, dtype=torch.float64) for _ in range(2))
 
 
 def stage_layers(config, stage: int) -> int:
@@ -34,8 +31,7 @@ def stage_layers(config, stage: int) -> int:
 
 
 class LinearStage(MeteredStage):
-    """Stage s for the executor: its Linear+tanh layers; the first reads micro-batch mb of x, the last returns the
-    squared error's share of the whole batch's mean. `params` (PipeDream's stashed weights) runs the stage on them."""
+    """Stage s for the executor; `params` (PipeDream's stashed weights) runs it on them."""
 
     def __init__(self, s: int, module: nn.Module, config, xs, ys):
         self.index, self.last, self.xs, self.ys, self.module = s, s == config.num_stages - 1, xs, ys, module
@@ -54,8 +50,8 @@ class LinearStage(MeteredStage):
 
 
 class LinearStack:
-    """The loop's model choice for the pipeline page (parallel/mesh_train.TinyLlama is the other): this rank's stages
-    of the Linear+tanh stack and the batch's micro-batches. Pipeline only (tp = cp = ep = 1, float64)."""
+    """The loop's model choice for the pipeline page: this rank's stages of the stack and the batch's micro-batches.
+    Pipeline only (tp = cp = ep = 1, float64)."""
 
     def __init__(self, config, mesh, S: int, m: int, tp=None, ep=None, shard=None):
         x, y = make_batch(config)

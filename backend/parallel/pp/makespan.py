@@ -1,14 +1,10 @@
 """The makespan model: a pipeline step's time and each rank's idle from the schedule's order and per-action costs.
 
-Model: every rank runs its Schedule's actions in order on one core; an action starts when the rank's previous
-action has ended and its data dependencies are met: F(s, mb) needs F(s-1, mb) (its input activation), a backward
-B or I of (s, mb) needs F(s, mb) and the backward of (s+1, mb) (its output gradient), W(s, mb) needs I(s, mb).
-A dependency that crosses ranks is one message and adds `latency`. The step time is the last action's end; a
-rank's idle (bubble) is 1 - its busy time / the step time. This is the max-plus walk the zero-bubble paper and
-DeepSeek-V3 reason with; with equal stages it gives the closed forms ((p-1)/(m+p-1), ...) the schedules state.
-
-It takes costs, not a trace, so a planner can call it at any scale; parallel.pipeline checks it against the replay of
-measured action costs.
+Every rank runs its actions in order on one core; an action starts when the previous one has ended and its inputs are
+there: F(s, mb) needs F(s-1, mb); B or I of (s, mb) needs F(s, mb) and the backward of (s+1, mb); W(s, mb) needs
+I(s, mb). A dependency across ranks is one message, + `latency`. Idle (bubble) = 1 - busy / step time. This max-plus
+walk is how the zero-bubble paper and DeepSeek-V3 reason; with equal stages it gives the schedules' closed forms. It
+takes costs, not a trace, so a planner can call it at any scale (parallel.pipeline checks it against the replay).
 """
 from __future__ import annotations
 
@@ -57,10 +53,9 @@ def _phase(a: Action) -> tuple[str, int, int]:
 
 
 def makespan(schedule: str, p: int, m: int, v: int, costs: Mapping[str, Sequence[float]], latency: float = 0.0) -> Makespan:
-    """Walk `schedule`'s per-rank orders (p ranks, m micro-batches, v chunks per rank for interleaved; the V schedules
-    hold 2) with `costs[kind][stage]` per micro-batch for kind F, B, or I and W, over all p·v stages, and `latency` per
-    message between ranks. Returns the step time, each rank's busy time and idle fraction, and the timeline. The walk is
-    the trace's replay (backend/trace.replay), given costs instead of measured CPU times."""
+    """Walk `schedule`'s orders (p ranks, m micro-batches, v chunks per rank when interleaved) with `costs[kind][stage]`
+    per micro-batch (F, and B or I and W, over all stages): the trace's replay (backend/trace.replay), given costs
+    instead of measured CPU times."""
     plan = SCHEDULES[schedule]
     stages = p * plan.chunks(v)
     cost = stage_costs(costs, stages)

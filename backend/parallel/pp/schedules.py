@@ -1,11 +1,9 @@
 """Pipeline schedules as data: for every rank, the ordered list of actions it performs.
 
-An action is (kind, microbatch, stage): F forward; B backward (input and weight gradients); I the
-input-gradient half of a split backward and W its weight-gradient half (zero-bubble). `stage` is the
-virtual stage id; with v virtual stages per rank, rank r holds stages r, r + p, r + 2p, ... (looped), and in
-the V-shaped schedules (ZB-V, DualPipe-V) chunk 0 on rank r is stage r and chunk 1 stage 2p - 1 - r, so the
-last stage sits on rank 0 beside the first. Sends and receives are implied by the stage graph (stage s feeds
-s + 1) and added by the executor; a boundary inside one rank (stage p - 1 to p in a V) is no message.
+An action is (kind, microbatch, stage): F forward; B backward; I and W the input- and weight-gradient halves of a
+split backward (zero bubble). With v virtual stages per rank, rank r holds stages r, r + p, r + 2p, ... (looped); in
+the V schedules (ZB-V, DualPipe-V) chunk 0 on rank r is stage r and chunk 1 stage 2p - 1 - r, so the last stage sits
+on rank 0 beside the first. Stage s feeds s + 1: the executor adds the messages (none inside one rank, a V's turn).
 """
 from __future__ import annotations
 
@@ -47,19 +45,15 @@ def one_f_one_b(p: int, m: int, r: int) -> list[Action]:
 
 
 def zb_h1(p: int, m: int, r: int) -> list[Action]:
-    """Zero-bubble H1: 1F1B with each backward split into I (input grad, on the critical path) and W (weight
-    grad), W deferred by r slots to fill the bubble the drain would leave."""
+    """Zero-bubble H1: 1F1B with each backward split into I (on the critical path) and W, W deferred by r slots to
+    fill the bubble the drain would leave."""
     warmup = min(m, p - r)
     ops = [Action("F", i, r) for i in range(warmup)]
-    w_next = 0
     for k in range(m):
-        ops.append(Action("I", k, r))
-        if k >= r:
-            ops.append(Action("W", w_next, r))
-            w_next += 1
+        ops += [Action("I", k, r)] + ([Action("W", k - r, r)] if k >= r else [])
         if k + warmup < m:
             ops.append(Action("F", k + warmup, r))
-    return ops + [Action("W", i, r) for i in range(w_next, m)]
+    return ops + [Action("W", i, r) for i in range(max(0, m - r), m)]
 
 
 def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
@@ -86,105 +80,67 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     return ops + [act("B", bwd_stage(step)) for step in range(total, total + warmup)]
 
 
+class _V:
+    """A V schedule's order being built on rank r: chunk 0 is stage r, chunk 1 stage 2p - 1 - r; F and the backward
+    (B or I) count their micro-batches per chunk, and each I's W waits in `deferred` until played."""
+
+    def __init__(self, p: int, r: int):
+        self.stages, self.ops, self.deferred = (r, 2 * p - 1 - r), [], []
+        self.count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+
+    def play(self, pattern: str, times: int = 1) -> None:
+        """Append `pattern` `times` times: "F0 B1 I1" are (kind, chunk); "W" the oldest waiting W, "W1" chunk 1's."""
+        for _ in range(times):
+            for a in pattern.split():
+                if a[0] == "W":
+                    waiting = [w for w in self.deferred if a[1:] in ("", str(w[0]))]
+                    if waiting:
+                        self.deferred.remove(waiting[0])
+                        self.ops.append(Action("W", waiting[0][1], self.stages[waiting[0][0]]))
+                    continue
+                key = ("F" if a[0] == "F" else "B") + a[1]
+                self.ops.append(Action(a[0], self.count[key], self.stages[int(a[1])]))
+                if a[0] == "I":
+                    self.deferred.append((int(a[1]), self.count[key]))
+                self.count[key] += 1
+
+
 def zb_v(p: int, m: int, r: int) -> list[Action]:
-    """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W. Warm-up
-    2(p-r)-1 forwards of chunk 0, then r pairs F1 F0, then p-r rounds F1 I1 W1; steady rounds F0 I0 W0 F1 I1 W1;
-    cool-down r pairs I0 I1, then p-r pairs I0 W0, then the deferred Ws. Built for max(m, 2p-1) micro-batches and
-    the ones past m dropped, as torch's ScheduleZBVZeroBubble does."""
-    n = max(2 * p - 1, m)
-    c0, c1 = r, 2 * p - 1 - r
-    cnt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
-    ops: list[Action] = []
-
-    def add(kind, chunk, key=None):
-        key = key or (("F" if kind == "F" else "B") + str(chunk))
-        ops.append(Action(kind, cnt[key], (c0, c1)[chunk]))
-        if kind in ("F", "I"):
-            cnt[key] += 1
-
-    def iw(chunk):  # input gradient, then its weight gradient at once
-        add("I", chunk)
-        ops.append(Action("W", cnt["B%d" % chunk] - 1, (c0, c1)[chunk]))
-
-    for _ in range(2 * (p - r) - 1):
-        add("F", 0)
-    for _ in range(r):
-        add("F", 1)
-        add("F", 0)
-    for _ in range(p - r):
-        add("F", 1)
-        iw(1)
-    while cnt["F1"] < cnt["F0"] or cnt["F0"] < n:
-        if cnt["F0"] < n:
-            add("F", 0)
-        iw(0)
-        add("F", 1)
-        iw(1)
-    w = {0: cnt["B0"], 1: cnt["B1"]}
-    for _ in range(r):
-        add("I", 0)
-        add("I", 1)
-    for _ in range(p - r):
-        add("I", 0)
-        ops.append(Action("W", w[0], c0))
-        w[0] += 1
-    ops += [Action("W", i, c1) for i in range(w[1], cnt["B1"])] + [Action("W", i, c0) for i in range(w[0], cnt["B0"])]
-    return [a for a in ops if a.mb < m]
+    """ZB-V (zero-bubble paper, section 6): two chunks per rank in a V, every backward split into I and W (the
+    phases below). Built for max(m, 2p-1) micro-batches, those past m dropped, as torch's ScheduleZBVZeroBubble does."""
+    v, n = _V(p, r), max(2 * p - 1, m)
+    v.play("F0", 2 * (p - r) - 1)
+    v.play("F1 F0", r)
+    v.play("F1 I1 W1", p - r)
+    while v.count["F1"] < v.count["F0"] or v.count["F0"] < n:
+        v.play(("F0 " if v.count["F0"] < n else "") + "I0 W0 F1 I1 W1")
+    v.play("I0 I1", r)
+    v.play("I0 W0", p - r)
+    v.play("W1", r)
+    v.play("W0", r)
+    return [a for a in v.ops if a.mb < m]
 
 
 def dualpipe_v(p: int, m: int, r: int) -> list[Action]:
-    """DualPipe-V (DeepSeek-V3's DualPipe cut in half, as torch's ScheduleDualPipeV): two chunks per rank in a V.
-    Warm-up F0 x 2(p-r-1), (F0 F1) x (r+1), (I1 W F1) x (p-r-1); the main phase pairs a forward of one chunk with a
-    full backward of the other (F0 B1, F1 B0: DualPipe overlaps the pair's compute and communication, here they run
-    one after the other); then B1 (F1 B0) x (p-r-1); B1 B0 x (r+1), switching to I (weight gradient deferred) half
-    way; (W I0) x (p-r-1); the deferred Ws. Needs m >= 2p."""
-    c = (r, 2 * p - 1 - r)
-    nxt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
-    deferred: list[tuple[int, int]] = []  # (stage, mb) whose W waits
-    ops: list[Action] = []
-
-    def add(kind, chunk):
-        key = ("F" if kind == "F" else "B", chunk)
-        ops.append(Action(kind, nxt[key], c[chunk]))
-        if kind == "I":
-            deferred.append((c[chunk], nxt[key]))
-        nxt[key] += 1
-
-    def weight():
-        if deferred:
-            s, mb = deferred.pop(0)
-            ops.append(Action("W", mb, s))
-
-    for _ in range(2 * (p - r - 1)):
-        add("F", 0)
-    for _ in range(r + 1):
-        add("F", 0)
-        add("F", 1)
-    for _ in range(p - r - 1):
-        add("I", 1)
-        weight()
-        add("F", 1)
-    for _ in range(m - 2 * p + r + 1):
-        add("F", 0)
-        add("B", 1)
-        add("F", 1)
-        add("B", 0)
-    for _ in range(p - r - 1):
-        add("B", 1)
-        add("F", 1)
-        add("B", 0)
+    """DualPipe-V (DeepSeek-V3's DualPipe cut in half, as torch's ScheduleDualPipeV): two chunks per rank in a V. The
+    main phase pairs a forward of one chunk with a full backward of the other (DualPipe overlaps the pair's compute
+    and communication; here they run one after the other); the cool-down switches to I (W deferred) half way through
+    its B1 B0 pairs. Needs m >= 2p."""
+    v = _V(p, r)
+    v.play("F0", 2 * (p - r - 1))
+    v.play("F0 F1", r + 1)
+    v.play("I1 W F1", p - r - 1)
+    v.play("F0 B1 F1 B0", m - 2 * p + r + 1)
+    v.play("B1 F1 B0", p - r - 1)
     split = False
     for i in range(r + 1):
         split = split or (i == (r + 1) // 2 and r % 2 == 1)
-        add("I" if split else "B", 1)
+        v.play("I1" if split else "B1")
         split = split or (i == (r + 1) // 2 and r % 2 == 0)
-        add("I" if split else "B", 0)
-    for _ in range(p - r - 1):
-        weight()
-        add("I" if split else "B", 0)
-    for _ in range(r + 1):
-        weight()
-    return ops
+        v.play("I0" if split else "B0")
+    v.play("W I0" if split else "W B0", p - r - 1)
+    v.play("W", r + 1)
+    return v.ops
 
 
 def live_activations(order: list[Action], size=None) -> int:
@@ -198,18 +154,14 @@ def live_activations(order: list[Action], size=None) -> int:
     return peak
 
 
-def _flush_bubble(p: int, m: int, v: int) -> float:
-    return (p - 1) / (m + p - 1)
-
-
 @dataclass(frozen=True)
 class Schedule:
-    """A schedule: its per-rank action lists, what it implies, and the flags the config, executor and page read.
-    Nothing outside this file compares schedule names."""
+    """A schedule: its per-rank action lists, what it implies, and the flags the config, executor and page read
+    (nothing outside this file compares schedule names)."""
     name: str
     title: str
     order_fn: Callable[..., list[Action]]          # (p, m, r) or, interleaved, (p, m, r, v)
-    bubble_fn: Callable[[int, int, int], float] = _flush_bubble
+    bubble_fn: Callable[[int, int, int], float] = lambda p, m, v: (p - 1) / (m + p - 1)  # (p, m, v chunks)
     bubble_formula: str = "(p−1)/(m+p−1)"
     interleaved: bool = False       # v model chunks per rank
     v_shape: bool = False           # two chunks per rank in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r
@@ -217,14 +169,12 @@ class Schedule:
     split_backward: bool = False    # zero bubble: each backward split into I (input grad) and W (weight grad)
     asynchronous: bool = False      # PipeDream: weights updated after every backward, no flush
     supports_recompute: bool = False
-    # The makespan given each stage's forward and backward cost per micro-batch (lists f, b) and m: the formula
-    # generalised to unequal stages, where one is known (checked against the replay).
+    # (f, b per stage, m) -> the closed-form makespan generalised to unequal stages, where known (checked by replay)
     makespan_fn: Callable[[list, list, int], float] | None = None
     live_bound_fn: Callable[[int, int, int], int] | None = None  # (p, m, r) -> the bound the seed states, if any
     live_bound_source: str = "the peak its order implies"
     min_microbatches_fn: Callable[[int], int] | None = None  # p -> the fewest micro-batches the order is built for
-    # The published idle time per rank from one chunk's forward F, input-gradient I and weight-gradient W times
-    # (drawn beside the replay with the measured costs; not checked: it assumes the overlap DualPipe relies on)
+    # (p, F, I, W per chunk) -> the published idle per rank (drawn, not checked: it assumes DualPipe's overlap)
     published_idle_fn: Callable[[int, float, float, float], float] | None = None
     published_idle_formula: str = ""
     torch_peer: str | None = None   # torch.distributed.pipelining class run on the same model as a peer
@@ -246,7 +196,6 @@ class Schedule:
         return [s for s in range(p * self.chunks(v)) if self.rank_of(s, p) == rank]
 
     def order(self, p: int, m: int, r: int, v: int = 1) -> list[Action]:
-        """Rank r's actions."""
         m = self.microbatches(m)
         return self.order_fn(p, m, r, v) if self.interleaved else self.order_fn(p, m, r)
 
@@ -271,10 +220,6 @@ def _alternating(f, b, m):  # warm-up, then F and B alternate on the busiest sta
     return sum(c) + (m - 1) * max(c)
 
 
-def _all_microbatches(p, m, r):  # seed 000: GPipe holds every micro-batch's activations
-    return m
-
-
 def _p_minus_r(p, m, r):  # seed 000: 1F1B holds at most p - r
     return min(m, p - r)
 
@@ -283,33 +228,25 @@ def _zb_v_live(p, m, r):  # zero-bubble paper: ZB-V holds 1F1B's peak, p whole-r
     return 2 * p if m >= 2 * p - 1 else None  # (fewer micro-batches than the warm-up: the order's own peak)
 
 
-def _dualpipe_v_live(p, m, r):  # DeepSeek-V3 Table 2 / DualPipe: PP + 1 chunk activations per device, PP = 2p stages
-    return 2 * p + 1
-
-
 def _dualpipe_idle(p, f, i, w):
-    """DeepSeek-V3 Table 2's DualPipe(-V) bubble, (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages, B the full backward
-    (I + W) and F&B an overlapped forward-and-backward pair, here run one after the other (F + B)."""
-    b = i + w
+    b = i + w  # DeepSeek-V3 Table 2 (published_idle_formula), F&B run one after the other: F + B
     return (p - 1) * ((f + b) + b - 3 * w)
 
 
 def _v_bubble(p, m, v):
-    """ZB-V and DualPipe-V with F = I = W per chunk: each rank idles p - 1 chunk-forwards in one flushed step (the
-    warm-up staircase before its first F and its mirror after its last W), out of 6m busy (2 chunks x m x F, I, W).
-    The zero-bubble paper's "zero bubble" is this step's steady state, the staircase hidden by the next step."""
+    """With F = I = W per chunk each rank idles p - 1 chunk-forwards per flushed step (the warm-up staircase and its
+    mirror), out of 6m busy; the paper's "zero bubble" is the steady state, the staircase hidden by the next step."""
     return (p - 1) / (6 * m + p - 1)
 
 
 SCHEDULES = {s.name: s for s in (
     Schedule("naive", "naive (no micro-batches)", gpipe, bubble_fn=lambda p, m, v: (p - 1) / p, bubble_formula="(p−1)/p",
-             whole_batch=True, supports_recompute=True, makespan_fn=_forward_then_backward, live_bound_fn=_all_microbatches, live_bound_source="one micro-batch"),
+             whole_batch=True, supports_recompute=True, makespan_fn=_forward_then_backward,
+             live_bound_fn=lambda p, m, r: m, live_bound_source="one micro-batch"),
     Schedule("gpipe", "GPipe (F then B)", gpipe, supports_recompute=True, makespan_fn=_forward_then_backward,
-             torch_peer="ScheduleGPipe",
-             live_bound_fn=_all_microbatches, live_bound_source="seed 000: all m"),
+             torch_peer="ScheduleGPipe", live_bound_fn=lambda p, m, r: m, live_bound_source="seed 000: all m"),
     Schedule("1f1b", "1F1B (PipeDream-flush)", one_f_one_b, supports_recompute=True, makespan_fn=_alternating,
-             torch_peer="Schedule1F1B",
-             live_bound_fn=_p_minus_r, live_bound_source="seed 000: p − r"),
+             torch_peer="Schedule1F1B", live_bound_fn=_p_minus_r, live_bound_source="seed 000: p − r"),
     Schedule("interleaved_1f1b", "interleaved 1F1B", interleaved_1f1b, bubble_fn=lambda p, m, v: (p - 1) / (v * m + p - 1),
              bubble_formula="(p−1)/(v·m+p−1)", interleaved=True, torch_order="ScheduleInterleaved1F1B"),
     Schedule("zb_h1", "zero bubble H1", zb_h1, bubble_fn=lambda p, m, v: (p - 1) / (3 * m + p - 1),
@@ -320,7 +257,7 @@ SCHEDULES = {s.name: s for s in (
              torch_order="ScheduleZBVZeroBubble"),
     Schedule("dualpipe_v", "DualPipe-V (DeepSeek-V3)", dualpipe_v, bubble_fn=_v_bubble,
              bubble_formula="(p−1)/(6m+p−1) with F = I = W per chunk; DeepSeek-V3: (PP/2−1)(F&B+B−3W)", v_shape=True,
-             split_backward=True, live_bound_fn=_dualpipe_v_live,
+             split_backward=True, live_bound_fn=lambda p, m, r: 2 * p + 1,
              live_bound_source="DeepSeek-V3 Table 2: PP + 1 chunk activations, PP = 2p", torch_order="ScheduleDualPipeV",
              min_microbatches_fn=lambda p: 2 * p, published_idle_fn=_dualpipe_idle,
              published_idle_formula="DeepSeek-V3 Table 2: (PP/2−1)(F&B+B−3W), PP = 2p, B = I + W, F&B = F + B unoverlapped"),
