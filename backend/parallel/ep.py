@@ -10,7 +10,7 @@ Every rank holds the router and the shared expert whole, E/n routed experts, and
   compute   each local expert runs on the rows it received from every rank
   combine   the reverse all-to-all brings the rows home; each is scaled by its gate and added to its token
 The all-to-alls are autograd functions (backward is the all-to-all with the splits swapped), so the same
-code trains. The single-process reference is the MoELayer itself, routing the same groups of tokens.
+code trains.
 """
 from __future__ import annotations
 
@@ -94,18 +94,6 @@ class ExpertParallelMoE(nn.Module):
                                "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
                                "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
         return y.view_as(tokens)
-
-
-def grouped_reference(layer: MoELayer, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, list[dict]]:
-    """The layer in one process, routing `groups` slices of the tokens separately (as that many ranks route theirs,
-    the capacity being per group): output, and per group the assignments routed and kept per expert."""
-    outs, stats = [], []
-    for group in x.tensor_split(groups):
-        routing = layer.route(group)
-        outs.append(layer(group, routing))
-        routed = torch.bincount(routing.indices.flatten(), minlength=len(layer.experts))
-        stats.append({"routed": routed.tolist(), "kept": routing.load(len(layer.experts)).tolist()})
-    return torch.cat(outs), stats
 
 
 def moe_activation_elements(tokens: int, rows_here: int, d: int, d_ff: int, experts: int, k: int, shared: int) -> dict[str, float]:

@@ -67,47 +67,6 @@ from backend.trace import Tracer
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
 
 
-def reference_training(config, precision: Precision = FP64, skip: tuple = ()) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final (master) weights. Every step sees
-    the same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it.
-    `precision`: the model runs in its compute dtype on a copy of master weights in its master dtype, which
-    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model).
-    fp16 runs under torch.amp.GradScaler; `skip`: steps not applied (those an fp16 run's loss scale skipped)."""
-    master = reference_model(config).to(precision.master)
-    initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
-    model = master if not precision.mixed else reference_model(config).to(precision.compute)
-    opt = torch.optim.Adam(master.parameters(), lr=config.lr)
-    losses, routing, scales, skipped, peaks = [], [], [], [], []
-    scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
-              if scaled(precision) else None)
-    for step in range(config.steps):
-        if config.experts:
-            for b in model.blocks:
-                b.ffn.routing_log = []  # this step's choices, one entry per sequence
-        opt.zero_grad()
-        if precision.mixed:
-            model.load_state_dict(master.state_dict())  # the compute copy: the master cast (copy_ casts)
-            model.zero_grad(set_to_none=True)
-        loss = model.loss(tokens(config))
-        (scaler.scale(loss) if scaler else loss).backward()
-        if precision.mixed:
-            for p_, q in zip(master.parameters(), model.parameters()):
-                p_.grad = q.grad.to(precision.master)  # (still scaled: GradScaler unscales, checks and skips itself)
-        if scaler:  # (each step's largest fp16 gradient, inf on overflow: how near the step came to fp16's max)
-            peaks.append(max(q.grad.float().abs().max().item() for q in model.parameters()))
-            scales.append(scaler.get_scale())
-            scaler.step(opt)
-            scaler.update()
-            skipped.append(scaler.get_scale() < scales[-1])
-        elif step not in skip:
-            opt.step()
-        losses.append(loss.item())
-        if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
-            routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
-    return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
-            "initial": initial, "scales": scales, "skipped": skipped, "peaks": peaks}
-
-
 def scaled(precision: Precision) -> bool:
     """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
     return precision.compute == torch.float16
