@@ -1,11 +1,6 @@
-"""Our DDP on the mesh's dp dimension (seed 000): the gradients summed bucket by bucket (`make_buckets`: reverse
-parameter order, cut at bucket_kb), one ring all-reduce per bucket, issued after the pipeline's last backward or
-(`BucketOverlap`) started by gradient hooks as soon as a bucket's gradients are final, overlapping the rest of the
-backward. mesh_dp.DataParallel drives them. Torch's DistributedDataParallel is the peer: `torch_ddp_peer` on the tiny
-LLaMA.
-
-Per-rank volume: a ring all-reduce of a bucket padded to P elements (a multiple of n) sends 2P(n-1)/n, counted on our
-Wire's send/recv.
+"""Our DDP on the mesh's dp dimension (seed 000), driven by mesh_dp.DataParallel: one ring all-reduce per bucket
+(`make_buckets`), after the pipeline's last backward or (`BucketOverlap`) as soon as a bucket's gradients are final.
+A bucket padded to P elements (a multiple of n) sends 2P(n-1)/n per rank, counted on our Wire's send/recv.
 """
 from __future__ import annotations
 
@@ -43,14 +38,12 @@ def bucket_ranges(params: list, buckets: list[list]) -> list[tuple[int, int]]:
 
 
 class BucketOverlap:
-    """DDP's overlap (seed 000; torch DDP's Reducer): a gradient hook on every parameter counts its accumulations, and a
-    bucket whose parameters have all received their last micro-batch's gradient is final, so its ring all-reduce starts
-    at once on a communication thread while the backward goes on. Buckets start in index order (the next one waits for
-    the one before), so every dp rank runs the same collectives in the same order. The thread's ring runs on a Wire of
-    its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
-    one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
-    an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
-    after the backward, as without overlap (`arm(live=False)`: every bucket so)."""
+    """DDP's overlap (torch DDP's Reducer): gradient hooks count each parameter's accumulations, and a bucket whose
+    parameters have all received their last micro-batch's gradient starts its ring all-reduce on a communication
+    thread (its own Wire over the same dp ranks, its bytes counted as dp's) while the backward goes on. Buckets start
+    in index order, so every dp rank runs the same collectives in the same order. The main thread's wait for a bucket
+    is one "comm" event from its launch to its end, `blocked_us` its exposed tail. A bucket whose hooks did not all
+    fire (a gradient not accumulated by autograd) starts after the backward (`arm(live=False)`: every bucket so)."""
 
     def __init__(self, buckets: list[list], ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
                  reduce: torch.dtype):

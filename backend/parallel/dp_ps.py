@@ -1,16 +1,14 @@
 """Parameter servers (seeds 000 and 002): workers push gradients, a server updates the weights and returns them.
-
-server "rank0": rank 0 is a worker too and the server (seed 000's DP on GPU0): it gathers every gradient,
-                updates, broadcasts the parameters; it receives (n-1)ψ and sends (n-1)ψ per step.
-server "dedicated": rank 0 only serves (the CPU parameter server); ranks 1..n-1 work.
-mode sync:  the server waits for every worker's gradient of the step, sums them, updates once.
-mode async: the server applies each gradient as it arrives and replies with the newest weights; a
-            gradient computed on version v and applied at version V has staleness V - v.
-mode stale: bounded staleness (semi-synchronous): as async, but a worker more than `staleness` pushes
-            ahead of the slowest is not answered until the slowest catches up.
-The model is the tiny LLaMA of the other parallel pages (`plan`: a dp-only parallel.mesh plan, for its shape and
-tokens), in float64, as one flat parameter vector (workload.flat_params order) on the wire; a worker's gradient is of
-its slice of the global batch, its mean loss weighted by the slice's share, so the workers' sum is the whole batch's.
+  server rank0      rank 0 works and serves (seed 000's DP on GPU0): it gathers every gradient, updates, broadcasts
+                    the parameters; it receives (n-1)ψ and sends (n-1)ψ per step
+  server dedicated  rank 0 only serves (the CPU parameter server); ranks 1..n-1 work
+  mode sync         the server waits for every worker's gradient of the step, sums them, updates once
+  mode async        each gradient applied as it arrives, the newest weights sent back; one computed on version v and
+                    applied at version V has staleness V - v
+  mode stale        bounded staleness: as async, but a worker more than `staleness` pushes ahead of the slowest is not
+                    answered until the slowest catches up
+The model: the tiny LLaMA of a dp-only mesh `plan`, float64, one flat vector on the wire (precision.flat_params order);
+each worker's mean loss is weighted by its slice's share of the batch, so the workers' sum is the whole batch's.
 """
 from __future__ import annotations
 
@@ -64,8 +62,6 @@ def run_rank(rank: int, world: int, config, plan, ctx) -> dict:
         for step in range(config.steps):
             with tracer.span("compute", f"grad {step}"):
                 g = worker_gradient(model, flat, plan, rank, world)
-            # Every worker sends its gradient to rank 0, which sends the new parameters back: point to point,
-            # through our logged send/recv, so the bytes on the wire are counted, not assumed.
             if rank == 0:
                 grads = [torch.empty_like(g) for _ in range(world - 1)]
                 comm.exchange(step, "gather grads", recvs=[Transfer(t, w, [w]) for w, t in enumerate(grads, start=1)])

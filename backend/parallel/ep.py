@@ -1,16 +1,13 @@
-"""Expert parallel (Switch Transformers, GShard): the MoE layer of backend/models/moe.py with its routed experts
-on different ranks.
-
-Every rank holds the router and the shared expert whole, E/n routed experts, and its own slice of the tokens
-(seed 003's "expert and data parallelism"). One layer, on each rank:
-  route     the layer's own router on this rank's T tokens (GShard's top-k, gates renormalised; with a capacity factor an expert
-            takes at most ceil(cf · T · k / E) of them, first choices first, and the rest are dropped)
-  dispatch  all-to-all: each kept (token, expert) row goes to the rank holding the expert, sorted by expert;
-            the per-expert counts go first (a small all-to-all) so every rank knows what it will receive
-  compute   each local expert runs on the rows it received from every rank
-  combine   the reverse all-to-all brings the rows home; each is scaled by its gate and added to its token
-The all-to-alls are autograd functions (backward is the all-to-all with the splits swapped), so the same
-code trains.
+"""Expert parallel (Switch Transformers, GShard; seed 003's "expert and data parallelism"): the MoE layer of
+models/moe.py with its routed experts split over the ep ranks; every rank holds the router and the shared expert
+whole, E/n routed experts and its own slice of the tokens. One layer, on each rank:
+  route     the router on this rank's T tokens (GShard's top-k, gates renormalised; with a capacity factor an expert
+            takes at most ceil(cf · T · k / E) of them, first choices first, the rest dropped)
+  dispatch  all-to-all of each kept (token, expert) row to its expert's rank, sorted by expert, after a small
+            all-to-all of the per-expert counts (so every rank knows what it will receive)
+  compute   each local expert on the rows it received from every rank
+  combine   the reverse all-to-all brings the rows home, each scaled by its gate and added to its token
+The all-to-alls are autograd functions (backward: the all-to-all with the splits swapped), so the same code trains.
 """
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ class AllToAll(Function):
 
 
 def apply_ep(model, wire):
-    """Every MoE layer of the model, in place, split by expert over the ep `wire`: each rank keeps the router, the
-    shared expert and E/n routed experts, and sends each routed token to its expert's rank and back (two
-    all-to-alls of the routed rows, forward and backward). Costs no collective for the experts' gradients (the
-    combine's backward brought every rank's tokens), but the router's and shared expert's must be summed over ep."""
+    """Every MoE layer of the model, in place, split by expert over the ep `wire`. The experts' gradients need no
+    collective (the combine's backward brought every rank's tokens); the router's and shared expert's are summed."""
     for block in model.blocks:
         if isinstance(block.ffn, MoELayer):
             block.ffn = ExpertParallelMoE(block.ffn, wire)

@@ -1,46 +1,15 @@
-"""3D (and 4D, 5D) parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (seed 002: "pipeline, then
-tensor, then data parallel, together"; context and expert parallel as further dimensions).
+"""The mesh's one training loop: the tiny LLaMA (or the pipeline page's stack) on a pp x dp x cp x ep x tp mesh
+(seed 002: "pipeline, then tensor, then data parallel, together"; context and expert parallel as further dimensions).
 
-Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embedding on the first stage, the
-head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
-(backend/parallel/tp.py), trains on data-parallel slice mesh.index("dp") of every step's batch, and within
-each sequence on context-parallel shard mesh.index("cp") of the positions (zigzag, backend/parallel/cp.py):
-  forward   micro-batch by micro-batch in the pipeline schedule's order (parallel/pp: the one executor, any
-            synchronous schedule; interleaved and V-shaped ones give a rank several stages), activations sent to the
-            same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
-            attention the K/V blocks of the other positions coming round the cp ring
-  backward  input gradients sent back stage to stage (and dK/dV round the ring)
-  sync      the gradients all-reduced over cp, then over dp by the dp_strategy (parallel/mesh_dp.py: all-reduce,
-            DDP buckets, ZeRO-1/2/3; Megatron-LM runs one over the merged dp x cp group, the same sum), then
-            Adam on the elements this rank owns
-  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B or I (the executor's
-            option); (selective) each attention core keeps q, k, v and recomputes its scores in the backward
-            (backend/parallel/recompute.py). Its price is measured after training (`recompute_price`): the same plan
-            with and without it, one step each, timed and FLOP-counted, gradients discarded
-Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
-every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
-  sp        (sequence parallel, with tp) the norms run on sequence shards (beside cp, shards of the cp shard, gathered
-            for the ring attention's tp-local heads), stages hand on those shards, MoE layers route only their shard's
-            tokens over ep, and the norm (and MoE) weights' gradients are summed over tp once a step (Megatron-LM's
-            all-reduce of layer-norm gradients). Which tokens a rank holds: parallel/token_split.py
-Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
-over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
-updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
-the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
-
-Precision (config.precision, workload.Precision): the stage modules, so their activations, the pipeline's sends and
-the tp, sp, cp and ep collectives, are in the compute dtype; the flat gradients are cast to the reduce dtype before
-the cp, ep and dp sums; Adam steps the master copy (mesh_dp.DataParallel), from which the compute copy is cast. The
-reference (`reference_training`) follows the same recipe in one process, with torch.optim.Adam on the master copy.
-fp16 adds dynamic loss scaling (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule): the last stage's loss
-is multiplied by the scale S before the backward, the summed gradients divided by it; a step whose gradients hold an
-inf or NaN on any rank is skipped by every rank (the flag all-reduced over the world) and S halved.
-
-With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
-are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
-everything else (each trains on its own slice of the batch, split over dp x ep), and their tokens reach the
-experts by all-to-all. An expert's gradient already sums every ep rank's tokens (the all-to-all's backward brought
-them), so only the replicated weights are summed over ep; all are summed over dp and cp.
+Each rank is pipeline stage mesh.index("pp") with the tp shard of its weights (tp.py), trains on its dp x ep slice of
+every step's batch and its cp shard of each sequence's positions (cp.py; which tokens: token_split.py). A step walks
+the schedule's actions (pp/executor.py), then sums the gradients (sp's norms over tp; cp; ep where replicated; dp by
+the dp_strategy, mesh_dp.py) and takes Adam on the elements this rank owns. Each micro-batch's mean loss is weighted
+by its share of the global batch's tokens, so the summed gradients are one process's on the whole batch, and Adam,
+elementwise, updates a shard as it does those elements of the full tensor (the ranks' Adam is the workload's, written
+out: no torch._dynamo import, seconds per rank). Each dimension records on a tracer of its own, so every event says
+whose it is. Precision (precision.py): the stages compute in the compute dtype, the gradients are summed in the reduce
+dtype; fp16 adds dynamic loss scaling, and a step that overflows on any rank is skipped by every rank.
 """
 from __future__ import annotations
 
@@ -60,16 +29,11 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire, sum_gradients
-from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat, named_weights
+from backend.parallel.precision import PRECISIONS, Precision, flat_params, load_flat, named_weights
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
-
-
-def scaled(precision: Precision) -> bool:
-    """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
-    return precision.compute == torch.float16
 
 
 def to_precision(model: nn.Module, precision: Precision) -> torch.Tensor:
@@ -86,8 +50,8 @@ class LossScale:
     each step's S and whether it was skipped recorded; otherwise S = 1 and no step is skipped."""
 
     def __init__(self, config):
-        self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
-                       if scaled(PRECISIONS[config.precision]) else None)
+        fp16 = PRECISIONS[config.precision].compute == torch.float16  # 5 exponent bits underflow small gradients
+        self.scaler = DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL) if fp16 else None
         self.scales, self.skipped = [], []
 
     @property
@@ -300,8 +264,6 @@ def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     """One flag per element of the flat parameters: True where it is not a routed expert's (replicated over ep)."""
     experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ()) for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
     return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
-
-
 
 
 def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
