@@ -51,7 +51,8 @@ class LossScale:
 
     def __init__(self, config):
         fp16 = PRECISIONS[config.precision].compute == torch.float16  # 5 exponent bits underflow small gradients
-        self.scaler = DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL) if fp16 else None
+        init = float(config.init_loss_scale)
+        self.scaler = DynamicLossScaler(init, growth_interval=GROWTH_INTERVAL) if fp16 else None
         self.scales, self.skipped = [], []
 
     @property
@@ -71,15 +72,15 @@ class LossScale:
 
 
 class MeshStage(MeteredStage):
-    """Pipeline stage `s` of S on this rank, for the one executor: the tiny LLaMA's blocks of stage s at this rank's
-    tp shard (the embedding on stage 0, norm, head and loss on stage S-1), run on this rank's micro-batches and cp
-    positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
-    record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
+    """Pipeline stage `s` of S for the executor: the tiny LLaMA's blocks of stage s at this rank's tp shard (the
+    embedding on stage 0, norm, head and loss on stage S-1) on this rank's micro-batches and cp positions. The last
+    stage returns its micro-batch's share of the global mean loss; the blocks' saved bytes are recorded per mb."""
 
-    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1, entry: nn.Module | None = None, dtype: torch.dtype = torch.float64, loss_scale: float = 1.0):
+    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int,
+                 global_tokens: int, sp: int = 1, entry: nn.Module | None = None, dtype: torch.dtype = torch.float64,
+                 loss_scale: float = 1.0):
         self.chunk = self.module = chunk  # (module: what the executor reads)
-        self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward is called through (fsdp.StageEntry)
+        self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward runs through (fsdp.StageEntry)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
@@ -104,7 +105,7 @@ class MeshStage(MeteredStage):
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
-        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
+        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # share of the global mean, x S
 
 
 class TinyLlama:
@@ -113,7 +114,8 @@ class TinyLlama:
 
     def __init__(self, config, mesh: DeviceMesh, S: int, m: int, tp: Wire, ep: Wire, shard):
         self.config, self.S, self.tp, self.ep, self.shard = config, S, tp, ep, shard
-        self.split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
+        coords = {d: mesh.index(d) for d in mesh.shape}
+        self.split = token_split(config.batch, config.seq, m, mesh.shape, coords, config.sp)
         self.batches = [tokens(config)[seqs] for seqs in self.split.sequences]  # this rank's sequences, per micro-batch
 
     def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
@@ -129,8 +131,9 @@ class TinyLlama:
     def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
         """This step's stage objects (`entry`: fsdp2's fully_shard-ed module per chunk, sync.entry)."""
         c = self.config
-        return {s: MeshStage(chunk, s, self.S, self.batches, self.shard, self.split.positions, c.d_model, c.batch * c.seq,
-                             c.tp if c.sp else 1, entry(chunk), dtype, loss_scale) for s, chunk in chunks.items()}
+        return {s: MeshStage(chunk, s, self.S, self.batches, self.shard, self.split.positions, c.d_model,
+                             c.batch * c.seq, c.tp if c.sp else 1, entry(chunk), dtype, loss_scale)
+                for s, chunk in chunks.items()}
 
     def layers(self, chunks: dict) -> dict[int, list[int]]:
         """Each of this rank's stage chunks: the indices of the model's layers it holds."""
@@ -148,14 +151,13 @@ def moe_calls(chunks: dict, layers: dict) -> list[dict]:
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, model_choice=TinyLlama) -> dict:
     """This rank's training of `model_choice` (TinyLlama; the pipeline page's LinearStack, parallel/pp/linear.py).
-    `checkpoint` (checkpoint/mesh_state.MeshHook): resume from its newest checkpoint, call its fault mid-step, save after
-    each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged to an action), so the
-    replay can take each action's least CPU time over the steps trained. The last step's walk runs with an
-    ActivationMeter (the bytes autograd holds, live). An asynchronous schedule (PipeDream) steps each stage's weights in
-    the walk itself (SGD after every backward, executor.RankWalk): the loop then sums and steps nothing."""
+    `checkpoint` (checkpoint/mesh_state.MeshHook): resume, fault mid-step, save as its interval says. Freed memory is
+    kept (keep_freed_memory: no page faults charged to an action), so the replay can take each action's least CPU time
+    over the steps; the last step's walk runs with an ActivationMeter. An asynchronous schedule (PipeDream) steps each
+    stage's weights in the walk itself (SGD after each backward, executor.RankWalk): the loop sums and steps nothing."""
     keep_freed_memory()
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
-    tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
+    tracer = Tracer(rank)  # the pipeline's actions; each other dimension's events on a tracer of its own
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
     tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, cp) if config.cp > 1 else None
@@ -166,7 +168,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     precision, loss_scale = PRECISIONS[config.precision], LossScale(config)
-    sync = data_parallel(config, model, to_precision(model, precision), params, mesh, dp, along["dp"], precision)  # mesh_dp.py
+    sync = data_parallel(config, model, to_precision(model, precision), params, mesh, dp, along["dp"], precision)
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -203,21 +205,23 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     if checkpoint:
         checkpoint.finish()
     sync.close()
-    final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more all-gather)
+    final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more gather)
     layers = choice.layers(chunks)
-    payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": final, "sources": choice.sources(chunks),
-            "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
-            "host_memory": sync.host_memory(), "moved": sync.moved(),
-            "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
-            "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
-            "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
-            "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
-            "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
-            "layers_here": sum(len(ls) for ls in layers.values()),
-            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
-            "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
+    in_flight = peak_in_flight(order, activations, kept if config.recompute == "full" else None)
+    payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")},
+               "last_stage": S - 1 in chunks, "losses": losses, "params": final, "sources": choice.sources(chunks),
+               "memory": {**sync.memory(), "activations": in_flight}, "host_memory": sync.host_memory(),
+               "moved": sync.moved(), "param_numels": [p_.numel() for p_ in params],
+               "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
+               "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
+               "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order],
+               "stages": {s: layers[s] for s in chunks}, "moe": moe_calls(chunks, layers),
+               "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
+               "replicated_over_ep": int(replicated_over_ep.sum()), "flat_numel": sum(p_.numel() for p_ in params),
+               "layers": sorted(i for ls in layers.values() for i in ls),
+               "layers_here": sum(len(ls) for ls in layers.values()), "trace": merged_trace(tracer, along, mesh),
+               "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
+               "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank)
     return payload
@@ -262,8 +266,10 @@ class _Counted:
 
 def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     """One flag per element of the flat parameters: True where it is not a routed expert's (replicated over ep)."""
-    experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ()) for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
-    return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
+    experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ())
+               for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
+    sizes = torch.tensor([p_.numel() for p_ in params])
+    return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(sizes)
 
 
 def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
@@ -303,15 +309,16 @@ def bytes_by_dimension(tp: Wire, pp_bytes: int, dp: Wire, cp: Wire, ep: Wire, ov
 
 
 def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:
-    """The pipeline's events, then each dimension's, tagged with the dimension (a group of one sends nothing: no dim)."""
-    return {**tracer.payload(), "events": list(tracer.events) + [
-        {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]}
+    """The pipeline's events, then each dimension's, tagged with it (a group of one sends nothing: no dim)."""
+    tagged = [{**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}}
+              for d, t in along.items() for e in t.events]
+    return {**tracer.payload(), "events": list(tracer.events) + tagged}
 
 
 def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank) -> dict:
     """Recompute's price on this rank: one step of the same plan without recompute and one with it, each timed (CPU
-    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one);
-    the activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
+    time of its F/B/I/W actions), then each FLOP-counted (recompute.FlopCount; forwards also one by one); the peak
+    activations without it. Gradients are discarded, nothing is updated (checked in experiments/parallel/_recompute)."""
     full, selective = config.recompute == "full", config.recompute == "selective"
 
     def step(on: bool, stages: dict) -> tuple[dict, Tracer]:
@@ -347,10 +354,9 @@ def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m
 
 def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
-    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
-    same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
-    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed); a split backward
-    recomputes in I and holds the rebuilt activations until W."""
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, each
+    stage input's bytes) only the inputs live from F to B, plus one micro-batch's whole activations during its B,
+    recomputed there (a split backward recomputes in I and holds them until W)."""
     if kept is None:
         return live_activations(order, lambda stage, mb: per_action[stage][mb])
     alive, peak = {}, 0
@@ -360,7 +366,7 @@ def peak_in_flight(order, per_action, kept=None) -> int:
         elif kind == "B":
             alive.pop((stage, mb))
             peak = max(peak, sum(alive.values()) + per_action[stage][mb])
-        elif kind == "I":  # a split backward recomputes in I; the rebuilt activations live until its W
+        elif kind == "I":
             alive[(stage, mb)] = per_action[stage][mb]
         elif kind == "W":
             alive.pop((stage, mb))

@@ -1,7 +1,6 @@
-"""What tensor and sequence parallel should do, predicted without running them: the seed's 2x2 worked
-examples and every collective of one training step with its bytes (its peers, DTensor and the sockets, are in the experiment).
-
-The reference for all of it is the single-process TinyDecoder (backend/models/llama.py) in float64.
+"""What tensor and sequence parallel should do, predicted without running them: every collective of one training
+step with its bytes; and the reference they are checked against, the single-process TinyDecoder (models/llama.py)
+in float64, with its tokens.
 """
 from __future__ import annotations
 
@@ -41,31 +40,25 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
     def add(phase, op, name, numel):
         rows.append({"phase": phase, "op": op, "name": name, "numel": numel})
     linears = ("attention", "mlp") if dense_ffn else ("attention",)  # each column-then-row pair of a block
-    if sp:
-        if first:
-            add("forward", "reduce_scatter", "embedding", nh)
-        for name in linears * L:
+    summed = "reduce_scatter" if sp else "all_reduce"  # each sum of partial results (g forward, f backward)
+    if first:
+        add("forward", summed, "embedding", nh)
+    for name in linears * L:
+        if sp:
             add("forward", "all_gather", name, nh // n)
-            add("forward", "reduce_scatter", name, nh)
-        if last:
-            add("forward", "all_gather", "head", nh // n)
-    else:
-        if first:
-            add("forward", "all_reduce", "embedding", nh)
-        for name in linears * L:
-            add("forward", "all_reduce", name, nh)
+        add("forward", summed, name, nh)
+    if sp and last:
+        add("forward", "all_gather", "head", nh // n)
     if last:
         add("forward", "all_gather", "cross entropy: max", tokens_)
         add("forward", "all_reduce", "cross entropy: target logit", tokens_)
         add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
     for name in ("head",) * last + linears[::-1] * L:
+        if sp and name != "head":
+            add("backward", "all_gather", name, nh // n)  # g' backward
         if sp:
-            if name != "head":
-                add("backward", "all_gather", name, nh // n)  # g' backward
             add("backward", "all_gather", f"{name} (re-gather)", nh // n)
-            add("backward", "reduce_scatter", name, nh)
-        else:
-            add("backward", "all_reduce", name, nh)
+        add("backward", summed, name, nh)
     if sp:
         if first:
             add("backward", "all_gather", "embedding", nh // n)
