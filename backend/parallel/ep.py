@@ -86,12 +86,14 @@ class ExpertParallelMoE(nn.Module):
         routed = torch.bincount(routing.indices.flatten(), minlength=self.n_experts)
         if torch.is_grad_enabled():  # one per call: a no-grad forward (full recompute's first pass) is rerun in B
             self.stats.append({"tokens": x.shape[0], "routed": routed.tolist(), "kept": per_expert.tolist(),
-                               "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
+                               "dropped": (routed - per_expert).tolist(), "send_rows": send_rows,
+                               "recv_rows": recv_rows,
                                "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
         return y.view_as(tokens)
 
 
-def moe_activation_elements(tokens: int, rows_here: int, d: int, d_ff: int, experts: int, k: int, shared: int) -> dict[str, float]:
+def moe_activation_elements(tokens: int, rows_here: int, d: int, d_ff: int, experts: int, k: int,
+                            shared: int) -> dict[str, float]:
     """Elements one ExpertParallelMoE call saves for backward (dropless: tokens·k assignments leave this rank, and
     `rows_here` arrive for its experts), its input (the norm's output) not counted. Counted from what autograd
     keeps: softmax output and top-k indices; per assignment its token and slot indices and its gate; the combined

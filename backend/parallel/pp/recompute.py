@@ -1,8 +1,5 @@
-"""What a rank holds for backward, measured as the loop runs (checked in experiments/parallel/_recompute.py).
-
-`ActivationMeter` counts every storage autograd saves, parameters excluded, plus the stage input kept under
-recomputation, per (stage, micro-batch), live and peak as actions run; `MeteredStage` records the same per forward.
-"""
+"""What a rank holds for backward, measured as the loop runs, per (stage, micro-batch), live and peak (checked
+against the model in experiments/parallel/_recompute.py)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -46,8 +43,7 @@ class ActivationMeter:
 
 @contextmanager
 def saved_activations(parameters):
-    """The meter of what autograd saves inside the block, under one key (`live`: its bytes; each storage counted once,
-    `parameters` left out: they are weights, not activations)."""
+    """An ActivationMeter of what autograd saves inside the block, under one key (`live`: its bytes)."""
     meter = ActivationMeter()
     with meter.saving(0, list(parameters)):
         yield meter
