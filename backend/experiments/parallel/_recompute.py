@@ -39,8 +39,8 @@ def peak_model(config, layers: int, last: bool, bound: int, recompute: bool) -> 
 
 
 MIN_TIMED_CPU_MS = 50.0  # below this much compute per run, CPU-time ratios are mostly timer and scheduler noise
-TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine at load ~45 (bench/recompute.py: 0.85-1.31);
-                         # recomputing twice (2) or not at all (0) still fails it; the FLOPs are checked exactly
+TIME_TOLERANCE = 0.50    # relative: two runs seconds apart on a 2-core machine at load ~45 (bench/recompute.py:
+                         # 0.85-1.31); recomputing twice (2) or not at all (0) still fails it; FLOPs are checked exactly
 
 
 def time_ratio(prices: list[dict]) -> float:
@@ -66,11 +66,12 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
     plan, p, S = config.plan, config.world_size, config.num_stages
     m = plan.microbatches(config.microbatches)
     rows, flops_err, peak_err = [], 0, 0
-    totals = {"flops_with": 0, "flops_without": 0, "extra_forward": 0, "extra_model": 0, "cpu_with": 0.0, "cpu_without": 0.0,
-              "forward_without": 0.0, "recompute": 0.0}
+    totals = {"flops_with": 0, "flops_without": 0, "extra_forward": 0, "extra_model": 0, "cpu_with": 0.0,
+              "cpu_without": 0.0, "forward_without": 0.0, "recompute": 0.0}
     for pl in payloads:
         pr, r = pl["price"], pl["rank"]
-        cpu = {"cpu_with": sum(pr["with_cpu_us"].values()) / 1e3, "cpu_without": sum(pr["without_cpu_us"].values()) / 1e3,
+        cpu = {"cpu_with": sum(pr["with_cpu_us"].values()) / 1e3,
+               "cpu_without": sum(pr["without_cpu_us"].values()) / 1e3,
                "forward_without": pr["without_cpu_us"]["F"] / 1e3, "recompute": sum(pr["recompute_cpu_us"]) / 1e3,
                "median_forward": median_high([t / 1e3 for t in pr["without_forward_cpu_us"]]),
                "median_recompute": median_high([t / 1e3 for t in pr["recompute_cpu_us"]])}
@@ -88,7 +89,8 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
             flops_err = max([flops_err] + [abs(f - forward_flops_model(config, layers)) for f in plain])
             bound = plan.live_bound(p, m, r)
             model_with, model_without = (peak_model(config, layers, last, bound, flag) for flag in (True, False))
-            peak_err = max(peak_err, abs(pl["activation_peak_bytes"] - model_with), abs(pr["peak_without"] - model_without))
+            peak_err = max(peak_err, abs(pl["activation_peak_bytes"] - model_with),
+                           abs(pr["peak_without"] - model_without))
             rows.append({"rank": r, "stage": s, "forwards": len(done), "forwards_without": len(plain),
                          "forward_flops_per_microbatch": plain[0], "extra_forward_flops": extra,
                          "peak_activation_bytes": pl["activation_peak_bytes"], "peak_model_bytes": model_with,
@@ -96,10 +98,12 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                          "saved_bytes": pr["peak_without"] - pl["activation_peak_bytes"],
                          "compute_cpu_ms": cpu["cpu_with"], "compute_cpu_without_ms": cpu["cpu_without"],
                          "recompute_cpu_ms": cpu["recompute"], "forward_cpu_without_ms": cpu["forward_without"],
-                         "median_recompute_cpu_ms": cpu["median_recompute"], "median_forward_cpu_without_ms": cpu["median_forward"]})
+                         "median_recompute_cpu_ms": cpu["median_recompute"],
+                         "median_forward_cpu_without_ms": cpu["median_forward"]})
     checks = [
         Check("forward FLOPs per micro-batch per stage, counted, equal 2·b·h²·L", flops_err, 0,
-              reference="torch.utils.flop_counter's per-op formulas (parallel/recompute.FlopCount) against the GEMM count"),
+              reference="torch.utils.flop_counter's per-op formulas (parallel/recompute.FlopCount) "
+                        "against the GEMM count"),
         Check("recomputation's extra forward FLOPs equal one forward per micro-batch per stage",
               abs(totals["extra_forward"] - totals["extra_model"]), 0,
               reference="seed 003: the backward re-runs each stage's forward once; m · Σ 2·b·h²·L",
@@ -116,13 +120,15 @@ def price(config, payloads: list[dict], stage_layers) -> tuple[list[Check], dict
                "recompute_cpu_ms": round(totals["recompute"], 3),
                "recompute_to_forward_time": round(time_ratio([pl["price"] for pl in payloads]), 4)}
     notes = [f"Recomputation re-ran {totals['extra_forward']:,} forward FLOPs "
-             f"(+{100 * metrics['recompute_flops_overhead']:.1f} % of all GEMM FLOPs; the textbook 3 → 4 units is +33 %, "
-             f"more here because stage 0 computes no input gradient, so its backward is smaller) and cost +{100 * overhead:.1f} % CPU time against the "
-             f"same run without it, to hold up to {metrics['activation_peak_saved_bytes']:,} fewer activation bytes on a rank."]
+             f"(+{100 * metrics['recompute_flops_overhead']:.1f} % of all GEMM FLOPs; "
+             f"the textbook 3 → 4 units is +33 %, more here because stage 0 computes no input gradient, "
+             f"so its backward is smaller) and cost +{100 * overhead:.1f} % CPU time against the "
+             f"same run without it, to hold up to {metrics['activation_peak_saved_bytes']:,} fewer activation bytes "
+             f"on a rank."]
     if totals["cpu_without"] < MIN_TIMED_CPU_MS:
-        notes.append(f"A step's compute took {totals['cpu_without']:.1f} ms of CPU, too little to time its +{100 * predicted:.0f} % "
-                     "against the clock's noise, so the time overhead is shown but not checked (a larger hidden size or batch "
-                     "makes it longer).")
+        notes.append(f"A step's compute took {totals['cpu_without']:.1f} ms of CPU, too little to time its "
+                     f"+{100 * predicted:.0f} % against the clock's noise, so the time overhead is shown but not "
+                     "checked (a larger hidden size or batch makes it longer).")
     else:
         checks.append(time_check([pl["price"] for pl in payloads], overhead, predicted))
     return checks, metrics, rows, notes
