@@ -8,8 +8,9 @@ the dp_strategy, mesh_dp.py) and takes Adam on the elements this rank owns. Each
 by its share of the global batch's tokens, so the summed gradients are one process's on the whole batch, and Adam,
 elementwise, updates a shard as it does those elements of the full tensor (the ranks' Adam is the workload's, written
 out: no torch._dynamo import, seconds per rank). Each dimension records on a tracer of its own, so every event says
-whose it is. Precision (precision.py): the stages compute in the compute dtype, the gradients are summed in the reduce
-dtype; fp16 adds dynamic loss scaling, and a step that overflows on any rank is skipped by every rank.
+whose it is. With experts, every feed-forward is a dropless top-k MoE layer (routing does not depend on how the tokens
+are grouped). Precision (precision.py): the stages compute in the compute dtype, the gradients are summed in the
+reduce dtype; fp16 adds dynamic loss scaling, and a step that overflows on any rank is skipped by every rank.
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ class LossScale:
 
     def __init__(self, config):
         fp16 = PRECISIONS[config.precision].compute == torch.float16  # 5 exponent bits underflow small gradients
-        init = float(config.init_loss_scale)
-        self.scaler = DynamicLossScaler(init, growth_interval=GROWTH_INTERVAL) if fp16 else None
+        self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+                       if fp16 else None)  # (a plan without fp16 may have no init_loss_scale: the pipeline page's)
         self.scales, self.skipped = [], []
 
     @property
@@ -208,6 +209,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more gather)
     layers = choice.layers(chunks)
     in_flight = peak_in_flight(order, activations, kept if config.recompute == "full" else None)
+    sent = bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap)
     payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")},
                "last_stage": S - 1 in chunks, "losses": losses, "params": final, "sources": choice.sources(chunks),
                "memory": {**sync.memory(), "activations": in_flight}, "host_memory": sync.host_memory(),
@@ -215,8 +217,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
                "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
                "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
                "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order],
-               "stages": {s: layers[s] for s in chunks}, "moe": moe_calls(chunks, layers),
-               "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
+               "stages": {s: layers[s] for s in chunks}, "bytes": sent, "moe": moe_calls(chunks, layers),
                "replicated_over_ep": int(replicated_over_ep.sum()), "flat_numel": sum(p_.numel() for p_ in params),
                "layers": sorted(i for ls in layers.values() for i in ls),
                "layers_here": sum(len(ls) for ls in layers.values()), "trace": merged_trace(tracer, along, mesh),

@@ -461,7 +461,7 @@ def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: 
     return rows
 
 
-def worked_examples(wire) -> list[dict]:
+def worked_examples(wire) -> tuple[list[dict], dict]:
     """Seed 000's two 2x2 examples on 2 ranks, every step recorded: Y = XW split by columns of W (each rank
     computes its column of Y, then the columns are gathered) and by rows of W with X by columns (each rank
     computes a whole 2x2 partial product, then they are summed). Also seed 002's point: tanh applies to a
