@@ -101,8 +101,8 @@ def _resumed_from(source):
 
 def _against_one_process(config, payloads) -> tuple[float, float]:
     """Largest |difference| of the weights (each rank's cut of the reference) and of the losses, against one float64
-    process trained on the whole batch for all the steps (mesh_train.reference_training: torch.optim.Adam)."""
-    from backend.parallel.mesh_train import reference_training
+    process trained on the whole batch for all the steps (_reference.reference_training: torch.optim.Adam)."""
+    from backend.experiments.parallel._reference import reference_training
     from backend.parallel.tp import cut
 
     ref = reference_training(config)

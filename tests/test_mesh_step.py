@@ -128,7 +128,7 @@ def test_each_ranks_step_splits_into_compute_communication_by_dimension_and_idle
 
 
 def test_a_split_that_counts_nested_collectives_twice_fails(runs, monkeypatch):
-    from backend.parallel import step_split as S
+    from backend.experiments.parallel import _step_split as S
 
     def twice(intervals, step):  # each collective inside an action also counted as the action's compute
         return S.parts(intervals + [(dict(it, op="compute"), iv) for it, iv in intervals if it["op"] == "collective"], step)
@@ -191,7 +191,7 @@ def test_a_collective_waits_for_its_groups_slowest_member_and_a_receive_for_its_
     """By hand: the all-reduce starts at 5 when rank 0 arrives and ends at 6 on both; rank 0 sends at 8, rank 2 waits
     from 1 to 8 and receives by 8.5, then computes to 11.5, the step. Rank 1: compute 6, tp 1, idle 4.5 (3 waiting for
     rank 0, 1.5 after its last item). A collective that does not wait for its slowest member breaks these numbers."""
-    from backend.parallel import step_split as S
+    from backend.experiments.parallel import _step_split as S
 
     steps, coords = _toy()
     replayed = S.replay_step(steps, S.match_calls(steps, coords))
@@ -216,7 +216,7 @@ def test_the_replay_with_communication_lanes_splits_each_step_and_frees_to_the_m
         assert result.metrics["step_replayed_with_comm_ms"] == pytest.approx(result.tables["comm_replay"][0]["step_ms"], abs=1e-3)
         assert {r["lane"] for r in result.tables["comm_lanes"]} >= {"compute", "pp"} | ({"tp"} if cfg.tp > 1 else set())
     cfg, payloads = runs["zb_h1"]
-    from backend.parallel import step_split as S
+    from backend.experiments.parallel import _step_split as S
 
     def waits_counted_as_communication(replayed):  # the wait for a slower member also counted on the dimension's lane
         step, parts = S.replay_split(replayed)

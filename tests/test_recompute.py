@@ -10,7 +10,7 @@ import torch
 from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel.pipeline import PipelineConfig, combine, run_rank_with_peer
-from backend.parallel.pp import recompute
+from backend.experiments.parallel import _recompute as recompute
 
 
 def _matrix_rank(rank, world, configs, ctx):

@@ -1,11 +1,6 @@
-"""Our DDP on the mesh's dp dimension (seed 000): the gradients summed bucket by bucket (`make_buckets`: reverse
-parameter order, cut at bucket_kb), one ring all-reduce per bucket, issued after the pipeline's last backward or
-(`BucketOverlap`) started by gradient hooks as soon as a bucket's gradients are final, overlapping the rest of the
-backward. mesh_dp.DataParallel drives them. Torch's DistributedDataParallel is the peer: `torch_ddp_peer` on the tiny
-LLaMA.
-
-Per-rank volume: a ring all-reduce of a bucket padded to P elements (a multiple of n) sends 2P(n-1)/n, counted on our
-Wire's send/recv.
+"""Our DDP on the mesh's dp dimension (seed 000), driven by mesh_dp.DataParallel: one ring all-reduce per bucket
+(`make_buckets`), after the pipeline's last backward or (`BucketOverlap`) as soon as a bucket's gradients are final.
+A bucket padded to P elements (a multiple of n) sends 2P(n-1)/n per rank, counted on our Wire's send/recv.
 """
 from __future__ import annotations
 
@@ -43,14 +38,12 @@ def bucket_ranges(params: list, buckets: list[list]) -> list[tuple[int, int]]:
 
 
 class BucketOverlap:
-    """DDP's overlap (seed 000; torch DDP's Reducer): a gradient hook on every parameter counts its accumulations, and a
-    bucket whose parameters have all received their last micro-batch's gradient is final, so its ring all-reduce starts
-    at once on a communication thread while the backward goes on. Buckets start in index order (the next one waits for
-    the one before), so every dp rank runs the same collectives in the same order. The thread's ring runs on a Wire of
-    its own over the same dp ranks (its bytes added to the dp dimension's); the main thread's wait for each bucket is
-    one "comm" event on the dp tracer from its launch to its end, `blocked_us` the exposed tail (step_split's rule for
-    an overlapped message). A bucket whose hooks did not all fire (a gradient not accumulated by autograd) starts
-    after the backward, as without overlap (`arm(live=False)`: every bucket so)."""
+    """DDP's overlap (torch DDP's Reducer): gradient hooks count each parameter's accumulations, and a bucket whose
+    parameters have all received their last micro-batch's gradient starts its ring all-reduce on a communication
+    thread (its own Wire over the same dp ranks, its bytes counted as dp's) while the backward goes on. Buckets start
+    in index order, so every dp rank runs the same collectives in the same order. The main thread's wait for a bucket
+    is one "comm" event from its launch to its end, `blocked_us` its exposed tail. A bucket whose hooks did not all
+    fire (a gradient not accumulated by autograd) starts after the backward (`arm(live=False)`: every bucket so)."""
 
     def __init__(self, buckets: list[list], ranges: list[tuple[int, int]], wire: Wire, tracer, microbatches: int,
                  reduce: torch.dtype):
@@ -110,31 +103,3 @@ class BucketOverlap:
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join()
-
-
-def torch_ddp_peer(config, rank: int, world: int) -> dict:
-    """torch's DistributedDataParallel training the tiny LLaMA of a dp-only mesh plan (`config`, a MeshConfig) in
-    float64: this rank's slice of the global batch (tensor_split over the ranks, as the mesh cuts it), torch.optim.Adam,
-    the reference's initial weights. DDP averages the gradients over the ranks, so the local mean loss is weighted by
-    the slice's share of the batch times the rank count. Returns the final weights by state_dict name, in float64."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from backend.parallel.tp_model import reference_model, tokens
-
-    class Loss(torch.nn.Module):  # DDP's reducer syncs only a backward that followed a forward through the wrapper
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, batch):
-            return self.model.loss(batch)
-
-    model = reference_model(config)
-    ddp = DistributedDataParallel(Loss(model), bucket_cap_mb=config.bucket_kb / 1024)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr, foreach=False)
-    mine = tokens(config).tensor_split(world)[rank]
-    for _ in range(config.steps):
-        opt.zero_grad()
-        (ddp(mine) * (mine.shape[0] / config.batch * world)).backward()
-        opt.step()
-    return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}

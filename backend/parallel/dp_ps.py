@@ -1,16 +1,14 @@
 """Parameter servers (seeds 000 and 002): workers push gradients, a server updates the weights and returns them.
-
-server "rank0": rank 0 is a worker too and the server (seed 000's DP on GPU0): it gathers every gradient,
-                updates, broadcasts the parameters; it receives (n-1)ψ and sends (n-1)ψ per step.
-server "dedicated": rank 0 only serves (the CPU parameter server); ranks 1..n-1 work.
-mode sync:  the server waits for every worker's gradient of the step, sums them, updates once.
-mode async: the server applies each gradient as it arrives and replies with the newest weights; a
-            gradient computed on version v and applied at version V has staleness V - v.
-mode stale: bounded staleness (semi-synchronous): as async, but a worker more than `staleness` pushes
-            ahead of the slowest is not answered until the slowest catches up.
-The model is the tiny LLaMA of the other parallel pages (`plan`: a dp-only parallel.mesh plan, for its shape and
-tokens), in float64, as one flat parameter vector (workload.flat_params order) on the wire; a worker's gradient is of
-its slice of the global batch, its mean loss weighted by the slice's share, so the workers' sum is the whole batch's.
+  server rank0      rank 0 works and serves (seed 000's DP on GPU0): it gathers every gradient, updates, broadcasts
+                    the parameters; it receives (n-1)ψ and sends (n-1)ψ per step
+  server dedicated  rank 0 only serves (the CPU parameter server); ranks 1..n-1 work
+  mode sync         the server waits for every worker's gradient of the step, sums them, updates once
+  mode async        each gradient applied as it arrives, the newest weights sent back; one computed on version v and
+                    applied at version V has staleness V - v
+  mode stale        bounded staleness: as async, but a worker more than `staleness` pushes ahead of the slowest is not
+                    answered until the slowest catches up
+The model: the tiny LLaMA of a dp-only mesh `plan`, float64, one flat vector on the wire (precision.flat_params order);
+each worker's mean loss is weighted by its slice's share of the batch, so the workers' sum is the whole batch's.
 """
 from __future__ import annotations
 
@@ -22,11 +20,10 @@ import torch.distributed as dist
 from backend.comm.p2p import P2P, Transfer
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.precision import Adam, flat_params, load_flat
-from backend.result import Check, Result
 from backend.trace import Tracer
 
 
-def _grad(model, flat, plan, worker: int, workers: int) -> torch.Tensor:
+def worker_gradient(model, flat, plan, worker: int, workers: int) -> torch.Tensor:
     """The flat gradient of worker `worker`'s slice of the batch (tensor_split over the workers) at weights `flat`."""
     load_flat(model, flat)
     mine = tokens(plan).tensor_split(workers)[worker]
@@ -35,7 +32,7 @@ def _grad(model, flat, plan, worker: int, workers: int) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def _workers(config, world: int) -> list[int]:
+def worker_ranks(config, world: int) -> list[int]:
     """The ranks that compute gradients: all of them, or all but rank 0 (a dedicated server)."""
     return list(range(1, world)) if config.server == "dedicated" else list(range(world))
 
@@ -64,9 +61,7 @@ def run_rank(rank: int, world: int, config, plan, ctx) -> dict:
         m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
         for step in range(config.steps):
             with tracer.span("compute", f"grad {step}"):
-                g = _grad(model, flat, plan, rank, world)
-            # Every worker sends its gradient to rank 0, which sends the new parameters back: point to point,
-            # through our logged send/recv, so the bytes on the wire are counted, not assumed.
+                g = worker_gradient(model, flat, plan, rank, world)
             if rank == 0:
                 grads = [torch.empty_like(g) for _ in range(world - 1)]
                 comm.exchange(step, "gather grads", recvs=[Transfer(t, w, [w]) for w, t in enumerate(grads, start=1)])
@@ -79,7 +74,7 @@ def run_rank(rank: int, world: int, config, plan, ctx) -> dict:
                 comm.exchange(step, "send params", recvs=[Transfer(flat, 0, [0])])
         out["params"] = flat.numpy().copy()
     else:
-        workers = _workers(config, world)
+        workers = worker_ranks(config, world)
         if rank == 0:
             _serve(config, plan, model, flat, workers, comm, out, ctx)
         else:
@@ -144,82 +139,8 @@ def _work(config, plan, model, flat, workers, comm, out):
             comm.post("params", recvs=[Transfer(msg, 0, [0])])[0].wait()
         version, params = msg[0].item(), msg[1:].clone()
         with tracer.span("compute", f"grad {step}"):
-            g = _grad(model, params, plan, workers.index(rank), len(workers))
+            g = worker_gradient(model, params, plan, workers.index(rank), len(workers))
             if rank == workers[-1] and config.straggler_ms:  # a slow worker, to see staleness grow
                 time.sleep(config.straggler_ms / 1000)
         with tracer.span("send", f"grad {step}"):
             _push(comm, "gradient", version, g, 0)
-
-
-def sync_error(plan, params) -> float:
-    """Largest |difference| between the server's flat parameters and one float64 process training the whole batch
-    with torch.optim.Adam (mesh_train.reference_training, the mesh's own reference), parameter by parameter."""
-    from backend.parallel.mesh_train import reference_training
-
-    ref, model = reference_training(plan)["state"], reference_model(plan)
-    load_flat(model, torch.from_numpy(params))
-    return max((p.detach() - ref[name]).abs().max().item() for name, p in model.named_parameters())
-
-
-def combine_ps(config, plan, payloads: list[dict]) -> Result:
-    torch.set_num_threads(1)  # the reference or replay: a tiny model's ops are too small to split (as the mesh's)
-    n, server = config.world_size, payloads[0]
-    P, workers = server["params"].size, len(_workers(config, n))
-    checks, notes = [], []
-    if config.mode == "sync":
-        checks.append(Check("synchronous server's parameters equal one process on the whole batch",
-                            sync_error(plan, server["params"]), 1e-9,
-                            reference="single-process PyTorch, float64, torch.optim.Adam on the whole batch "
-                                      "(the mesh's reference)"))
-    else:
-        # What asynchronous updates must satisfy is not a convergence speed but their semantics: every gradient
-        # applied exactly once, each computed on the parameter version it says, in the order the server applied them.
-        # Replaying that sequence in one process must give the server's parameters exactly.
-        replayed = replay_updates(config, plan, server["updates"])
-        err = (torch.from_numpy(server["params"]) - replayed).abs().max().item()
-        checks.append(Check("the server's parameters equal a one-process replay of its update log", err, 1e-12,
-                            reference="one process: each logged gradient recomputed on the version it was based on, "
-                                      "Adam applied in the server's order"))
-        applied = sorted((u["worker"], u["step"]) for u in server["updates"])
-        expected = sorted((w, s) for w in _workers(config, n) for s in range(config.steps))
-        checks.append(Check("every worker's gradient of every step applied exactly once", int(applied != expected), 0,
-                            reference="workers × steps", detail=f"{len(applied)} updates"))
-        first, last = server["eval"][0]["loss"], server["eval"][-1]["loss"]
-        notes.append(f"Loss on the global batch {first:.4f} after the first update, {last:.4f} after the last.")
-        stale = [u["staleness"] for u in server["updates"]]
-        if config.mode == "stale":
-            bound = (workers - 1) * (config.staleness + 1)
-            checks.append(Check("bounded staleness holds: no gradient older than (W-1)(s+1) updates",
-                                max(0, max(stale) - bound), 0, reference="the stale-synchronous bound",
-                                detail=f"max staleness {max(stale)}, bound {bound}"))
-        notes.append(f"Staleness over {len(stale)} updates: mean {sum(stale) / len(stale):.2f}, max {max(stale)}.")
-    if config.server == "rank0":
-        formula = (n - 1) * P * 8 * config.steps
-        checks.append(Check("rank 0 receives (n-1)ψ and sends (n-1)ψ per step (seed 000's DP)",
-                            abs(server["recv"] - formula) + abs(server["sent"] - formula), 0, reference="seed 000",
-                            detail="bytes counted by our send/recv on the wire"))
-    sent, received = sum(pl["sent"] for pl in payloads), sum(pl["recv"] for pl in payloads)
-    checks.append(Check("every byte a rank sent another received (each side logged by its own send/recv)",
-                        abs(sent - received), 0, reference="conservation over the wire", detail=f"{sent:,} B sent"))
-    volume = [{"rank": pl["rank"], "sent_bytes": pl["sent"], "recv_bytes": pl["recv"]} for pl in payloads]
-    return Result(metrics={"strategy": f"parameter server ({config.mode}, {config.server})", "world_size": n,
-                           "workers": workers, "final_eval_loss": server["eval"][-1]["loss"],
-                           "updates": len(server["eval"])},
-                  checks=checks, notes=notes,
-                  tables={"staleness": server["updates"], "eval": server["eval"], "volume": volume},
-                  trace_events=[e for pl in payloads for e in pl["trace"]["events"]])
-
-
-def replay_updates(config, plan, updates: list[dict]) -> torch.Tensor:
-    """One process replays the server's log: update k applies the gradient worker w computed for its step on the
-    parameters of version `based_on`, with the same Adam, in the logged order."""
-    ranks = _workers(config, config.world_size)
-    model = reference_model(plan)
-    flat = flat_params(model)
-    m, v, adam = torch.zeros_like(flat), torch.zeros_like(flat), Adam(config.lr)
-    versions = [flat.clone()]
-    for u in updates:
-        grad = _grad(model, versions[u["based_on"]], plan, ranks.index(u["worker"]), len(ranks))
-        adam.update(flat, grad, m, v)
-        versions.append(flat.clone())
-    return flat

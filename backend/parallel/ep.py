@@ -1,16 +1,13 @@
-"""Expert parallel (Switch Transformers, GShard): the MoE layer of backend/models/moe.py with its routed experts
-on different ranks.
-
-Every rank holds the router and the shared expert whole, E/n routed experts, and its own slice of the tokens
-(seed 003's "expert and data parallelism"). One layer, on each rank:
-  route     the layer's own router on this rank's T tokens (GShard's top-k, gates renormalised; with a capacity factor an expert
-            takes at most ceil(cf · T · k / E) of them, first choices first, and the rest are dropped)
-  dispatch  all-to-all: each kept (token, expert) row goes to the rank holding the expert, sorted by expert;
-            the per-expert counts go first (a small all-to-all) so every rank knows what it will receive
-  compute   each local expert runs on the rows it received from every rank
-  combine   the reverse all-to-all brings the rows home; each is scaled by its gate and added to its token
-The all-to-alls are autograd functions (backward is the all-to-all with the splits swapped), so the same
-code trains. The single-process reference is the MoELayer itself, routing the same groups of tokens.
+"""Expert parallel (Switch Transformers, GShard; seed 003's "expert and data parallelism"): the MoE layer of
+models/moe.py with its routed experts split over the ep ranks; every rank holds the router and the shared expert
+whole, E/n routed experts and its own slice of the tokens. One layer, on each rank:
+  route     the router on this rank's T tokens (GShard's top-k, gates renormalised; with a capacity factor an expert
+            takes at most ceil(cf · T · k / E) of them, first choices first, the rest dropped)
+  dispatch  all-to-all of each kept (token, expert) row to its expert's rank, sorted by expert, after a small
+            all-to-all of the per-expert counts (so every rank knows what it will receive)
+  compute   each local expert on the rows it received from every rank
+  combine   the reverse all-to-all brings the rows home, each scaled by its gate and added to its token
+The all-to-alls are autograd functions (backward: the all-to-all with the splits swapped), so the same code trains.
 """
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ class AllToAll(Function):
 
 
 def apply_ep(model, wire):
-    """Every MoE layer of the model, in place, split by expert over the ep `wire`: each rank keeps the router, the
-    shared expert and E/n routed experts, and sends each routed token to its expert's rank and back (two
-    all-to-alls of the routed rows, forward and backward). Costs no collective for the experts' gradients (the
-    combine's backward brought every rank's tokens), but the router's and shared expert's must be summed over ep."""
+    """Every MoE layer of the model, in place, split by expert over the ep `wire`. The experts' gradients need no
+    collective (the combine's backward brought every rank's tokens); the router's and shared expert's are summed."""
     for block in model.blocks:
         if isinstance(block.ffn, MoELayer):
             block.ffn = ExpertParallelMoE(block.ffn, wire)
@@ -91,24 +86,14 @@ class ExpertParallelMoE(nn.Module):
         routed = torch.bincount(routing.indices.flatten(), minlength=self.n_experts)
         if torch.is_grad_enabled():  # one per call: a no-grad forward (full recompute's first pass) is rerun in B
             self.stats.append({"tokens": x.shape[0], "routed": routed.tolist(), "kept": per_expert.tolist(),
-                               "dropped": (routed - per_expert).tolist(), "send_rows": send_rows, "recv_rows": recv_rows,
+                               "dropped": (routed - per_expert).tolist(), "send_rows": send_rows,
+                               "recv_rows": recv_rows,
                                "computed_here": {e: int(recv_counts[:, j].sum()) for j, e in enumerate(self.mine)}})
         return y.view_as(tokens)
 
 
-def grouped_reference(layer: MoELayer, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, list[dict]]:
-    """The layer in one process, routing `groups` slices of the tokens separately (as that many ranks route theirs,
-    the capacity being per group): output, and per group the assignments routed and kept per expert."""
-    outs, stats = [], []
-    for group in x.tensor_split(groups):
-        routing = layer.route(group)
-        outs.append(layer(group, routing))
-        routed = torch.bincount(routing.indices.flatten(), minlength=len(layer.experts))
-        stats.append({"routed": routed.tolist(), "kept": routing.load(len(layer.experts)).tolist()})
-    return torch.cat(outs), stats
-
-
-def moe_activation_elements(tokens: int, rows_here: int, d: int, d_ff: int, experts: int, k: int, shared: int) -> dict[str, float]:
+def moe_activation_elements(tokens: int, rows_here: int, d: int, d_ff: int, experts: int, k: int,
+                            shared: int) -> dict[str, float]:
     """Elements one ExpertParallelMoE call saves for backward (dropless: tokens·k assignments leave this rank, and
     `rows_here` arrive for its experts), its input (the norm's output) not counted. Counted from what autograd
     keeps: softmax output and top-k indices; per assignment its token and slot indices and its gate; the combined

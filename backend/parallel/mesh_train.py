@@ -1,46 +1,16 @@
-"""3D (and 4D, 5D) parallel: the tiny LLaMA trained on a pp x dp x cp x ep x tp mesh (seed 002: "pipeline, then
-tensor, then data parallel, together"; context and expert parallel as further dimensions).
+"""The mesh's one training loop: the tiny LLaMA (or the pipeline page's stack) on a pp x dp x cp x ep x tp mesh
+(seed 002: "pipeline, then tensor, then data parallel, together"; context and expert parallel as further dimensions).
 
-Each rank is pipeline stage mesh.index("pp") (its share of the blocks; the embedding on the first stage, the
-head and loss on the last), holds the tensor-parallel shard mesh.index("tp") of every weight there
-(backend/parallel/tp.py), trains on data-parallel slice mesh.index("dp") of every step's batch, and within
-each sequence on context-parallel shard mesh.index("cp") of the positions (zigzag, backend/parallel/cp.py):
-  forward   micro-batch by micro-batch in the pipeline schedule's order (parallel/pp: the one executor, any
-            synchronous schedule; interleaved and V-shaped ones give a rank several stages), activations sent to the
-            same (dp, cp, tp) coordinate of the next stage; within a stage, TP's f/g all-reduces, and in each
-            attention the K/V blocks of the other positions coming round the cp ring
-  backward  input gradients sent back stage to stage (and dK/dV round the ring)
-  sync      the gradients all-reduced over cp, then over dp by the dp_strategy (parallel/mesh_dp.py: all-reduce,
-            DDP buckets, ZeRO-1/2/3; Megatron-LM runs one over the merged dp x cp group, the same sum), then
-            Adam on the elements this rank owns
-  recompute (full) each stage keeps only its input from F to B and reruns its forward inside B or I (the executor's
-            option); (selective) each attention core keeps q, k, v and recomputes its scores in the backward
-            (backend/parallel/recompute.py). Its price is measured after training (`recompute_price`): the same plan
-            with and without it, one step each, timed and FLOP-counted, gradients discarded
-Each dimension records its collectives on a tracer of its own (the pipeline's actions and receives on the main one), so
-every event says whose it is (parallel/step_split.py splits a step by dimension); each step's start and end are kept.
-  sp        (sequence parallel, with tp) the norms run on sequence shards (beside cp, shards of the cp shard, gathered
-            for the ring attention's tp-local heads), stages hand on those shards, MoE layers route only their shard's
-            tokens over ep, and the norm (and MoE) weights' gradients are summed over tp once a step (Megatron-LM's
-            all-reduce of layer-norm gradients). Which tokens a rank holds: parallel/token_split.py
-Each micro-batch's mean loss is weighted by its share of the global batch's tokens, so the gradients summed
-over micro-batches, dp and cp ranks are those of one process on the whole batch, and Adam, elementwise,
-updates each shard exactly as it updates those elements of the full tensor. The reference uses torch.optim.Adam;
-the ranks use the workload's hand-written Adam (the same formula, and no torch._dynamo import: seconds per rank).
-
-Precision (config.precision, workload.Precision): the stage modules, so their activations, the pipeline's sends and
-the tp, sp, cp and ep collectives, are in the compute dtype; the flat gradients are cast to the reduce dtype before
-the cp, ep and dp sums; Adam steps the master copy (mesh_dp.DataParallel), from which the compute copy is cast. The
-reference (`reference_training`) follows the same recipe in one process, with torch.optim.Adam on the master copy.
-fp16 adds dynamic loss scaling (numerics.mixed_precision.DynamicLossScaler, GradScaler's rule): the last stage's loss
-is multiplied by the scale S before the backward, the summed gradients divided by it; a step whose gradients hold an
-inf or NaN on any rank is skipped by every rank (the flag all-reduced over the world) and S halved.
-
-With experts > 0 every feed-forward is an MoE layer (dropless top-k, so routing does not depend on how the tokens
-are grouped) and the ep dimension splits it by expert (backend/parallel/ep.py): ep ranks are data-parallel for
-everything else (each trains on its own slice of the batch, split over dp x ep), and their tokens reach the
-experts by all-to-all. An expert's gradient already sums every ep rank's tokens (the all-to-all's backward brought
-them), so only the replicated weights are summed over ep; all are summed over dp and cp.
+Each rank is pipeline stage mesh.index("pp") with the tp shard of its weights (tp.py), trains on its dp x ep slice of
+every step's batch and its cp shard of each sequence's positions (cp.py; which tokens: token_split.py). A step walks
+the schedule's actions (pp/executor.py), then sums the gradients (sp's norms over tp; cp; ep where replicated; dp by
+the dp_strategy, mesh_dp.py) and takes Adam on the elements this rank owns. Each micro-batch's mean loss is weighted
+by its share of the global batch's tokens, so the summed gradients are one process's on the whole batch, and Adam,
+elementwise, updates a shard as it does those elements of the full tensor (the ranks' Adam is the workload's, written
+out: no torch._dynamo import, seconds per rank). Each dimension records on a tracer of its own, so every event says
+whose it is. With experts, every feed-forward is a dropless top-k MoE layer (routing does not depend on how the tokens
+are grouped). Precision (precision.py): the stages compute in the compute dtype, the gradients are summed in the
+reduce dtype; fp16 adds dynamic loss scaling, and a step that overflows on any rank is skipped by every rank.
 """
 from __future__ import annotations
 
@@ -60,57 +30,11 @@ from backend.parallel.tp import part, sum_norm_grads
 from backend.parallel.tp_model import reference_model, tokens
 from backend.parallel.token_split import token_split
 from backend.parallel.wire import Wire, sum_gradients
-from backend.parallel.precision import FP64, PRECISIONS, Precision, flat_params, load_flat, named_weights
+from backend.parallel.precision import PRECISIONS, Precision, flat_params, load_flat, named_weights
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
 GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
-
-
-def reference_training(config, precision: Precision = FP64, skip: tuple = ()) -> dict:
-    """One process, the whole batch, the same Adam: losses per step and the final (master) weights. Every step sees
-    the same batch (random tokens have nothing else to learn), so the loss must fall as the model memorises it.
-    `precision`: the model runs in its compute dtype on a copy of master weights in its master dtype, which
-    torch.optim.Adam updates from the gradients cast to the master dtype (the mixed-precision recipe; fp64: one model).
-    fp16 runs under torch.amp.GradScaler; `skip`: steps not applied (those an fp16 run's loss scale skipped)."""
-    master = reference_model(config).to(precision.master)
-    initial = {k: v.detach().double().clone() for k, v in master.state_dict().items()}
-    model = master if not precision.mixed else reference_model(config).to(precision.compute)
-    opt = torch.optim.Adam(master.parameters(), lr=config.lr)
-    losses, routing, scales, skipped, peaks = [], [], [], [], []
-    scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
-              if scaled(precision) else None)
-    for step in range(config.steps):
-        if config.experts:
-            for b in model.blocks:
-                b.ffn.routing_log = []  # this step's choices, one entry per sequence
-        opt.zero_grad()
-        if precision.mixed:
-            model.load_state_dict(master.state_dict())  # the compute copy: the master cast (copy_ casts)
-            model.zero_grad(set_to_none=True)
-        loss = model.loss(tokens(config))
-        (scaler.scale(loss) if scaler else loss).backward()
-        if precision.mixed:
-            for p_, q in zip(master.parameters(), model.parameters()):
-                p_.grad = q.grad.to(precision.master)  # (still scaled: GradScaler unscales, checks and skips itself)
-        if scaler:  # (each step's largest fp16 gradient, inf on overflow: how near the step came to fp16's max)
-            peaks.append(max(q.grad.float().abs().max().item() for q in model.parameters()))
-            scales.append(scaler.get_scale())
-            scaler.step(opt)
-            scaler.update()
-            skipped.append(scaler.get_scale() < scales[-1])
-        elif step not in skip:
-            opt.step()
-        losses.append(loss.item())
-        if config.experts:  # (layer, sequence, position, choice): each token's experts at this step
-            routing.append(torch.stack([torch.stack(b.ffn.routing_log) for b in model.blocks]))
-    return {"losses": losses, "state": {k: v.detach().double() for k, v in master.state_dict().items()}, "routing": routing,
-            "initial": initial, "scales": scales, "skipped": skipped, "peaks": peaks}
-
-
-def scaled(precision: Precision) -> bool:
-    """fp16 computes under a dynamic loss scale (its 5 exponent bits underflow small gradients); bf16 needs none."""
-    return precision.compute == torch.float16
 
 
 def to_precision(model: nn.Module, precision: Precision) -> torch.Tensor:
@@ -127,8 +51,9 @@ class LossScale:
     each step's S and whether it was skipped recorded; otherwise S = 1 and no step is skipped."""
 
     def __init__(self, config):
+        fp16 = PRECISIONS[config.precision].compute == torch.float16  # 5 exponent bits underflow small gradients
         self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
-                       if scaled(PRECISIONS[config.precision]) else None)
+                       if fp16 else None)  # (a plan without fp16 may have no init_loss_scale: the pipeline page's)
         self.scales, self.skipped = [], []
 
     @property
@@ -148,15 +73,15 @@ class LossScale:
 
 
 class MeshStage(MeteredStage):
-    """Pipeline stage `s` of S on this rank, for the one executor: the tiny LLaMA's blocks of stage s at this rank's
-    tp shard (the embedding on stage 0, norm, head and loss on stage S-1), run on this rank's micro-batches and cp
-    positions. The last stage returns its micro-batch's share of the global mean loss; the first step's forwards
-    record the bytes autograd saves in the blocks (the activations the formula counts) per micro-batch."""
+    """Pipeline stage `s` of S for the executor: the tiny LLaMA's blocks of stage s at this rank's tp shard (the
+    embedding on stage 0, norm, head and loss on stage S-1) on this rank's micro-batches and cp positions. The last
+    stage returns its micro-batch's share of the global mean loss; the blocks' saved bytes are recorded per mb."""
 
-    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int, global_tokens: int,
-                 sp: int = 1, entry: nn.Module | None = None, dtype: torch.dtype = torch.float64, loss_scale: float = 1.0):
+    def __init__(self, chunk: nn.Module, s: int, S: int, batches: list, shard, columns, d_model: int,
+                 global_tokens: int, sp: int = 1, entry: nn.Module | None = None, dtype: torch.dtype = torch.float64,
+                 loss_scale: float = 1.0):
         self.chunk = self.module = chunk  # (module: what the executor reads)
-        self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward is called through (fsdp.StageEntry)
+        self.entry = entry  # dp_strategy fsdp2: the fully_shard-ed module the forward runs through (fsdp.StageEntry)
         self.sp = sp  # sequence parallel over sp tp ranks: a stage hands on its sequence shard
         self.index, self.last, self.shard = s, s == S - 1, shard
         self.inputs = [mb[:, :-1][:, columns] for mb in batches]
@@ -181,7 +106,7 @@ class MeshStage(MeteredStage):
         if not self.last:
             return y
         loss, _ = self.chunk.head_loss(y, self.targets[mb])
-        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # its share of the global mean (x S)
+        return loss * (self.targets[mb].numel() / self.global_tokens * self.loss_scale)  # share of the global mean, x S
 
 
 class TinyLlama:
@@ -190,7 +115,8 @@ class TinyLlama:
 
     def __init__(self, config, mesh: DeviceMesh, S: int, m: int, tp: Wire, ep: Wire, shard):
         self.config, self.S, self.tp, self.ep, self.shard = config, S, tp, ep, shard
-        self.split = token_split(config.batch, config.seq, m, mesh.shape, {d: mesh.index(d) for d in mesh.shape}, config.sp)
+        coords = {d: mesh.index(d) for d in mesh.shape}
+        self.split = token_split(config.batch, config.seq, m, mesh.shape, coords, config.sp)
         self.batches = [tokens(config)[seqs] for seqs in self.split.sequences]  # this rank's sequences, per micro-batch
 
     def build(self, stages: list[int]) -> tuple[dict, nn.Module]:
@@ -206,8 +132,9 @@ class TinyLlama:
     def stages(self, chunks: dict, entry, dtype: torch.dtype, loss_scale: float) -> dict:
         """This step's stage objects (`entry`: fsdp2's fully_shard-ed module per chunk, sync.entry)."""
         c = self.config
-        return {s: MeshStage(chunk, s, self.S, self.batches, self.shard, self.split.positions, c.d_model, c.batch * c.seq,
-                             c.tp if c.sp else 1, entry(chunk), dtype, loss_scale) for s, chunk in chunks.items()}
+        return {s: MeshStage(chunk, s, self.S, self.batches, self.shard, self.split.positions, c.d_model,
+                             c.batch * c.seq, c.tp if c.sp else 1, entry(chunk), dtype, loss_scale)
+                for s, chunk in chunks.items()}
 
     def layers(self, chunks: dict) -> dict[int, list[int]]:
         """Each of this rank's stage chunks: the indices of the model's layers it holds."""
@@ -225,14 +152,13 @@ def moe_calls(chunks: dict, layers: dict) -> list[dict]:
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, model_choice=TinyLlama) -> dict:
     """This rank's training of `model_choice` (TinyLlama; the pipeline page's LinearStack, parallel/pp/linear.py).
-    `checkpoint` (checkpoint/mesh_state.MeshHook): resume from its newest checkpoint, call its fault mid-step, save after
-    each step as its interval says. Freed memory is kept (keep_freed_memory: no page faults charged to an action), so the
-    replay can take each action's least CPU time over the steps trained. The last step's walk runs with an
-    ActivationMeter (the bytes autograd holds, live). An asynchronous schedule (PipeDream) steps each stage's weights in
-    the walk itself (SGD after every backward, executor.RankWalk): the loop then sums and steps nothing."""
+    `checkpoint` (checkpoint/mesh_state.MeshHook): resume, fault mid-step, save as its interval says. Freed memory is
+    kept (keep_freed_memory: no page faults charged to an action), so the replay can take each action's least CPU time
+    over the steps; the last step's walk runs with an ActivationMeter. An asynchronous schedule (PipeDream) steps each
+    stage's weights in the walk itself (SGD after each backward, executor.RankWalk): the loop sums and steps nothing."""
     keep_freed_memory()
     mesh = DeviceMesh.build(rank, world, pp=config.pp, dp=config.dp, cp=config.cp, ep=config.ep, tp=config.tp)
-    tracer = Tracer(rank)  # the pipeline's actions; each other dimension records on its own, so its events say whose they are
+    tracer = Tracer(rank)  # the pipeline's actions; each other dimension's events on a tracer of its own
     along = {d: Tracer(rank) for d in ("tp", "dp", "cp", "ep")}
     tp, dp, cp, ep = (Wire.along(mesh, d, along[d]) for d in ("tp", "dp", "cp", "ep"))
     shard = SequenceShard(config.seq, cp) if config.cp > 1 else None
@@ -243,7 +169,7 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     params = list(model.parameters())
     replicated_over_ep = replicated_mask(chunks, params)
     precision, loss_scale = PRECISIONS[config.precision], LossScale(config)
-    sync = data_parallel(config, model, to_precision(model, precision), params, mesh, dp, along["dp"], precision)  # mesh_dp.py
+    sync = data_parallel(config, model, to_precision(model, precision), params, mesh, dp, along["dp"], precision)
     order = plan.actions(p, m, config.virtual_stages)[me]
     tracer.align(dist.barrier)  # time zero when every rank holds its shard: the trace is training alone
     for t in along.values():
@@ -280,21 +206,23 @@ def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, mo
     if checkpoint:
         checkpoint.finish()
     sync.close()
-    final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more all-gather)
+    final = named_weights(model) if plan.asynchronous else sync.final_named(model)  # (zero3, fsdp2: one more gather)
     layers = choice.layers(chunks)
-    payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")}, "last_stage": S - 1 in chunks,
-            "losses": losses, "params": final, "sources": choice.sources(chunks),
-            "memory": {**sync.memory(), "activations": peak_in_flight(order, activations, kept if config.recompute == "full" else None)},
-            "host_memory": sync.host_memory(), "moved": sync.moved(),
-            "param_numels": [p_.numel() for p_ in params], "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
-            "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
-            "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order], "stages": {s: layers[s] for s in chunks},
-            "bytes": bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap),
-            "moe": moe_calls(chunks, layers), "replicated_over_ep": int(replicated_over_ep.sum()),
-            "flat_numel": sum(p_.numel() for p_ in params), "layers": sorted(i for ls in layers.values() for i in ls),
-            "layers_here": sum(len(ls) for ls in layers.values()),
-            "trace": merged_trace(tracer, along, mesh), "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
-            "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
+    in_flight = peak_in_flight(order, activations, kept if config.recompute == "full" else None)
+    sent = bytes_by_dimension(tp, pp_bytes, dp, cp, ep, sync.overlap)
+    payload = {"rank": rank, "coords": {d: mesh.index(d) for d in ("pp", "dp", "cp", "ep", "tp")},
+               "last_stage": S - 1 in chunks, "losses": losses, "params": final, "sources": choice.sources(chunks),
+               "memory": {**sync.memory(), "activations": in_flight}, "host_memory": sync.host_memory(),
+               "moved": sync.moved(), "param_numels": [p_.numel() for p_ in params],
+               "param_shapes": {s: [list(p_.shape) for p_ in c.parameters()] for s, c in chunks.items()},
+               "activations": {f"{s},{mb}": b for s, per in activations.items() for mb, b in per.items()},
+               "order": [str(a) for a in order], "order_actions": [tuple(a) for a in order],
+               "stages": {s: layers[s] for s in chunks}, "bytes": sent, "moe": moe_calls(chunks, layers),
+               "replicated_over_ep": int(replicated_over_ep.sum()), "flat_numel": sum(p_.numel() for p_ in params),
+               "layers": sorted(i for ls in layers.values() for i in ls),
+               "layers_here": sum(len(ls) for ls in layers.values()), "trace": merged_trace(tracer, along, mesh),
+               "step_us": step_us, "loss_scales": loss_scale.scales, "skipped": loss_scale.skipped,
+               "walk": {k: walk[k] for k in WALK}, "activation_peak_bytes": meter.peak}
     if config.recompute != "none":  # after the payload: its steps' bytes, routing and events stay out of the run's own
         payload["price"] = recompute_price(config, order, plan, chunks, make_stages, mesh.ranks("pp"), me, p, m, rank)
     return payload
@@ -339,10 +267,10 @@ class _Counted:
 
 def replicated_mask(chunks: dict, params: list) -> torch.Tensor:
     """One flag per element of the flat parameters: True where it is not a routed expert's (replicated over ep)."""
-    experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ()) for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
-    return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(torch.tensor([p_.numel() for p_ in params]))
-
-
+    experts = {id(p_) for c in chunks.values() for b in getattr(c, "blocks", ())
+               for e in getattr(b.ffn, "experts", []) for p_ in e.parameters()}
+    sizes = torch.tensor([p_.numel() for p_ in params])
+    return torch.tensor([id(p_) not in experts for p_ in params]).repeat_interleave(sizes)
 
 
 def gradients_over_cp_ep(params: list, cp: Wire, ep: Wire, replicated_over_ep: torch.Tensor,
@@ -382,15 +310,16 @@ def bytes_by_dimension(tp: Wire, pp_bytes: int, dp: Wire, cp: Wire, ep: Wire, ov
 
 
 def merged_trace(tracer: Tracer, along: dict, mesh: DeviceMesh) -> dict:
-    """The pipeline's events, then each dimension's, tagged with the dimension (a group of one sends nothing: no dim)."""
-    return {**tracer.payload(), "events": list(tracer.events) + [
-        {**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}} for d, t in along.items() for e in t.events]}
+    """The pipeline's events, then each dimension's, tagged with it (a group of one sends nothing: no dim)."""
+    tagged = [{**e, "args": {**e["args"], **({"dim": d} if mesh.size(d) > 1 else {})}}
+              for d, t in along.items() for e in t.events]
+    return {**tracer.payload(), "events": list(tracer.events) + tagged}
 
 
 def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m, rank) -> dict:
     """Recompute's price on this rank: one step of the same plan without recompute and one with it, each timed (CPU
-    time of its F/B/I/W actions), then each again FLOP-counted (recompute.FlopCount; forwards also counted one by one);
-    the activations alive at the rank's peak without it. Gradients are discarded and nothing is updated."""
+    time of its F/B/I/W actions), then each FLOP-counted (recompute.FlopCount; forwards also one by one); the peak
+    activations without it. Gradients are discarded, nothing is updated (checked in experiments/parallel/_recompute)."""
     full, selective = config.recompute == "full", config.recompute == "selective"
 
     def step(on: bool, stages: dict) -> tuple[dict, Tracer]:
@@ -426,10 +355,9 @@ def recompute_price(config, order, plan, chunks, make_stages, pp_ranks, me, p, m
 
 def peak_in_flight(order, per_action, kept=None) -> int:
     """Peak bytes of activations alive on a rank walking its order (a micro-batch's stage activations live from its F
-    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, the
-    same shape: each stage input's bytes) only the inputs live from F to B, and one micro-batch's whole activations
-    during its B, recomputed there: the peak of (inputs alive) + (the one being recomputed); a split backward
-    recomputes in I and holds the rebuilt activations until W."""
+    to its B, or its W, which still reads them). per_action: {stage: {mb: bytes}}. With full recompute (`kept`, each
+    stage input's bytes) only the inputs live from F to B, plus one micro-batch's whole activations during its B,
+    recomputed there (a split backward recomputes in I and holds them until W)."""
     if kept is None:
         return live_activations(order, lambda stage, mb: per_action[stage][mb])
     alive, peak = {}, 0
@@ -439,7 +367,7 @@ def peak_in_flight(order, per_action, kept=None) -> int:
         elif kind == "B":
             alive.pop((stage, mb))
             peak = max(peak, sum(alive.values()) + per_action[stage][mb])
-        elif kind == "I":  # a split backward recomputes in I; the rebuilt activations live until its W
+        elif kind == "I":
             alive[(stage, mb)] = per_action[stage][mb]
         elif kind == "W":
             alive.pop((stage, mb))

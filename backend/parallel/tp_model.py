@@ -1,7 +1,6 @@
-"""What tensor and sequence parallel should do, predicted without running them: the seed's 2x2 worked
-examples and every collective of one training step with its bytes (its peers, DTensor and the sockets, are in the experiment).
-
-The reference for all of it is the single-process TinyDecoder (backend/models/llama.py) in float64.
+"""What tensor and sequence parallel should do, predicted without running them: every collective of one training
+step with its bytes; and the reference they are checked against, the single-process TinyDecoder (models/llama.py)
+in float64, with its tokens.
 """
 from __future__ import annotations
 
@@ -41,31 +40,25 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
     def add(phase, op, name, numel):
         rows.append({"phase": phase, "op": op, "name": name, "numel": numel})
     linears = ("attention", "mlp") if dense_ffn else ("attention",)  # each column-then-row pair of a block
-    if sp:
-        if first:
-            add("forward", "reduce_scatter", "embedding", nh)
-        for name in linears * L:
+    summed = "reduce_scatter" if sp else "all_reduce"  # each sum of partial results (g forward, f backward)
+    if first:
+        add("forward", summed, "embedding", nh)
+    for name in linears * L:
+        if sp:
             add("forward", "all_gather", name, nh // n)
-            add("forward", "reduce_scatter", name, nh)
-        if last:
-            add("forward", "all_gather", "head", nh // n)
-    else:
-        if first:
-            add("forward", "all_reduce", "embedding", nh)
-        for name in linears * L:
-            add("forward", "all_reduce", name, nh)
+        add("forward", summed, name, nh)
+    if sp and last:
+        add("forward", "all_gather", "head", nh // n)
     if last:
         add("forward", "all_gather", "cross entropy: max", tokens_)
         add("forward", "all_reduce", "cross entropy: target logit", tokens_)
         add("forward", "all_reduce", "cross entropy: sum of exp", tokens_)
     for name in ("head",) * last + linears[::-1] * L:
+        if sp and name != "head":
+            add("backward", "all_gather", name, nh // n)  # g' backward
         if sp:
-            if name != "head":
-                add("backward", "all_gather", name, nh // n)  # g' backward
             add("backward", "all_gather", f"{name} (re-gather)", nh // n)
-            add("backward", "reduce_scatter", name, nh)
-        else:
-            add("backward", "all_reduce", name, nh)
+        add("backward", summed, name, nh)
     if sp:
         if first:
             add("backward", "all_gather", "embedding", nh // n)
@@ -75,35 +68,3 @@ def expected_collectives(config, n: int, sp: bool, *, batch: int | None = None, 
         size = (loss_item or item) if r["name"].startswith("cross entropy") else item
         r["sent_bytes"] = ring_bytes(r["op"], r["numel"], n, size, index)
     return rows
-
-
-def worked_examples(wire) -> list[dict]:
-    """Seed 000's two 2x2 examples on 2 ranks, every step recorded: Y = XW split by columns of W (each rank
-    computes its column of Y, then the columns are gathered) and by rows of W with X by columns (each rank
-    computes a whole 2x2 partial product, then they are summed). Also seed 002's point: tanh applies to a
-    column shard before communication, but not to a row shard's partial sum."""
-    X = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
-    W = torch.tensor([[5.0, 6.0], [7.0, 8.0]], dtype=torch.float64)
-    r = wire.index
-    steps = []
-
-    def log(example, step, **tensors):
-        steps.append({"example": example, "rank": r, "step": step, **{k: v.tolist() for k, v in tensors.items()}})
-    W_r = W[:, r:r + 1]
-    Y_r = X @ W_r
-    log("column", "hold X and W's column r", X=X, W_r=W_r)
-    log("column", "Y_r = X W_r (no communication)", Y_r=Y_r)
-    Y = wire.all_gather(Y_r, 1, "forward", "worked example: column").clone()
-    log("column", "all-gather: Y = [Y_0 Y_1]", Y=Y)
-    act_col = wire.all_gather(torch.tanh(Y_r), 1, "forward", "worked example: column tanh")
-    X_r, W_row = X[:, r:r + 1], W[r:r + 1, :]
-    Y_part = X_r @ W_row
-    log("row", "hold X's column r and W's row r", X_r=X_r, W_r=W_row)
-    log("row", "Y_r = X_r W_r, a 2x2 partial product (outer product)", Y_r=Y_part)
-    Y_row = wire.all_reduce(Y_part, "forward", "worked example: row")
-    log("row", "all-reduce: Y = Y_0 + Y_1", Y=Y_row)
-    act_row = wire.all_reduce(torch.tanh(Y_part), "forward", "worked example: row tanh")
-    exact = X @ W
-    return steps, {"column_error": (Y - exact).abs().max().item(), "row_error": (Y_row - exact).abs().max().item(),
-                   "column_activation_error": (act_col - torch.tanh(exact)).abs().max().item(),
-                   "row_activation_error": (act_row - torch.tanh(exact)).abs().max().item()}

@@ -183,7 +183,7 @@ def interval_result(config: CheckpointConfig, first: dict) -> tuple[list[Check],
 
 def reshard_result(config: CheckpointConfig, payloads) -> tuple[list[Check], dict, dict]:
     """The continuation on reshard_ranks ranks against one float64 process (mesh_checks.reshard_result's checks)."""
-    from backend.parallel.mesh_train import reference_training
+    from backend.experiments.parallel._reference import reference_training
     from backend.parallel.tp import cut
 
     plan = config.plan()

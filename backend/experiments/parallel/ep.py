@@ -11,7 +11,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.models import moe_reference
 from backend.models.moe import MoELayer
-from backend.parallel.ep import ExpertParallelMoE, grouped_reference
+from backend.parallel.ep import ExpertParallelMoE
 from backend.parallel.mesh import start_rank
 from backend.parallel.parallelize import sources, tag_sources
 from backend.parallel.pp.recompute import saved_activations
@@ -60,6 +60,18 @@ def _model(c: EPConfig) -> MoELayer:
 def _data(c: EPConfig):
     g = torch.Generator().manual_seed(c.seed + 1)
     return torch.randn(c.tokens, c.d_model, generator=g, dtype=torch.float64), torch.randn(c.tokens, c.d_model, generator=g, dtype=torch.float64)
+
+
+def grouped_reference(layer: MoELayer, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, list[dict]]:
+    """The layer in one process, routing `groups` slices of the tokens separately (as that many ranks route theirs,
+    the capacity being per group): output, and per group the assignments routed and kept per expert."""
+    outs, stats = [], []
+    for group in x.tensor_split(groups):
+        routing = layer.route(group)
+        outs.append(layer(group, routing))
+        routed = torch.bincount(routing.indices.flatten(), minlength=len(layer.experts))
+        stats.append({"routed": routed.tolist(), "kept": routing.load(len(layer.experts)).tolist()})
+    return torch.cat(outs), stats
 
 
 def run_rank(rank, world, config: EPConfig, ctx):

@@ -20,16 +20,17 @@ from backend.experiments.parallel.tp import TPConfig, decoder_cost
 from backend.parallel.ep import moe_activation_elements
 from backend.parallel.mesh import DIMS, DeviceMesh
 from backend.parallel.mesh_dp import STRATEGIES
-from backend.parallel.mesh_train import peak_in_flight, reference_training, train_rank
-from backend.parallel.pp.recompute import MIN_TIMED_CPU_MS, time_check
+from backend.parallel.mesh_train import peak_in_flight, train_rank
+from backend.experiments.parallel._recompute import MIN_TIMED_CPU_MS, time_check
+from backend.experiments.parallel._reference import reference_training
 from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
 from backend.experiments.parallel.pipeline import bubbles, least_costs, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
 from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.makespan import makespan
-from backend.parallel.step_split import (CATEGORIES, drawn, match_calls, mean_action_costs, measured_costs, parts,
-                                         replay_split, replay_step, step_items)
+from backend.experiments.parallel._step_split import (CATEGORIES, drawn, match_calls, mean_action_costs,
+                                                      measured_costs, parts, replay_split, replay_step, step_items)
 from backend.parallel.tp import cut, part
 from backend.parallel.tp_model import expected_collectives
 from backend.parallel.token_split import TokenSplit, token_split
@@ -852,7 +853,7 @@ def schedule_means(rows: list[dict]) -> list[dict]:
 
 def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[dict]]:
     """The last step's wall time on every rank (from the earliest rank's start to the latest rank's end) split into
-    compute, exposed communication per dimension and idle (parallel/step_split.py), beside the replayed bubble; and
+    compute, exposed communication per dimension and idle (_step_split.py), beside the replayed bubble; and
     the step's items by lane for the timeline."""
     window = (min(p["step_us"][-1][0] for p in payloads), max(p["step_us"][-1][1] for p in payloads))
     replayed, step = {r["rank"]: r["bubble_replayed"] for r in pipeline_rows}, window[1] - window[0]
@@ -873,7 +874,7 @@ def step_split(payloads, steps, pipeline_rows) -> tuple[Check, list[dict], list[
 
 
 def where_the_step_goes(config: MeshConfig, payloads, pipeline_rows) -> tuple[list[Check], dict, dict[str, list[dict]]]:
-    """The last step of every rank as items (step_split.step_items) on the wall clock and replayed with its communication."""
+    """Every rank's last step as items (_step_split.step_items), on the wall clock and replayed with communication."""
     steps = {p["rank"]: step_items(p["trace"]["events"], p["step_us"][-1]) for p in payloads}
     split_check, split_rows, lane_rows = step_split(payloads, steps, pipeline_rows)
     checks, metrics, tables = comm_replay(config, payloads, steps)
@@ -882,7 +883,7 @@ def where_the_step_goes(config: MeshConfig, payloads, pipeline_rows) -> tuple[li
 
 def comm_replay(config: MeshConfig, payloads, steps) -> tuple[list[Check], dict, dict[str, list[dict]]]:
     """The last step replayed with one core per rank from measured costs, a lane per dimension's communication
-    (parallel/step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
+    (_step_split.py: a collective waits for its group's slowest member, a receive for its send), beside the
     wall clock: per rank compute, exposed communication by dimension and idle, checked to sum to the replayed step;
     and the same items with communication free and each action at its mean cost, checked against the makespan model."""
     partners = match_calls(steps, {p["rank"]: p["coords"] for p in payloads})

@@ -27,7 +27,7 @@ from backend.config import Config, ConfigError, setting
 from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.mesh_train import train_rank
-from backend.parallel.pp import recompute
+from backend.experiments.parallel import _recompute as recompute
 from backend.parallel.pp.executor import WARM_UP_STEPS, mark_least_cpu
 from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan

@@ -20,8 +20,7 @@ from backend.parallel.pp.recompute import saved_activations
 from backend.parallel.sp import activation_elements, korthikanti_bytes
 from backend.parallel.parallelize import expected, parallelize
 from backend.parallel.tp import part, sum_norm_grads
-from backend.parallel.tp_model import (expected_collectives, reference_model, tokens,
-                                      worked_examples)
+from backend.parallel.tp_model import expected_collectives, reference_model, tokens
 from backend.comm.collectives import ring_bytes
 from backend.parallel.wire import Wire
 from backend.result import Check, Result, Schema
@@ -460,6 +459,38 @@ def dtensor_peer(reference: TinyDecoder, ours_tp, ours_sp, tp_wire, sp_wire, x: 
                       "ours_written_bytes": our_wire.bytes, "ours_written_payload": our_wire.payload}
         mine.zero_grad(set_to_none=True)
     return rows
+
+
+def worked_examples(wire) -> tuple[list[dict], dict]:
+    """Seed 000's two 2x2 examples on 2 ranks, every step recorded: Y = XW split by columns of W (each rank
+    computes its column of Y, then the columns are gathered) and by rows of W with X by columns (each rank
+    computes a whole 2x2 partial product, then they are summed). Also seed 002's point: tanh applies to a
+    column shard before communication, but not to a row shard's partial sum."""
+    X = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    W = torch.tensor([[5.0, 6.0], [7.0, 8.0]], dtype=torch.float64)
+    r = wire.index
+    steps = []
+
+    def log(example, step, **tensors):
+        steps.append({"example": example, "rank": r, "step": step, **{k: v.tolist() for k, v in tensors.items()}})
+    W_r = W[:, r:r + 1]
+    Y_r = X @ W_r
+    log("column", "hold X and W's column r", X=X, W_r=W_r)
+    log("column", "Y_r = X W_r (no communication)", Y_r=Y_r)
+    Y = wire.all_gather(Y_r, 1, "forward", "worked example: column").clone()
+    log("column", "all-gather: Y = [Y_0 Y_1]", Y=Y)
+    act_col = wire.all_gather(torch.tanh(Y_r), 1, "forward", "worked example: column tanh")
+    X_r, W_row = X[:, r:r + 1], W[r:r + 1, :]
+    Y_part = X_r @ W_row
+    log("row", "hold X's column r and W's row r", X_r=X_r, W_r=W_row)
+    log("row", "Y_r = X_r W_r, a 2x2 partial product (outer product)", Y_r=Y_part)
+    Y_row = wire.all_reduce(Y_part, "forward", "worked example: row")
+    log("row", "all-reduce: Y = Y_0 + Y_1", Y=Y_row)
+    act_row = wire.all_reduce(torch.tanh(Y_part), "forward", "worked example: row tanh")
+    exact = X @ W
+    return steps, {"column_error": (Y - exact).abs().max().item(), "row_error": (Y_row - exact).abs().max().item(),
+                   "column_activation_error": (act_col - torch.tanh(exact)).abs().max().item(),
+                   "row_activation_error": (act_row - torch.tanh(exact)).abs().max().item()}
 
 
 def pipeline_boundary(reference: TinyDecoder, batch: torch.Tensor, wire) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from backend.config import Config, ConfigError, setting
 from backend.result import Check, Result, Schema, Shapes
@@ -66,15 +67,41 @@ def run_rank(rank, world, config, ctx, dp_strategy: str, peer: bool = False):
     plan = mesh_plan(config, dp_strategy)
     payload = mesh.run_rank(rank, world, plan, ctx)
     if peer:
-        from backend.parallel.ddp import torch_ddp_peer
-
         payload["peer_params"] = torch_ddp_peer(plan, rank, world)
     return payload
 
 
+def torch_ddp_peer(config, rank: int, world: int) -> dict:
+    """torch's DistributedDataParallel training the tiny LLaMA of a dp-only mesh plan (`config`, a MeshConfig) in
+    float64: this rank's slice of the global batch (tensor_split over the ranks, as the mesh cuts it), torch.optim.Adam,
+    the reference's initial weights. DDP averages the gradients over the ranks, so the local mean loss is weighted by
+    the slice's share of the batch times the rank count. Returns the final weights by state_dict name, in float64."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from backend.parallel.tp_model import reference_model, tokens
+
+    class Loss(torch.nn.Module):  # DDP's reducer syncs only a backward that followed a forward through the wrapper
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch):
+            return self.model.loss(batch)
+
+    model = reference_model(config)
+    ddp = DistributedDataParallel(Loss(model), bucket_cap_mb=config.bucket_kb / 1024)
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr, foreach=False)
+    mine = tokens(config).tensor_split(world)[rank]
+    for _ in range(config.steps):
+        opt.zero_grad()
+        (ddp(mine) * (mine.shape[0] / config.batch * world)).backward()
+        opt.step()
+    return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}
+
+
 def peer_check(plan, payloads) -> Check:
     """torch DDP's final weights (every rank's) against one float64 process on the whole batch (torch.optim.Adam)."""
-    from backend.parallel.mesh_train import reference_training
+    from backend.experiments.parallel._reference import reference_training
 
     ref = reference_training(dataclasses.replace(plan, precision="fp64"))["state"]
     error = max(float(np.abs(p["peer_params"][k] - ref[k].numpy()).max()) for p in payloads for k in ref)

@@ -1,15 +1,13 @@
-"""Where each rank's time goes in one step of the composed mesh run: on the wall clock, and replayed with one core per
-rank, both from one decomposition of the step into items.
+"""Where each rank's time goes in one step of the mesh run, on the wall clock and replayed with one core per rank,
+both from one decomposition of the step into items (each event's dimension is its tracer's, mesh_train).
 
-Every rank records the pipeline's actions (F, B, I, W), its pp sends and receives on one tracer, and each other mesh
-dimension (tp, cp, ep, dp) on a tracer of its own, so every event says which dimension it belongs to (mesh_train). A
-rank's step becomes an ordered list of items: compute pieces (an action between its communication calls, or traced
-compute outside the actions) and communication calls, each of one dimension: a collective, a pipeline send (an instant)
-or receive, a ring attention message's post (an instant) and wait (only the blocked tail after the overlapped compute is
-exposed; DDP's overlapped bucket all-reduces run on a thread of their own, so their posts do not cut the action they
-start in, and only the wait after the backward is exposed). On the wall clock each item covers its interval; the
-replay (below) times them from measured costs. Per rank, compute, each dimension's exposed communication and idle: idle is measured as the step less the union of the items,
-apart from the parts, so parts summing to the step checks that no instant is counted twice or lost.
+A rank's step is an ordered list of items: compute pieces (an action between its communication calls, or traced
+compute outside the actions) and communication calls of one dimension each: a collective, a pipeline send (an
+instant) or receive, a ring attention message's post (an instant) and wait (only the blocked tail after the overlapped
+compute is exposed; DDP's overlapped buckets run on a thread of their own, so their posts do not cut the action they
+start in, and only their wait after the backward is exposed). Per rank: compute, each dimension's exposed
+communication, and idle, measured as the step less the union of the items, apart from the parts, so parts summing to
+the step checks that no instant is counted twice or lost.
 """
 from __future__ import annotations
 
@@ -51,8 +49,8 @@ def drawn(rank: int, intervals: list[tuple[dict, tuple[float, float]]], origin: 
 
 # --- the items, and the step replayed from them with one core per rank ------------------------------------------------
 # backend.trace.replay walks the items: one starts when the rank's previous item has ended and what it depends on has
-# ended. A collective (tp, cp, ep, dp) depends on every member's arrival, so it starts with the slowest and takes the same
-# time on each; a receive or ring wait depends on its matched send or post. A collective's cost is from its last
+# ended. A collective (tp, cp, ep, dp) depends on every member's arrival, so it starts with the slowest and takes the
+# same time on each; a receive or ring wait depends on its matched send or post. A collective's cost is from its last
 # member's arrival to its first member's finish (before, a member had not arrived; after, a member may finish late
 # because the OS ran another rank); a message's from the later of its post and its wait to its arrival. Compute inside
 # an F/B/I/W action is the action's CPU time less its collectives', spread over the pieces between them by wall time;
@@ -116,8 +114,9 @@ def step_items(events: list[dict], window: tuple[float, float]) -> list[dict]:
         edges = [act["ts"], *[x for c in mine for x in c[:2]], act["ts"] + act["dur"]]
         for j in range(len(mine) + 1):
             a, b = edges[2 * j], edges[2 * j + 1]
-            items.append({"op": "compute", "cost_us": rate * max(b - a, 0.0), "wall": (a, b), "kind": act["args"]["kind"],
-                          "stage": act["args"]["stage"], "mb": act["args"]["mb"], "piece": j})
+            items.append({"op": "compute", "cost_us": rate * max(b - a, 0.0), "wall": (a, b),
+                          "kind": act["args"]["kind"], "stage": act["args"]["stage"], "mb": act["args"]["mb"],
+                          "piece": j})
             if j < len(mine):
                 items.append({**mine[j][2], "wall": mine[j][:2]})
         at = act["ts"] + act["dur"]
@@ -175,7 +174,8 @@ def measured_costs(steps: dict[int, list[dict]], partners: dict) -> None:
             it.setdefault("cost_us", 0.0)
 
 
-def replay_step(steps: dict[int, list[dict]], partners: dict, cost=lambda it: it.get("cost_us", 0.0)) -> dict[int, list[dict]]:
+def replay_step(steps: dict[int, list[dict]], partners: dict,
+                cost=lambda it: it.get("cost_us", 0.0)) -> dict[int, list[dict]]:
     """The items replayed with one core per rank at `cost(item)` µs each: a collective waits for every member's
     arrival (the end of its item before the collective), a receive or ring wait for its matched post."""
     from backend.trace import replay
