@@ -14,7 +14,7 @@ from backend.comm.spawn import spawn_ranks
 from backend.experiments import RunContext
 from backend.experiments.parallel import mesh
 from backend.experiments.parallel.mesh import MeshConfig
-from backend.parallel.pp import executor
+from backend.experiments.parallel import pipeline
 
 NEAR = "replayed bubble (mean over ranks) within 5 points of the makespan model"
 STALL_US = 10_000  # one action of the drawn step given 10 ms more CPU (about two forwards): a time slice lost to another process
@@ -87,7 +87,7 @@ def _least_with_a_free_warm_up(payload) -> list[float]:
     for e in _actions(p):
         if e["ts"] < p["step_us"][0][1]:
             e["cpu_us"] = 0.0
-    return [e["cpu_least_us"] for e in executor.mark_least_cpu(_actions(p), p["step_us"])]
+    return [e["cpu_least_us"] for e in pipeline.mark_least_cpu(_actions(p), p["step_us"])]
 
 
 def test_the_warm_up_step_never_sets_an_actions_least_cpu_time(run, monkeypatch):
@@ -95,7 +95,7 @@ def test_the_warm_up_step_never_sets_an_actions_least_cpu_time(run, monkeypatch)
     counted (the rule broken), every least becomes 0."""
     config, payloads = run
     assert all(t > 0 for t in _least_with_a_free_warm_up(payloads[0]))
-    monkeypatch.setattr(executor, "WARM_UP_STEPS", 0)
+    monkeypatch.setattr(pipeline, "WARM_UP_STEPS", 0)
     assert all(t == 0 for t in _least_with_a_free_warm_up(payloads[0]))
 
 

@@ -25,9 +25,8 @@ from backend.experiments.parallel._recompute import MIN_TIMED_CPU_MS, time_check
 from backend.experiments.parallel._reference import reference_training
 from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.parallel.recompute import MODES as RECOMPUTE, core_flops
-from backend.experiments.parallel.pipeline import bubbles, least_costs, model_against_replay, replayed
+from backend.experiments.parallel.pipeline import bubbles, least_costs, mark_least_cpu, model_against_replay, replayed
 from backend.parallel.sp import activation_elements
-from backend.parallel.pp.executor import mark_least_cpu
 from backend.parallel.pp.makespan import makespan
 from backend.experiments.parallel._step_split import (CATEGORIES, drawn, match_calls, mean_action_costs,
                                                       measured_costs, parts, replay_split, replay_step, step_items)
@@ -983,7 +982,7 @@ BUBBLE_POINTS = 0.05  # issue #27's target: the replayed bubble within 5 points 
 
 def pipeline_timing(config: MeshConfig, payloads) -> tuple[list[Check], dict, list[dict], list[dict]]:
     """The last step's F/B/I/W actions of each pipeline (the ranks that share every mesh coordinate but pp), replayed
-    with one core per rank, each at its least CPU time over the steps after the warm-up one (executor.mark_least_cpu,
+    with one core per rank, each at its least CPU time over the steps after the warm-up one (pipeline.mark_least_cpu,
     the pipeline page's rule; tp, cp and ep collectives run inside the actions), and the makespan model fed with
     their mean costs: checked equal to the replay at those same costs action by action. The replayed bubble's distance
     from the model's (mean over ranks) is reported, not checked: a timing on a shared CPU (bench/mesh_bubble.py).

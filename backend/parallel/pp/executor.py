@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from backend.parallel.pp.recompute import ActivationMeter
-from backend.parallel.pp.schedules import SCHEDULES, is_action
+from backend.parallel.pp.schedules import SCHEDULES
 from backend.parallel.wire import Wire
 from backend.trace import Tracer
 
@@ -38,25 +38,6 @@ def keep_freed_memory() -> bool:
 
 def _tag(stage: int, mb: int, grad: bool, m: int) -> int:
     return (stage * m + mb) * 2 + int(grad)
-
-
-WARM_UP_STEPS = 1  # left out of the least: the loop's first step pays one-off costs (allocator growth, cold caches)
-
-
-def mark_least_cpu(events: list[dict], step_us: list[tuple]) -> list[dict]:
-    """The events of the last step (`step_us`: (start, end) per step), each action marked `cpu_least_us`: the least
-    CPU time of the same (kind, stage, mb) over the steps after the warm-up one (if any). Noise on a shared box only
-    adds to CPU time, so the least over repeats is the action's own cost; the warm-up's one-off costs are not."""
-    since = (step_us[WARM_UP_STEPS:] or step_us)[0][0]
-    least: dict[tuple, float] = {}
-    for e in events:
-        if is_action(e) and e["ts"] >= since:
-            key = (e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])
-            least[key] = min(least.get(key, float("inf")), e["cpu_us"])
-    drawn = [e for e in events if e["ts"] >= step_us[-1][0]]
-    for e in filter(is_action, drawn):
-        e["cpu_least_us"] = least[(e["args"]["kind"], e["args"]["stage"], e["args"]["mb"])]
-    return drawn
 
 
 def execute(order, plan, stages: dict, pp_ranks: list[int], me: int, p: int, m: int, tracer: Tracer,
