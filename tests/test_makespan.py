@@ -129,7 +129,7 @@ def _stalled_rank(rank, world, config, ctx):
     """The loop's rank, whose stage-0 forward of micro-batch 0 burns STALL_S of CPU in the last timed step only."""
     import time
 
-    from backend.parallel.pp import linear
+    from backend.experiments.parallel import _linear_stack as linear
 
     forward, calls = linear.LinearStage.forward, []
 

@@ -326,7 +326,7 @@ def test_idle_split_on_a_hand_timed_trace():
 
 def _rank_with_the_loss_share_doubled(rank, world, config, ctx):
     """The pipeline's rank whose stages weight the loss by twice the micro-batch's share of the batch's mean."""
-    from backend.parallel.pp import linear
+    from backend.experiments.parallel import _linear_stack as linear
 
     init = linear.LinearStage.__init__
 

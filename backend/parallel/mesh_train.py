@@ -110,8 +110,8 @@ class MeshStage(MeteredStage):
 
 
 class TinyLlama:
-    """The loop's model choice for the mesh (the pipeline page's is parallel/pp/linear.LinearStack): this rank's stage
-    chunks of the tiny LLaMA (build_stages), run as MeshStages on this rank's tokens (parallel/token_split.py)."""
+    """The loop's model choice for the mesh (the pipeline page brings its own Linear stack): this rank's stage chunks of
+    the tiny LLaMA, run as MeshStages on this rank's tokens (parallel/token_split.py)."""
 
     def __init__(self, config, mesh: DeviceMesh, S: int, m: int, tp: Wire, ep: Wire, shard):
         self.config, self.S, self.tp, self.ep, self.shard = config, S, tp, ep, shard
@@ -151,7 +151,7 @@ def moe_calls(chunks: dict, layers: dict) -> list[dict]:
 
 
 def train_rank(rank: int, world: int, config, progress=None, checkpoint=None, model_choice=TinyLlama) -> dict:
-    """This rank's training of `model_choice` (TinyLlama; the pipeline page's LinearStack, parallel/pp/linear.py).
+    """This rank's training of `model_choice` (TinyLlama, or any class of its interface: the pipeline page's LinearStack).
     `checkpoint` (checkpoint/mesh_state.MeshHook): resume, fault mid-step, save as its interval says. Freed memory is
     kept (keep_freed_memory: no page faults charged to an action), so the replay can take each action's least CPU time
     over the steps; the last step's walk runs with an ActivationMeter. An asynchronous schedule (PipeDream) steps each

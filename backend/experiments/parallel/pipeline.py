@@ -1,7 +1,7 @@
 """parallel.pipeline: a pipeline schedule on real gloo ranks; Gantt chart, bubble and live activations measured.
 
 The ranks train through the mesh's one loop (parallel/mesh_train.train_rank: a pipeline-only plan, its model the
-uniform Linear+tanh stack of parallel/pp/linear.py, so that stages cost the same), a warm-up step and TIMED_STEPS
+uniform Linear+tanh stack of _linear_stack.py, so that stages cost the same), a warm-up step and TIMED_STEPS
 timed ones. Measured: every action's start and end on every rank in the last step (aligned clocks); bubble per rank =
 1 - busy/makespan, replayed with one core per rank from each action's least CPU time over the timed steps and checked
 against the makespan model (parallel/pp/makespan.py, fed with the mean cost per action kind and stage), the closed
@@ -28,7 +28,7 @@ from backend.limits import cost
 from backend.experiments import define
 from backend.parallel.mesh_train import train_rank
 from backend.experiments.parallel import _recompute as recompute
-from backend.parallel.pp.linear import LinearStack, make_batch, make_stage, stage_layers
+from backend.experiments.parallel._linear_stack import LinearStack, make_batch, make_stage, stage_layers
 from backend.parallel.pp.makespan import makespan
 from backend.parallel.pp.schedules import SCHEDULES, is_action
 from backend.result import Check, Result, Schema

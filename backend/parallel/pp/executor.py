@@ -1,5 +1,5 @@
 """One executor for every schedule: each rank walks its action list on real gloo ranks (`execute`), for any stage
-objects (the tiny LLaMA's stages, or parallel/pp/linear.py's uniform stack), run by parallel/mesh_train.train_rank.
+objects (the tiny LLaMA's stages, or the pipeline page's uniform Linear stack), run by parallel/mesh_train.train_rank.
 
 Stage s feeds s + 1 on the rank the schedule places it; activations and gradients travel by send/recv with a tag per
 (stage, micro-batch, direction), so interleaved stages sharing a pair of ranks never cross. Synchronous schedules
