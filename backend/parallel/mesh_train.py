@@ -34,8 +34,6 @@ from backend.parallel.precision import PRECISIONS, Precision, flat_params, load_
 from backend.numerics.mixed_precision import DynamicLossScaler
 from backend.trace import Tracer
 
-GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default (the initial scale is config.init_loss_scale)
-
 
 def to_precision(model: nn.Module, precision: Precision) -> torch.Tensor:
     """The master copy of the model's (float64) initial weights, flat in the master dtype; the model itself cast to the
@@ -52,7 +50,7 @@ class LossScale:
 
     def __init__(self, config):
         fp16 = PRECISIONS[config.precision].compute == torch.float16  # 5 exponent bits underflow small gradients
-        self.scaler = (DynamicLossScaler(float(config.init_loss_scale), growth_interval=GROWTH_INTERVAL)
+        self.scaler = (DynamicLossScaler(float(config.init_loss_scale))
                        if fp16 else None)  # (a plan without fp16 may have no init_loss_scale: the pipeline page's)
         self.scales, self.skipped = [], []
 

@@ -20,7 +20,7 @@ def reference_training(config, precision: Precision = FP64, skip: tuple = ()) ->
     model = master if not precision.mixed else reference_model(config).to(precision.compute)
     opt = torch.optim.Adam(master.parameters(), lr=config.lr)
     losses, routing, scales, skipped, peaks = [], [], [], [], []
-    # (GradScaler's default growth_interval, 2000, is the ranks' mesh_train.GROWTH_INTERVAL)
+    # (GradScaler's defaults; the ranks' numerics.mixed_precision.DynamicLossScaler writes the same rule out)
     scaler = (torch.amp.GradScaler("cpu", init_scale=float(config.init_loss_scale))
               if precision.compute == torch.float16 else None)
     for step in range(config.steps):

@@ -44,7 +44,7 @@ class PSConfig(dp_model.DPConfig):
     def estimate(self):
         """The mesh plan's (the same model, ranks and steps; its reference is the sync check's), plus the straggler's
         wait on every step."""
-        return with_wait(plan(self).estimate(), 2 * self.steps * self.straggler_ms / 1000)
+        return with_wait(shape_plan(self).estimate(), 2 * self.steps * self.straggler_ms / 1000)
 
     def check(self) -> None:
         super().check()
@@ -53,14 +53,9 @@ class PSConfig(dp_model.DPConfig):
         dp_model.check_plan(self, "allreduce")
 
 
-def plan(config: PSConfig):
+def shape_plan(config: PSConfig):
     """The tiny LLaMA's shape and tokens, as the data-parallel pages' dp-only mesh plan holds them."""
     return dp_model.mesh_plan(config, "allreduce")
-
-
-def run_rank(rank, world, config: PSConfig, ctx):
-    return ps_rank(rank, world, config, plan(config), ctx)
-
 
 
 def worker_gradient(model, flat, plan, worker: int, workers: int) -> torch.Tensor:
@@ -90,8 +85,9 @@ def _batch_loss(model, flat, plan) -> float:
         return model.loss(tokens(plan)).item()
 
 
-def ps_rank(rank: int, world: int, config, plan, ctx) -> dict:
+def run_rank(rank: int, world: int, config: PSConfig, ctx) -> dict:
     """Rank `rank`'s part: the server (rank 0, which also works under server=rank0) or a worker."""
+    plan = shape_plan(config)
     tracer = Tracer(rank)
     tracer.align(dist.barrier)
     model = reference_model(plan)
@@ -267,5 +263,5 @@ RESULT = Schema(
 
 EXPERIMENT = define(__name__, PSConfig, "parameter servers training the tiny LLaMA: rank 0 or dedicated; synchronous, "
                     "asynchronous, bounded staleness", rank_fn=run_rank,
-                    combine=lambda config, payloads: combine_ps(config, plan(config), payloads),
+                    combine=lambda config, payloads: combine_ps(config, shape_plan(config), payloads),
                     lanes=("compute", "collective", "send", "recv"), schema=RESULT)

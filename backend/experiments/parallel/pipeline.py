@@ -117,7 +117,7 @@ def _names(flag: str) -> str:
     return ", ".join(name for name, s in SCHEDULES.items() if getattr(s, flag))
 
 
-def reference_training(config) -> SimpleNamespace:
+def stack_reference_training(config) -> SimpleNamespace:
     """One process training every stage on the whole batch (the same seeds, float64) with torch.optim.Adam for the
     loop's STEPS steps: each step's loss, the first step's gradients per stage (what PyTorch's schedule run as a peer
     computes) and the final weights, by the loop's names (stage{s}.{parameter})."""
@@ -459,8 +459,8 @@ def stage_row(pl: dict, compute: list[dict], wall_bubble, replay_bubble, idle, m
 
 def training_checks(config: PipelineConfig, payloads: list[dict], ref: SimpleNamespace) -> list[Check]:
     """The loop's STEPS steps against one float64 process training the whole model on the whole batch with
-    torch.optim.Adam (`ref`, reference_training): each step's loss (summed over the ranks: only the last stage's is not
-    zero) and the final weights. The loss also catches a gradient off by a constant factor, which Adam all but cancels."""
+    torch.optim.Adam (`ref`, stack_reference_training): each step's loss (summed over the ranks: only the last stage's
+    is not zero) and the final weights. The loss also catches a gradient off by a constant factor, which Adam all but cancels."""
     ours = [sum(step) for step in zip(*(pl["losses"] for pl in payloads))]
     worst = max(float(abs(torch.from_numpy(w) - ref.weights[name]).max()) for pl in payloads for name, w in pl["params"].items())
     reference = "single-process PyTorch autograd and torch.optim.Adam, float64"
@@ -476,7 +476,8 @@ def order_checks(config: PipelineConfig, payloads: list[dict], per_stage: list[d
     """Peak live activations against the schedule's bound, the loop's losses and weights against one float64 process,
     and each rank's op order against PyTorch's own schedule code and its schedule run as a peer, where PyTorch has them."""
     plan = config.plan
-    ref = None if plan.asynchronous else reference_training(config)  # (PyTorch's peers are GPipe and 1F1B: synchronous)
+    # (PyTorch's peers are GPipe and 1F1B: synchronous)
+    ref = None if plan.asynchronous else stack_reference_training(config)
     checks = [Check("peak live activations per rank equal the schedule's bound", sum(abs(s["peak_live"] - s["peak_live_bound"]) for s in per_stage),
                     0, reference=f"{plan.title}: {plan.live_bound_source}")]
     if not plan.asynchronous:
