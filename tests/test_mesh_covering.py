@@ -88,6 +88,13 @@ def valid(row: dict) -> bool:
         return False
 
 
+def could_run(row: dict) -> bool:
+    """REFUSED's first two rules, cheap to test first (validate takes 0.1 ms a row, over 435,456 rows): the mesh's
+    dimensions divide the ranks, and ep > 1 has experts. Only a speed-up: a pair lost here that validate would accept
+    is found by the refusal test below, which asks validate itself of every pair no row holds."""
+    return WORLD % (row["tp"] * row["pp"] * row["cp"] * row["ep"]) == 0 and (row["ep"] == 1 or row["experts"] > 0)
+
+
 @functools.cache
 def covering_array() -> tuple[list[dict], set]:
     """Greedy pairwise: among every valid row of the full product, repeatedly take the one covering the most pairs not
@@ -95,7 +102,7 @@ def covering_array() -> tuple[list[dict], set]:
     Returns the rows and the pairs no valid row holds live (each refused by validate, or a dp strategy over dp = 1)."""
     names = sorted(DIMENSIONS)
     rows = [dict(zip(names, values)) for values in itertools.product(*(DIMENSIONS[n] for n in names))]
-    rows = [r for r in rows if valid(r)]
+    rows = [r for r in rows if could_run(r) and valid(r)]
     index = {p: i for i, p in enumerate(sorted(all_pairs(), key=str))}
     held = [[index[p] for p in sorted(pairs_of(r), key=str)] for r in rows]
     width = max(map(len, held))
