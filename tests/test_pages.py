@@ -15,6 +15,12 @@ def finished_run():
     return _recorded("comm.bandwidth", {"world_size": "2", "max_bytes": "2048", "iters": "1", "ops": "all_reduce,broadcast"})
 
 
+@pytest.fixture(scope="module")
+def serving_run():
+    """One engine run at the defaults (about 15 s), read by the serving page's tests."""
+    return _recorded("serving.engine", {})
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_renders(page):
     at = _app(page)
@@ -180,13 +186,12 @@ def test_a_stopped_run_shows_why_how_far_what_it_had_and_its_log():
     assert any("stack of the leader" in c.value for c in at.code)
 
 
-def test_serving_page_draws_the_cost_model_of_an_engine_run():
+def test_serving_page_draws_the_cost_model_of_an_engine_run(serving_run):
     """The engine run's cost model on the page: its paragraph (fit, designed steps, the noise's drifts) and its
     coefficient table, every term the fit has."""
     from backend.serving.simulator import TERMS
 
-    rid = _recorded("serving.engine", {})
-    at = _app("pages/serving.py", run=rid)
+    at = _app("pages/serving.py", run=serving_run)
     assert not at.exception, at.exception
     assert any("designed steps" in md.value and "relative to the step's predicted time" in md.value for md in at.markdown)
     tables = [df.value for df in at.dataframe if "term" in df.value.columns]
@@ -215,12 +220,11 @@ def _bars_on_log_axes(spec: dict) -> list[str]:
     return found
 
 
-def test_serving_page_one_verdict_a_whole_cost_table_and_linear_stacks(monkeypatch):
+def test_serving_page_one_verdict_a_whole_cost_table_and_linear_stacks(serving_run):
     """Issue #31 on the Serving page: the cost-model table is not squeezed into a column (its µs were cut), the batch
     composition is not drawn as bars on a log axis, and the fidelity figure gets one verdict (the run's note), not a
     second one in a caption."""
-    rid = _recorded("serving.engine", {})
-    at = _app("pages/serving.py", run=rid)
+    at = _app("pages/serving.py", run=serving_run)
     assert not at.exception, at.exception
     assert all(len(col.dataframe) == 0 for col in at.columns), "a table squeezed into a column"
     specs = _chart_specs(at)
