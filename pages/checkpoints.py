@@ -112,6 +112,7 @@ def render_mlp(result: dict, rec) -> None:
 
 ui.experiment_page("parallel.checkpoint", render,
                    intro="A data-parallel run of the tiny LLaMA saves sharded checkpoints; one rank is killed by SIGKILL mid-step, every "
-                         "rank restarts from the last checkpoint and the result is checked bit for bit.")
+                         "rank restarts from the last checkpoint and the result is checked bit for bit.",
+                   folded={"Model and training": ("hidden", "layers", "batch", "steps", "lr", "seed")})
 ui.resume_button("parallel.checkpoint")
 checkpoint_views.mesh_reshard_from_store(ui.runs_of("parallel.mesh", statuses=("succeeded",), limit=50))

@@ -22,39 +22,60 @@ def url_settings(exp: experiments.Experiment) -> tuple[dict, ConfigError | None]
         return {}, err
 
 
-def settings_form(exp: experiments.Experiment, shown: dict | None = None) -> dict | None:
+def settings_form(exp: experiments.Experiment, shown: dict | None = None, folded: dict[str, tuple[str, ...]] | None = None) -> dict | None:
     """A form built from the Config's fields, filled from the URL's settings, else the shown run's, else defaults;
-    returns raw values when submitted, else None."""
+    returns raw values when submitted, else None. `folded` names settings shown under a heading in a closed expander
+    (opened when one of them is not at its default), after the rest."""
     from_url, url_error = url_settings(exp)
     if url_error:
         st.error(f"The link's settings were not used. {escape(url_error)}")
     defaults = {**exp.config_cls().to_dict(), **(shown or {})}
+    fields = {f.name: f for f in exp.config_cls.fields()}
+    folded = folded or {}
+    unknown = {n for names in folded.values() for n in names} - set(fields)
+    if unknown:
+        raise ValueError(f"{exp.name} has no settings {sorted(unknown)} to fold")
+    initial = {n: from_url.get(n, defaults[n]) for n in fields}
+    in_fold = {n for names in folded.values() for n in names}
+    values = {}
     with st.form(f"settings-{exp.name}"):
-        cols = st.columns(3)
-        values = {}
-        for i, f in enumerate(exp.config_cls.fields()):
-            meta, t = f.metadata, exp.config_cls.field_type(f)
-            initial = from_url.get(f.name, defaults[f.name])
-            label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
-            key = f"{exp.name}.{f.name}"
-            with cols[i % 3]:
-                if exp.config_cls.item_type(f) is not None:  # a list setting, written comma-separated as in a URL
-                    values[f.name] = st.text_input(label, value=exp.config_cls.text_of(initial), help=helptext, key=key)
-                elif meta.get("choices"):
-                    choices = list(meta["choices"])  # a stored run's retired choice (model=mlp) shows the default
-                    index = choices.index(initial if initial in choices else f.default)
-                    values[f.name] = st.selectbox(label, choices, index=index, help=helptext, key=key)
-                elif t is bool:
-                    values[f.name] = st.checkbox(label, value=initial, help=helptext, key=key)
-                elif t is int:
-                    values[f.name] = st.number_input(label, value=initial, step=1, help=helptext, key=key)
-                elif t is float:
-                    values[f.name] = st.number_input(label, value=float(initial), step=float_step(initial, meta), format="%g",
-                                                     help=helptext, key=key)
-                else:
-                    values[f.name] = st.text_input(label, value=initial, help=helptext, key=key)
+        _widgets(exp, [f for n, f in fields.items() if n not in in_fold], initial, values)
+        for heading, names in folded.items():
+            changed = any(_listed(initial[n]) != _listed(fields[n].default) for n in names)
+            with st.expander(heading, expanded=changed):
+                _widgets(exp, [fields[n] for n in names], initial, values)
         submitted = st.form_submit_button("Run", type="primary")
-    return values if submitted else None
+    return {n: values[n] for n in fields} if submitted else None
+
+
+def _listed(value):
+    """A list setting's value as a list (a stored run holds a list, the default a tuple); any other value as it is."""
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _widgets(exp: experiments.Experiment, fields: list, initial: dict, values: dict) -> None:
+    """One widget per setting, three to a row, its allowed range in its help; what each holds goes into `values`."""
+    cols = st.columns(3)
+    for i, f in enumerate(fields):
+        meta, t, value = f.metadata, exp.config_cls.field_type(f), initial[f.name]
+        label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
+        key = f"{exp.name}.{f.name}"
+        with cols[i % 3]:
+            if exp.config_cls.item_type(f) is not None:  # a list setting, written comma-separated as in a URL
+                values[f.name] = st.text_input(label, value=exp.config_cls.text_of(value), help=helptext, key=key)
+            elif meta.get("choices"):
+                choices = list(meta["choices"])  # a stored run's retired choice (model=mlp) shows the default
+                index = choices.index(value if value in choices else f.default)
+                values[f.name] = st.selectbox(label, choices, index=index, help=helptext, key=key)
+            elif t is bool:
+                values[f.name] = st.checkbox(label, value=value, help=helptext, key=key)
+            elif t is int:
+                values[f.name] = st.number_input(label, value=value, step=1, help=helptext, key=key)
+            elif t is float:
+                values[f.name] = st.number_input(label, value=float(value), step=float_step(value, meta), format="%g",
+                                                 help=helptext, key=key)
+            else:
+                values[f.name] = st.text_input(label, value=value, help=helptext, key=key)
 
 
 def float_step(value: float, meta: dict) -> float:

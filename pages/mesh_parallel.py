@@ -88,10 +88,18 @@ def render(result: dict, rec) -> None:
 ui.preset_buttons("parallel.mesh")
 ui.experiment_page(
     "parallel.mesh", render,
-    intro="Ranks laid out on a pp x dp x cp x ep x tp mesh (tensor parallel innermost). Each rank holds one pipeline stage's "
-          "tensor-parallel shard and trains on its data-parallel slice of the batch and, with cp > 1, its zigzag share "
-          "of every sequence's positions (ring attention, as on the Context parallel page); micro-batches flow "
-          "stage to stage in the chosen schedule's order, run by the Pipeline page's executor (interleaved and V-shaped "
-          "schedules give each rank two or more stages). With experts > 0 every feed-forward is an MoE layer whose experts are split over the ep "
-          "ranks (as on the Expert parallel page, dropless). Losses and every final weight are checked against one "
-          "process training on the whole batch.")
+    intro="The tiny LLaMA trained on a pp x dp x cp x ep x tp mesh of ranks, each strategy a transform of the one model; "
+          "every loss and final weight is checked against one process training on the whole batch.",
+    about="Tensor parallel is innermost: each rank holds one pipeline stage's tensor-parallel shard and trains on its "
+          "data-parallel slice of the batch and, with cp > 1, its zigzag share of every sequence's positions (ring "
+          "attention, as on the Context parallel page). Micro-batches flow stage to stage in the chosen schedule's "
+          "order, run by the Pipeline page's executor (interleaved and V-shaped schedules give each rank two or more "
+          "stages). With experts > 0 every feed-forward is an MoE layer whose experts are split over the ep ranks (as "
+          "on the Expert parallel page, dropless).",
+    folded={
+        "Model, data and training": ("batch", "seq", "layers", "d_model", "n_heads", "n_kv_heads", "d_head", "d_ff",
+                                     "vocab", "steps", "lr", "seed"),
+        "DDP, offload and loss scaling": ("bucket_kb", "overlap", "comm_delay_ms", "offload", "init_loss_scale"),
+        "Checkpoints and failures": ("checkpoint_every", "checkpoint_save", "kill_rank", "kill_step", "reshard_tp",
+                                     "reshard_pp", "reshard_cp", "reshard_ep", "reshard_strategy"),
+    })

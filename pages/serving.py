@@ -141,10 +141,14 @@ form.trace_upload(view, "milliseconds", ui.store().root)
 big = BIG[view.removeprefix("serving.")]
 ui.experiment_page(
     view, render_engine if view == "serving.engine" else render_simulate, page_params=("view",),
-    intro="Requests arrive in real time; each step is one forward of the tiny LLaMA over the whole running batch "
-          "(prefill chunks and decode tokens), its KV in paged blocks. The simulator runs the same scheduler on a cost "
-          "model fitted to the engine's own steps, and is judged on a trace the fit never saw. "
-          "The memory side of paging is on [Paged attention](paged_attention). The defaults are small (about 10 s); "
+    intro="The tiny LLaMA serves requests arriving in real time, its KV in paged blocks, and a simulator fitted to the "
+          "engine's own steps predicts a trace the fit never saw. The defaults take about 10 s; "
           f"[a bigger run]({'?' + urlencode({'view': view, **big})}) ({', '.join(f'{k} {v:,}' for k, v in big.items())}) "
-          f"takes a minute or two and measures the fidelity on more requests (bench/serving.py: {BENCH_REQUESTS} per held-out trace).",
+          "takes a minute or two.",
+    about="Each step is one forward of the model over the whole running batch (prefill chunks and decode tokens). The "
+          "simulator runs the same scheduler on a cost model fitted to the engine's steps; the bigger run measures its "
+          f"fidelity on more requests (bench/serving.py: {BENCH_REQUESTS} per held-out trace). The memory side of paging "
+          "is on [Paged attention](paged_attention).",
+    folded={"Calibration and sweeps": ("seed", "profile_requests", "held_out_requests", "sweep_requests",
+                                       *(("real_rates",) if view == "serving.engine" else ()))},
 )

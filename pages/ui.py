@@ -135,17 +135,21 @@ def _queue() -> None:
 
 # --- one experiment's page ---------------------------------------------------------------------------
 def experiment_page(name: str, render: Callable[[dict, RunRecord], None], intro: str = "",
-                    page_params: tuple[str, ...] = ()) -> None:
+                    page_params: tuple[str, ...] = (), about: str = "", folded: dict[str, tuple[str, ...]] | None = None) -> None:
     """Settings form -> job -> live progress -> checks, the page's own charts, downloads. `page_params` are the
-    page's own URL parameters (a chosen view), kept in the URL when a run replaces the settings there."""
+    page's own URL parameters (a chosen view), kept in the URL when a run replaces the settings there. `about` is the
+    intro's detail, in a closed expander; `folded` the settings the form folds away under headings (form.settings_form)."""
     exp = experiments.get(name)
     name = exp.name  # a page or a link may still use an old name
     page_experiment.set(name)
     if intro:
         st.markdown(intro)
+    if about:
+        with st.expander("How it works"):
+            st.markdown(about)
     run_id = url_run_id()
     shown = store().get(run_id) if run_id else None
-    values = settings_form(exp, shown.config if shown and experiment_of(shown) == name else None)
+    values = settings_form(exp, shown.config if shown and experiment_of(shown) == name else None, folded)
     if values is not None:
         run_id = submit(name, values)
         if run_id is None:
