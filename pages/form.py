@@ -32,18 +32,16 @@ def settings_form(exp: experiments.Experiment, shown: dict | None = None, folded
     defaults = {**exp.config_cls().to_dict(), **(shown or {})}
     fields = {f.name: f for f in exp.config_cls.fields()}
     folded = folded or {}
-    unknown = {n for names in folded.values() for n in names} - set(fields)
-    if unknown:
-        raise ValueError(f"{exp.name} has no settings {sorted(unknown)} to fold")
-    initial = {n: from_url.get(n, defaults[n]) for n in fields}
     in_fold = {n for names in folded.values() for n in names}
-    values = {}
+    if in_fold - set(fields):
+        raise ValueError(f"{exp.name} has no settings {sorted(in_fold - set(fields))} to fold")
+    initial = {n: from_url.get(n, defaults[n]) for n in fields}
     with st.form(f"settings-{exp.name}"):
-        _widgets(exp, [f for n, f in fields.items() if n not in in_fold], initial, values)
+        values = _widgets(exp, [f for n, f in fields.items() if n not in in_fold], initial)
         for heading, names in folded.items():
             changed = any(_listed(initial[n]) != _listed(fields[n].default) for n in names)
             with st.expander(heading, expanded=changed):
-                _widgets(exp, [fields[n] for n in names], initial, values)
+                values |= _widgets(exp, [fields[n] for n in names], initial)
         submitted = st.form_submit_button("Run", type="primary")
     return {n: values[n] for n in fields} if submitted else None
 
@@ -53,9 +51,9 @@ def _listed(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def _widgets(exp: experiments.Experiment, fields: list, initial: dict, values: dict) -> None:
-    """One widget per setting, three to a row, its allowed range in its help; what each holds goes into `values`."""
-    cols = st.columns(3)
+def _widgets(exp: experiments.Experiment, fields: list, initial: dict) -> dict:
+    """One widget per setting, three to a row, its allowed range in its help; what each holds, by setting."""
+    cols, values = st.columns(3), {}
     for i, f in enumerate(fields):
         meta, t, value = f.metadata, exp.config_cls.field_type(f), initial[f.name]
         label, helptext = f.name, f"{meta.get('help', '')} (allowed: {exp.config_cls.allowed(f)})"
@@ -76,6 +74,7 @@ def _widgets(exp: experiments.Experiment, fields: list, initial: dict, values: d
                                                  help=helptext, key=key)
             else:
                 values[f.name] = st.text_input(label, value=value, help=helptext, key=key)
+    return values
 
 
 def float_step(value: float, meta: dict) -> float:

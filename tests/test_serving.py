@@ -259,15 +259,16 @@ def test_fidelity_on_a_small_held_out_trace(model):
     itself by up to 21% on a median. bench/serving.py holds the full figure on 320-request traces. A simulator
     whose steps take twice as long fails the median bound, so the test tells a right model from a wrong one.
     Where the engine differs from itself by 37.5% or more the machine is too noisy to judge: measured again, 3 tries."""
-    for attempt in range(3):  # a burst of noise from outside the VM can blur one measurement; then measure again
+    judged = 0.75  # widest bound at which the test still means something (the engine repeating itself within 37.5%)
+    for _ in range(3):  # a burst of noise from outside the VM can blur one measurement; then measure again
         cal = calibrate(model, SchedulerConfig(), [sharegpt_like(12, 8.0, 1000), sharegpt_like(12, 16.0, 1001)],
                         sharegpt_like(24, 8.0, 0))
         spread = max(abs(v) for v in cal.repeat.values())
-        if 2 * spread < 0.75:
+        if 2 * spread < judged:
             break
     central = ("ttft_p50", "tpot_p50", "throughput_tok_s")
     bound = max(0.20, 2 * spread)
-    assert bound < 0.75, cal.repeat  # the engine repeats itself well enough for the test to mean something
+    assert bound < judged, cal.repeat  # the engine repeats itself well enough for the test to mean something
     assert max(abs(cal.fidelity[k]) for k in central) <= bound, (cal.fidelity, cal.repeat)
     assert max(abs(cal.fidelity[k]) for k in ("ttft_p90", "tpot_p90")) <= max(0.35, 2 * spread), (cal.fidelity, cal.repeat)
     assert cal.checks()[0].passed  # the replayed schedule
