@@ -32,8 +32,11 @@ def _shrink_work_grow(rank, world, late_s, ctx):
 
 
 def _idle_rank_joins_at_once(rank, world, late_s, ctx):
-    """The rule broken: the idle rank enters gloo's rendezvous without waiting for the old group (the old regroup)."""
+    """The rule broken: the idle rank enters gloo's rendezvous without waiting for the old group (the old regroup).
+    One rendezvous trial: a retry (join's TRIES, tested below) can outlast rank 0's sleep on a loaded machine and
+    hide the missing wait, as it did once in the suite."""
     mesh_run.wait_for_old_group = lambda store, wait_s: None
+    mesh_run.TRIES = 1
     return _shrink_work_grow(rank, world, late_s, ctx)
 
 
